@@ -1,0 +1,1 @@
+"""The HTTP service and the ``pipesched`` command line."""

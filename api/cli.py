@@ -1,0 +1,265 @@
+"""The ``pipesched`` command line (typer + rich).
+
+Bad input exits with code 2 and a message naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from api.loading import InputError, load_problem
+from optimizer.problem import Problem
+from optimizer.result import Schedule
+
+app = typer.Typer(
+    name="pipesched",
+    help="Pipeline-parallel training schedule optimizer: the best schedule your memory allows.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+FORMATS = ("json", "csv", "chrome-trace")
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``message`` to stderr and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def format_bytes(value: float) -> str:
+    """Human-readable bytes (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+def render_schedule(schedule: Schedule, *, output_format: str) -> str:
+    """The schedule in ``json``, ``csv`` (PyTorch compute-only) or ``chrome-trace``."""
+    if output_format == "json":
+        return schedule.model_dump_json(indent=1)
+    if output_format == "csv":
+        from optimizer.export import orders_to_torch_csv
+
+        return orders_to_torch_csv(schedule.orders())
+    from optimizer.export import schedule_to_chrome_trace
+
+    return json.dumps(schedule_to_chrome_trace(schedule))
+
+
+def print_summary(schedule: Schedule) -> None:
+    """A one-screen summary of a schedule."""
+    problem = schedule.problem
+    pipeline = problem.pipeline
+    head = (
+        f"[bold]{schedule.method}[/bold] ({schedule.backend}) · {pipeline.num_ranks} ranks · "
+        f"{pipeline.num_microbatches} microbatches · {pipeline.num_stages} stages · placement "
+        f"{pipeline.placement if isinstance(pipeline.placement, str) else 'explicit'}"
+    )
+    console.print(head, highlight=False)
+    if schedule.status == "infeasible":
+        console.print(f"[bold red]infeasible[/bold red]: {schedule.reason}", highlight=False)
+        if schedule.min_memory_limit:
+            limits = ", ".join(format_bytes(x) for x in schedule.min_memory_limit)
+            console.print(f"least memory limit per rank that admits a schedule: {limits}", highlight=False)
+        return
+    table = Table(show_header=True, header_style="bold")
+    for column in (
+        "status",
+        "objective",
+        "makespan ms",
+        "stage_span ms",
+        "bubble rate",
+        "lower bound",
+        "gap",
+    ):
+        table.add_column(column, justify="right")
+    table.add_row(
+        schedule.status,
+        schedule.objective,
+        f"{schedule.makespan:.3f}",
+        f"{schedule.stage_span:.3f}",
+        f"{schedule.bubble_rate:.4f}",
+        "—" if schedule.lower_bound is None else f"{schedule.lower_bound:.3f}",
+        "—" if schedule.gap is None else f"{schedule.gap:.4f}",
+    )
+    console.print(table)
+    limits = problem.memory_limits
+    memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
+    memory.add_column("rank", justify="right")
+    memory.add_column("peak", justify="right")
+    memory.add_column("limit", justify="right")
+    for rank, peak in enumerate(schedule.peak_memory):
+        memory.add_row(
+            str(rank),
+            format_bytes(peak),
+            "none" if limits[rank] == float("inf") else format_bytes(limits[rank]),
+        )
+    if len(schedule.peak_memory) <= 16:
+        console.print(memory)
+    else:
+        console.print(f"max peak memory {format_bytes(max(schedule.peak_memory))}", highlight=False)
+    console.print(f"solved in {schedule.solve_time_s:.2f} s", highlight=False)
+
+
+def solve_with_progress(problem: Problem) -> Schedule:
+    """Solve, showing a live progress bar with the incumbent and the bound for ``auto``."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from optimizer.solve import Progress as SolveProgress
+    from optimizer.solve import solve
+
+    if problem.solver.method != "auto" or not err_console.is_terminal:
+        if problem.solver.method == "auto":
+            err_console.print(f"searching (time limit {problem.solver.time_limit_s:g} s) …", highlight=False)
+        return solve(problem)
+    limit = problem.solver.time_limit_s
+    with Progress(
+        TextColumn("[bold]searching[/bold]"),
+        BarColumn(),
+        TextColumn("{task.fields[state]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("search", total=limit, state="no schedule yet")
+
+        def on_progress(update: SolveProgress) -> None:
+            best = "—" if update.best_objective is None else f"{update.best_objective:.3f}"
+            bound = "—" if update.lower_bound is None else f"{update.lower_bound:.3f}"
+            bar.update(
+                task,
+                completed=min(update.elapsed_s, limit),
+                state=f"best {best} ms · bound {bound} ms · {update.backend}",
+            )
+
+        schedule = solve(problem, progress=on_progress)
+        bar.update(task, completed=limit)
+    return schedule
+
+
+@app.command()
+def solve(
+    problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
+    method: Annotated[str | None, typer.Option("--method", "-m", help="auto or a family name.")] = None,
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Search time limit, s.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the schedule here.")] = None,
+    output_format: Annotated[str, typer.Option("--format", help="json, csv or chrome-trace.")] = "json",
+) -> None:
+    """Solve a problem and write the schedule; prints a one-screen summary."""
+    from optimizer.families import FamilyDomainError
+
+    if output_format not in FORMATS:
+        raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
+    try:
+        problem = load_problem(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
+    except InputError as error:
+        raise fail(str(error)) from None
+    try:
+        schedule = solve_with_progress(problem)
+    except FamilyDomainError as error:
+        raise fail(f"{error}. Try --method auto, or `pipesched compare` for the families that apply.") from None
+    print_summary(schedule)
+    if schedule.status == "infeasible":
+        if output is not None:
+            output.write_text(schedule.model_dump_json(indent=1))
+        raise typer.Exit(1)
+    if output_format != "json" and output is None:
+        sys.stdout.write(render_schedule(schedule, output_format=output_format))
+        return
+    if output is not None:
+        output.write_text(render_schedule(schedule, output_format=output_format))
+        console.print(f"wrote {output}", highlight=False)
+
+
+@app.command()
+def compare(
+    problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="Time limit for auto, s.")] = None,
+    include_auto: Annotated[bool, typer.Option("--auto/--no-auto", help="Also run the auto search.")] = True,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the table as JSON.")] = None,
+) -> None:
+    """Every applicable family (and auto) side by side: objective, bubble rate, peak memory, fits."""
+    from optimizer.families import applicable_families
+    from optimizer.solve import solve_family
+
+    try:
+        problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
+    except InputError as error:
+        raise fail(str(error)) from None
+    rows = []
+    for family in applicable_families(problem):
+        rows.append(solve_family(problem, family.name, enforce_memory=False))
+    if include_auto:
+        started = time.perf_counter()
+        auto = solve_with_progress(problem.with_changes(**{"solver.method": "auto"}))
+        auto.solve_time_s = round(time.perf_counter() - started, 3)
+        rows.append(auto)
+    limits = problem.memory_limits
+    table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
+    for column in (
+        "method",
+        problem.objective + " ms",
+        "stage_span ms",
+        "bubble rate",
+        "max peak memory",
+        "fits limit",
+    ):
+        table.add_column(column, justify="right" if column != "method" else "left")
+    records = []
+    for schedule in rows:
+        if schedule.status == "infeasible":
+            table.add_row(schedule.method, "—", "—", "—", "—", f"no ({schedule.reason})")
+            records.append({"method": schedule.method, "status": "infeasible", "reason": schedule.reason})
+            continue
+        fits = bool(schedule.fits_memory)
+        table.add_row(
+            schedule.method,
+            f"{schedule.objective_value:.3f}",
+            f"{schedule.stage_span:.3f}",
+            f"{schedule.bubble_rate:.4f}",
+            format_bytes(max(schedule.peak_memory)),
+            "yes" if fits else "no",
+        )
+        records.append(
+            {
+                "method": schedule.method,
+                "status": schedule.status,
+                "objective": schedule.objective_value,
+                "makespan": schedule.makespan,
+                "stage_span": schedule.stage_span,
+                "bubble_rate": schedule.bubble_rate,
+                "peak_memory": schedule.peak_memory,
+                "fits_limit": fits,
+            }
+        )
+    console.print(table)
+    if any(limit != float("inf") for limit in limits):
+        console.print(f"memory limit per rank: {format_bytes(min(limits))}", highlight=False)
+    if output is not None:
+        output.write_text(json.dumps(records, indent=1))
+
+
+# --- further commands register here (serve, run, profile, plot, demo) ---------------------------
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Reading problem and schedule files for the command line, with errors a person can act on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from optimizer.problem import Problem
+from optimizer.result import Schedule
+
+__all__ = ["InputError", "format_validation_error", "load_problem", "load_schedule"]
+
+
+class InputError(Exception):
+    """Bad user input; the CLI prints the message and exits with code 2."""
+
+
+def format_validation_error(error: ValidationError, prefix: str = "") -> str:
+    """One line per error: ``field.path: message``."""
+    lines = []
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(document)"
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{prefix}{path}: {message}")
+    return "\n".join(lines)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise InputError(f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(
+            f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+        ) from None
+
+
+def load_problem(path: Path, **overrides: Any) -> Problem:
+    """Read and validate a problem file; ``overrides`` set dotted fields (``"solver.method"``).
+
+    A schedule file is accepted too: its ``problem`` is used.
+
+    Raises:
+        InputError: unreadable file, bad JSON, or a validation error (each field path listed).
+    """
+    data = _read_json(path)
+    if isinstance(data, dict) and "ranks" in data and "problem" in data:
+        data = data["problem"]
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: a problem is a JSON object with pipeline, costs, memory (see the contract)")
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        target = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    try:
+        return Problem.model_validate(data)
+    except ValidationError as error:
+        raise InputError(f"{path} is not a valid problem:\n{format_validation_error(error, '  ')}") from None
+
+
+def load_schedule(path: Path) -> Schedule:
+    """Read and validate a schedule file (as written by ``pipesched solve``).
+
+    Raises:
+        InputError: unreadable file, bad JSON, a validation error, or a schedule without ranks.
+    """
+    data = _read_json(path)
+    try:
+        schedule = Schedule.model_validate(data)
+    except ValidationError as error:
+        raise InputError(f"{path} is not a valid schedule:\n{format_validation_error(error, '  ')}") from None
+    if schedule.status == "infeasible" or not schedule.ranks:
+        raise InputError(f"{path} holds no schedule (status {schedule.status}: {schedule.reason})")
+    return schedule

@@ -1,0 +1,128 @@
+"""Family protocol and registry."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from optimizer.ir import Action, ActionKind, Orders
+from optimizer.problem import FAMILY_NAMES, Problem
+
+__all__ = ["Family", "FamilyDomainError", "applicable_families", "backward", "get_family", "registry"]
+
+
+class FamilyDomainError(ValueError):
+    """The problem lies outside a family's domain; the message says what the family needs."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One schedule family.
+
+    Attributes:
+        name: the contract's method name, e.g. ``"zb-h1"``.
+        description: one line for ``GET /v1/methods``.
+        domain: one line saying which problems it admits.
+        check: raises :class:`FamilyDomainError` when ``problem`` is outside the domain.
+        build: per-rank orders for a problem inside the domain.
+    """
+
+    name: str
+    description: str
+    domain: str
+    check: Callable[[Problem], None]
+    build: Callable[[Problem], Orders]
+
+    def generate(self, problem: Problem) -> Orders:
+        """Check the domain, then build the orders.
+
+        Raises:
+            FamilyDomainError: outside the family's domain.
+        """
+        self.check(problem)
+        return self.build(problem)
+
+    def applies_to(self, problem: Problem) -> bool:
+        """Whether ``problem`` is inside the domain."""
+        try:
+            self.check(problem)
+        except FamilyDomainError:
+            return False
+        return True
+
+
+_MODULES = {
+    "gpipe": "gpipe",
+    "1f1b": "one_f_one_b",
+    "interleaved-1f1b": "interleaved",
+    "looped-bfs": "looped_bfs",
+    "zb-h1": "zero_bubble",
+    "zb-h2": "zero_bubble",
+    "zb-v": "zb_v",
+    "v-half": "v_shape",
+    "v-min": "v_shape",
+    "bitpipe": "bitpipe",
+    "dualpipe-v": "dualpipe_v",
+}
+
+
+def registry() -> dict[str, Family]:
+    """Every implemented family by name, in the contract's order."""
+    families: dict[str, Family] = {}
+    for name in FAMILY_NAMES:
+        module_name = _MODULES[name]
+        try:
+            module = importlib.import_module(f"optimizer.families.{module_name}")
+        except ModuleNotFoundError as error:
+            if error.name == f"optimizer.families.{module_name}":
+                continue
+            raise
+        for family in module.FAMILIES:
+            if family.name == name:
+                families[name] = family
+    return families
+
+
+def get_family(name: str) -> Family:
+    """The family called ``name``.
+
+    Raises:
+        KeyError: with the known names.
+    """
+    families = registry()
+    if name not in families:
+        raise KeyError(f"unknown method {name!r}: choose one of {', '.join(families)}")
+    return families[name]
+
+
+def applicable_families(problem: Problem) -> list[Family]:
+    """Families whose domain admits ``problem``."""
+    return [family for family in registry().values() if family.applies_to(problem)]
+
+
+def backward(problem: Problem, stage: int, microbatch: int) -> list[Action]:
+    """A fused backward as the problem runs it: ``[B]``, or ``[I, W]`` back to back when split."""
+    if problem.split_backward:
+        return [
+            Action(stage, ActionKind.BACKWARD_INPUT, microbatch),
+            Action(stage, ActionKind.BACKWARD_WEIGHT, microbatch),
+        ]
+    return [Action(stage, ActionKind.BACKWARD, microbatch)]
+
+
+def require(condition: bool, family: str, message: str) -> None:
+    """Raise :class:`FamilyDomainError` ``"{family} needs …"`` unless ``condition``."""
+    if not condition:
+        raise FamilyDomainError(f"{family} {message}")
+
+
+def require_loop_single_stage(problem: Problem, family: str) -> None:
+    """The domain of the one-stage-per-rank families (GPipe, 1F1B, ZB-H1/H2)."""
+    pipeline = problem.pipeline
+    require(
+        pipeline.placement == "loop" and pipeline.stages_per_rank == 1,
+        family,
+        'needs placement "loop" with stages_per_rank 1 (one stage per rank), got placement '
+        f"{pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
+    )

@@ -1,0 +1,41 @@
+"""1F1B (PipeDream-Flush, DAPPLE): warm-up forwards, then one forward one backward, then cool-down.
+
+Rank r runs ``min(p − r − 1, m)`` warm-up forwards, so rank 0 holds at most p activations
+(peak p·M_B). Bubble (p−1)(T_F + T_B) with zero p2p (Zero Bubble paper, Sec. 2).
+"""
+
+from __future__ import annotations
+
+from optimizer.families._base import Family, backward, require_loop_single_stage
+from optimizer.ir import Action, ActionKind, Orders
+from optimizer.problem import Problem
+
+
+def _check(problem: Problem) -> None:
+    require_loop_single_stage(problem, "1f1b")
+
+
+def _build(problem: Problem) -> Orders:
+    p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
+    orders: Orders = []
+    for rank in range(p):
+        warmup = min(p - rank - 1, m)
+        row = [Action(rank, ActionKind.FORWARD, j) for j in range(warmup)]
+        for j in range(m - warmup):
+            row.append(Action(rank, ActionKind.FORWARD, warmup + j))
+            row.extend(backward(problem, rank, j))
+        for j in range(m - warmup, m):
+            row.extend(backward(problem, rank, j))
+        orders.append(row)
+    return orders
+
+
+FAMILIES = [
+    Family(
+        name="1f1b",
+        description="One-forward-one-backward with a flush (PipeDream-Flush); peak p·M_B on rank 0.",
+        domain='placement "loop", stages_per_rank 1, any microbatch count',
+        check=_check,
+        build=_build,
+    )
+]

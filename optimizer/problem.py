@@ -1,0 +1,376 @@
+"""The scheduling problem of ``shared/CONTRACT.md`` as pydantic models.
+
+A :class:`Problem` describes one pipeline-parallel training step: how many ranks and
+microbatches, which rank holds which stage (the placement), what every pass costs in
+milliseconds, what it allocates in bytes, the per-rank memory limit, and what to optimise.
+
+Validation errors name the field path (``costs.forward``) and say what would be valid.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from optimizer.configs import ClusterConfig, ModelConfig
+
+__all__ = [
+    "FAMILY_NAMES",
+    "METHOD_NAMES",
+    "Costs",
+    "Memory",
+    "Pipeline",
+    "Problem",
+    "SolverOptions",
+    "raise_field_errors",
+]
+
+#: The schedule families of the contract, in the order `pipesched compare` lists them.
+FAMILY_NAMES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "v-half",
+    "v-min",
+    "bitpipe",
+    "dualpipe-v",
+)
+METHOD_NAMES: tuple[str, ...] = ("auto", *FAMILY_NAMES)
+
+NonNegative = Annotated[float, Field(ge=0)]
+
+
+def _number_or_list(value: Any) -> Any:
+    """Accept a number ≥ 0 or a list of numbers ≥ 0, with one clear message otherwise."""
+    items = value if isinstance(value, list) else [value]
+    for position, item in enumerate(items):
+        if isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item):
+            where = f" (entry {position})" if isinstance(value, list) else ""
+            raise ValueError(f"expected a number ≥ 0 or a list of numbers ≥ 0, got {item!r}{where}")
+        if item < 0:
+            where = f" (entry {position})" if isinstance(value, list) else ""
+            raise ValueError(f"must not be negative, got {item!r}{where}: give a time in ms or a size in bytes ≥ 0")
+    if isinstance(value, list) and not value:
+        raise ValueError("an empty list: give a single number or one value per stage/rank")
+    return value
+
+
+#: A cost or size that is either one number for every stage or a list with one value per stage.
+PerStage = Annotated[float | list[float], BeforeValidator(_number_or_list)]
+#: A per-rank number or list.
+PerRank = Annotated[float | list[float], BeforeValidator(_number_or_list)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+def raise_field_errors(title: str, errors: list[tuple[tuple[str | int, ...], str, Any]]) -> None:
+    """Raise one pydantic ``ValidationError`` carrying every ``(field path, message, input)``.
+
+    Used by cross-field checks so that, over HTTP, each error keeps the path of the field to fix.
+    """
+    if not errors:
+        return
+    details = [
+        InitErrorDetails(
+            type=PydanticCustomError("value_error", "{message}", {"message": message}),
+            loc=loc,
+            input=value,
+        )
+        for loc, message, value in errors
+    ]
+    raise ValidationError.from_exception_data(title, details)
+
+
+class Pipeline(_Strict):
+    """Ranks, microbatches and the placement of stages on ranks.
+
+    ``num_stages = num_ranks * stages_per_rank`` model stages. Placements (contract, Terms):
+    ``"loop"`` puts stage s on rank ``s % num_ranks``; ``"v"`` needs ``stages_per_rank == 2`` and puts
+    stages r and ``2*num_ranks-1-r`` on rank r; ``"bidirectional"`` runs two model replicas in
+    opposite directions (BitPipe): replica 0 uses the V placement over stage ids ``0 … num_stages-1``,
+    replica 1 its mirror image over ids ``num_stages … 2*num_stages-1``, and microbatches
+    ``0 … ceil(m/2)-1`` go through replica 0, the rest through replica 1. An explicit list gives
+    ``placement[s]`` = rank of stage s.
+    """
+
+    num_ranks: int = Field(ge=1, le=1024, description="Pipeline-parallel ranks (GPUs).")
+    num_microbatches: int = Field(ge=1, le=100_000, description="Microbatches per training step.")
+    stages_per_rank: int = Field(1, ge=1, le=64, description="Model stages (chunks) held by each rank.")
+    placement: Literal["loop", "v", "bidirectional"] | list[int] = Field(
+        "loop", description='"loop", "v", "bidirectional", or an explicit stage→rank list.'
+    )
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages: ``num_ranks * stages_per_rank``."""
+        return self.num_ranks * self.stages_per_rank
+
+    @model_validator(mode="after")
+    def _check_placement(self) -> Pipeline:
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        placement = self.placement
+        if placement in ("v", "bidirectional") and self.stages_per_rank != 2:
+            errors.append(
+                (
+                    ("stages_per_rank",),
+                    f'placement "{placement}" needs stages_per_rank 2 (rank r holds stages r and '
+                    f"2*num_ranks-1-r), got {self.stages_per_rank}: set stages_per_rank to 2 "
+                    'or use placement "loop"',
+                    self.stages_per_rank,
+                )
+            )
+        if isinstance(placement, list):
+            if len(placement) != self.num_stages:
+                errors.append(
+                    (
+                        ("placement",),
+                        f"an explicit placement lists one rank per stage: expected {self.num_stages} "
+                        f"entries (num_ranks {self.num_ranks} × stages_per_rank {self.stages_per_rank}), "
+                        f"got {len(placement)}",
+                        placement,
+                    )
+                )
+            else:
+                for stage, rank in enumerate(placement):
+                    if not 0 <= rank < self.num_ranks:
+                        errors.append(
+                            (
+                                ("placement", stage),
+                                f"stage {stage} is placed on rank {rank}, but ranks are 0 … {self.num_ranks - 1}",
+                                rank,
+                            )
+                        )
+                empty = sorted(set(range(self.num_ranks)) - set(placement))
+                if empty and not errors:
+                    errors.append(
+                        (
+                            ("placement",),
+                            f"rank(s) {empty} hold no stage: every rank must hold at least one stage",
+                            placement,
+                        )
+                    )
+        raise_field_errors("Pipeline", errors)
+        return self
+
+
+class Costs(_Strict):
+    """Per-pass times in milliseconds: one number for every stage, or a list with one per stage."""
+
+    forward: PerStage = Field(description="F: forward pass time, ms.")
+    backward_input: PerStage = Field(description="I: backward for the input gradient, ms.")
+    backward_weight: PerStage = Field(description="W: backward for the weight gradient, ms.")
+    p2p: PerStage = Field(
+        0.0, description="Latency of one activation or gradient transfer out of a stage to another rank, ms."
+    )
+
+
+class Memory(_Strict):
+    """Activation memory in bytes (contract, Problem).
+
+    F allocates ``activation``; I frees ``activation − retained_for_weight``; W frees
+    ``retained_for_weight``; a fused B frees all of it. ``limit`` and ``static`` are per rank.
+    """
+
+    activation: PerStage = Field(description="Bytes a stage's F allocates for one microbatch.")
+    retained_for_weight: PerStage = Field(0.0, description="Bytes kept after I until W.")
+    limit: PerRank | None = Field(None, description="Per-rank memory limit in bytes, counting static; null for none.")
+    static: PerRank = Field(0.0, description="Per-rank bytes always held (weights, gradients, optimizer state).")
+
+
+class SolverOptions(_Strict):
+    """How to find the schedule."""
+
+    method: Literal[
+        "auto",
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "looped-bfs",
+        "zb-h1",
+        "zb-h2",
+        "zb-v",
+        "v-half",
+        "v-min",
+        "bitpipe",
+        "dualpipe-v",
+    ] = Field("auto", description='"auto" searches; a family name generates that schedule.')
+    time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
+    backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
+        None, description="Backends the auto portfolio may use; null for all."
+    )
+    seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
+
+
+class Problem(_Strict):
+    """One scheduling problem (contract, Problem).
+
+    Give ``costs`` and ``memory``, or ``model`` and ``cluster`` to have them derived
+    (see :mod:`optimizer.costmodel`). Per-stage lists have ``pipeline.num_stages`` entries,
+    per-rank lists ``pipeline.num_ranks``.
+
+    Raises:
+        pydantic.ValidationError: with the field path and a sentence saying what is valid.
+    """
+
+    pipeline: Pipeline
+    costs: Costs | None = None
+    memory: Memory | None = None
+    model: ModelConfig | None = None
+    cluster: ClusterConfig | None = None
+    split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
+    objective: Literal["makespan", "stage_span"] = "makespan"
+    solver: SolverOptions = Field(default_factory=SolverOptions)
+
+    @model_validator(mode="after")
+    def _resolve_and_check(self) -> Problem:
+        if self.costs is None or self.memory is None:
+            if self.model is None or self.cluster is None:
+                missing = [name for name in ("costs", "memory") if getattr(self, name) is None]
+                raise_field_errors(
+                    "Problem",
+                    [
+                        (
+                            (missing[0],),
+                            f"missing {' and '.join(missing)}: give costs and memory, or model and "
+                            "cluster to derive them",
+                            None,
+                        )
+                    ],
+                )
+            from optimizer.costmodel import derive_costs_and_memory
+
+            costs, memory = derive_costs_and_memory(self.model, self.cluster, self.pipeline)  # type: ignore[arg-type]
+            if self.costs is None:
+                self.costs = costs
+            if self.memory is None:
+                self.memory = memory
+        self._check_lengths()
+        return self
+
+    def _check_lengths(self) -> None:
+        assert self.costs is not None and self.memory is not None
+        num_stages = self.pipeline.num_stages
+        num_ranks = self.pipeline.num_ranks
+        shape = f"num_ranks {num_ranks} × stages_per_rank {self.pipeline.stages_per_rank}"
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        per_stage = [
+            ("costs", "forward", self.costs.forward),
+            ("costs", "backward_input", self.costs.backward_input),
+            ("costs", "backward_weight", self.costs.backward_weight),
+            ("costs", "p2p", self.costs.p2p),
+            ("memory", "activation", self.memory.activation),
+            ("memory", "retained_for_weight", self.memory.retained_for_weight),
+        ]
+        for section, name, value in per_stage:
+            if isinstance(value, list) and len(value) != num_stages:
+                errors.append(
+                    (
+                        (section, name),
+                        f"{section}.{name} has {len(value)} values but the pipeline has {num_stages} "
+                        f"stages ({shape}): give one value per stage or a single number",
+                        value,
+                    )
+                )
+        per_rank: list[tuple[str, float | list[float] | None]] = [
+            ("limit", self.memory.limit),
+            ("static", self.memory.static),
+        ]
+        for name, rank_value in per_rank:
+            if isinstance(rank_value, list) and len(rank_value) != num_ranks:
+                errors.append(
+                    (
+                        ("memory", name),
+                        f"memory.{name} has {len(rank_value)} values but there are {num_ranks} ranks: give "
+                        "one value per rank or a single number",
+                        rank_value,
+                    )
+                )
+        if not errors:
+            activation = self.stage_values(self.memory.activation)
+            retained = self.stage_values(self.memory.retained_for_weight)
+            for stage, (act, ret) in enumerate(zip(activation, retained, strict=True)):
+                if ret > act:
+                    loc: tuple[str | int, ...] = ("memory", "retained_for_weight")
+                    if isinstance(self.memory.retained_for_weight, list):
+                        loc = (*loc, stage)
+                    errors.append(
+                        (
+                            loc,
+                            f"stage {stage} retains {ret:g} bytes for W but its F allocates only {act:g}: "
+                            "retained_for_weight must not exceed activation",
+                            ret,
+                        )
+                    )
+                    break
+            compute = [
+                f + i + w
+                for f, i, w in zip(
+                    self.stage_values(self.costs.forward),
+                    self.stage_values(self.costs.backward_input),
+                    self.stage_values(self.costs.backward_weight),
+                    strict=True,
+                )
+            ]
+            if max(compute) <= 0:
+                errors.append(
+                    (
+                        ("costs",),
+                        "every pass costs 0 ms: give forward/backward times greater than zero",
+                        None,
+                    )
+                )
+        raise_field_errors("Problem", errors)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def stage_values(self, value: float | list[float]) -> list[float]:
+        """Expand a number-or-list field into one float per model stage (length ``num_stages``)."""
+        if isinstance(value, list):
+            return [float(v) for v in value]
+        return [float(value)] * self.pipeline.num_stages
+
+    def rank_values(self, value: float | list[float] | None, default: float) -> list[float]:
+        """Expand a number-or-list per-rank field (``None`` → ``default``) to ``num_ranks`` floats."""
+        if value is None:
+            return [default] * self.pipeline.num_ranks
+        if isinstance(value, list):
+            return [float(v) for v in value]
+        return [float(value)] * self.pipeline.num_ranks
+
+    @property
+    def memory_limits(self) -> list[float]:
+        """Per-rank limit in bytes (``inf`` where none is set)."""
+        assert self.memory is not None
+        return self.rank_values(self.memory.limit, math.inf)
+
+    @property
+    def static_memory(self) -> list[float]:
+        """Per-rank static bytes."""
+        assert self.memory is not None
+        return self.rank_values(self.memory.static, 0.0)
+
+    def with_changes(self, **changes: Any) -> Problem:
+        """A validated copy with top-level or dotted fields replaced, e.g. ``{"memory.limit": 1e9}``."""
+        data = self.model_dump(mode="json")
+        for key, value in changes.items():
+            target = data
+            parts = key.split(".")
+            for part in parts[:-1]:
+                target = target[part]
+            target[parts[-1]] = value
+        return Problem.model_validate(data)
+
+    def canonical_json(self) -> str:
+        """The problem as solved (costs and memory filled in), with sorted keys: the cache key's input."""
+        import json
+
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,199 @@
+"""The schedule answer of ``shared/CONTRACT.md`` (Schedule) and its construction from a simulation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optimizer.instance import Instance, compile_problem
+from optimizer.ir import Action, Orders, parse_action
+from optimizer.problem import Problem
+from optimizer.simulate import SimulationResult, simulate
+
+__all__ = [
+    "ActionTiming",
+    "RankSchedule",
+    "Schedule",
+    "build_schedule",
+    "infeasible_schedule",
+    "schedule_from_simulation",
+]
+
+Status = Literal["optimal", "feasible", "infeasible"]
+
+
+class ActionTiming(BaseModel):
+    """One action with its simulated start and end, ms from the step's first start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: str = Field(description='String form, e.g. "3F12".')
+    stage: int
+    kind: Literal["F", "I", "W", "B"]
+    microbatch: int
+    start: float = Field(description="ms")
+    end: float = Field(description="ms")
+
+
+class RankSchedule(BaseModel):
+    """One rank's actions in execution order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int
+    actions: list[ActionTiming]
+
+
+class Schedule(BaseModel):
+    """The answer: per-rank schedules with their simulated figures (contract, Schedule).
+
+    ``makespan``, ``stage_span``, ``bubble_rate`` and ``peak_memory`` are always recomputed by the
+    simulator, never taken from a solver. ``lower_bound`` and ``gap`` refer to ``objective``;
+    ``gap = (value − lower_bound) / value``. An infeasible answer has no ranks, a ``reason`` and,
+    where it is known, ``min_memory_limit``: the least per-rank limit (bytes) that admits a schedule.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    status: Status
+    method: str
+    backend: str
+    objective: Literal["makespan", "stage_span"]
+    makespan: float | None = Field(None, description="ms")
+    stage_span: float | None = Field(None, description="ms")
+    lower_bound: float | None = Field(None, description="ms, on the objective")
+    gap: float | None = None
+    bubble_rate: float | None = None
+    peak_memory: list[float] = Field(default_factory=list, description="bytes per rank")
+    solve_time_s: float = 0.0
+    stage_to_rank: list[int]
+    ranks: list[RankSchedule] = Field(default_factory=list)
+    problem: Problem
+    reason: str | None = None
+    min_memory_limit: list[float] | None = Field(None, description="bytes per rank (infeasible answers)")
+    fits_memory: bool | None = Field(None, description="Whether every rank stays within its limit.")
+
+    def orders(self) -> Orders:
+        """Per-rank :class:`Action` orders."""
+        return [[parse_action(a.action) for a in rank.actions] for rank in self.ranks]
+
+    @property
+    def objective_value(self) -> float | None:
+        """The value of ``objective``, ms."""
+        return self.makespan if self.objective == "makespan" else self.stage_span
+
+
+def build_schedule(
+    problem: Problem,
+    orders: Orders,
+    *,
+    method: str,
+    backend: str,
+    lower_bound: float | None = None,
+    solve_time_s: float = 0.0,
+    instance: Instance | None = None,
+    check_memory: bool = True,
+    optimal_tolerance: float = 1e-9,
+) -> Schedule:
+    """Simulate ``orders`` and wrap them as a :class:`Schedule`.
+
+    The status is ``optimal`` when ``lower_bound`` meets the simulated objective, else ``feasible``.
+
+    Raises:
+        InvalidSchedule: when the simulator rejects the orders (memory only with ``check_memory``).
+    """
+    inst = instance or compile_problem(problem)
+    sim = simulate(inst, orders, check_memory=check_memory)
+    return schedule_from_simulation(
+        problem,
+        inst,
+        sim,
+        method=method,
+        backend=backend,
+        lower_bound=lower_bound,
+        solve_time_s=solve_time_s,
+        optimal_tolerance=optimal_tolerance,
+    )
+
+
+def schedule_from_simulation(
+    problem: Problem,
+    inst: Instance,
+    sim: SimulationResult,
+    *,
+    method: str,
+    backend: str,
+    lower_bound: float | None = None,
+    solve_time_s: float = 0.0,
+    optimal_tolerance: float = 1e-9,
+) -> Schedule:
+    """Wrap an existing simulation as a :class:`Schedule`."""
+    value = sim.objective_value(problem.objective)
+    gap = None
+    status: Status = "feasible"
+    if lower_bound is not None:
+        lower_bound = min(lower_bound, value)
+        gap = max(0.0, (value - lower_bound) / value) if value > 0 else 0.0
+        if gap <= optimal_tolerance:
+            gap = 0.0
+            status = "optimal"
+    ranks = []
+    for rank, row in enumerate(sim.orders):
+        timings = []
+        for idx in row:
+            action: Action = inst.actions[idx]
+            timings.append(
+                ActionTiming(
+                    action=str(action),
+                    stage=action.stage,
+                    kind=action.kind.value,
+                    microbatch=action.microbatch,
+                    start=round(sim.start[idx], 6),
+                    end=round(sim.end[idx], 6),
+                )
+            )
+        ranks.append(RankSchedule(rank=rank, actions=timings))
+    return Schedule(
+        status=status,
+        method=method,
+        backend=backend,
+        objective=problem.objective,
+        makespan=round(sim.makespan, 6),
+        stage_span=round(sim.stage_span, 6),
+        lower_bound=None if lower_bound is None else round(lower_bound, 6),
+        gap=gap,
+        bubble_rate=round(sim.bubble_rate(problem.objective), 6),
+        peak_memory=sim.peak_memory,
+        solve_time_s=round(solve_time_s, 4),
+        stage_to_rank=inst.stage_ranks,
+        ranks=ranks,
+        problem=problem,
+        fits_memory=sim.fits,
+    )
+
+
+def infeasible_schedule(
+    problem: Problem,
+    *,
+    method: str,
+    backend: str,
+    reason: str,
+    min_memory_limit: list[float] | None = None,
+    solve_time_s: float = 0.0,
+) -> Schedule:
+    """An answer saying no schedule exists (or the family cannot fit), with the reason."""
+    inst = compile_problem(problem)
+    return Schedule(
+        status="infeasible",
+        method=method,
+        backend=backend,
+        objective=problem.objective,
+        solve_time_s=round(solve_time_s, 4),
+        stage_to_rank=inst.stage_ranks,
+        problem=problem,
+        reason=reason,
+        min_memory_limit=min_memory_limit,
+        fits_memory=False,
+    )

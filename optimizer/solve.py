@@ -1,0 +1,104 @@
+"""The one entry point: ``solve(problem)`` → :class:`~optimizer.result.Schedule`.
+
+``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
+(the search portfolio of :mod:`optimizer.solvers.portfolio`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from optimizer.families import get_family
+from optimizer.instance import compile_problem
+from optimizer.problem import Problem
+from optimizer.result import Schedule, build_schedule, infeasible_schedule
+
+__all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A search's state: best objective found (ms, ``None`` before the first), lower bound (ms), elapsed s."""
+
+    best_objective: float | None
+    lower_bound: float | None
+    elapsed_s: float
+    backend: str = ""
+    message: str = ""
+
+
+ProgressCallback = Callable[[Progress], None]
+StopCheck = Callable[[], bool]
+
+
+def solve(
+    problem: Problem,
+    *,
+    progress: ProgressCallback | None = None,
+    should_stop: StopCheck | None = None,
+) -> Schedule:
+    """Solve ``problem`` by its ``solver.method``.
+
+    Args:
+        problem: a validated problem.
+        progress: called with :class:`Progress` whenever the incumbent or the bound improves.
+        should_stop: polled by the search; returning True ends it early with the best found.
+
+    Returns:
+        A schedule with status ``optimal``/``feasible`` that passed the simulator, or ``infeasible``
+        with a reason.
+
+    Raises:
+        FamilyDomainError: when a named family does not admit the problem.
+    """
+    if problem.solver.method == "auto":
+        from optimizer.solvers.portfolio import solve_auto
+
+        return solve_auto(problem, progress=progress, should_stop=should_stop)
+    return solve_family(problem, problem.solver.method)
+
+
+def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) -> Schedule:
+    """Generate family ``name`` for ``problem`` and simulate it.
+
+    With ``enforce_memory`` a schedule over the limit comes back ``infeasible`` with the family's
+    peak per rank in ``min_memory_limit`` and a reason naming the rank; without it, the schedule comes
+    back as is, with ``fits_memory`` false.
+
+    Raises:
+        FamilyDomainError: when the family does not admit the problem.
+    """
+    started = time.perf_counter()
+    family = get_family(name)
+    inst = compile_problem(problem)
+    orders = family.generate(problem)
+    schedule = build_schedule(
+        problem,
+        orders,
+        method=name,
+        backend="family",
+        instance=inst,
+        check_memory=False,
+        solve_time_s=time.perf_counter() - started,
+    )
+    if enforce_memory and not schedule.fits_memory:
+        over = [
+            rank
+            for rank, (peak, limit) in enumerate(zip(schedule.peak_memory, inst.limit, strict=True))
+            if peak > limit
+        ]
+        rank = over[0]
+        return infeasible_schedule(
+            problem,
+            method=name,
+            backend="family",
+            reason=(
+                f"{name} needs {schedule.peak_memory[rank]:.0f} bytes on rank {rank}, over its limit of "
+                f"{inst.limit[rank]:.0f}: raise memory.limit or use method auto"
+            ),
+            min_memory_limit=schedule.peak_memory,
+            solve_time_s=time.perf_counter() - started,
+        )
+    return schedule

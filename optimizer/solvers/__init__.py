@@ -1,0 +1,1 @@
+"""Search backends for ``solver.method: "auto"``."""

@@ -1,0 +1,95 @@
+"""Shared fixtures: the Zero Bubble paper's settings and problem builders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from optimizer.problem import Problem
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared"
+PAPER_SETTINGS_PATH = SHARED / "bench" / "zb_paper_settings.json"
+
+
+def paper_settings() -> list[dict[str, Any]]:
+    """The 12 profiled settings of the Zero Bubble paper (shared/bench/zb_paper_settings.json)."""
+    return json.loads(PAPER_SETTINGS_PATH.read_text())["settings"]
+
+
+def paper_problem(setting: dict[str, Any], **overrides: Any) -> Problem:
+    """A problem for one paper setting; ``overrides`` are top-level or dotted fields."""
+    data: dict[str, Any] = {
+        "pipeline": {"num_ranks": setting["num_ranks"], "num_microbatches": setting["num_microbatches"]},
+        "costs": {
+            "forward": setting["forward_ms"],
+            "backward_input": setting["backward_input_ms"],
+            "backward_weight": setting["backward_weight_ms"],
+            "p2p": setting["p2p_ms"],
+        },
+        "memory": {"activation": setting["activation"], "retained_for_weight": setting["retained_for_weight"]},
+        "split_backward": True,
+        "objective": "stage_span",
+    }
+    for key, value in overrides.items():
+        target = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    return Problem.model_validate(data)
+
+
+def uniform_problem(
+    num_ranks: int = 4,
+    num_microbatches: int = 8,
+    *,
+    stages_per_rank: int = 1,
+    placement: str | list[int] = "loop",
+    forward: float | list[float] = 1.0,
+    backward_input: float | list[float] = 1.0,
+    backward_weight: float | list[float] = 1.0,
+    p2p: float | list[float] = 0.0,
+    activation: float | list[float] = 100.0,
+    retained_for_weight: float | list[float] = 40.0,
+    limit: float | list[float] | None = None,
+    static: float | list[float] = 0.0,
+    split_backward: bool = True,
+    objective: str = "makespan",
+    method: str = "auto",
+    time_limit_s: float = 10.0,
+) -> Problem:
+    """A small problem with uniform costs unless told otherwise."""
+    return Problem.model_validate(
+        {
+            "pipeline": {
+                "num_ranks": num_ranks,
+                "num_microbatches": num_microbatches,
+                "stages_per_rank": stages_per_rank,
+                "placement": placement,
+            },
+            "costs": {
+                "forward": forward,
+                "backward_input": backward_input,
+                "backward_weight": backward_weight,
+                "p2p": p2p,
+            },
+            "memory": {
+                "activation": activation,
+                "retained_for_weight": retained_for_weight,
+                "limit": limit,
+                "static": static,
+            },
+            "split_backward": split_backward,
+            "objective": objective,
+            "solver": {"method": method, "time_limit_s": time_limit_s},
+        }
+    )
+
+
+@pytest.fixture(scope="session")
+def settings() -> list[dict[str, Any]]:
+    return paper_settings()
