@@ -1,0 +1,50 @@
+"""Breadth-first (looped) pipeline (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2022).
+
+Loop placement with v stages per rank (stage ``c·p + r`` on rank r). Each rank runs every
+microbatch forward through its local stage c before moving to stage c+1, then runs the backwards
+stage by stage in reverse, every microbatch through one stage before the next. It holds all m
+microbatches' activations of all its stages at the turn (peak m·Σ activation on the rank), in
+exchange for gathering each stage's weights once per batch and reducing each stage's gradients
+as soon as its last backward ends. With stages_per_rank 1 it is GPipe.
+"""
+
+from __future__ import annotations
+
+from optimizer.families._base import Family, backward, require
+from optimizer.ir import Action, ActionKind, Orders
+from optimizer.problem import Problem
+
+
+def _check(problem: Problem) -> None:
+    pipeline = problem.pipeline
+    require(
+        pipeline.placement == "loop",
+        "looped-bfs",
+        f'needs placement "loop" (stage c·num_ranks + r on rank r), got placement {pipeline.placement!r}',
+    )
+
+
+def _build(problem: Problem) -> Orders:
+    p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
+    v = problem.pipeline.stages_per_rank
+    orders: Orders = []
+    for rank in range(p):
+        stages = [chunk * p + rank for chunk in range(v)]
+        row = [Action(stage, ActionKind.FORWARD, j) for stage in stages for j in range(m)]
+        for stage in reversed(stages):
+            for j in range(m):
+                row.extend(backward(problem, stage, j))
+        orders.append(row)
+    return orders
+
+
+FAMILIES = [
+    Family(
+        name="looped-bfs",
+        description="Breadth-first looped pipeline: all microbatches through one local stage before the next; "
+        "holds all activations.",
+        domain='placement "loop", any stages_per_rank, any microbatch count',
+        check=_check,
+        build=_build,
+    )
+]
