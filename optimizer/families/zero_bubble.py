@@ -17,12 +17,14 @@ Any microbatch count works: warm-ups and deferrals are capped at m.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from optimizer.families._base import Family, require, require_loop_single_stage
 from optimizer.ir import Action, ActionKind, Orders
 from optimizer.problem import Problem
 
 
-def _check(name: str):  # type: ignore[no-untyped-def]
+def _check(name: str) -> Callable[[Problem], None]:
     def check(problem: Problem) -> None:
         require_loop_single_stage(problem, name)
         require(
