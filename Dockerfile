@@ -1,0 +1,25 @@
+# The pipesched HTTP service (no torch: the runtime runs on the training cluster, not here).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin pipesched
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY optimizer ./optimizer
+COPY api ./api
+COPY runtime ./runtime
+RUN pip install --no-cache-dir .
+
+USER 10001
+ENV PIPESCHED_HOST=0.0.0.0 \
+    PIPESCHED_PORT=8000 \
+    PIPESCHED_DATABASE_URL=sqlite:////home/pipesched/pipesched.db
+EXPOSE 8000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+CMD ["pipesched", "serve", "--host", "0.0.0.0", "--port", "8000"]
