@@ -253,6 +253,21 @@ def compare(
         output.write_text(json.dumps(records, indent=1))
 
 
+@app.command()
+def demo(
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder for the results.")] = None,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="Time limit for the auto search, s.")] = 15.0,
+    run: Annotated[bool, typer.Option("--run/--no-run", help="Execute the schedule on 4 gloo ranks.")] = True,
+) -> None:
+    """The main job end to end: config in, optimal schedule out, real torch ranks prove it."""
+    from api.demo import run_demo
+
+    try:
+        run_demo(output, time_limit_s=time_limit, run=run, console=console)
+    except RuntimeError as error:
+        raise fail(str(error), code=1) from None
+
+
 # --- further commands register here (serve, run, profile, plot, demo) ---------------------------
 
 
