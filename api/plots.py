@@ -1,0 +1,656 @@
+"""Pictures of a schedule: a Gantt chart per rank with each rank's memory over time.
+
+* :func:`render_png` / :func:`render_svg`: matplotlib (Agg) figure — one row per rank, actions coloured by
+  kind (F, I, W, B in the Okabe–Ito colour-blind-safe palette), labelled by microbatch (``s7·12`` where a rank
+  holds several stages, whose later stages are also drawn lighter), idle time in grey, real time (ms) on the
+  x axis; under it each rank's memory (step plot, from the simulator's ``memory_timeline``) against its limit.
+* :func:`render_view_html`: a self-contained HTML page (inline SVG, CSS and JS; nothing fetched) with hover
+  tooltips (action, rank, start, end, duration, memory at that time), the memory curves and, optionally, a
+  second schedule drawn beneath on the same time axis.
+* :func:`plot_to_file`: one of the three by the file's suffix.
+
+Memory comes from ``optimizer.simulate.simulate(compile_problem(schedule.problem), schedule.orders())``
+(memory checks off, so a schedule over its limit is still drawn — with its excess visible).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from optimizer.instance import compile_problem
+from optimizer.result import Schedule
+from optimizer.simulate import simulate
+
+__all__ = ["KIND_COLORS", "plot_to_file", "render_png", "render_svg", "render_view_html"]
+
+# Okabe & Ito (2008) colour-blind-safe palette. I and B never occur in the same schedule.
+KIND_COLORS = {"F": "#0072B2", "I": "#E69F00", "W": "#009E73", "B": "#D55E00"}
+KIND_NAMES = {"F": "F forward", "I": "I backward (input)", "W": "W backward (weight)", "B": "B backward (fused)"}
+IDLE_COLOR = "#E4E4E4"
+LIMIT_COLOR = "#C00000"
+_LATER_STAGE_WHITE = 0.45  # a rank's later stages: the kind's colour mixed with this much white
+
+
+@dataclass
+class _Bar:
+    action: str
+    stage: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+    chunk: int  # index of the stage among the rank's stages (0 = the rank's lowest stage)
+    memory: float  # bytes held on the rank while the action runs (after an F's allocation)
+
+
+@dataclass
+class _RankView:
+    rank: int
+    stages: list[int]
+    bars: list[_Bar]
+    timeline: list[tuple[float, float]]  # (ms, bytes) steps, last step at the makespan
+    limit: float
+    peak: float
+
+
+@dataclass
+class _View:
+    schedule: Schedule
+    ranks: list[_RankView]
+    makespan: float
+    multi_stage: bool
+    kinds: list[str] = field(default_factory=list)
+
+    @property
+    def finite_limits(self) -> list[float]:
+        return [r.limit for r in self.ranks if math.isfinite(r.limit)]
+
+
+def _prepare(schedule: Schedule) -> _View:
+    """Times from the schedule, memory from the simulator.
+
+    Raises:
+        ValueError: for an infeasible schedule (nothing to draw).
+        InvalidSchedule: when the orders do not run on the schedule's problem.
+    """
+    if schedule.status == "infeasible" or not schedule.ranks:
+        raise ValueError(
+            f"schedule {schedule.id or ''} is infeasible ({schedule.reason}): there is nothing to draw; "
+            "plot a feasible schedule"
+        )
+    inst = compile_problem(schedule.problem)
+    sim = simulate(inst, schedule.orders(), check_memory=False)
+    makespan = max((a.end for r in schedule.ranks for a in r.actions), default=0.0)
+    stage_to_rank = schedule.stage_to_rank
+    ranks = []
+    kinds: set[str] = set()
+    for rank_schedule in schedule.ranks:
+        rank = rank_schedule.rank
+        stages = sorted(s for s, r in enumerate(stage_to_rank) if r == rank)
+        timeline = list(sim.memory_timeline[rank])
+        times = [t for t, _ in timeline]
+        bars = []
+        for a in rank_schedule.actions:
+            kinds.add(a.kind)
+            at = bisect_right(times, a.start + 1e-9) - 1
+            bars.append(
+                _Bar(
+                    action=a.action,
+                    stage=a.stage,
+                    kind=a.kind,
+                    microbatch=a.microbatch,
+                    start=a.start,
+                    end=a.end,
+                    chunk=stages.index(a.stage) if a.stage in stages else 0,
+                    memory=timeline[max(at, 0)][1],
+                )
+            )
+        if timeline[-1][0] < makespan:
+            timeline.append((makespan, timeline[-1][1]))
+        ranks.append(
+            _RankView(
+                rank=rank,
+                stages=stages,
+                bars=bars,
+                timeline=timeline,
+                limit=inst.limit[rank],
+                peak=sim.peak_memory[rank],
+            )
+        )
+    order = [k for k in ("F", "I", "W", "B") if k in kinds]
+    return _View(
+        schedule=schedule,
+        ranks=ranks,
+        makespan=makespan,
+        multi_stage=any(len(r.stages) > 1 for r in ranks),
+        kinds=order,
+    )
+
+
+# --- shared helpers ----------------------------------------------------------------------------
+
+
+def _bytes_unit(value: float) -> tuple[float, str]:
+    """(divisor, unit) so that ``value / divisor`` reads well in binary units."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if value >= 1024**power:
+            return 1024.0**power, unit
+    return 1.0, "B"
+
+
+def _format_bytes(value: float) -> str:
+    if not math.isfinite(value):
+        return "none"
+    divisor, unit = _bytes_unit(abs(value))
+    return f"{value:.0f} B" if unit == "B" else f"{value / divisor:.2f} {unit}"
+
+
+def _shade(color: str, chunk: int) -> str:
+    """The kind's colour for the rank's ``chunk``-th stage: later stages mixed with white."""
+    if chunk == 0:
+        return color
+    mix = min(0.75, _LATER_STAGE_WHITE * chunk)
+    rgb = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02X}" for c in rgb)
+
+
+def _text_color(background: str) -> str:
+    """Black or white, whichever reads better on ``background`` (WCAG relative luminance)."""
+    channels = []
+    for i in (1, 3, 5):
+        c = int(background[i : i + 2], 16) / 255
+        channels.append(c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4)
+    luminance = 0.2126 * channels[0] + 0.7152 * channels[1] + 0.0722 * channels[2]
+    return "#000000" if luminance > 0.25 else "#FFFFFF"
+
+
+def _label(bar: _Bar, multi_stage: bool) -> str:
+    return f"s{bar.stage}·{bar.microbatch}" if multi_stage else str(bar.microbatch)
+
+
+def _headline(view: _View) -> tuple[str, str]:
+    """Title lines: what the schedule is, and its figures."""
+    s = view.schedule
+    pipeline = s.problem.pipeline
+    placement = pipeline.placement if isinstance(pipeline.placement, str) else "explicit"
+    first = (
+        f"{s.method} ({s.backend}, {s.status}) · {pipeline.num_ranks} ranks · "
+        f"{pipeline.num_microbatches} microbatches · {pipeline.stages_per_rank} stage(s)/rank, placement {placement}"
+    )
+    peak = max(r.peak for r in view.ranks)
+    limits = view.finite_limits
+    limit_text = f" of {_format_bytes(min(limits))} limit" if limits else " (no limit)"
+    fits = "" if s.fits_memory is None or s.fits_memory else " — OVER THE LIMIT"
+    figures = {"makespan": s.makespan, "stage_span": s.stage_span}
+    times = " · ".join(
+        f"{name} {value:.2f} ms" + (" (objective)" if name == s.objective else "")
+        for name, value in sorted(figures.items(), key=lambda item: item[0] != s.objective)
+        if value is not None
+    )
+    second = (
+        f"{times} · bubble rate {100 * (s.bubble_rate or 0):.1f}% · peak memory {_format_bytes(peak)}{limit_text}{fits}"
+    )
+    return first, second
+
+
+# --- matplotlib figure (PNG, SVG) ------------------------------------------------------------------
+
+
+def _row_height_in(num_ranks: int) -> float:
+    if num_ranks <= 8:
+        return 0.42
+    if num_ranks <= 16:
+        return 0.3
+    return 0.21
+
+
+def _figure(schedule: Schedule, compare: Schedule | None, dpi: float) -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    views = [_prepare(schedule)] + ([_prepare(compare)] if compare is not None else [])
+    x_max = max(v.makespan for v in views) or 1.0
+    width_in = 15.0
+    heights: list[float] = []
+    for v in views:
+        heights += [0.9 + _row_height_in(len(v.ranks)) * len(v.ranks), 2.1]
+    fig = Figure(figsize=(width_in, sum(heights) + 0.5 * len(views)), dpi=dpi, layout="constrained")
+    grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+    axes_width_px = width_in * dpi * 0.86
+    first_gantt = None
+    for i, view in enumerate(views):
+        gantt = fig.add_subplot(grid[2 * i], sharex=first_gantt)
+        first_gantt = first_gantt or gantt
+        memory = fig.add_subplot(grid[2 * i + 1], sharex=first_gantt)
+        prefix = "" if i == 0 else "compare-"
+        _draw_gantt(gantt, view, x_max, axes_width_px, prefix, dpi)
+        _draw_memory(memory, view, x_max, prefix)
+    return fig
+
+
+def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix: str, dpi: float) -> None:
+    from matplotlib.patches import Patch
+
+    num_ranks = len(view.ranks)
+    row_in = _row_height_in(num_ranks)
+    font = max(4.5, min(8.0, row_in * 72 * 0.42))
+    px_per_ms = axes_width_px / x_max
+    char_px = font * 0.62 * dpi / 72
+    bar_height = 0.78
+    for rank_view in view.ranks:
+        y = rank_view.rank - bar_height / 2
+        ax.broken_barh([(0.0, view.makespan)], (y, bar_height), facecolors=IDLE_COLOR, linewidth=0)
+        colors = [_shade(KIND_COLORS[b.kind], b.chunk) for b in rank_view.bars]
+        bars = ax.broken_barh(
+            [(b.start, b.end - b.start) for b in rank_view.bars],
+            (y, bar_height),
+            facecolors=colors,
+            edgecolors="white",
+            linewidth=0.4 if px_per_ms * min((b.end - b.start for b in rank_view.bars), default=1) > 4 else 0.0,
+        )
+        bars.set_gid(f"{prefix}rank-{rank_view.rank}")
+        for b, color in zip(rank_view.bars, colors, strict=True):
+            text = _label(b, view.multi_stage)
+            width_px = (b.end - b.start) * px_per_ms
+            if width_px < len(text) * char_px + 3:
+                text = str(b.microbatch)
+                if width_px < len(text) * char_px + 3:
+                    continue
+            ax.text(
+                (b.start + b.end) / 2,
+                rank_view.rank,
+                text,
+                ha="center",
+                va="center",
+                fontsize=font,
+                color=_text_color(color),
+                clip_on=True,
+            )
+    ax.set_ylim(num_ranks - 0.5, -0.5)
+    step = 1 if num_ranks <= 16 else 2
+    ax.set_yticks(range(0, num_ranks, step))
+    if view.multi_stage:
+        labels = [f"rank {r.rank} (s{', s'.join(map(str, r.stages))})" for r in view.ranks[::step]]
+    else:
+        labels = [f"rank {r.rank}" for r in view.ranks[::step]]
+    ax.set_yticklabels(labels, fontsize=8 if num_ranks <= 16 else 6.5)
+    ax.set_xlim(0, x_max * 1.005)
+    ax.tick_params(axis="x", labelbottom=False)
+    ax.grid(axis="x", color="#BBBBBB", linewidth=0.5, alpha=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    first, second = _headline(view)
+    ax.set_title(f"{first}\n{second}", loc="left", fontsize=9.5)
+    handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_NAMES[k]) for k in view.kinds]
+    if view.multi_stage:
+        handles += [Patch(facecolor=_shade(KIND_COLORS["F"], 1), label="lighter: rank's later stage")]
+    handles.append(Patch(facecolor=IDLE_COLOR, label="idle"))
+    ax.legend(
+        handles=handles,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncol=len(handles),
+        fontsize=7.5,
+        frameon=False,
+        handlelength=1.2,
+        columnspacing=1.0,
+    )
+
+
+def _draw_memory(ax: Any, view: _View, x_max: float, prefix: str) -> None:
+    from matplotlib import colormaps
+
+    num_ranks = len(view.ranks)
+    top = max(max(r.peak for r in view.ranks), max(view.finite_limits, default=0.0)) or 1.0
+    divisor, unit = _bytes_unit(top)
+    cmap = colormaps["viridis"]
+    limits = view.finite_limits
+    same_limit = bool(limits) and len(limits) == num_ranks and max(limits) - min(limits) <= 1e-9 * max(limits)
+    for r in view.ranks:
+        color = cmap(r.rank / max(1, num_ranks - 1) * 0.9)
+        xs = [t for t, _ in r.timeline]
+        ys = [b / divisor for _, b in r.timeline]
+        (line,) = ax.step(xs, ys, where="post", color=color, linewidth=1.3 if num_ranks <= 8 else 0.9)
+        line.set_gid(f"{prefix}memory-rank-{r.rank}")
+        line.set_label(f"rank {r.rank}")
+        if not same_limit and math.isfinite(r.limit):
+            ax.axhline(r.limit / divisor, color=color, linestyle=":", linewidth=0.8)
+    if same_limit:
+        ax.axhline(limits[0] / divisor, color=LIMIT_COLOR, linestyle="--", linewidth=1.2)
+        ax.annotate(
+            f"limit {_format_bytes(limits[0])}",
+            (0, limits[0] / divisor),
+            xytext=(3, 2),
+            textcoords="offset points",
+            fontsize=7.5,
+            color=LIMIT_COLOR,
+            va="bottom",
+        )
+    peak_rank = max(view.ranks, key=lambda r: r.peak)
+    peak_time = next(t for t, b in peak_rank.timeline if b >= peak_rank.peak)
+    ax.plot([peak_time], [peak_rank.peak / divisor], marker="v", color="black", markersize=5)
+    ax.annotate(
+        f"peak {_format_bytes(peak_rank.peak)} (rank {peak_rank.rank})",
+        (peak_time, peak_rank.peak / divisor),
+        xytext=(5, 4),
+        textcoords="offset points",
+        fontsize=7.5,
+    )
+    ax.set_ylim(0, top / divisor * 1.15)
+    ax.set_xlim(0, x_max * 1.005)
+    ax.set_ylabel(f"memory ({unit})", fontsize=8)
+    ax.set_xlabel("time (ms)", fontsize=8)
+    ax.tick_params(labelsize=7.5)
+    ax.grid(color="#BBBBBB", linewidth=0.5, alpha=0.6)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    if num_ranks <= 8:
+        ax.legend(loc="upper right", fontsize=7, ncol=min(num_ranks, 8), frameon=False)
+    else:
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import Normalize
+
+        mappable = ScalarMappable(norm=Normalize(0, (num_ranks - 1) / 0.9), cmap=cmap)
+        bar = ax.figure.colorbar(mappable, ax=ax, pad=0.005, fraction=0.02, aspect=12)
+        bar.set_label("rank", fontsize=7.5)
+        bar.ax.set_ylim(0, num_ranks - 1)
+        bar.ax.tick_params(labelsize=7)
+
+
+def render_png(schedule: Schedule, *, compare: Schedule | None = None, dpi: float = 110) -> bytes:
+    """A PNG of the Gantt chart and memory curves (1650 px wide at the default ``dpi``).
+
+    Args:
+        schedule: a feasible schedule (contract, Schedule).
+        compare: another schedule for the same problem, drawn beneath with the same time axis.
+
+    Raises:
+        ValueError: ``schedule`` (or ``compare``) is infeasible and has nothing to draw.
+    """
+    fig = _figure(schedule, compare, dpi)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def render_svg(schedule: Schedule, *, compare: Schedule | None = None) -> str:
+    """The same figure as :func:`render_png` as SVG text.
+
+    Each rank's bars form one group ``<g id="rank-{r}">`` (``compare-rank-{r}`` for ``compare``), its memory
+    curve ``<g id="memory-rank-{r}">``; text stays text.
+
+    Raises:
+        ValueError: ``schedule`` (or ``compare``) is infeasible and has nothing to draw.
+    """
+    import matplotlib
+
+    fig = _figure(schedule, compare, 100)
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "pipesched"}):
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    return buffer.getvalue()
+
+
+# --- HTML view ---------------------------------------------------------------------------------
+
+_SVG_WIDTH = 1360
+_LEFT = 118
+_RIGHT = 16
+
+
+def _nice_step(span: float, target: int) -> float:
+    raw = span / max(1, target)
+    magnitude = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1
+    for factor in (1, 2, 2.5, 5, 10):
+        if raw <= factor * magnitude:
+            return factor * magnitude
+    return 10 * magnitude
+
+
+def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
+    """One schedule: Gantt rows, memory curves and a time axis, as inline SVG."""
+    num_ranks = len(view.ranks)
+    row = 22 if num_ranks <= 8 else 16 if num_ranks <= 16 else 11
+    plot_w = _SVG_WIDTH - _LEFT - _RIGHT
+    scale = plot_w / x_max
+
+    def x(t: float) -> float:
+        return _LEFT + t * scale
+
+    gantt_top = 8
+    gantt_h = row * num_ranks
+    mem_top = gantt_top + gantt_h + 34
+    mem_h = 150
+    height = mem_top + mem_h + 34
+    font = 11 if row >= 16 else 8
+    out: list[str] = [
+        f'<svg class="panel" id="{prefix}panel" viewBox="0 0 {_SVG_WIDTH} {height}" '
+        f'xmlns="http://www.w3.org/2000/svg" data-left="{_LEFT}" data-scale="{scale:.6f}" '
+        f'data-memtop="{mem_top}" data-memh="{mem_h}" data-prefix="{prefix}">'
+    ]
+    step = _nice_step(x_max, 12)
+    ticks = [i * step for i in range(int(x_max / step) + 1)]
+    out.append('<g class="grid">')
+    for t in ticks:
+        out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{gantt_top}" y2="{mem_top + mem_h}"/>')
+    out.append("</g>")
+    for r in view.ranks:
+        y = gantt_top + r.rank * row
+        stages = f" (s{', s'.join(map(str, r.stages))})" if view.multi_stage else ""
+        out.append(
+            f'<g class="rank" id="{prefix}rank-{r.rank}">'
+            f'<text class="ylab" x="{_LEFT - 6}" y="{y + row / 2 + 4:.1f}" font-size="{min(font, 11)}">'
+            f"rank {r.rank}{stages}</text>"
+            f'<rect class="idle" x="{x(0):.2f}" y="{y + 1}" width="{view.makespan * scale:.2f}" height="{row - 2}"/>'
+        )
+        for i, b in enumerate(r.bars):
+            color = _shade(KIND_COLORS[b.kind], b.chunk)
+            w = (b.end - b.start) * scale
+            out.append(
+                f'<rect class="act" x="{x(b.start):.2f}" y="{y + 1}" width="{max(w, 0.3):.2f}" height="{row - 2}" '
+                f'fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
+            )
+            text = _label(b, view.multi_stage)
+            if w < len(text) * font * 0.6 + 3:
+                text = str(b.microbatch)
+            if w >= len(text) * font * 0.6 + 3:
+                out.append(
+                    f'<text class="lab" x="{x(b.start) + w / 2:.2f}" y="{y + row / 2 + font * 0.36:.1f}" '
+                    f'font-size="{font}" fill="{_text_color(color)}">{text}</text>'
+                )
+        out.append("</g>")
+    # memory
+    top = max(max(r.peak for r in view.ranks), max(view.finite_limits, default=0.0)) or 1.0
+    divisor, unit = _bytes_unit(top)
+    y_max = top * 1.15
+
+    def y_mem(value: float) -> float:
+        return mem_top + mem_h - value / y_max * mem_h
+
+    out.append(
+        f'<rect class="memframe" x="{_LEFT}" y="{mem_top}" width="{plot_w}" height="{mem_h}"/>'
+        f'<text class="axlab" x="14" y="{mem_top + mem_h / 2}" transform="rotate(-90 14 {mem_top + mem_h / 2})">'
+        f"memory ({unit})</text>"
+    )
+    mstep = _nice_step(y_max / divisor, 4)
+    k = 0
+    while k * mstep <= y_max / divisor:
+        yy = y_mem(k * mstep * divisor)
+        out.append(
+            f'<line class="hgrid" x1="{_LEFT}" x2="{_LEFT + plot_w}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
+            f'<text class="tick" x="{_LEFT - 6}" y="{yy + 4:.1f}" text-anchor="end">{k * mstep:g}</text>'
+        )
+        k += 1
+    for r in view.ranks:
+        hue = 260 - 200 * r.rank / max(1, num_ranks - 1)
+        points = []
+        previous = None
+        for t, b in r.timeline:
+            if previous is not None:
+                points.append(f"{x(t):.2f},{y_mem(previous):.2f}")
+            points.append(f"{x(t):.2f},{y_mem(b):.2f}")
+            previous = b
+        out.append(
+            f'<polyline class="mem" id="{prefix}memory-rank-{r.rank}" data-r="{r.rank}" '
+            f'stroke="hsl({hue:.0f},70%,40%)" points="{" ".join(points)}"><title>rank {r.rank}: peak '
+            f"{_format_bytes(r.peak)}, limit {_format_bytes(r.limit)}</title></polyline>"
+        )
+    limits = view.finite_limits
+    for value in sorted(set(limits)):
+        yy = y_mem(value)
+        out.append(
+            f'<line class="limit" x1="{_LEFT}" x2="{_LEFT + plot_w}" y1="{yy:.1f}" y2="{yy:.1f}"/>'
+            f'<text class="limlab" x="{_LEFT + 4}" y="{yy - 4:.1f}">limit {_format_bytes(value)}</text>'
+        )
+    # time axis
+    axis_y = mem_top + mem_h
+    for t in ticks:
+        out.append(f'<text class="tick" x="{x(t):.1f}" y="{axis_y + 14}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text class="axlab" x="{_LEFT + plot_w / 2}" y="{axis_y + 30}">time (ms)</text>')
+    out.append(
+        f'<line class="cursor" x1="0" x2="0" y1="{gantt_top}" y2="{axis_y}" visibility="hidden"/>'
+        f'<text class="cursorlab" x="0" y="{mem_top - 6}" visibility="hidden"></text></svg>'
+    )
+    return "".join(out)
+
+
+def _view_data(view: _View) -> dict[str, Any]:
+    return {
+        "ranks": [
+            {
+                "rank": r.rank,
+                "limit": r.limit if math.isfinite(r.limit) else None,
+                "bars": [[b.action, b.start, b.end, b.memory] for b in r.bars],
+                "timeline": [[round(t, 6), b] for t, b in r.timeline],
+            }
+            for r in view.ranks
+        ]
+    }
+
+
+def _summary_html(view: _View, heading: str) -> str:
+    first, second = _headline(view)
+    return f"<h2>{html.escape(heading)}</h2><p class='sub'>{html.escape(first)}<br><b>{html.escape(second)}</b></p>"
+
+
+_CSS = """
+body{font:14px system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:16px 24px;color:#222;background:#fff}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 2px}.sub{margin:0 0 6px;color:#333}
+.legend span{display:inline-block;margin-right:16px;font-size:13px}
+.legend i{display:inline-block;width:14px;height:14px;vertical-align:-2px;margin-right:5px;border-radius:2px}
+svg.panel{width:100%;height:auto;display:block}
+.grid line{stroke:#ddd;stroke-width:1}.hgrid{stroke:#eee;stroke-width:1}
+.idle{fill:#E4E4E4}.act{stroke:#fff;stroke-width:.4}.act:hover{stroke:#000;stroke-width:1.5}
+.lab{text-anchor:middle;pointer-events:none;font-family:system-ui,sans-serif}
+.ylab{text-anchor:end;fill:#333}.tick{font-size:11px;fill:#444}.axlab{font-size:12px;fill:#333;text-anchor:middle}
+.memframe{fill:none;stroke:#bbb}.mem{fill:none;stroke-width:1.4}.mem:hover{stroke-width:3}
+.limit{stroke:#C00000;stroke-dasharray:6 4;stroke-width:1.3}.limlab{font-size:11px;fill:#C00000}
+.cursor{stroke:#000;stroke-width:1;stroke-dasharray:2 2;pointer-events:none}
+.cursorlab{font-size:11px;fill:#000;pointer-events:none}
+#tip{position:fixed;pointer-events:none;background:rgba(20,20,20,.92);color:#fff;padding:6px 9px;
+border-radius:4px;font-size:12px;line-height:1.45;display:none;z-index:9;white-space:nowrap}
+"""
+
+_JS = """
+(function(){
+const DATA=JSON.parse(document.getElementById('pipesched-data').textContent);
+const tip=document.getElementById('tip');
+function fmtB(v){if(v===null||v===undefined)return 'none';const u=['B','KiB','MiB','GiB','TiB'];let i=0;
+ while(Math.abs(v)>=1024&&i<4){v/=1024;i++;}return i?v.toFixed(2)+' '+u[i]:v.toFixed(0)+' B';}
+function memAt(tl,t){let lo=0,hi=tl.length-1;while(lo<hi){const mid=(lo+hi+1)>>1;if(tl[mid][0]<=t+1e-9)lo=mid;else hi=mid-1;}
+ return tl[lo][1];}
+function show(e,h){tip.innerHTML=h;tip.style.display='block';
+ const w=tip.offsetWidth;tip.style.left=Math.min(e.clientX+14,window.innerWidth-w-8)+'px';tip.style.top=(e.clientY+14)+'px';}
+document.querySelectorAll('svg.panel').forEach(function(svg){
+ const key=svg.dataset.prefix?'compare':'main';const d=DATA[key];
+ const left=+svg.dataset.left,scale=+svg.dataset.scale,memTop=+svg.dataset.memtop,memH=+svg.dataset.memh;
+ const cur=svg.querySelector('.cursor'),lab=svg.querySelector('.cursorlab');
+ svg.addEventListener('mousemove',function(e){
+  const pt=svg.createSVGPoint();pt.x=e.clientX;pt.y=e.clientY;const p=pt.matrixTransform(svg.getScreenCTM().inverse());
+  const t=(p.x-left)/scale;if(t<0){cur.setAttribute('visibility','hidden');lab.setAttribute('visibility','hidden');
+   tip.style.display='none';return;}
+  cur.setAttribute('x1',p.x);cur.setAttribute('x2',p.x);cur.setAttribute('visibility','visible');
+  lab.setAttribute('x',p.x+4);lab.textContent=t.toFixed(2)+' ms';lab.setAttribute('visibility','visible');
+  const el=e.target;
+  if(el.classList.contains('act')){const r=d.ranks[+el.dataset.r];const b=r.bars[+el.dataset.i];
+   show(e,'<b>'+b[0]+'</b> on rank '+r.rank+'<br>start '+b[1].toFixed(3)+' ms · end '+b[2].toFixed(3)+
+    ' ms<br>duration '+(b[2]-b[1]).toFixed(3)+' ms<br>memory '+fmtB(b[3])+(r.limit!==null?' of '+fmtB(r.limit):''));
+  }else if(p.y>=memTop&&p.y<=memTop+memH){
+   let rows=d.ranks.map(function(r){return [r.rank,memAt(r.timeline,t),r.limit];});
+   rows.sort(function(a,b){return b[1]-a[1];});const more=rows.length>8?'<br>… '+(rows.length-8)+' more ranks':'';
+   show(e,'<b>t = '+t.toFixed(2)+' ms</b><br>'+rows.slice(0,8).map(function(x){return 'rank '+x[0]+': '+fmtB(x[1])+
+    (x[2]!==null?' ('+(100*x[1]/x[2]).toFixed(0)+'% of limit)':'');}).join('<br>')+more);
+  }else if(el.classList.contains('idle')){show(e,'idle · t = '+t.toFixed(2)+' ms');}
+  else{tip.style.display='none';}
+ });
+ svg.addEventListener('mouseleave',function(){tip.style.display='none';cur.setAttribute('visibility','hidden');
+  lab.setAttribute('visibility','hidden');});
+});
+})();
+"""
+
+
+def render_view_html(schedule: Schedule, compare: Schedule | None = None) -> str:
+    """A self-contained HTML page of ``schedule`` (and ``compare`` beneath it, on the same time axis).
+
+    Inline SVG, CSS and JS only; the page fetches nothing. Hovering an action shows its name, rank, start,
+    end, duration (ms) and the rank's memory while it runs (bytes, and of the limit); hovering the memory
+    panel shows every rank's memory at that time.
+
+    Raises:
+        ValueError: ``schedule`` (or ``compare``) is infeasible and has nothing to draw.
+    """
+    views = [_prepare(schedule)] + ([_prepare(compare)] if compare is not None else [])
+    x_max = max(v.makespan for v in views) or 1.0
+    kinds = [k for k in ("F", "I", "W", "B") if any(k in v.kinds for v in views)]
+    legend = "".join(f'<span><i style="background:{KIND_COLORS[k]}"></i>{KIND_NAMES[k]}</span>' for k in kinds)
+    if any(v.multi_stage for v in views):
+        legend += (
+            f'<span><i style="background:{_shade(KIND_COLORS["F"], 1)}"></i>lighter: the rank\'s later stage '
+            "(labels s{stage}·{microbatch})</span>"
+        )
+    legend += f'<span><i style="background:{IDLE_COLOR}"></i>idle</span>'
+    body = [f'<div class="legend">{legend}</div>', _summary_html(views[0], "Schedule"), _svg_panel(views[0], x_max, "")]
+    data: dict[str, Any] = {"main": _view_data(views[0])}
+    if compare is not None:
+        body += [_summary_html(views[1], f"Compared with {compare.method}"), _svg_panel(views[1], x_max, "compare-")]
+        data["compare"] = _view_data(views[1])
+    title = f"pipesched · {schedule.method} · {schedule.problem.pipeline.num_ranks} ranks"
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    return (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width'><title>{html.escape(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
+        + "".join(body)
+        + f'<div id="tip"></div><script type="application/json" id="pipesched-data">{payload}</script>'
+        f"<script>{_JS}</script></body></html>"
+    )
+
+
+def plot_to_file(schedule: Schedule, path: Path | str, *, compare: Schedule | None = None) -> Path:
+    """Write the picture of ``schedule`` to ``path``; the suffix picks the format (.png, .svg, .html).
+
+    Raises:
+        ValueError: an unknown suffix (naming the ones supported), or an infeasible schedule.
+    """
+    target = Path(path)
+    suffix = target.suffix.lower()
+    if suffix == ".png":
+        target.write_bytes(render_png(schedule, compare=compare))
+    elif suffix == ".svg":
+        target.write_text(render_svg(schedule, compare=compare), encoding="utf-8")
+    elif suffix in (".html", ".htm"):
+        target.write_text(render_view_html(schedule, compare), encoding="utf-8")
+    else:
+        raise ValueError(f"{target.name}: the output file must end in .png, .svg or .html (got {suffix or 'none'!r})")
+    return target
