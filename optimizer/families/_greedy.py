@@ -1,0 +1,149 @@
+"""A memory-capped list scheduler for multi-stage placements (V, bidirectional, explicit).
+
+It builds per-rank orders by simulating time with the problem's own costs and dependencies
+(:class:`~optimizer.instance.Instance`): whenever a rank is free it runs, among the actions whose
+inputs have arrived, a backward (I or B) first, then a forward, then a W; a W also fills any
+idle moment. Passes of one kind on one stage run in microbatch order; the replicas of a bidirectional
+placement take turns.
+
+Memory: a microbatch's first forward on a rank *admits* it there and reserves the activation of
+every stage it will pass on that rank; a rank admits a microbatch only while its committed bytes
+(held plus reserved) stay within ``cap`` bytes, so the rank's activation peak never exceeds ``cap``
+(or one microbatch's reservation, if that is larger). Later forwards, backwards and W are never held
+back, so every admitted microbatch can finish: the orders never deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+
+from optimizer.instance import Instance
+from optimizer.ir import ActionKind, Orders
+
+__all__ = ["capped_greedy_orders", "microbatch_reservation"]
+
+
+def microbatch_reservation(inst: Instance, rank: int, microbatch: int) -> float:
+    """Bytes microbatch ``microbatch`` allocates on ``rank`` over its forwards (sum of F deltas)."""
+    total = 0.0
+    for stage in inst.chains[microbatch]:
+        if inst.stage_ranks[stage] == rank:
+            total += inst.mem_delta[inst.action_id(stage, ActionKind.FORWARD, microbatch)]
+    return total
+
+
+def capped_greedy_orders(inst: Instance, cap: list[float], *, reserve: bool = True) -> Orders:
+    """Per-rank orders from a time-driven greedy under per-rank activation caps.
+
+    Args:
+        inst: the compiled problem (any placement).
+        cap: per rank, the most activation bytes (static excluded) the rank may commit.
+
+    Returns:
+        One order per rank, containing every action of the rank once.
+
+    Raises:
+        RuntimeError: if no rank can progress (a bug: the admission rule rules it out).
+    """
+    p = inst.num_ranks
+    kinds = (ActionKind.FORWARD, inst.backward_kind)
+    # Per rank and stage, the microbatches passing the stage in order, and the next position per kind.
+    stage_mbs: dict[int, list[int]] = {}
+    for j, chain in enumerate(inst.chains):
+        for stage in chain:
+            stage_mbs.setdefault(stage, []).append(j)
+    rank_stages = [[s for s in sorted(stage_mbs) if inst.stage_ranks[s] == r] for r in range(p)]
+    next_pos = {(s, kind): 0 for s in stage_mbs for kind in kinds}
+    first_stage_on_rank: dict[tuple[int, int], int] = {}
+    for j, chain in enumerate(inst.chains):
+        for stage in chain:
+            first_stage_on_rank.setdefault((inst.stage_ranks[stage], j), stage)
+    # Microbatches of different replicas (bidirectional) interleave: priority by position in the replica.
+    seen: dict[tuple[int, ...], int] = {}
+    seq = []
+    for chain in inst.chains:
+        key = tuple(chain)
+        seq.append(seen.get(key, 0))
+        seen[key] = seq[-1] + 1
+    reservation = {(r, j): microbatch_reservation(inst, r, j) for (r, j) in first_stage_on_rank}
+
+    end = [math.nan] * len(inst.actions)
+    free = [0.0] * p
+    committed = [0.0] * p
+    held = [0.0] * p
+    pending_weights: list[list[int]] = [[] for _ in range(p)]
+    remaining = [len(ids) for ids in inst.rank_actions]
+    orders: Orders = [[] for _ in range(p)]
+
+    def ready_time(idx: int) -> float:
+        ready = 0.0
+        for pred, latency in inst.preds[idx]:
+            t = end[pred]
+            if t != t:
+                return math.inf
+            ready = max(ready, t + latency)
+        return ready
+
+    def candidates(rank: int) -> list[tuple[float, tuple[int, int, int], int]]:
+        found = []
+        for stage in rank_stages[rank]:
+            mbs = stage_mbs[stage]
+            for kind in kinds:
+                pos = next_pos[(stage, kind)]
+                if pos >= len(mbs):
+                    continue
+                j = mbs[pos]
+                idx = inst.action_id(stage, kind, j)
+                if kind == ActionKind.FORWARD and first_stage_on_rank[(rank, j)] == stage:
+                    need = reservation[(rank, j)]
+                    base = committed[rank] if reserve else held[rank]
+                    if base > 1e-9 and base + need > cap[rank] * (1 + 1e-12):
+                        continue
+                    priority = (2, seq[j], j)
+                elif kind == ActionKind.FORWARD:
+                    priority = (1, seq[j], j)
+                else:
+                    priority = (0, seq[j], -inst.chains[j].index(stage))
+                found.append((ready_time(idx), priority, idx))
+        for idx in pending_weights[rank][:1]:
+            found.append((ready_time(idx), (3, 0, 0), idx))
+        return found
+
+    while any(remaining):
+        best: tuple[float, tuple[int, int, int], int, int] | None = None
+        for rank in range(p):
+            if not remaining[rank]:
+                continue
+            options = candidates(rank)
+            known = [(max(t, free[rank]), prio, idx) for t, prio, idx in options if t < math.inf]
+            if not known:
+                continue
+            start = min(t for t, _, _ in known)
+            # Among what is ready at the earliest moment, the highest priority; W only if nothing else is.
+            choice = min((prio, idx) for t, prio, idx in known if t <= start)
+            key = (start, choice[0], choice[1], rank)
+            if best is None or key < best:
+                best = key
+        if best is None:
+            raise RuntimeError("capped greedy scheduler is stuck; no rank can progress")
+        start, _, idx, rank = best
+        action = inst.actions[idx]
+        end[idx] = start + inst.duration[idx]
+        free[rank] = end[idx]
+        remaining[rank] -= 1
+        held[rank] += inst.mem_delta[idx]
+        orders[rank].append(action)
+        if action.kind == ActionKind.BACKWARD_WEIGHT:
+            pending_weights[rank].remove(idx)
+            committed[rank] += inst.mem_delta[idx]
+            continue
+        next_pos[(action.stage, action.kind)] += 1
+        if action.kind == ActionKind.FORWARD:
+            if first_stage_on_rank[(rank, action.microbatch)] == action.stage:
+                committed[rank] += reservation[(rank, action.microbatch)]
+        else:
+            committed[rank] += inst.mem_delta[idx]
+            if action.kind == ActionKind.BACKWARD_INPUT:
+                weight = inst.action_id(action.stage, ActionKind.BACKWARD_WEIGHT, action.microbatch)
+                pending_weights[rank].append(weight)
+    return orders

@@ -1,0 +1,37 @@
+"""BitPipe (Wu et al. 2024, arXiv 2410.19367): two V-shaped pipelines running in opposite directions.
+
+Placement "bidirectional" (see :mod:`optimizer.instance`): replica 0 has stage ids 0 … S−1 in V
+placement, replica 1 ids S … 2S−1 mirrored, so every rank holds four stage ids; microbatches
+0 … ⌈m/2⌉−1 run through replica 0, the rest through replica 1. Both directions fill each other's
+warm-up and cool-down. We order the actions with the capped list scheduler of :mod:`._greedy`,
+letting each rank hold the activations of at most p microbatches (1F1B's peak in microbatches);
+BitPipe's eager gradient synchronisation is outside the model. Any microbatch count, split or
+fused backward.
+"""
+
+from __future__ import annotations
+
+from optimizer.families._base import Family, require
+from optimizer.families.v_shape import capped_v_orders
+from optimizer.problem import Problem
+
+
+def _check(problem: Problem) -> None:
+    pipeline = problem.pipeline
+    require(
+        pipeline.placement == "bidirectional",
+        "bitpipe",
+        'needs placement "bidirectional" with stages_per_rank 2 (two V-shaped replicas in opposite '
+        f"directions), got placement {pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
+    )
+
+
+FAMILIES = [
+    Family(
+        name="bitpipe",
+        description="BitPipe: two V-shaped replicas in opposite directions filling each other's bubbles.",
+        domain='placement "bidirectional" (stages_per_rank 2), any microbatch count',
+        check=_check,
+        build=lambda problem: capped_v_orders(problem, lambda p: p),
+    )
+]
