@@ -62,9 +62,9 @@ def capped_greedy_orders(inst: Instance, cap: list[float], *, reserve: bool = Tr
     seen: dict[tuple[int, ...], int] = {}
     seq = []
     for chain in inst.chains:
-        key = tuple(chain)
-        seq.append(seen.get(key, 0))
-        seen[key] = seq[-1] + 1
+        chain_key = tuple(chain)
+        seq.append(seen.get(chain_key, 0))
+        seen[chain_key] = seq[-1] + 1
     reservation = {(r, j): microbatch_reservation(inst, r, j) for (r, j) in first_stage_on_rank}
 
     end = [math.nan] * len(inst.actions)
