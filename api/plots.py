@@ -124,7 +124,7 @@ def _prepare(schedule: Schedule) -> _View:
                 peak=sim.peak_memory[rank],
             )
         )
-    order = [k for k in ("F", "I", "W", "B") if k in kinds]
+    order: list[str] = [k for k in ("F", "I", "W", "B") if k in kinds]
     return _View(
         schedule=schedule,
         ranks=ranks,
@@ -494,12 +494,12 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
     for r in view.ranks:
         hue = 260 - 200 * r.rank / max(1, num_ranks - 1)
         points = []
-        previous = None
-        for t, b in r.timeline:
+        previous: float | None = None
+        for t, held in r.timeline:
             if previous is not None:
                 points.append(f"{x(t):.2f},{y_mem(previous):.2f}")
-            points.append(f"{x(t):.2f},{y_mem(b):.2f}")
-            previous = b
+            points.append(f"{x(t):.2f},{y_mem(held):.2f}")
+            previous = held
         out.append(
             f'<polyline class="mem" id="{prefix}memory-rank-{r.rank}" data-r="{r.rank}" '
             f'stroke="hsl({hue:.0f},70%,40%)" points="{" ".join(points)}"><title>rank {r.rank}: peak '
@@ -567,10 +567,12 @@ const DATA=JSON.parse(document.getElementById('pipesched-data').textContent);
 const tip=document.getElementById('tip');
 function fmtB(v){if(v===null||v===undefined)return 'none';const u=['B','KiB','MiB','GiB','TiB'];let i=0;
  while(Math.abs(v)>=1024&&i<4){v/=1024;i++;}return i?v.toFixed(2)+' '+u[i]:v.toFixed(0)+' B';}
-function memAt(tl,t){let lo=0,hi=tl.length-1;while(lo<hi){const mid=(lo+hi+1)>>1;if(tl[mid][0]<=t+1e-9)lo=mid;else hi=mid-1;}
+function memAt(tl,t){let lo=0,hi=tl.length-1;
+ while(lo<hi){const mid=(lo+hi+1)>>1;if(tl[mid][0]<=t+1e-9)lo=mid;else hi=mid-1;}
  return tl[lo][1];}
 function show(e,h){tip.innerHTML=h;tip.style.display='block';
- const w=tip.offsetWidth;tip.style.left=Math.min(e.clientX+14,window.innerWidth-w-8)+'px';tip.style.top=(e.clientY+14)+'px';}
+ const w=tip.offsetWidth;tip.style.left=Math.min(e.clientX+14,window.innerWidth-w-8)+'px';
+ tip.style.top=(e.clientY+14)+'px';}
 document.querySelectorAll('svg.panel').forEach(function(svg){
  const key=svg.dataset.prefix?'compare':'main';const d=DATA[key];
  const left=+svg.dataset.left,scale=+svg.dataset.scale,memTop=+svg.dataset.memtop,memH=+svg.dataset.memh;

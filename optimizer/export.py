@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
+from typing import TYPE_CHECKING, Any
 
 from optimizer.ir import Orders
 
-__all__ = ["orders_to_torch_csv", "torch_csv_to_orders"]
+if TYPE_CHECKING:
+    from optimizer.result import Schedule
+
+__all__ = ["orders_to_torch_csv", "run_report_to_chrome_trace", "schedule_to_chrome_trace", "torch_csv_to_orders"]
 
 
 def orders_to_torch_csv(orders: Orders) -> str:
@@ -26,3 +30,135 @@ def orders_to_torch_csv(orders: Orders) -> str:
 def torch_csv_to_orders(text: str) -> list[list[str]]:
     """Rows of action strings from a compute-only CSV (blank cells dropped)."""
     return [[cell.strip() for cell in row if cell.strip()] for row in csv.reader(io.StringIO(text))]
+
+
+# --- Chrome trace (Perfetto, chrome://tracing): the Trace Event Format's JSON object form --------------------
+
+
+def _trace_process(events: list[dict[str, Any]], pid: int, name: str) -> None:
+    events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
+    events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
+
+
+def _trace_action(pid: int, text: str, trace_start_ms: float, trace_end_ms: float, **args: Any) -> dict[str, Any]:
+    from optimizer.ir import parse_action
+
+    action = parse_action(text)
+    return {
+        "name": f"{action.kind.value}{action.microbatch} (stage {action.stage})",
+        "cat": action.kind.value,
+        "ph": "X",
+        "pid": pid,
+        "tid": 0,
+        "ts": round(trace_start_ms * 1000.0, 3),
+        "dur": round((trace_end_ms - trace_start_ms) * 1000.0, 3),
+        "args": {"action": text, "stage": action.stage, "microbatch": action.microbatch, **args},
+    }
+
+
+def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
+    """A schedule as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
+
+    One process per rank (``pid`` = rank, named ``"rank r"``), one complete event (``"ph": "X"``) per
+    action named like ``"F12 (stage 3)"`` with category its kind, ``ts``/``dur`` in microseconds (the
+    schedule's ms × 1000), and each rank's memory as a counter track ``"memory"`` (``"ph": "C"``, bytes,
+    from the simulator's ``memory_timeline``).
+
+    Raises:
+        ValueError: for an infeasible schedule (no actions to trace).
+    """
+    from optimizer.instance import compile_problem
+    from optimizer.simulate import simulate
+
+    if schedule.status == "infeasible" or not schedule.ranks:
+        raise ValueError(f"schedule is infeasible ({schedule.reason}): there is no timeline to trace")
+    sim = simulate(compile_problem(schedule.problem), schedule.orders(), check_memory=False)
+    events: list[dict[str, Any]] = []
+    for rank_schedule in schedule.ranks:
+        rank = rank_schedule.rank
+        _trace_process(events, rank, f"rank {rank}")
+        for a in rank_schedule.actions:
+            events.append(_trace_action(rank, a.action, a.start, a.end, start_ms=a.start, end_ms=a.end))
+        for time_ms, held in sim.memory_timeline[rank]:
+            events.append(
+                {"name": "memory", "ph": "C", "pid": rank, "ts": round(time_ms * 1000.0, 3), "args": {"bytes": held}}
+            )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "source": "pipesched schedule (predicted)",
+            "method": schedule.method,
+            "objective": schedule.objective,
+            "makespan_ms": schedule.makespan,
+            "stage_span_ms": schedule.stage_span,
+            "bubble_rate": schedule.bubble_rate,
+            "peak_memory_bytes": schedule.peak_memory,
+        },
+    }
+
+
+def run_report_to_chrome_trace(report: dict[str, Any], *, pid_offset: int = 0) -> dict[str, Any]:
+    """A run report's measured timeline (``shared/CONTRACT.md``, Run report) as a Chrome trace.
+
+    Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
+    named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted
+    so the earliest measured start is 0, as in a schedule. Each rank's ``peak_memory_bytes`` becomes a
+    one-sample counter. Use ``pid_offset`` (e.g. the number of ranks) to load predicted and measured
+    events into one trace side by side.
+
+    Raises:
+        ValueError: naming the field (e.g. ``ranks[1].actions[4].start``) when the report is malformed.
+    """
+    ranks = report.get("ranks") if isinstance(report, dict) else None
+    if not isinstance(ranks, list):
+        raise ValueError("ranks: the run report needs a list of ranks, each {rank, peak_memory_bytes, actions}")
+    starts = []
+    for i, entry in enumerate(ranks):
+        actions = entry.get("actions") if isinstance(entry, dict) else None
+        if not isinstance(actions, list):
+            raise ValueError(f"ranks[{i}].actions: expected a list of {{action, start, end}} (ms)")
+        for k, item in enumerate(actions):
+            for key in ("start", "end"):
+                value = item.get(key) if isinstance(item, dict) else None
+                if not isinstance(value, int | float) or isinstance(value, bool):
+                    raise ValueError(f"ranks[{i}].actions[{k}].{key}: expected a number of ms, got {value!r}")
+            starts.append(float(item["start"]))
+    origin = min(starts, default=0.0)
+    events: list[dict[str, Any]] = []
+    for i, entry in enumerate(ranks):
+        rank = entry.get("rank", i)
+        if not isinstance(rank, int):
+            raise ValueError(f"ranks[{i}].rank: expected an integer rank, got {rank!r}")
+        pid = rank + pid_offset
+        _trace_process(events, pid, f"rank {rank} (measured)")
+        for k, item in enumerate(entry["actions"]):
+            try:
+                event = _trace_action(
+                    pid,
+                    item.get("action"),
+                    item["start"] - origin,
+                    item["end"] - origin,
+                    start_ms=item["start"],
+                    end_ms=item["end"],
+                )
+            except ValueError as error:
+                raise ValueError(f"ranks[{i}].actions[{k}].action: {error}") from None
+            events.append(event)
+        peak = entry.get("peak_memory_bytes")
+        if isinstance(peak, int | float) and entry["actions"]:
+            first = min(item["start"] for item in entry["actions"]) - origin
+            events.append(
+                {"name": "peak memory", "ph": "C", "pid": pid, "ts": round(first * 1000.0, 3), "args": {"bytes": peak}}
+            )
+    other = {
+        key: report[key]
+        for key in ("verified", "predicted_makespan_ms", "measured_makespan_ms", "backend", "device")
+        if key in report
+    }
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"source": "pipesched run report (measured)", **other},
+    }
