@@ -1,0 +1,159 @@
+"""The HTTP service (FastAPI): ``create_app(settings)``; run it with ``pipesched serve``.
+
+Routes are in :mod:`api.routes`; solving runs in worker processes (:mod:`api.jobs`), never on the
+event loop; schedules and jobs are stored by :mod:`api.storage`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.jobs import JobOutcome, SolverPool
+from api.metrics import Metrics
+from api.routes import health, jobs, methods, schedules
+from api.routes._common import Services
+from api.settings import Settings
+from api.storage import Store
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("pipesched.api")
+
+
+class BodyTooLarge(Exception):
+    """The request body passed ``max_body_bytes``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+def _too_large_message(limit: int) -> str:
+    return f"the request body is larger than this service's limit of {limit} bytes (PIPESCHED_MAX_BODY_BYTES)"
+
+
+class GuardAndMeasure:
+    """ASGI middleware: refuse bodies over ``max_body_bytes`` (413) and count requests by route template."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_measured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            declared = dict(scope["headers"]).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+                response = JSONResponse({"detail": _too_large_message(self.max_body_bytes)}, status_code=413)
+                await response(scope, receive, send_measured)
+                return
+            received = 0
+
+            async def receive_limited() -> Message:
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > self.max_body_bytes:
+                        raise BodyTooLarge(self.max_body_bytes)
+                return message
+
+            await self.app(scope, receive_limited, send_measured)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(method=scope["method"], route=template, status=str(status["code"])).inc()
+            self.metrics.latency.labels(route=template).observe(time.perf_counter() - started)
+
+
+def _validation_response(request: Request, error: Exception) -> JSONResponse:
+    """422 with ``{"detail": [{"loc", "msg", "type"}]}``; 400 when the body is not JSON at all."""
+    assert isinstance(error, RequestValidationError)
+    details: list[dict[str, Any]] = []
+    status = 422
+    for item in error.errors():
+        loc = list(item.get("loc", ()))
+        msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+        kind = str(item.get("type", "value_error"))
+        if kind == "json_invalid":
+            status = 400
+            reason = (item.get("ctx") or {}).get("error", "")
+            where = f" at character {loc[1]}" if len(loc) > 1 else ""
+            msg = f"the request body is not valid JSON{where}: {reason or msg}; send the problem as a JSON object"
+            loc = loc[:1]
+        elif kind == "missing" and loc == ["body"]:
+            msg = "the request has no body: send the problem as a JSON object (the contract's Problem)"
+        details.append({"loc": loc, "msg": msg, "type": kind})
+    return JSONResponse({"detail": details}, status_code=status)
+
+
+def _too_large_response(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, BodyTooLarge)
+    return JSONResponse({"detail": _too_large_message(error.limit)}, status_code=413)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service for ``settings`` (default: from ``PIPESCHED_*`` environment variables).
+
+    The database tables are created at construction; the solver pool starts with the app's lifespan,
+    which also re-queues (or fails, with the reason) jobs a previous run left queued or running.
+    """
+    settings = settings or Settings()
+    store = Store(settings.database_url)
+    metrics = Metrics(store.count_jobs_by_status)
+
+    def job_done(outcome: JobOutcome) -> None:
+        metrics.solve_seconds.labels(method=outcome.method, mode="job").observe(outcome.solve_time_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = SolverPool(
+            store, settings.solver_workers, on_job_done=job_done, max_job_attempts=settings.max_job_attempts
+        )
+        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics)
+        pool.recover()
+        try:
+            yield
+        finally:
+            pool.shutdown()
+            store.dispose()
+
+    app = FastAPI(
+        title="pipesched",
+        version="0.1.0",
+        summary="Pipeline-parallel training schedules: the best schedule your memory allows.",
+        lifespan=lifespan,
+    )
+    app.add_exception_handler(RequestValidationError, _validation_response)
+    app.add_exception_handler(BodyTooLarge, _too_large_response)
+    for module in (schedules, jobs, methods, health):
+        app.include_router(module.router)
+    app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    app.state.settings = settings
+    return app
+
+
+def openapi_json(settings: Settings | None = None) -> str:
+    """The OpenAPI document as JSON text (for docs and tests)."""
+    return json.dumps(create_app(settings).openapi(), indent=1)

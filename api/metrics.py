@@ -1,0 +1,58 @@
+"""Prometheus metrics of one app instance (its own registry, so several apps can live in one process).
+
+- ``pipesched_http_requests_total{method, route, status}``: requests by route template and status code.
+- ``pipesched_http_request_duration_seconds{route}``: request latency, s.
+- ``pipesched_solve_seconds{method, mode}``: solve time (``mode``: sync or job), s.
+- ``pipesched_cache_lookups_total{result}``: stored-schedule lookups, ``hit`` or ``miss``.
+- ``pipesched_jobs{status}``: jobs in the database by status (read at scrape time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+SOLVE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    """The service's metrics; ``job_counts`` returns jobs per status when scraped."""
+
+    def __init__(self, job_counts: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pipesched_http_requests",
+            "HTTP requests by method, route template and status code.",
+            ("method", "route", "status"),
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "pipesched_http_request_duration_seconds",
+            "HTTP request latency by route template, s.",
+            ("route",),
+            registry=self.registry,
+        )
+        self.solve_seconds = Histogram(
+            "pipesched_solve_seconds",
+            "Solve time by method and mode (sync or job), s.",
+            ("method", "mode"),
+            buckets=SOLVE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.cache_lookups = Counter(
+            "pipesched_cache_lookups",
+            "Stored-schedule lookups for a posted problem: hit (answered without solving) or miss.",
+            ("result",),
+            registry=self.registry,
+        )
+        self.jobs = Gauge("pipesched_jobs", "Jobs in the database by status.", ("status",), registry=self.registry)
+        self._job_counts = job_counts
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition, job counts refreshed."""
+        for status, count in self._job_counts().items():
+            self.jobs.labels(status=status).set(count)
+        return generate_latest(self.registry)

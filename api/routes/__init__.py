@@ -1,0 +1,1 @@
+"""One router per resource: schedules, jobs, methods, health (with metrics)."""

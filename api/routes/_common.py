@@ -1,0 +1,103 @@
+"""What the routers share: the app's services, the token check, and preparing a posted problem."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.jobs import SolverPool
+from api.metrics import Metrics
+from api.settings import Settings
+from api.storage import Store, problem_key
+from optimizer.families import FamilyDomainError, get_family
+from optimizer.problem import Problem
+
+
+@dataclass
+class Services:
+    """Everything a request handler needs, built once per app (``app.state.services``)."""
+
+    settings: Settings
+    store: Store
+    pool: SolverPool
+    metrics: Metrics
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+_bearer = HTTPBearer(auto_error=False, description="Needed only when the service is started with an API token.")
+
+
+def require_token(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    """401 unless the request carries ``Authorization: Bearer <api_token>`` (when a token is set)."""
+    token = services(request).settings.api_token
+    if not token:
+        return
+    if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), token.encode()):
+        raise HTTPException(
+            status_code=401,
+            detail="missing or wrong API token: send the header `Authorization: Bearer <token>`",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def field_error(loc: tuple[str | int, ...], msg: str, error_type: str = "value_error") -> RequestValidationError:
+    """A 422 naming one field (rendered by the app's validation handler)."""
+    return RequestValidationError([{"loc": loc, "msg": msg, "type": error_type}])
+
+
+def actions_per_microbatch(problem: Problem) -> int:
+    """F, I, W per stage and microbatch when the backward is split; F and B otherwise."""
+    return 3 if problem.split_backward else 2
+
+
+def prepare_problem(problem: Problem, settings: Settings, loc_prefix: tuple[str, ...] = ("body",)) -> Problem:
+    """Clamp ``solver.time_limit_s`` to ``max_time_limit_s``, bound the size and check a named family's domain.
+
+    Raises:
+        RequestValidationError: the problem is larger than ``max_actions`` (naming
+            ``pipeline.num_microbatches``), or outside the named family's domain (naming ``solver.method``).
+    """
+    pipeline = problem.pipeline
+    actions = pipeline.num_stages * pipeline.num_microbatches * actions_per_microbatch(problem)
+    if actions > settings.max_actions:
+        per_microbatch = pipeline.num_stages * actions_per_microbatch(problem)
+        raise field_error(
+            (*loc_prefix, "pipeline", "num_microbatches"),
+            f"the problem has {actions} actions, over this service's limit of {settings.max_actions}: use at "
+            f"most {max(1, settings.max_actions // per_microbatch)} microbatches or fewer stages",
+            "too_large",
+        )
+    time_limit_s = min(problem.solver.time_limit_s, settings.max_time_limit_s)
+    if time_limit_s != problem.solver.time_limit_s:
+        solver = problem.solver.model_copy(update={"time_limit_s": time_limit_s})
+        problem = problem.model_copy(update={"solver": solver})
+    check_method(problem, problem.solver.method, (*loc_prefix, "solver", "method"))
+    return problem
+
+
+def check_method(problem: Problem, method: str, loc: tuple[str | int, ...]) -> None:
+    """Raise a 422 at ``loc`` when family ``method`` is not implemented or does not admit ``problem``."""
+    if method == "auto":
+        return
+    try:
+        get_family(method).check(problem)
+    except KeyError as error:
+        raise field_error(loc, str(error.args[0]), "unknown_method") from None
+    except FamilyDomainError as error:
+        raise field_error(loc, f"{error}; choose another method or auto", "family_domain") from None
+
+
+def solve_key(problem: Problem) -> str:
+    return problem_key(problem)
+
+
+def cache_headers(hit: bool) -> dict[str, Any]:
+    return {"X-Pipesched-Cache": "hit" if hit else "miss"}

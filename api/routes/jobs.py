@@ -1,0 +1,95 @@
+"""``/v1/jobs``: asynchronous solves with progress and cancellation."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Response
+
+from api.routes._common import Services, prepare_problem, require_token, services, solve_key
+from api.schemas import JobCreated, JobProgress, JobStatus, error_responses
+from api.storage import JobRow
+from optimizer.problem import Problem
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
+
+
+def job_status(svc: Services, row: JobRow) -> JobStatus:
+    """The API view of a job row (the schedule included once done)."""
+    result = svc.store.schedule(row.schedule_id) if row.schedule_id else None
+    return JobStatus(
+        id=row.id,
+        status=row.status,  # type: ignore[arg-type]
+        progress=JobProgress(
+            best_objective=row.best_objective,
+            lower_bound=row.lower_bound,
+            elapsed_s=row.elapsed_s,
+            message=row.message,
+        ),
+        schedule_id=row.schedule_id,
+        result=result,
+        error=row.error,
+        cache="hit" if row.cache_hit else "miss",
+        attempt=row.attempt,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+@router.post(
+    "",
+    status_code=202,
+    operation_id="create_job",
+    summary="Queue a solve; poll GET /v1/jobs/{id}",
+    response_model=JobCreated,
+    responses=error_responses(400, 401, 413, 422),
+)
+def create_job(problem: Problem, response: Response, svc: Services = Depends(services)) -> JobCreated:
+    """Queue ``problem`` for a solver process (at most ``solver_workers`` run at once; the rest wait).
+
+    A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``).
+    """
+    problem = prepare_problem(problem, svc.settings)
+    key = solve_key(problem)
+    cached = svc.store.schedule_by_hash(key)
+    svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
+    row = svc.store.create_job(problem, key, cached)
+    if cached is None:
+        svc.pool.submit_job(row.id, row.attempt, problem.solver.time_limit_s)
+    response.headers["Location"] = f"/v1/jobs/{row.id}"
+    response.headers["X-Pipesched-Cache"] = "hit" if cached else "miss"
+    return JobCreated(id=row.id, status=row.status)  # type: ignore[arg-type]
+
+
+def _job(svc: Services, job_id: str) -> JobRow:
+    row = svc.store.job(job_id)
+    if row is None:
+        raise HTTPException(404, f"no job with id {job_id!r}: ids come from POST /v1/jobs")
+    return row
+
+
+@router.get(
+    "/{job_id}",
+    operation_id="get_job",
+    summary="A job's status, progress and, once done, its schedule",
+    response_model=JobStatus,
+    responses=error_responses(401, 404, 422),
+)
+def get_job(job_id: str, svc: Services = Depends(services)) -> JobStatus:
+    """Status (queued/running/done/failed/cancelled), progress (best objective, lower bound, elapsed), result."""
+    return job_status(svc, _job(svc, job_id))
+
+
+@router.delete(
+    "/{job_id}",
+    operation_id="cancel_job",
+    summary="Cancel a queued or running job",
+    response_model=JobStatus,
+    responses=error_responses(401, 404, 422),
+)
+def cancel_job(job_id: str, svc: Services = Depends(services)) -> JobStatus:
+    """Cancel the job: a queued one never starts, a running one's search is told to stop and nothing is
+    stored. A job that already ended is answered as it is."""
+    _job(svc, job_id)
+    row = svc.store.cancel_job(job_id)
+    svc.pool.cancel(job_id)
+    assert row is not None
+    return job_status(svc, row)

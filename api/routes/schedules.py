@@ -1,0 +1,179 @@
+"""``/v1/schedules``: solve synchronously, read a stored schedule in a format, view it as HTML."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Response
+
+from api.jobs import SolverDied
+from api.routes._common import (
+    Services,
+    cache_headers,
+    check_method,
+    field_error,
+    prepare_problem,
+    require_token,
+    services,
+    solve_key,
+)
+from api.schemas import ScheduleAnswer, error_responses
+from optimizer.families import FamilyDomainError
+from optimizer.problem import Problem
+from optimizer.result import Schedule
+
+router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
+
+#: Seconds a synchronous request waits beyond the time limit (queueing behind other solves, start-up).
+SYNC_WAIT_GRACE_S = 60.0
+
+FORMAT_MEDIA = {
+    "json": "application/json",
+    "csv": "text/csv",
+    "chrome-trace": "application/json",
+    "png": "image/png",
+    "svg": "image/svg+xml",
+}
+
+
+def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> tuple[Schedule, bool]:
+    """The stored schedule for ``problem`` (cache hit), or solve it in the pool and store it.
+
+    Returns:
+        (schedule with ``id``, hit).
+
+    Raises:
+        HTTPException: 504 when the pool gives no answer within the time limit plus a grace period.
+        FamilyDomainError: as :func:`optimizer.solve.solve`.
+    """
+    key = solve_key(problem)
+    cached = svc.store.schedule_by_hash(key)
+    svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
+    if cached is not None:
+        return cached, True
+    try:
+        schedule = svc.pool.solve(problem, timeout_s=problem.solver.time_limit_s + SYNC_WAIT_GRACE_S)
+    except SolverDied as error:
+        raise HTTPException(503, f"{error}: retry, or lower the problem's size") from None
+    except TimeoutError:
+        raise HTTPException(
+            504,
+            f"no answer within {problem.solver.time_limit_s + SYNC_WAIT_GRACE_S:.0f} s (the solver pool is busy): "
+            "retry, or submit it as a job with POST /v1/jobs",
+        ) from None
+    svc.metrics.solve_seconds.labels(method=problem.solver.method, mode=mode).observe(schedule.solve_time_s)
+    stored, _created = svc.store.put_schedule(key, schedule)
+    return stored, False
+
+
+@router.post(
+    "",
+    operation_id="solve_schedule",
+    summary="Solve a problem within its time limit and answer the schedule",
+    response_model=ScheduleAnswer,
+    responses=error_responses(400, 401, 413, 422, 503, 504),
+)
+def solve_schedule(problem: Problem, response: Response, svc: Services = Depends(services)) -> Response:
+    """Solve ``problem`` (clamped to the service's time limit) and answer the schedule with its ``id``.
+
+    The same problem again returns the stored schedule without solving (header
+    ``X-Pipesched-Cache: hit``, field ``cache``). An infeasible problem is a 200 answer with
+    ``status: infeasible`` and its ``reason``.
+    """
+    problem = prepare_problem(problem, svc.settings)
+    try:
+        schedule, hit = solve_and_store(svc, problem)
+    except FamilyDomainError as error:
+        raise field_error(("body", "solver", "method"), f"{error}; choose another method or auto") from None
+    answer = ScheduleAnswer(**schedule.model_dump(), cache="hit" if hit else "miss")
+    return Response(answer.model_dump_json(), media_type="application/json", headers=cache_headers(hit))
+
+
+def _stored(svc: Services, schedule_id: str) -> Schedule:
+    schedule = svc.store.schedule(schedule_id)
+    if schedule is None:
+        raise HTTPException(404, f"no schedule with id {schedule_id!r}: ids come from POST /v1/schedules or a job")
+    return schedule
+
+
+def _renderer_missing(what: str) -> HTTPException:
+    return HTTPException(501, f"the {what} renderer is not part of this build")
+
+
+@router.get(
+    "/{schedule_id}",
+    operation_id="get_schedule",
+    summary="A stored schedule as JSON, PyTorch CSV, Chrome trace, PNG or SVG",
+    response_model=Schedule,
+    responses={
+        200: {"content": {media: {} for media in ("text/csv", "image/png", "image/svg+xml")}},
+        **error_responses(401, 404, 409, 422, 501),
+    },
+)
+def get_schedule(
+    schedule_id: str,
+    output_format: Literal["json", "csv", "chrome-trace", "png", "svg"] = Query(
+        "json", alias="format", description="json, csv (PyTorch compute-only), chrome-trace, png or svg."
+    ),
+    svc: Services = Depends(services),
+) -> Response:
+    """The schedule stored under ``schedule_id`` in ``format``."""
+    schedule = _stored(svc, schedule_id)
+    media = FORMAT_MEDIA[output_format]
+    if output_format == "json":
+        return Response(schedule.model_dump_json(), media_type=media)
+    if schedule.status == "infeasible":
+        raise HTTPException(
+            409,
+            f"schedule {schedule_id} is infeasible ({schedule.reason}): it has no actions to write as {output_format}",
+        )
+    if output_format == "csv":
+        from optimizer.export import orders_to_torch_csv
+
+        return Response(orders_to_torch_csv(schedule.orders()), media_type=media)
+    if output_format == "chrome-trace":
+        try:
+            from optimizer.export import schedule_to_chrome_trace
+        except ImportError:
+            raise _renderer_missing("chrome-trace") from None
+        return Response(json.dumps(schedule_to_chrome_trace(schedule)), media_type=media)
+    try:
+        from api import plots
+    except ImportError:
+        raise _renderer_missing(output_format) from None
+    if output_format == "png":
+        return Response(plots.render_png(schedule), media_type=media)
+    return Response(plots.render_svg(schedule), media_type=media)
+
+
+@router.get(
+    "/{schedule_id}/view",
+    operation_id="view_schedule",
+    summary="An HTML page of a stored schedule, optionally beside another family's",
+    responses={200: {"content": {"text/html": {}}}, **error_responses(401, 404, 409, 422, 501, 504)},
+    response_class=Response,
+)
+def view_schedule(
+    schedule_id: str,
+    compare: str | None = Query(None, description="A family name (see GET /v1/methods) to draw beside it."),
+    svc: Services = Depends(services),
+) -> Response:
+    """The HTML view; with ``compare`` the same problem solved by that family is drawn beside it."""
+    schedule = _stored(svc, schedule_id)
+    if schedule.status == "infeasible":
+        raise HTTPException(409, f"schedule {schedule_id} is infeasible ({schedule.reason}): there is nothing to draw")
+    other: Schedule | None = None
+    if compare is not None:
+        check_method(schedule.problem, compare, ("query", "compare"))
+        solver = schedule.problem.solver.model_copy(update={"method": compare})
+        problem = schedule.problem.model_copy(update={"solver": solver})
+        try:
+            other, _hit = solve_and_store(svc, problem)
+        except FamilyDomainError as error:
+            raise field_error(("query", "compare"), f"{error}; choose another family") from None
+    try:
+        from api import plots
+    except ImportError:
+        raise _renderer_missing("HTML view") from None
+    return Response(plots.render_view_html(schedule, compare=other), media_type="text/html")

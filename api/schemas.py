@@ -1,0 +1,118 @@
+"""Request and response bodies of the HTTP service (the request body of a solve is the contract's Problem)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from optimizer.result import Schedule
+
+__all__ = [
+    "ErrorDetail",
+    "HTTPError",
+    "Health",
+    "JobCreated",
+    "JobProgress",
+    "JobStatus",
+    "MethodInfo",
+    "Methods",
+    "ScheduleAnswer",
+    "ValidationErrors",
+]
+
+JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class ScheduleAnswer(Schedule):
+    """The contract's Schedule with its stored ``id`` and whether it came from the store."""
+
+    cache: Literal["hit", "miss"] = Field(
+        description="hit: the same problem was solved before and the stored schedule is returned without solving."
+    )
+
+
+class JobCreated(BaseModel):
+    """An accepted job."""
+
+    id: str
+    status: JobState
+
+
+class JobProgress(BaseModel):
+    """The search's state: best objective (ms), lower bound (ms), elapsed s, last message."""
+
+    best_objective: float | None = Field(None, description="ms, on the problem's objective")
+    lower_bound: float | None = Field(None, description="ms, on the problem's objective")
+    elapsed_s: float | None = None
+    message: str | None = None
+
+
+class JobStatus(BaseModel):
+    """A job: its state, progress, and the schedule once done."""
+
+    id: str
+    status: JobState
+    progress: JobProgress
+    schedule_id: str | None = Field(None, description="The stored schedule (GET /v1/schedules/{id}) once done.")
+    result: Schedule | None = Field(None, description="The schedule, once done.")
+    error: str | None = Field(None, description="Why the job failed.")
+    cache: Literal["hit", "miss"]
+    attempt: int = Field(description="Restarts of the service this job lived through.")
+    created_at: float = Field(description="Unix time, s.")
+    updated_at: float = Field(description="Unix time, s.")
+
+
+class MethodInfo(BaseModel):
+    """One solver method: a schedule family, or auto."""
+
+    name: str
+    domain: str = Field(description="Which problems the method admits.")
+    description: str
+
+
+class Methods(BaseModel):
+    methods: list[MethodInfo]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    database: Literal["ok"]
+    solver_workers: int
+    jobs_in_flight: int
+
+
+class ErrorDetail(BaseModel):
+    """One problem with the request: the field path, what to do, and the error type."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ValidationErrors(BaseModel):
+    """422 (or 400 for a body that is not JSON): every offending field with a sentence to act on."""
+
+    detail: list[ErrorDetail]
+
+
+class HTTPError(BaseModel):
+    """Any other error: one sentence."""
+
+    detail: str
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` for the given error codes."""
+    described = {
+        400: ("The body is not valid JSON.", ValidationErrors),
+        401: ("Missing or wrong `Authorization: Bearer <token>` (when the service has a token).", HTTPError),
+        404: ("No such id.", HTTPError),
+        409: ("The schedule is infeasible: it has no actions to render in this format.", HTTPError),
+        413: ("The body is larger than the service accepts.", HTTPError),
+        422: ("A field is invalid: its path and what to change.", ValidationErrors),
+        501: ("The renderer for this format is not part of this build.", HTTPError),
+        503: ("The database cannot be reached.", HTTPError),
+        504: ("No answer within the time limit (plus a grace period).", HTTPError),
+    }
+    return {code: {"description": described[code][0], "model": described[code][1]} for code in codes}

@@ -1,0 +1,53 @@
+"""Service settings (pydantic-settings): environment variables with the prefix ``PIPESCHED_``.
+
+Example: ``PIPESCHED_PORT=9000 PIPESCHED_DATABASE_URL=postgresql+psycopg://u:p@db/pipesched pipesched serve``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "default_database_url"]
+
+
+def default_database_url() -> str:
+    """A SQLite file in the per-user data dir (``$XDG_DATA_HOME/pipesched`` or ``~/.local/share/pipesched``).
+
+    Falls back to ``./pipesched.sqlite3`` in the working directory when the data dir cannot be created.
+    """
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "pipesched"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        path = base / "pipesched.sqlite3"
+    except OSError:
+        path = Path.cwd() / "pipesched.sqlite3"
+    return f"sqlite:///{path}"
+
+
+class Settings(BaseSettings):
+    """How the HTTP service runs. Every field is read from ``PIPESCHED_<NAME>`` (case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="PIPESCHED_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Interface `pipesched serve` binds.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port `pipesched serve` binds.")
+    database_url: str = Field(
+        default_factory=default_database_url,
+        description="SQLAlchemy URL: sqlite:///FILE (default, nothing to set up) or postgresql+psycopg://…",
+    )
+    max_time_limit_s: float = Field(60.0, gt=0, description="Upper clamp on a request's solver.time_limit_s, s.")
+    solver_workers: int = Field(2, ge=1, le=256, description="Solver processes; further solves queue.")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="Largest request body accepted (413 above).")
+    max_actions: int = Field(
+        200_000,
+        ge=1,
+        description="Largest problem accepted: num_stages × num_microbatches × actions per microbatch (422 above).",
+    )
+    api_token: str | None = Field(None, description="When set, /v1 requests need `Authorization: Bearer <token>`.")
+    max_job_attempts: int = Field(
+        3, ge=1, description="Restarts a job may live through before it is marked failed instead of re-queued."
+    )

@@ -1,0 +1,337 @@
+"""Persistence of schedules and jobs (SQLAlchemy 2.0): SQLite by default, PostgreSQL by URL.
+
+Schedules are keyed by the SHA-256 of the problem's canonical JSON (:meth:`Problem.canonical_json`,
+costs and memory filled in, keys sorted) *as solved*: the whole ``solver`` block is part of the key —
+``method`` and the clamped ``time_limit_s`` change the answer, and so may ``backends`` and ``seed`` —
+so the same problem asked again returns the stored schedule without solving.
+
+Every write is one transaction: a schedule row and the job row that points at it are committed
+together or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Float, ForeignKey, Integer, String, Text, create_engine, event, func, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from optimizer.problem import Problem
+from optimizer.result import Schedule
+
+__all__ = [
+    "ACTIVE_JOB_STATUSES",
+    "JOB_STATUSES",
+    "JobRow",
+    "ScheduleRow",
+    "Store",
+    "problem_key",
+]
+
+JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+ACTIVE_JOB_STATUSES = ("queued", "running")
+
+
+def problem_key(problem: Problem) -> str:
+    """The cache key: hex SHA-256 of ``problem.canonical_json()`` (the whole solver block included)."""
+    return hashlib.sha256(problem.canonical_json().encode()).hexdigest()
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ScheduleRow(Base):
+    """A solved problem. ``problem_hash`` is unique: one stored answer per problem as solved."""
+
+    __tablename__ = "schedules"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    problem_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    method: Mapped[str] = mapped_column(String(32))
+    schedule_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class JobRow(Base):
+    """An asynchronous solve and its progress (best objective and lower bound in ms, elapsed s)."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    problem_hash: Mapped[str] = mapped_column(String(64))
+    problem_json: Mapped[str] = mapped_column(Text)
+    schedule_id: Mapped[str | None] = mapped_column(String(32), ForeignKey("schedules.id"), nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    best_objective: Mapped[float | None] = mapped_column(Float, nullable=True)
+    lower_bound: Mapped[float | None] = mapped_column(Float, nullable=True)
+    elapsed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    cache_hit: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class _NotThisAttempt(Exception):
+    """Raised inside a transaction to roll it back: the job is no longer this attempt's."""
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _make_engine(database_url: str) -> Engine:
+    if database_url.startswith("sqlite"):
+        engine = create_engine(database_url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+            cursor = dbapi_connection.cursor()
+            if ":memory:" not in database_url:
+                cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        return engine
+    return create_engine(database_url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+class Store:
+    """Schedules and jobs in one database. Safe to use from several threads and processes.
+
+    Args:
+        database_url: a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``). Tables are
+            created when missing.
+    """
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.engine = _make_engine(database_url)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """A session whose writes commit together on exit, or roll back on any exception."""
+        with self._sessions.begin() as session:
+            yield session
+
+    def ping(self) -> None:
+        """Raise when the database cannot be reached."""
+        with self._sessions() as session:
+            session.execute(select(1))
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # --- schedules -------------------------------------------------------------------------------
+
+    def schedule_by_hash(self, problem_hash: str) -> Schedule | None:
+        """The stored schedule for a problem key, or None."""
+        with self._sessions() as session:
+            row = session.scalars(select(ScheduleRow).where(ScheduleRow.problem_hash == problem_hash)).first()
+            return None if row is None else Schedule.model_validate_json(row.schedule_json)
+
+    def schedule(self, schedule_id: str) -> Schedule | None:
+        """The stored schedule with this id, or None."""
+        with self._sessions() as session:
+            row = session.get(ScheduleRow, schedule_id)
+            return None if row is None else Schedule.model_validate_json(row.schedule_json)
+
+    def _insert_schedule(self, session: Session, problem_hash: str, schedule: Schedule) -> Schedule:
+        stored = schedule.model_copy(update={"id": _new_id()})
+        session.add(
+            ScheduleRow(
+                id=stored.id,
+                problem_hash=problem_hash,
+                status=stored.status,
+                method=stored.method,
+                schedule_json=stored.model_dump_json(),
+                created_at=time.time(),
+            )
+        )
+        session.flush()
+        return stored
+
+    def put_schedule(self, problem_hash: str, schedule: Schedule) -> tuple[Schedule, bool]:
+        """Store ``schedule`` under ``problem_hash``; returns (stored schedule with its ``id``, created).
+
+        When another writer stored the same key first, its schedule is returned with ``created`` False.
+        """
+        try:
+            with self.transaction() as session:
+                return self._insert_schedule(session, problem_hash, schedule), True
+        except IntegrityError:
+            existing = self.schedule_by_hash(problem_hash)
+            if existing is None:
+                raise
+            return existing, False
+
+    def count_schedules(self) -> int:
+        with self._sessions() as session:
+            return int(session.scalar(select(func.count()).select_from(ScheduleRow)) or 0)
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def create_job(self, problem: Problem, problem_hash: str, cached: Schedule | None = None) -> JobRow:
+        """A new job, ``queued``; or ``done`` at once when ``cached`` (a stored schedule) answers it."""
+        now = time.time()
+        row = JobRow(
+            id=_new_id(),
+            status="done" if cached is not None else "queued",
+            problem_hash=problem_hash,
+            problem_json=problem.model_dump_json(),
+            schedule_id=None if cached is None else cached.id,
+            attempt=0,
+            cache_hit=int(cached is not None),
+            message="answered from the stored schedule" if cached is not None else None,
+            elapsed_s=0.0 if cached is not None else None,
+            best_objective=None if cached is None else cached.objective_value,
+            lower_bound=None if cached is None else cached.lower_bound,
+            created_at=now,
+            updated_at=now,
+        )
+        with self.transaction() as session:
+            session.add(row)
+        return row
+
+    def job(self, job_id: str) -> JobRow | None:
+        with self._sessions() as session:
+            return session.get(JobRow, job_id)
+
+    def job_status(self, job_id: str) -> str | None:
+        with self._sessions() as session:
+            return session.scalar(select(JobRow.status).where(JobRow.id == job_id))
+
+    def start_job(self, job_id: str, attempt: int) -> bool:
+        """Mark a queued job ``running`` for ``attempt``; False when it was cancelled or taken over."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status == "queued", JobRow.attempt == attempt)
+                .values(status="running", updated_at=time.time())
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def record_progress(
+        self,
+        job_id: str,
+        attempt: int,
+        *,
+        best_objective: float | None,
+        lower_bound: float | None,
+        elapsed_s: float,
+        message: str = "",
+    ) -> None:
+        """Write a running job's progress (ms, ms, s)."""
+        with self.transaction() as session:
+            session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status == "running", JobRow.attempt == attempt)
+                .values(
+                    best_objective=best_objective,
+                    lower_bound=lower_bound,
+                    elapsed_s=elapsed_s,
+                    message=message or None,
+                    updated_at=time.time(),
+                )
+            )
+
+    def finish_job(self, job_id: str, attempt: int, problem_hash: str, schedule: Schedule) -> Schedule | None:
+        """Store the job's schedule and mark it ``done``, in one transaction.
+
+        Returns the stored schedule, or None (nothing written) when the job is no longer this
+        attempt's to finish (cancelled meanwhile, or re-queued after a restart).
+        """
+        existing = self.schedule_by_hash(problem_hash)
+        try:
+            with self.transaction() as session:
+                stored = existing or self._insert_schedule(session, problem_hash, schedule)
+                result = session.execute(
+                    update(JobRow)
+                    .where(JobRow.id == job_id, JobRow.status == "running", JobRow.attempt == attempt)
+                    .values(
+                        status="done",
+                        schedule_id=stored.id,
+                        best_objective=stored.objective_value,
+                        lower_bound=stored.lower_bound,
+                        elapsed_s=schedule.solve_time_s,
+                        updated_at=time.time(),
+                    )
+                )
+                if not result.rowcount:  # type: ignore[attr-defined]
+                    raise _NotThisAttempt
+                return stored
+        except _NotThisAttempt:
+            return None
+        except IntegrityError:
+            # Another writer stored the same problem meanwhile: point the job at that schedule.
+            return self.finish_job(job_id, attempt, problem_hash, schedule)
+
+    def fail_job(self, job_id: str, reason: str, attempt: int | None = None) -> bool:
+        """Mark an active job ``failed`` with ``reason``; False when it had already ended."""
+        with self.transaction() as session:
+            condition = [JobRow.id == job_id, JobRow.status.in_(ACTIVE_JOB_STATUSES)]
+            if attempt is not None:
+                condition.append(JobRow.attempt == attempt)
+            result = session.execute(
+                update(JobRow).where(*condition).values(status="failed", error=reason, updated_at=time.time())
+            )
+            return bool(result.rowcount)  # type: ignore[attr-defined]
+
+    def cancel_job(self, job_id: str) -> JobRow | None:
+        """Mark an active job ``cancelled`` (a finished one stays as it is); the job, or None if unknown."""
+        with self.transaction() as session:
+            session.execute(
+                update(JobRow)
+                .where(JobRow.id == job_id, JobRow.status.in_(ACTIVE_JOB_STATUSES))
+                .values(status="cancelled", message="cancelled by request", updated_at=time.time())
+            )
+        return self.job(job_id)
+
+    def recover_jobs(self, max_attempts: int) -> tuple[list[tuple[str, int]], list[str]]:
+        """After a restart: re-queue jobs left ``queued``/``running``, or fail those out of attempts.
+
+        Returns ``([(job id, new attempt), …] to submit again, [failed job ids])``.
+        """
+        requeued: list[tuple[str, int]] = []
+        failed: list[str] = []
+        with self.transaction() as session:
+            rows = session.scalars(
+                select(JobRow).where(JobRow.status.in_(ACTIVE_JOB_STATUSES)).order_by(JobRow.created_at)
+            ).all()
+            for row in rows:
+                row.updated_at = time.time()
+                was = row.status
+                if row.attempt + 1 >= max_attempts:
+                    row.status = "failed"
+                    row.error = (
+                        f"the service restarted {row.attempt + 1} times while this job was {was}; "
+                        "submit it again, perhaps with a shorter solver.time_limit_s"
+                    )
+                    failed.append(row.id)
+                else:
+                    row.status = "queued"
+                    row.attempt += 1
+                    row.message = f"re-queued after a service restart (was {was})"
+                    requeued.append((row.id, row.attempt))
+        return requeued, failed
+
+    def count_jobs_by_status(self) -> dict[str, int]:
+        """Jobs per status (every status present, zero when none)."""
+        counts = dict.fromkeys(JOB_STATUSES, 0)
+        with self._sessions() as session:
+            for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
+                counts[status] = int(count)
+        return counts
