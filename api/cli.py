@@ -265,6 +265,54 @@ def demo(
 # --- further commands register here (serve, run, profile, plot, demo) ---------------------------
 
 
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
+) -> None:
+    """Run the HTTP service (settings from PIPESCHED_* environment variables; OpenAPI at /docs)."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    settings = Settings()
+    updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
+    settings = settings.model_copy(update=updates)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
+def plot(
+    schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule file (pipesched solve).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="FILE.png, FILE.svg or FILE.html.")],
+    compare_family: Annotated[
+        str | None, typer.Option("--compare", help="Also draw this family (e.g. 1f1b) for the same problem.")
+    ] = None,
+) -> None:
+    """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
+    from api.loading import load_schedule
+    from api.plots import plot_to_file
+    from optimizer.families import FamilyDomainError
+    from optimizer.solve import solve_family
+
+    if output.suffix.lower() not in (".png", ".svg", ".html", ".htm"):
+        raise fail(f"-o {output}: the file must end in .png, .svg or .html")
+    try:
+        schedule = load_schedule(schedule_path)
+    except InputError as error:
+        raise fail(str(error)) from None
+    other = None
+    if compare_family is not None:
+        try:
+            other = solve_family(schedule.problem, compare_family, enforce_memory=False)
+        except (FamilyDomainError, KeyError, ValueError) as error:
+            reason = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise fail(f"--compare {compare_family}: {reason}") from None
+    plot_to_file(schedule, output, compare=other)
+    console.print(f"wrote {output}", highlight=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
