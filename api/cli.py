@@ -283,6 +283,23 @@ def serve(
 
 
 @app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
+) -> None:
+    """Run the HTTP service (settings from PIPESCHED_* environment variables; OpenAPI at /docs)."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.settings import Settings
+
+    settings = Settings()
+    updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
+    settings = settings.model_copy(update=updates)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+
+@app.command()
 def plot(
     schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule file (pipesched solve).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="FILE.png, FILE.svg or FILE.html.")],
