@@ -1,14 +1,477 @@
-"""Derive per-stage costs and memory from a model and cluster (filled in by the cost-model work)."""
+"""Derive per-stage costs (ms) and memory (bytes) from a model and a cluster.
+
+Sources and model:
+
+- FLOPs per transformer layer, Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241), Table 1, counting a
+  multiply-add as 2 FLOPs: F = s·b·h·(24h + 4s), I = s·b·h·(24h + 8s), W = s·b·h·24h. With an FFN of inner
+  size f instead of 4h: F = s·b·(8h² + 4hf + 4sh), I = s·b·(8h² + 4hf + 8sh), W = s·b·(8h² + 4hf).
+- Activation memory per layer, same Table 1 (fp16, no recomputation): M_B = s·b·(34h + 5as) bytes allocated by F,
+  M_W = 32·s·b·h bytes still needed by W after I. The split by module (Korthikanti et al. 2022, "Reducing
+  Activation Recomputation in Large Transformer Models", Sec. 4.1: attention 11sbh + 5as²b, MLP 19sbh, layer
+  norms 4sbh) gives, for an FFN of size f, M_B = s·b·(18h + 4f + 5as) and M_W = s·b·(16h + 4f) (linear-layer
+  inputs 6sbh + 2sbf plus output gradients 10sbh + 2sbf). Other dtypes scale by bytes/2.
+- Time of a pass = matrix-multiply FLOPs / (peak FLOP/s × ``cluster.efficiency``) + elementwise traffic / memory
+  bandwidth. The elementwise kernels (layer norm, GeLU, softmax, dropout, bias adds) of F move about
+  ``FORWARD_TRAFFIC_PER_ACTIVATION_BYTE`` bytes per byte of stored activation, those of I
+  ``BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE``; W is matrix multiplies only. The two factors were fitted by
+  least squares to the paper's profiled A100 times (Table 6, ``shared/bench/zb_paper_settings.json``), with
+  the paper's four models together (one pair of factors for all); the fit puts the matrix-multiply
+  efficiency at 0.79 and reproduces T_I/T_F and T_W/T_F of all four models within 4%. FLOPs alone would give
+  T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
+- Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
+  main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
+  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). ``shard_optimizer_state`` divides the master weights
+  and moments by ``data_parallel_size`` (ZeRO stage 1).
+- Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
+  V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from optimizer.accelerators import get_accelerator
+from optimizer.configs import ClusterConfig, ModelConfig
 
 if TYPE_CHECKING:
-    from optimizer.configs import ClusterConfig, ModelConfig
     from optimizer.problem import Costs, Memory, Pipeline
+
+__all__ = [
+    "BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE",
+    "FORWARD_TRAFFIC_PER_ACTIVATION_BYTE",
+    "Block",
+    "DerivedProblem",
+    "Hardware",
+    "derive_costs_and_memory",
+    "derive_problem",
+    "embedding_block",
+    "head_block",
+    "resolve_hardware",
+    "stage_ranks",
+    "static_bytes_per_parameter",
+    "transformer_layer",
+]
+
+#: Bytes the forward's elementwise kernels move through device memory per byte of stored activation
+#: (fitted to the Zero Bubble paper's Table 6 A100 profiles, see the module docstring).
+FORWARD_TRAFFIC_PER_ACTIVATION_BYTE = 4.73
+#: The same for the input-gradient backward I.
+BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE = 4.10
+
+_Errors = list[tuple[tuple[str | int, ...], str, Any]]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s)."""
+
+    name: str
+    memory_bytes: float
+    flops_per_s: float
+    memory_bandwidth_bytes_per_s: float
+    efficiency: float
+
+    @property
+    def effective_flops_per_s(self) -> float:
+        """FLOP/s the matrix multiplies achieve: peak × efficiency."""
+        return self.flops_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class Block:
+    """Times (ms), memory (bytes) and parameters of one block (a layer, the embedding, the head) for one microbatch.
+
+    ``activation_bytes`` is allocated by F; ``retained_bytes`` of it is still held after I until W.
+    """
+
+    forward_ms: float = 0.0
+    backward_input_ms: float = 0.0
+    backward_weight_ms: float = 0.0
+    activation_bytes: float = 0.0
+    retained_bytes: float = 0.0
+    parameters: float = 0.0
+
+    def times(self, count: int) -> Block:
+        """``count`` copies of this block in sequence."""
+        return Block(
+            self.forward_ms * count,
+            self.backward_input_ms * count,
+            self.backward_weight_ms * count,
+            self.activation_bytes * count,
+            self.retained_bytes * count,
+            self.parameters * count,
+        )
+
+    def __add__(self, other: Block) -> Block:
+        return Block(
+            self.forward_ms + other.forward_ms,
+            self.backward_input_ms + other.backward_input_ms,
+            self.backward_weight_ms + other.backward_weight_ms,
+            self.activation_bytes + other.activation_bytes,
+            self.retained_bytes + other.retained_bytes,
+            self.parameters + other.parameters,
+        )
+
+    @property
+    def compute_ms(self) -> float:
+        """F + I + W, ms."""
+        return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
+
+
+def resolve_hardware(cluster: ClusterConfig) -> Hardware:
+    """The accelerator's figures: the catalogue entry, overridden by explicit numbers.
+
+    Raises:
+        pydantic.ValidationError: ``cluster.accelerator`` unknown (the message lists the catalogue), or no
+            accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s missing.
+    """
+    from optimizer.accelerators import accelerator_names
+    from optimizer.problem import raise_field_errors
+
+    memory, flops, bandwidth = cluster.memory_bytes, cluster.flops_per_s, cluster.memory_bandwidth_bytes_per_s
+    name = cluster.accelerator or "explicit"
+    if cluster.accelerator is not None:
+        try:
+            entry = get_accelerator(cluster.accelerator)
+        except KeyError:
+            raise_field_errors(
+                "ClusterConfig",
+                [
+                    (
+                        ("cluster", "accelerator"),
+                        f"unknown accelerator {cluster.accelerator!r}: use one of {', '.join(accelerator_names())}, "
+                        "or give memory_bytes, flops_per_s and memory_bandwidth_bytes_per_s instead",
+                        cluster.accelerator,
+                    )
+                ],
+            )
+            raise  # unreachable: raise_field_errors raised
+        name = entry.name
+        memory = memory if memory is not None else entry.memory_bytes
+        flops = flops if flops is not None else entry.flops_per_s
+        bandwidth = bandwidth if bandwidth is not None else entry.memory_bandwidth_bytes_per_s
+    errors: _Errors = [
+        (
+            ("cluster", field_name),
+            f"cluster.{field_name} is needed when no catalogue accelerator is named: give it, or set "
+            f"cluster.accelerator to one of {', '.join(accelerator_names())}",
+            None,
+        )
+        for field_name, value in (
+            ("memory_bytes", memory),
+            ("flops_per_s", flops),
+            ("memory_bandwidth_bytes_per_s", bandwidth),
+        )
+        if value is None
+    ]
+    raise_field_errors("ClusterConfig", errors)
+    assert memory is not None and flops is not None and bandwidth is not None
+    return Hardware(name, float(memory), float(flops), float(bandwidth), cluster.efficiency)
+
+
+def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
+    return 1e3 * (flops / hardware.effective_flops_per_s + traffic_bytes / hardware.memory_bandwidth_bytes_per_s)
+
+
+def transformer_layer(model: ModelConfig, hardware: Hardware) -> Block:
+    """One transformer layer for one microbatch (Zero Bubble paper, Table 1; see the module docstring).
+
+    Recomputation: ``selective`` drops the attention core's 5as²b bytes and reruns its forward inside I;
+    ``full`` keeps only the layer input (s·b·h elements) until the backward, reruns the whole forward inside I
+    and keeps that input until W (the transient memory of the recomputation itself is not modelled).
+    """
+    s, b, h = model.seq_length, model.micro_batch_size, model.hidden_size
+    a, f = model.num_attention_heads, model.ffn_size
+    scale = model.dtype_bytes / 2  # Table 1 counts fp16 bytes
+    gemm = s * b * (8 * h * h + 4 * h * f)
+    attention_forward = 4 * s * s * b * h
+    forward_flops = gemm + attention_forward
+    backward_input_flops = gemm + 2 * attention_forward
+    backward_weight_flops = gemm
+    attention_core_bytes = 5 * a * s * s * b * scale
+    activation = s * b * (18 * h + 4 * f) * scale + attention_core_bytes
+    retained = s * b * (16 * h + 4 * f) * scale
+    forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * activation
+    backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * activation
+    forward_ms = _ms(forward_flops, forward_traffic, hardware)
+    backward_input_ms = _ms(backward_input_flops, backward_input_traffic, hardware)
+    if model.activation_recomputation == "selective":
+        activation -= attention_core_bytes
+        backward_input_ms += _ms(
+            attention_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * attention_core_bytes, hardware
+        )
+    elif model.activation_recomputation == "full":
+        activation = s * b * h * model.dtype_bytes
+        retained = activation
+        backward_input_ms += forward_ms
+    parameters = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    return Block(
+        forward_ms=forward_ms,
+        backward_input_ms=backward_input_ms,
+        backward_weight_ms=_ms(backward_weight_flops, 0.0, hardware),
+        activation_bytes=activation,
+        retained_bytes=retained,
+        parameters=parameters,
+    )
+
+
+def embedding_block(model: ModelConfig, hardware: Hardware) -> Block:
+    """Token + position embedding on the first stage: memory-bound gather (F) and scatter-add (W).
+
+    F writes s·b·h elements and adds positions (3 passes over s·b·h); I is empty (token ids need no gradient);
+    W accumulates s·b·h gradient rows into the fp32 table (read + write, 8 bytes each). Activation: the embedding
+    dropout mask, s·b·h bytes. Parameters V·h + s·h.
+    """
+    s, b, h, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.dtype_bytes
+    tokens = s * b * h
+    return Block(
+        forward_ms=_ms(0.0, 3 * tokens * d, hardware),
+        backward_input_ms=0.0,
+        backward_weight_ms=_ms(0.0, 8 * tokens + tokens * d, hardware),
+        activation_bytes=tokens,
+        retained_bytes=0.0,
+        parameters=model.vocab_size * h + s * h,
+    )
+
+
+def head_block(model: ModelConfig, hardware: Hardware) -> Block:
+    """Final layer norm, LM head and cross-entropy loss on the last stage.
+
+    FLOPs: F = 2·s·b·h·V (the logits), I = 2·s·b·h·V (gradient of the head input), W = 2·s·b·h·V. Traffic: F writes
+    the logits and the fp32 softmax ((2d + 4)·s·b·V bytes), I reads the softmax and writes the logits' gradient.
+    Activation: the layer norm's input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward
+    (4·s·b·V); W still needs the head input and the logits' gradient (s·b·h·d + s·b·V·d).
+    """
+    s, b, h, v, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
+    logits = s * b * v
+    flops = 2 * s * b * h * v
+    return Block(
+        forward_ms=_ms(flops, (2 * d + 4) * logits, hardware),
+        backward_input_ms=_ms(flops, (4 + d) * logits, hardware),
+        backward_weight_ms=_ms(flops, 0.0, hardware),
+        activation_bytes=2 * s * b * h * d + 4 * logits,
+        retained_bytes=s * b * h * d + logits * d,
+        parameters=v * h + 2 * h,
+    )
+
+
+def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> float:
+    """Bytes per parameter for weights, gradients and Adam state (ZeRO paper, Sec. 3.1; module docstring).
+
+    Mixed precision (fp16/bf16): 2 weights + 4 fp32 gradients + 12 optimizer (fp32 master, m, v) = 18.
+    fp32: 4 + 4 + 8 = 16. With ``shard_optimizer_state`` the optimizer part is divided by ``data_parallel_size``.
+    """
+    if model.dtype == "fp32":
+        weights, gradients, optimizer = 4.0, 4.0, 8.0
+    else:
+        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
+    if cluster.shard_optimizer_state:
+        optimizer /= cluster.data_parallel_size
+    return weights + gradients + optimizer
+
+
+def stage_ranks(pipeline: Pipeline) -> list[list[int]]:
+    """For every model stage, the ranks holding a copy (contract, Terms: placement).
+
+    One rank per stage, except ``"bidirectional"`` where each model stage sits on two ranks (one per replica).
+    """
+    p, num_stages = pipeline.num_ranks, pipeline.num_stages
+    placement = pipeline.placement
+    if isinstance(placement, list):
+        return [[rank] for rank in placement]
+    if placement == "loop":
+        return [[s % p] for s in range(num_stages)]
+    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+    if placement == "v":
+        return [[rank] for rank in v]
+    return [sorted({rank, p - 1 - rank}) for rank in v]
+
+
+@dataclass
+class DerivedProblem:
+    """What :func:`derive_problem` derived.
+
+    Attributes:
+        costs, memory: the contract's sections (ms, bytes).
+        layers_per_stage: transformer layers per model stage.
+        stages: per model stage, the summed :class:`Block` (times ms, bytes, parameters).
+        static_bytes: per rank, weights + gradients + optimizer state.
+        limit_bytes: per rank, accelerator memory minus the reserve.
+        hardware: the resolved accelerator.
+    """
+
+    costs: Costs
+    memory: Memory
+    layers_per_stage: list[int]
+    stages: list[Block] = field(default_factory=list)
+    static_bytes: list[float] = field(default_factory=list)
+    limit_bytes: float = math.inf
+    hardware: Hardware | None = None
+
+
+def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
+    errors: _Errors = []
+    if model.num_layers < num_stages and model.layers_per_stage is None:
+        errors.append(
+            (
+                ("model", "num_layers"),
+                f"{model.num_layers} layers cannot fill {num_stages} stages: use ≤ {model.num_layers} stages "
+                "(num_ranks × stages_per_rank), more layers, or an explicit model.layers_per_stage",
+                model.num_layers,
+            )
+        )
+    layers = model.layers_per_stage
+    if layers is not None:
+        loc: tuple[str | int, ...] = ("model", "layers_per_stage")
+        if len(layers) != num_stages:
+            errors.append(
+                (loc, f"layers_per_stage has {len(layers)} entries but the pipeline has {num_stages} stages", layers)
+            )
+        elif sum(layers) != model.num_layers:
+            errors.append(
+                (loc, f"layers_per_stage sums to {sum(layers)} but model.num_layers is {model.num_layers}", layers)
+            )
+        else:
+            for stage, count in enumerate(layers):
+                if count < 0 or (count == 0 and 0 < stage < num_stages - 1):
+                    errors.append(
+                        (
+                            (*loc, stage),
+                            f"stage {stage} gets {count} layers: every stage needs ≥ 1 layer (the first and last "
+                            "may have 0, holding only the embedding or the head)",
+                            count,
+                        )
+                    )
+    return errors
+
+
+def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipeline) -> DerivedProblem:
+    """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
+
+    Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
+    otherwise :func:`optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
+    every rank fitting static memory plus one microbatch's activations of each of its stages.
+
+    Returns:
+        A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
+        bandwidth, per-stage ``memory.activation``/``retained_for_weight`` (bytes), per-rank ``memory.static``
+        (bytes) and ``memory.limit`` = accelerator memory − ``cluster.memory_reserve_bytes``.
+
+    Raises:
+        pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
+            (``model.num_layers``), a bad ``model.layers_per_stage``, or weights/optimizer state alone
+            exceeding a rank's memory (``cluster``), each with the numbers and the fix.
+    """
+    from optimizer.partition import PartitionError, partition_layers
+    from optimizer.problem import Costs, Memory, raise_field_errors
+
+    hardware = resolve_hardware(cluster)
+    num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
+    raise_field_errors("Problem", _check_layers_per_stage(model, num_stages))
+
+    layer = transformer_layer(model, hardware)
+    embedding = embedding_block(model, hardware)
+    head = head_block(model, hardware)
+    per_parameter = static_bytes_per_parameter(model, cluster)
+    limit = hardware.memory_bytes - cluster.memory_reserve_bytes
+    holders = stage_ranks(pipeline)
+    gib = 1024**3
+
+    def stage_block(stage: int, count: int) -> Block:
+        block = layer.times(count)
+        if stage == 0:
+            block = block + embedding
+        if stage == num_stages - 1:
+            block = block + head
+        return block
+
+    def stage_memory(stage: int, count: int) -> float:
+        block = stage_block(stage, count)
+        return block.parameters * per_parameter + block.activation_bytes
+
+    total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
+    total_static += model.num_layers * layer.parameters * per_parameter
+    copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
+    if limit <= 0 or total_static * copies / num_ranks > limit:
+        needed = total_static * copies / num_ranks
+        ranks_needed = math.ceil(total_static * copies / max(limit, 1.0))
+        loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
+        shard_hint = (
+            " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
+            if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
+            else ""
+        )
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    loc,
+                    f"weights, gradients and optimizer state need {needed / gib:.1f} GiB per rank "
+                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {limit / gib:.1f} GiB "
+                    f"({hardware.name}, {hardware.memory_bytes / gib:.0f} GiB minus the "
+                    f"{cluster.memory_reserve_bytes / gib:.1f} GiB reserve): use ≥ {ranks_needed} ranks"
+                    f"{shard_hint}",
+                    cluster.accelerator or cluster.memory_bytes,
+                )
+            ],
+        )
+
+    if model.layers_per_stage is not None:
+        layers_per_stage = list(model.layers_per_stage)
+    else:
+        try:
+            layers_per_stage = partition_layers(
+                model.num_layers,
+                num_stages,
+                stage_time=lambda stage, count: stage_block(stage, count).compute_ms,
+                stage_memory=stage_memory,
+                stage_ranks=holders,
+                num_ranks=num_ranks,
+                limit=limit,
+            )
+        except PartitionError as error:
+            raise_field_errors(
+                "Problem",
+                [
+                    (
+                        ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                        f"{error}; each rank has {limit / gib:.1f} GiB: use more ranks, a smaller "
+                        "micro_batch_size, activation recomputation, or shard optimizer state",
+                        cluster.accelerator or cluster.memory_bytes,
+                    )
+                ],
+            )
+            raise
+
+    stages = [stage_block(stage, count) for stage, count in enumerate(layers_per_stage)]
+    static = [0.0] * num_ranks
+    for stage, block in enumerate(stages):
+        for rank in holders[stage]:
+            static[rank] += block.parameters * per_parameter
+    p2p_ms = (
+        cluster.p2p_latency_ms
+        + 1e3
+        * (model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes)
+        / cluster.p2p_bandwidth_bytes_per_s
+    )
+    costs = Costs(
+        forward=[round(block.forward_ms, 6) for block in stages],
+        backward_input=[round(block.backward_input_ms, 6) for block in stages],
+        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
+        p2p=round(p2p_ms, 6),
+    )
+    memory = Memory(
+        activation=[float(round(block.activation_bytes)) for block in stages],
+        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
+        limit=float(round(limit)),
+        static=[float(round(value)) for value in static],
+    )
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware)
 
 
 def derive_costs_and_memory(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipeline) -> tuple[Costs, Memory]:
-    """Per-stage F/I/W times (ms) and memory (bytes) for ``model`` on ``cluster``."""
-    raise NotImplementedError("deriving costs from model and cluster is not implemented yet")
+    """Per-stage F/I/W times (ms) and memory (bytes) for ``model`` on ``cluster`` (see :func:`derive_problem`)."""
+    derived = derive_problem(model, cluster, pipeline)
+    return derived.costs, derived.memory

@@ -246,13 +246,17 @@ class Problem(_Strict):
                         )
                     ],
                 )
-            from optimizer.costmodel import derive_costs_and_memory
+            from optimizer.costmodel import derive_problem
 
-            costs, memory = derive_costs_and_memory(self.model, self.cluster, self.pipeline)  # type: ignore[arg-type]
+            derived = derive_problem(self.model, self.cluster, self.pipeline)  # type: ignore[arg-type]
             if self.costs is None:
-                self.costs = costs
+                self.costs = derived.costs
             if self.memory is None:
-                self.memory = memory
+                self.memory = derived.memory
+            # record the partition so the runtime builds its chunks from the same split; with costs and
+            # memory filled in, a re-validated problem keeps model/cluster as documentation only
+            layers = derived.layers_per_stage
+            self.model = self.model.model_copy(update={"layers_per_stage": layers})  # type: ignore[union-attr]
         self._check_lengths()
         return self
 

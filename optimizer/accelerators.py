@@ -1,0 +1,74 @@
+"""Catalogue of accelerators: dense bf16 peak FLOP/s, memory and memory bandwidth.
+
+Figures are the vendors' datasheet numbers for dense (not 2:4 sparse) bf16 tensor-core throughput.
+Memory is given as the vendor's nominal size read as GiB (what ``nvidia-smi``/``rocm-smi`` report is
+within a few percent of it); set ``cluster.memory_bytes`` to override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CATALOGUE", "Accelerator", "accelerator_names", "get_accelerator"]
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator model.
+
+    Attributes:
+        name: catalogue key, e.g. ``"H100-SXM"``.
+        flops_per_s: dense bf16 tensor-core peak, FLOP/s.
+        memory_bytes: device memory, bytes.
+        memory_bandwidth_bytes_per_s: device memory (HBM/GDDR) bandwidth, bytes/s.
+        source: where the figures come from.
+    """
+
+    name: str
+    flops_per_s: float
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    source: str
+
+
+CATALOGUE: dict[str, Accelerator] = {
+    accelerator.name: accelerator
+    for accelerator in (
+        # NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS dense; 40GB HBM2 1,555 GB/s (SXM).
+        Accelerator("A100-40GB", 312e12, 40 * GIB, 1.555e12, "NVIDIA A100 datasheet, SXM 40GB"),
+        # Same datasheet: 80GB HBM2e, 2,039 GB/s (SXM). The Zero Bubble paper's profiles were taken on it.
+        Accelerator("A100-80GB", 312e12, 80 * GIB, 2.039e12, "NVIDIA A100 datasheet, SXM 80GB"),
+        # NVIDIA H100 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense; 80GB, 3.35 TB/s.
+        Accelerator("H100-SXM", 989.5e12, 80 * GIB, 3.35e12, "NVIDIA H100 datasheet, H100 SXM"),
+        # Same datasheet: PCIe BF16 1,513 TFLOPS with sparsity → 756.5 dense; 80GB, 2 TB/s.
+        Accelerator("H100-PCIe", 756.5e12, 80 * GIB, 2.0e12, "NVIDIA H100 datasheet, H100 PCIe"),
+        # NVIDIA H200 datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense; 141GB HBM3e, 4.8 TB/s.
+        Accelerator("H200", 989.5e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet, H200 SXM"),
+        # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs; B200 BF16 2.25 PFLOPS dense;
+        # 1,440GB HBM3e for 8 GPUs → 180GB each, 8 TB/s each.
+        Accelerator("B200", 2.25e15, 180 * GIB, 8.0e12, "NVIDIA DGX B200 datasheet, per GPU"),
+        # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense; 192GB HBM3, 5.3 TB/s.
+        Accelerator("MI300X", 1307.4e12, 192 * GIB, 5.3e12, "AMD Instinct MI300X datasheet"),
+        # NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity → 366.5 dense; 48GB GDDR6, 864 GB/s.
+        Accelerator("L40S", 366.5e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet"),
+    )
+}
+
+
+def accelerator_names() -> list[str]:
+    """The catalogue's names, in catalogue order."""
+    return list(CATALOGUE)
+
+
+def get_accelerator(name: str) -> Accelerator:
+    """The catalogue entry for ``name`` (case-insensitive).
+
+    Raises:
+        KeyError: with the catalogue's names when ``name`` is unknown.
+    """
+    for key, accelerator in CATALOGUE.items():
+        if key.lower() == name.lower():
+            return accelerator
+    raise KeyError(f"unknown accelerator {name!r}: the catalogue has {', '.join(CATALOGUE)}")

@@ -1,0 +1,114 @@
+"""Split a model's transformer layers into contiguous pipeline stages (uneven allowed).
+
+The layers are identical, so a contiguous split is given by the number of layers per stage; stage 0 also
+holds the embedding and the last stage the LM head, which is what makes even splits uneven in time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+__all__ = ["PartitionError", "even_partition", "partition_layers", "slowest_stage"]
+
+
+class PartitionError(ValueError):
+    """No split of the layers fits every rank's memory."""
+
+
+def even_partition(num_layers: int, num_stages: int) -> list[int]:
+    """``num_layers`` split as evenly as possible, the remainder on the first stages (Megatron's default).
+
+    Raises:
+        PartitionError: when ``num_stages`` < 1.
+    """
+    if num_stages < 1:
+        raise PartitionError(f"need at least one stage, got {num_stages}")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def slowest_stage(layers_per_stage: Sequence[int], stage_time: Callable[[int, int], float]) -> float:
+    """The largest ``stage_time(stage, layers)`` over the stages, ms."""
+    return max(stage_time(stage, count) for stage, count in enumerate(layers_per_stage))
+
+
+def partition_layers(
+    num_layers: int,
+    num_stages: int,
+    *,
+    stage_time: Callable[[int, int], float],
+    stage_memory: Callable[[int, int], float] | None = None,
+    stage_ranks: Sequence[Sequence[int]] | None = None,
+    num_ranks: int | None = None,
+    limit: float = float("inf"),
+    min_layers: int = 1,
+) -> list[int]:
+    """Layers per stage minimising the slowest stage's time, subject to every rank's memory.
+
+    Args:
+        num_layers: transformer layers L to place.
+        num_stages: model stages S (each gets ≥ ``min_layers``).
+        stage_time: ``(stage, layers) → ms`` (F + I + W of the stage, embedding/head included), nondecreasing
+            in ``layers``.
+        stage_memory: ``(stage, layers) → bytes`` a rank holds for that stage (static + the activations a
+            schedule needs at least), nondecreasing in ``layers``; ``None`` for no memory constraint.
+        stage_ranks: the ranks holding each stage (default: stage s on rank s).
+        num_ranks: ranks (default: ``num_stages``).
+        limit: per-rank memory limit, bytes.
+        min_layers: least layers per stage.
+
+    Returns:
+        ``num_stages`` counts summing to ``num_layers``.
+
+    Algorithm: water-filling. Starting from ``min_layers`` everywhere, give the next layer to the stage whose
+    time after taking it is smallest among the stages whose ranks still fit. With nondecreasing per-stage
+    times this greedy is exact for the min-max objective (the classic resource-allocation result: the
+    final maximum is the L-th smallest marginal level), and it also equalises the other stages; with one
+    stage per rank the memory constraint is per stage and the result stays optimal. With several stages per
+    rank the shared memory makes it a heuristic.
+
+    Raises:
+        PartitionError: fewer layers than ``num_stages * min_layers``, or no split fits the memory (the
+            message gives the rank and the bytes).
+    """
+    if num_layers < num_stages * min_layers:
+        raise PartitionError(f"{num_layers} layers cannot fill {num_stages} stages with ≥ {min_layers} each")
+    holders = [list(ranks) for ranks in stage_ranks] if stage_ranks is not None else [[s] for s in range(num_stages)]
+    ranks = num_ranks if num_ranks is not None else num_stages
+    counts = [min_layers] * num_stages
+
+    def used(rank: int, changed: int | None = None) -> float:
+        if stage_memory is None:
+            return 0.0
+        total = 0.0
+        for stage in range(num_stages):
+            if rank in holders[stage]:
+                total += stage_memory(stage, counts[stage] + (1 if stage == changed else 0))
+        return total
+
+    if stage_memory is not None:
+        for rank in range(ranks):
+            need = used(rank)
+            if need > limit:
+                raise PartitionError(
+                    f"rank {rank} needs {need / 1024**3:.2f} GiB with {min_layers} layer(s) per stage, "
+                    f"over its limit {limit / 1024**3:.2f} GiB"
+                )
+    heap = [(stage_time(stage, counts[stage] + 1), stage) for stage in range(num_stages)]
+    heapq.heapify(heap)
+    remaining = num_layers - sum(counts)
+    while remaining > 0:
+        if not heap:
+            worst = max(range(ranks), key=used)
+            raise PartitionError(
+                f"{remaining} of {num_layers} layers do not fit: with {counts} layers per stage rank {worst} "
+                f"already holds {used(worst) / 1024**3:.2f} GiB of {limit / 1024**3:.2f} GiB"
+            )
+        _, stage = heapq.heappop(heap)
+        if stage_memory is not None and any(used(rank, changed=stage) > limit for rank in holders[stage]):
+            continue  # memory only grows: this stage stays closed
+        counts[stage] += 1
+        remaining -= 1
+        heapq.heappush(heap, (stage_time(stage, counts[stage] + 1), stage))
+    return counts
