@@ -60,6 +60,46 @@ def render_schedule(schedule: Schedule, *, output_format: str) -> str:
     return json.dumps(schedule_to_chrome_trace(schedule))
 
 
+def print_derived_problem(problem: Problem) -> None:
+    """When ``problem`` came from ``model`` and ``cluster``: per-stage layers, F/I/W ms, activation bytes, per-rank
+    static and limit (what `pipesched solve` derived; the schedule JSON's ``problem`` holds it for editing)."""
+    if problem.model is None or problem.cluster is None or problem.costs is None or problem.memory is None:
+        return
+    layers = problem.model.layers_per_stage or []
+    forward = problem.stage_values(problem.costs.forward)
+    backward_input = problem.stage_values(problem.costs.backward_input)
+    backward_weight = problem.stage_values(problem.costs.backward_weight)
+    activation = problem.stage_values(problem.memory.activation)
+    retained = problem.stage_values(problem.memory.retained_for_weight)
+    table = Table(
+        show_header=True,
+        header_style="bold",
+        title=f"derived from model/cluster ({problem.cluster.accelerator or 'explicit accelerator'})",
+    )
+    for column in ("stage", "layers", "F ms", "I ms", "W ms", "activation", "retained for W"):
+        table.add_column(column, justify="right")
+    for stage in range(problem.pipeline.num_stages):
+        table.add_row(
+            str(stage),
+            str(layers[stage]) if stage < len(layers) else "—",
+            f"{forward[stage]:.3f}",
+            f"{backward_input[stage]:.3f}",
+            f"{backward_weight[stage]:.3f}",
+            format_bytes(activation[stage]),
+            format_bytes(retained[stage]),
+        )
+    if problem.pipeline.num_stages <= 32:
+        console.print(table)
+    p2p = problem.stage_values(problem.costs.p2p)
+    static = ", ".join(format_bytes(x) for x in problem.static_memory)
+    limits = {format_bytes(x) if x != float("inf") else "none" for x in problem.memory_limits}
+    console.print(
+        f"layers per stage {layers} · p2p {max(p2p):.3f} ms · static per rank {static} · limit {', '.join(limits)}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def print_summary(schedule: Schedule) -> None:
     """A one-screen summary of a schedule."""
     problem = schedule.problem
@@ -70,6 +110,7 @@ def print_summary(schedule: Schedule) -> None:
         f"{pipeline.placement if isinstance(pipeline.placement, str) else 'explicit'}"
     )
     console.print(head, highlight=False)
+    print_derived_problem(problem)
     if schedule.status == "infeasible":
         console.print(f"[bold red]infeasible[/bold red]: {schedule.reason}", highlight=False)
         if schedule.min_memory_limit:
