@@ -8,9 +8,11 @@ placement take turns.
 
 Memory: a microbatch's first forward on a rank *admits* it there and reserves the activation of
 every stage it will pass on that rank; a rank admits a microbatch only while its committed bytes
-(held plus reserved) stay within ``cap`` bytes, so the rank's activation peak never exceeds ``cap``
-(or one microbatch's reservation, if that is larger). Later forwards, backwards and W are never held
-back, so every admitted microbatch can finish: the orders never deadlock.
+(held plus reserved) stay within ``cap`` bytes (split evenly between the replicas of a
+bidirectional placement, so neither can fill a rank the other needs), so the rank's activation
+peak never exceeds ``cap`` (or one microbatch's reservation per replica, if that is larger).
+Later forwards, backwards and W are never held back, so every admitted microbatch can finish: the
+orders never deadlock.
 """
 
 from __future__ import annotations
@@ -60,16 +62,22 @@ def capped_greedy_orders(inst: Instance, cap: list[float], *, reserve: bool = Tr
             first_stage_on_rank.setdefault((inst.stage_ranks[stage], j), stage)
     # Microbatches of different replicas (bidirectional) interleave: priority by position in the replica.
     seen: dict[tuple[int, ...], int] = {}
+    groups: dict[tuple[int, ...], int] = {}
     seq = []
+    group = []
     for chain in inst.chains:
         chain_key = tuple(chain)
         seq.append(seen.get(chain_key, 0))
         seen[chain_key] = seq[-1] + 1
+        group.append(groups.setdefault(chain_key, len(groups)))
+    num_groups = len(groups)
     reservation = {(r, j): microbatch_reservation(inst, r, j) for (r, j) in first_stage_on_rank}
 
     end = [math.nan] * len(inst.actions)
     free = [0.0] * p
-    committed = [0.0] * p
+    # Committed bytes per rank and replica: each replica gets an equal share of the cap, so that no
+    # replica can fill a rank with microbatches that wait on a rank the other replica has filled.
+    committed = [[0.0] * num_groups for _ in range(p)]
     held = [0.0] * p
     pending_weights: list[list[int]] = [[] for _ in range(p)]
     remaining = [len(ids) for ids in inst.rank_actions]
@@ -96,8 +104,8 @@ def capped_greedy_orders(inst: Instance, cap: list[float], *, reserve: bool = Tr
                 idx = inst.action_id(stage, kind, j)
                 if kind == ActionKind.FORWARD and first_stage_on_rank[(rank, j)] == stage:
                     need = reservation[(rank, j)]
-                    base = committed[rank] if reserve else held[rank]
-                    if base > 1e-9 and base + need > cap[rank] * (1 + 1e-12):
+                    base = committed[rank][group[j]] if reserve else held[rank]
+                    if base > 1e-9 and base + need > cap[rank] / num_groups * (1 + 1e-12):
                         continue
                     priority = (2, seq[j], j)
                 elif kind == ActionKind.FORWARD:
@@ -135,14 +143,14 @@ def capped_greedy_orders(inst: Instance, cap: list[float], *, reserve: bool = Tr
         orders[rank].append(action)
         if action.kind == ActionKind.BACKWARD_WEIGHT:
             pending_weights[rank].remove(idx)
-            committed[rank] += inst.mem_delta[idx]
+            committed[rank][group[action.microbatch]] += inst.mem_delta[idx]
             continue
         next_pos[(action.stage, action.kind)] += 1
         if action.kind == ActionKind.FORWARD:
             if first_stage_on_rank[(rank, action.microbatch)] == action.stage:
-                committed[rank] += reservation[(rank, action.microbatch)]
+                committed[rank][group[action.microbatch]] += reservation[(rank, action.microbatch)]
         else:
-            committed[rank] += inst.mem_delta[idx]
+            committed[rank][group[action.microbatch]] += inst.mem_delta[idx]
             if action.kind == ActionKind.BACKWARD_INPUT:
                 weight = inst.action_id(action.stage, ActionKind.BACKWARD_WEIGHT, action.microbatch)
                 pending_weights[rank].append(weight)

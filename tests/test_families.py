@@ -1,0 +1,205 @@
+"""Schedule families: known formulas, domains, property tests, and the simulator's rejections."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from optimizer.families import FamilyDomainError, get_family, registry
+from optimizer.instance import compile_problem
+from optimizer.ir import Action, ActionKind
+from optimizer.problem import Problem
+from optimizer.simulate import InvalidSchedule, SimulationResult, simulate
+from tests.conftest import uniform_problem
+
+
+def _run(problem: Problem, name: str) -> SimulationResult:
+    return simulate(compile_problem(problem), get_family(name).generate(problem))
+
+
+# -- known formulas (uniform costs, zero p2p) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (5, 11), (8, 16)])
+def test_one_f_one_b_bubble_formula(p: int, m: int) -> None:
+    problem = uniform_problem(p, m, forward=2.0, backward_input=3.0, backward_weight=1.5, split_backward=False)
+    sim = _run(problem, "1f1b")
+    assert sim.makespan == pytest.approx(m * 6.5 + (p - 1) * 6.5)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (6, 12)])
+def test_zero_bubble_formulas(p: int, m: int) -> None:
+    costs = {"forward": 2.0, "backward_input": 2.5, "backward_weight": 1.5}
+    h1 = _run(uniform_problem(p, m, **costs, objective="stage_span"), "zb-h1")
+    assert h1.stage_span == pytest.approx(m * 6.0 + (p - 1) * (2.0 + 2.5 - 1.5))
+    assert h1.peak_memory[0] == pytest.approx(p * 100.0)
+    assert max(h1.peak_memory) == h1.peak_memory[0]
+    h2 = _run(uniform_problem(p, m, **costs, objective="stage_span"), "zb-h2")
+    assert h2.peak_memory[0] == pytest.approx((2 * p - 1) * 100.0)
+    assert h2.stage_span < h1.stage_span
+
+
+def test_interleaved_bubble_shrinks_with_stages_per_rank() -> None:
+    p, m = 4, 8
+    rates = []
+    for v in (1, 2, 4):
+        # The same model cut into v chunks per rank: each stage costs 1/v.
+        problem = uniform_problem(
+            p, m, stages_per_rank=v, forward=1 / v, backward_input=1 / v, backward_weight=1 / v, split_backward=False
+        )
+        sim = _run(problem, "1f1b" if v == 1 else "interleaved-1f1b")
+        rates.append(sim.bubble_rate("makespan"))
+        assert sim.makespan - sim.ideal == pytest.approx((p - 1) * 3.0 / v)
+    assert rates[0] > rates[1] > rates[2]
+
+
+def test_v_half_and_v_min_memory() -> None:
+    p, m = 12, 24
+    one = _run(uniform_problem(p, m, activation=200.0, retained_for_weight=80.0), "1f1b")
+    halves = {"forward": 0.5, "backward_input": 0.5, "backward_weight": 0.5}
+    v_problem = uniform_problem(p, m, stages_per_rank=2, placement="v", **halves)
+    zb_v = _run(v_problem, "zb-v")
+    half = _run(v_problem, "v-half")
+    vmin = _run(v_problem, "v-min")
+    baseline = max(one.peak_memory)
+    assert max(zb_v.peak_memory) <= baseline
+    assert 0.4 * baseline <= max(half.peak_memory) <= (0.5 + 1 / p) * baseline + 1e-6
+    assert 0.25 * baseline <= max(vmin.peak_memory) <= (1 / 3 + 1 / p) * baseline + 1e-6
+    assert zb_v.bubble_rate("makespan") < one.bubble_rate("makespan")
+
+
+def test_dualpipe_v_peak_about_p_plus_one_microbatches() -> None:
+    p = 4
+    sim = _run(uniform_problem(p, 16, stages_per_rank=2, placement="v"), "dualpipe-v")
+    # One microbatch holds 2 × 100 bytes on a rank (its two stages).
+    assert p * 200.0 <= max(sim.peak_memory) <= (p + 1) * 200.0
+
+
+# -- domains and property tests -----------------------------------------------------------------
+
+_DOMAINS: dict[str, tuple[str, tuple[int, ...], bool]] = {
+    # name: (placement, admitted stages_per_rank, needs split backward)
+    "gpipe": ("loop", (1,), False),
+    "1f1b": ("loop", (1,), False),
+    "interleaved-1f1b": ("loop", (2, 3, 4), False),
+    "looped-bfs": ("loop", (1, 2, 3), False),
+    "zb-h1": ("loop", (1,), True),
+    "zb-h2": ("loop", (1,), True),
+    "zb-v": ("v", (2,), True),
+    "v-half": ("v", (2,), False),
+    "v-min": ("v", (2,), False),
+    "bitpipe": ("bidirectional", (2,), False),
+    "dualpipe-v": ("v", (2,), False),
+}
+
+
+def test_every_contract_family_is_registered() -> None:
+    assert set(registry()) == set(_DOMAINS)
+
+
+@pytest.mark.parametrize("name", sorted(_DOMAINS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_generated_schedules_pass_the_simulator(name: str, data: st.DataObject) -> None:
+    placement, stages, needs_split = _DOMAINS[name]
+    p = data.draw(st.integers(1, 5), label="num_ranks")
+    m = data.draw(st.integers(1, 13), label="num_microbatches")
+    v = data.draw(st.sampled_from(stages), label="stages_per_rank")
+    split = True if needs_split else data.draw(st.booleans(), label="split_backward")
+    forward = data.draw(st.floats(0.5, 3.0), label="forward")
+    p2p = data.draw(st.sampled_from([0.0, 0.3]), label="p2p")
+    problem = uniform_problem(
+        p, m, stages_per_rank=v, placement=placement, forward=forward, p2p=p2p, split_backward=split
+    )
+    sim = _run(problem, name)
+    assert sim.makespan >= sim.ideal - 1e-9
+    kinds = {action.kind for row in get_family(name).generate(problem) for action in row}
+    assert (ActionKind.BACKWARD in kinds) == (not split)
+
+
+_OUTSIDE = [
+    ("1f1b", {"stages_per_rank": 2, "placement": "v"}, 'placement "loop"'),
+    ("interleaved-1f1b", {"stages_per_rank": 1}, "stages_per_rank ≥ 2"),
+    ("zb-h1", {"split_backward": False}, "split_backward true"),
+    ("zb-h2", {"stages_per_rank": 2}, "stages_per_rank 1"),
+    ("zb-v", {"stages_per_rank": 2, "placement": "v", "split_backward": False}, "split_backward true"),
+    ("zb-v", {"stages_per_rank": 2}, 'placement "v" with stages_per_rank 2'),
+    ("v-half", {"stages_per_rank": 2, "placement": "bidirectional"}, 'placement "v"'),
+    ("v-min", {}, 'placement "v"'),
+    ("bitpipe", {"stages_per_rank": 2, "placement": "v"}, '"bidirectional"'),
+    ("dualpipe-v", {"stages_per_rank": 2}, 'placement "v"'),
+    ("looped-bfs", {"stages_per_rank": 2, "placement": "v"}, 'placement "loop"'),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "needle"), _OUTSIDE)
+def test_outside_the_domain_is_a_clear_error(name: str, changes: dict, needle: str) -> None:  # type: ignore[type-arg]
+    problem = uniform_problem(4, 8, **changes)
+    with pytest.raises(FamilyDomainError, match=name) as error:
+        get_family(name).generate(problem)
+    assert needle in str(error.value)
+
+
+# -- corrupted schedules ------------------------------------------------------------------------
+
+
+def _h1() -> tuple[Problem, list[list[Action]]]:
+    problem = uniform_problem(4, 8)
+    return problem, get_family("zb-h1").generate(problem)
+
+
+def test_dropped_action_is_missing() -> None:
+    problem, orders = _h1()
+    dropped = orders[2].pop(5)
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(compile_problem(problem), orders)
+    assert error.value.reason == "missing_action"
+    assert error.value.details["action"] == str(dropped) and error.value.details["rank"] == 2
+
+
+def test_duplicated_action_is_rejected() -> None:
+    problem, orders = _h1()
+    orders[1].append(orders[1][0])
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(compile_problem(problem), orders)
+    assert error.value.reason == "duplicate_action"
+
+
+def test_weight_before_its_input_gradient_deadlocks() -> None:
+    problem, orders = _h1()
+    row = orders[3]
+    i_pos = row.index(Action(3, ActionKind.BACKWARD_INPUT, 0))
+    w_pos = row.index(Action(3, ActionKind.BACKWARD_WEIGHT, 0))
+    row.insert(i_pos, row.pop(w_pos))
+    with pytest.raises(InvalidSchedule, match="rank 3 cannot run 3W0 before 3I0") as error:
+        simulate(compile_problem(problem), orders)
+    assert error.value.reason == "deadlock"
+    assert {"rank": 3, "action": "3W0", "waits_for": "3I0", "on_rank": 3} in error.value.details["waits"]
+
+
+def test_backward_before_its_forward_deadlocks() -> None:
+    problem = uniform_problem(3, 4, split_backward=False)
+    orders = get_family("1f1b").generate(problem)
+    row = orders[0]
+    f_pos = row.index(Action(0, ActionKind.FORWARD, 0))
+    b_pos = row.index(Action(0, ActionKind.BACKWARD, 0))
+    row[f_pos], row[b_pos] = row[b_pos], row[f_pos]
+    with pytest.raises(InvalidSchedule, match="rank 0 cannot run 0B0") as error:
+        simulate(compile_problem(problem), orders)
+    assert error.value.reason == "deadlock"
+    assert any(wait["rank"] == 0 for wait in error.value.details["waits"])
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_memory_limit_one_byte_below_peak(name: str) -> None:
+    problem = uniform_problem(4, 8)
+    orders = get_family(name).generate(problem)
+    peak = max(simulate(compile_problem(problem), orders).peak_memory)
+    assert simulate(compile_problem(problem.with_changes(**{"memory.limit": peak})), orders).fits
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(compile_problem(problem.with_changes(**{"memory.limit": peak - 1})), orders)
+    assert error.value.reason == "memory_limit"
+    assert error.value.details["rank"] == 0
+    assert error.value.details["bytes"] == pytest.approx(peak)
+    assert f"rank 0 holds {peak:.0f} bytes" in str(error.value)
