@@ -1,0 +1,168 @@
+"""The layer partitioner (optimizer/partition.py): exact min-max split, memory, and what it buys a schedule."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from optimizer.partition import PartitionError, even_partition, partition_layers, slowest_stage
+from optimizer.problem import Problem
+from optimizer.solve import solve
+
+#: A 16-layer model with a 256k vocabulary: the LM head weighs several layers, so an even split is slow.
+UNEVEN_MODEL = {
+    "num_layers": 16,
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "seq_length": 1024,
+    "vocab_size": 256_000,
+    "micro_batch_size": 2,
+}
+
+
+def uneven_problem(layers_per_stage: list[int] | None, time_limit_s: float = 2.0) -> Problem:
+    return Problem.model_validate(
+        {
+            "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+            "model": {**UNEVEN_MODEL, "layers_per_stage": layers_per_stage},
+            "cluster": {"accelerator": "H100-SXM", "p2p_latency_ms": 0.02},
+            "solver": {"method": "auto", "time_limit_s": time_limit_s},
+        }
+    )
+
+
+def compute_ms(problem: Problem) -> list[float]:
+    assert problem.costs is not None
+    return [
+        f + i + w
+        for f, i, w in zip(
+            problem.stage_values(problem.costs.forward),
+            problem.stage_values(problem.costs.backward_input),
+            problem.stage_values(problem.costs.backward_weight),
+            strict=True,
+        )
+    ]
+
+
+def compositions(total: int, parts: int, least: int) -> Iterator[list[int]]:
+    for cuts in itertools.combinations(range(1, total - parts * least + parts), parts - 1):
+        bounds = [0, *cuts, total - parts * least + parts]
+        yield [bounds[k + 1] - bounds[k] - 1 + least for k in range(parts)]
+
+
+def test_even_partition() -> None:
+    assert even_partition(10, 4) == [3, 3, 2, 2]
+    assert even_partition(8, 8) == [1] * 8
+    with pytest.raises(PartitionError):
+        even_partition(3, 0)
+
+
+def test_partitioner_beats_the_even_split_on_a_heavy_head() -> None:
+    even = uneven_problem(even_partition(16, 4))
+    partitioned = uneven_problem(None)
+    assert partitioned.model is not None and partitioned.model.layers_per_stage is not None
+    layers = partitioned.model.layers_per_stage
+    assert sum(layers) == 16 and layers[-1] < 4  # the head's stage gives layers away
+    assert max(compute_ms(partitioned)) < 0.9 * max(compute_ms(even))
+
+    auto_even = solve(even)
+    auto_partitioned = solve(partitioned)
+    assert auto_even.status != "infeasible" and auto_partitioned.status != "infeasible"
+    assert auto_partitioned.makespan < auto_even.makespan
+    # the schedule's problem records the partition the runtime must build
+    assert auto_partitioned.problem.model is not None
+    assert auto_partitioned.problem.model.layers_per_stage == layers
+
+
+def test_greedy_is_exact_against_enumeration() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        num_stages = rng.randint(1, 4)
+        num_layers = rng.randint(num_stages, 10)
+        per_layer = [rng.uniform(0.5, 2.0) for _ in range(num_stages)]
+        fixed = [rng.uniform(0.0, 6.0) for _ in range(num_stages)]
+        memory_per_layer = [rng.uniform(1.0, 3.0) for _ in range(num_stages)]
+        limit = rng.uniform(3.0, 30.0)
+
+        def stage_time(stage: int, count: int, per_layer: list[float] = per_layer, fixed: list[float] = fixed) -> float:
+            return fixed[stage] + per_layer[stage] * count
+
+        def stage_memory(stage: int, count: int, memory: list[float] = memory_per_layer) -> float:
+            return memory[stage] * count
+
+        feasible = [
+            split
+            for split in compositions(num_layers, num_stages, 1)
+            if all(stage_memory(k, n) <= limit for k, n in enumerate(split))
+        ]
+        if not feasible:
+            with pytest.raises(PartitionError):
+                partition_layers(num_layers, num_stages, stage_time=stage_time, stage_memory=stage_memory, limit=limit)
+            continue
+        best = min(slowest_stage(split, stage_time) for split in feasible)
+        split = partition_layers(num_layers, num_stages, stage_time=stage_time, stage_memory=stage_memory, limit=limit)
+        assert sum(split) == num_layers and min(split) >= 1
+        assert all(stage_memory(k, n) <= limit for k, n in enumerate(split))
+        assert slowest_stage(split, stage_time) == pytest.approx(best)
+
+
+def test_memory_moves_layers_off_a_full_rank() -> None:
+    # stage 0 is fast per layer but holds a large static part: time alone would give it most layers
+    def stage_time(stage: int, count: int) -> float:
+        return count * (1.0 if stage == 0 else 2.0)
+
+    def stage_memory(stage: int, count: int) -> float:
+        return (60.0 if stage == 0 else 0.0) + 10.0 * count
+
+    free = partition_layers(12, 2, stage_time=stage_time)
+    assert free == [8, 4]
+    tight = partition_layers(12, 2, stage_time=stage_time, stage_memory=stage_memory, limit=100.0)
+    assert tight == [4, 8]
+
+
+def test_shared_ranks_count_every_stage_they_hold() -> None:
+    # loop placement, 2 ranks × 2 stages: rank 0 holds stages 0 and 2
+    def stage_memory(stage: int, count: int) -> float:
+        return 10.0 * count
+
+    split = partition_layers(
+        8,
+        4,
+        stage_time=lambda stage, count: float(count),
+        stage_memory=stage_memory,
+        stage_ranks=[[0], [1], [0], [1]],
+        num_ranks=2,
+        limit=40.0,
+    )
+    assert split == [2, 2, 2, 2]
+    with pytest.raises(PartitionError, match="do not fit"):
+        partition_layers(
+            9,
+            4,
+            stage_time=lambda stage, count: float(count),
+            stage_memory=stage_memory,
+            stage_ranks=[[0], [1], [0], [1]],
+            num_ranks=2,
+            limit=40.0,
+        )
+
+
+def test_interleaved_problem_is_partitioned_per_model_stage() -> None:
+    problem = Problem.model_validate(
+        {
+            "pipeline": {"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2, "placement": "v"},
+            "model": {**UNEVEN_MODEL, "num_layers": 12},
+            "cluster": {"accelerator": "A100-80GB"},
+        }
+    )
+    assert problem.model is not None and problem.model.layers_per_stage is not None
+    assert len(problem.model.layers_per_stage) == 4 and sum(problem.model.layers_per_stage) == 12
+    assert problem.memory is not None and isinstance(problem.memory.static, list) and len(problem.memory.static) == 2
+
+
+def test_too_few_layers() -> None:
+    with pytest.raises(PartitionError, match="3 layers cannot fill 4 stages"):
+        partition_layers(3, 4, stage_time=lambda stage, count: float(count))
