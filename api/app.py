@@ -30,20 +30,16 @@ __all__ = ["create_app"]
 log = logging.getLogger("pipesched.api")
 
 
-class BodyTooLarge(Exception):
-    """The request body passed ``max_body_bytes``."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.limit = limit
-
-
 def _too_large_message(limit: int) -> str:
     return f"the request body is larger than this service's limit of {limit} bytes (PIPESCHED_MAX_BODY_BYTES)"
 
 
 class GuardAndMeasure:
-    """ASGI middleware: refuse bodies over ``max_body_bytes`` (413) and count requests by route template."""
+    """ASGI middleware: refuse bodies over ``max_body_bytes`` (413) and count requests by route template.
+
+    A declared Content-Length over the limit is refused before reading; a chunked body is read here
+    up to the limit (the server enforces a declared length).
+    """
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics) -> None:
         self.app = app
@@ -68,18 +64,32 @@ class GuardAndMeasure:
                 response = JSONResponse({"detail": _too_large_message(self.max_body_bytes)}, status_code=413)
                 await response(scope, receive, send_measured)
                 return
-            received = 0
+            if declared is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                # No Content-Length (chunked): read the body here, bounded, and replay it.
+                body = bytearray()
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        break
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_body_bytes:
+                        response = JSONResponse({"detail": _too_large_message(self.max_body_bytes)}, status_code=413)
+                        await response(scope, receive, send_measured)
+                        return
+                replayed = False
 
-            async def receive_limited() -> Message:
-                nonlocal received
-                message = await receive()
-                if message["type"] == "http.request":
-                    received += len(message.get("body", b""))
-                    if received > self.max_body_bytes:
-                        raise BodyTooLarge(self.max_body_bytes)
-                return message
+                async def receive_buffered() -> Message:
+                    nonlocal replayed
+                    if not replayed:
+                        replayed = True
+                        return {"type": "http.request", "body": bytes(body), "more_body": False}
+                    return await receive()
 
-            await self.app(scope, receive_limited, send_measured)
+                await self.app(scope, receive_buffered, send_measured)
+                return
+            await self.app(scope, receive, send_measured)
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
@@ -106,11 +116,6 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
             msg = "the request has no body: send the problem as a JSON object (the contract's Problem)"
         details.append({"loc": loc, "msg": msg, "type": kind})
     return JSONResponse({"detail": details}, status_code=status)
-
-
-def _too_large_response(request: Request, error: Exception) -> JSONResponse:
-    assert isinstance(error, BodyTooLarge)
-    return JSONResponse({"detail": _too_large_message(error.limit)}, status_code=413)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -146,7 +151,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
-    app.add_exception_handler(BodyTooLarge, _too_large_response)
     for module in (schedules, jobs, methods, health):
         app.include_router(module.router)
     app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)

@@ -1,0 +1,368 @@
+"""The HTTP service in-process: httpx against the ASGI app (its lifespan runs the real solver pool)."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from api.jobs import make_stop_check
+from api.settings import Settings
+from api.storage import Store, problem_key
+from optimizer.export import orders_to_torch_csv
+from optimizer.families import registry
+from optimizer.problem import Problem
+from optimizer.solve import solve
+from tests.conftest import uniform_problem
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
+
+MAX_TIME_LIMIT_S = 3.0
+
+
+def problem_body(method: str = "1f1b", time_limit_s: float = 2.0, **changes: Any) -> dict[str, Any]:
+    """A 4-rank, 8-microbatch problem as a request body."""
+    problem = uniform_problem(4, 8, p2p=0.1).with_changes(
+        **{"solver.method": method, "solver.time_limit_s": time_limit_s, **changes}
+    )
+    return problem.model_dump(mode="json")
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus text exposition (0 when absent)."""
+    wanted = ",".join(f'{key}="{value}"' for key, value in labels.items())
+    for line in text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head == (f"{name}{{{wanted}}}" if labels else name):
+            return float(value)
+    return 0.0
+
+
+def wait_for_job(client: TestClient, job_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/jobs/{job_id}").json()
+        if body["status"] in ("done", "failed", "cancelled"):
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    path = tmp_path_factory.mktemp("api") / "api.sqlite3"
+    return Settings(
+        database_url=f"sqlite:///{path}", solver_workers=2, max_time_limit_s=MAX_TIME_LIMIT_S, max_body_bytes=20_000
+    )
+
+
+@pytest.fixture(scope="module")
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def test_solve_answers_the_solvers_schedule_then_the_stored_one(client: TestClient) -> None:
+    body = problem_body("1f1b")
+    first = client.post("/v1/schedules", json=body)
+    assert first.status_code == 200, first.text
+    assert first.headers["X-Pipesched-Cache"] == "miss"
+    answer = first.json()
+    expected = solve(Problem.model_validate(body))
+    assert answer["id"] and answer["cache"] == "miss"
+    assert answer["status"] == expected.status
+    assert answer["makespan"] == pytest.approx(expected.makespan)
+    assert [r["actions"] for r in answer["ranks"]] == [[a.model_dump() for a in r.actions] for r in expected.ranks]
+
+    before = client.get("/metrics").text
+    again = client.post("/v1/schedules", json=body)
+    assert again.status_code == 200
+    assert again.headers["X-Pipesched-Cache"] == "hit"
+    assert again.json()["cache"] == "hit"
+    assert again.json()["id"] == answer["id"]
+    after = client.get("/metrics").text
+    hits = metric_value(after, "pipesched_cache_lookups_total", result="hit")
+    assert hits == metric_value(before, "pipesched_cache_lookups_total", result="hit") + 1
+    assert metric_value(after, "pipesched_solve_seconds_count", method="1f1b", mode="sync") >= 1
+
+
+def test_the_cache_key_holds_the_method_and_the_time_limit(client: TestClient) -> None:
+    first = client.post("/v1/schedules", json=problem_body("gpipe", time_limit_s=1.0)).json()
+    other_limit = client.post("/v1/schedules", json=problem_body("gpipe", time_limit_s=1.5))
+    other_method = client.post("/v1/schedules", json=problem_body("1f1b", time_limit_s=1.0))
+    assert other_limit.headers["X-Pipesched-Cache"] == "miss"
+    assert other_limit.json()["id"] != first["id"]
+    assert other_method.json()["id"] != first["id"]
+    assert other_method.json()["method"] == "1f1b" and first["method"] == "gpipe"
+    assert max(other_method.json()["peak_memory"]) < max(first["peak_memory"])
+
+
+def test_the_time_limit_is_clamped_to_the_service_maximum(client: TestClient) -> None:
+    answer = client.post("/v1/schedules", json=problem_body("1f1b", time_limit_s=600.0))
+    assert answer.status_code == 200
+    assert answer.json()["problem"]["solver"]["time_limit_s"] == MAX_TIME_LIMIT_S
+    clamped = client.post("/v1/schedules", json=problem_body("1f1b", time_limit_s=MAX_TIME_LIMIT_S))
+    assert clamped.headers["X-Pipesched-Cache"] == "hit"
+    assert clamped.json()["id"] == answer.json()["id"]
+
+
+def test_formats_of_a_stored_schedule(client: TestClient) -> None:
+    body = problem_body("1f1b")
+    answer = client.post("/v1/schedules", json=body).json()
+    schedule_id = answer["id"]
+    as_json = client.get(f"/v1/schedules/{schedule_id}")
+    assert as_json.status_code == 200 and as_json.json() == {k: v for k, v in answer.items() if k != "cache"}
+    as_csv = client.get(f"/v1/schedules/{schedule_id}", params={"format": "csv"})
+    assert as_csv.status_code == 200 and as_csv.headers["content-type"].startswith("text/csv")
+    assert as_csv.text == orders_to_torch_csv(solve(Problem.model_validate(body)).orders())
+    bad = client.get(f"/v1/schedules/{schedule_id}", params={"format": "xlsx"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "format"]
+
+
+@pytest.mark.parametrize(
+    ("output_format", "media", "renderer"),
+    [
+        ("chrome-trace", "application/json", ("optimizer.export", "schedule_to_chrome_trace")),
+        ("png", "image/png", ("api.plots", "render_png")),
+        ("svg", "image/svg+xml", ("api.plots", "render_svg")),
+    ],
+)
+def test_rendered_formats(client: TestClient, output_format: str, media: str, renderer: tuple[str, str]) -> None:
+    module, function = renderer
+    if importlib.util.find_spec(module) is None or not hasattr(importlib.import_module(module), function):
+        pytest.skip(f"{module}.{function} is not part of this build yet")
+    schedule_id = client.post("/v1/schedules", json=problem_body("1f1b")).json()["id"]
+    response = client.get(f"/v1/schedules/{schedule_id}", params={"format": output_format})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith(media)
+    assert len(response.content) > 100
+
+
+def test_view_with_a_comparison(client: TestClient) -> None:
+    if importlib.util.find_spec("api.plots") is None or not hasattr(
+        importlib.import_module("api.plots"), "render_view_html"
+    ):
+        pytest.skip("api.plots.render_view_html is not part of this build yet")
+    schedule_id = client.post("/v1/schedules", json=problem_body("1f1b")).json()["id"]
+    page = client.get(f"/v1/schedules/{schedule_id}/view", params={"compare": "gpipe"})
+    assert page.status_code == 200, page.text
+    assert page.headers["content-type"].startswith("text/html")
+    unknown = client.get(f"/v1/schedules/{schedule_id}/view", params={"compare": "no-such-family"})
+    assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["query", "compare"]
+
+
+def test_unknown_ids_are_404(client: TestClient) -> None:
+    for path in ("/v1/schedules/nope", "/v1/schedules/nope/view", "/v1/jobs/nope"):
+        response = client.get(path)
+        assert response.status_code == 404, path
+        assert "nope" in response.json()["detail"]
+    assert client.delete("/v1/jobs/nope").status_code == 404
+
+
+def test_an_infeasible_problem_is_an_answer_with_its_reason(client: TestClient) -> None:
+    body = problem_body("gpipe", **{"memory.limit": 300.0})
+    response = client.post("/v1/schedules", json=body)
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["status"] == "infeasible" and answer["ranks"] == []
+    assert "limit" in answer["reason"]
+    csv = client.get(f"/v1/schedules/{answer['id']}", params={"format": "csv"})
+    assert csv.status_code == 409 and "infeasible" in csv.json()["detail"]
+
+
+def test_a_family_outside_its_domain_is_422_on_solver_method(client: TestClient) -> None:
+    body = problem_body("1f1b", **{"pipeline.stages_per_rank": 2})
+    for path in ("/v1/schedules", "/v1/jobs"):
+        response = client.post(path, json=body)
+        assert response.status_code == 422, response.text
+        (detail,) = response.json()["detail"]
+        assert detail["loc"] == ["body", "solver", "method"]
+        assert "1f1b" in detail["msg"] and "auto" in detail["msg"]
+
+
+def test_bad_input_names_the_field(client: TestClient) -> None:
+    body = problem_body()
+    body["pipeline"]["placement"] = [0, 1, 2]
+    response = client.post("/v1/schedules", json=body)
+    assert response.status_code == 422
+    (detail,) = response.json()["detail"]
+    assert detail == {"loc": ["body", "pipeline", "placement"], "msg": detail["msg"], "type": "value_error"}
+    assert "expected 4 entries" in detail["msg"]
+
+    missing = client.post("/v1/schedules", json={"pipeline": {"num_ranks": 2, "num_microbatches": 2}})
+    assert missing.status_code == 422
+    assert missing.json()["detail"][0]["loc"] == ["body", "costs"]
+    assert "model and cluster" in missing.json()["detail"][0]["msg"]
+
+    negative = problem_body()
+    negative["pipeline"]["num_ranks"] = 0
+    assert client.post("/v1/jobs", json=negative).json()["detail"][0]["loc"] == ["body", "pipeline", "num_ranks"]
+
+
+def test_malformed_json_and_empty_body(client: TestClient) -> None:
+    response = client.post("/v1/schedules", content=b'{"pipeline": ', headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["detail"][0]["msg"]
+    empty = client.post("/v1/jobs")
+    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body"]
+
+
+def test_a_body_over_the_limit_is_413(client: TestClient, settings: Settings) -> None:
+    body = problem_body()
+    body["costs"]["forward"] = [1.0] * 4
+    padded = b'{"pad": "' + b"x" * settings.max_body_bytes + b'"}'
+    response = client.post("/v1/schedules", content=padded, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert str(settings.max_body_bytes) in response.json()["detail"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is counted while reading
+        for _ in range(settings.max_body_bytes // 1000 + 2):
+            yield b" " * 1000
+
+    streamed = client.post("/v1/jobs", content=chunks(), headers={"content-type": "application/json"})
+    assert streamed.status_code == 413
+
+
+def test_a_problem_over_the_size_limit_is_422(client: TestClient, settings: Settings) -> None:
+    body = problem_body()
+    body["pipeline"]["num_microbatches"] = settings.max_actions  # × 4 stages × 3 actions
+    response = client.post("/v1/schedules", json=body)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "pipeline", "num_microbatches"]
+
+
+def test_a_job_reports_progress_and_its_schedule(client: TestClient) -> None:
+    body = problem_body("auto", time_limit_s=1.0, **{"pipeline.num_microbatches": 12})
+    created = client.post("/v1/jobs", json=body)
+    assert created.status_code == 202
+    assert created.headers["Location"] == f"/v1/jobs/{created.json()['id']}"
+    job = wait_for_job(client, created.json()["id"])
+    assert job["status"] == "done", job
+    result = job["result"]
+    assert result["id"] == job["schedule_id"]
+    assert result["status"] in ("optimal", "feasible")
+    assert job["progress"]["best_objective"] == pytest.approx(result["makespan"])
+    assert job["progress"]["lower_bound"] is not None and job["progress"]["lower_bound"] <= result["makespan"]
+    stored = client.get(f"/v1/schedules/{job['schedule_id']}")
+    assert stored.status_code == 200 and stored.json()["makespan"] == result["makespan"]
+
+    # The same problem again: a job that is done at once, from the store.
+    again = client.post("/v1/jobs", json=body)
+    assert again.headers["X-Pipesched-Cache"] == "hit"
+    assert again.json()["status"] == "done"
+    assert client.get(f"/v1/jobs/{again.json()['id']}").json()["schedule_id"] == job["schedule_id"]
+
+
+def test_a_burst_of_jobs_queues_and_a_cancelled_one_stores_nothing(client: TestClient, settings: Settings) -> None:
+    store = Store(settings.database_url)
+    schedules_before = store.count_schedules()
+    ids = []
+    for microbatches in range(20, 26):  # six distinct problems on two workers: some wait in the queue
+        body = problem_body("auto", time_limit_s=1.0, **{"pipeline.num_microbatches": microbatches})
+        ids.append(client.post("/v1/jobs", json=body).json()["id"])
+    cancelled = client.delete(f"/v1/jobs/{ids[-1]}")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    finished = [wait_for_job(client, job_id) for job_id in ids[:-1]]
+    assert [job["status"] for job in finished] == ["done"] * 5
+    last = client.get(f"/v1/jobs/{ids[-1]}").json()
+    assert last["status"] == "cancelled" and last["schedule_id"] is None and last["result"] is None
+    assert store.count_schedules() == schedules_before + 5
+    # Cancelling a finished job leaves it as it is.
+    assert client.delete(f"/v1/jobs/{ids[0]}").json()["status"] == "done"
+    metrics = client.get("/metrics").text
+    assert metric_value(metrics, "pipesched_jobs", status="cancelled") >= 1
+    assert metric_value(metrics, "pipesched_jobs", status="done") >= 5
+    store.dispose()
+
+
+def test_should_stop_sees_a_cancellation_and_the_deadline(settings: Settings) -> None:
+    store = Store(settings.database_url)
+    problem = Problem.model_validate(problem_body("auto"))
+    job = store.create_job(problem, problem_key(problem) + "-stop-check")
+    assert store.start_job(job.id, 0)
+    should_stop = make_stop_check(store, job.id, 0, time.monotonic() + 60)
+    assert not should_stop()
+    store.cancel_job(job.id)
+    time.sleep(0.3)
+    assert should_stop()
+    assert store.finish_job(job.id, 0, "unused-key", solve(problem)) is None  # nothing stored for it
+    assert store.schedule_by_hash("unused-key") is None
+    assert make_stop_check(store, "other", 0, time.monotonic() - 1)()
+    store.dispose()
+
+
+def test_jobs_left_running_are_requeued_or_failed_at_startup(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'restart.sqlite3'}", solver_workers=1, max_job_attempts=2)
+    store = Store(settings.database_url)
+    problem = Problem.model_validate(problem_body("1f1b"))
+    interrupted = store.create_job(problem, problem_key(problem))
+    assert store.start_job(interrupted.id, 0)  # a previous run died while solving it
+    other = Problem.model_validate(problem_body("gpipe"))
+    exhausted = store.create_job(other, problem_key(other))
+    with store.transaction() as session:
+        row = session.get(type(exhausted), exhausted.id)
+        assert row is not None
+        row.attempt = 1
+    with TestClient(create_app(settings)) as client:
+        job = wait_for_job(client, interrupted.id)
+        assert job["status"] == "done" and job["attempt"] == 1
+        failed = client.get(f"/v1/jobs/{exhausted.id}").json()
+        assert failed["status"] == "failed" and "restarted" in failed["error"]
+    store.dispose()
+
+
+def test_methods_list_the_registry_and_auto(client: TestClient) -> None:
+    response = client.get("/v1/methods")
+    assert response.status_code == 200
+    methods = response.json()["methods"]
+    assert [m["name"] for m in methods] == [*registry(), "auto"]
+    assert all(m["domain"] and m["description"] for m in methods)
+
+
+def test_health_and_metrics(client: TestClient) -> None:
+    health = client.get("/healthz")
+    assert health.status_code == 200 and health.json()["database"] == "ok"
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    requests = metric_value(metrics.text, "pipesched_http_requests_total", method="GET", route="/healthz", status="200")
+    assert requests >= 1
+    assert 'route="/v1/schedules/{schedule_id}"' in metrics.text  # templates, not raw ids
+
+
+def test_the_api_token_guards_v1(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", solver_workers=1, api_token="s3cret")
+    app: FastAPI = create_app(settings)
+    with TestClient(app) as client:
+        assert client.get("/v1/methods").status_code == 401
+        wrong = client.get("/v1/methods", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"] == "Bearer"
+        assert client.post("/v1/jobs", json=problem_body()).status_code == 401
+        assert client.get("/v1/methods", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/healthz").status_code == 200
+
+
+def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    operations = {
+        op["operationId"]: op for path in schema["paths"].values() for op in path.values() if "operationId" in op
+    }
+    assert set(operations) == {
+        "solve_schedule",
+        "get_schedule",
+        "view_schedule",
+        "create_job",
+        "get_job",
+        "cancel_job",
+        "list_methods",
+        "health",
+        "metrics",
+    }
+    assert {"400", "413", "422"} <= set(operations["solve_schedule"]["responses"])
+    assert "404" in operations["get_job"]["responses"]
