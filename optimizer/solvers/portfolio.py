@@ -1,14 +1,142 @@
-"""The ``auto`` portfolio (first cut: the best family that fits; the search backends extend it)."""
+"""The ``auto`` search: a portfolio of families, the greedy heuristic and the exact backends.
+
+Order of work within ``solver.time_limit_s`` (``shared/CONTRACT.md``, Problem):
+
+1. Feasibility: if some rank's limit is below the least peak any schedule has
+   (:mod:`optimizer.solvers.infeasible`), answer ``infeasible`` with ``min_memory_limit``.
+2. Lower bound (:mod:`optimizer.bounds`).
+3. The sequential schedule (always fits when anything fits: a first feasible answer at once), then
+   every applicable family whose schedule fits memory (warm starts).
+4. ``heuristic``: greedy variants plus local search (:mod:`optimizer.solvers.heuristic`).
+5. ``cpsat`` (:class:`optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
+   bound; ``milp`` (:class:`optimizer.solvers.milp.MilpBackend`) only on small instances unless
+   ``solver.backends`` names it. Both are imported lazily and skipped while absent.
+
+Every candidate is re-simulated with :func:`optimizer.simulate.simulate_indexed`; a backend's own
+objective is never used. The answer's ``lower_bound`` is the max of our bounds and the backends'
+proven bounds; ``status`` is ``optimal`` when it meets the best objective.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import math
 import time
+from dataclasses import dataclass
 
+from optimizer.bounds import lower_bound as compute_lower_bound
 from optimizer.families import applicable_families
-from optimizer.instance import compile_problem
+from optimizer.instance import Instance, compile_problem
 from optimizer.problem import Problem
 from optimizer.result import Schedule, build_schedule, infeasible_schedule
+from optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
+from optimizer.solvers.base import Backend, BackendStatus
+from optimizer.solvers.heuristic import HeuristicBackend, sequential_orders
+from optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
+
+__all__ = ["MILP_MAX_ACTIONS", "solve_auto"]
+
+MILP_MAX_ACTIONS = 60
+"""The MILP runs by default only on instances with at most this many actions."""
+
+_EXACT_BACKENDS = {
+    "cpsat": ("optimizer.solvers.cpsat", "CpSatBackend"),
+    "milp": ("optimizer.solvers.milp", "MilpBackend"),
+}
+
+
+def _load_backend(name: str) -> Backend | None:
+    """The exact backend ``name``, or ``None`` while its module does not exist yet."""
+    module_name, class_name = _EXACT_BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:
+            return None
+        raise
+    backend_class = getattr(module, class_name, None)
+    return None if backend_class is None else backend_class()
+
+
+@dataclass
+class _Incumbent:
+    orders: list[list[int]] | None = None
+    value: float = math.inf
+    backend: str = ""
+
+
+class _Search:
+    """Shared state of one ``auto`` run: incumbent, bound, clock, callbacks."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        inst: Instance,
+        progress: ProgressCallback | None,
+        should_stop: StopCheck | None,
+    ) -> None:
+        self.problem = problem
+        self.inst = inst
+        self.objective = problem.objective
+        self.started = time.perf_counter()
+        # Leave room to build the answer (simulation + pydantic), about 2 µs per action.
+        margin = min(0.2 * problem.solver.time_limit_s, 0.05 + 2e-5 * len(inst.actions))
+        self.deadline = self.started + problem.solver.time_limit_s - margin
+        self.progress = progress
+        self.user_stop = should_stop
+        self.best = _Incumbent()
+        self.lower_bound = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
+    def should_stop(self) -> bool:
+        if time.perf_counter() >= self.deadline:
+            return True
+        if self.user_stop is not None and self.user_stop():
+            return True
+        return self.best.value <= self.lower_bound + 1e-9
+
+    def report(self, backend: str, message: str) -> None:
+        if self.progress is not None:
+            best = None if self.best.orders is None else self.best.value
+            self.progress(Progress(best, self.lower_bound, self.elapsed(), backend, message))
+
+    def offer(self, orders: list[list[int]], backend: str, message: str = "") -> bool:
+        """Re-simulate ``orders``; keep them when they fit memory and beat the incumbent."""
+        try:
+            sim = simulate_indexed(self.inst, orders, check_memory=False)
+        except InvalidSchedule:
+            return False
+        if not sim.fits:
+            return False
+        value = sim.objective_value(self.objective)
+        if value < self.best.value - 1e-9:
+            self.best = _Incumbent([list(row) for row in orders], value, backend)
+            self.report(backend, message or f"{backend}: {value:.3f} ms")
+            return True
+        return False
+
+    def raise_bound(self, bound: float | None, backend: str) -> None:
+        if bound is not None and math.isfinite(bound) and bound > self.lower_bound + 1e-9:
+            self.lower_bound = min(bound, self.best.value) if self.best.orders is not None else bound
+            self.report(backend, f"lower bound {self.lower_bound:.3f} ms")
+
+
+def _families(search: _Search) -> None:
+    for family in applicable_families(search.problem):
+        if search.should_stop():
+            return
+        try:
+            orders = indexed_orders(search.inst, family.generate(search.problem))
+        except (InvalidSchedule, ValueError):
+            continue
+        search.offer(orders, f"family:{family.name}", f"family {family.name}")
 
 
 def solve_auto(
@@ -17,32 +145,121 @@ def solve_auto(
     progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
 ) -> Schedule:
-    """Best schedule among the applicable families that fit the memory limit."""
-    started = time.perf_counter()
+    """Search for the best schedule of ``problem`` within ``solver.time_limit_s`` (module docstring).
+
+    Args:
+        problem: a validated problem with ``solver.method == "auto"``.
+        progress: called with :class:`~optimizer.solve.Progress` on every improvement of the best
+            objective or of the lower bound (ms).
+        should_stop: polled; True ends the search with the best schedule so far.
+
+    Returns:
+        A schedule re-simulated by :func:`~optimizer.result.build_schedule` with ``status``
+        ``optimal`` (gap 0) or ``feasible``, ``lower_bound``, ``gap``, ``backend`` (what found it:
+        ``family:<name>``, ``heuristic``, ``sequential``, ``cpsat``, ``milp``) and ``solve_time_s``;
+        or ``infeasible`` with a ``reason`` and ``min_memory_limit`` (bytes per rank).
+
+    Raises:
+        ValueError: for ``placement: "bidirectional"`` when no family answers it (the search needs
+            every microbatch to pass the same stages).
+    """
     inst = compile_problem(problem)
-    lower_bound = inst.ideal
-    best: Schedule | None = None
-    for family in applicable_families(problem):
-        schedule = build_schedule(
-            problem,
-            family.generate(problem),
-            method="auto",
-            backend=f"family:{family.name}",
-            instance=inst,
-            check_memory=False,
-            lower_bound=lower_bound,
-        )
-        if schedule.fits_memory and (best is None or (schedule.objective_value or 0) < (best.objective_value or 0)):
-            best = schedule
-            if progress:
-                progress(Progress(best.objective_value, lower_bound, time.perf_counter() - started, "family"))
-    if best is None:
+    search = _Search(problem, inst, progress, should_stop)
+    reason = infeasibility_reason(inst)
+    if reason is not None:
         return infeasible_schedule(
             problem,
             method="auto",
-            backend="family",
-            reason="no known schedule fits the memory limit",
-            solve_time_s=time.perf_counter() - started,
+            backend="bounds",
+            reason=reason,
+            min_memory_limit=min_memory_limit(inst),
+            solve_time_s=search.elapsed(),
         )
-    best.solve_time_s = round(time.perf_counter() - started, 4)
-    return best
+    search.raise_bound(compute_lower_bound(inst, problem.objective), "bounds")
+    bidirectional = problem.pipeline.placement == "bidirectional"
+    if not bidirectional:
+        search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
+    _families(search)
+    if bidirectional:
+        if search.best.orders is None:
+            raise ValueError(
+                'solver.method "auto" does not search placement "bidirectional" and no bidirectional family '
+                'fits this problem: use placement "v" or "loop", or solver.method "bitpipe"'
+            )
+        return _answer(search)
+
+    allowed = problem.solver.backends
+    exact = [
+        name
+        for name in ("cpsat", "milp")
+        if (allowed is None and (name == "cpsat" or len(inst.actions) <= MILP_MAX_ACTIONS))
+        or (allowed is not None and name in allowed)
+    ]
+    available = [name for name in exact if importlib.util.find_spec(_EXACT_BACKENDS[name][0]) is not None]
+
+    if (allowed is None or "heuristic" in allowed) and not search.should_stop():
+        share = 0.4 if available else 1.0
+        budget = max(0.0, search.remaining() * share)
+
+        def heuristic_progress(update: Progress) -> None:
+            search.report("heuristic", update.message)
+
+        result = HeuristicBackend().solve(
+            inst,
+            objective=problem.objective,
+            time_limit_s=budget,
+            hint=search.best.orders,
+            upper_bound=search.best.value,
+            progress=None if progress is None else heuristic_progress,
+            should_stop=search.should_stop,
+            seed=problem.solver.seed,
+        )
+        if result.orders is not None:
+            search.offer(result.orders, "heuristic", result.message)
+
+    for k, name in enumerate(available):
+        if search.should_stop():
+            break
+        backend = _load_backend(name)
+        if backend is None:
+            continue
+        budget = search.remaining() / (len(available) - k)
+        if budget <= 0.05:
+            break
+        try:
+            result = backend.solve(
+                inst,
+                objective=problem.objective,
+                time_limit_s=budget,
+                hint=search.best.orders,
+                upper_bound=search.best.value if search.best.orders is not None else None,
+                progress=progress,
+                should_stop=search.should_stop,
+            )
+        except Exception as error:
+            search.report(name, f"{name} failed: {type(error).__name__}: {error}")
+            continue
+        if result.orders is not None:
+            search.offer(result.orders, name, result.message)
+        search.raise_bound(result.lower_bound, name)
+        if result.status == BackendStatus.OPTIMAL and result.orders is not None and result.lower_bound is None:
+            # The backend proved its orders optimal; our re-simulated value of them is at most its own.
+            try:
+                value = simulate_indexed(inst, result.orders, check_memory=False).objective_value(problem.objective)
+                search.raise_bound(min(value, search.best.value), name)
+            except InvalidSchedule:
+                pass
+    return _answer(search)
+
+
+def _answer(search: _Search) -> Schedule:
+    assert search.best.orders is not None
+    return build_schedule(
+        search.problem,
+        action_orders(search.inst, search.best.orders),
+        method="auto",
+        backend=search.best.backend,
+        lower_bound=search.lower_bound,
+        instance=search.inst,
+        solve_time_s=search.elapsed(),
+    )

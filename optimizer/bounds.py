@@ -1,0 +1,242 @@
+"""Lower bounds on makespan and stage_span (ms), valid for every schedule of a compiled problem.
+
+Each rank r runs its own work ``compute[r]`` one action at a time, so its span (last end − first
+start) is its work plus its idle time. Two idle windows no schedule can avoid:
+
+* **Warm-up** (Zero Bubble paper, arXiv 2401.10241, App. B, generalised): between the rank's first
+  action and its first backward (I or B) the rank can run only forwards (a W needs its own I first).
+  That backward depends on a chain through the rest of the pipeline, of length at least ``D_r`` from
+  the start of the rank's first forward of the same microbatch. The forwards that fit in between are
+  limited by memory: nothing is freed before the first backward, so their activations sum to at most
+  ``limit − static``. With ``Fmax_r`` the most forward time that fits (a fractional knapsack, an upper
+  bound on any integer choice), the warm-up idle is at least ``D_r − Fmax_r``. For one stage per rank,
+  uniform costs and ``k = ⌊limit / activation⌋`` forwards this is the paper's
+  ``(p−1)(T_I + 2·p2p) + (p−k)·T_F`` on rank 0.
+* **Cool-down**: after the rank's last forward starts, the rank can only finish the backward work that
+  is pending then; every pending backward holds memory (its activation, or the part retained for W),
+  so that work is at most a knapsack of capacity ``limit − static``. The rank's last action ends at
+  least ``T_r`` after the last forward ends (the microbatch's path back through the pipeline), so the
+  cool-down idle is at least ``T_r − pending_max``.
+
+The two windows are disjoint when the rank cannot hold all its forwards at once (then its last
+forward comes after its first backward), so the idle bounds add; otherwise the larger one counts.
+Makespan adds to a rank's span the earliest time any of its actions can start (head) and the least
+time the pipeline needs after its last action (tail); it is also at least one microbatch's critical
+path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from optimizer.instance import Instance
+from optimizer.ir import ActionKind
+
+__all__ = ["LowerBounds", "lower_bound", "lower_bounds"]
+
+
+@dataclass(frozen=True)
+class LowerBounds:
+    """Per-rank ingredients and the two bounds, all in ms.
+
+    Attributes:
+        compute: per-rank work.
+        warmup_idle: per-rank idle before the first backward no schedule avoids.
+        cooldown_idle: per-rank idle after the last forward no schedule avoids.
+        head: per-rank earliest start of any action (from the first start overall).
+        tail: per-rank least time from the rank's last end to the pipeline's last end.
+        critical_path: one microbatch's longest dependency chain.
+        stage_span: the stage_span bound.
+        makespan: the makespan bound.
+    """
+
+    compute: list[float]
+    warmup_idle: list[float]
+    cooldown_idle: list[float]
+    head: list[float]
+    tail: list[float]
+    critical_path: float
+    stage_span: float
+    makespan: float
+
+    def value(self, objective: str) -> float:
+        """The bound for ``"makespan"`` or ``"stage_span"``, ms."""
+        return self.makespan if objective == "makespan" else self.stage_span
+
+
+def _knapsack(capacity: float, items: list[tuple[float, float, int]]) -> float:
+    """Fractional knapsack: the most value with total weight ≤ capacity.
+
+    ``items`` are ``(weight bytes, value ms, count)``; an upper bound on any integer selection.
+    """
+    if capacity < 0:
+        return 0.0
+    total = 0.0
+    free = [(v, c) for w, v, c in items if w <= 0]
+    for v, c in free:
+        total += v * c
+    weighted = sorted(((v / w, w, v, c) for w, v, c in items if w > 0), reverse=True)
+    left = capacity
+    for _, w, v, c in weighted:
+        if left <= 0:
+            break
+        take = min(c, left / w)
+        total += take * v
+        left -= take * w
+    return total
+
+
+def _topological(inst: Instance, members: list[int]) -> list[int]:
+    """``members`` (one microbatch's actions) in an order where every predecessor comes first."""
+    inside = set(members)
+    indeg = {a: sum(1 for q, _ in inst.preds[a] if q in inside) for a in members}
+    queue = [a for a in members if indeg[a] == 0]
+    order: list[int] = []
+    while queue:
+        a = queue.pop()
+        order.append(a)
+        for b, _ in inst.succs[a]:
+            if b in indeg:
+                indeg[b] -= 1
+                if indeg[b] == 0:
+                    queue.append(b)
+    return order
+
+
+def _longest_from(inst: Instance, source: int, order: list[int]) -> dict[int, float]:
+    """Longest path (ms) from the START of ``source`` to the start of every action it reaches.
+
+    ``order`` is one microbatch's actions in topological order (dependencies never cross microbatches).
+    """
+    dist = {source: 0.0}
+    for a in order:
+        da = dist.get(a)
+        if da is None:
+            continue
+        for b, latency in inst.succs[a]:
+            cand = da + inst.duration[a] + latency
+            if cand > dist.get(b, -math.inf):
+                dist[b] = cand
+    return dist
+
+
+def lower_bounds(inst: Instance) -> LowerBounds:
+    """Compute the bounds of the module docstring for ``inst``.
+
+    Returns:
+        :class:`LowerBounds`, all times in ms. Ranks without actions get zeros.
+    """
+    p = inst.num_ranks
+    microbatch_actions: dict[int, list[int]] = {}
+    for idx, action in enumerate(inst.actions):
+        microbatch_actions.setdefault(action.microbatch, []).append(idx)
+    backward_kind = inst.backward_kind
+
+    # Group microbatches by chain (identical chains give identical paths).
+    chain_rep: dict[tuple[int, ...], int] = {}
+    for j, chain in enumerate(inst.chains):
+        chain_rep.setdefault(tuple(chain), j)
+
+    head = [math.inf] * p
+    tail = [math.inf] * p
+    window_warm = [math.inf] * p  # D_r
+    window_cool = [math.inf] * p  # T_r
+    critical_path = 0.0
+    for j in chain_rep.values():
+        members = microbatch_actions[j]
+        order = _topological(inst, members)
+        # Heads: longest path from the microbatch's sources (all may start at the first start).
+        head_dist = {a: 0.0 for a in members}
+        for a in order:
+            for b, latency in inst.succs[a]:
+                head_dist[b] = max(head_dist[b], head_dist[a] + inst.duration[a] + latency)
+        # Tails: longest path from an action's end to the end of the microbatch's last action.
+        tail_dist: dict[int, float] = {}
+        for a in reversed(order):
+            best = 0.0
+            for b, latency in inst.succs[a]:
+                if b in tail_dist:
+                    best = max(best, latency + inst.duration[b] + tail_dist.get(b, 0.0))
+            tail_dist[a] = best
+        for a in members:
+            critical_path = max(critical_path, head_dist.get(a, 0.0) + inst.duration[a] + tail_dist[a])
+        by_rank: dict[int, list[int]] = {}
+        for a in members:
+            by_rank.setdefault(inst.rank[a], []).append(a)
+        for r, acts in by_rank.items():
+            head[r] = min(head[r], min(head_dist.get(a, 0.0) for a in acts))
+            tail[r] = min(tail[r], min(tail_dist[a] for a in acts))
+            forwards = [a for a in acts if inst.actions[a].kind == ActionKind.FORWARD]
+            backwards = [a for a in acts if inst.actions[a].kind == backward_kind]
+            if not forwards or not backwards:
+                continue
+            first_forward = min(forwards, key=lambda a: head_dist.get(a, 0.0))
+            dist = _longest_from(inst, first_forward, order)
+            window_warm[r] = min(window_warm[r], min(dist.get(b, 0.0) for b in backwards))
+            # Cool-down: from each forward's end to the end of this microbatch's last action on r.
+            for f in forwards:
+                dist_f = _longest_from(inst, f, order)
+                reach = max(
+                    (dist_f[a] + inst.duration[a] for a in acts if a in dist_f and a != f),
+                    default=inst.duration[f],
+                )
+                window_cool[r] = min(window_cool[r], reach - inst.duration[f])
+
+    m = inst.num_microbatches
+    warm_idle = [0.0] * p
+    cool_idle = [0.0] * p
+    span = [0.0] * p
+    for r in range(p):
+        if not inst.rank_actions[r]:
+            head[r] = tail[r] = 0.0
+            continue
+        capacity = inst.limit[r] - inst.static[r]
+        stage_ids = sorted({inst.actions[a].stage for a in inst.rank_actions[r]})
+        f_items: list[tuple[float, float, int]] = []
+        pending_items: list[tuple[float, float, int]] = []
+        total_activation = 0.0
+        for s in stage_ids:
+            count = sum(1 for chain in inst.chains if s in chain)
+            j = inst.first_microbatch(s)
+            f_idx = inst.action_id(s, ActionKind.FORWARD, j)
+            act = inst.mem_delta[f_idx]
+            total_activation += act * count
+            f_items.append((act, inst.duration[f_idx], count))
+            if inst.split_backward:
+                i_idx = inst.action_id(s, ActionKind.BACKWARD_INPUT, j)
+                w_idx = inst.action_id(s, ActionKind.BACKWARD_WEIGHT, j)
+                retained = -inst.mem_delta[w_idx]
+                pending_items.append((act, inst.duration[i_idx] + inst.duration[w_idx], count))
+                pending_items.append((retained, inst.duration[w_idx], count))
+            else:
+                b_idx = inst.action_id(s, ActionKind.BACKWARD, j)
+                pending_items.append((act, inst.duration[b_idx], count))
+        if math.isfinite(capacity) and math.isfinite(window_warm[r]):
+            warm_idle[r] = max(0.0, window_warm[r] - _knapsack(capacity, f_items))
+        if math.isfinite(capacity) and math.isfinite(window_cool[r]):
+            cool_idle[r] = max(0.0, window_cool[r] - _knapsack(capacity, pending_items))
+        disjoint = total_activation > capacity * (1 + 1e-12) and m > 0
+        idle = warm_idle[r] + cool_idle[r] if disjoint else max(warm_idle[r], cool_idle[r])
+        span[r] = inst.compute[r] + idle
+        if not math.isfinite(head[r]):
+            head[r] = 0.0
+        if not math.isfinite(tail[r]):
+            tail[r] = 0.0
+    stage_span = max(span, default=0.0)
+    makespan = max([critical_path] + [head[r] + span[r] + tail[r] for r in range(p)])
+    return LowerBounds(
+        compute=list(inst.compute),
+        warmup_idle=warm_idle,
+        cooldown_idle=cool_idle,
+        head=head,
+        tail=tail,
+        critical_path=critical_path,
+        stage_span=stage_span,
+        makespan=makespan,
+    )
+
+
+def lower_bound(inst: Instance, objective: str) -> float:
+    """The tightest of this module's bounds on ``objective`` (``"makespan"``/``"stage_span"``), ms."""
+    return lower_bounds(inst).value(objective)
