@@ -1,0 +1,65 @@
+"""Problem validation messages, strict action parsing, and the Schedule JSON round trip."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from optimizer.ir import Action, ActionKind, parse_action
+from optimizer.result import Schedule
+from optimizer.solve import solve_family
+from tests.conftest import uniform_problem
+
+
+def _error_text(**kwargs: object) -> tuple[list[tuple[object, ...]], str]:
+    with pytest.raises(ValidationError) as error:
+        uniform_problem(**kwargs)  # type: ignore[arg-type]
+    return [item["loc"] for item in error.value.errors()], str(error.value)
+
+
+def test_per_stage_list_of_wrong_length_names_the_field() -> None:
+    locs, text = _error_text(num_ranks=4, forward=[1.0, 1.0, 1.0])
+    assert ("costs", "forward") in locs
+    assert "costs.forward has 3 values but the pipeline has 4 stages" in text
+
+
+def test_v_placement_needs_two_stages_per_rank() -> None:
+    locs, text = _error_text(placement="v", stages_per_rank=1)
+    assert any(loc[-1] == "stages_per_rank" for loc in locs)
+    assert 'placement "v" needs stages_per_rank 2' in text
+
+
+def test_negative_cost_is_rejected() -> None:
+    locs, text = _error_text(backward_input=-1.0)
+    assert any("backward_input" in loc for loc in locs)
+    assert "must not be negative" in text
+
+
+def test_retained_over_activation_is_rejected() -> None:
+    locs, text = _error_text(activation=10.0, retained_for_weight=20.0)
+    assert ("memory", "retained_for_weight") in locs
+    assert "retained_for_weight must not exceed activation" in text
+
+
+@pytest.mark.parametrize("text", ["0F1x", "01F1", " 0F1", "0X1", "0F", "F1", "0f1", "0F01", ""])
+def test_parse_action_is_strict(text: str) -> None:
+    with pytest.raises(ValueError, match="is not an action"):
+        parse_action(text)
+
+
+def test_parse_action_round_trip() -> None:
+    for action in (Action(3, ActionKind.FORWARD, 12), Action(0, ActionKind.BACKWARD_WEIGHT, 0)):
+        assert parse_action(str(action)) == action
+    assert parse_action("10I7") == Action(10, ActionKind.BACKWARD_INPUT, 7)
+
+
+@pytest.mark.parametrize("method", ["zb-h2", "dualpipe-v"])
+def test_schedule_json_round_trip(method: str) -> None:
+    problem = uniform_problem(
+        3, 5, stages_per_rank=2 if method == "dualpipe-v" else 1, placement="v" if method == "dualpipe-v" else "loop"
+    )
+    schedule = solve_family(problem, method)
+    again = Schedule.model_validate_json(schedule.model_dump_json())
+    assert again == schedule
+    assert again.orders() == schedule.orders()
+    assert again.problem == problem
