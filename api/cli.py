@@ -91,7 +91,10 @@ def print_derived_problem(problem: Problem) -> None:
     if problem.pipeline.num_stages <= 32:
         console.print(table)
     p2p = problem.stage_values(problem.costs.p2p)
-    static = ", ".join(format_bytes(x) for x in problem.static_memory)
+    statics = problem.static_memory
+    static = ", ".join(format_bytes(x) for x in statics)
+    if len(statics) > 8:
+        static = f"{format_bytes(min(statics))} … {format_bytes(max(statics))}"
     limits = {format_bytes(x) if x != float("inf") else "none" for x in problem.memory_limits}
     console.print(
         f"layers per stage {layers} · p2p {max(p2p):.3f} ms · static per rank {static} · limit {', '.join(limits)}",
