@@ -82,7 +82,7 @@ def _prepare(schedule: Schedule) -> _View:
     """
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ValueError(
-            f"schedule {schedule.id or ''} is infeasible ({schedule.reason}): there is nothing to draw; "
+            f"schedule{' ' + schedule.id if schedule.id else ''} is infeasible ({schedule.reason}): nothing to draw; "
             "plot a feasible schedule"
         )
     inst = compile_problem(schedule.problem)
@@ -171,6 +171,11 @@ def _text_color(background: str) -> str:
     return "#000000" if luminance > 0.25 else "#FFFFFF"
 
 
+def _text_em(text: str) -> float:
+    """Approximate width of a bar label in em (DejaVu Sans: digits 0.64, "s" 0.52, "·" 0.32)."""
+    return sum(0.32 if ch == "·" else 0.52 if ch == "s" else 0.64 for ch in text)
+
+
 def _label(bar: _Bar, multi_stage: bool) -> str:
     return f"s{bar.stage}·{bar.microbatch}" if multi_stage else str(bar.microbatch)
 
@@ -244,7 +249,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
     row_in = _row_height_in(num_ranks)
     font = max(4.5, min(8.0, row_in * 72 * 0.42))
     px_per_ms = axes_width_px / x_max
-    char_px = font * 0.62 * dpi / 72
+    em_px = font * dpi / 72
     bar_height = 0.78
     for rank_view in view.ranks:
         y = rank_view.rank - bar_height / 2
@@ -261,9 +266,9 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
         for b, color in zip(rank_view.bars, colors, strict=True):
             text = _label(b, view.multi_stage)
             width_px = (b.end - b.start) * px_per_ms
-            if width_px < len(text) * char_px + 3:
+            if width_px < _text_em(text) * em_px + 3:
                 text = str(b.microbatch)
-                if width_px < len(text) * char_px + 3:
+                if width_px < _text_em(text) * em_px + 3:
                     continue
             ax.text(
                 (b.start + b.end) / 2,
@@ -326,7 +331,7 @@ def _draw_memory(ax: Any, view: _View, x_max: float, prefix: str) -> None:
         if not same_limit and math.isfinite(r.limit):
             ax.axhline(r.limit / divisor, color=color, linestyle=":", linewidth=0.8)
     if same_limit:
-        ax.axhline(limits[0] / divisor, color=LIMIT_COLOR, linestyle="--", linewidth=1.2)
+        ax.axhline(limits[0] / divisor, color=LIMIT_COLOR, linestyle="--", linewidth=1.6)
         ax.annotate(
             f"limit {_format_bytes(limits[0])}",
             (0, limits[0] / divisor),
@@ -420,7 +425,7 @@ def _nice_step(span: float, target: int) -> float:
 def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
     """One schedule: Gantt rows, memory curves and a time axis, as inline SVG."""
     num_ranks = len(view.ranks)
-    row = 22 if num_ranks <= 8 else 16 if num_ranks <= 16 else 11
+    row = 30 if num_ranks <= 4 else 24 if num_ranks <= 8 else 16 if num_ranks <= 16 else 11
     plot_w = _SVG_WIDTH - _LEFT - _RIGHT
     scale = plot_w / x_max
 
@@ -461,9 +466,9 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                 f'fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
             )
             text = _label(b, view.multi_stage)
-            if w < len(text) * font * 0.6 + 3:
+            if w < _text_em(text) * font + 3:
                 text = str(b.microbatch)
-            if w >= len(text) * font * 0.6 + 3:
+            if w >= _text_em(text) * font + 3:
                 out.append(
                     f'<text class="lab" x="{x(b.start) + w / 2:.2f}" y="{y + row / 2 + font * 0.36:.1f}" '
                     f'font-size="{font}" fill="{_text_color(color)}">{text}</text>'
@@ -504,6 +509,19 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
             f'<polyline class="mem" id="{prefix}memory-rank-{r.rank}" data-r="{r.rank}" '
             f'stroke="hsl({hue:.0f},70%,40%)" points="{" ".join(points)}"><title>rank {r.rank}: peak '
             f"{_format_bytes(r.peak)}, limit {_format_bytes(r.limit)}</title></polyline>"
+        )
+    # which colour is which rank: swatches for a few ranks, else the two ends of the hue ramp
+    shown = view.ranks if num_ranks <= 8 else [view.ranks[0], view.ranks[-1]]
+    legend_x = _LEFT + plot_w - 8
+    for r in reversed(shown):
+        hue = 260 - 200 * r.rank / max(1, num_ranks - 1)
+        label = f"rank {r.rank}" if num_ranks <= 8 or r is view.ranks[0] else f"… rank {r.rank}"
+        width = 7 * len(label) + 22
+        legend_x -= width
+        out.append(
+            f'<line x1="{legend_x:.0f}" x2="{legend_x + 16:.0f}" y1="{mem_top + 12}" y2="{mem_top + 12}" '
+            f'stroke="hsl({hue:.0f},70%,40%)" stroke-width="3"/>'
+            f'<text class="tick" x="{legend_x + 20:.0f}" y="{mem_top + 16}">{label}</text>'
         )
     limits = view.finite_limits
     for value in sorted(set(limits)):
@@ -598,6 +616,7 @@ document.querySelectorAll('svg.panel').forEach(function(svg){
  svg.addEventListener('mouseleave',function(){tip.style.display='none';cur.setAttribute('visibility','hidden');
   lab.setAttribute('visibility','hidden');});
 });
+document.body.dataset.ready=String(document.querySelectorAll('svg.panel rect.act').length);
 })();
 """
 
