@@ -1,0 +1,177 @@
+"""A real ``pipesched serve`` process on a loopback port with its own SQLite file, over HTTP.
+
+Also home of :class:`ServedApi`, which the schemathesis and load tests reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import uniform_problem
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServedApi:
+    """``pipesched serve`` in its own process group (so its solver processes end with it).
+
+    Args:
+        database_url: the service's database.
+        log_path: where the server's output goes.
+        env: further ``PIPESCHED_*`` settings.
+    """
+
+    def __init__(self, database_url: str, log_path: Path, **env: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        script = Path(sys.executable).parent / "pipesched"
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+        environ = {**os.environ, "PIPESCHED_DATABASE_URL": database_url, **env}
+        self._log = log_path.open("ab")
+        self.process = subprocess.Popen(
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(self.port)],
+            cwd=REPO,
+            env=environ,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.client = httpx.Client(base_url=self.base_url, timeout=60.0)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pipesched serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if self.client.get("/healthz").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"pipesched serve did not answer within {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def kill(self) -> None:
+        """Crash it: SIGKILL to the whole process group (server, forkserver, solver processes)."""
+        self._signal_group(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.client.close()
+        self._log.close()
+
+    def stop(self) -> None:
+        """Shut it down (SIGTERM, then SIGKILL to whatever is left of its group)."""
+        self._signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=20)
+        self._signal_group(signal.SIGKILL)
+        self.process.wait(timeout=30)
+        self.client.close()
+        self._log.close()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+
+def problem_body(num_microbatches: int = 8, method: str = "1f1b", time_limit_s: float = 2.0) -> dict[str, Any]:
+    problem = uniform_problem(4, num_microbatches, p2p=0.1).with_changes(
+        **{"solver.method": method, "solver.time_limit_s": time_limit_s}
+    )
+    return problem.model_dump(mode="json")
+
+
+def wait_for_jobs(client: httpx.Client, ids: list[str], timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    pending = set(ids)
+    jobs: dict[str, dict[str, Any]] = {}
+    while pending and time.monotonic() < deadline:
+        for job_id in list(pending):
+            job = client.get(f"/v1/jobs/{job_id}").json()
+            if job["status"] in ("done", "failed", "cancelled"):
+                jobs[job_id] = job
+                pending.discard(job_id)
+        time.sleep(0.1)
+    assert not pending, f"jobs not finished in {timeout_s} s: {sorted(pending)}"
+    return [jobs[job_id] for job_id in ids]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
+    directory = tmp_path_factory.mktemp("served")
+    database_url = f"sqlite:///{directory / 'served.sqlite3'}"
+    server = ServedApi(database_url, directory / "server.log", PIPESCHED_SOLVER_WORKERS="2")
+    yield server
+    server.stop()
+
+
+def test_serve_answers_health_methods_and_openapi(served: ServedApi) -> None:
+    assert served.client.get("/healthz").json()["status"] == "ok"
+    names = [m["name"] for m in served.client.get("/v1/methods").json()["methods"]]
+    assert "1f1b" in names and names[-1] == "auto"
+    assert served.client.get("/openapi.json").json()["info"]["title"] == "pipesched"
+
+
+def test_serve_solves_stores_and_exports(served: ServedApi) -> None:
+    first = served.client.post("/v1/schedules", json=problem_body())
+    assert first.status_code == 200 and first.headers["X-Pipesched-Cache"] == "miss"
+    again = served.client.post("/v1/schedules", json=problem_body())
+    assert again.headers["X-Pipesched-Cache"] == "hit" and again.json()["id"] == first.json()["id"]
+    csv = served.client.get(f"/v1/schedules/{first.json()['id']}", params={"format": "csv"})
+    assert csv.status_code == 200 and csv.text.startswith("0F0")
+    bad = served.client.post("/v1/schedules", content=b"[1, 2", headers={"content-type": "application/json"})
+    assert bad.status_code == 400
+    metrics = served.client.get("/metrics").text
+    assert 'pipesched_cache_lookups_total{result="hit"}' in metrics
+
+
+def test_serve_runs_concurrent_jobs(served: ServedApi) -> None:
+    ids = [served.client.post("/v1/jobs", json=problem_body(m, "auto", 1.0)).json()["id"] for m in range(30, 36)]
+    jobs = wait_for_jobs(served.client, ids)
+    assert [job["status"] for job in jobs] == ["done"] * len(ids)
+    assert len({job["schedule_id"] for job in jobs}) == len(ids)
+
+
+def test_a_restart_with_jobs_in_flight_finishes_them(tmp_path: Path) -> None:
+    database_url = f"sqlite:///{tmp_path / 'restart.sqlite3'}"
+    server = ServedApi(database_url, tmp_path / "first.log", PIPESCHED_SOLVER_WORKERS="1")
+    try:
+        ids = [
+            server.client.post("/v1/jobs", json=problem_body(m, "auto", 1.0)).json()["id"] for m in (400, 410, 420, 430)
+        ]
+        statuses = [server.client.get(f"/v1/jobs/{job_id}").json()["status"] for job_id in ids]
+    finally:
+        server.kill()  # a crash with one job running and the others queued
+    assert statuses.count("done") < len(ids), statuses
+
+    restarted = ServedApi(database_url, tmp_path / "second.log", PIPESCHED_SOLVER_WORKERS="1")
+    try:
+        jobs = wait_for_jobs(restarted.client, ids)
+        assert [job["status"] for job in jobs] == ["done"] * len(ids), [job["error"] for job in jobs]
+        resumed = [job for job, status in zip(jobs, statuses, strict=True) if status != "done"]
+        assert resumed and all(job["attempt"] == 1 for job in resumed)
+        assert all(job["result"]["status"] in ("optimal", "feasible") for job in jobs)
+    finally:
+        restarted.stop()
