@@ -44,6 +44,7 @@ DEMO_MODEL: dict[str, Any] = {
 #: Explicit numbers for a CPU-like "accelerator", so the predicted times are of the right order here.
 DEMO_CLUSTER: dict[str, Any] = {
     "flops_per_s": 2.0e10,
+    "memory_bandwidth_bytes_per_s": 1.0e10,
     "efficiency": 0.5,
     "p2p_bandwidth_bytes_per_s": 1.0e9,
     "p2p_latency_ms": 0.05,
