@@ -17,10 +17,11 @@ Model (data → variables → constraints → objective → solve → report, CP
 * objective ``makespan`` (max end, all starts ≥ 0) or ``stage_span`` (max over ranks of last end −
   first start), with the portfolio's upper bound as a cut and the warm start as a full hint.
 
-Times: durations and latencies are floored to integer microseconds (:data:`TICKS_PER_MS`). Flooring
-maps every float schedule to an integer schedule with the same per-rank orders (so the same memory)
-and an objective no larger, up to one tick for ``stage_span``; hence ``bound_ticks / TICKS_PER_MS``
-(makespan) and ``(bound_ticks − 1) / TICKS_PER_MS`` (stage span) are valid lower bounds for the float
+Times: durations and latencies are floored to whole ticks of :func:`choose_tick_ms` (1 ms, or their
+gcd, when costs are whole ms; 1 µs for costs with three decimals). Flooring maps every float schedule
+to a tick schedule with the same per-rank orders (so the same memory) and an objective no larger, up
+to one tick for ``stage_span``; hence ``bound_ticks · tick`` (makespan, or exact ticks) and
+``(bound_ticks − 1) · tick`` (stage span with floored costs) are valid lower bounds for the float
 problem. Orders are re-simulated with the float simulator by the portfolio; each floored action loses
 less than 1 µs, so a claimed optimum is exact up to (actions on a critical path) µs.
 
@@ -56,30 +57,56 @@ __all__ = [
     "CpSatBackend",
     "OrderModel",
     "fifo_normalise",
+    "reachable_masks",
     "scaled_instance",
     "ticks_to_lower_bound_ms",
 ]
 
 TICKS_PER_MS = 1000
-"""Model time resolution: one tick is 1 µs."""
+"""Finest model time resolution: one tick is at most 1 µs."""
 
 _OBJECTIVES = ("makespan", "stage_span")
 
 
-def scaled_instance(inst: Instance) -> Instance:
-    """A copy of ``inst`` with durations and latencies floored to integer ticks (see module docstring)."""
-    duration = [float(math.floor(d * TICKS_PER_MS + 1e-9)) for d in inst.duration]
-    preds = [[(k, float(math.floor(lat * TICKS_PER_MS + 1e-9))) for k, lat in row] for row in inst.preds]
-    succs = [[(k, float(math.floor(lat * TICKS_PER_MS + 1e-9))) for k, lat in row] for row in inst.succs]
+def choose_tick_ms(inst: Instance) -> tuple[float, bool]:
+    """The model's tick in ms and whether every duration and latency is a whole number of ticks.
+
+    Coarse ticks keep CP-SAT's domains small: costs given in whole ms get a 1 ms tick (or their gcd),
+    costs with three decimals a 1 µs tick. Costs finer than 1 µs are floored to it (not exact).
+    """
+    values = [d for d in inst.duration if d > 0] + [lat for row in inst.preds for _, lat in row if lat > 0]
+    for tick in (1.0, 0.1, 0.01, 1.0 / TICKS_PER_MS):
+        counts = [v / tick for v in values]
+        if all(abs(c - round(c)) < 1e-6 for c in counts):
+            divisor = 0
+            for c in counts:
+                divisor = math.gcd(divisor, round(c))
+            return tick * max(divisor, 1), True
+    return 1.0 / TICKS_PER_MS, False
+
+
+def scaled_instance(inst: Instance, tick_ms: float) -> Instance:
+    """A copy of ``inst`` with durations and latencies floored to whole ticks (see module docstring)."""
+
+    def ticks(value: float) -> float:
+        return float(math.floor(value / tick_ms + 1e-6))
+
+    duration = [ticks(d) for d in inst.duration]
+    preds = [[(k, ticks(lat)) for k, lat in row] for row in inst.preds]
+    succs = [[(k, ticks(lat)) for k, lat in row] for row in inst.succs]
     return dataclasses.replace(inst, duration=duration, preds=preds, succs=succs)
 
 
-def ticks_to_lower_bound_ms(bound_ticks: float, objective: str) -> float:
-    """Convert a proven bound of the tick model to a valid bound of the float problem, ms."""
+def ticks_to_lower_bound_ms(bound_ticks: float, objective: str, tick_ms: float, exact_time: bool) -> float:
+    """Convert a proven bound of the tick model to a valid bound of the float problem, ms.
+
+    With exact ticks every left-justified schedule has whole-tick times, so the bound carries over;
+    with floored costs a stage span may shrink by up to one tick (module docstring).
+    """
     ticks = math.ceil(bound_ticks - 1e-6)
-    if objective == "stage_span":
+    if objective == "stage_span" and not exact_time:
         ticks -= 1
-    return max(0.0, ticks / TICKS_PER_MS)
+    return max(0.0, ticks * tick_ms)
 
 
 def fifo_normalise(inst: Instance, orders: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -123,6 +150,41 @@ def _memory_integral(inst: Instance) -> bool:
     return all(abs(v - round(v)) < 1e-9 and abs(v) < 2**53 for v in values)
 
 
+def reachable_masks(inst: Instance, targets: list[int]) -> list[int]:
+    """For every action index, a bitmask over ``targets`` (bit k = ``targets[k]``) of the targets that
+    must run after it: reachable through dependencies or the FIFO order of a stage's passes."""
+    n = len(inst.actions)
+    bit = {idx: 1 << k for k, idx in enumerate(targets)}
+    succs: list[list[int]] = [[s for s, _ in row] for row in inst.succs]
+    groups: dict[tuple[int, ActionKind], list[int]] = defaultdict(list)
+    for idx, action in enumerate(inst.actions):
+        groups[(action.stage, action.kind)].append(idx)
+    for members in groups.values():
+        members.sort(key=lambda i: inst.actions[i].microbatch)
+        for a, b in itertools.pairwise(members):
+            succs[a].append(b)
+    indegree = [0] * n
+    for row in succs:
+        for s in row:
+            indegree[s] += 1
+    stack = [i for i in range(n) if indegree[i] == 0]
+    topo = []
+    while stack:
+        i = stack.pop()
+        topo.append(i)
+        for s in succs[i]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                stack.append(s)
+    reach = [0] * n
+    for i in reversed(topo):
+        mask = 0
+        for s in succs[i]:
+            mask |= reach[s] | bit.get(s, 0)
+        reach[i] = mask
+    return reach
+
+
 class OrderModel:
     """CP-SAT model of per-rank orders; all actions free, or one segment per rank (LNS).
 
@@ -153,7 +215,8 @@ class OrderModel:
             raise ValueError("segments need an incumbent order to fix the rest of each rank's order")
         self.inst = inst
         self.objective = objective
-        self.ticks = scaled_instance(inst)
+        self.tick_ms, self.exact_time = choose_tick_ms(inst)
+        self.ticks = scaled_instance(inst, self.tick_ms)
         self.incumbent = incumbent
         self.upper_bound_ms = upper_bound_ms
         n = len(inst.actions)
@@ -193,7 +256,7 @@ class OrderModel:
     def _build_model(self) -> None:
         targets = [i for row in self.free for i in row]
         self._position = {idx: k for k, idx in enumerate(targets)}
-        self._reachable = self._reach(targets)
+        self._reachable = reachable_masks(self.inst, targets)
         self._add_variables()
         self._add_constraints()
         self._add_objective()
@@ -257,43 +320,6 @@ class OrderModel:
             if len(row) > 1:
                 self.model.add_no_overlap([self.interval[i] for i in row])
 
-    def _reach(self, targets: list[int]) -> dict[int, int]:
-        """For every action, a bitmask over ``targets`` of those reachable from it (DAG + FIFO)."""
-        inst = self.inst
-        bit = {idx: 1 << k for k, idx in enumerate(targets)}
-        fifo_next: dict[int, int] = {}
-        groups: dict[tuple[int, ActionKind], list[int]] = defaultdict(list)
-        for idx, action in enumerate(inst.actions):
-            groups[(action.stage, action.kind)].append(idx)
-        for members in groups.values():
-            members.sort(key=lambda i: inst.actions[i].microbatch)
-            for a, b in itertools.pairwise(members):
-                fifo_next[a] = b
-        # Topological order of the DAG with FIFO edges (Kahn).
-        succs: list[list[int]] = [[s for s, _ in row] for row in inst.succs]
-        for a, b in fifo_next.items():
-            succs[a].append(b)
-        indegree = [0] * self._n
-        for row in succs:
-            for s in row:
-                indegree[s] += 1
-        stack = [i for i in range(self._n) if indegree[i] == 0]
-        topo = []
-        while stack:
-            i = stack.pop()
-            topo.append(i)
-            for s in succs[i]:
-                indegree[s] -= 1
-                if indegree[s] == 0:
-                    stack.append(s)
-        reach = [0] * self._n
-        for i in reversed(topo):
-            mask = 0
-            for s in succs[i]:
-                mask |= reach[s] | bit.get(s, 0)
-            reach[i] = mask
-        return dict(enumerate(reach))
-
     def _add_memory(self) -> None:
         """At the start of each free F: static + prefix + Σ before·delta + own activation ≤ limit."""
         inst = self.inst
@@ -331,7 +357,7 @@ class OrderModel:
                     continue
                 self.model.add(sum(terms) + constant <= limit)
 
-    def _before(self, a: int, b: int, reach: dict[int, int], position: dict[int, int]) -> cp_model.IntVar | bool:
+    def _before(self, a: int, b: int, reach: list[int], position: dict[int, int]) -> cp_model.IntVar | bool:
         """Literal "a runs before b" (same rank), fixed when the DAG or FIFO decides it."""
         if reach[a] >> position[b] & 1:
             return True
@@ -413,7 +439,7 @@ class OrderModel:
             self.model.add(last - first >= busy)
             self.model.add(obj >= (last if self.objective == "makespan" else last - first))
         if self.upper_bound_ms is not None:
-            self.model.add(obj <= math.ceil(self.upper_bound_ms * TICKS_PER_MS + 1e-6) + 1)
+            self.model.add(obj <= math.ceil(self.upper_bound_ms / self.tick_ms + 1e-6) + 1)
         self.objective_var = obj
         self.model.minimize(obj)
 
@@ -427,6 +453,10 @@ class OrderModel:
         if self.objective_var is not None:
             value = sim.makespan if self.objective == "makespan" else sim.stage_span
             self.model.add_hint(self.objective_var, round(value))
+
+    def lower_bound_ms(self, bound_ticks: float) -> float:
+        """A proven bound of this model in ms, valid for the float problem."""
+        return ticks_to_lower_bound_ms(bound_ticks, self.objective, self.tick_ms, self.exact_time)
 
     # --- solve and report ------------------------------------------------------------------------
 
@@ -470,8 +500,8 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             bound = self.best_objective_bound if self._model.segments is None else None
             self._progress(
                 Progress(
-                    best_objective=self.objective_value / TICKS_PER_MS,
-                    lower_bound=None if bound is None else ticks_to_lower_bound_ms(bound, self._model.objective),
+                    best_objective=self.objective_value * self._model.tick_ms,
+                    lower_bound=None if bound is None else self._model.lower_bound_ms(bound),
                     elapsed_s=time.perf_counter() - self._started,
                     backend=self._backend,
                     message=f"solution {self.solutions}",
@@ -614,14 +644,14 @@ class CpSatBackend:
         claims = model.exact_memory
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             orders = model.orders(solver)
-            bound = ticks_to_lower_bound_ms(solver.best_objective_bound, objective) if claims else None
+            bound = model.lower_bound_ms(solver.best_objective_bound) if claims else None
             optimal = status == cp_model.OPTIMAL and claims
             return BackendResult(
                 status=BackendStatus.OPTIMAL if optimal else BackendStatus.FEASIBLE,
                 orders=orders,
                 lower_bound=bound,
                 message=f"CP-SAT {solver.status_name(status).lower()} "
-                f"({solver.objective_value / TICKS_PER_MS:.3f} ms in the µs model)",
+                f"({solver.objective_value * model.tick_ms:.3f} ms in the model, tick {model.tick_ms:g} ms)",
                 stats=stats,
             )
         if status == cp_model.INFEASIBLE and claims:
@@ -639,7 +669,7 @@ class CpSatBackend:
             )
         bound = None
         if claims and status == cp_model.UNKNOWN and math.isfinite(solver.best_objective_bound):
-            bound = ticks_to_lower_bound_ms(solver.best_objective_bound, objective)
+            bound = model.lower_bound_ms(solver.best_objective_bound)
         return BackendResult(
             status=BackendStatus.UNKNOWN,
             lower_bound=bound,
