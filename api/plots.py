@@ -176,8 +176,27 @@ def _text_em(text: str) -> float:
     return sum(0.32 if ch == "·" else 0.52 if ch == "s" else 0.64 for ch in text)
 
 
-def _label(bar: _Bar, multi_stage: bool) -> str:
-    return f"s{bar.stage}·{bar.microbatch}" if multi_stage else str(bar.microbatch)
+def _fit_label(bar: _Bar, multi_stage: bool, width_px: float, height_px: float, em_px: float) -> tuple[str, float]:
+    """The bar's label and its size (× the label font) that fit ``width_px`` × ``height_px``; ``("", 0)`` if none.
+
+    ``s{stage}·{microbatch}`` where a rank holds several stages (or on two lines ``s{stage}`` over the
+    microbatch when the bar is narrow but tall), else the microbatch alone; nothing when even that is too wide.
+    """
+    microbatch = str(bar.microbatch)
+    if multi_stage:
+        full = f"s{bar.stage}·{microbatch}"
+        if width_px >= _text_em(full) * em_px + 3:
+            return full, 1.0
+        stage = f"s{bar.stage}"
+        scale = 0.85
+        if (
+            width_px >= max(_text_em(stage), _text_em(microbatch)) * em_px * scale + 2
+            and height_px >= 2.3 * em_px * scale
+        ):
+            return f"{stage}\n{microbatch}", scale
+    if width_px >= _text_em(microbatch) * em_px + 3:
+        return microbatch, 1.0
+    return "", 0.0
 
 
 def _headline(view: _View) -> tuple[str, str]:
@@ -250,6 +269,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
     font = max(4.5, min(8.0, row_in * 72 * 0.42))
     px_per_ms = axes_width_px / x_max
     em_px = font * dpi / 72
+    bar_px = row_in * dpi * 0.78
     bar_height = 0.78
     for rank_view in view.ranks:
         y = rank_view.rank - bar_height / 2
@@ -264,19 +284,17 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
         )
         bars.set_gid(f"{prefix}rank-{rank_view.rank}")
         for b, color in zip(rank_view.bars, colors, strict=True):
-            text = _label(b, view.multi_stage)
-            width_px = (b.end - b.start) * px_per_ms
-            if width_px < _text_em(text) * em_px + 3:
-                text = str(b.microbatch)
-                if width_px < _text_em(text) * em_px + 3:
-                    continue
+            text, size = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
+            if not text:
+                continue
             ax.text(
                 (b.start + b.end) / 2,
                 rank_view.rank,
                 text,
                 ha="center",
                 va="center",
-                fontsize=font,
+                linespacing=1.0,
+                fontsize=font * size,
                 color=_text_color(color),
                 clip_on=True,
             )
@@ -465,14 +483,18 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                 f'<rect class="act" x="{x(b.start):.2f}" y="{y + 1}" width="{max(w, 0.3):.2f}" height="{row - 2}" '
                 f'fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
             )
-            text = _label(b, view.multi_stage)
-            if w < _text_em(text) * font + 3:
-                text = str(b.microbatch)
-            if w >= _text_em(text) * font + 3:
+            text, size = _fit_label(b, view.multi_stage, w, row - 2, font)
+            center = x(b.start) + w / 2
+            attrs = f'class="lab" font-size="{font * size:.1f}" fill="{_text_color(color)}"'
+            if "\n" in text:
+                upper, lower = text.split("\n")
+                line = font * size
                 out.append(
-                    f'<text class="lab" x="{x(b.start) + w / 2:.2f}" y="{y + row / 2 + font * 0.36:.1f}" '
-                    f'font-size="{font}" fill="{_text_color(color)}">{text}</text>'
+                    f'<text {attrs} x="{center:.2f}" y="{y + row / 2 - line * 0.12:.1f}">{upper}'
+                    f'<tspan x="{center:.2f}" dy="{line * 0.95:.1f}">{lower}</tspan></text>'
                 )
+            elif text:
+                out.append(f'<text {attrs} x="{center:.2f}" y="{y + row / 2 + font * 0.36:.1f}">{text}</text>')
         out.append("</g>")
     # memory
     top = max(max(r.peak for r in view.ranks), max(view.finite_limits, default=0.0)) or 1.0
