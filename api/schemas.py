@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from optimizer.result import Schedule
 
 __all__ = [
+    "ChromeTrace",
     "ErrorDetail",
     "HTTPError",
     "Health",
@@ -30,6 +31,14 @@ class ScheduleAnswer(Schedule):
     cache: Literal["hit", "miss"] = Field(
         description="hit: the same problem was solved before and the stored schedule is returned without solving."
     )
+
+
+class ChromeTrace(BaseModel):
+    """A schedule as a Chrome trace (``?format=chrome-trace``; open in chrome://tracing or Perfetto)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    traceEvents: list[dict[str, Any]]
 
 
 class JobCreated(BaseModel):

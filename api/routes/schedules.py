@@ -18,7 +18,7 @@ from api.routes._common import (
     services,
     solve_key,
 )
-from api.schemas import ScheduleAnswer, error_responses
+from api.schemas import ChromeTrace, ScheduleAnswer, error_responses
 from optimizer.families import FamilyDomainError
 from optimizer.problem import Problem
 from optimizer.result import Schedule
@@ -105,7 +105,7 @@ def _renderer_missing(what: str) -> HTTPException:
     "/{schedule_id}",
     operation_id="get_schedule",
     summary="A stored schedule as JSON, PyTorch CSV, Chrome trace, PNG or SVG",
-    response_model=Schedule,
+    response_model=Schedule | ChromeTrace,
     responses={
         200: {"content": {media: {} for media in ("text/csv", "image/png", "image/svg+xml")}},
         **error_responses(401, 404, 409, 422, 501),
