@@ -1,0 +1,353 @@
+"""Start one process per rank with torch's elastic launcher and run, verify and report schedules.
+
+Ranks are started as ``torch.distributed.run`` (torchrun) starts them, through its API
+``torch.distributed.launcher.api.elastic_launch``: ``nproc_per_node`` workers per node, a static
+rendezvous at ``master_addr:master_port``, ``nnodes``/``node_rank`` passed through for multi-node runs
+(start the same command on every node with its ``node_rank``). No restarts: a rank that dies ends the
+run, the agent stops the others, and the reason comes back as :class:`RunFailed`. Every wait is
+bounded: point-to-point receives by ``timeout_s`` (a p2p that never arrives raises with the action and
+the peer), collectives by the process group's timeout.
+
+Several schedules can run in one launch (:func:`run_schedules`), which saves the seconds each
+process start costs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import uuid
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from optimizer.instance import compile_problem
+from optimizer.result import Schedule
+from optimizer.simulate import InvalidSchedule, simulate
+
+__all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
+
+ENGINES = ("pipesched", "torch")
+
+
+class ScheduleError(ValueError):
+    """The schedule cannot be run as given (rejected by the simulator, or unsupported); ``reason`` says why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RunFailed(RuntimeError):
+    """A rank failed or a wait timed out; ``reason`` (``p2p_timeout``, ``schedule``, ``rank_failed``, …)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float) -> dict[str, Any]:
+    import torch
+
+    from optimizer.export import orders_to_torch_csv
+    from runtime.executor import SavedActivationMeter, execute_rank
+    from runtime.models import load_model
+
+    schedule = Schedule.model_validate_json(job["schedule"])
+    model = load_model(job["model"], schedule.problem, seed=job["seed"])
+    if job["engine"] == "pipesched":
+        run = execute_rank(schedule, model, rank=rank, device=device, p2p_timeout_s=p2p_timeout_s)
+        result = asdict(run)
+        result["gradients"] = run.gradients
+        return result
+    from runtime.torch_compat import run_torch_runtime
+
+    inst = compile_problem(schedule.problem)
+    m = inst.num_microbatches
+    modules = {
+        stage: model.build_stage(inst.model_stage[stage]).to(device)
+        for stage, owner in enumerate(inst.stage_ranks)
+        if owner == rank
+    }
+    batches = [model.make_microbatch(j) for j in range(m)]
+    inputs = torch.cat([b[0] for b in batches])
+    targets = torch.cat([b[1] for b in batches])
+    csv_path = Path(job["workdir"]) / f"schedule-{job['index']}.csv"
+    if rank == 0:
+        csv_path.write_text(orders_to_torch_csv(schedule.orders()))
+    import torch.distributed as dist
+
+    dist.barrier()
+    meter = SavedActivationMeter([p for module in modules.values() for p in module.parameters()])
+    with meter.hooks():
+        torch_run = run_torch_runtime(
+            csv_path,
+            modules,
+            num_stages=inst.num_stages,
+            num_microbatches=m,
+            inputs=inputs,
+            targets=targets,
+            loss_fn=model.loss_fn,
+            device=device,
+        )
+    last = max(range(inst.num_stages))
+    losses = dict(enumerate(torch_run.losses)) if inst.stage_ranks[last] == rank else {}
+    return {
+        "rank": rank,
+        "actions": torch_run.actions,
+        "executed": [a["action"] for a in torch_run.actions],
+        "peak_memory_bytes": meter.peak_bytes,
+        "memory_measure": "saved-activations",
+        "losses": losses,
+        "gradients": torch_run.gradients,
+        "device": str(device),
+    }
+
+
+def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_dir: str) -> Any:
+    """One rank (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
+        results = []
+        for job in jobs:
+            result = _rank_job(job, rank, device, timeout_s)
+            gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+            dist.gather_object(result, gathered, dst=0)
+            results.append(gathered)
+        dist.barrier()
+        dist.destroy_process_group()
+        return results if rank == 0 else None
+    except BaseException as error:
+        reason = getattr(error, "reason", "rank_failed")
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        Path(error_dir, f"rank{rank}.txt").write_text(f"{reason}\n{type(error).__name__}: {first_line}")
+        raise
+
+
+def _validate(schedule: Schedule) -> None:
+    if schedule.status == "infeasible" or not schedule.ranks:
+        raise ScheduleError("no_schedule", f"the schedule holds no ranks (status {schedule.status}: {schedule.reason})")
+    inst = compile_problem(schedule.problem)
+    try:
+        simulate(inst, schedule.orders(), check_memory=False)
+    except InvalidSchedule as error:
+        raise ScheduleError(error.reason, f"the simulator rejects the schedule ({error.reason}): {error}") from None
+    except ValueError as error:
+        raise ScheduleError("malformed", str(error)) from None
+
+
+def _failure(error_dir: Path, error: BaseException) -> RunFailed:
+    messages = []
+    for path in sorted(error_dir.glob("rank*.txt")):
+        reason, _, message = path.read_text().partition("\n")
+        messages.append((reason, path.stem, message))
+    if not messages:
+        return RunFailed("rank_failed", f"a rank failed without a message: {str(error).strip()[:500]}")
+    # A root cause (a schedule or model error) outranks the timeouts it causes on other ranks.
+    messages.sort(key=lambda item: item[0] == "p2p_timeout")
+    reason, who, message = messages[0]
+    others = "" if len(messages) == 1 else f" ({len(messages) - 1} other rank(s) failed too)"
+    return RunFailed(reason, f"{who}: {message}{others}")
+
+
+def run_schedules(
+    schedules: list[Schedule],
+    *,
+    nproc_per_node: int | None = None,
+    backend: str = "gloo",
+    model: str | list[str] = "gpt-tiny",
+    seed: int = 0,
+    timeout_s: float = 300,
+    engine: str | list[str] = "pipesched",
+    validate: bool = True,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> list[dict[str, Any]]:
+    """Run several schedules (same number of ranks) one after another in one launch; one report each.
+
+    ``model`` and ``engine`` may be one value or one per schedule. ``engine``: ``"pipesched"`` (the own
+    executor, :mod:`runtime.executor`) or ``"torch"`` (PyTorch's ``_PipelineScheduleRuntime`` fed the
+    compute-only CSV; loop and V placement only). ``validate``: reject a schedule the simulator rejects
+    before starting any process (``False`` lets the runtime meet it, for testing the timeouts).
+    On a node other than ``node_rank`` 0 the reports are ``{"node_rank": …}`` only: node 0 verifies.
+
+    Raises:
+        ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count mismatch).
+        RunFailed: a rank failed or a wait timed out; the message names the rank and the reason.
+    """
+    import torch
+
+    from runtime.models import load_model
+    from runtime.verify import build_report, reference_run
+
+    if not schedules:
+        return []
+    if backend not in ("gloo", "nccl"):
+        raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
+    models = [model] * len(schedules) if isinstance(model, str) else list(model)
+    engines = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
+    num_ranks = schedules[0].problem.pipeline.num_ranks
+    for index, schedule in enumerate(schedules):
+        if engines[index] not in ENGINES:
+            raise ScheduleError("engine", f"engine must be one of {', '.join(ENGINES)}, got {engines[index]!r}")
+        if schedule.problem.pipeline.num_ranks != num_ranks:
+            raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
+        if engines[index] == "torch" and schedule.problem.pipeline.placement == "bidirectional":
+            raise ScheduleError(
+                "placement", 'engine "torch" cannot run placement "bidirectional"; use engine "pipesched"'
+            )
+        if validate:
+            _validate(schedule)
+        load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
+    nproc = nproc_per_node or max(1, num_ranks // nnodes)
+    if nproc * nnodes != num_ranks:
+        raise ScheduleError(
+            "nproc_per_node",
+            f"the schedule has {num_ranks} ranks but nnodes {nnodes} × nproc_per_node {nproc} = {nproc * nnodes} "
+            f"processes: set --nproc-per-node {num_ranks // max(nnodes, 1)}",
+        )
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="pipesched-run-") as workdir:
+        error_dir = Path(workdir, "errors")
+        error_dir.mkdir()
+        jobs = [
+            {
+                "schedule": schedule.model_dump_json(),
+                "model": models[index],
+                "seed": seed,
+                "engine": engines[index],
+                "workdir": workdir,
+                "index": index,
+            }
+            for index, schedule in enumerate(schedules)
+        ]
+        port = master_port or _free_port()
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nproc,
+            run_id=f"pipesched-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="static",
+            rdzv_endpoint=f"{master_addr}:{port}",
+            rdzv_configs={"rank": node_rank, "timeout": int(timeout_s)},
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+        )
+        try:
+            returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+        except ChildFailedError as error:
+            raise _failure(error_dir, error) from None
+        except Exception as error:
+            raise _failure(error_dir, error) from None
+    per_job = returned.get(0) if node_rank == 0 else None
+    if per_job is None:
+        return [{"node_rank": node_rank} for _ in schedules]
+    reports = []
+    for index, schedule in enumerate(schedules):
+        ranks = per_job[index]
+        pipeline_model = load_model(models[index], schedule.problem, seed=seed)
+        reference_loss, reference_gradients = reference_run(pipeline_model, schedule.problem.pipeline.num_microbatches)
+        losses: dict[int, float] = {}
+        gradients: dict[str, Any] = {}
+        for rank in ranks:
+            losses.update(rank["losses"])
+            gradients.update(rank["gradients"])
+        report = build_report(
+            schedule,
+            [
+                {key: rank[key] for key in ("rank", "actions", "executed", "peak_memory_bytes", "memory_measure")}
+                for rank in ranks
+            ],
+            losses,
+            gradients,
+            reference_loss,
+            reference_gradients,
+            backend=backend,
+            device=ranks[0]["device"] if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})",
+            engine=engines[index],
+            model_name=pipeline_model.name,
+        )
+        reports.append(report)
+    return reports
+
+
+def run_schedule(
+    schedule: Schedule,
+    *,
+    nproc_per_node: int | None = None,
+    backend: str = "gloo",
+    model: str = "gpt-tiny",
+    seed: int = 0,
+    timeout_s: float = 300,
+    output: Path | None = None,
+    engine: str = "pipesched",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> dict[str, Any]:
+    """Execute ``schedule`` on ``num_ranks`` processes with ``torch.distributed`` and verify it.
+
+    Returns the run report of the contract (``verified``, ``max_abs_grad_error``, ``max_rel_grad_error``,
+    ``loss``, ``reference_loss``, ``executed_order_matches``, ``ranks`` with per-action start/end in ms
+    and ``peak_memory_bytes``, ``predicted_makespan_ms``, ``measured_makespan_ms``, ``backend``,
+    ``device``) plus diagnostics; written as JSON to ``output`` when given.
+
+    Raises:
+        ScheduleError: the schedule, model or options cannot run (``reason`` says which).
+        RunFailed: a rank failed or a receive timed out after ``timeout_s`` (``reason``, rank named).
+    """
+    import json
+
+    report = run_schedules(
+        [schedule],
+        nproc_per_node=nproc_per_node,
+        backend=backend,
+        model=model,
+        seed=seed,
+        timeout_s=timeout_s,
+        engine=engine,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+    )[0]
+    if output is not None:
+        Path(output).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def print_run_summary(report: dict[str, Any]) -> None:
+    """Print a one-screen rich summary of a run report (see :func:`runtime.verify.print_report`)."""
+    from runtime.verify import print_report
+
+    print_report(report)
