@@ -48,7 +48,7 @@ from ortools.sat.python import cp_model
 
 from optimizer.instance import Instance
 from optimizer.ir import ActionKind
-from optimizer.simulate import simulate_indexed
+from optimizer.simulate import InvalidSchedule, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import BackendResult, BackendStatus
 
@@ -550,6 +550,14 @@ def run_model(
     return solver, status
 
 
+def _fits(inst: Instance, orders: list[list[int]]) -> bool:
+    try:
+        simulate_indexed(inst, orders)
+    except InvalidSchedule:
+        return False
+    return True
+
+
 class CpSatBackend:
     """CP-SAT search over per-rank orders (see the module docstring for the model).
 
@@ -587,7 +595,7 @@ class CpSatBackend:
         if objective not in _OBJECTIVES:
             raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
         incumbent = fifo_normalise(inst, hint) if hint is not None else None
-        if incumbent is not None and len(inst.actions) > self.exact_max_actions:
+        if incumbent is not None and len(inst.actions) > self.exact_max_actions and _fits(inst, incumbent):
             from optimizer.solvers.lns import large_neighbourhood_search
 
             return large_neighbourhood_search(
