@@ -456,8 +456,10 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
     mem_h = 150
     height = mem_top + mem_h + 34
     font = 11 if row >= 16 else 8
+    narrowest = min((b.end - b.start for r in view.ranks for b in r.bars), default=1.0) * scale
+    dense = " dense" if narrowest < 4 else ""
     out: list[str] = [
-        f'<svg class="panel" id="{prefix}panel" viewBox="0 0 {_SVG_WIDTH} {height}" '
+        f'<svg class="panel{dense}" id="{prefix}panel" viewBox="0 0 {_SVG_WIDTH} {height}" '
         f'xmlns="http://www.w3.org/2000/svg" data-left="{_LEFT}" data-scale="{scale:.6f}" '
         f'data-memtop="{mem_top}" data-memh="{mem_h}" data-prefix="{prefix}">'
     ]
@@ -590,7 +592,7 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 2px}.sub{margin
 .legend i{display:inline-block;width:14px;height:14px;vertical-align:-2px;margin-right:5px;border-radius:2px}
 svg.panel{width:100%;height:auto;display:block}
 .grid line{stroke:#ddd;stroke-width:1}.hgrid{stroke:#eee;stroke-width:1}
-.idle{fill:#E4E4E4}.act{stroke:#fff;stroke-width:.4}.act:hover{stroke:#000;stroke-width:1.5}
+.idle{fill:#E4E4E4}.act{stroke:#fff;stroke-width:.4}.dense .act{stroke:none}.act:hover{stroke:#000;stroke-width:1.5}
 .lab{text-anchor:middle;pointer-events:none;font-family:system-ui,sans-serif}
 .ylab{text-anchor:end;fill:#333}.tick{font-size:11px;fill:#444}.axlab{font-size:12px;fill:#333;text-anchor:middle}
 .memframe{fill:none;stroke:#bbb}.mem{fill:none;stroke-width:1.4}.mem:hover{stroke-width:3}
