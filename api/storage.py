@@ -143,6 +143,16 @@ class Store:
             row = session.scalars(select(ScheduleRow).where(ScheduleRow.problem_hash == problem_hash)).first()
             return None if row is None else Schedule.model_validate_json(row.schedule_json)
 
+    def schedule_json_by_hash(self, problem_hash: str) -> str | None:
+        """The stored schedule's JSON text for a problem key (no parsing: the cache-hit path), or None."""
+        with self._sessions() as session:
+            return session.scalar(select(ScheduleRow.schedule_json).where(ScheduleRow.problem_hash == problem_hash))
+
+    def schedule_json(self, schedule_id: str) -> str | None:
+        """The stored schedule's JSON text (no parsing: the read path), or None."""
+        with self._sessions() as session:
+            return session.scalar(select(ScheduleRow.schedule_json).where(ScheduleRow.id == schedule_id))
+
     def schedule(self, schedule_id: str) -> Schedule | None:
         """The stored schedule with this id, or None."""
         with self._sessions() as session:

@@ -37,18 +37,19 @@ FORMAT_MEDIA = {
 }
 
 
-def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> tuple[Schedule, bool]:
+def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> tuple[str, bool]:
     """The stored schedule for ``problem`` (cache hit), or solve it in the pool and store it.
 
     Returns:
-        (schedule with ``id``, hit).
+        (the schedule's JSON with its ``id``, hit).
 
     Raises:
-        HTTPException: 504 when the pool gives no answer within the time limit plus a grace period.
+        HTTPException: 503 when the solver process died; 504 when the pool gives no answer within the
+            time limit plus a grace period.
         FamilyDomainError: as :func:`optimizer.solve.solve`.
     """
     key = solve_key(problem)
-    cached = svc.store.schedule_by_hash(key)
+    cached = svc.store.schedule_json_by_hash(key)
     svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
     if cached is not None:
         return cached, True
@@ -64,7 +65,14 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
         ) from None
     svc.metrics.solve_seconds.labels(method=problem.solver.method, mode=mode).observe(schedule.solve_time_s)
     stored, _created = svc.store.put_schedule(key, schedule)
-    return stored, False
+    return stored.model_dump_json(), False
+
+
+def with_cache_field(schedule_json: str, hit: bool) -> str:
+    """The stored Schedule JSON object with ``"cache"`` appended (the :class:`ScheduleAnswer` shape)."""
+    body = schedule_json.rstrip()
+    assert body.endswith("}")
+    return f'{body[:-1]},"cache":"{"hit" if hit else "miss"}"}}'
 
 
 @router.post(
@@ -83,11 +91,10 @@ def solve_schedule(problem: Problem, response: Response, svc: Services = Depends
     """
     problem = prepare_problem(problem, svc.settings)
     try:
-        schedule, hit = solve_and_store(svc, problem)
+        schedule_json, hit = solve_and_store(svc, problem)
     except FamilyDomainError as error:
         raise field_error(("body", "solver", "method"), f"{error}; choose another method or auto") from None
-    answer = ScheduleAnswer(**schedule.model_dump(), cache="hit" if hit else "miss")
-    return Response(answer.model_dump_json(), media_type="application/json", headers=cache_headers(hit))
+    return Response(with_cache_field(schedule_json, hit), media_type="application/json", headers=cache_headers(hit))
 
 
 def _stored(svc: Services, schedule_id: str) -> Schedule:
@@ -119,10 +126,13 @@ def get_schedule(
     svc: Services = Depends(services),
 ) -> Response:
     """The schedule stored under ``schedule_id`` in ``format``."""
-    schedule = _stored(svc, schedule_id)
     media = FORMAT_MEDIA[output_format]
     if output_format == "json":
-        return Response(schedule.model_dump_json(), media_type=media)
+        stored_json = svc.store.schedule_json(schedule_id)
+        if stored_json is None:
+            _stored(svc, schedule_id)  # the 404
+        return Response(stored_json, media_type=media)
+    schedule = _stored(svc, schedule_id)
     if schedule.status == "infeasible":
         raise HTTPException(
             409,
@@ -169,7 +179,8 @@ def view_schedule(
         solver = schedule.problem.solver.model_copy(update={"method": compare})
         problem = schedule.problem.model_copy(update={"solver": solver})
         try:
-            other, _hit = solve_and_store(svc, problem)
+            other_json, _hit = solve_and_store(svc, problem)
+            other = Schedule.model_validate_json(other_json)
         except FamilyDomainError as error:
             raise field_error(("query", "compare"), f"{error}; choose another family") from None
     try:
