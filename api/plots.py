@@ -455,7 +455,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
     mem_top = gantt_top + gantt_h + 34
     mem_h = 150
     height = mem_top + mem_h + 34
-    font = 11 if row >= 16 else 8
+    font = 10 if row >= 16 else 8
     narrowest = min((b.end - b.start for r in view.ranks for b in r.bars), default=1.0) * scale
     dense = " dense" if narrowest < 4 else ""
     out: list[str] = [
@@ -474,7 +474,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
         stages = f" (s{', s'.join(map(str, r.stages))})" if view.multi_stage else ""
         out.append(
             f'<g class="rank" id="{prefix}rank-{r.rank}">'
-            f'<text class="ylab" x="{_LEFT - 6}" y="{y + row / 2 + 4:.1f}" font-size="{min(font, 11)}">'
+            f'<text class="ylab" x="{_LEFT - 6}" y="{y + row / 2 + 4:.1f}" font-size="{11 if row >= 16 else 8}">'
             f"rank {r.rank}{stages}</text>"
             f'<rect class="idle" x="{x(0):.2f}" y="{y + 1}" width="{view.makespan * scale:.2f}" height="{row - 2}"/>'
         )
@@ -592,7 +592,8 @@ h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:18px 0 2px}.sub{margin
 .legend i{display:inline-block;width:14px;height:14px;vertical-align:-2px;margin-right:5px;border-radius:2px}
 svg.panel{width:100%;height:auto;display:block}
 .grid line{stroke:#ddd;stroke-width:1}.hgrid{stroke:#eee;stroke-width:1}
-.idle{fill:#E4E4E4}.act{stroke:#fff;stroke-width:.4}.dense .act{stroke:none}.act:hover{stroke:#000;stroke-width:1.5}
+.idle{fill:#E4E4E4}.act{stroke:#fff;stroke-width:.4}.dense .act{stroke:none}
+.act.focus{stroke:#000;stroke-width:2}.act:hover{stroke:#000;stroke-width:1.5}
 .lab{text-anchor:middle;pointer-events:none;font-family:system-ui,sans-serif}
 .ylab{text-anchor:end;fill:#333}.tick{font-size:11px;fill:#444}.axlab{font-size:12px;fill:#333;text-anchor:middle}
 .memframe{fill:none;stroke:#bbb}.mem{fill:none;stroke-width:1.4}.mem:hover{stroke-width:3}
@@ -615,6 +616,9 @@ function memAt(tl,t){let lo=0,hi=tl.length-1;
 function show(e,h){tip.innerHTML=h;tip.style.display='block';
  const w=tip.offsetWidth;tip.style.left=Math.min(e.clientX+14,window.innerWidth-w-8)+'px';
  tip.style.top=(e.clientY+14)+'px';}
+function barTip(d,rank,i){const r=d.ranks[rank];const b=r.bars[i];
+ return '<b>'+b[0]+'</b> on rank '+r.rank+'<br>start '+b[1].toFixed(3)+' ms · end '+b[2].toFixed(3)+
+  ' ms<br>duration '+(b[2]-b[1]).toFixed(3)+' ms<br>memory '+fmtB(b[3])+(r.limit!==null?' of '+fmtB(r.limit):'');}
 document.querySelectorAll('svg.panel').forEach(function(svg){
  const key=svg.dataset.prefix?'compare':'main';const d=DATA[key];
  const left=+svg.dataset.left,scale=+svg.dataset.scale,memTop=+svg.dataset.memtop,memH=+svg.dataset.memh;
@@ -626,9 +630,7 @@ document.querySelectorAll('svg.panel').forEach(function(svg){
   cur.setAttribute('x1',p.x);cur.setAttribute('x2',p.x);cur.setAttribute('visibility','visible');
   lab.setAttribute('x',p.x+4);lab.textContent=t.toFixed(2)+' ms';lab.setAttribute('visibility','visible');
   const el=e.target;
-  if(el.classList.contains('act')){const r=d.ranks[+el.dataset.r];const b=r.bars[+el.dataset.i];
-   show(e,'<b>'+b[0]+'</b> on rank '+r.rank+'<br>start '+b[1].toFixed(3)+' ms · end '+b[2].toFixed(3)+
-    ' ms<br>duration '+(b[2]-b[1]).toFixed(3)+' ms<br>memory '+fmtB(b[3])+(r.limit!==null?' of '+fmtB(r.limit):''));
+  if(el.classList.contains('act')){show(e,barTip(d,+el.dataset.r,+el.dataset.i));
   }else if(p.y>=memTop&&p.y<=memTop+memH){
    let rows=d.ranks.map(function(r){return [r.rank,memAt(r.timeline,t),r.limit];});
    rows.sort(function(a,b){return b[1]-a[1];});const more=rows.length>8?'<br>… '+(rows.length-8)+' more ranks':'';
@@ -640,6 +642,12 @@ document.querySelectorAll('svg.panel').forEach(function(svg){
  svg.addEventListener('mouseleave',function(){tip.style.display='none';cur.setAttribute('visibility','hidden');
   lab.setAttribute('visibility','hidden');});
 });
+// A link to one action: view#at=3F12 outlines it and shows its tooltip.
+const at=decodeURIComponent(location.hash).match(/^#at=(\\d+[FIWB]\\d+)$/);
+if(at){DATA.main.ranks.forEach(function(r,rank){r.bars.forEach(function(b,i){if(b[0]!==at[1])return;
+ const el=document.querySelector('#panel rect.act[data-r="'+rank+'"][data-i="'+i+'"]');if(!el)return;
+ el.classList.add('focus');el.scrollIntoView({block:'center'});const box=el.getBoundingClientRect();
+ show({clientX:box.right,clientY:box.bottom},barTip(DATA.main,rank,i));});});}
 document.body.dataset.ready=String(document.querySelectorAll('svg.panel rect.act').length);
 })();
 """

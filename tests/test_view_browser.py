@@ -112,11 +112,17 @@ def test_served_view_renders_in_headless_chromium(service: str, tmp_path: Path) 
     assert page.headers["content-type"].startswith("text/html")
     assert "Compared with 1f1b" in page.text
 
-    # The page's script ran to its end (it stamps the number of action bars it wired up on <body>).
-    dom = _chromium(tmp_path, "--dump-dom", url)
+    # The page's script ran to its end (it stamps the number of action bars it wired up on <body>), and a
+    # link to one action (#at=3I5) shows that action's tooltip with the schedule's own times.
+    dom = _chromium(tmp_path, "--dump-dom", f"{url}#at=3I5")
     ready = re.search(r'<body[^>]*data-ready="(\d+)"', dom.stdout)
     assert ready is not None, f"the view's script did not run: {dom.stderr[-2000:]}"
     assert int(ready.group(1)) == 2 * 8 * 24 * 3  # zb-h1 and 1f1b, 8 ranks × 24 microbatches × F, I, W
+    action = next(a for a in created.json()["ranks"][3]["actions"] if a["action"] == "3I5")
+    tip = re.search(r'<div id="tip"[^>]*>(.*?)</div>', dom.stdout, re.S)
+    assert tip is not None and "<b>3I5</b> on rank 3" in tip.group(1), dom.stdout[-3000:]
+    assert f"start {action['start']:.3f} ms · end {action['end']:.3f} ms" in tip.group(1)
+    assert re.search(r"memory \d+\.\d\d MiB", tip.group(1))
 
     shot = tmp_path / "view.png"
     result = _chromium(tmp_path, f"--screenshot={shot}", url)
