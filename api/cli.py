@@ -310,20 +310,113 @@ def demo(
 
 
 @app.command()
-def serve(
-    host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
+def run(
+    schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")],
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")] = "gloo",
+    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")] = (
+        "gpt-tiny"
+    ),
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="pipesched (own executor) or torch.")] = "pipesched",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")] = 300.0,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")] = "127.0.0.1",
+    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")] = None,
 ) -> None:
-    """Run the HTTP service (settings from PIPESCHED_* environment variables; OpenAPI at /docs)."""
-    import uvicorn
+    """Execute a schedule with torch.distributed and verify it against a single-process reference."""
+    from api.loading import load_schedule
+    from runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
 
-    from api.app import create_app
-    from api.settings import Settings
+    try:
+        schedule = load_schedule(schedule_path)
+    except InputError as error:
+        raise fail(str(error)) from None
+    try:
+        report = run_schedule(
+            schedule,
+            nproc_per_node=nproc_per_node,
+            backend=backend,
+            model=model,
+            seed=seed,
+            timeout_s=timeout,
+            output=output,
+            engine=engine,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+    except (ScheduleError, ValueError) as error:
+        raise fail(str(error)) from None
+    except RunFailed as error:
+        raise fail(f"the run failed ({error.reason}): {error}", code=1) from None
+    if "verified" not in report:
+        console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
+        return
+    print_run_summary(report)
+    if output is not None:
+        console.print(f"wrote {output}", highlight=False)
+    if not report["verified"]:
+        raise typer.Exit(1)
 
-    settings = Settings()
-    updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
-    settings = settings.model_copy(update=updates)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+
+@app.command()
+def profile(
+    num_ranks: Annotated[int, typer.Option("--num-ranks", help="Pipeline ranks p.")] = 4,
+    num_microbatches: Annotated[int, typer.Option("--num-microbatches", help="Microbatches m.")] = 8,
+    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", help="Stages per rank.")] = 1,
+    placement: Annotated[str, typer.Option("--placement", help="loop, v or bidirectional.")] = "loop",
+    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, module:function.")] = "gpt-tiny",
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed microbatches per stage.")] = 5,
+    p2p_ms: Annotated[float, typer.Option("--p2p-ms", help="p2p latency to record, ms.")] = 0.0,
+    memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
+) -> None:
+    """Measure each stage's F, I, W times and activation memory; write a PROBLEM.json for `pipesched solve`."""
+    from pydantic import ValidationError
+
+    from api.loading import format_validation_error
+    from runtime.profile import profile_model
+
+    try:
+        problem = profile_model(
+            num_ranks=num_ranks,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            placement=placement,
+            model=model,
+            repeats=repeats,
+            p2p_ms=p2p_ms,
+            memory_limit_bytes=memory_limit,
+            device=device,
+        )
+    except ValidationError as error:
+        raise fail(format_validation_error(error)) from None
+    except ValueError as error:
+        raise fail(str(error)) from None
+    output.write_text(problem.model_dump_json(indent=1, exclude_none=True))
+    assert problem.costs is not None and problem.memory is not None
+    table = Table(title=f"{model}: measured per stage", header_style="bold")
+    for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):
+        table.add_column(column, justify="right")
+    values = [
+        problem.stage_values(v)
+        for v in (
+            problem.costs.forward,
+            problem.costs.backward_input,
+            problem.costs.backward_weight,
+            problem.memory.activation,
+            problem.memory.retained_for_weight,
+        )
+    ]
+    for stage, (f, i, w, act, ret) in enumerate(zip(*values, strict=True)):
+        table.add_row(str(stage), f"{f:.3f}", f"{i:.3f}", f"{w:.3f}", format_bytes(act), format_bytes(ret))
+    console.print(table)
+    console.print(f"wrote {output}", highlight=False)
 
 
 @app.command()
