@@ -218,9 +218,8 @@ def run_demo(
         for s in schedules
     }
     if run:
-        from runtime.launch import print_report, run_schedule
-
         from optimizer.export import run_report_to_chrome_trace
+        from runtime.launch import print_report, run_schedule
 
         console.rule("[bold]running the auto schedule on 4 gloo ranks")
         report = run_schedule(auto, nproc_per_node=DEMO_NUM_RANKS, backend="gloo", output=folder / "report.json")
