@@ -258,12 +258,34 @@ def _figure(schedule: Schedule, compare: Schedule | None, dpi: float) -> Any:
         prefix = "" if i == 0 else "compare-"
         _draw_gantt(gantt, view, x_max, axes_width_px, prefix, dpi)
         _draw_memory(memory, view, x_max, prefix)
+    _legend(fig, views)
     return fig
 
 
-def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix: str, dpi: float) -> None:
+def _legend(fig: Any, views: list[_View]) -> None:
+    """One legend for the kinds, the later-stage shade and idle time, under the figure."""
     from matplotlib.patches import Patch
 
+    kinds = [k for k in ("F", "I", "W", "B") if any(k in v.kinds for v in views)]
+    handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds]
+    if any(v.multi_stage for v in views):
+        handles += [
+            Patch(facecolor=_shade(KIND_COLORS[k], 1), label=f"{k}, the rank's later stage (labels s{{stage}}·{{mb}})")
+            for k in kinds[:1]
+        ]
+    handles.append(Patch(facecolor=IDLE_COLOR, label="idle"))
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        handlelength=1.4,
+        columnspacing=1.6,
+    )
+
+
+def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix: str, dpi: float) -> None:
     num_ranks = len(view.ranks)
     row_in = _row_height_in(num_ranks)
     font = max(4.5, min(8.0, row_in * 72 * 0.42))
@@ -280,7 +302,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
             (y, bar_height),
             facecolors=colors,
             edgecolors="white",
-            linewidth=0.4 if px_per_ms * min((b.end - b.start for b in rank_view.bars), default=1) > 4 else 0.0,
+            linewidth=0.35 if px_per_ms * min((b.end - b.start for b in rank_view.bars), default=1) > 2.5 else 0.0,
         )
         bars.set_gid(f"{prefix}rank-{rank_view.rank}")
         for b, color in zip(rank_view.bars, colors, strict=True):
@@ -314,20 +336,6 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
         ax.spines[side].set_visible(False)
     first, second = _headline(view)
     ax.set_title(f"{first}\n{second}", loc="left", fontsize=9.5)
-    handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_NAMES[k]) for k in view.kinds]
-    if view.multi_stage:
-        handles += [Patch(facecolor=_shade(KIND_COLORS["F"], 1), label="lighter: rank's later stage")]
-    handles.append(Patch(facecolor=IDLE_COLOR, label="idle"))
-    ax.legend(
-        handles=handles,
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
-        ncol=len(handles),
-        fontsize=7.5,
-        frameon=False,
-        handlelength=1.2,
-        columnspacing=1.0,
-    )
 
 
 def _draw_memory(ax: Any, view: _View, x_max: float, prefix: str) -> None:
