@@ -173,7 +173,7 @@ class SolverPool:
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(max_workers=self.workers, mp_context=_context())
 
-    def _submit(self, fn: Callable[..., object], *args: object) -> Future:  # type: ignore[type-arg]
+    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
         with self._lock:
             try:
                 return self._executor.submit(fn, *args)

@@ -193,7 +193,8 @@ def render(phases: list[Phase], args: argparse.Namespace) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         f"pipesched load bench — {platform.node()} ({os.cpu_count()} CPUs), python {platform.python_version()}, "
-        f"SQLite, solver_workers={args.workers}, {args.clients} concurrent clients",
+        f"SQLite, solver_workers={args.workers}, {args.clients} concurrent clients, "
+        f"load average at the end {os.getloadavg()[0]:.1f} (the machine is shared)",
         "  ".join(cell.ljust(width) for cell, width in zip(header, widths, strict=True)),
         "  ".join("-" * width for width in widths),
     ]

@@ -29,7 +29,7 @@ class Services:
 
 
 def services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+    return request.app.state.services
 
 
 _bearer = HTTPBearer(auto_error=False, description="Needed only when the service is started with an API token.")

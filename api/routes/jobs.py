@@ -17,7 +17,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     result = svc.store.schedule(row.schedule_id) if row.schedule_id else None
     return JobStatus(
         id=row.id,
-        status=row.status,  # type: ignore[arg-type]
+        status=row.status,
         progress=JobProgress(
             best_objective=row.best_objective,
             lower_bound=row.lower_bound,
@@ -56,7 +56,7 @@ def create_job(problem: Problem, response: Response, svc: Services = Depends(ser
         svc.pool.submit_job(row.id, row.attempt, problem.solver.time_limit_s)
     response.headers["Location"] = f"/v1/jobs/{row.id}"
     response.headers["X-Pipesched-Cache"] = "hit" if cached else "miss"
-    return JobCreated(id=row.id, status=row.status)  # type: ignore[arg-type]
+    return JobCreated(id=row.id, status=row.status)
 
 
 def _job(svc: Services, job_id: str) -> JobRow:
