@@ -219,11 +219,13 @@ def run_demo(
     }
     if run:
         from optimizer.export import run_report_to_chrome_trace
-        from runtime.launch import print_report, run_schedule
+        from runtime.launch import print_run_summary, run_schedule
 
         console.rule("[bold]running the auto schedule on 4 gloo ranks")
-        report = run_schedule(auto, nproc_per_node=DEMO_NUM_RANKS, backend="gloo", output=folder / "report.json")
-        print_report(report, console=console)
+        report = run_schedule(
+            auto, nproc_per_node=DEMO_NUM_RANKS, backend="gloo", model="problem", output=folder / "report.json"
+        )
+        print_run_summary(report)
         (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report)))
         summary["report"] = report
         if not report.get("verified"):

@@ -74,6 +74,9 @@ class Schedule(BaseModel):
     reason: str | None = None
     min_memory_limit: list[float] | None = Field(None, description="bytes per rank (infeasible answers)")
     fits_memory: bool | None = Field(None, description="Whether every rank stays within its limit.")
+    cache: Literal["hit", "miss"] | None = Field(
+        None, description="Set by the service: hit when it answered with a stored schedule."
+    )
 
     def orders(self) -> Orders:
         """Per-rank :class:`Action` orders."""
