@@ -463,7 +463,10 @@ def plot(
         except (FamilyDomainError, KeyError, ValueError) as error:
             reason = error.args[0] if isinstance(error, KeyError) and error.args else error
             raise fail(f"--compare {compare_family}: {reason}") from None
-    plot_to_file(schedule, output, compare=other)
+    try:
+        plot_to_file(schedule, output, compare=other)
+    except ValueError as error:  # InvalidSchedule too: orders that do not run on the file's own problem
+        raise fail(f"{schedule_path}: {error}") from None
     console.print(f"wrote {output}", highlight=False)
 
 

@@ -245,6 +245,15 @@ def test_pipesched_plot_writes_each_format(tmp_path: Path, zb_h1: Schedule) -> N
     wrong_family = runner.invoke(app, ["plot", str(source), "-o", str(tmp_path / "x.png"), "--compare", "zb-v"])
     assert wrong_family.exit_code == 2 and "placement" in wrong_family.output
 
+    data = json.loads(source.read_text())
+    rank0 = data["ranks"][0]["actions"]
+    backward = next(i for i, a in enumerate(rank0) if a["kind"] == "I")
+    rank0.insert(0, rank0.pop(backward))  # 0I0 before 0F0: the orders can no longer run
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(data))
+    broken = runner.invoke(app, ["plot", str(tampered), "-o", str(tmp_path / "x.png")])
+    assert broken.exit_code == 2 and "deadlock" in broken.output
+
 
 def test_pipesched_solve_writes_a_chrome_trace(tmp_path: Path) -> None:
     problem = tmp_path / "problem.json"
