@@ -194,6 +194,7 @@ class OrderModel:
         incumbent: per-rank FIFO orders to hint (and to fix outside ``segments``), or ``None``.
         segments: per rank ``(lo, hi)`` positions in ``incumbent`` that are free; ``None`` frees all.
         upper_bound_ms: the objective must be at most this (a cut), or ``None``.
+        secondary: also minimise the sum over ranks of the per-rank objective (LNS plateaus).
 
     Attributes:
         model: the ``cp_model.CpModel``.
@@ -208,6 +209,7 @@ class OrderModel:
         incumbent: list[list[int]] | None = None,
         segments: list[tuple[int, int]] | None = None,
         upper_bound_ms: float | None = None,
+        secondary: bool = False,
     ) -> None:
         if objective not in _OBJECTIVES:
             raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
@@ -219,6 +221,7 @@ class OrderModel:
         self.ticks = scaled_instance(inst, self.tick_ms)
         self.incumbent = incumbent
         self.upper_bound_ms = upper_bound_ms
+        self.secondary = secondary
         n = len(inst.actions)
         self.exact_memory = _memory_integral(inst)
         # Data: which actions are constants (prefix), free (segment) or chained (suffix).
@@ -409,6 +412,7 @@ class OrderModel:
 
     def _add_objective(self) -> None:
         obj = self.model.new_int_var(0, self.horizon, "objective")
+        rank_terms: list[cp_model.LinearExprT] = []
         for rank in range(self.inst.num_ranks):
             row_free, row_suffix = self.free[rank], self.suffix[rank]
             first_candidates, last_candidates = self._extremes(row_free)
@@ -437,11 +441,18 @@ class OrderModel:
             # Redundant: a rank is busy for at least its compute between its first start and last end.
             busy = sum(int(self.ticks.duration[i]) for i in self.inst.rank_actions[rank])
             self.model.add(last - first >= busy)
-            self.model.add(obj >= (last if self.objective == "makespan" else last - first))
+            rank_term = last if self.objective == "makespan" else last - first
+            rank_terms.append(rank_term)
+            self.model.add(obj >= rank_term)
         if self.upper_bound_ms is not None:
             self.model.add(obj <= math.ceil(self.upper_bound_ms / self.tick_ms + 1e-6) + 1)
         self.objective_var = obj
-        self.model.minimize(obj)
+        if self.secondary:
+            # Plateau escape for the neighbourhood search: among equal objectives, prefer less
+            # total per-rank span (makespan: earlier rank ends). Weight num_ranks on the objective.
+            self.model.minimize(obj * self.inst.num_ranks + cp_model.LinearExpr.sum(rank_terms))
+        else:
+            self.model.minimize(obj)
 
     def _add_hints(self, orders: list[list[int]]) -> None:
         sim = simulate_indexed(self.ticks, orders, check_memory=False)
@@ -678,6 +689,14 @@ class CpSatBackend:
         bound = None
         if claims and status == cp_model.UNKNOWN and math.isfinite(solver.best_objective_bound):
             bound = model.lower_bound_ms(solver.best_objective_bound)
+        if incumbent is not None and _fits(inst, incumbent):
+            return BackendResult(
+                status=BackendStatus.FEASIBLE,
+                orders=incumbent,
+                lower_bound=bound,
+                message=f"CP-SAT found nothing better than the hint within {time_limit_s:g} s",
+                stats=stats,
+            )
         return BackendResult(
             status=BackendStatus.UNKNOWN,
             lower_bound=bound,

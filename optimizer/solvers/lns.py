@@ -17,7 +17,7 @@ import bisect
 import time
 
 from optimizer.instance import Instance
-from optimizer.simulate import InvalidSchedule, simulate_indexed
+from optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import BackendResult, BackendStatus
 from optimizer.solvers.cpsat import OrderModel, run_model
@@ -25,6 +25,18 @@ from optimizer.solvers.cpsat import OrderModel, run_model
 __all__ = ["large_neighbourhood_search", "window_segments"]
 
 _IMPROVEMENT_MS = 1e-6
+
+
+def _key(sim: SimulationResult, objective: str) -> tuple[float, float]:
+    """Lexicographic acceptance: the objective (rounded to the improvement tolerance), then the sum
+    over ranks of the per-rank span (stage span) or rank end (makespan)."""
+    first = min(sim.start[row[0]] for row in sim.orders if row)
+    total = 0.0
+    for row in sim.orders:
+        if row:
+            total += sim.end[row[-1]] - (sim.start[row[0]] if objective == "stage_span" else first)
+    value = sim.objective_value(objective)
+    return round(value / _IMPROVEMENT_MS) * _IMPROVEMENT_MS, round(total / _IMPROVEMENT_MS) * _IMPROVEMENT_MS
 
 
 def window_segments(starts: list[list[float]], t_from: float, t_to: float) -> list[tuple[int, int]]:
@@ -69,6 +81,7 @@ def large_neighbourhood_search(
     best = [list(row) for row in incumbent]
     sim = simulate_indexed(inst, best)
     best_value = sim.objective_value(objective)
+    best_key = _key(sim, objective)
     n = len(inst.actions)
     size = max(8, min(window_actions, n))
     windows = accepted = 0
@@ -94,7 +107,9 @@ def large_neighbourhood_search(
         if sum(hi - lo for lo, hi in segments) < 2:
             continue
         remaining = deadline - time.perf_counter()
-        model = OrderModel(inst, objective, incumbent=best, segments=segments, upper_bound_ms=best_value)
+        model = OrderModel(
+            inst, objective, incumbent=best, segments=segments, upper_bound_ms=best_value, secondary=True
+        )
         solver, status = run_model(
             model,
             time_limit_s=min(window_time_limit_s, remaining),
@@ -112,8 +127,9 @@ def large_neighbourhood_search(
         except InvalidSchedule:
             continue
         value = candidate_sim.objective_value(objective)
-        if value < best_value - _IMPROVEMENT_MS:
-            best, sim, best_value = candidate, candidate_sim, value
+        key = _key(candidate_sim, objective)
+        if key < best_key:
+            best, sim, best_value, best_key = candidate, candidate_sim, value, key
             accepted += 1
             fruitless_sweep = False
             if progress is not None:

@@ -31,7 +31,7 @@ import pulp
 
 from optimizer.instance import Instance
 from optimizer.ir import ActionKind
-from optimizer.simulate import simulate_indexed
+from optimizer.simulate import InvalidSchedule, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import BackendResult, BackendStatus
 from optimizer.solvers.cpsat import fifo_normalise, reachable_masks
@@ -93,7 +93,7 @@ class _MilpModel:
         self.before: dict[tuple[int, int], pulp.LpVariable] = {}
         targets = list(range(len(inst.actions)))
         self.reach = reachable_masks(inst, targets)
-        self.span = pulp.LpVariable("objective", lowBound=0)
+        self.span = self.problem.add_variable("objective", lowBound=0)
         self.firsts: dict[int, pulp.LpVariable] = {}
         self._build_model()
 
@@ -104,7 +104,7 @@ class _MilpModel:
 
     def _add_variables(self) -> None:
         for idx in range(len(self.inst.actions)):
-            self.start[idx] = pulp.LpVariable(f"start_{_name(self.inst, idx)}", lowBound=0)
+            self.start[idx] = self.problem.add_variable(f"start_{_name(self.inst, idx)}", lowBound=0)
 
     def _runs_before(self, a: int, b: int) -> bool | None:
         if self.reach[a] >> b & 1:
@@ -131,7 +131,7 @@ class _MilpModel:
                     if self._runs_before(a, b) is not None:
                         continue
                     lo, hi = min(a, b), max(a, b)
-                    var = pulp.LpVariable(f"before_{_name(inst, lo)}_{_name(inst, hi)}", cat="Binary")
+                    var = self.problem.add_variable(f"before_{_name(inst, lo)}_{_name(inst, hi)}", cat="Binary")
                     self.before[(lo, hi)] = var
                     prob += start[hi] >= start[lo] + inst.duration[lo] - self.big_m * (1 - var)
                     prob += start[lo] >= start[hi] + inst.duration[hi] - self.big_m * var
@@ -160,7 +160,7 @@ class _MilpModel:
             mask = sum(1 << i for i in row)
             lasts = [i for i in row if not self.reach[i] & mask]
             firsts = [i for i in row if not any(self.reach[j] >> i & 1 for j in row if j != i)]
-            first = pulp.LpVariable(f"first_start_r{rank}", lowBound=0)
+            first = self.problem.add_variable(f"first_start_r{rank}", lowBound=0)
             self.firsts[rank] = first
             for idx in firsts:
                 prob += first <= start[idx]
@@ -278,6 +278,20 @@ class MilpBackend:
                 message=f"MILP ({self.solver}) proved that no order meets the memory limits",
                 stats=stats,
             )
+        if hint is not None:
+            incumbent = fifo_normalise(inst, hint)
+            try:
+                simulate_indexed(inst, incumbent)
+            except InvalidSchedule:
+                pass
+            else:
+                return BackendResult(
+                    status=BackendStatus.FEASIBLE,
+                    orders=incumbent,
+                    lower_bound=None if bound is None else max(0.0, bound - _TOLERANCE_MS),
+                    message=f"MILP ({self.solver}) found nothing better than the hint within {time_limit_s:g} s",
+                    stats=stats,
+                )
         return BackendResult(
             status=BackendStatus.UNKNOWN,
             lower_bound=None if bound is None else max(0.0, bound - _TOLERANCE_MS),
