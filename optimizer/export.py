@@ -99,14 +99,17 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     }
 
 
-def run_report_to_chrome_trace(report: dict[str, Any], *, pid_offset: int = 0) -> dict[str, Any]:
+def run_report_to_chrome_trace(
+    report: dict[str, Any], *, pid_offset: int = 0, predicted: Schedule | None = None
+) -> dict[str, Any]:
     """A run report's measured timeline (``shared/CONTRACT.md``, Run report) as a Chrome trace.
 
     Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
     named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted
     so the earliest measured start is 0, as in a schedule. Each rank's ``peak_memory_bytes`` becomes a
-    one-sample counter. Use ``pid_offset`` (e.g. the number of ranks) to load predicted and measured
-    events into one trace side by side.
+    one-sample counter. With ``predicted`` (the schedule that was run) the trace also holds that
+    schedule's events (:func:`schedule_to_chrome_trace`, ``pid`` = rank) and the measured ranks come after
+    them (``pid_offset`` defaults to the number of ranks), so one file shows predicted above measured.
 
     Raises:
         ValueError: naming the field (e.g. ``ranks[1].actions[4].start``) when the report is malformed.
@@ -127,6 +130,9 @@ def run_report_to_chrome_trace(report: dict[str, Any], *, pid_offset: int = 0) -
             starts.append(float(item["start"]))
     origin = min(starts, default=0.0)
     events: list[dict[str, Any]] = []
+    if predicted is not None:
+        events += schedule_to_chrome_trace(predicted)["traceEvents"]
+        pid_offset = pid_offset or len(predicted.ranks)
     for i, entry in enumerate(ranks):
         rank = entry.get("rank", i)
         if not isinstance(rank, int):

@@ -219,6 +219,10 @@ def test_run_report_trace_matches_the_schedule_layout(one_f_one_b: Schedule) -> 
         for event, action in zip(measured, r.actions, strict=True):
             assert event["ts"] == pytest.approx(action.start * 1.1 * 1000, abs=1e-3)
     assert trace["otherData"]["measured_makespan_ms"] == 31.0
+    both = run_report_to_chrome_trace(report, predicted=one_f_one_b)
+    names = {e["pid"]: e["args"]["name"] for e in _events(both, "M") if e["name"] == "process_name"}
+    assert names == {**{r: f"rank {r}" for r in range(4)}, **{4 + r: f"rank {r} (measured)" for r in range(4)}}
+    assert len(_events(both, "X")) == 2 * len(_events(predicted, "X"))
     with pytest.raises(ValueError, match=r"ranks\[0\]\.actions\[1\]\.end"):
         run_report_to_chrome_trace(
             {"ranks": [{"rank": 0, "actions": [report["ranks"][0]["actions"][0], {"start": 1}]}]}
