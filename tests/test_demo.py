@@ -1,0 +1,45 @@
+"""The main job end to end: `pipesched demo` as a user runs it, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from optimizer.problem import Problem
+from optimizer.solve import solve_family
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_demo_runs_to_a_verified_end(tmp_path: Path) -> None:
+    folder = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "api.cli", "demo", "-o", str(folder), "--time-limit", "8"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    for name in ("problem.json", "schedule.json", "gantt.png", "schedule.csv", "report.json", "measured-trace.json"):
+        assert (folder / name).stat().st_size > 0, name
+    report = json.loads((folder / "report.json").read_text())
+    assert report["verified"] is True
+    assert report["executed_order_matches"] is True
+    assert report["max_rel_grad_error"] <= 1e-5
+    schedule = json.loads((folder / "schedule.json").read_text())
+    assert schedule["status"] in ("optimal", "feasible")
+    limit = schedule["problem"]["memory"]["limit"]
+    assert max(schedule["peak_memory"]) <= limit
+    # The comparison is printed, and auto is no worse than either family shown beside it.
+    assert "1f1b" in result.stdout and "zb-h1" in result.stdout
+    problem = Problem.model_validate(schedule["problem"])
+    for family in ("1f1b", "zb-h1"):
+        other = solve_family(problem, family)
+        assert other.status == "feasible"
+        assert schedule["makespan"] <= other.makespan + 1e-6, family
+    assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
