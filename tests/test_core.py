@@ -63,3 +63,13 @@ def test_schedule_json_round_trip(method: str) -> None:
     assert again == schedule
     assert again.orders() == schedule.orders()
     assert again.problem == problem
+
+
+def test_auto_without_memory_limit_solves() -> None:
+    """No limit means unbounded capacity: the heuristic's warm-up cap must not turn inf into NaN."""
+    from optimizer.solve import solve
+    from tests.conftest import uniform_problem
+
+    schedule = solve(uniform_problem(4, 6, limit=None, time_limit_s=2.0))
+    assert schedule.status in ("optimal", "feasible")
+    assert schedule.fits_memory
