@@ -193,6 +193,9 @@ class OrderModel:
         objective: ``"makespan"`` or ``"stage_span"``.
         incumbent: per-rank FIFO orders to hint (and to fix outside ``segments``), or ``None``.
         segments: per rank ``(lo, hi)`` positions in ``incumbent`` that are free; ``None`` frees all.
+        floating: with ``segments``, the segment actions that may move; the others keep their
+            relative order from ``incumbent`` (e.g. float the W's over a fixed F/I skeleton).
+            ``None``: every segment action may move.
         upper_bound_ms: the objective must be at most this (a cut), or ``None``.
         secondary: also minimise the sum over ranks of the per-rank objective (LNS plateaus).
 
@@ -208,6 +211,7 @@ class OrderModel:
         *,
         incumbent: list[list[int]] | None = None,
         segments: list[tuple[int, int]] | None = None,
+        floating: set[int] | None = None,
         upper_bound_ms: float | None = None,
         secondary: bool = False,
     ) -> None:
@@ -241,6 +245,12 @@ class OrderModel:
                 self.free.append(list(row[lo:hi]))
                 self.suffix.append(list(row[hi:]))
         self.segments = segments
+        self.floating = floating
+        self.incumbent_position: dict[int, int] = {}
+        if incumbent is not None:
+            for row in incumbent:
+                for k, idx in enumerate(row):
+                    self.incumbent_position[idx] = k
         self.prefix_count = [0 if segments is None else lo for lo, _ in (segments or [(0, 0)] * inst.num_ranks)]
         self.model = cp_model.CpModel()
         self.start: dict[int, cp_model.IntVar] = {}
@@ -311,6 +321,11 @@ class OrderModel:
             members.sort(key=lambda i: self.inst.actions[i].microbatch)
             for a, b in itertools.pairwise(members):
                 self.model.add(self.start[b] >= self.start[a] + int(self.ticks.duration[a]))
+        if self.floating is not None:
+            for row in self.free:
+                skeleton = [i for i in row if i not in self.floating]
+                for a, b in itertools.pairwise(skeleton):
+                    self.model.add(self.start[b] >= self.start[a] + int(self.ticks.duration[a]))
         for rank, row in enumerate(self.suffix):
             for a, b in itertools.pairwise(row):
                 self.model.add(self.start[b] >= self.start[a] + int(self.ticks.duration[a]))
@@ -362,6 +377,8 @@ class OrderModel:
 
     def _before(self, a: int, b: int, reach: list[int], position: dict[int, int]) -> cp_model.IntVar | bool:
         """Literal "a runs before b" (same rank), fixed when the DAG or FIFO decides it."""
+        if self.floating is not None and a not in self.floating and b not in self.floating:
+            return self.incumbent_position[a] < self.incumbent_position[b]
         if reach[a] >> position[b] & 1:
             return True
         if reach[b] >> position[a] & 1:

@@ -6,7 +6,11 @@ frees exactly those segments: the actions before them keep their times (constant
 keep their order but may move in time, and memory is checked with the prefix's bytes as the base.
 CP-SAT re-optimises the window with the incumbent as hint and its objective as a cut; the new orders
 are re-simulated with the float simulator and kept when the objective improves. Windows sweep the
-schedule from start to end with half-window overlap, and grow after a sweep without improvement.
+schedule from its end (the cool-down, where the bubbles are) back to its start with half-window
+overlap, and grow after a sweep without improvement.
+
+Every few steps the neighbourhood is instead every W of the schedule over the fixed order of the F's
+and I's (W can float: it has no successor but its own rank's memory).
 
 No lower bound is claimed (the neighbourhoods are restrictions of the problem).
 """
@@ -17,6 +21,7 @@ import bisect
 import time
 
 from optimizer.instance import Instance
+from optimizer.ir import ActionKind
 from optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import BackendResult, BackendStatus
@@ -55,8 +60,9 @@ def large_neighbourhood_search(
     incumbent: list[list[int]],
     time_limit_s: float,
     num_workers: int = 2,
-    window_actions: int = 160,
-    window_time_limit_s: float = 1.5,
+    window_actions: int = 200,
+    window_time_limit_s: float = 2.0,
+    weights_every: int = 3,
     progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
 ) -> BackendResult:
@@ -69,6 +75,8 @@ def large_neighbourhood_search(
         time_limit_s: total wall-clock budget, s.
         window_actions: about how many actions each window frees (grows by half after a fruitless sweep).
         window_time_limit_s: CP-SAT budget per window, s.
+        weights_every: every this many steps, the neighbourhood is instead "all W's float over the
+            fixed F/I skeleton" (split backward only; 0 turns it off).
 
     Returns:
         FEASIBLE with the best orders found (the incumbent when nothing better was found).
@@ -85,7 +93,8 @@ def large_neighbourhood_search(
     n = len(inst.actions)
     size = max(8, min(window_actions, n))
     windows = accepted = 0
-    cursor = 0.0
+    weight_actions = {i for i, action in enumerate(inst.actions) if action.kind == ActionKind.BACKWARD_WEIGHT}
+    offset = 0.0  # from the schedule's end back to the window's right edge, ms
     fruitless_sweep = True
     while time.perf_counter() < deadline - 0.05:
         if should_stop is not None and should_stop():
@@ -94,21 +103,34 @@ def large_neighbourhood_search(
         first = min(row[0] for row in starts if row)
         end = max(sim.end[row[-1]] for row in best if row)
         width = (end - first) * size / n
-        if cursor >= end:
-            cursor = first
+        right = end - offset
+        if right <= first:
+            offset = 0.0
             if fruitless_sweep:
                 size = min(n, int(size * 1.5))
                 if size >= n:
                     size = max(8, window_actions)
             fruitless_sweep = True
             continue
-        segments = window_segments(starts, cursor, cursor + width)
-        cursor += width / 2
+        floating: set[int] | None = None
+        if weights_every and windows % weights_every == weights_every - 1 and weight_actions:
+            # Float every W over the fixed F/I skeleton of the whole schedule.
+            segments = [(0, len(row)) for row in best]
+            floating = weight_actions
+        else:
+            segments = window_segments(starts, right - width, right)
+            offset += width / 2
         if sum(hi - lo for lo, hi in segments) < 2:
             continue
         remaining = deadline - time.perf_counter()
         model = OrderModel(
-            inst, objective, incumbent=best, segments=segments, upper_bound_ms=best_value, secondary=True
+            inst,
+            objective,
+            incumbent=best,
+            segments=segments,
+            floating=floating,
+            upper_bound_ms=best_value,
+            secondary=True,
         )
         solver, status = run_model(
             model,
