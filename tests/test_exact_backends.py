@@ -21,6 +21,7 @@ TOLERANCE_MS = 1e-6
 SMALL_CASES: list[tuple[str, dict[str, Any]]] = [
     ("makespan-unlimited", {"num_ranks": 3, "num_microbatches": 4}),
     ("makespan-limited", {"num_ranks": 3, "num_microbatches": 4, "limit": 200.0}),
+    ("stage-span-unlimited-p2p", {"num_ranks": 3, "num_microbatches": 3, "p2p": 0.5, "objective": "stage_span"}),
     ("stage-span-limited", {"num_ranks": 3, "num_microbatches": 4, "limit": 250.0, "objective": "stage_span"}),
     ("fused-limited", {"num_ranks": 3, "num_microbatches": 4, "limit": 200.0, "split_backward": False}),
     (

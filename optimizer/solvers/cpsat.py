@@ -226,6 +226,7 @@ class OrderModel:
         self.incumbent = incumbent
         self.upper_bound_ms = upper_bound_ms
         self.secondary = secondary
+        self.span_relaxed = False  # set when a rank's first action is not unique (stage span)
         n = len(inst.actions)
         self.exact_memory = _memory_integral(inst)
         # Data: which actions are constants (prefix), free (segment) or chained (suffix).
@@ -427,6 +428,23 @@ class OrderModel:
         lasts = [i for i in row if not self._reachable[i] & mask]
         return firsts, lasts
 
+    def _add_as_soon_as_possible(self, idx: int) -> None:
+        """A rank's first action starts when its inputs arrive, as in the simulator.
+
+        The simulator times every order as soon as possible, so a rank cannot shorten its stage span
+        by starting late; without this the model would optimise a relaxation of the simulated span.
+        """
+        terms: list[cp_model.LinearExprT] = []
+        for pred, latency in self.ticks.preds[idx]:
+            if pred in self.fixed_start:
+                terms.append(self._end_const(pred) + int(latency))
+            else:
+                terms.append(self.start[pred] + int(self.ticks.duration[pred]) + int(latency))
+        if terms:
+            self.model.add_max_equality(self.start[idx], terms)
+        else:
+            self.model.add(self.start[idx] == 0)
+
     def _add_objective(self) -> None:
         obj = self.model.new_int_var(0, self.horizon, "objective")
         rank_terms: list[cp_model.LinearExprT] = []
@@ -451,7 +469,10 @@ class OrderModel:
                 first = self.fixed_start[self.incumbent[rank][0]]
             elif len(first_candidates) == 1:
                 first = self.start[first_candidates[0]]
+                if self.objective == "stage_span":
+                    self._add_as_soon_as_possible(first_candidates[0])
             else:
+                self.span_relaxed = self.objective == "stage_span"
                 first = self.model.new_int_var(0, self.horizon, f"first_start_r{rank}")
                 for idx in first_candidates:
                     self.model.add(first <= self.start[idx])
@@ -678,10 +699,11 @@ class CpSatBackend:
             "order_literals": float(len(model.before)),
         }
         claims = model.exact_memory
+        optimal_claim = claims and not model.span_relaxed
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             orders = model.orders(solver)
             bound = model.lower_bound_ms(solver.best_objective_bound) if claims else None
-            optimal = status == cp_model.OPTIMAL and claims
+            optimal = status == cp_model.OPTIMAL and optimal_claim
             return BackendResult(
                 status=BackendStatus.OPTIMAL if optimal else BackendStatus.FEASIBLE,
                 orders=orders,

@@ -95,6 +95,7 @@ class _MilpModel:
         self.reach = reachable_masks(inst, targets)
         self.span = self.problem.add_variable("objective", lowBound=0)
         self.firsts: dict[int, pulp.LpVariable] = {}
+        self.span_relaxed = False  # a rank's first action is not pinned to its release (stage span)
         self._build_model()
 
     def _build_model(self) -> None:
@@ -164,6 +165,16 @@ class _MilpModel:
             self.firsts[rank] = first
             for idx in firsts:
                 prob += first <= start[idx]
+            if self.objective == "stage_span":
+                # The simulator starts a rank's first action as soon as its input arrives, so a rank
+                # cannot shorten its span by starting late (else the model is a relaxation).
+                preds = inst.preds[firsts[0]] if len(firsts) == 1 else []
+                if len(firsts) == 1 and len(preds) <= 1:
+                    release = sum(start[p] + inst.duration[p] + latency for p, latency in preds)
+                    prob += start[firsts[0]] == release
+                    prob += first == start[firsts[0]]
+                else:
+                    self.span_relaxed = True
             for idx in lasts:
                 end = start[idx] + inst.duration[idx]
                 prob += self.span >= (end if self.objective == "makespan" else end - first)
@@ -255,6 +266,7 @@ class MilpBackend:
         status_code = model.problem.status
         if solved:
             value = float(model.span.value() or 0.0)
+            optimal = optimal and not model.span_relaxed
             lower = value if optimal else bound
             if progress is not None:
                 progress(Progress(value, lower, time.perf_counter() - started, "milp", f"{self.solver} solution"))
