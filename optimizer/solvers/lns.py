@@ -6,8 +6,8 @@ frees exactly those segments: the actions before them keep their times (constant
 keep their order but may move in time, and memory is checked with the prefix's bytes as the base.
 CP-SAT re-optimises the window with the incumbent as hint and its objective as a cut; the new orders
 are re-simulated with the float simulator and kept when the objective improves. Windows sweep the
-schedule from its end (the cool-down, where the bubbles are) back to its start with half-window
-overlap, and grow after a sweep without improvement.
+schedule from its end back to its start with half-window overlap (measured on the Zero Bubble
+settings, improvements come from the cool-down and the steady state, not the warm-up), and grow after a sweep without improvement.
 
 Every few steps the neighbourhood is instead every W of the schedule over the fixed order of the F's
 and I's (W can float: it has no successor but its own rank's memory).
@@ -62,7 +62,7 @@ def large_neighbourhood_search(
     num_workers: int = 2,
     window_actions: int = 200,
     window_time_limit_s: float = 2.0,
-    weights_every: int = 3,
+    weights_every: int = 4,
     progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
 ) -> BackendResult:
@@ -94,7 +94,8 @@ def large_neighbourhood_search(
     size = max(8, min(window_actions, n))
     windows = accepted = 0
     weight_actions = {i for i, action in enumerate(inst.actions) if action.kind == ActionKind.BACKWARD_WEIGHT}
-    offset = 0.0  # from the schedule's end back to the window's right edge, ms
+    back = 0.0  # sweep progress from the schedule's end, ms
+    step = 0
     fruitless_sweep = True
     while time.perf_counter() < deadline - 0.05:
         if should_stop is not None and should_stop():
@@ -103,23 +104,23 @@ def large_neighbourhood_search(
         first = min(row[0] for row in starts if row)
         end = max(sim.end[row[-1]] for row in best if row)
         width = (end - first) * size / n
-        right = end - offset
-        if right <= first:
-            offset = 0.0
+        if end - back <= first:
+            back = 0.0
             if fruitless_sweep:
                 size = min(n, int(size * 1.5))
                 if size >= n:
                     size = max(8, window_actions)
             fruitless_sweep = True
             continue
+        step += 1
         floating: set[int] | None = None
-        if weights_every and windows % weights_every == weights_every - 1 and weight_actions:
+        if weights_every and step % weights_every == 0 and weight_actions:
             # Float every W over the fixed F/I skeleton of the whole schedule.
             segments = [(0, len(row)) for row in best]
             floating = weight_actions
         else:
-            segments = window_segments(starts, right - width, right)
-            offset += width / 2
+            segments = window_segments(starts, end - back - width, end - back)
+            back += width / 2
         if sum(hi - lo for lo, hi in segments) < 2:
             continue
         remaining = deadline - time.perf_counter()
