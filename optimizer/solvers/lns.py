@@ -7,7 +7,8 @@ keep their order but may move in time, and memory is checked with the prefix's b
 CP-SAT re-optimises the window with the incumbent as hint and its objective as a cut; the new orders
 are re-simulated with the float simulator and kept when the objective improves. Windows sweep the
 schedule from its end back to its start with half-window overlap (measured on the Zero Bubble
-settings, improvements come from the cool-down and the steady state, not the warm-up), and grow after a sweep without improvement.
+settings, improvements come from the cool-down and the steady state, not the warm-up), and grow
+after a sweep without improvement.
 
 Every few steps the neighbourhood is instead every W of the schedule over the fixed order of the F's
 and I's (W can float: it has no successor but its own rank's memory).
