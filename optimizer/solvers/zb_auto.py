@@ -32,6 +32,11 @@ the sender's latency, exactly as :func:`optimizer.instance.compile_problem` does
 memory budget is its limit minus its static memory. Outside this domain :func:`zb_auto_orders`
 returns ``None``.
 
+One deviation, in the warm-up: no rank runs more warm-up F than the rank before it. The authors let a
+rank whose budget takes all ``m`` forwards keep them even when the previous rank (with a smaller
+budget) keeps fewer, which deadlocks; on uniform budgets, the paper's inputs included, the clamp never
+binds, and wherever the authors' order runs at all it is unchanged.
+
 Times are compared in integer nanoseconds, so the greedy's many ties (identical microbatches) break
 exactly as in the authors' integer-cost code rather than by floating-point noise.
 """
@@ -185,6 +190,10 @@ class _Greedy:
         for r in range(1, p):
             while extra[r] > 0 and extra[r] >= extra[r - 1] and self.count[_FORWARD][r] + extra[r] < m:
                 extra[r] -= 1
+            # Not in the authors' code: a rank whose budget takes all m forwards kept more of them than the
+            # rank before it, whose I0 then waits on forwards that wait on it (only possible with uneven
+            # budgets; wherever the authors' order runs this changes nothing).
+            extra[r] = min(extra[r], extra[r - 1])
         for r in range(p):
             for _ in range(extra[r]):
                 self.place(r, _FORWARD)
@@ -196,9 +205,9 @@ class _Greedy:
         if self.count[_FORWARD][rank] >= self.m:
             return False
         nxt = rank + 1
-        if not (
-            variant.prioritize_backward and nxt < self.p and self.count[_FORWARD][rank] >= self.count[_FORWARD][nxt] + 2
-        ):
+        if not variant.prioritize_backward or nxt >= self.p:
+            return True
+        if self.count[_FORWARD][rank] < self.count[_FORWARD][nxt] + 2:
             return True
         # When the next rank has run its next F and I, this rank's I can start.
         backward_due = (
