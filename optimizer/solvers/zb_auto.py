@@ -112,16 +112,19 @@ class _Greedy:
         self.duration = [[_ns(inst.duration[self.ids[k][r][0]]) for r in range(p)] for k in range(3)]
         self.mem = [[inst.mem_delta[self.ids[k][r][0]] for r in range(p)] for k in range(3)]
         self.budget = [inst.limit[r] - inst.static[r] for r in range(p)]
-        # Latency of the forward arriving on rank r (sent by r-1) and of the backward arriving on r (sent by r+1).
-        p2p = inst.problem.stage_values(inst.problem.costs.p2p) if inst.problem.costs is not None else [0.0] * p
-        self.comm_forward = [_ns(p2p[r - 1]) if r > 0 else 0 for r in range(p)]
-        self.comm_backward = [_ns(p2p[r + 1]) if r + 1 < p else 0 for r in range(p)]
+        # p2p latency (read from the instance's edges) of the F arriving on rank r from r-1 and of the I from r+1.
+        self.comm_forward = [self._latency(inst, _FORWARD, r, r - 1) if r > 0 else 0 for r in range(p)]
+        self.comm_backward = [self._latency(inst, _BACKWARD_INPUT, r, r + 1) if r + 1 < p else 0 for r in range(p)]
         self.count = [[0] * p for _ in range(3)]
         self.held = [0.0] * p
         self.free_at = [0] * p
         self.bubble = [0] * p
         self.end = [[[0] * m for _ in range(p)] for _ in range(3)]
         self.orders: list[list[int]] = [[] for _ in range(p)]
+
+    def _latency(self, inst: Instance, kind: int, rank: int, sender: int) -> int:
+        sent = self.ids[kind][sender][0]
+        return max(_ns(latency) for pred, latency in inst.preds[self.ids[kind][rank][0]] if pred == sent)
 
     def place(self, rank: int, kind: int) -> None:
         """Append the rank's next pass of ``kind`` and time it as soon as possible."""
