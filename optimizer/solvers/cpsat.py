@@ -15,7 +15,10 @@ Model (data → variables → constraints → objective → solve → report, CP
   decides it, monotone by FIFO, and one linear constraint per F. This replaces the reservoir
   constraint over times that was too weak at scale (``shared/NOTES.md`` §4);
 * objective ``makespan`` (max end, all starts ≥ 0) or ``stage_span`` (max over ranks of last end −
-  first start), with the portfolio's upper bound as a cut and the warm start as a full hint.
+  first start, the first action pinned to its release as the simulator times it, so a rank cannot
+  shorten its span by starting late), with the portfolio's upper bound as a cut and the warm start
+  as a full hint (every start and every order literal);
+* redundant: each rank is busy for its total compute between its first start and its last end.
 
 Times: durations and latencies are floored to whole ticks of :func:`choose_tick_ms` (1 ms, or their
 gcd, when costs are whole ms; 1 µs for costs with three decimals). Flooring maps every float schedule
@@ -30,8 +33,9 @@ counts); otherwise they are rounded conservatively (allocations up, the limit do
 makes no optimality, infeasibility or bound claim.
 
 The same model serves the large-neighbourhood search (:mod:`optimizer.solvers.lns`): given an
-incumbent, only a contiguous segment of each rank's order is free; the actions before it keep their
-simulated times (constants) and the ones after it keep their order.
+incumbent, only a contiguous segment of each rank's order is free (optionally only some of its
+actions, e.g. the W's); the actions before it keep their simulated times (constants) and the ones
+after it keep their order.
 """
 
 from __future__ import annotations
