@@ -137,10 +137,8 @@ def greedy(inst: Instance, variant: GreedyVariant) -> list[list[int]] | None:
             continue
         depth = last - position[rank_stages[r][0]]
         goal = variant.warmup_base + variant.warmup_slope * depth
-        if footprint[r] <= 0 or math.isinf(capacity[r]):
-            cap = m
-        else:
-            cap = max(1, int((capacity[r] + _EPS) // footprint[r]))
+        unbounded = footprint[r] <= 0 or math.isinf(capacity[r])
+        cap = m if unbounded else max(1, int((capacity[r] + _EPS) // footprint[r]))
         target.append(min(goal, cap, m))
 
     remaining = [len(inst.preds[i]) for i in range(n)]
