@@ -33,7 +33,7 @@ from optimizer.result import Schedule, build_schedule, infeasible_schedule
 from optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
 from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import Backend, BackendStatus
-from optimizer.solvers.heuristic import HeuristicBackend, sequential_orders
+from optimizer.solvers.heuristic import HeuristicBackend, improve, sequential_orders
 from optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
 
 __all__ = ["MILP_MAX_ACTIONS", "solve_auto"]
@@ -249,6 +249,18 @@ def solve_auto(
                 search.raise_bound(min(value, search.best.value), name)
             except InvalidSchedule:
                 pass
+    if (allowed is None or "heuristic" in allowed) and not search.should_stop() and search.remaining() > 0.1:
+        # Time the exact backends left over (or did not need) goes to more local search.
+        assert search.best.orders is not None
+        orders, _ = improve(
+            inst,
+            search.best.orders,
+            problem.objective,
+            deadline=search.deadline,
+            seed=problem.solver.seed + 1,
+            should_stop=search.should_stop,
+        )
+        search.offer(orders, "heuristic", "local search")
     return _answer(search)
 
 

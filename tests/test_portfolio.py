@@ -1,0 +1,101 @@
+"""The auto portfolio: never worse than the best fitting family, valid answers, infeasibility."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from optimizer.families import applicable_families
+from optimizer.instance import compile_problem
+from optimizer.simulate import indexed_orders, simulate, simulate_indexed
+from optimizer.solve import solve
+from tests.conftest import paper_problem, paper_settings, uniform_problem
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    p=st.integers(2, 4),
+    m=st.integers(2, 8),
+    costs=st.lists(st.floats(0.5, 3.0), min_size=12, max_size=12),
+    limit_factor=st.sampled_from([1.0, 1.5, 3.0]),
+    objective=st.sampled_from(["makespan", "stage_span"]),
+)
+def test_auto_never_worse_than_fitting_families(p, m, costs, limit_factor, objective) -> None:
+    limits = [limit_factor * p * 100.0 * (1.0 + 0.25 * (r % 2)) for r in range(p)]
+    problem = uniform_problem(
+        p,
+        m,
+        forward=costs[:p],
+        backward_input=costs[4 : 4 + p],
+        backward_weight=costs[8 : 8 + p],
+        p2p=0.1,
+        limit=limits,
+        objective=objective,
+        time_limit_s=0.5,
+    )
+    inst = compile_problem(problem)
+    schedule = solve(problem)
+    assert schedule.status in ("optimal", "feasible")
+    sim = simulate(inst, schedule.orders())  # raises if invalid or over memory
+    value = sim.objective_value(objective)
+    assert abs(value - schedule.objective_value) < 1e-4
+    assert schedule.lower_bound is not None and schedule.lower_bound <= value + 1e-6
+    for family in applicable_families(problem):
+        fam = simulate_indexed(inst, indexed_orders(inst, family.generate(problem)), check_memory=False)
+        if fam.fits:
+            assert value <= fam.objective_value(objective) + 1e-6, family.name
+
+
+def test_infeasible_answer_gives_least_limit_and_it_suffices() -> None:
+    problem = uniform_problem(
+        3,
+        4,
+        stages_per_rank=2,
+        placement="v",
+        activation=[100, 80, 60, 50, 40, 30],
+        retained_for_weight=20.0,
+        static=50.0,
+        limit=100.0,
+    )
+    schedule = solve(problem)
+    assert schedule.status == "infeasible"
+    assert schedule.reason and "rank 0" in schedule.reason and "raise memory.limit" in schedule.reason
+    need = schedule.min_memory_limit
+    assert need == [50.0 + 100 + 30, 50.0 + 80 + 40, 50.0 + 60 + 50]
+    again = solve(problem.with_changes(**{"memory.limit": need, "solver.time_limit_s": 1.0}))
+    assert again.status in ("optimal", "feasible")
+    assert all(peak <= limit + 1e-9 for peak, limit in zip(again.peak_memory, need, strict=True))
+    # One byte less on any rank is infeasible again.
+    tighter = [x - (1.0 if r == 2 else 0.0) for r, x in enumerate(need)]
+    assert solve(problem.with_changes(**{"memory.limit": tighter})).status == "infeasible"
+
+
+def test_first_feasible_fast_and_wall_time_within_limit() -> None:
+    problem = uniform_problem(4, 12, limit=4 * 100.0, time_limit_s=1.0, objective="stage_span")
+    seen = []
+    schedule = solve(problem, progress=lambda update: seen.append(update))
+    first = next(u for u in seen if u.best_objective is not None)
+    assert first.elapsed_s < 1.0
+    assert schedule.solve_time_s <= 1.0 + 0.2
+    values = [u.best_objective for u in seen if u.best_objective is not None]
+    assert values == sorted(values, reverse=True)
+
+
+def test_paper_setting_at_one_p_activation_matches_zb_h1() -> None:
+    setting = paper_settings()[0]
+    p = setting["num_ranks"]
+    problem = paper_problem(setting, **{"memory.limit": p * setting["activation"], "solver.time_limit_s": 2.0})
+    schedule = solve(problem)
+    assert schedule.stage_span is not None
+    assert schedule.stage_span <= setting["published_stage_span_ms"]["ZB-H1"] + 1e-3
+    assert schedule.status == "optimal"  # the bound proves it
+
+
+def test_bidirectional_is_rejected_with_method_name() -> None:
+    problem = uniform_problem(2, 4, stages_per_rank=2, placement="bidirectional", time_limit_s=0.5)
+    try:
+        schedule = solve(problem)
+    except ValueError as error:
+        assert "solver.method" in str(error) and "bidirectional" in str(error)
+    else:  # a bidirectional family answered it
+        assert schedule.status in ("optimal", "feasible") and schedule.backend.startswith("family:")
