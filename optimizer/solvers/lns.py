@@ -64,6 +64,7 @@ def large_neighbourhood_search(
     window_actions: int = 200,
     window_time_limit_s: float = 2.0,
     weights_every: int = 4,
+    adaptive: bool = True,
     progress: ProgressCallback | None = None,
     should_stop: StopCheck | None = None,
 ) -> BackendResult:
@@ -76,6 +77,8 @@ def large_neighbourhood_search(
         time_limit_s: total wall-clock budget, s.
         window_actions: about how many actions each window frees (grows by half after a fruitless sweep).
         window_time_limit_s: CP-SAT budget per window, s.
+        adaptive: grow a window by a quarter after CP-SAT closes it in under half its budget,
+            shrink it by a fifth when CP-SAT cannot close it.
         weights_every: every this many steps, the neighbourhood is instead "all W's float over the
             fixed F/I skeleton" (split backward only; 0 turns it off).
 
@@ -143,6 +146,13 @@ def large_neighbourhood_search(
             started=started,
         )
         windows += 1
+        if floating is None and adaptive:
+            # Neighbourhoods CP-SAT closes quickly are too small to hold an improvement: grow them;
+            # ones it cannot close in time are too big: shrink them.
+            if solver.status_name(status) == "OPTIMAL" and solver.wall_time < 0.5 * window_time_limit_s:
+                size = min(n, int(size * 1.25) + 1)
+            elif solver.status_name(status) != "OPTIMAL":
+                size = max(8, int(size * 0.8))
         if solver.status_name(status) not in ("OPTIMAL", "FEASIBLE"):
             continue
         candidate = model.orders(solver)
