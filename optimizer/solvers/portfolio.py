@@ -7,8 +7,12 @@ Order of work within ``solver.time_limit_s`` (``shared/CONTRACT.md``, Problem):
 2. Lower bound (:mod:`optimizer.bounds`).
 3. The sequential schedule (always fits when anything fits: a first feasible answer at once), then
    every applicable family whose schedule fits memory (warm starts).
-4. ``heuristic``: greedy variants plus local search (:mod:`optimizer.solvers.heuristic`).
-5. ``cpsat`` (:class:`optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
+4. The Zero Bubble authors' automatic scheduler (:mod:`optimizer.solvers.zb_auto`, the source of
+   every published ZB-1p/ZB-2p figure) at the problem's limit and on a ladder of lower limits
+   (k·p activations per rank, k = 1, 1.5, 2, 3): a schedule that fits less memory fits the limit too,
+   so more memory never gives a worse answer.
+5. ``heuristic``: greedy variants plus local search (:mod:`optimizer.solvers.heuristic`).
+6. ``cpsat`` (:class:`optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
    bound; ``milp`` (:class:`optimizer.solvers.milp.MilpBackend`) only on small instances unless
    ``solver.backends`` names it. Both are imported lazily and skipped while absent.
 
@@ -19,6 +23,7 @@ proven bounds; ``status`` is ``optimal`` when it meets the best objective.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from optimizer.bounds import lower_bound as compute_lower_bound
 from optimizer.families import applicable_families
 from optimizer.instance import Instance, compile_problem
+from optimizer.ir import ActionKind
 from optimizer.problem import Problem
 from optimizer.result import Schedule, build_schedule, infeasible_schedule
 from optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
@@ -35,8 +41,12 @@ from optimizer.solve import Progress, ProgressCallback, StopCheck
 from optimizer.solvers.base import Backend, BackendStatus
 from optimizer.solvers.heuristic import HeuristicBackend, improve, sequential_orders
 from optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
+from optimizer.solvers.zb_auto import in_zb_auto_domain, zb_auto_orders
 
-__all__ = ["MILP_MAX_ACTIONS", "solve_auto"]
+__all__ = ["LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
+
+LADDER_FACTORS = (1.0, 1.5, 2.0, 3.0)
+"""Lower memory limits the warm starts also try, in units of num_ranks × a rank's activation."""
 
 MILP_MAX_ACTIONS = 60
 """The MILP runs by default only on instances with at most this many actions."""
@@ -81,8 +91,9 @@ class _Search:
         self.inst = inst
         self.objective = problem.objective
         self.started = time.perf_counter()
-        # Leave room to build the answer (simulation + pydantic), about 2 µs per action.
-        margin = min(0.2 * problem.solver.time_limit_s, 0.05 + 2e-5 * len(inst.actions))
+        # Leave room to build the answer (simulation + pydantic objects, ~20 µs per action on a busy
+        # 2-core machine) and for a last search step to notice the deadline.
+        margin = min(0.25 * problem.solver.time_limit_s, 0.1 + 1e-4 * len(inst.actions))
         self.deadline = self.started + problem.solver.time_limit_s - margin
         self.progress = progress
         self.user_stop = should_stop
@@ -139,6 +150,37 @@ def _families(search: _Search) -> None:
         search.offer(orders, f"family:{family.name}", f"family {family.name}")
 
 
+def _ladder(inst: Instance) -> list[Instance]:
+    """The instance at its own limit, then at each lower rung of :data:`LADDER_FACTORS`.
+
+    A rung's limit for rank r is static_r + k · num_ranks · (activation of one microbatch through
+    r's stages); rungs at or above the real limit are skipped.
+    """
+    per_rank = [0.0] * inst.num_ranks
+    for idx, action in enumerate(inst.actions):
+        if action.microbatch == 0 and action.kind == ActionKind.FORWARD:
+            per_rank[inst.rank[idx]] += inst.mem_delta[idx]
+    rungs = [inst]
+    for factor in LADDER_FACTORS:
+        limit = [min(real, inst.static[r] + factor * inst.num_ranks * per_rank[r]) for r, real in enumerate(inst.limit)]
+        if all(new >= real for new, real in zip(limit, inst.limit, strict=True)):
+            continue
+        rungs.append(dataclasses.replace(inst, limit=limit))
+    return rungs
+
+
+def _zero_bubble_auto(search: _Search) -> None:
+    """The authors' scheduler on every rung of the memory ladder (loop, one stage per rank, split)."""
+    if not in_zb_auto_domain(search.inst):
+        return
+    for rung in _ladder(search.inst):
+        if search.should_stop():
+            return
+        orders = zb_auto_orders(rung, search.objective)
+        if orders is not None:
+            search.offer(orders, "heuristic", "Zero Bubble automatic scheduler")
+
+
 def solve_auto(
     problem: Problem,
     *,
@@ -180,6 +222,8 @@ def solve_auto(
     if not bidirectional:
         search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
     _families(search)
+    if not bidirectional and (problem.solver.backends is None or "heuristic" in problem.solver.backends):
+        _zero_bubble_auto(search)
     if bidirectional:
         if search.best.orders is None:
             raise ValueError(
