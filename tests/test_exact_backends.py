@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -167,3 +168,15 @@ def test_large_neighbourhood_search_improves_on_the_hint() -> None:
     assert result.status == BackendStatus.FEASIBLE
     assert result.lower_bound is None  # a neighbourhood search proves nothing
     assert check_orders(inst, "stage_span", result) < hint_value - 1.0
+
+
+@pytest.mark.parametrize("backend", [CpSatBackend(), MilpBackend()], ids=["cpsat", "milp"])
+def test_should_stop_ends_the_search_early(backend: Any) -> None:
+    problem = uniform_problem(4, 8, limit=300.0, objective="stage_span")
+    inst = compile_problem(problem)
+    hint = indexed_orders(inst, get_family("1f1b").generate(problem))
+    started = time.perf_counter()
+    result = backend.solve(inst, objective="stage_span", time_limit_s=60.0, hint=hint, should_stop=lambda: True)
+    assert time.perf_counter() - started < 5.0
+    if result.orders is not None:
+        check_orders(inst, "stage_span", result)
