@@ -75,7 +75,9 @@ class Schedule(BaseModel):
     min_memory_limit: list[float] | None = Field(None, description="bytes per rank (infeasible answers)")
     fits_memory: bool | None = Field(None, description="Whether every rank stays within its limit.")
     cache: Literal["hit", "miss"] | None = Field(
-        None, description="Set by the service: hit when it answered with a stored schedule."
+        None,
+        exclude=True,
+        description="Set by the service (hit: a stored schedule); accepted on input, never written.",
     )
 
     def orders(self) -> Orders:

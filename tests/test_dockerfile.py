@@ -71,13 +71,13 @@ def test_install_steps_in_a_plain_venv(tmp_path: Path) -> None:
     build.mkdir()
     for keyword, args in steps:
         if keyword == "COPY":
-            source, target = shlex.split(args)
-            src = REPO / source
-            dst = build / target
-            if src.is_dir():
-                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy(src, build / src.name)
+            *sources, target = shlex.split(args)
+            for source in sources:
+                src = REPO / source
+                if src.is_dir():
+                    shutil.copytree(src, build / target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy(src, build / src.name)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
