@@ -195,6 +195,12 @@ def build_report(
                 "rank": rank["rank"],
                 "peak_memory_bytes": rank["peak_memory_bytes"],
                 "predicted_peak_memory_bytes": schedule.peak_memory[rank["rank"]] if schedule.peak_memory else None,
+                # Saved activations exclude weights, so they compare with the predicted peak less static.
+                "predicted_peak_activation_bytes": (
+                    schedule.peak_memory[rank["rank"]] - schedule.problem.static_memory[rank["rank"]]
+                    if schedule.peak_memory
+                    else None
+                ),
                 "memory_measure": rank.get("memory_measure", "saved-activations"),
                 "actions": rank["actions"],
             }
@@ -236,12 +242,18 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         highlight=False,
     )
     table = Table(show_header=True, header_style="bold")
-    for column in ("rank", "actions", "busy ms", "first start ms", "last end ms", "peak memory", "predicted peak"):
+    activations_only = all(r.get("memory_measure", "saved-activations") == "saved-activations" for r in report["ranks"])
+    measured_title, predicted_key = (
+        ("peak activations", "predicted_peak_activation_bytes")
+        if activations_only
+        else ("peak memory", "predicted_peak_memory_bytes")
+    )
+    for column in ("rank", "actions", "busy ms", "first start ms", "last end ms", measured_title, "predicted"):
         table.add_column(column, justify="right")
     for rank in report["ranks"][:16]:
         actions = rank["actions"]
         busy = sum(a["end"] - a["start"] for a in actions)
-        predicted = rank.get("predicted_peak_memory_bytes")
+        predicted = rank.get(predicted_key)
         table.add_row(
             str(rank["rank"]),
             str(len(actions)),
