@@ -101,6 +101,10 @@ def large_neighbourhood_search(
     back = 0.0  # sweep progress from the schedule's end, ms
     step = 0
     fruitless_sweep = True
+    # Building a window model is not interruptible and costs about O(n²/p) (the memory order
+    # literals of the whole rank), seconds on large instances: never start one that cannot finish.
+    # One estimate per kind of neighbourhood: time windows are small, the W float spans everything.
+    build_estimate_s = {"window": 0.1 + 1e-5 * n, "float": 3e-6 * n * n / max(1, inst.num_ranks)}
     while time.perf_counter() < deadline - 0.05:
         if should_stop is not None and should_stop():
             break
@@ -128,6 +132,12 @@ def large_neighbourhood_search(
         if sum(hi - lo for lo, hi in segments) < 2:
             continue
         remaining = deadline - time.perf_counter()
+        kind = "window" if floating is None else "float"
+        if remaining < build_estimate_s[kind] + 0.2:
+            if kind == "float":
+                continue
+            break
+        build_started = time.perf_counter()
         model = OrderModel(
             inst,
             objective,
@@ -137,6 +147,8 @@ def large_neighbourhood_search(
             upper_bound_ms=best_value,
             secondary=True,
         )
+        build_estimate_s[kind] = max(build_estimate_s[kind] * 0.5, time.perf_counter() - build_started)
+        remaining = deadline - time.perf_counter()
         solver, status = run_model(
             model,
             time_limit_s=min(window_time_limit_s, remaining),
