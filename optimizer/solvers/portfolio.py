@@ -201,9 +201,8 @@ def solve_auto(
         ``family:<name>``, ``heuristic``, ``sequential``, ``cpsat``, ``milp``) and ``solve_time_s``;
         or ``infeasible`` with a ``reason`` and ``min_memory_limit`` (bytes per rank).
 
-    Raises:
-        ValueError: for ``placement: "bidirectional"`` when no family answers it (the search needs
-            every microbatch to pass the same stages).
+    Placement ``"bidirectional"`` is searched by the sequential schedule, the families (BitPipe) and
+    local search, with the busiest rank's work as the lower bound.
     """
     inst = compile_problem(problem)
     search = _Search(problem, inst, progress, should_stop)
@@ -217,19 +216,20 @@ def solve_auto(
             min_memory_limit=min_memory_limit(inst),
             solve_time_s=search.elapsed(),
         )
-    search.raise_bound(compute_lower_bound(inst, problem.objective), "bounds")
     bidirectional = problem.pipeline.placement == "bidirectional"
-    if not bidirectional:
-        search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
+    if bidirectional:
+        # Two replicas pass different stages: the bounds and the exact models assume one chain, so the
+        # bound is the busiest rank's work, and the search is the families plus local search.
+        search.raise_bound(inst.ideal, "bounds")
+    else:
+        search.raise_bound(compute_lower_bound(inst, problem.objective), "bounds")
+    search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
     _families(search)
     if not bidirectional and (problem.solver.backends is None or "heuristic" in problem.solver.backends):
         _zero_bubble_auto(search)
     if bidirectional:
-        if search.best.orders is None:
-            raise ValueError(
-                'solver.method "auto" does not search placement "bidirectional" and no bidirectional family '
-                'fits this problem: use placement "v" or "loop", or solver.method "bitpipe"'
-            )
+        if problem.solver.backends is None or "heuristic" in problem.solver.backends:
+            _local_search(search)
         return _answer(search)
 
     allowed = problem.solver.backends
@@ -293,19 +293,25 @@ def solve_auto(
                 search.raise_bound(min(value, search.best.value), name)
             except InvalidSchedule:
                 pass
-    if (allowed is None or "heuristic" in allowed) and not search.should_stop() and search.remaining() > 0.1:
+    if allowed is None or "heuristic" in allowed:
         # Time the exact backends left over (or did not need) goes to more local search.
-        assert search.best.orders is not None
-        orders, _ = improve(
-            inst,
-            search.best.orders,
-            problem.objective,
-            deadline=search.deadline,
-            seed=problem.solver.seed + 1,
-            should_stop=search.should_stop,
-        )
-        search.offer(orders, "heuristic", "local search")
+        _local_search(search)
     return _answer(search)
+
+
+def _local_search(search: _Search) -> None:
+    """Spend the time left on local search from the incumbent (:func:`optimizer.solvers.heuristic.improve`)."""
+    if search.should_stop() or search.remaining() <= 0.1 or search.best.orders is None:
+        return
+    orders, _ = improve(
+        search.inst,
+        search.best.orders,
+        search.objective,
+        deadline=search.deadline,
+        seed=search.problem.solver.seed + 1,
+        should_stop=search.should_stop,
+    )
+    search.offer(orders, "heuristic", "local search")
 
 
 def _answer(search: _Search) -> Schedule:
