@@ -38,6 +38,17 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def require_torch(command: str) -> None:
+    """Exit 2 with the install step when torch (the ``runtime`` extra) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise fail(
+            f"`pipesched {command}` needs torch, which this installation lacks: "
+            "pip install 'pipesched[runtime]' (or pip install torch==2.13.0)"
+        )
+
+
 def format_bytes(value: float) -> str:
     """Human-readable bytes (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -60,9 +71,10 @@ def render_schedule(schedule: Schedule, *, output_format: str) -> str:
     return json.dumps(schedule_to_chrome_trace(schedule))
 
 
-def print_derived_problem(problem: Problem) -> None:
+def print_derived_problem(problem: Problem, out: Console | None = None) -> None:
     """When ``problem`` came from ``model`` and ``cluster``: per-stage layers, F/I/W ms, activation bytes, per-rank
     static and limit (what `pipesched solve` derived; the schedule JSON's ``problem`` holds it for editing)."""
+    out = out or console
     if problem.model is None or problem.cluster is None or problem.costs is None or problem.memory is None:
         return
     layers = problem.model.layers_per_stage or []
@@ -89,22 +101,23 @@ def print_derived_problem(problem: Problem) -> None:
             format_bytes(retained[stage]),
         )
     if problem.pipeline.num_stages <= 32:
-        console.print(table)
+        out.print(table)
     p2p = problem.stage_values(problem.costs.p2p)
     statics = problem.static_memory
     static = ", ".join(format_bytes(x) for x in statics)
     if len(statics) > 8:
         static = f"{format_bytes(min(statics))} … {format_bytes(max(statics))}"
     limits = {format_bytes(x) if x != float("inf") else "none" for x in problem.memory_limits}
-    console.print(
+    out.print(
         f"layers per stage {layers} · p2p {max(p2p):.3f} ms · static per rank {static} · limit {', '.join(limits)}",
         highlight=False,
         soft_wrap=True,
     )
 
 
-def print_summary(schedule: Schedule) -> None:
-    """A one-screen summary of a schedule."""
+def print_summary(schedule: Schedule, out: Console | None = None) -> None:
+    """A one-screen summary of a schedule (to ``out``, stdout by default)."""
+    out = out or console
     problem = schedule.problem
     pipeline = problem.pipeline
     head = (
@@ -112,13 +125,13 @@ def print_summary(schedule: Schedule) -> None:
         f"{pipeline.num_microbatches} microbatches · {pipeline.num_stages} stages · placement "
         f"{pipeline.placement if isinstance(pipeline.placement, str) else 'explicit'}"
     )
-    console.print(head, highlight=False)
-    print_derived_problem(problem)
+    out.print(head, highlight=False)
+    print_derived_problem(problem, out)
     if schedule.status == "infeasible":
-        console.print(f"[bold red]infeasible[/bold red]: {schedule.reason}", highlight=False)
+        out.print(f"[bold red]infeasible[/bold red]: {schedule.reason}", highlight=False)
         if schedule.min_memory_limit:
             limits = ", ".join(format_bytes(x) for x in schedule.min_memory_limit)
-            console.print(f"least memory limit per rank that admits a schedule: {limits}", highlight=False)
+            out.print(f"least memory limit per rank that admits a schedule: {limits}", highlight=False)
         return
     table = Table(show_header=True, header_style="bold")
     for column in (
@@ -140,7 +153,7 @@ def print_summary(schedule: Schedule) -> None:
         "—" if schedule.lower_bound is None else f"{schedule.lower_bound:.3f}",
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
-    console.print(table)
+    out.print(table)
     limits = problem.memory_limits
     memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
     memory.add_column("rank", justify="right")
@@ -153,10 +166,10 @@ def print_summary(schedule: Schedule) -> None:
             "none" if limits[rank] == float("inf") else format_bytes(limits[rank]),
         )
     if len(schedule.peak_memory) <= 16:
-        console.print(memory)
+        out.print(memory)
     else:
-        console.print(f"max peak memory {format_bytes(max(schedule.peak_memory))}", highlight=False)
-    console.print(f"solved in {schedule.solve_time_s:.2f} s", highlight=False)
+        out.print(f"max peak memory {format_bytes(max(schedule.peak_memory))}", highlight=False)
+    out.print(f"solved in {schedule.solve_time_s:.2f} s", highlight=False)
 
 
 def solve_with_progress(problem: Problem) -> Schedule:
@@ -216,17 +229,27 @@ def solve(
         schedule = solve_with_progress(problem)
     except FamilyDomainError as error:
         raise fail(f"{error}. Try --method auto, or `pipesched compare` for the families that apply.") from None
-    print_summary(schedule)
+    to_stdout = output is None
+    # With no -o the schedule goes to stdout (pipe it), so the summary goes to stderr.
+    print_summary(schedule, err_console if to_stdout else console)
     if schedule.status == "infeasible":
-        if output is not None:
-            output.write_text(schedule.model_dump_json(indent=1))
+        if output_format == "json":
+            write_output(output, schedule.model_dump_json(indent=1))
         raise typer.Exit(1)
-    if output_format != "json" and output is None:
-        sys.stdout.write(render_schedule(schedule, output_format=output_format))
-        return
-    if output is not None:
-        output.write_text(render_schedule(schedule, output_format=output_format))
+    write_output(output, render_schedule(schedule, output_format=output_format))
+    if not to_stdout:
         console.print(f"wrote {output}", highlight=False)
+
+
+def write_output(path: Path | None, text: str) -> None:
+    """Write ``text`` to ``path`` (stdout when ``None``); an unwritable path exits 2 naming it."""
+    if path is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise fail(f"cannot write {path}: {error.strerror or error}: give -o a path in an existing folder") from None
 
 
 @app.command()
@@ -254,7 +277,14 @@ def compare(
         rows.append(auto)
     limits = problem.memory_limits
     table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
-    for column in ("method", "makespan ms", "stage_span ms", "bubble rate", "max peak memory", "fits limit"):
+    per_rank = problem.pipeline.num_ranks <= 16
+    largest = max((max(x.peak_memory) for x in rows if x.peak_memory), default=1.0)
+    unit_name, unit = next(
+        ((name, size) for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if largest >= size),
+        ("B", 1),
+    )
+    peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
+    for column in ("method", "makespan ms", "stage_span ms", "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
     records = []
@@ -269,7 +299,11 @@ def compare(
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
             f"{schedule.bubble_rate:.4f}",
-            format_bytes(max(schedule.peak_memory)),
+            (
+                " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)
+                if per_rank
+                else format_bytes(max(schedule.peak_memory))
+            ),
             "yes" if fits else "no",
         )
         records.append(
@@ -288,7 +322,7 @@ def compare(
     if any(limit != float("inf") for limit in limits):
         console.print(f"memory limit per rank: {format_bytes(min(limits))}", highlight=False)
     if output is not None:
-        output.write_text(json.dumps(records, indent=1))
+        write_output(output, json.dumps(records, indent=1))
 
 
 @app.command()
@@ -325,8 +359,12 @@ def run(
     node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
     master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")] = "127.0.0.1",
     master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
+    ] = None,
 ) -> None:
     """Execute a schedule with torch.distributed and verify it against a single-process reference."""
+    require_torch("run")
     from api.loading import load_schedule
     from runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
 
@@ -359,6 +397,11 @@ def run(
     print_run_summary(report)
     if output is not None:
         console.print(f"wrote {output}", highlight=False)
+    if trace is not None:
+        from optimizer.export import run_report_to_chrome_trace
+
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
+        console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
     if not report["verified"]:
         raise typer.Exit(1)
 
@@ -377,6 +420,7 @@ def profile(
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
 ) -> None:
     """Measure each stage's F, I, W times and activation memory; write a PROBLEM.json for `pipesched solve`."""
+    require_torch("profile")
     from pydantic import ValidationError
 
     from api.loading import format_validation_error
@@ -398,7 +442,7 @@ def profile(
         raise fail(format_validation_error(error)) from None
     except ValueError as error:
         raise fail(str(error)) from None
-    output.write_text(problem.model_dump_json(indent=1, exclude_none=True))
+    write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
     assert problem.costs is not None and problem.memory is not None
     table = Table(title=f"{model}: measured per stage", header_style="bold")
     for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):

@@ -60,7 +60,9 @@ def load_problem(path: Path, **overrides: Any) -> Problem:
         target = data
         parts = key.split(".")
         for part in parts[:-1]:
-            target = target.setdefault(part, {})
+            if not isinstance(target.get(part), dict):
+                target[part] = {}  # absent or null: the override starts the section
+            target = target[part]
         target[parts[-1]] = value
     try:
         return Problem.model_validate(data)

@@ -1,0 +1,93 @@
+"""The command line as a user runs it: stdout carries the schedule when there is no -o, errors exit 2."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+PROBLEM = {
+    "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+    "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.1},
+    "memory": {"activation": 100, "retained_for_weight": 40, "limit": 400},
+    "objective": "makespan",
+}
+
+
+def pipesched(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "api.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "120"},
+    )
+
+
+@pytest.fixture()
+def problem_file(tmp_path: Path) -> Path:
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(PROBLEM))
+    return path
+
+
+def test_solve_without_output_writes_the_schedule_to_stdout(problem_file: Path) -> None:
+    # "solver": null in the file plus --method: the override starts the section.
+    problem_file.write_text(json.dumps({**PROBLEM, "solver": None}))
+    result = pipesched("solve", str(problem_file), "--method", "zb-h1", cwd=problem_file.parent)
+    assert result.returncode == 0, result.stderr
+    schedule = json.loads(result.stdout)
+    assert schedule["method"] == "zb-h1" and len(schedule["ranks"]) == 4
+    assert "peak memory per rank" in result.stderr  # the summary goes to stderr
+
+
+def test_solve_csv_to_stdout_is_pure_csv(problem_file: Path) -> None:
+    result = pipesched("solve", str(problem_file), "--method", "1f1b", "--format", "csv", cwd=problem_file.parent)
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.reader(io.StringIO(result.stdout)))
+    assert len(rows) == 4 and rows[0][0] == "0F0" and all(len(row) == 3 * 8 for row in rows)
+
+
+def test_unwritable_output_exits_2_naming_the_path(problem_file: Path) -> None:
+    result = pipesched(
+        "solve", str(problem_file), "--method", "1f1b", "-o", "/nonexistent/dir/s.json", cwd=problem_file.parent
+    )
+    assert result.returncode == 2
+    assert "cannot write /nonexistent/dir/s.json" in result.stderr
+
+
+def test_bad_field_exits_2_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({**PROBLEM, "costs": {**PROBLEM["costs"], "forward": [1.0, 2.0]}}))
+    result = pipesched("solve", str(path), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "costs.forward" in result.stderr and "one value per stage" in result.stderr
+
+
+def test_family_outside_its_domain_exits_2(problem_file: Path) -> None:
+    result = pipesched("solve", str(problem_file), "--method", "zb-v", cwd=problem_file.parent)
+    assert result.returncode == 2 and "zb-v" in result.stderr
+
+
+def test_infeasible_exits_1_with_the_least_limit(tmp_path: Path) -> None:
+    path = tmp_path / "tight.json"
+    path.write_text(json.dumps({**PROBLEM, "memory": {**PROBLEM["memory"], "limit": 50}}))
+    result = pipesched("solve", str(path), "-o", str(tmp_path / "out.json"), cwd=tmp_path)
+    assert result.returncode == 1
+    answer = json.loads((tmp_path / "out.json").read_text())
+    assert answer["status"] == "infeasible" and answer["min_memory_limit"] == [100.0] * 4
+
+
+def test_compare_shows_peak_memory_per_rank(problem_file: Path) -> None:
+    result = pipesched("compare", str(problem_file), "--time-limit", "1", cwd=problem_file.parent)
+    assert result.returncode == 0, result.stderr
+    assert "peak memory per rank" in result.stdout
+    assert "zb-h1" in result.stdout and "auto" in result.stdout
