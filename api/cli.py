@@ -332,12 +332,18 @@ def demo(
     run: Annotated[bool, typer.Option("--run/--no-run", help="Execute the schedule on 4 gloo ranks.")] = True,
 ) -> None:
     """The main job end to end: config in, optimal schedule out, real torch ranks prove it."""
+    import httpx
+
     from api.demo import run_demo
 
+    if run:
+        require_torch("demo")
     try:
         run_demo(output, time_limit_s=time_limit, run=run, console=console)
-    except RuntimeError as error:
-        raise fail(str(error), code=1) from None
+    except httpx.HTTPStatusError as error:
+        raise fail(f"the service answered {error.response.status_code}: {error.response.text[:500]}", 1) from None
+    except (httpx.HTTPError, RuntimeError, ValueError, OSError) as error:
+        raise fail(f"{type(error).__name__}: {error}", code=1) from None
 
 
 # --- further commands register here (serve, run, profile, plot, demo) ---------------------------

@@ -130,7 +130,12 @@ def _solve_job(client: httpx.Client, body: dict[str, Any], console: Console) -> 
         console=console,
     ) as bar:
         task = bar.add_task("auto", total=limit, state="queued")
+        # The job must end within its time limit plus queueing and start-up; never wait forever.
+        deadline = time.monotonic() + limit + 120
         while True:
+            if time.monotonic() > deadline:
+                client.delete(f"/v1/jobs/{job_id}")
+                raise RuntimeError(f"the auto job did not finish within {limit + 120:.0f} s; it was cancelled")
             job = client.get(f"/v1/jobs/{job_id}").json()
             progress = job.get("progress") or {}
             best, bound = progress.get("best_objective"), progress.get("lower_bound")

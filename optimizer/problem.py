@@ -44,6 +44,9 @@ FAMILY_NAMES: tuple[str, ...] = (
 )
 METHOD_NAMES: tuple[str, ...] = ("auto", *FAMILY_NAMES)
 
+#: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
+MAX_STAGE_MICROBATCHES = 1_000_000
+
 NonNegative = Annotated[float, Field(ge=0)]
 
 
@@ -117,6 +120,16 @@ class Pipeline(_Strict):
     @model_validator(mode="after")
     def _check_placement(self) -> Pipeline:
         errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        passes = self.num_stages * self.num_microbatches
+        if passes > MAX_STAGE_MICROBATCHES:
+            errors.append(
+                (
+                    ("num_microbatches",),
+                    f"{self.num_stages} stages × {self.num_microbatches} microbatches = {passes:,} forward passes, "
+                    f"more than the {MAX_STAGE_MICROBATCHES:,} pipesched plans: use fewer microbatches or stages",
+                    self.num_microbatches,
+                )
+            )
         placement = self.placement
         if placement in ("v", "bidirectional") and self.stages_per_rank != 2:
             errors.append(

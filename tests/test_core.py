@@ -73,3 +73,15 @@ def test_auto_without_memory_limit_solves() -> None:
     schedule = solve(uniform_problem(4, 6, limit=None, time_limit_s=2.0))
     assert schedule.status in ("optimal", "feasible")
     assert schedule.fits_memory
+
+
+def test_a_problem_too_large_to_plan_names_num_microbatches() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from tests.conftest import uniform_problem
+
+    with pytest.raises(ValidationError) as raised:
+        uniform_problem(1024, 100_000, stages_per_rank=2)
+    error = raised.value.errors()[0]
+    assert error["loc"] == ("pipeline", "num_microbatches") and "fewer microbatches" in error["msg"]
