@@ -1,0 +1,36 @@
+"""The docs stay true: the contract copy matches the shared contract; the README's commands exist."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import REPO, SHARED
+
+
+def test_contract_copy_is_identical_to_the_shared_contract() -> None:
+    shared = SHARED / "CONTRACT.md"
+    if not shared.exists():
+        pytest.skip("no shared/ beside this checkout: nothing to compare the copy with")
+    assert (REPO / "docs" / "CONTRACT.md").read_text() == shared.read_text()
+
+
+def test_readme_opens_with_the_demo_and_test_commands_that_ci_runs() -> None:
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    demo, tests = blocks[0].strip(), blocks[1].strip()
+    assert demo.endswith("pipesched demo") and "pip install -e '.[runtime]'" in demo
+    assert tests.endswith("python -m pytest -q")
+    assert tests in (REPO / ".ci" / "run").read_text()
+
+
+def test_every_cli_command_in_the_contract_exists() -> None:
+    from typer.main import get_command
+
+    from api.cli import app
+
+    commands = set(get_command(app).commands)  # type: ignore[attr-defined]
+    contract = (REPO / "docs" / "CONTRACT.md").read_text()
+    named = set(re.findall(r"`pipesched (\w+)", contract))
+    assert named and named <= commands, named - commands
