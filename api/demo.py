@@ -209,6 +209,7 @@ def run_demo(
         _comparison_table(schedules, console)
         schedule_id = auto.id
         (folder / "schedule.json").write_text(auto.model_dump_json(indent=1))
+        console.print("fetching the Gantt chart, the torch CSV and the Chrome trace from the service", highlight=False)
         for fmt, name in (("png", "gantt.png"), ("csv", "schedule.csv"), ("chrome-trace", "predicted-trace.json")):
             response = client.get(f"/v1/schedules/{schedule_id}", params={"format": fmt})
             response.raise_for_status()
@@ -227,9 +228,10 @@ def run_demo(
         from runtime.launch import print_run_summary, run_schedule
 
         console.rule("[bold]running the auto schedule on 4 gloo ranks")
-        report = run_schedule(
-            auto, nproc_per_node=DEMO_NUM_RANKS, backend="gloo", model="problem", output=folder / "report.json"
-        )
+        with console.status("starting 4 gloo processes, running the schedule and the single-process reference …"):
+            report = run_schedule(
+                auto, nproc_per_node=DEMO_NUM_RANKS, backend="gloo", model="problem", output=folder / "report.json"
+            )
         print_run_summary(report)
         (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report)))
         summary["report"] = report
