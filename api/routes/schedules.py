@@ -22,6 +22,7 @@ from api.schemas import ChromeTrace, ScheduleAnswer, error_responses
 from optimizer.families import FamilyDomainError
 from optimizer.problem import Problem
 from optimizer.result import Schedule
+from optimizer.solve import solve_family
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
 
@@ -175,14 +176,17 @@ def view_schedule(
         raise HTTPException(409, f"schedule {schedule_id} is infeasible ({schedule.reason}): there is nothing to draw")
     other: Schedule | None = None
     if compare is not None:
+        if compare == "auto":
+            raise field_error(
+                ("query", "compare"), "compare names one family (see GET /v1/methods), not auto", "unknown_method"
+            )
         check_method(schedule.problem, compare, ("query", "compare"))
-        solver = schedule.problem.solver.model_copy(update={"method": compare})
-        problem = schedule.problem.model_copy(update={"solver": solver})
         try:
-            other_json, _hit = solve_and_store(svc, problem)
-            other = Schedule.model_validate_json(other_json)
+            # Drawn as the family builds it, flagged over the limit when it does not fit (not stored: with
+            # the memory limit enforced it would be an infeasible answer with nothing to draw).
+            other = solve_family(schedule.problem, compare, enforce_memory=False)
         except FamilyDomainError as error:
-            raise field_error(("query", "compare"), f"{error}; choose another family") from None
+            raise field_error(("query", "compare"), f"{error}; choose another family", "family_domain") from None
     try:
         from api import plots
     except ImportError:
