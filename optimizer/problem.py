@@ -10,7 +10,7 @@ Validation errors name the field path (``costs.forward``) and say what would be 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -22,14 +22,16 @@ __all__ = [
     "METHOD_NAMES",
     "Costs",
     "Memory",
+    "MethodName",
     "Pipeline",
     "Problem",
     "SolverOptions",
     "raise_field_errors",
 ]
 
-#: The schedule families of the contract, in the order `pipesched compare` lists them.
-FAMILY_NAMES: tuple[str, ...] = (
+#: ``solver.method``: ``auto`` or one of the contract's families, in the order `pipesched compare` lists them.
+MethodName = Literal[
+    "auto",
     "gpipe",
     "1f1b",
     "interleaved-1f1b",
@@ -41,8 +43,9 @@ FAMILY_NAMES: tuple[str, ...] = (
     "v-min",
     "bitpipe",
     "dualpipe-v",
-)
-METHOD_NAMES: tuple[str, ...] = ("auto", *FAMILY_NAMES)
+]
+METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
+FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -202,20 +205,7 @@ class Memory(_Strict):
 class SolverOptions(_Strict):
     """How to find the schedule."""
 
-    method: Literal[
-        "auto",
-        "gpipe",
-        "1f1b",
-        "interleaved-1f1b",
-        "looped-bfs",
-        "zb-h1",
-        "zb-h2",
-        "zb-v",
-        "v-half",
-        "v-min",
-        "bitpipe",
-        "dualpipe-v",
-    ] = Field("auto", description='"auto" searches; a family name generates that schedule.')
+    method: MethodName = Field("auto", description='"auto" searches; a family name generates that schedule.')
     time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
     backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
         None, description="Backends the auto portfolio may use; null for all."
