@@ -68,6 +68,9 @@ def partition_layers(
     stage per rank the memory constraint is per stage and the result stays optimal. With several stages per
     rank the shared memory makes it a heuristic.
 
+    Cost: O((L + S) log S) calls and heap steps for S stages, each memory check O(ranks holding the stage)
+    (every rank's held bytes are kept up to date, never summed again).
+
     Raises:
         PartitionError: fewer layers than ``num_stages * min_layers``, or no split fits the memory (the
             message gives the rank and the bytes).
@@ -77,22 +80,18 @@ def partition_layers(
     holders = [list(ranks) for ranks in stage_ranks] if stage_ranks is not None else [[s] for s in range(num_stages)]
     ranks = num_ranks if num_ranks is not None else num_stages
     counts = [min_layers] * num_stages
-
-    def used(rank: int, changed: int | None = None) -> float:
-        if stage_memory is None:
-            return 0.0
-        total = 0.0
-        for stage in range(num_stages):
-            if rank in holders[stage]:
-                total += stage_memory(stage, counts[stage] + (1 if stage == changed else 0))
-        return total
-
+    # Each rank's stages, and the bytes it holds with the current counts: a check costs O(holders of a stage).
+    rank_stages: list[list[int]] = [[] for _ in range(ranks)]
+    for stage, stage_holders in enumerate(holders):
+        for rank in stage_holders:
+            rank_stages[rank].append(stage)
+    held = [0.0] * ranks
     if stage_memory is not None:
+        held = [sum(stage_memory(stage, counts[stage]) for stage in rank_stages[rank]) for rank in range(ranks)]
         for rank in range(ranks):
-            need = used(rank)
-            if need > limit:
+            if held[rank] > limit:
                 raise PartitionError(
-                    f"rank {rank} needs {need / 1024**3:.2f} GiB with {min_layers} layer(s) per stage, "
+                    f"rank {rank} needs {held[rank] / 1024**3:.2f} GiB with {min_layers} layer(s) per stage, "
                     f"over its limit {limit / 1024**3:.2f} GiB"
                 )
     heap = [(stage_time(stage, counts[stage] + 1), stage) for stage in range(num_stages)]
@@ -100,14 +99,18 @@ def partition_layers(
     remaining = num_layers - sum(counts)
     while remaining > 0:
         if not heap:
-            worst = max(range(ranks), key=used)
+            worst = max(range(ranks), key=held.__getitem__)
             raise PartitionError(
                 f"{remaining} of {num_layers} layers do not fit: with {counts} layers per stage rank {worst} "
-                f"already holds {used(worst) / 1024**3:.2f} GiB of {limit / 1024**3:.2f} GiB"
+                f"already holds {held[worst] / 1024**3:.2f} GiB of {limit / 1024**3:.2f} GiB"
             )
         _, stage = heapq.heappop(heap)
-        if stage_memory is not None and any(used(rank, changed=stage) > limit for rank in holders[stage]):
-            continue  # memory only grows: this stage stays closed
+        if stage_memory is not None:
+            growth = stage_memory(stage, counts[stage] + 1) - stage_memory(stage, counts[stage])
+            if any(held[rank] + growth > limit for rank in holders[stage]):
+                continue  # memory only grows: this stage stays closed
+            for rank in holders[stage]:
+                held[rank] += growth
         counts[stage] += 1
         remaining -= 1
         heapq.heappush(heap, (stage_time(stage, counts[stage] + 1), stage))

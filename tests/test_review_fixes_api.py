@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.settings import Settings
+from optimizer.partition import PartitionError, partition_layers
 from tests.conftest import uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
@@ -43,3 +45,56 @@ def test_view_compare_outside_the_family_domain_or_auto_is_a_422_naming_compare(
         response = client.get(f"/v1/schedules/{schedule_id}/view", params={"compare": family})
         assert response.status_code == 422, (family, response.text)
         assert response.json()["detail"][0]["loc"] == ["query", "compare"]
+
+
+def test_partition_cost_is_linear_in_layers_not_in_ranks_times_stages() -> None:
+    # 256 ranks × 16 stages each: walking every stage per memory check made this 258,560 stage_memory calls
+    # and seconds of work; keeping each rank's held bytes up to date needs two calls per layer placed.
+    num_ranks, stages_per_rank, num_layers = 256, 16, 20_000
+    num_stages = num_ranks * stages_per_rank
+    calls = 0
+
+    def stage_memory(stage: int, count: int) -> float:
+        nonlocal calls
+        calls += 1
+        return 1000.0 * count + (500.0 if stage == 0 else 0.0)
+
+    started = time.perf_counter()
+    counts = partition_layers(
+        num_layers,
+        num_stages,
+        stage_time=lambda stage, count: count + (0.5 if stage == num_stages - 1 else 0.0),
+        stage_memory=stage_memory,
+        stage_ranks=[[stage % num_ranks] for stage in range(num_stages)],
+        num_ranks=num_ranks,
+        limit=1e12,
+    )
+    elapsed_s = time.perf_counter() - started
+    assert sum(counts) == num_layers and max(counts) - min(counts) == 1
+    assert counts[-1] == min(counts)  # the head's stage is slower per layer count, so it gets fewer
+    assert calls <= 2 * num_layers + num_stages
+    assert elapsed_s < 2.0
+
+
+def test_partition_memory_shared_by_a_ranks_stages_still_closes_the_full_rank() -> None:
+    # 2 ranks × 2 stages (loop: stages 0, 2 on rank 0; 1, 3 on rank 1); rank 0's limit admits 5 layers, rank 1's 6.
+    counts = partition_layers(
+        11,
+        4,
+        stage_time=lambda stage, count: float(count),
+        stage_memory=lambda stage, count: 10.0 * count + (15.0 if stage == 0 else 0.0),
+        stage_ranks=[[0], [1], [0], [1]],
+        num_ranks=2,
+        limit=65.0,
+    )
+    assert counts[0] + counts[2] == 5 and counts[1] + counts[3] == 6
+    with pytest.raises(PartitionError, match="1 of 12 layers do not fit.*already holds"):
+        partition_layers(
+            12,
+            4,
+            stage_time=lambda stage, count: float(count),
+            stage_memory=lambda stage, count: 10.0 * count + (15.0 if stage == 0 else 0.0),
+            stage_ranks=[[0], [1], [0], [1]],
+            num_ranks=2,
+            limit=65.0,
+        )
