@@ -164,9 +164,11 @@ def build_report(
             mismatches.append({"rank": rank["rank"], "position": position})
     m = inst.num_microbatches
     # Bidirectional schedules compute every microbatch's loss once, on the replica it passes.
-    loss = sum(losses.values()) / m if len(losses) == m else float("nan")
+    # With a loss missing there is no step loss (None: JSON has no NaN) and the run is not verified.
+    missing_losses = sorted(set(range(m)) - set(losses))
+    loss = sum(losses.values()) / m if not missing_losses else None
     tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
-    loss_error = abs(loss - reference_loss) / max(abs(reference_loss), 1e-30)
+    loss_error = None if loss is None else abs(loss - reference_loss) / max(abs(reference_loss), 1e-30)
     starts = [a["start"] for rank in ranks for a in rank["actions"]]
     ends = [a["end"] for rank in ranks for a in rank["actions"]]
     measured_makespan = (max(ends) - min(starts)) if starts else 0.0
@@ -176,6 +178,7 @@ def build_report(
         and not comparison["missing"]
         and not comparison["unexpected"]
         and comparison["max_rel_grad_error"] <= tolerance
+        and loss_error is not None
         and loss_error <= tolerance
     )
     return {
@@ -188,6 +191,7 @@ def build_report(
         "loss": loss,
         "reference_loss": reference_loss,
         "loss_rel_error": loss_error,
+        "missing_losses": missing_losses,
         "executed_order_matches": not mismatches,
         "order_mismatches": mismatches,
         "ranks": [
@@ -228,8 +232,14 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         f"{report['device']} · engine {report.get('engine', '?')} · model {report.get('model', '?')}",
         highlight=False,
     )
+    loss = report["loss"]
+    loss_text = (
+        f"{loss:.8g}"
+        if loss is not None
+        else f"missing for microbatch(es) {', '.join(map(str, report.get('missing_losses', [])))}"
+    )
     console.print(
-        f"loss {report['loss']:.8g} (reference {report['reference_loss']:.8g}) · max gradient error "
+        f"loss {loss_text} (reference {report['reference_loss']:.8g}) · max gradient error "
         f"{report['max_abs_grad_error']:.3g} abs, {report['max_rel_grad_error']:.3g} rel (tolerance "
         f"{report['tolerance']:g}) · executed order {'matches' if report['executed_order_matches'] else 'DIFFERS'}",
         highlight=False,

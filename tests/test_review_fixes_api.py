@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import json
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from rich.console import Console
 
 from api.app import create_app
 from api.settings import Settings
 from optimizer.partition import PartitionError, partition_layers
+from optimizer.solve import solve
 from tests.conftest import uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
@@ -88,7 +93,7 @@ def test_partition_memory_shared_by_a_ranks_stages_still_closes_the_full_rank() 
         limit=65.0,
     )
     assert counts[0] + counts[2] == 5 and counts[1] + counts[3] == 6
-    with pytest.raises(PartitionError, match="1 of 12 layers do not fit.*already holds"):
+    with pytest.raises(PartitionError, match=r"1 of 12 layers do not fit.*already holds"):
         partition_layers(
             12,
             4,
@@ -98,3 +103,37 @@ def test_partition_memory_shared_by_a_ranks_stages_still_closes_the_full_rank() 
             num_ranks=2,
             limit=65.0,
         )
+
+
+def _report_with_losses(losses: dict[int, float], reference_loss: float) -> dict[str, Any]:
+    """A run report whose measured actions are the schedule's own times (no torch run needed)."""
+    pytest.importorskip("torch")
+    from runtime.verify import build_report
+
+    schedule = solve(uniform_problem(2, 3, method="1f1b", split_backward=False))
+    ranks = [
+        {
+            "rank": rank.rank,
+            "actions": [{"action": a.action, "start": a.start, "end": a.end} for a in rank.actions],
+            "executed": [a.action for a in rank.actions],
+            "peak_memory_bytes": 0,
+        }
+        for rank in schedule.ranks
+    ]
+    return build_report(
+        schedule, ranks, losses, {}, reference_loss, {}, backend="gloo", device="cpu", engine="test", model_name="none"
+    )
+
+
+def test_run_report_with_a_missing_loss_is_valid_json_and_not_verified() -> None:
+    complete = _report_with_losses({0: 1.0, 1: 2.0, 2: 3.0}, reference_loss=2.0)
+    assert complete["verified"] and complete["loss"] == 2.0 and complete["missing_losses"] == []
+    report = _report_with_losses({0: 1.0, 2: 3.0}, reference_loss=2.0)
+    assert report["loss"] is None and report["loss_rel_error"] is None
+    assert report["missing_losses"] == [1] and report["verified"] is False
+    assert json.loads(json.dumps(report, allow_nan=False))["loss"] is None  # strict JSON: no NaN
+    from runtime.verify import print_report
+
+    console = Console(file=io.StringIO(), width=200)
+    print_report(report, console)
+    assert "missing for microbatch(es) 1" in console.file.getvalue()
