@@ -313,6 +313,9 @@ class Store:
     def recover_jobs(self, max_attempts: int) -> tuple[list[tuple[str, int]], list[str]]:
         """After a restart: re-queue jobs left ``queued``/``running``, or fail those out of attempts.
 
+        A job's ``attempt`` counts the restarts it has lived through; it lives through ``max_attempts``
+        of them and is failed at the next (``max_attempts`` 1: re-queued once, failed the second time).
+
         Returns ``([(job id, new attempt), …] to submit again, [failed job ids])``.
         """
         requeued: list[tuple[str, int]] = []
@@ -324,7 +327,7 @@ class Store:
             for row in rows:
                 row.updated_at = time.time()
                 was = row.status
-                if row.attempt + 1 >= max_attempts:
+                if row.attempt >= max_attempts:
                     row.status = "failed"
                     row.error = (
                         f"the service restarted {row.attempt + 1} times while this job was {was}; "

@@ -6,6 +6,7 @@ import io
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from rich.console import Console
 
 from api.app import create_app
 from api.settings import Settings
+from api.storage import Store, problem_key
 from optimizer.partition import PartitionError, partition_layers
 from optimizer.solve import solve
 from tests.conftest import uniform_problem
@@ -137,3 +139,20 @@ def test_run_report_with_a_missing_loss_is_valid_json_and_not_verified() -> None
     console = Console(file=io.StringIO(), width=200)
     print_report(report, console)
     assert "missing for microbatch(es) 1" in console.file.getvalue()
+
+
+def test_max_job_attempts_counts_the_restarts_a_job_lives_through(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'attempts.sqlite3'}")
+    problem = uniform_problem(2, 2, method="1f1b")
+    job = store.create_job(problem, problem_key(problem))
+    try:
+        # max_job_attempts 1 ("restarts a job may live through"): re-queued at the first restart …
+        requeued, failed = store.recover_jobs(1)
+        assert requeued == [(job.id, 1)] and failed == []
+        assert store.start_job(job.id, 1)
+        # … and failed at the second.
+        requeued, failed = store.recover_jobs(1)
+        assert requeued == [] and failed == [job.id]
+        assert store.job_status(job.id) == "failed"
+    finally:
+        store.dispose()
