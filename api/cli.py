@@ -476,14 +476,41 @@ def serve(
 ) -> None:
     """Run the HTTP service (settings from PIPESCHED_* environment variables; OpenAPI at /docs)."""
     import uvicorn
+    from pydantic import ValidationError
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, OperationalError
 
     from api.app import create_app
     from api.settings import Settings
 
-    settings = Settings()
     updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
-    settings = settings.model_copy(update=updates)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    try:
+        settings = Settings(**updates)  # the options override the environment, validated alike
+    except ValidationError as error:
+        lines = []
+        for item in error.errors():
+            name = str(item["loc"][0]) if item["loc"] else "?"
+            option = f" (or --{name})" if name in updates else ""
+            shown = "" if name == "api_token" else f" (got {item.get('input')!r})"
+            described = Settings.model_fields[name].description if name in Settings.model_fields else None
+            lines.append(
+                f"PIPESCHED_{name.upper()}{option}: {item['msg']}{shown}; set a valid value"
+                + (f" ({described})" if described else "")
+            )
+        raise fail("\n".join(lines)) from None
+    database_fix = "set PIPESCHED_DATABASE_URL to sqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST/DATABASE"
+    try:
+        service = create_app(settings)
+    except ArgumentError as error:
+        raise fail(f"PIPESCHED_DATABASE_URL is not a usable database URL ({error}): {database_fix}") from None
+    except OperationalError as error:
+        where = make_url(settings.database_url).render_as_string(hide_password=True)
+        reason = str(error.orig or error).strip().splitlines()[0]
+        raise fail(
+            f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
+            f"reachable, or {database_fix}"
+        ) from None
+    uvicorn.run(service, host=settings.host, port=settings.port, log_level="info")
 
 
 @app.command()

@@ -156,3 +156,38 @@ def test_max_job_attempts_counts_the_restarts_a_job_lives_through(tmp_path: Path
         assert store.job_status(job.id) == "failed"
     finally:
         store.dispose()
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"PIPESCHED_PORT": "abc"}, "PIPESCHED_PORT: Input should be a valid integer"),
+        ({"PIPESCHED_SOLVER_WORKERS": "0"}, "PIPESCHED_SOLVER_WORKERS: Input should be greater than or equal to 1"),
+        ({"PIPESCHED_DATABASE_URL": "not a url"}, "PIPESCHED_DATABASE_URL is not a usable database URL"),
+        ({"PIPESCHED_DATABASE_URL": "nosuchdb://host/db"}, "PIPESCHED_DATABASE_URL is not a usable database URL"),
+        (
+            {"PIPESCHED_DATABASE_URL": "sqlite:////nonexistent/dir/pipesched.sqlite3"},
+            "PIPESCHED_DATABASE_URL: cannot open the database",
+        ),
+    ],
+)
+def test_serve_with_a_bad_setting_exits_2_naming_it(env: dict[str, str], expected: str) -> None:
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    result = CliRunner().invoke(app, ["serve"], env=env)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert expected in " ".join(result.stderr.split())
+    assert "sqlite:///FILE" in result.stderr or "set a valid value" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_serve_port_option_is_validated_like_the_setting() -> None:
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--port", "70000"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert "PIPESCHED_PORT (or --port): Input should be less than or equal to 65535" in " ".join(result.stderr.split())
