@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from optimizer.accelerators import get_accelerator
 from optimizer.configs import ClusterConfig, ModelConfig
+from optimizer.units import format_bytes
 
 if TYPE_CHECKING:
     from optimizer.problem import Costs, Memory, Pipeline
@@ -377,7 +378,6 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
     per_parameter = static_bytes_per_parameter(model, cluster)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
     holders = stage_ranks(pipeline)
-    gib = 1024**3
 
     def stage_block(stage: int, count: int) -> Block:
         block = layer.times(count)
@@ -408,10 +408,10 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
             [
                 (
                     loc,
-                    f"weights, gradients and optimizer state need {needed / gib:.1f} GiB per rank "
-                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {limit / gib:.1f} GiB "
-                    f"({hardware.name}, {hardware.memory_bytes / gib:.0f} GiB minus the "
-                    f"{cluster.memory_reserve_bytes / gib:.1f} GiB reserve): use ≥ {ranks_needed} ranks"
+                    f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
+                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
+                    f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
+                    f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
                     f"{shard_hint}",
                     cluster.accelerator or cluster.memory_bytes,
                 )
@@ -437,7 +437,7 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
                 [
                     (
                         ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
-                        f"{error}; each rank has {limit / gib:.1f} GiB: use more ranks, a smaller "
+                        f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
                         "micro_batch_size, activation recomputation, or shard optimizer state",
                         cluster.accelerator or cluster.memory_bytes,
                     )

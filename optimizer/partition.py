@@ -9,6 +9,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
+from optimizer.units import format_bytes
+
 __all__ = ["PartitionError", "even_partition", "partition_layers", "slowest_stage"]
 
 
@@ -91,8 +93,8 @@ def partition_layers(
         for rank in range(ranks):
             if held[rank] > limit:
                 raise PartitionError(
-                    f"rank {rank} needs {held[rank] / 1024**3:.2f} GiB with {min_layers} layer(s) per stage, "
-                    f"over its limit {limit / 1024**3:.2f} GiB"
+                    f"rank {rank} needs {format_bytes(held[rank])} with {min_layers} layer(s) per stage, "
+                    f"over its limit {format_bytes(limit)}"
                 )
     heap = [(stage_time(stage, counts[stage] + 1), stage) for stage in range(num_stages)]
     heapq.heapify(heap)
@@ -102,7 +104,7 @@ def partition_layers(
             worst = max(range(ranks), key=held.__getitem__)
             raise PartitionError(
                 f"{remaining} of {num_layers} layers do not fit: with {counts} layers per stage rank {worst} "
-                f"already holds {held[worst] / 1024**3:.2f} GiB of {limit / 1024**3:.2f} GiB"
+                f"already holds {format_bytes(held[worst])} of {format_bytes(limit)}"
             )
         _, stage = heapq.heappop(heap)
         if stage_memory is not None:

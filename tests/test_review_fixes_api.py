@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from rich.console import Console
 
 from api.app import create_app
 from api.settings import Settings
 from api.storage import Store, problem_key
 from optimizer.partition import PartitionError, partition_layers
+from optimizer.problem import Problem
 from optimizer.solve import solve
+from optimizer.units import format_bytes
 from tests.conftest import uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
@@ -191,3 +194,30 @@ def test_serve_port_option_is_validated_like_the_setting() -> None:
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2, (result.output, result.exception)
     assert "PIPESCHED_PORT (or --port): Input should be less than or equal to 65535" in " ".join(result.stderr.split())
+
+
+def test_format_bytes_adapts_its_unit() -> None:
+    assert format_bytes(100) == "100 bytes"
+    assert format_bytes(8 * 2**20) == "8 MiB"
+    assert format_bytes(1536 * 2**20) == "1.5 GiB"
+    assert format_bytes(3 * 2**40) == "3 TiB"
+
+
+def test_weights_too_large_for_a_small_memory_give_the_sizes_not_zero_gib() -> None:
+    # A 4-layer model on ranks of 8 MiB: the weights need a few MiB per rank, which read "0.0 GiB" before.
+    model = {"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 1000}
+    body = {
+        "pipeline": {"num_ranks": 2, "num_microbatches": 4},
+        "model": model,
+        "cluster": {
+            "memory_bytes": 2**20,
+            "flops_per_s": 1e12,
+            "memory_bandwidth_bytes_per_s": 1e11,
+            "memory_reserve_bytes": 0,
+        },
+    }
+    with pytest.raises(ValidationError) as excinfo:
+        Problem.model_validate(body)
+    message = next(str(e["msg"]) for e in excinfo.value.errors() if tuple(e["loc"])[:2] == ("cluster", "memory_bytes"))
+    assert "weights, gradients and optimizer state need" in message
+    assert "0.0 GiB" not in message and "MiB per rank" in message and "has 1 MiB" in message

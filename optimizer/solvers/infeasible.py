@@ -24,15 +24,9 @@ from __future__ import annotations
 
 from optimizer.instance import Instance
 from optimizer.ir import ActionKind
+from optimizer.units import format_bytes
 
 __all__ = ["infeasibility_reason", "min_memory_limit"]
-
-
-def _format_bytes(value: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.4g} {unit}"
-    return f"{value:.0f} bytes"
 
 
 def min_memory_limit(inst: Instance) -> list[float]:
@@ -65,8 +59,8 @@ def infeasibility_reason(inst: Instance) -> str | None:
         if required > limit * (1 + 1e-12) + 1e-9:
             static = inst.static[rank]
             return (
-                f"rank {rank} needs at least {_format_bytes(required)} (static {_format_bytes(static)} + one "
+                f"rank {rank} needs at least {format_bytes(required)} (static {format_bytes(static)} + one "
                 f"microbatch's activations on the rank, {required - static:.0f} bytes); its limit is "
-                f"{_format_bytes(limit)}: raise memory.limit to at least {required:.0f} bytes on rank {rank}"
+                f"{format_bytes(limit)}: raise memory.limit to at least {required:.0f} bytes on rank {rank}"
             )
     return None
