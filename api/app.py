@@ -6,7 +6,6 @@ event loop; schedules and jobs are stored by :mod:`api.storage`.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -156,8 +155,3 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
     app.state.settings = settings
     return app
-
-
-def openapi_json(settings: Settings | None = None) -> str:
-    """The OpenAPI document as JSON text (for docs and tests)."""
-    return json.dumps(create_app(settings).openapi(), indent=1)

@@ -253,6 +253,7 @@ class SolverPool:
         return len(requeued), len(failed)
 
     def in_flight(self) -> int:
+        """Solves submitted to the pool and not yet finished (queued behind the workers included)."""
         with self._lock:
             return len(self._futures)
 

@@ -45,7 +45,7 @@ def problem_key(problem: Problem) -> str:
 
 
 class Base(DeclarativeBase):
-    pass
+    """The tables' common SQLAlchemy base (its metadata creates them)."""
 
 
 class ScheduleRow(Base):
@@ -133,6 +133,7 @@ class Store:
             session.execute(select(1))
 
     def dispose(self) -> None:
+        """Close the engine's pooled connections (the app's shutdown; tests that open their own store)."""
         self.engine.dispose()
 
     # --- schedules -------------------------------------------------------------------------------
@@ -189,6 +190,7 @@ class Store:
             return existing, False
 
     def count_schedules(self) -> int:
+        """How many schedules are stored (used by tests to check what a request stored)."""
         with self._sessions() as session:
             return int(session.scalar(select(func.count()).select_from(ScheduleRow)) or 0)
 
@@ -217,10 +219,15 @@ class Store:
         return row
 
     def job(self, job_id: str) -> JobRow | None:
+        """The job with this id (a detached row: read its fields, do not write them), or None."""
         with self._sessions() as session:
             return session.get(JobRow, job_id)
 
     def job_status(self, job_id: str) -> str | None:
+        """The job's status alone (``queued``/``running``/``done``/``failed``/``cancelled``), or None when unknown.
+
+        Used by tests; :meth:`job` gives the whole row.
+        """
         with self._sessions() as session:
             return session.scalar(select(JobRow.status).where(JobRow.id == job_id))
 

@@ -13,7 +13,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from api.jobs import SolverPool
 from api.metrics import Metrics
 from api.settings import Settings
-from api.storage import Store, problem_key
+from api.storage import Store
 from optimizer.families import FamilyDomainError, get_family
 from optimizer.problem import Problem
 
@@ -29,6 +29,7 @@ class Services:
 
 
 def services(request: Request) -> Services:
+    """The app's :class:`Services` (a FastAPI dependency: ``svc: Services = Depends(services)``)."""
     return request.app.state.services
 
 
@@ -95,9 +96,6 @@ def check_method(problem: Problem, method: str, loc: tuple[str | int, ...]) -> N
         raise field_error(loc, f"{error}; choose another method or auto", "family_domain") from None
 
 
-def solve_key(problem: Problem) -> str:
-    return problem_key(problem)
-
-
 def cache_headers(hit: bool) -> dict[str, Any]:
+    """The ``X-Pipesched-Cache`` header: ``hit`` when a stored schedule answered, ``miss`` when solved."""
     return {"X-Pipesched-Cache": "hit" if hit else "miss"}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
-from api.routes._common import Services, prepare_problem, require_token, services, solve_key
+from api.routes._common import Services, prepare_problem, require_token, services
 from api.schemas import JobCreated, JobProgress, JobStatus, error_responses
-from api.storage import JobRow
+from api.storage import JobRow, problem_key
 from optimizer.problem import Problem
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
@@ -48,7 +48,7 @@ def create_job(problem: Problem, response: Response, svc: Services = Depends(ser
     A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``).
     """
     problem = prepare_problem(problem, svc.settings)
-    key = solve_key(problem)
+    key = problem_key(problem)
     cached = svc.store.schedule_by_hash(key)
     svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
     row = svc.store.create_job(problem, key, cached)

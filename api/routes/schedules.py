@@ -16,9 +16,9 @@ from api.routes._common import (
     prepare_problem,
     require_token,
     services,
-    solve_key,
 )
 from api.schemas import ChromeTrace, ScheduleAnswer, error_responses
+from api.storage import problem_key
 from optimizer.families import FamilyDomainError
 from optimizer.problem import Problem
 from optimizer.result import Schedule
@@ -49,7 +49,7 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
             time limit plus a grace period.
         FamilyDomainError: as :func:`optimizer.solve.solve`.
     """
-    key = solve_key(problem)
+    key = problem_key(problem)
     cached = svc.store.schedule_json_by_hash(key)
     svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
     if cached is not None:
