@@ -18,6 +18,7 @@ from rich.table import Table
 from api.loading import InputError, load_problem
 from optimizer.problem import Problem
 from optimizer.result import Schedule
+from optimizer.units import format_bytes
 
 app = typer.Typer(
     name="pipesched",
@@ -47,15 +48,6 @@ def require_torch(command: str) -> None:
             f"`pipesched {command}` needs torch, which this installation lacks: "
             "pip install 'pipesched[runtime]' (or pip install torch==2.13.0)"
         )
-
-
-def format_bytes(value: float) -> str:
-    """Human-readable bytes (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 def render_schedule(schedule: Schedule, *, output_format: str) -> str:

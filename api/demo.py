@@ -154,7 +154,7 @@ def _solve_job(client: httpx.Client, body: dict[str, Any], console: Console) -> 
 
 
 def _comparison_table(schedules: list[Schedule], console: Console) -> None:
-    from api.cli import format_bytes
+    from optimizer.units import format_bytes
 
     limits = schedules[0].problem.memory_limits
     title = f"{DEMO_NUM_RANKS} ranks · {DEMO_NUM_MICROBATCHES} microbatches · limit {format_bytes(limits[0])}"
