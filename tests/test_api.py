@@ -20,7 +20,7 @@ from optimizer.export import orders_to_torch_csv
 from optimizer.families import registry
 from optimizer.problem import Problem
 from optimizer.solve import solve
-from tests.conftest import uniform_problem
+from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
 
@@ -264,9 +264,19 @@ def test_a_burst_of_jobs_queues_and_a_cancelled_one_stores_nothing(client: TestC
     store = Store(settings.database_url)
     schedules_before = store.count_schedules()
     ids = []
-    for microbatches in range(20, 26):  # six distinct problems on two workers: some wait in the queue
-        body = problem_body("auto", time_limit_s=1.0, **{"pipeline.num_microbatches": microbatches})
-        ids.append(client.post("/v1/jobs", json=body).json()["id"])
+    # Six distinct problems on two workers, each searching its whole time limit (the paper's 1.5B setting
+    # at 2 × p·activation, whose lower bound the search cannot meet): the last waits in the queue.
+    setting = paper_settings()[0]
+    for seed in range(6):
+        problem = paper_problem(
+            setting,
+            **{
+                "memory.limit": 2 * setting["num_ranks"] * setting["activation"],
+                "solver.time_limit_s": 1.0,
+                "solver.seed": seed,
+            },
+        )
+        ids.append(client.post("/v1/jobs", json=problem.model_dump(mode="json")).json()["id"])
     cancelled = client.delete(f"/v1/jobs/{ids[-1]}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     finished = [wait_for_job(client, job_id) for job_id in ids[:-1]]
