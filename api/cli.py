@@ -18,7 +18,7 @@ from rich.table import Table
 from api.loading import InputError, load_problem
 from optimizer.problem import Problem
 from optimizer.result import Schedule
-from optimizer.units import format_bytes
+from optimizer.units import common_unit, format_bytes
 
 app = typer.Typer(
     name="pipesched",
@@ -270,11 +270,7 @@ def compare(
     limits = problem.memory_limits
     table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
     per_rank = problem.pipeline.num_ranks <= 16
-    largest = max((max(x.peak_memory) for x in rows if x.peak_memory), default=1.0)
-    unit_name, unit = next(
-        ((name, size) for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if largest >= size),
-        ("B", 1),
-    )
+    unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
     for column in ("method", "makespan ms", "stage_span ms", "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")

@@ -154,26 +154,29 @@ def _solve_job(client: httpx.Client, body: dict[str, Any], console: Console) -> 
 
 
 def _comparison_table(schedules: list[Schedule], console: Console) -> None:
-    from optimizer.units import format_bytes
+    from optimizer.units import common_unit, format_bytes
 
     limits = schedules[0].problem.memory_limits
+    unit_name, unit = common_unit([max(x.peak_memory) for x in schedules if x.peak_memory])
     title = f"{DEMO_NUM_RANKS} ranks · {DEMO_NUM_MICROBATCHES} microbatches · limit {format_bytes(limits[0])}"
     table = Table(title=title)
     table.add_column("method")
     table.add_column("status")
     table.add_column("makespan ms", justify="right")
     table.add_column("bubble rate", justify="right")
-    table.add_column("peak memory per rank", justify="right")
+    table.add_column(f"peak {unit_name} per rank", justify="right", no_wrap=True)
+    table.add_column("fits limit")
     for schedule in schedules:
         if schedule.status == "infeasible":
-            table.add_row(schedule.method, "infeasible", "—", "—", schedule.reason or "")
+            table.add_row(schedule.method, "infeasible", "—", "—", "—", schedule.reason or "")
             continue
         table.add_row(
             schedule.method,
             schedule.status,
             f"{schedule.makespan:.3f}",
             f"{schedule.bubble_rate:.4f}",
-            " ".join(format_bytes(x) for x in schedule.peak_memory),
+            " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory),
+            "yes" if schedule.fits_memory else "no",
         )
     console.print(table)
 

@@ -20,6 +20,7 @@ from optimizer.instance import compile_problem
 from optimizer.ir import parse_action
 from optimizer.result import Schedule
 from optimizer.simulate import simulate
+from optimizer.units import common_unit
 from runtime.models import PipelineModel
 
 __all__ = ["build_report", "compare_gradients", "measured_costs", "print_report", "reference_run"]
@@ -251,16 +252,28 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         + ("" if simulated is None else f" · simulated from measured costs {simulated:.3f} ms"),
         highlight=False,
     )
-    table = Table(show_header=True, header_style="bold")
     activations_only = all(r.get("memory_measure", "saved-activations") == "saved-activations" for r in report["ranks"])
     measured_title, predicted_key = (
         ("peak activations", "predicted_peak_activation_bytes")
         if activations_only
         else ("peak memory", "predicted_peak_memory_bytes")
     )
-    for column in ("rank", "actions", "busy ms", "first start ms", "last end ms", measured_title, "predicted"):
+    table = Table(show_header=True, header_style="bold", title=f"per rank · {measured_title}, measured and predicted")
+    shown = report["ranks"][:16]
+    unit_name, unit = common_unit(
+        [r["peak_memory_bytes"] for r in shown] + [r[predicted_key] for r in shown if r.get(predicted_key) is not None]
+    )
+    for column in (
+        "rank",
+        "actions",
+        "busy ms",
+        "first start ms",
+        "last end ms",
+        f"measured {unit_name}",
+        f"predicted {unit_name}",
+    ):
         table.add_column(column, justify="right")
-    for rank in report["ranks"][:16]:
+    for rank in shown:
         actions = rank["actions"]
         busy = sum(a["end"] - a["start"] for a in actions)
         predicted = rank.get(predicted_key)
@@ -270,8 +283,8 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             f"{busy:.3f}",
             f"{actions[0]['start']:.3f}" if actions else "—",
             f"{actions[-1]['end']:.3f}" if actions else "—",
-            f"{rank['peak_memory_bytes']:,} B",
-            "—" if predicted is None else f"{predicted:,.0f} B",
+            f"{rank['peak_memory_bytes'] / unit:.3f}",
+            "—" if predicted is None else f"{predicted / unit:.3f}",
         )
     console.print(table)
     if report.get("order_mismatches"):
