@@ -23,6 +23,17 @@ forward comes after its first backward), so the idle bounds add; otherwise the l
 Makespan adds to a rank's span the earliest time any of its actions can start (head) and the least
 time the pipeline needs after its last action (tail); it is also at least one microbatch's critical
 path.
+
+**Bottleneck rank** (the one-machine relaxation of shop scheduling, with release times and delivery
+times): a rank ``r`` runs a set ``S`` of its actions one at a time, none starting before its head and
+each followed by at least its tail, so the span that encloses them is at least
+``min_S head + Σ_S duration + min_S tail``; taken over the sets ``{head ≥ H, tail ≥ T}`` for every
+threshold pair. For stage_span the frame is the span of the rank ``q`` where a microbatch enters the
+pipeline: heads count from ``q``'s forward of the same microbatch, tails run to the end of that
+microbatch's last action on ``q``. On rank 0 of a one-stage-per-rank pipeline, with ``r`` the last rank,
+this is ``(p−1)(T_F + T_I + 2·p2p) + m·(T_F + T_I)_r + T_W``: rank ``p−1`` must run every forward and
+input backward before rank 0's last input backward can start, which no memory limit relaxes (the
+Zero Bubble paper's ZB-2p 1.5B p=8 m=24 span is exactly this).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import math
 from dataclasses import dataclass
 
 from optimizer.instance import Instance
-from optimizer.ir import ActionKind
+from optimizer.ir import Action, ActionKind
 
 __all__ = ["LowerBounds", "lower_bound", "lower_bounds"]
 
@@ -119,6 +130,78 @@ def _longest_from(inst: Instance, source: int, order: list[int]) -> dict[int, fl
             if cand > dist.get(b, -math.inf):
                 dist[b] = cand
     return dist
+
+
+def _one_machine(groups: dict[tuple[float, float], float]) -> float:
+    """``max over H, T of H + Σ{duration : head ≥ H, tail ≥ T} + T`` for ``(head, tail) → duration`` groups."""
+    best = 0.0
+    heads = sorted({h for h, _ in groups})
+    tails = sorted({t for _, t in groups})
+    for head in heads:
+        for tail in tails:
+            work = sum(d for (h, t), d in groups.items() if h >= head and t >= tail)
+            if work > 0:
+                best = max(best, head + work + tail)
+    return best
+
+
+def _bottleneck_bounds(inst: Instance, chain_count: dict[int, int]) -> tuple[float, float]:
+    """The bottleneck-rank bounds of the module docstring: ``(stage_span, makespan)``, ms.
+
+    ``chain_count`` maps a representative microbatch of each distinct chain to how many microbatches
+    share that chain (identical chains give identical heads and tails).
+    """
+    microbatch_actions: dict[int, list[int]] = {}
+    for idx, action in enumerate(inst.actions):
+        if action.microbatch in chain_count:
+            microbatch_actions.setdefault(action.microbatch, []).append(idx)
+    span_groups: dict[tuple[int, int], dict[tuple[float, float], float]] = {}
+    makespan_groups: dict[int, dict[tuple[float, float], float]] = {}
+    for j, count in chain_count.items():
+        members = microbatch_actions[j]
+        order = _topological(inst, members)
+        # Makespan frame: heads from the microbatch's sources, tails to the end of its last action.
+        head: dict[int, float] = {a: 0.0 for a in members}
+        for a in order:
+            for b, latency in inst.succs[a]:
+                head[b] = max(head[b], head[a] + inst.duration[a] + latency)
+        tail: dict[int, float] = {}
+        for a in reversed(order):
+            tail[a] = max((latency + inst.duration[b] + tail[b] for b, latency in inst.succs[a]), default=0.0)
+        for a in members:
+            group = makespan_groups.setdefault(inst.rank[a], {})
+            key = (head[a], tail[a])
+            group[key] = group.get(key, 0.0) + inst.duration[a] * count
+        # Stage_span frame of the entry rank q: from q's forward of the microbatch to its last end on q.
+        entry = inst.index[_entry_forward(inst, j)]
+        q = inst.rank[entry]
+        start = _longest_from(inst, entry, order)
+        to_q: dict[int, float] = {}  # longest path from an action's end to the end of an action on q
+        for a in reversed(order):
+            reach = -math.inf
+            for b, latency in inst.succs[a]:
+                after_b = 0.0 if inst.rank[b] == q else -math.inf
+                if b in to_q:
+                    after_b = max(after_b, to_q[b])
+                reach = max(reach, latency + inst.duration[b] + after_b)
+            if inst.rank[a] == q:
+                reach = max(reach, 0.0)
+            if math.isfinite(reach):
+                to_q[a] = reach
+        for a in members:
+            if a not in start or a not in to_q:
+                continue
+            group = span_groups.setdefault((q, inst.rank[a]), {})
+            key = (start[a], to_q[a])
+            group[key] = group.get(key, 0.0) + inst.duration[a] * count
+    stage_span = max((_one_machine(g) for g in span_groups.values()), default=0.0)
+    makespan = max((_one_machine(g) for g in makespan_groups.values()), default=0.0)
+    return stage_span, makespan
+
+
+def _entry_forward(inst: Instance, microbatch: int) -> Action:
+    """The forward where ``microbatch`` enters the pipeline (its chain's first stage)."""
+    return Action(inst.chains[microbatch][0], ActionKind.FORWARD, microbatch)
 
 
 def lower_bounds(inst: Instance) -> LowerBounds:
@@ -223,8 +306,14 @@ def lower_bounds(inst: Instance) -> LowerBounds:
             head[r] = 0.0
         if not math.isfinite(tail[r]):
             tail[r] = 0.0
-    stage_span = max(span, default=0.0)
-    makespan = max([critical_path] + [head[r] + span[r] + tail[r] for r in range(p)])
+    counts: dict[tuple[int, ...], int] = {}
+    for chain in inst.chains:
+        counts[tuple(chain)] = counts.get(tuple(chain), 0) + 1
+    bottleneck_span, bottleneck_makespan = _bottleneck_bounds(
+        inst, {j: counts[chain] for chain, j in chain_rep.items()}
+    )
+    stage_span = max([bottleneck_span, *span])
+    makespan = max([critical_path, bottleneck_makespan] + [head[r] + span[r] + tail[r] for r in range(p)])
     return LowerBounds(
         compute=list(inst.compute),
         warmup_idle=warm_idle,
