@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -180,3 +183,25 @@ def test_should_stop_ends_the_search_early(backend: Any) -> None:
     assert time.perf_counter() - started < 5.0
     if result.orders is not None:
         check_orders(inst, "stage_span", result)
+
+
+def test_milp_backend_alone_then_auto_in_one_fresh_process() -> None:
+    # OR-Tools and highspy bundle the same HiGHS library; importing the MILP module first must not break
+    # CP-SAT (nor the other way round) for the rest of the process, as in a service worker.
+    script = """
+import json, sys
+import optimizer.solvers.milp
+from optimizer.solve import solve
+from tests.conftest import uniform_problem
+
+problem = uniform_problem(3, 4, limit=200.0)
+milp_only = problem.model_copy(update={"solver": problem.solver.model_copy(update={"backends": ["milp"]})})
+answers = [solve(milp_only), solve(problem)]
+print(json.dumps([[a.status, a.backend, a.objective_value] for a in answers]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (milp_status, milp_backend, milp_value), (auto_status, _, auto_value) = json.loads(done.stdout)
+    assert (milp_status, milp_backend) == ("optimal", "milp")
+    assert auto_status == "optimal"
+    assert auto_value == pytest.approx(milp_value, abs=TOLERANCE_MS)

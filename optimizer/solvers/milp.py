@@ -27,6 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# OR-Tools first: it bundles its own HiGHS under the same library name as highspy, and PuLP loads
+# highspy on import. Whichever of the two loads second fails; loaded first, OR-Tools keeps working and
+# PuLP's failed highspy import is swallowed (HiGHS itself runs in a child process, see _solve_highs).
+import ortools.sat.python.cp_model  # noqa: F401  (import order matters, see above)
 import pulp
 
 from optimizer.instance import Instance
@@ -39,7 +43,7 @@ from optimizer.solvers.cpsat import fifo_normalise, reachable_masks
 __all__ = ["MILP_SOLVERS", "MilpBackend"]
 
 MILP_SOLVERS = ("highs", "cbc")
-"""Solvers the backend can drive: HiGHS through highspy (in process), CBC through PuLP's binary."""
+"""Solvers the backend can drive: HiGHS through highspy (in a child process), CBC through PuLP's binary."""
 
 _OBJECTIVES = ("makespan", "stage_span")
 
@@ -51,6 +55,7 @@ h = highspy.Highs()
 h.setOptionValue("output_flag", False)
 h.setOptionValue("time_limit", float(request["time_limit_s"]))
 h.setOptionValue("threads", int(request["threads"]))
+h.setOptionValue("mip_rel_gap", 0.0)  # "optimal" means proven, not within HiGHS's default 0.01 %
 h.readModel(request["mps"])
 names = list(h.getLp().col_names_)
 if request["initial"] is not None:
@@ -360,7 +365,7 @@ class MilpBackend:
 
     def _solve_cbc(self, model: _MilpModel, time_limit_s: float, *, warm: bool) -> tuple[bool, bool, float | None]:
         """Run CBC (PuLP's bundled binary); returns (has solution, optimal, bound ms: unknown)."""
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=self.threads, warmStart=warm)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=self.threads, warmStart=warm, gapRel=0.0)
         model.problem.solve(solver)
         has_solution = model.problem.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
         optimal = model.problem.sol_status == pulp.LpSolutionOptimal

@@ -57,17 +57,11 @@ _EXACT_BACKENDS = {
 }
 
 
-def _load_backend(name: str) -> Backend | None:
-    """The exact backend ``name``, or ``None`` while its module does not exist yet."""
+def _load_backend(name: str) -> Backend:
+    """A new instance of the exact backend ``name`` (``"cpsat"`` or ``"milp"``), imported on first use."""
     module_name, class_name = _EXACT_BACKENDS[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            return None
-        raise
-    backend_class = getattr(module, class_name, None)
-    return None if backend_class is None else backend_class()
+    backend_class: type[Backend] = getattr(importlib.import_module(module_name), class_name)
+    return backend_class()
 
 
 @dataclass
@@ -262,14 +256,11 @@ def solve_auto(
     for k, name in enumerate(available):
         if search.should_stop():
             break
-        backend = _load_backend(name)
-        if backend is None:
-            continue
         budget = search.remaining() / (len(available) - k)
         if budget <= 0.05:
             break
         try:
-            result = backend.solve(
+            result = _load_backend(name).solve(
                 inst,
                 objective=problem.objective,
                 time_limit_s=budget,
