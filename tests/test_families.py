@@ -203,3 +203,54 @@ def test_memory_limit_one_byte_below_peak(name: str) -> None:
     assert error.value.details["rank"] == 0
     assert error.value.details["bytes"] == pytest.approx(peak)
     assert f"rank 0 holds {peak:.0f} bytes" in str(error.value)
+
+
+@pytest.mark.parametrize("name", sorted(_DOMAINS))
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, data: st.DataObject) -> None:
+    placement, stages, needs_split = _DOMAINS[name]
+    p = data.draw(st.integers(2, 5), label="num_ranks")
+    m = data.draw(st.integers(1, 9), label="num_microbatches")
+    v = data.draw(st.sampled_from(stages), label="stages_per_rank")
+    split = True if needs_split else data.draw(st.booleans(), label="split_backward")
+    problem = uniform_problem(p, m, stages_per_rank=v, placement=placement, p2p=0.25, split_backward=split)
+    inst = compile_problem(problem)
+    orders = get_family(name).generate(problem)
+    rank = data.draw(st.sampled_from([r for r, row in enumerate(orders) if row]), label="rank")
+
+    # A dropped action.
+    position = data.draw(st.integers(0, len(orders[rank]) - 1), label="position")
+    dropped = [list(row) for row in orders]
+    action = dropped[rank].pop(position)
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(inst, dropped)
+    assert error.value.reason == "missing_action"
+    assert error.value.details["action"] == str(action)
+
+    # A duplicated action.
+    duplicated = [list(row) for row in orders]
+    duplicated[rank].insert(position, duplicated[rank][position])
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(inst, duplicated)
+    assert error.value.reason == "duplicate_action"
+
+    # A swapped dependency: a backward moved before its own forward on the same rank.
+    row = orders[rank]
+    backwards = [a for a in row if a.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)]
+    backward = data.draw(st.sampled_from(backwards), label="backward")
+    swapped = [list(r) for r in orders]
+    swapped[rank].remove(backward)
+    swapped[rank].insert(swapped[rank].index(Action(backward.stage, ActionKind.FORWARD, backward.microbatch)), backward)
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(inst, swapped)
+    assert error.value.reason == "deadlock"
+    assert any(wait["rank"] == rank for wait in error.value.details["waits"])
+
+    # A memory limit one byte below the peak.
+    peaks = simulate(inst, orders).peak_memory
+    tight = compile_problem(problem.with_changes(**{"memory.limit": max(peaks) - 1}))
+    with pytest.raises(InvalidSchedule) as error:
+        simulate(tight, orders)
+    assert error.value.reason == "memory_limit"
+    assert peaks[error.value.details["rank"]] == max(peaks)

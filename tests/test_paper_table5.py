@@ -35,10 +35,9 @@ def test_bubble_rate_and_stage_span_match_paper(setting: dict[str, Any], method:
     assert schedule.stage_span == pytest.approx(setting["published_stage_span_ms"][key], abs=1e-3)
 
 
-@pytest.mark.parametrize("method", ["zb-h1", "zb-h2"])
-def test_cli_reproduces_table5(tmp_path, method: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("method", "key"), [("1f1b", "1F1B"), ("zb-h1", "ZB-H1"), ("zb-h2", "ZB-H2")])
+def test_cli_reproduces_table5(tmp_path, method: str, key: str) -> None:  # type: ignore[no-untyped-def]
     runner = CliRunner()
-    key = method.upper()
     for number, setting in enumerate(SETTINGS):
         problem_path = tmp_path / f"problem{number}.json"
         problem_path.write_text(_problem(setting, method).model_dump_json())

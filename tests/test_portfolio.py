@@ -122,3 +122,64 @@ def test_bidirectional_bound_counts_idle_not_only_work() -> None:
     assert schedule.status == "feasible" and schedule.lower_bound is not None
     assert schedule.lower_bound > inst.ideal + 1.0
     assert schedule.lower_bound <= schedule.makespan + 1e-9
+
+
+_LAYOUTS = {
+    # name: (placement builder for num_ranks p, stages_per_rank)
+    "loop-2": (lambda p: "loop", 2),
+    "loop-3": (lambda p: "loop", 3),
+    "v": (lambda p: "v", 2),
+    # An explicit list: stage s on rank (s // 2) % p, two neighbouring stages per rank.
+    "explicit": (lambda p: [(s // 2) % p for s in range(2 * p)], 2),
+}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    layout=st.sampled_from(sorted(_LAYOUTS)),
+    p=st.integers(2, 3),
+    m=st.integers(1, 5),
+    costs=st.lists(st.floats(0.25, 2.0), min_size=27, max_size=27),
+    split=st.booleans(),
+    limit_factor=st.sampled_from([0.75, 1.0, 2.0]),
+    objective=st.sampled_from(["makespan", "stage_span"]),
+)
+def test_auto_on_every_layout_is_valid_and_never_worse_than_fitting_families(
+    layout, p, m, costs, split, limit_factor, objective
+) -> None:
+    build_placement, v = _LAYOUTS[layout]
+    stages = p * v
+    limits = [limit_factor * p * 100.0 * (1.0 + 0.25 * (r % 2)) for r in range(p)]
+    problem = uniform_problem(
+        p,
+        m,
+        stages_per_rank=v,
+        placement=build_placement(p),
+        forward=costs[:stages],
+        backward_input=costs[9 : 9 + stages],
+        backward_weight=costs[18 : 18 + stages],
+        p2p=0.1,
+        limit=limits,
+        split_backward=split,
+        objective=objective,
+        time_limit_s=0.5,
+    )
+    inst = compile_problem(problem)
+    schedule = solve(problem)
+    fitting = []
+    for family in applicable_families(problem):
+        fam = simulate_indexed(inst, indexed_orders(inst, family.generate(problem)), check_memory=False)
+        if fam.fits:
+            fitting.append((family.name, fam.objective_value(objective)))
+    if schedule.status == "infeasible":
+        assert not fitting, f"auto said infeasible but {fitting} fit"
+        assert schedule.min_memory_limit is not None and schedule.reason
+        return
+    sim = simulate(inst, schedule.orders())  # raises if invalid or over memory
+    value = sim.objective_value(objective)
+    assert abs(value - schedule.objective_value) < 1e-4
+    if not split:
+        assert all(a.kind.value != "I" for row in schedule.orders() for a in row)
+    assert schedule.lower_bound is not None and schedule.lower_bound <= value + 1e-6
+    for name, family_value in fitting:
+        assert value <= family_value + 1e-6, name
