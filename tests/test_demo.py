@@ -11,20 +11,16 @@ import pytest
 
 from optimizer.problem import Problem
 from optimizer.solve import solve_family
-from tests.conftest import REPO
 
 
 @pytest.mark.slow
 def test_demo_runs_to_a_verified_end(tmp_path: Path) -> None:
-    folder = tmp_path / "demo"
-    result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "demo", "-o", str(folder), "--time-limit", "8"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # Exactly what the README's first command runs: the console script, no arguments, in a fresh folder.
+    pipesched = Path(sys.executable).parent / "pipesched"
+    result = subprocess.run([str(pipesched), "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    (folder,) = tmp_path.glob("pipesched-demo-*")
+    assert str(folder.name) in result.stdout.replace("\n", "")
     for name in ("problem.json", "schedule.json", "gantt.png", "schedule.csv", "report.json", "measured-trace.json"):
         assert (folder / name).stat().st_size > 0, name
     report = json.loads((folder / "report.json").read_text())
@@ -42,4 +38,9 @@ def test_demo_runs_to_a_verified_end(tmp_path: Path) -> None:
         other = solve_family(problem, family)
         assert other.status == "feasible"
         assert schedule["makespan"] <= other.makespan + 1e-6, family
+    # The limit makes the choice matter: ZB-H2 would be faster than ZB-H1 but does not fit, and auto
+    # beats 1F1B.
+    zb_h2 = solve_family(problem, "zb-h2", enforce_memory=False)
+    assert zb_h2.fits_memory is False
+    assert schedule["makespan"] < solve_family(problem, "1f1b").makespan - 1e-6
     assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
