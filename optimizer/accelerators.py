@@ -51,8 +51,8 @@ CATALOGUE: dict[str, Accelerator] = {
         Accelerator("B200", 2.25e15, 180 * GIB, 8.0e12, "NVIDIA DGX B200 datasheet, per GPU"),
         # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense; 192GB HBM3, 5.3 TB/s.
         Accelerator("MI300X", 1307.4e12, 192 * GIB, 5.3e12, "AMD Instinct MI300X datasheet"),
-        # NVIDIA L40S datasheet: BF16 733 TFLOPS with sparsity → 366.5 dense; 48GB GDDR6, 864 GB/s.
-        Accelerator("L40S", 366.5e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet"),
+        # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS dense (733 with sparsity); 48GB GDDR6, 864 GB/s.
+        Accelerator("L40S", 362.05e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet"),
     )
 }
 

@@ -56,7 +56,8 @@ class Schedule(BaseModel):
     ``makespan``, ``stage_span``, ``bubble_rate`` and ``peak_memory`` are always recomputed by the
     simulator, never taken from a solver. ``lower_bound`` and ``gap`` refer to ``objective``;
     ``gap = (value − lower_bound) / value``. An infeasible answer has no ranks, a ``reason`` and,
-    where it is known, ``min_memory_limit``: the least per-rank limit (bytes) that admits a schedule.
+    where it is known, ``min_memory_limit``: the least per-rank limit (bytes) that admits a schedule
+    (for ``auto``: any schedule; for a named family: that family's schedule, i.e. its peak per rank).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -77,7 +78,12 @@ class Schedule(BaseModel):
     ranks: list[RankSchedule] = Field(default_factory=list)
     problem: Problem
     reason: str | None = None
-    min_memory_limit: list[float] | None = Field(None, description="bytes per rank (infeasible answers)")
+    min_memory_limit: list[float] | None = Field(
+        None,
+        description=(
+            "bytes per rank (infeasible answers): the least limit admitting any schedule (auto), or the named family's peak"
+        ),
+    )
     fits_memory: bool | None = Field(None, description="Whether every rank stays within its limit.")
     cache: Literal["hit", "miss"] | None = Field(
         None,
