@@ -81,7 +81,7 @@ class Schedule(BaseModel):
     min_memory_limit: list[float] | None = Field(
         None,
         description=(
-            "bytes per rank (infeasible answers): the least limit admitting any schedule (auto), or the named family's peak"
+            "bytes per rank (infeasible answers): the least limit admitting any schedule (auto), or a family's peak"
         ),
     )
     fits_memory: bool | None = Field(None, description="Whether every rank stays within its limit.")
