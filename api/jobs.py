@@ -108,21 +108,35 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
     problem = Problem.model_validate_json(job.problem_json)
     started = time.monotonic()
     last_write = [0.0]
+    latest: list[Progress | None] = [None]
+
+    def write_progress() -> None:
+        # The latest update, at most every POLL_INTERVAL_S: an improvement that came within the interval
+        # is written at the next call (a search may report nothing new for seconds), and elapsed keeps counting.
+        now = time.monotonic()
+        update = latest[0]
+        if update is None or now - last_write[0] < POLL_INTERVAL_S:
+            return
+        last_write[0] = now
+        store.record_progress(
+            job_id,
+            attempt,
+            best_objective=update.best_objective,
+            lower_bound=update.lower_bound,
+            elapsed_s=round(max(update.elapsed_s, now - started), 4),
+            message=update.message or update.backend,
+        )
 
     def progress(update: Progress) -> None:
-        now = time.monotonic()
-        if now - last_write[0] >= POLL_INTERVAL_S:
-            last_write[0] = now
-            store.record_progress(
-                job_id,
-                attempt,
-                best_objective=update.best_objective,
-                lower_bound=update.lower_bound,
-                elapsed_s=round(update.elapsed_s, 4),
-                message=update.message or update.backend,
-            )
+        latest[0] = update
+        write_progress()
 
-    should_stop = make_stop_check(store, job_id, attempt, started + deadline_s)
+    stop_check = make_stop_check(store, job_id, attempt, started + deadline_s)
+
+    def should_stop() -> bool:
+        write_progress()
+        return stop_check()
+
     schedule = solve(problem, progress=progress, should_stop=should_stop)
     stored = store.finish_job(job_id, attempt, job.problem_hash, schedule)
     return JobOutcome(

@@ -120,7 +120,6 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
         409: ("The schedule is infeasible: it has no actions to render in this format.", HTTPError),
         413: ("The body is larger than the service accepts.", HTTPError),
         422: ("A field is invalid: its path and what to change.", ValidationErrors),
-        501: ("The renderer for this format is not part of this build.", HTTPError),
         503: ("The database cannot be reached.", HTTPError),
         504: ("No answer within the time limit (plus a grace period).", HTTPError),
     }

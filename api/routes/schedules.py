@@ -7,6 +7,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
+from api import plots
 from api.jobs import SolverDied
 from api.routes._common import (
     Services,
@@ -19,6 +20,7 @@ from api.routes._common import (
 )
 from api.schemas import ChromeTrace, ScheduleAnswer, error_responses
 from api.storage import problem_key
+from optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 from optimizer.families import FamilyDomainError
 from optimizer.problem import Problem
 from optimizer.result import Schedule
@@ -105,10 +107,6 @@ def _stored(svc: Services, schedule_id: str) -> Schedule:
     return schedule
 
 
-def _renderer_missing(what: str) -> HTTPException:
-    return HTTPException(501, f"the {what} renderer is not part of this build")
-
-
 @router.get(
     "/{schedule_id}",
     operation_id="get_schedule",
@@ -116,7 +114,7 @@ def _renderer_missing(what: str) -> HTTPException:
     response_model=Schedule | ChromeTrace,
     responses={
         200: {"content": {media: {} for media in ("text/csv", "image/png", "image/svg+xml")}},
-        **error_responses(401, 404, 409, 422, 501),
+        **error_responses(401, 404, 409, 422),
     },
 )
 def get_schedule(
@@ -140,19 +138,9 @@ def get_schedule(
             f"schedule {schedule_id} is infeasible ({schedule.reason}): it has no actions to write as {output_format}",
         )
     if output_format == "csv":
-        from optimizer.export import orders_to_torch_csv
-
         return Response(orders_to_torch_csv(schedule.orders()), media_type=media)
     if output_format == "chrome-trace":
-        try:
-            from optimizer.export import schedule_to_chrome_trace
-        except ImportError:
-            raise _renderer_missing("chrome-trace") from None
         return Response(json.dumps(schedule_to_chrome_trace(schedule)), media_type=media)
-    try:
-        from api import plots
-    except ImportError:
-        raise _renderer_missing(output_format) from None
     if output_format == "png":
         return Response(plots.render_png(schedule), media_type=media)
     return Response(plots.render_svg(schedule), media_type=media)
@@ -162,7 +150,7 @@ def get_schedule(
     "/{schedule_id}/view",
     operation_id="view_schedule",
     summary="An HTML page of a stored schedule, optionally beside another family's",
-    responses={200: {"content": {"text/html": {}}}, **error_responses(401, 404, 409, 422, 501, 504)},
+    responses={200: {"content": {"text/html": {}}}, **error_responses(401, 404, 409, 422, 504)},
     response_class=Response,
 )
 def view_schedule(
@@ -187,8 +175,4 @@ def view_schedule(
             other = solve_family(schedule.problem, compare, enforce_memory=False)
         except FamilyDomainError as error:
             raise field_error(("query", "compare"), f"{error}; choose another family", "family_domain") from None
-    try:
-        from api import plots
-    except ImportError:
-        raise _renderer_missing("HTML view") from None
     return Response(plots.render_view_html(schedule, compare=other), media_type="text/html")
