@@ -106,8 +106,10 @@ def run_report_to_chrome_trace(
 
     Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
     named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted
-    so the earliest measured start is 0, as in a schedule. Each rank's ``peak_memory_bytes`` becomes a
-    one-sample counter. With ``predicted`` (the schedule that was run) the trace also holds that
+    so the earliest measured start is 0, as in a schedule. An action carrying ``memory_bytes`` (the
+    pipesched executor records the live bytes after every action) adds a sample to the rank's ``"memory"``
+    counter (``"ph": "C"``, bytes) at the action's end; each rank's ``peak_memory_bytes`` becomes a
+    one-sample ``"peak memory"`` counter. With ``predicted`` (the schedule that was run) the trace also holds that
     schedule's events (:func:`schedule_to_chrome_trace`, ``pid`` = rank) and the measured ranks come after
     them (``pid_offset`` defaults to the number of ranks), so one file shows predicted above measured.
 
@@ -152,6 +154,18 @@ def run_report_to_chrome_trace(
             except ValueError as error:
                 raise ValueError(f"ranks[{i}].actions[{k}].action: {error}") from None
             events.append(event)
+            held = item.get("memory_bytes")
+            if isinstance(held, int | float) and not isinstance(held, bool):
+                # The executor's live memory after this action: a sample at its end.
+                events.append(
+                    {
+                        "name": "memory",
+                        "ph": "C",
+                        "pid": pid,
+                        "ts": round((item["end"] - origin) * 1000.0, 3),
+                        "args": {"bytes": held},
+                    }
+                )
         peak = entry.get("peak_memory_bytes")
         if isinstance(peak, int | float) and entry["actions"]:
             first = min(item["start"] for item in entry["actions"]) - origin

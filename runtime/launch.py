@@ -15,6 +15,7 @@ process start costs.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
 import uuid
@@ -41,7 +42,9 @@ class ScheduleError(ValueError):
 
 
 class RunFailed(RuntimeError):
-    """A rank failed or a wait timed out; ``reason`` (``p2p_timeout``, ``schedule``, ``rank_failed``, …)."""
+    """A rank failed or a wait timed out; ``reason`` says why: ``rank_died`` (a process ended without a Python
+    error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``schedule``, …; the message names
+    the rank (``"rank2: …"``)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -139,7 +142,10 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         dist.destroy_process_group()
         return results if rank == 0 else None
     except BaseException as error:
-        reason = getattr(error, "reason", "rank_failed")
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        # A rank the agent stops (SIGTERM) after another rank failed is collateral, not a cause.
+        reason = "stopped" if isinstance(error, SignalException) else getattr(error, "reason", "rank_failed")
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         Path(error_dir, f"rank{rank}.txt").write_text(f"{reason}\n{type(error).__name__}: {first_line}")
         raise
@@ -158,14 +164,35 @@ def _validate(schedule: Schedule) -> None:
 
 
 def _failure(error_dir: Path, error: BaseException) -> RunFailed:
+    """The run's root cause: a rank that died without a Python error (``rank_died``: killed, ``os._exit``,
+    out of memory), else a rank's own error, before the p2p timeouts it causes on its peers, before the
+    ranks the agent stopped afterwards."""
     messages = []
     for path in sorted(error_dir.glob("rank*.txt")):
         reason, _, message = path.read_text().partition("\n")
         messages.append((reason, path.stem, message))
+    reported = {who for _, who, _ in messages}
+    for rank, failure in sorted(getattr(error, "failures", {}).items()):
+        if f"rank{rank}" in reported:
+            continue
+        code = failure.exitcode
+        how = f"exit code {code}"
+        if code < 0:
+            try:
+                how = f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"signal {-code}"
+        messages.append(
+            (
+                "rank_died",
+                f"rank{rank}",
+                f"the process died ({how}) without a Python error: killed, os._exit, a crash, or out of memory",
+            )
+        )
     if not messages:
         return RunFailed("rank_failed", f"a rank failed without a message: {str(error).strip()[:500]}")
-    # A root cause (a schedule or model error) outranks the timeouts it causes on other ranks.
-    messages.sort(key=lambda item: item[0] == "p2p_timeout")
+    order = {"rank_died": 0, "p2p_timeout": 2, "stopped": 3}
+    messages.sort(key=lambda item: order.get(item[0], 1))
     reason, who, message = messages[0]
     others = "" if len(messages) == 1 else f" ({len(messages) - 1} other rank(s) failed too)"
     return RunFailed(reason, f"{who}: {message}{others}")
@@ -193,6 +220,7 @@ def run_schedules(
     compute-only CSV; loop and V placement only). ``validate``: reject a schedule the simulator rejects
     before starting any process (``False`` lets the runtime meet it, for testing the timeouts).
     On a node other than ``node_rank`` 0 the reports are ``{"node_rank": …}`` only: node 0 verifies.
+    With a torch outside :data:`runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and runs.
 
     Raises:
         ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count mismatch).
@@ -205,6 +233,9 @@ def run_schedules(
 
     if not schedules:
         return []
+    from runtime.torch_compat import warn_if_unsupported_torch
+
+    warn_if_unsupported_torch()
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
     models = [model] * len(schedules) if isinstance(model, str) else list(model)

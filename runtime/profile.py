@@ -50,9 +50,13 @@ def profile_model(
     Returns a :class:`Problem` with per-stage ``costs`` (ms) and ``memory`` (bytes), ``split_backward``
     true, ``memory.limit`` = ``memory_limit_bytes`` (None: no limit), ``costs.p2p`` = ``p2p_ms``.
 
+    With a torch outside :data:`runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
+    measures anyway.
+
     Raises:
         ValueError: unknown model, or a model that cannot be split into that many stages.
     """
+    torch_compat.warn_if_unsupported_torch()
     skeleton = Problem.model_validate(
         {
             "pipeline": {

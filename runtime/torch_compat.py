@@ -5,12 +5,13 @@ Supported torch: 2.13.x (the ``runtime`` extra pins ``torch==2.13.0``). Private 
 split backward, I and W) and ``torch.distributed.pipelining.schedules._PipelineScheduleRuntime``
 (``_load_csv(path, "compute_only")`` / ``_prepare_schedule_with_comms``) to run a compute-only
 schedule with PyTorch's own runtime. :func:`check_torch_version` says when the installed torch is
-outside the tested range.
+outside the tested range; the launcher and the profiler warn with it.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,34 @@ __all__ = [
     "backward_weight",
     "check_torch_version",
     "run_torch_runtime",
+    "warn_if_unsupported_torch",
 ]
 
 #: torch versions (major.minor) whose private pipelining APIs this module was written against.
 SUPPORTED_TORCH = ("2.13",)
 
 
-def check_torch_version() -> str | None:
-    """``None`` when the installed torch is supported, else a warning sentence."""
-    version = torch.__version__.split("+")[0]
+def check_torch_version(version: str | None = None) -> str | None:
+    """``None`` when ``version`` (default: the installed ``torch.__version__``, e.g. ``"2.13.0+cpu"``) is in
+    :data:`SUPPORTED_TORCH`, else a sentence saying so, for a warning. Raises nothing.
+
+    :func:`runtime.launch.run_schedules` and :func:`runtime.profile.profile_model` warn with it
+    (``RuntimeWarning``) and go on: the private APIs may still work, and every run is verified anyway.
+    """
+    version = str(torch.__version__ if version is None else version).split("+")[0]
     if ".".join(version.split(".")[:2]) in SUPPORTED_TORCH:
         return None
     return (
         f"torch {version} is untested with the pipesched runtime (tested: {', '.join(SUPPORTED_TORCH)}); "
         "install the runtime extra (torch==2.13.0)"
     )
+
+
+def warn_if_unsupported_torch() -> None:
+    """Warn (``RuntimeWarning``, pointing at the caller's caller) when the installed torch is untested."""
+    unsupported = check_torch_version()
+    if unsupported is not None:
+        warnings.warn(unsupported, RuntimeWarning, stacklevel=3)
 
 
 def backward_input(

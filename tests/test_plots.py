@@ -203,7 +203,9 @@ def test_run_report_trace_matches_the_schedule_layout(one_f_one_b: Schedule) -> 
                 "peak_memory_bytes": 1234,
                 "actions": [
                     {"action": a.action, "start": origin_ms + a.start * 1.1, "end": origin_ms + a.end * 1.1}
-                    for a in r.actions
+                    # The executor's live bytes after each action; rank 3 has none (as from the torch engine).
+                    | ({"memory_bytes": 1000 * r.rank + k} if r.rank < 3 else {})
+                    for k, a in enumerate(r.actions)
                 ],
             }
             for r in one_f_one_b.ranks
@@ -218,6 +220,15 @@ def test_run_report_trace_matches_the_schedule_layout(one_f_one_b: Schedule) -> 
         assert [e["name"] for e in measured] == [e["name"] for e in _events(predicted, "X", r.rank)]
         for event, action in zip(measured, r.actions, strict=True):
             assert event["ts"] == pytest.approx(action.start * 1.1 * 1000, abs=1e-3)
+        # One memory sample per action, at its end, with the bytes recorded after it.
+        memory = [e for e in _events(trace, "C", 4 + r.rank) if e["name"] == "memory"]
+        if r.rank < 3:
+            assert [e["args"]["bytes"] for e in memory] == [1000 * r.rank + k for k in range(len(r.actions))]
+            assert [e["ts"] for e in memory] == pytest.approx([a.end * 1.1 * 1000 for a in r.actions], abs=1e-3)
+        else:
+            assert memory == []
+        peak = [e for e in _events(trace, "C", 4 + r.rank) if e["name"] == "peak memory"]
+        assert [e["args"]["bytes"] for e in peak] == [1234]
     assert trace["otherData"]["measured_makespan_ms"] == 31.0
     both = run_report_to_chrome_trace(report, predicted=one_f_one_b)
     names = {e["pid"]: e["args"]["name"] for e in _events(both, "M") if e["name"] == "process_name"}

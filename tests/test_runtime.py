@@ -1,11 +1,12 @@
 """The torch runtime on 4 CPU ranks with gloo: every family's schedule runs, matches the reference
-gradients, follows its order; broken schedules fail fast with their reason.
+gradients, follows its order; broken schedules and dying ranks fail fast with their reason.
 
 Schedules share launches (process start costs seconds): one launch runs the whole list.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,15 @@ NUM_RANKS = 4
 NUM_MICROBATCHES = 8
 
 
-def family_schedule(name: str, **problem_options) -> Schedule | None:
-    """The family's schedule on a 4-rank problem, or None when the family is not implemented yet."""
+USER_MODEL = "tests.user_pipeline_model:tiny_stages"
+
+
+def family_schedule(name: str, **problem_options) -> Schedule:
+    """The family's schedule on a 4-rank problem; a family that is not registered fails the test."""
     try:
         family = get_family(name)
     except KeyError:
-        return None
+        pytest.fail(f"family {name!r} is required by the runtime tests but is not registered")
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options)
     return build_schedule(problem, family.generate(problem), method=name, backend="family", check_memory=False)
 
@@ -43,49 +47,67 @@ CASES: list[tuple[str, str, dict]] = [
     # PyTorch's own runtime fed the compute-only CSV of `pipesched solve --format csv`.
     ("1f1b", "torch", {}),
     ("zb-h1", "torch", {}),
+    ("interleaved-1f1b", "torch", {"stages_per_rank": 2}),  # loop placement, 2 stages per rank
+    ("zb-v", "torch", {"stages_per_rank": 2, "placement": "v"}),
+    # A user model (`--model module:function` returning one nn.Module per stage) on both engines.
+    ("1f1b", "pipesched", {"model": USER_MODEL}),
+    ("zb-h1", "torch", {"model": USER_MODEL}),
 ]
+
+Key = tuple[str, str, bool, str]
+
+
+def case_key(name: str, engine: str, options: dict) -> Key:
+    return name, engine, options.get("split_backward", True), options.get("model", "gpt-tiny")
+
+
+AUTO_KEY: Key = ("auto", "pipesched", True, "gpt-tiny")
 
 
 @pytest.fixture(scope="module")
-def family_runs():
-    """Run every available case in one launch; returns {(family, engine, split): report}."""
+def family_runs() -> dict[Key, tuple[Schedule, dict]]:
+    """Run every case in one launch; returns {(family, engine, split, model): (schedule, report)}."""
     from runtime.launch import run_schedules
 
-    schedules, engines, keys = [], [], []
+    schedules, engines, models, keys = [], [], [], []
     for name, engine, options in CASES:
-        schedule = family_schedule(name, **options)
-        if schedule is None:
-            continue
-        schedules.append(schedule)
+        problem_options = {k: v for k, v in options.items() if k != "model"}
+        schedules.append(family_schedule(name, **problem_options))
         engines.append(engine)
-        keys.append((name, engine, options.get("split_backward", True)))
+        models.append(options.get("model", "gpt-tiny"))
+        keys.append(case_key(name, engine, options))
     # auto under a memory limit below 1F1B's peak of 4 activations on rank 0.
     limited = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, limit=350.0).with_changes(
         **{"solver.method": "auto", "solver.time_limit_s": 2.0}
     )
     auto = solve(limited)
-    if auto.status != "infeasible":
-        schedules.append(auto)
-        engines.append("pipesched")
-        keys.append(("auto", "pipesched", True))
-    reports = run_schedules(schedules, engine=engines, timeout_s=120)
+    assert auto.status != "infeasible", f"auto found no schedule under the 350 limit: {auto.reason}"
+    schedules.append(auto)
+    engines.append("pipesched")
+    models.append("gpt-tiny")
+    keys.append(AUTO_KEY)
+    with warnings.catch_warnings():
+        # The pinned torch (the runtime extra's torch==2.13.0) is supported: no version warning.
+        warnings.filterwarnings("error", message=".*untested with the pipesched runtime.*")
+        reports = run_schedules(schedules, engine=engines, model=models, timeout_s=120)
     return dict(zip(keys, zip(schedules, reports, strict=True), strict=True))
 
 
 @pytest.mark.parametrize(
-    "name,engine,split",
-    [(name, engine, options.get("split_backward", True)) for name, engine, options in CASES]
-    + [("auto", "pipesched", True)],
+    "key", [case_key(*case) for case in CASES] + [AUTO_KEY], ids=lambda key: "-".join(map(str, key))
 )
-def test_schedule_runs_and_matches_reference(family_runs, name, engine, split):
-    if (name, engine, split) not in family_runs:
-        pytest.skip(f"{name} not available yet")
-    schedule, report = family_runs[name, engine, split]
+def test_schedule_runs_and_matches_reference(family_runs, key):
+    assert key in family_runs, f"required case {key} did not run"
+    name, engine, _, model = key
+    schedule, report = family_runs[key]
     assert report["executed_order_matches"], report["order_mismatches"]
     assert report["max_rel_grad_error"] <= 1e-5
     assert report["missing_gradients"] == []
     assert abs(report["loss"] - report["reference_loss"]) <= 1e-5 * abs(report["reference_loss"])
     assert report["verified"] is True
+    assert report["engine"] == engine
+    # The report names the model that ran: the user's module:function, or the GPT preset.
+    assert (report["model"] == model) if ":" in model else report["model"].startswith("gpt(")
     # Every action of the schedule was measured, in order, with end ≥ start.
     for rank, expected in zip(report["ranks"], schedule.ranks, strict=True):
         assert [a["action"] for a in rank["actions"]] == [a.action for a in expected.actions]
@@ -99,12 +121,24 @@ def test_schedule_runs_and_matches_reference(family_runs, name, engine, split):
         assert schedule.fits_memory
 
 
+def test_user_model_gradients_are_the_users_parameters(family_runs):
+    """The user-model run compared the gradients of the user's own stage modules (not a GPT's)."""
+    from runtime.models import load_model
+    from runtime.verify import reference_run
+
+    schedule, report = family_runs["1f1b", "pipesched", True, USER_MODEL]
+    reference_loss, gradients = reference_run(load_model(USER_MODEL, schedule.problem), NUM_MICROBATCHES)
+    # tiny_stages: embedding + Linear, Linear, Linear, Linear + head (weight and bias per Linear).
+    assert "0/embedding.weight" in gradients and "3/head.weight" in gradients
+    assert len(gradients) == 3 + 2 + 2 + 4
+    assert all(float(g.abs().max()) > 0 for g in gradients.values())
+    assert report["reference_loss"] == pytest.approx(reference_loss, rel=1e-12)
+
+
 def test_peak_memory_follows_the_schedule(family_runs):
     """1F1B holds p − r activations on rank r: measured saved-activation peaks fall from rank 0 to 3,
     while GPipe-like F-first orders would not. Compares measured bytes per rank (CPU, saved-tensor hooks)."""
-    if ("1f1b", "pipesched", True) not in family_runs:
-        pytest.skip("1f1b missing")
-    _, report = family_runs["1f1b", "pipesched", True]
+    _, report = family_runs["1f1b", "pipesched", True, "gpt-tiny"]
     peaks = [rank["peak_memory_bytes"] for rank in report["ranks"]]
     # Stage 0 and the last stage differ in size (embedding, head): compare the two middle stages, which
     # hold the same layers: rank 1 keeps 3 microbatches' activations, rank 2 keeps 2.
@@ -127,7 +161,6 @@ def test_csv_from_cli_is_what_the_torch_engine_loads(tmp_path: Path):
     )
     assert result.exit_code == 0, result.output
     schedule = family_schedule("1f1b")
-    assert schedule is not None
     assert out.read_text() == orders_to_torch_csv(schedule.orders())
 
 
@@ -135,7 +168,6 @@ def deadlocking_schedule() -> Schedule:
     """1F1B with rank 0 running 0I0/0W0 right after 0F0: rank 0 waits for rank 1's gradient, rank 1
     waits for 0F1: a cycle."""
     schedule = family_schedule("1f1b")
-    assert schedule is not None
     order = schedule.orders()
     row = order[0]
     backward = [Action(0, ActionKind.BACKWARD_INPUT, 0), Action(0, ActionKind.BACKWARD_WEIGHT, 0)]
@@ -155,7 +187,6 @@ def test_broken_schedules_rejected_before_launch():
         run_schedule(deadlocking_schedule())
     assert deadlock.value.reason == "deadlock"
     missing = family_schedule("1f1b")
-    assert missing is not None
     missing.ranks[2].actions.pop()
     with pytest.raises(ScheduleError) as error:
         run_schedule(missing)
@@ -186,7 +217,6 @@ def test_cli_run_rejects_bad_input_with_exit_code_2(tmp_path: Path):
     result = CliRunner().invoke(app, ["run", str(bad)])
     assert result.exit_code == 2
     schedule = family_schedule("1f1b")
-    assert schedule is not None
     good = tmp_path / "schedule.json"
     good.write_text(schedule.model_dump_json())
     result = CliRunner().invoke(app, ["run", str(good), "--backend", "mpi"])
@@ -206,3 +236,89 @@ def test_profile_writes_a_problem_the_solver_takes(tmp_path: Path):
     assert all(s > 0 for s in problem.static_memory)
     schedule = solve(problem.with_changes(**{"solver.method": "1f1b"}))
     assert schedule.status == "feasible"
+
+
+@pytest.mark.parametrize(
+    "function,reason,says",
+    [
+        # os._exit: no Python error, no message from the rank; gloo peers are left waiting on it.
+        ("stages_with_rank2_dying", "rank_died", "exit code 17"),
+        ("stages_with_rank2_raising", "rank_failed", "RuntimeError: stage 2 fails on purpose"),
+    ],
+)
+def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says):
+    """Rank 2's stage ends its process (or raises) on its 3rd forward: the run fails fast naming rank 2 and
+    the cause, not the p2p timeouts nor the stops it causes on the other ranks, and never waits out the
+    120 s receive timeout."""
+    import time
+
+    from runtime.launch import RunFailed, run_schedule
+
+    started = time.perf_counter()
+    with pytest.raises(RunFailed) as error:
+        run_schedule(family_schedule("1f1b"), model=f"tests.user_pipeline_model:{function}", timeout_s=120)
+    assert time.perf_counter() - started < 60
+    assert error.value.reason == reason
+    assert str(error.value).startswith("rank2: ")
+    assert says in str(error.value)
+
+
+def test_unsupported_torch_version_warns_before_launch(monkeypatch):
+    """`check_torch_version` runs where the runtime starts: another torch than 2.13 warns, then runs."""
+    from runtime.launch import ScheduleError, run_schedule
+    from runtime.torch_compat import check_torch_version
+
+    assert check_torch_version("2.13.0+cpu") is None
+    assert check_torch_version("2.13.1") is None
+    assert "torch 2.12.0 is untested" in (check_torch_version("2.12.0+cu126") or "")
+    assert check_torch_version() is None  # the pinned torch of the runtime extra
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    # The warning comes first; the bad backend then stops the run before any process starts.
+    with (
+        pytest.warns(RuntimeWarning, match=r"torch 2\.11\.0 is untested.*torch==2\.13\.0"),
+        pytest.raises(ScheduleError, match="gloo or nccl"),
+    ):
+        run_schedule(family_schedule("1f1b"), backend="mpi")
+
+
+def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
+    """`pipesched profile` of a user model on 2 ranks writes PROBLEM.json; `pipesched solve` schedules it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from api.cli import app
+
+    problem_path = tmp_path / "PROBLEM.json"
+    profiled = CliRunner().invoke(
+        app,
+        [
+            "profile",
+            "--model",
+            USER_MODEL,
+            "--num-ranks",
+            "2",
+            "--num-microbatches",
+            "2",
+            "--repeats",
+            "1",
+            "--p2p-ms",
+            "0.01",
+            "-o",
+            str(problem_path),
+        ],
+    )
+    assert profiled.exit_code == 0, profiled.output
+    problem = json.loads(problem_path.read_text())
+    assert problem["pipeline"]["num_ranks"] == 2 and problem["pipeline"]["num_microbatches"] == 2
+    assert len(problem["costs"]["forward"]) == 2 and all(t > 0 for t in problem["costs"]["forward"])
+    assert problem["costs"]["p2p"] == 0.01
+    assert all(a > 0 for a in problem["memory"]["activation"])
+    schedule_path = tmp_path / "schedule.json"
+    solved = CliRunner().invoke(app, ["solve", str(problem_path), "--time-limit", "5", "-o", str(schedule_path)])
+    assert solved.exit_code == 0, solved.output
+    schedule = json.loads(schedule_path.read_text())
+    assert schedule["status"] in ("optimal", "feasible")
+    # 2 microbatches × F, I, W on each rank's one stage.
+    assert [len(rank["actions"]) for rank in schedule["ranks"]] == [6, 6]
+    assert schedule["makespan"] > 0
