@@ -394,9 +394,22 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
     total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
     total_static += model.num_layers * layer.parameters * per_parameter
     copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
-    if limit <= 0 or total_static * copies / num_ranks > limit:
+    if limit <= 0:
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("cluster", "memory_reserve_bytes"),
+                    f"the {format_bytes(cluster.memory_reserve_bytes)} reserve leaves nothing of the accelerator's "
+                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a reserve below "
+                    f"{format_bytes(hardware.memory_bytes)}",
+                    cluster.memory_reserve_bytes,
+                )
+            ],
+        )
+    if total_static * copies / num_ranks > limit:
         needed = total_static * copies / num_ranks
-        ranks_needed = math.ceil(total_static * copies / max(limit, 1.0))
+        ranks_needed = math.ceil(total_static * copies / limit)
         loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
         shard_hint = (
             " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"

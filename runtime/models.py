@@ -186,15 +186,20 @@ def gpt_model(config: GPTConfig, num_stages: int, *, seed: int = 0, layers_per_s
     (seed, stage, layers of the stage) only. Token batches: uniform ids from a generator seeded by
     (seed, microbatch); the target is the input shifted by one token.
 
+    ``layers_per_stage`` may give the first or the last stage 0 layers (the embedding or the LM head
+    alone), as the problem's partition allows; every other stage needs at least one.
+
     Raises:
-        ValueError: when ``layers_per_stage`` does not list ``num_stages`` positive counts.
+        ValueError: when ``layers_per_stage`` does not list ``num_stages`` counts, or a middle stage has none.
     """
     if layers_per_stage is None:
         layers_per_stage = balanced_layers(config.num_layers, num_stages)
-    elif len(layers_per_stage) != num_stages or min(layers_per_stage) < 1:
+    elif len(layers_per_stage) != num_stages or any(
+        count < 0 or (count == 0 and 0 < stage < num_stages - 1) for stage, count in enumerate(layers_per_stage)
+    ):
         raise ValueError(
-            f"model.layers_per_stage must list one positive layer count per model stage ({num_stages}), "
-            f"got {layers_per_stage}"
+            f"model.layers_per_stage must list one layer count per model stage ({num_stages}), at least one "
+            f"on every stage but the first and the last, got {layers_per_stage}"
         )
     counts = list(layers_per_stage)
 

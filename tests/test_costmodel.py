@@ -233,6 +233,13 @@ def test_errors_name_the_field_and_give_numbers() -> None:
         model_problem({**SMALL_MODEL, "layers_per_stage": [3, 0, 3, 2]}, {"accelerator": "H100-SXM"})
     assert ("model", "layers_per_stage", 1) in field_errors(excinfo)
 
+    # A reserve as large as the memory: say so, not "use ≥ N ranks".
+    explicit = {"flops_per_s": 1e12, "memory_bytes": GIB, "memory_bandwidth_bytes_per_s": 1e11}
+    with pytest.raises(ValidationError) as excinfo:
+        model_problem(SMALL_MODEL, {**explicit, "memory_reserve_bytes": 2 * GIB})
+    message = field_errors(excinfo)[("cluster", "memory_reserve_bytes")]
+    assert "2 GiB reserve leaves nothing of the accelerator's 1 GiB" in message and "below 1 GiB" in message
+
 
 def test_activations_that_do_not_fit_any_split_are_an_error() -> None:
     long_sequences = {**SMALL_MODEL, "seq_length": 32768, "micro_batch_size": 8}

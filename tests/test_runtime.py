@@ -322,3 +322,44 @@ def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
     # 2 microbatches × F, I, W on each rank's one stage.
     assert [len(rank["actions"]) for rank in schedule["ranks"]] == [6, 6]
     assert schedule["makespan"] > 0
+
+
+def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
+    """A partition may leave the first and last stage without transformer layers (embedding / LM head
+    alone); `--model problem` builds exactly that split and the run matches the reference."""
+    from optimizer.problem import Problem
+    from optimizer.solve import solve_family
+    from runtime.launch import run_schedule
+    from runtime.models import load_model
+    from runtime.verify import reference_run
+
+    problem = Problem.model_validate(
+        {
+            "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
+            "model": {
+                "num_layers": 4,
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "seq_length": 16,
+                "vocab_size": 64,
+                "micro_batch_size": 2,
+                "layers_per_stage": [0, 2, 2, 0],
+            },
+            "cluster": {
+                "flops_per_s": 1e10,
+                "memory_bytes": 1e9,
+                "memory_bandwidth_bytes_per_s": 1e10,
+                "memory_reserve_bytes": 0,
+            },
+        }
+    )
+    model = load_model("problem", problem)
+    assert model.layers_per_stage == [0, 2, 2, 0]
+    assert len(model.build_stage(0).blocks) == 0 and len(model.build_stage(3).blocks) == 0
+    _, gradients = reference_run(model, NUM_MICROBATCHES)
+    assert any(name.startswith("0/token_embedding") for name in gradients)
+    assert any(name.startswith("3/lm_head") for name in gradients)
+    report = run_schedule(solve_family(problem, "zb-h1"), model="problem", timeout_s=120)
+    assert report["verified"] is True
+    assert report["max_rel_grad_error"] <= 1e-5
+    assert report["missing_gradients"] == []
