@@ -102,20 +102,23 @@ def test_every_contract_family_is_registered() -> None:
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_schedules_pass_the_simulator(name: str, data: st.DataObject) -> None:
-    placement, stages, needs_split = _DOMAINS[name]
-    p = data.draw(st.integers(1, 5), label="num_ranks")
-    m = data.draw(st.integers(1, 13), label="num_microbatches")
-    v = data.draw(st.sampled_from(stages), label="stages_per_rank")
-    split = True if needs_split else data.draw(st.booleans(), label="split_backward")
     forward = data.draw(st.floats(0.5, 3.0), label="forward")
     p2p = data.draw(st.sampled_from([0.0, 0.3]), label="p2p")
-    problem = uniform_problem(
-        p, m, stages_per_rank=v, placement=placement, forward=forward, p2p=p2p, split_backward=split
-    )
+    problem = _draw_problem(data, name, min_ranks=1, max_microbatches=13, forward=forward, p2p=p2p)
     sim = _run(problem, name)
     assert sim.makespan >= sim.ideal - 1e-9
     kinds = {action.kind for row in get_family(name).generate(problem) for action in row}
-    assert (ActionKind.BACKWARD in kinds) == (not split)
+    assert (ActionKind.BACKWARD in kinds) == (not problem.split_backward)
+
+
+def _draw_problem(data: st.DataObject, name: str, *, min_ranks: int, max_microbatches: int, **costs: float) -> Problem:
+    """A uniform problem inside family ``name``'s domain: 1–5 ranks, 1–``max_microbatches`` microbatches."""
+    placement, stages, needs_split = _DOMAINS[name]
+    p = data.draw(st.integers(min_ranks, 5), label="num_ranks")
+    m = data.draw(st.integers(1, max_microbatches), label="num_microbatches")
+    v = data.draw(st.sampled_from(stages), label="stages_per_rank")
+    split = True if needs_split else data.draw(st.booleans(), label="split_backward")
+    return uniform_problem(p, m, stages_per_rank=v, placement=placement, split_backward=split, **costs)
 
 
 _OUTSIDE = [
@@ -209,12 +212,7 @@ def test_memory_limit_one_byte_below_peak(name: str) -> None:
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, data: st.DataObject) -> None:
-    placement, stages, needs_split = _DOMAINS[name]
-    p = data.draw(st.integers(2, 5), label="num_ranks")
-    m = data.draw(st.integers(1, 9), label="num_microbatches")
-    v = data.draw(st.sampled_from(stages), label="stages_per_rank")
-    split = True if needs_split else data.draw(st.booleans(), label="split_backward")
-    problem = uniform_problem(p, m, stages_per_rank=v, placement=placement, p2p=0.25, split_backward=split)
+    problem = _draw_problem(data, name, min_ranks=2, max_microbatches=9, p2p=0.25)
     inst = compile_problem(problem)
     orders = get_family(name).generate(problem)
     rank = data.draw(st.sampled_from([r for r, row in enumerate(orders) if row]), label="rank")
