@@ -346,7 +346,14 @@ def run(
         "gpt-tiny"
     ),
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")] = None,
-    engine: Annotated[str, typer.Option("--engine", help="pipesched (own executor) or torch.")] = "pipesched",
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="auto (torch where it can follow the schedule: loop or V placement), torch "
+            "(PyTorch's _PipelineScheduleRuntime) or pipesched (own executor, every placement).",
+        ),
+    ] = "auto",
     seed: Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")] = 0,
     timeout: Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")] = 300.0,
     nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")] = 1,

@@ -1,16 +1,15 @@
 """Execute one rank's part of a schedule with ``torch.distributed`` and record what happened.
 
-Why an own executor next to PyTorch's ``_PipelineScheduleRuntime`` (which :mod:`runtime.torch_compat`
-drives for the compute-only CSV):
+PyTorch's ``_PipelineScheduleRuntime`` (driven by :mod:`runtime.torch_compat` from the compute-only
+CSV) runs every loop and V schedule, and is the default engine there (``engine="auto"`` in
+:mod:`runtime.launch`). This own executor is for what that runtime cannot follow:
 
-* it follows every placement of the contract, including ``"bidirectional"`` (two model replicas whose
-  stage ids ``S … 2S−1`` map back onto model stages ``0 … S−1``) and explicit lists, by reading the
-  microbatch chains from :func:`optimizer.instance.compile_problem`; ``_PipelineScheduleRuntime``
-  knows one chain ``0 … S−1`` only;
-* it measures each action's start and end around its compute alone, after its inputs arrived
-  (the wait is recorded apart), and the live saved-activation bytes after every action, which the
-  verifier compares with the schedule's memory model; PyTorch's runtime lowers the schedule into
-  its own send/receive actions and records neither.
+* ``"bidirectional"`` placement (two model replicas whose stage ids ``S … 2S−1`` map back onto model
+  stages ``0 … S−1``) and explicit placement lists: it reads the microbatch chains from
+  :func:`optimizer.instance.compile_problem`, where ``_PipelineScheduleRuntime`` knows one chain
+  ``0 … S−1`` placed loop- or V-wise;
+* runs that need the wait before each action apart from its compute (``wait_ms``), and a
+  second, independent execution of the same order to compare with PyTorch's (``engine="pipesched"``).
 
 The backward split uses PyTorch's own ``stage_backward_input`` / ``stage_backward_weight`` (through
 :mod:`runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a

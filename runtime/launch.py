@@ -30,7 +30,31 @@ from optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
 
-ENGINES = ("pipesched", "torch")
+ENGINES = ("auto", "pipesched", "torch")
+"""``torch``: PyTorch's ``_PipelineScheduleRuntime`` fed the schedule's compute-only CSV (loop and V
+placement); ``pipesched``: the own executor (:mod:`runtime.executor`, every placement); ``auto``: torch
+wherever it can follow the schedule, else pipesched."""
+
+
+def resolve_engine(engine: str, schedule: Schedule) -> str:
+    """The engine that runs ``schedule``: ``auto`` becomes ``torch`` for loop and V placement (PyTorch's
+    runtime knows one chain of stages, placed by its CSV) and ``pipesched`` otherwise (bidirectional
+    replicas, explicit placement lists).
+
+    Raises:
+        ScheduleError: an unknown engine, or ``torch`` asked for a placement it cannot run.
+    """
+    if engine not in ENGINES:
+        raise ScheduleError("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    placement = schedule.problem.pipeline.placement
+    torch_can = placement in ("loop", "v")
+    if engine == "auto":
+        return "torch" if torch_can else "pipesched"
+    if engine == "torch" and not torch_can:
+        raise ScheduleError(
+            "placement", f'engine "torch" runs placement "loop" or "v", not {placement!r}; use engine "pipesched"'
+        )
+    return engine
 
 
 class ScheduleError(ValueError):
@@ -43,8 +67,8 @@ class ScheduleError(ValueError):
 
 class RunFailed(RuntimeError):
     """A rank failed or a wait timed out; ``reason`` says why: ``rank_died`` (a process ended without a Python
-    error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``schedule``, …; the message names
-    the rank (``"rank2: …"``)."""
+    error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``peer_lost`` (a peer's process went
+    away), ``schedule``, …; the message names the rank (``"rank2: …"``)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -90,6 +114,9 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
 
     dist.barrier()
     meter = SavedActivationMeter([p for module in modules.values() for p in module.parameters()])
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
     with meter.hooks():
         torch_run = run_torch_runtime(
             csv_path,
@@ -100,6 +127,7 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
             targets=targets,
             loss_fn=model.loss_fn,
             device=device,
+            memory_bytes=(lambda: torch.cuda.memory_allocated(device)) if on_gpu else (lambda: meter.live_bytes),
         )
     last = max(range(inst.num_stages))
     losses = dict(enumerate(torch_run.losses)) if inst.stage_ranks[last] == rank else {}
@@ -107,12 +135,16 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
         "rank": rank,
         "actions": torch_run.actions,
         "executed": [a["action"] for a in torch_run.actions],
-        "peak_memory_bytes": meter.peak_bytes,
-        "memory_measure": "saved-activations",
+        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if on_gpu else meter.peak_bytes,
+        "memory_measure": "cuda-max-allocated" if on_gpu else "saved-activations",
         "losses": losses,
         "gradients": torch_run.gradients,
         "device": str(device),
     }
+
+
+#: How a transport error reads on a rank whose peer process ended (gloo over TCP).
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_dir: str) -> Any:
@@ -144,10 +176,20 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
     except BaseException as error:
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
-        # A rank the agent stops (SIGTERM) after another rank failed is collateral, not a cause.
-        reason = "stopped" if isinstance(error, SignalException) else getattr(error, "reason", "rank_failed")
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        Path(error_dir, f"rank{rank}.txt").write_text(f"{reason}\n{type(error).__name__}: {first_line}")
+        # A rank the agent stops (SIGTERM) after another rank failed, or whose peer went away under it, is
+        # collateral, not a cause.
+        if isinstance(error, SignalException):
+            reason = "stopped"
+        elif any(sign in str(error).lower() for sign in _PEER_LOST):
+            reason = "peer_lost"
+        else:
+            reason = getattr(error, "reason", "rank_failed")
+        # The root cause: PyTorch's runtime wraps a stage's error ("[Stage 2] failed to run forward").
+        root: BaseException = error
+        while root.__cause__ is not None:
+            root = root.__cause__
+        first_line = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+        Path(error_dir, f"rank{rank}.txt").write_text(f"{reason}\n{type(root).__name__}: {first_line}")
         raise
 
 
@@ -165,8 +207,8 @@ def _validate(schedule: Schedule) -> None:
 
 def _failure(error_dir: Path, error: BaseException) -> RunFailed:
     """The run's root cause: a rank that died without a Python error (``rank_died``: killed, ``os._exit``,
-    out of memory), else a rank's own error, before the p2p timeouts it causes on its peers, before the
-    ranks the agent stopped afterwards."""
+    out of memory), else a rank's own error, before what it causes on its peers (``p2p_timeout``, a lost
+    connection: ``peer_lost``), before the ranks the agent stopped afterwards (``stopped``)."""
     messages = []
     for path in sorted(error_dir.glob("rank*.txt")):
         reason, _, message = path.read_text().partition("\n")
@@ -191,7 +233,7 @@ def _failure(error_dir: Path, error: BaseException) -> RunFailed:
         )
     if not messages:
         return RunFailed("rank_failed", f"a rank failed without a message: {str(error).strip()[:500]}")
-    order = {"rank_died": 0, "p2p_timeout": 2, "stopped": 3}
+    order = {"rank_died": 0, "p2p_timeout": 2, "peer_lost": 2, "stopped": 3}
     messages.sort(key=lambda item: order.get(item[0], 1))
     reason, who, message = messages[0]
     others = "" if len(messages) == 1 else f" ({len(messages) - 1} other rank(s) failed too)"
@@ -206,7 +248,7 @@ def run_schedules(
     model: str | list[str] = "gpt-tiny",
     seed: int = 0,
     timeout_s: float = 300,
-    engine: str | list[str] = "pipesched",
+    engine: str | list[str] = "auto",
     validate: bool = True,
     nnodes: int = 1,
     node_rank: int = 0,
@@ -215,9 +257,9 @@ def run_schedules(
 ) -> list[dict[str, Any]]:
     """Run several schedules (same number of ranks) one after another in one launch; one report each.
 
-    ``model`` and ``engine`` may be one value or one per schedule. ``engine``: ``"pipesched"`` (the own
-    executor, :mod:`runtime.executor`) or ``"torch"`` (PyTorch's ``_PipelineScheduleRuntime`` fed the
-    compute-only CSV; loop and V placement only). ``validate``: reject a schedule the simulator rejects
+    ``model`` and ``engine`` may be one value or one per schedule. ``engine``: one of :data:`ENGINES`
+    (default ``"auto"``: PyTorch's ``_PipelineScheduleRuntime`` for loop and V placement, the own
+    executor for the others; see :func:`resolve_engine`). ``validate``: reject a schedule the simulator rejects
     before starting any process (``False`` lets the runtime meet it, for testing the timeouts).
     On a node other than ``node_rank`` 0 the reports are ``{"node_rank": …}`` only: node 0 verifies.
     With a torch outside :data:`runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and runs.
@@ -239,17 +281,12 @@ def run_schedules(
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
     models = [model] * len(schedules) if isinstance(model, str) else list(model)
-    engines = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
+    asked = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
+    engines = [resolve_engine(name, schedule) for name, schedule in zip(asked, schedules, strict=True)]
     num_ranks = schedules[0].problem.pipeline.num_ranks
     for index, schedule in enumerate(schedules):
-        if engines[index] not in ENGINES:
-            raise ScheduleError("engine", f"engine must be one of {', '.join(ENGINES)}, got {engines[index]!r}")
         if schedule.problem.pipeline.num_ranks != num_ranks:
             raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
-        if engines[index] == "torch" and schedule.problem.pipeline.placement == "bidirectional":
-            raise ScheduleError(
-                "placement", 'engine "torch" cannot run placement "bidirectional"; use engine "pipesched"'
-            )
         if validate:
             _validate(schedule)
         load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
@@ -340,7 +377,7 @@ def run_schedule(
     seed: int = 0,
     timeout_s: float = 300,
     output: Path | None = None,
-    engine: str = "pipesched",
+    engine: str = "auto",
     nnodes: int = 1,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",

@@ -89,18 +89,26 @@ class TorchRuntimeRun:
         self.gradients: dict[str, torch.Tensor] = {}
 
 
-def _record(run: TorchRuntimeRun, origin: float, stage_index: int, kind_of: Callable[..., str], method: Callable):
+def _record(
+    run: TorchRuntimeRun,
+    origin: float,
+    stage_index: int,
+    kind_of: Callable[..., str],
+    method: Callable,
+    memory_bytes: Callable[[], int] | None,
+):
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         result = method(*args, **kwargs)
         ended = time.perf_counter()
-        run.actions.append(
-            {
-                "action": f"{stage_index}{kind_of(*args, **kwargs)}{args[0]}",
-                "start": round((started - origin) * 1e3, 6),
-                "end": round((ended - origin) * 1e3, 6),
-            }
-        )
+        action: dict[str, Any] = {
+            "action": f"{stage_index}{kind_of(*args, **kwargs)}{args[0]}",
+            "start": round((started - origin) * 1e3, 6),
+            "end": round((ended - origin) * 1e3, 6),
+        }
+        if memory_bytes is not None:
+            action["memory_bytes"] = int(memory_bytes())
+        run.actions.append(action)
         return result
 
     return wrapped
@@ -116,6 +124,7 @@ def run_torch_runtime(
     targets: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
+    memory_bytes: Callable[[], int] | None = None,
 ) -> TorchRuntimeRun:
     """Run one step of the compute-only CSV at ``csv_path`` with PyTorch's ``_PipelineScheduleRuntime``.
 
@@ -123,7 +132,8 @@ def run_torch_runtime(
     ``inputs``/``targets``: the whole batch, split by torch into ``num_microbatches`` equal chunks on dim 0.
     Gradients are scaled by ``1/num_microbatches`` (``scale_grads``), i.e. those of the mean loss.
     Executed compute actions are recorded by wrapping each stage's ``forward_one_chunk``,
-    ``backward_one_chunk`` and ``backward_weight_one_chunk``.
+    ``backward_one_chunk`` and ``backward_weight_one_chunk``; ``memory_bytes`` (bytes, e.g. live saved
+    activations or ``torch.cuda.memory_allocated``) is read after each one when given.
 
     Raises:
         RuntimeError: from torch, e.g. "Malformed compute schedule" for an order that deadlocks.
@@ -143,7 +153,7 @@ def run_torch_runtime(
     origin = time.perf_counter()
     for stage in stages:
         stage.forward_one_chunk = _record(  # type: ignore[method-assign]
-            run, origin, stage.stage_index, lambda *a, **k: "F", stage.forward_one_chunk
+            run, origin, stage.stage_index, lambda *a, **k: "F", stage.forward_one_chunk, memory_bytes
         )
         stage.backward_one_chunk = _record(  # type: ignore[method-assign]
             run,
@@ -151,9 +161,10 @@ def run_torch_runtime(
             stage.stage_index,
             lambda *a, **k: "B" if k.get("full_backward", True) else "I",
             stage.backward_one_chunk,
+            memory_bytes,
         )
         stage.backward_weight_one_chunk = _record(  # type: ignore[method-assign]
-            run, origin, stage.stage_index, lambda *a, **k: "W", stage.backward_weight_one_chunk
+            run, origin, stage.stage_index, lambda *a, **k: "W", stage.backward_weight_one_chunk, memory_bytes
         )
     has_first = any(stage.is_first for stage in stages)
     has_last = any(stage.is_last for stage in stages)

@@ -201,7 +201,7 @@ def test_deadlock_at_runtime_ends_with_p2p_timeout():
 
     started = time.perf_counter()
     with pytest.raises(RunFailed) as error:
-        run_schedules([deadlocking_schedule()], validate=False, timeout_s=4)
+        run_schedules([deadlocking_schedule()], validate=False, timeout_s=4, engine="pipesched")
     assert error.value.reason == "p2p_timeout"
     assert "never arrived" in str(error.value)
     assert time.perf_counter() - started < 60
@@ -246,17 +246,20 @@ def test_profile_writes_a_problem_the_solver_takes(tmp_path: Path):
         ("stages_with_rank2_raising", "rank_failed", "RuntimeError: stage 2 fails on purpose"),
     ],
 )
-def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says):
+@pytest.mark.parametrize("engine", ["torch", "pipesched"])
+def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says, engine):
     """Rank 2's stage ends its process (or raises) on its 3rd forward: the run fails fast naming rank 2 and
-    the cause, not the p2p timeouts nor the stops it causes on the other ranks, and never waits out the
-    120 s receive timeout."""
+    the cause, not the p2p timeouts, lost connections or stops it causes on the other ranks, and never
+    waits out the 120 s receive timeout, on either engine."""
     import time
 
     from runtime.launch import RunFailed, run_schedule
 
     started = time.perf_counter()
     with pytest.raises(RunFailed) as error:
-        run_schedule(family_schedule("1f1b"), model=f"tests.user_pipeline_model:{function}", timeout_s=120)
+        run_schedule(
+            family_schedule("1f1b"), model=f"tests.user_pipeline_model:{function}", timeout_s=120, engine=engine
+        )
     assert time.perf_counter() - started < 60
     assert error.value.reason == reason
     assert str(error.value).startswith("rank2: ")
@@ -363,3 +366,21 @@ def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
     assert report["verified"] is True
     assert report["max_rel_grad_error"] <= 1e-5
     assert report["missing_gradients"] == []
+
+
+def test_auto_engine_is_torch_wherever_torch_can_follow_the_schedule():
+    from runtime.launch import ScheduleError, resolve_engine
+
+    assert resolve_engine("auto", family_schedule("zb-h1")) == "torch"
+    assert resolve_engine("auto", family_schedule("zb-v", stages_per_rank=2, placement="v")) == "torch"
+    bitpipe = family_schedule("bitpipe", stages_per_rank=2, placement="bidirectional")
+    assert resolve_engine("auto", bitpipe) == "pipesched"
+    loop = family_schedule("1f1b")
+    explicit = loop.model_copy(update={"problem": loop.problem.with_changes(**{"pipeline.placement": [0, 1, 2, 3]})})
+    assert resolve_engine("auto", explicit) == "pipesched"
+    assert resolve_engine("pipesched", family_schedule("zb-h1")) == "pipesched"
+    with pytest.raises(ScheduleError, match='engine "torch" runs placement "loop" or "v"') as error:
+        resolve_engine("torch", bitpipe)
+    assert error.value.reason == "placement"
+    with pytest.raises(ScheduleError, match="engine must be one of auto, pipesched, torch"):
+        resolve_engine("megatron", bitpipe)
