@@ -284,3 +284,50 @@ def test_cli_solve_shows_the_derived_problem(tmp_path: Path) -> None:
     path.write_text(json.dumps(schedule["problem"]))
     again = CliRunner().invoke(app, ["solve", str(path)], terminal_width=200)
     assert again.exit_code == 0, again.output
+
+
+@pytest.mark.parametrize("held_out", list(PAPER_MODELS))
+def test_time_model_predicts_a_model_it_was_not_fitted_to(held_out: str) -> None:
+    """Leave one model out: fit the time model's three constants (1 / effective FLOP/s and the forward and
+    input-gradient traffic per activation byte, see optimizer/costmodel.py) to the other three models'
+    profiled per-layer times by least squares, then predict the held-out model's T_I/T_F and T_W/T_F
+    within the same 15%. The constants shipped in costmodel.py are the fit to all four; this checks that
+    the model's form, not the fit, carries to a model it has not seen."""
+    import numpy as np
+
+    def per_layer(setting: dict[str, Any]) -> tuple[list[float], list[float], tuple[float, float, float]]:
+        num_layers, b = PAPER_MODELS[setting["model"]]
+        s, h = setting["seq_length"], setting["hidden_size"]
+        gemm = s * b * 12 * h * h  # Table 1 with f = 4h
+        attention = 4 * s * s * b * h
+        activation = s * b * setting["activation"]
+        layers = (num_layers + 2) // setting["num_ranks"]
+        flops = [gemm + attention, gemm + 2 * attention, gemm]  # F, I, W
+        traffic = [activation, activation, 0.0]
+        times = (
+            setting["forward_ms"] / layers,
+            setting["backward_input_ms"] / layers,
+            setting["backward_weight_ms"] / layers,
+        )
+        return flops, traffic, times
+
+    rows, targets = [], []
+    for setting in one_setting_per_model():
+        if setting["model"] == held_out:
+            continue
+        flops, traffic, times = per_layer(setting)
+        # unknowns: ms per FLOP, ms per forward-traffic byte, ms per input-gradient-traffic byte
+        rows += [[flops[0], traffic[0], 0.0], [flops[1], 0.0, traffic[1]], [flops[2], 0.0, 0.0]]
+        targets += list(times)
+    scale = np.abs(np.array(rows)).max(axis=0)
+    fitted, *_ = np.linalg.lstsq(np.array(rows) / scale, np.array(targets), rcond=None)
+    per_flop, per_forward_byte, per_input_byte = fitted / scale
+    assert per_flop > 0 and per_forward_byte >= 0 and per_input_byte >= 0
+
+    (setting,) = [s for s in one_setting_per_model() if s["model"] == held_out]
+    flops, traffic, _ = per_layer(setting)
+    forward = flops[0] * per_flop + traffic[0] * per_forward_byte
+    backward_input = flops[1] * per_flop + traffic[1] * per_input_byte
+    backward_weight = flops[2] * per_flop
+    assert backward_input / forward == pytest.approx(setting["backward_input_ms"] / setting["forward_ms"], rel=0.15)
+    assert backward_weight / forward == pytest.approx(setting["backward_weight_ms"] / setting["forward_ms"], rel=0.15)
