@@ -472,3 +472,38 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
     }
     assert {"400", "413", "422"} <= set(operations["solve_schedule"]["responses"])
     assert "404" in operations["get_job"]["responses"]
+
+
+def test_a_write_that_fails_midway_leaves_nothing_half_stored(settings: Settings) -> None:
+    """The database refuses the second statement of finish_job (the job's UPDATE after the schedule's
+    INSERT): the schedule row is rolled back with it, the job stays running, and a later finish stores both."""
+    from sqlalchemy import event
+    from sqlalchemy.exc import OperationalError
+
+    store = Store(settings.database_url)
+    problem = Problem.model_validate(problem_body("1f1b"))
+    key = problem_key(problem) + "-half-stored"
+    job = store.create_job(problem, key)
+    assert store.start_job(job.id, 0)
+    schedule = solve(problem)
+
+    seen: list[str] = []
+
+    def refuse_job_update(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        seen.append(" ".join(statement.split()[:3]).upper())
+        if statement.lstrip().upper().startswith("UPDATE JOBS"):
+            raise OperationalError(statement, parameters, Exception("disk I/O error (injected)"))
+
+    event.listen(store.engine, "before_cursor_execute", refuse_job_update)
+    try:
+        with pytest.raises(OperationalError, match="injected"):
+            store.finish_job(job.id, 0, key, schedule)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", refuse_job_update)
+    assert "INSERT INTO SCHEDULES" in seen and seen[-1] == "UPDATE JOBS SET"  # the schedule was written first
+    assert store.schedule_by_hash(key) is None
+    assert store.job_status(job.id) == "running"
+    stored = store.finish_job(job.id, 0, key, schedule)
+    assert stored is not None and store.schedule_by_hash(key) is not None
+    assert store.job_status(job.id) == "done"
+    store.dispose()
