@@ -134,3 +134,25 @@ def test_restart_recovery_on_postgres(clean_url: str) -> None:
             time.sleep(0.05)
         assert client.get(f"/v1/jobs/{job.id}").json()["attempt"] == 1
     store.dispose()
+
+
+def test_pipesched_serve_on_postgres_by_environment(clean_url: str, tmp_path: Path) -> None:
+    """A real `pipesched serve` given PIPESCHED_DATABASE_URL stores in PostgreSQL: a solve answered over
+    HTTP is in the database, and asking again is a cache hit."""
+    from tests.test_api_served import ServedApi
+
+    server = ServedApi(clean_url, tmp_path / "server.log", PIPESCHED_SOLVER_WORKERS="1")
+    try:
+        first = server.client.post("/v1/schedules", json=problem_body(7, "zb-h1"))
+        assert first.status_code == 200, first.text
+        again = server.client.post("/v1/schedules", json=problem_body(7, "zb-h1"))
+        assert again.status_code == 200 and again.json()["cache"] == "hit"
+        assert again.json()["id"] == first.json()["id"]
+    finally:
+        server.stop()
+    store = Store(clean_url)
+    try:
+        stored = store.schedule(first.json()["id"])
+        assert stored is not None and stored.method == "zb-h1"
+    finally:
+        store.dispose()
