@@ -252,3 +252,18 @@ def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, da
         simulate(tight, orders)
     assert error.value.reason == "memory_limit"
     assert peaks[error.value.details["rank"]] == max(peaks)
+
+
+def test_capped_greedy_stops_when_asked() -> None:
+    from optimizer.families._greedy import SearchStopped, capped_greedy_orders
+
+    inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional"))
+    calls = []
+
+    def stop_after_ten() -> bool:
+        calls.append(1)
+        return len(calls) > 10
+
+    with pytest.raises(SearchStopped):
+        capped_greedy_orders(inst, [1e9] * 4, should_stop=stop_after_ten)
+    assert len(calls) == 11  # polled once per placed action, and it stopped at the first True

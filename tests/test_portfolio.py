@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from optimizer.families import applicable_families
 from optimizer.instance import compile_problem
 from optimizer.simulate import indexed_orders, simulate, simulate_indexed
-from optimizer.solve import solve
+from optimizer.solve import solve, solve_family
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 
@@ -122,6 +122,29 @@ def test_bidirectional_bound_counts_idle_not_only_work() -> None:
     assert schedule.status == "feasible" and schedule.lower_bound is not None
     assert schedule.lower_bound > inst.ideal + 1.0
     assert schedule.lower_bound <= schedule.makespan + 1e-9
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_bidirectional_auto_uses_the_memory_bitpipe_leaves(split_backward: bool) -> None:
+    """BitPipe holds 1F1B's p microbatches per rank; under a limit of 2p, auto's capped greedy at larger
+    caps finds a clearly shorter schedule (measured: fused 0.73× BitPipe's makespan, split 0.94×)."""
+    problem = uniform_problem(
+        4,
+        16,
+        stages_per_rank=2,
+        placement="bidirectional",
+        p2p=0.05,
+        activation=50.0,
+        retained_for_weight=18.0,
+        split_backward=split_backward,
+        limit=2 * 4 * 100.0,  # 2p microbatches of two 50-byte stages each
+        time_limit_s=2.0,
+    )
+    bitpipe = solve_family(problem, "bitpipe")
+    assert bitpipe.status == "feasible" and bitpipe.makespan is not None
+    schedule = solve(problem)
+    assert schedule.fits_memory and schedule.makespan is not None
+    assert schedule.makespan <= (0.9 if not split_backward else 0.98) * bitpipe.makespan
 
 
 _LAYOUTS = {

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from optimizer.bounds import lower_bound as compute_lower_bound
 from optimizer.families import applicable_families
+from optimizer.families._greedy import SearchStopped, capped_greedy_orders, microbatch_reservation
 from optimizer.instance import Instance, compile_problem
 from optimizer.ir import ActionKind
 from optimizer.problem import Problem
@@ -47,6 +48,10 @@ __all__ = ["LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
 
 LADDER_FACTORS = (1.0, 1.5, 2.0, 3.0)
 """Lower memory limits the warm starts also try, in units of num_ranks × a rank's activation."""
+
+CAPPED_IN_FLIGHT = (2.0, 3.0, 1.5, 4.0, 1.0)
+"""In-flight microbatches per rank, in units of num_ranks, that the capped greedy tries on bidirectional
+placements (most promising first; each cap also at most the rank's free memory)."""
 
 MILP_MAX_ACTIONS = 60
 """The MILP runs by default only on instances with at most this many actions."""
@@ -163,6 +168,27 @@ def _ladder(inst: Instance) -> list[Instance]:
     return rungs
 
 
+def _capped_greedy(search: _Search) -> None:
+    """The memory-capped list scheduler (:mod:`optimizer.families._greedy`, BitPipe's generator) at caps of
+    k·num_ranks microbatches per rank (k in :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory:
+    BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
+    inst = search.inst
+    p, m = inst.num_ranks, inst.num_microbatches
+    reservation = [max(microbatch_reservation(inst, r, j) for j in range(m)) for r in range(p)]
+    free = [limit - static for limit, static in zip(inst.limit, inst.static, strict=True)]
+    tried: set[tuple[float, ...]] = set()
+    for k in CAPPED_IN_FLIGHT:
+        caps = tuple(min(free[r], k * p * reservation[r]) for r in range(p))
+        if caps in tried or search.should_stop():
+            continue
+        tried.add(caps)
+        try:
+            orders = capped_greedy_orders(inst, list(caps), should_stop=search.should_stop)
+        except SearchStopped:
+            return
+        search.offer(indexed_orders(inst, orders), "heuristic", f"capped greedy, {k:g}·p microbatches in flight")
+
+
 def _zero_bubble_auto(search: _Search) -> None:
     """The authors' scheduler on every rung of the memory ladder (loop, one stage per rank, split)."""
     if not in_zb_auto_domain(search.inst):
@@ -195,8 +221,9 @@ def solve_auto(
         ``family:<name>``, ``heuristic``, ``sequential``, ``cpsat``, ``milp``) and ``solve_time_s``;
         or ``infeasible`` with a ``reason`` and ``min_memory_limit`` (bytes per rank).
 
-    Placement ``"bidirectional"`` is searched by the sequential schedule, the families (BitPipe) and
-    local search; its lower bound is :mod:`optimizer.bounds` over both chains, as for one chain.
+    Placement ``"bidirectional"`` is searched by the sequential schedule, the families (BitPipe), the
+    capped greedy at larger caps and local search; its lower bound is :mod:`optimizer.bounds` over both
+    chains, as for one chain.
     """
     inst = compile_problem(problem)
     search = _Search(problem, inst, progress, should_stop)
@@ -219,8 +246,9 @@ def solve_auto(
     if bidirectional:
         # Two replicas pass different stages; the authors' scheduler follows one chain. Splitting the time
         # with CP-SAT measured mixed at 10 s (better without a limit, worse under a tight one), so the
-        # search stays the families plus local search.
+        # search stays the families, the capped greedy at larger caps, and local search.
         if problem.solver.backends is None or "heuristic" in problem.solver.backends:
+            _capped_greedy(search)
             _local_search(search)
         return _answer(search)
 
