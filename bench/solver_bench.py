@@ -9,7 +9,10 @@ A second table (``--section small``) solves small instances (num_ranks × num_mi
 the four models' profiled costs, at limits 1.0, 1.5 and 2.0 × p·activation and with none, for both
 objectives, and counts how many are proven optimal (gap 0) within the time limit.
 
-Run: ``python -m bench.solver_bench [--quick] [--section paper|small|all] [--output FILE]``.
+A third table (``--section bidirectional``) puts ``auto`` beside BitPipe (our generator, the
+``bitpipe`` family) on two V-shaped replicas, uniform costs, with a limit of 2·p microbatches per rank.
+
+Run: ``python -m bench.solver_bench [--quick] [--section paper|small|bidirectional|all] [--output FILE]``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from optimizer.problem import Problem
-from optimizer.solve import Progress, solve
+from optimizer.solve import Progress, solve, solve_family
 
 SETTINGS_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench" / "zb_paper_settings.json"
 LIMIT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
@@ -108,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print (and optionally save) the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="time limits 2 s (p ≤ 16) and 5 s (p = 32)")
-    parser.add_argument("--section", choices=("paper", "small", "all"), default="all", help="which tables")
+    parser.add_argument(
+        "--section", choices=("paper", "small", "bidirectional", "all"), default="all", help="which tables"
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     settings = json.loads(SETTINGS_PATH.read_text())["settings"]
@@ -117,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         lines += run_paper(settings, quick=args.quick)
     if args.section in ("small", "all"):
         lines += run_small(settings, 2.0 if args.quick else 10.0)
+    if args.section in ("bidirectional", "all"):
+        lines += run_bidirectional(2.0 if args.quick else 10.0)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text("\n".join(lines) + "\n")
@@ -172,6 +179,52 @@ def run_paper(settings: list[dict[str, Any]], *, quick: bool) -> list[str]:
     )
     print(summary, flush=True)
     lines.append(summary)
+    return lines
+
+
+BIDIRECTIONAL_SHAPES = ((4, 16), (8, 32), (16, 64))
+
+
+def run_bidirectional(time_limit_s: float) -> list[str]:
+    """auto against BitPipe on bidirectional placement (F = I = W = 1 ms per stage, p2p 0.05 ms, activation
+    50 bytes per stage, limit 2·p microbatches per rank); fused and split backward."""
+    header = (
+        f"{'p':>3} {'m':>4} {'backward':>8} {'bitpipe_ms':>10} {'auto_ms':>10} {'ratio':>6} {'bound_ms':>10} "
+        f"{'gap':>7} {'wall_s':>7}  backend"
+    )
+    lines = ["", "bidirectional placement: auto beside BitPipe (limit 2·p microbatches per rank)", header]
+    lines.append("-" * len(header))
+    for line in lines:
+        print(line, flush=True)
+    for p, m in BIDIRECTIONAL_SHAPES:
+        for split in (False, True):
+            problem = Problem.model_validate(
+                {
+                    "pipeline": {
+                        "num_ranks": p,
+                        "num_microbatches": m,
+                        "stages_per_rank": 2,
+                        "placement": "bidirectional",
+                    },
+                    "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.05},
+                    "memory": {"activation": 50.0, "retained_for_weight": 18.0, "limit": 2 * p * 100.0},
+                    "split_backward": split,
+                    "solver": {"method": "auto", "time_limit_s": time_limit_s},
+                }
+            )
+            bitpipe = solve_family(problem, "bitpipe", enforce_memory=False)
+            started = time.perf_counter()
+            schedule = solve(problem)
+            wall_s = time.perf_counter() - started
+            ours = schedule.makespan or float("nan")
+            line = (
+                f"{p:>3} {m:>4} {'split' if split else 'fused':>8} {bitpipe.makespan or float('nan'):>10.3f} "
+                f"{ours:>10.3f} {ours / (bitpipe.makespan or float('nan')):>6.3f} "
+                f"{schedule.lower_bound or float('nan'):>10.3f} "
+                f"{schedule.gap if schedule.gap is not None else float('nan'):>7.4f} {wall_s:>7.2f}  {schedule.backend}"
+            )
+            print(line, flush=True)
+            lines.append(line)
     return lines
 
 
