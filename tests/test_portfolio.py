@@ -13,40 +13,6 @@ from optimizer.solve import solve, solve_family
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 
-@settings(max_examples=6, deadline=None)
-@given(
-    p=st.integers(2, 4),
-    m=st.integers(2, 8),
-    costs=st.lists(st.floats(0.5, 3.0), min_size=12, max_size=12),
-    limit_factor=st.sampled_from([1.0, 1.5, 3.0]),
-    objective=st.sampled_from(["makespan", "stage_span"]),
-)
-def test_auto_never_worse_than_fitting_families(p, m, costs, limit_factor, objective) -> None:
-    limits = [limit_factor * p * 100.0 * (1.0 + 0.25 * (r % 2)) for r in range(p)]
-    problem = uniform_problem(
-        p,
-        m,
-        forward=costs[:p],
-        backward_input=costs[4 : 4 + p],
-        backward_weight=costs[8 : 8 + p],
-        p2p=0.1,
-        limit=limits,
-        objective=objective,
-        time_limit_s=0.5,
-    )
-    inst = compile_problem(problem)
-    schedule = solve(problem)
-    assert schedule.status in ("optimal", "feasible")
-    sim = simulate(inst, schedule.orders())  # raises if invalid or over memory
-    value = sim.objective_value(objective)
-    assert abs(value - schedule.objective_value) < 1e-4
-    assert schedule.lower_bound is not None and schedule.lower_bound <= value + 1e-6
-    for family in applicable_families(problem):
-        fam = simulate_indexed(inst, indexed_orders(inst, family.generate(problem)), check_memory=False)
-        if fam.fits:
-            assert value <= fam.objective_value(objective) + 1e-6, family.name
-
-
 def test_infeasible_answer_gives_least_limit_and_it_suffices() -> None:
     problem = uniform_problem(
         3,
@@ -149,6 +115,7 @@ def test_bidirectional_auto_uses_the_memory_bitpipe_leaves(split_backward: bool)
 
 _LAYOUTS = {
     # name: (placement builder for num_ranks p, stages_per_rank)
+    "loop-1": (lambda p: "loop", 1),
     "loop-2": (lambda p: "loop", 2),
     "loop-3": (lambda p: "loop", 3),
     "v": (lambda p: "v", 2),
@@ -157,19 +124,20 @@ _LAYOUTS = {
 }
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     layout=st.sampled_from(sorted(_LAYOUTS)),
-    p=st.integers(2, 3),
-    m=st.integers(1, 5),
-    costs=st.lists(st.floats(0.25, 2.0), min_size=27, max_size=27),
+    p=st.integers(2, 4),
+    m=st.integers(1, 6),
+    costs=st.lists(st.floats(0.25, 2.0), min_size=36, max_size=36),
     split=st.booleans(),
     limit_factor=st.sampled_from([0.75, 1.0, 2.0]),
     objective=st.sampled_from(["makespan", "stage_span"]),
 )
-def test_auto_on_every_layout_is_valid_and_never_worse_than_fitting_families(
-    layout, p, m, costs, split, limit_factor, objective
-) -> None:
+def test_auto_never_worse_than_fitting_families(layout, p, m, costs, split, limit_factor, objective) -> None:
+    """Random per-stage costs and per-rank limits on every layout: auto's answer re-simulates to its
+    figures, fits memory, has a valid bound, and no family that fits does better; infeasible only when
+    no family fits."""
     build_placement, v = _LAYOUTS[layout]
     stages = p * v
     limits = [limit_factor * p * 100.0 * (1.0 + 0.25 * (r % 2)) for r in range(p)]
@@ -179,8 +147,8 @@ def test_auto_on_every_layout_is_valid_and_never_worse_than_fitting_families(
         stages_per_rank=v,
         placement=build_placement(p),
         forward=costs[:stages],
-        backward_input=costs[9 : 9 + stages],
-        backward_weight=costs[18 : 18 + stages],
+        backward_input=costs[12 : 12 + stages],
+        backward_weight=costs[24 : 24 + stages],
         p2p=0.1,
         limit=limits,
         split_backward=split,
