@@ -107,7 +107,7 @@ def run_report_to_chrome_trace(
     Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
     named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted
     so the earliest measured start is 0, as in a schedule. An action carrying ``memory_bytes`` (the
-    pipesched executor records the live bytes after every action) adds a sample to the rank's ``"memory"``
+    runtime records the live bytes after every action, on either engine) adds a sample to the rank's ``"memory"``
     counter (``"ph": "C"``, bytes) at the action's end; each rank's ``peak_memory_bytes`` becomes a
     one-sample ``"peak memory"`` counter. With ``predicted`` (the schedule that was run) the trace also holds that
     schedule's events (:func:`schedule_to_chrome_trace`, ``pid`` = rank) and the measured ranks come after
