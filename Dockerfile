@@ -10,6 +10,7 @@ RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin pipesched
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY pipesched ./pipesched
 COPY optimizer ./optimizer
 COPY api ./api
 COPY runtime ./runtime

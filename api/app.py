@@ -1,7 +1,7 @@
 """The HTTP service (FastAPI): ``create_app(settings)``; run it with ``pipesched serve``.
 
-Routes are in :mod:`api.routes`; solving runs in worker processes (:mod:`api.jobs`), never on the
-event loop; schedules and jobs are stored by :mod:`api.storage`.
+Routes are in :mod:`pipesched.api.routes`; solving runs in worker processes (:mod:`pipesched.api.jobs`), never on the
+event loop; schedules and jobs are stored by :mod:`pipesched.api.storage`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.jobs import JobOutcome, SolverPool
-from api.metrics import Metrics
-from api.routes import health, jobs, methods, schedules
-from api.routes._common import Services
-from api.settings import Settings
-from api.storage import Store
+from pipesched.api.jobs import JobOutcome, SolverPool
+from pipesched.api.metrics import Metrics
+from pipesched.api.routes import health, jobs, methods, schedules
+from pipesched.api.routes._common import Services
+from pipesched.api.settings import Settings
+from pipesched.api.storage import Store
 
 __all__ = ["create_app"]
 

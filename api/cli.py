@@ -15,10 +15,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from api.loading import InputError, load_problem
-from optimizer.problem import Problem
-from optimizer.result import Schedule
-from optimizer.units import common_unit, format_bytes
+from pipesched.api.loading import InputError, load_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.units import common_unit, format_bytes
 
 app = typer.Typer(
     name="pipesched",
@@ -55,10 +55,10 @@ def render_schedule(schedule: Schedule, *, output_format: str) -> str:
     if output_format == "json":
         return schedule.model_dump_json(indent=1)
     if output_format == "csv":
-        from optimizer.export import orders_to_torch_csv
+        from pipesched.optimizer.export import orders_to_torch_csv
 
         return orders_to_torch_csv(schedule.orders())
-    from optimizer.export import schedule_to_chrome_trace
+    from pipesched.optimizer.export import schedule_to_chrome_trace
 
     return json.dumps(schedule_to_chrome_trace(schedule))
 
@@ -168,8 +168,8 @@ def solve_with_progress(problem: Problem) -> Schedule:
     """Solve, showing a live progress bar with the incumbent and the bound for ``auto``."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from optimizer.solve import Progress as SolveProgress
-    from optimizer.solve import solve
+    from pipesched.optimizer.solve import Progress as SolveProgress
+    from pipesched.optimizer.solve import solve
 
     if problem.solver.method != "auto" or not err_console.is_terminal:
         if problem.solver.method == "auto":
@@ -209,7 +209,7 @@ def solve(
     output_format: Annotated[str, typer.Option("--format", help="json, csv or chrome-trace.")] = "json",
 ) -> None:
     """Solve a problem and write the schedule; prints a one-screen summary."""
-    from optimizer.families import FamilyDomainError
+    from pipesched.optimizer.families import FamilyDomainError
 
     if output_format not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
@@ -252,8 +252,8 @@ def compare(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the table as JSON.")] = None,
 ) -> None:
     """Every applicable family (and auto) side by side: objective, bubble rate, peak memory, fits."""
-    from optimizer.families import applicable_families
-    from optimizer.solve import solve_family
+    from pipesched.optimizer.families import applicable_families
+    from pipesched.optimizer.solve import solve_family
 
     try:
         problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
@@ -322,7 +322,7 @@ def demo(
     """The main job end to end: config in, optimal schedule out, real torch ranks prove it."""
     import httpx
 
-    from api.demo import run_demo
+    from pipesched.api.demo import run_demo
 
     if run:
         require_torch("demo")
@@ -366,8 +366,8 @@ def run(
 ) -> None:
     """Execute a schedule with torch.distributed and verify it against a single-process reference."""
     require_torch("run")
-    from api.loading import load_schedule
-    from runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
+    from pipesched.api.loading import load_schedule
+    from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
 
     try:
         schedule = load_schedule(schedule_path)
@@ -399,7 +399,7 @@ def run(
     if output is not None:
         console.print(f"wrote {output}", highlight=False)
     if trace is not None:
-        from optimizer.export import run_report_to_chrome_trace
+        from pipesched.optimizer.export import run_report_to_chrome_trace
 
         write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
         console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
@@ -424,8 +424,8 @@ def profile(
     require_torch("profile")
     from pydantic import ValidationError
 
-    from api.loading import format_validation_error
-    from runtime.profile import profile_model
+    from pipesched.api.loading import format_validation_error
+    from pipesched.runtime.profile import profile_model
 
     try:
         problem = profile_model(
@@ -475,8 +475,8 @@ def serve(
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, OperationalError
 
-    from api.app import create_app
-    from api.settings import Settings
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
 
     updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
     try:
@@ -517,10 +517,10 @@ def plot(
     ] = None,
 ) -> None:
     """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
-    from api.loading import load_schedule
-    from api.plots import plot_to_file
-    from optimizer.families import FamilyDomainError
-    from optimizer.solve import solve_family
+    from pipesched.api.loading import load_schedule
+    from pipesched.api.plots import plot_to_file
+    from pipesched.optimizer.families import FamilyDomainError
+    from pipesched.optimizer.solve import solve_family
 
     if output.suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise fail(f"-o {output}: the file must end in .png, .svg or .html")

@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from optimizer.problem import Problem
-from optimizer.result import Schedule
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.result import Schedule
 
 __all__ = ["DEMO_NUM_RANKS", "demo_problem", "run_demo"]
 
@@ -62,7 +62,7 @@ def demo_problem(*, time_limit_s: float = 15.0, method: str = "auto") -> dict[st
     plus ``DEMO_LIMIT_FACTOR`` × num_ranks × the first stage's activation (1F1B's peak is
     num_ranks × activation on rank 0).
     """
-    probe = Problem.model_validate(
+    probe = load_problem(
         {
             "pipeline": {"num_ranks": DEMO_NUM_RANKS, "num_microbatches": DEMO_NUM_MICROBATCHES},
             "model": DEMO_MODEL,
@@ -93,8 +93,8 @@ def _service(database_path: Path, console: Console) -> Iterator[str]:
     """Run the HTTP service on a loopback port in a background thread; yield its base URL."""
     import uvicorn
 
-    from api.app import create_app
-    from api.settings import Settings
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
 
     port = _free_port()
     settings = Settings(host="127.0.0.1", port=port, database_url=f"sqlite:///{database_path}")
@@ -154,7 +154,7 @@ def _solve_job(client: httpx.Client, body: dict[str, Any], console: Console) -> 
 
 
 def _comparison_table(schedules: list[Schedule], console: Console) -> None:
-    from optimizer.units import common_unit, format_bytes
+    from pipesched.optimizer.units import common_unit, format_bytes
 
     limits = schedules[0].problem.memory_limits
     unit_name, unit = common_unit([max(x.peak_memory) for x in schedules if x.peak_memory])
@@ -227,8 +227,8 @@ def run_demo(
         for s in schedules
     }
     if run:
-        from optimizer.export import run_report_to_chrome_trace
-        from runtime.launch import print_run_summary, run_schedule
+        from pipesched.optimizer.export import run_report_to_chrome_trace
+        from pipesched.runtime.launch import print_run_summary, run_schedule
 
         console.rule("[bold]running the auto schedule on 4 gloo ranks")
         with console.status("starting 4 gloo processes, running the schedule and the single-process reference …"):

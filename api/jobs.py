@@ -20,10 +20,10 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
-from api.storage import Store
-from optimizer.problem import Problem
-from optimizer.result import Schedule
-from optimizer.solve import Progress, solve
+from pipesched.api.storage import Store
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.solve import Progress, solve
 
 __all__ = ["JobOutcome", "SolverDied", "SolverPool", "run_job", "run_solve"]
 
@@ -64,7 +64,7 @@ def run_solve(problem_json: str, deadline_s: float) -> str:
         The schedule's JSON.
 
     Raises:
-        FamilyDomainError: as :func:`optimizer.solve.solve`.
+        FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
     """
     problem = Problem.model_validate_json(problem_json)
     stop_at = time.monotonic() + deadline_s
@@ -202,7 +202,7 @@ class SolverPool:
         Raises:
             TimeoutError: no answer within ``timeout_s``.
             SolverDied: the worker process died.
-            FamilyDomainError: as :func:`optimizer.solve.solve`.
+            FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
         """
         deadline_s = problem.solver.time_limit_s + self.deadline_grace_s
         future = self._submit(run_solve, problem.model_dump_json(), deadline_s)

@@ -8,8 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from optimizer.problem import Problem
-from optimizer.result import Schedule
+from pipesched.optimizer.derive import load_problem as derive_and_validate
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
 
 __all__ = ["InputError", "format_validation_error", "load_problem", "load_schedule"]
 
@@ -65,7 +66,7 @@ def load_problem(path: Path, **overrides: Any) -> Problem:
             target = target[part]
         target[parts[-1]] = value
     try:
-        return Problem.model_validate(data)
+        return derive_and_validate(data)
     except ValidationError as error:
         raise InputError(f"{path} is not a valid problem:\n{format_validation_error(error, '  ')}") from None
 

@@ -9,7 +9,7 @@
   second schedule drawn beneath on the same time axis.
 * :func:`plot_to_file`: one of the three by the file's suffix.
 
-Memory comes from ``optimizer.simulate.simulate(compile_problem(schedule.problem), schedule.orders())``
+Memory comes from ``pipesched.optimizer.simulate.simulate(compile_problem(schedule.problem), schedule.orders())``
 (memory checks off, so a schedule over its limit is still drawn — with its excess visible).
 """
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from optimizer.instance import compile_problem
-from optimizer.result import Schedule
-from optimizer.simulate import simulate
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.simulate import simulate
 
 __all__ = ["KIND_COLORS", "plot_to_file", "render_png", "render_svg", "render_view_html"]
 

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule
 
 __all__ = [
     "ChromeTrace",

@@ -23,8 +23,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from optimizer.problem import Problem
-from optimizer.result import Schedule
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
 
 __all__ = [
     "ACTIVE_JOB_STATUSES",

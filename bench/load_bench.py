@@ -78,7 +78,7 @@ def free_port() -> int:
 
 def start_server(database_url: str, port: int, workers: int, log: Path) -> subprocess.Popen[bytes]:
     script = Path(sys.executable).parent / "pipesched"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
     env = {**os.environ, "PIPESCHED_DATABASE_URL": database_url, "PIPESCHED_SOLVER_WORKERS": str(workers)}
     process = subprocess.Popen(
         [*command, "serve", "--host", "127.0.0.1", "--port", str(port)],

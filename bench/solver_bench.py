@@ -24,16 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from optimizer.problem import Problem
-from optimizer.solve import Progress, solve, solve_family
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.solve import Progress, solve, solve_family
 
-SETTINGS_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "bench" / "zb_paper_settings.json"
+SETTINGS_PATH = Path(__file__).resolve().parent / "data" / "zb_paper_settings.json"  # its source is named inside
 LIMIT_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
 
 
 def paper_problem(setting: dict[str, Any], limit_factor: float, time_limit_s: float) -> Problem:
     """The setting as a stage_span problem with limit ``limit_factor × num_ranks × activation`` bytes."""
-    return Problem.model_validate(
+    return load_problem(
         {
             "pipeline": {"num_ranks": setting["num_ranks"], "num_microbatches": setting["num_microbatches"]},
             "costs": {
@@ -198,7 +199,7 @@ def run_bidirectional(time_limit_s: float) -> list[str]:
         print(line, flush=True)
     for p, m in BIDIRECTIONAL_SHAPES:
         for split in (False, True):
-            problem = Problem.model_validate(
+            problem = load_problem(
                 {
                     "pipeline": {
                         "num_ranks": p,

@@ -41,8 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from optimizer.instance import Instance
-from optimizer.ir import Action, ActionKind
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import Action, ActionKind
 
 __all__ = ["LowerBounds", "lower_bound", "lower_bounds"]
 

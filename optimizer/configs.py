@@ -1,7 +1,7 @@
 """Model and cluster descriptions a problem may give instead of ``costs`` and ``memory``.
 
-:mod:`optimizer.costmodel` derives per-stage times and memory from them, and
-:mod:`optimizer.partition` splits the layers into stages.
+:mod:`pipesched.optimizer.costmodel` derives per-stage times and memory from them, and
+:mod:`pipesched.optimizer.partition` splits the layers into stages.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipesched.optimizer.validation import raise_field_errors
 
 __all__ = ["DTYPE_BYTES", "ClusterConfig", "ModelConfig"]
 
@@ -58,8 +60,6 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
-        from optimizer.problem import raise_field_errors
-
         errors: list[tuple[tuple[str | int, ...], str, Any]] = []
         if self.hidden_size % self.num_attention_heads:
             divisors = [a for a in range(1, min(self.hidden_size, 256) + 1) if self.hidden_size % a == 0]
@@ -78,7 +78,7 @@ class ModelConfig(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    """The accelerators and links: a catalogue name (:mod:`optimizer.accelerators`) or explicit numbers.
+    """The accelerators and links: a catalogue name (:mod:`pipesched.optimizer.accelerators`) or explicit numbers.
 
     Explicit ``memory_bytes``, ``flops_per_s`` or ``memory_bandwidth_bytes_per_s`` override the
     catalogue's figures; without an accelerator name all three are required.

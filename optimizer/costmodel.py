@@ -14,7 +14,7 @@ Sources and model:
   bandwidth. The elementwise kernels (layer norm, GeLU, softmax, dropout, bias adds) of F move about
   ``FORWARD_TRAFFIC_PER_ACTIVATION_BYTE`` bytes per byte of stored activation, those of I
   ``BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE``; W is matrix multiplies only. The two factors were fitted by
-  least squares to the paper's profiled A100 times (Table 6, ``shared/bench/zb_paper_settings.json``), with
+  least squares to the paper's profiled A100 times (Table 6, ``bench/data/zb_paper_settings.json``), with
   the paper's four models together (one pair of factors for all); the fit puts the matrix-multiply
   efficiency at 0.79 and reproduces T_I/T_F and T_W/T_F of all four models within 4%. FLOPs alone would give
   T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from optimizer.accelerators import get_accelerator
-from optimizer.configs import ClusterConfig, ModelConfig
-from optimizer.units import format_bytes
-
-if TYPE_CHECKING:
-    from optimizer.problem import Costs, Memory, Pipeline
+from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.partition import PartitionError, partition_layers
+from pipesched.optimizer.problem import Costs, Memory, Pipeline
+from pipesched.optimizer.units import format_bytes
+from pipesched.optimizer.validation import raise_field_errors
 
 __all__ = [
     "BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE",
@@ -128,8 +128,6 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
         pydantic.ValidationError: ``cluster.accelerator`` unknown (the message lists the catalogue), or no
             accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s missing.
     """
-    from optimizer.accelerators import accelerator_names
-    from optimizer.problem import raise_field_errors
 
     memory, flops, bandwidth = cluster.memory_bytes, cluster.flops_per_s, cluster.memory_bandwidth_bytes_per_s
     name = cluster.accelerator or "explicit"
@@ -352,7 +350,7 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
     """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
-    otherwise :func:`optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
+    otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
     every rank fitting static memory plus one microbatch's activations of each of its stages.
 
     Returns:
@@ -365,8 +363,6 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
             (``model.num_layers``), a bad ``model.layers_per_stage``, or weights/optimizer state alone
             exceeding a rank's memory (``cluster``), each with the numbers and the fix.
     """
-    from optimizer.partition import PartitionError, partition_layers
-    from optimizer.problem import Costs, Memory, raise_field_errors
 
     hardware = resolve_hardware(cluster)
     num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks

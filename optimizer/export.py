@@ -6,10 +6,10 @@ import csv
 import io
 from typing import TYPE_CHECKING, Any
 
-from optimizer.ir import Orders
+from pipesched.optimizer.ir import Orders
 
 if TYPE_CHECKING:
-    from optimizer.result import Schedule
+    from pipesched.optimizer.result import Schedule
 
 __all__ = ["orders_to_torch_csv", "run_report_to_chrome_trace", "schedule_to_chrome_trace", "torch_csv_to_orders"]
 
@@ -42,7 +42,7 @@ def _trace_process(events: list[dict[str, Any]], pid: int, name: str) -> None:
 
 
 def _trace_action(pid: int, text: str, trace_start_ms: float, trace_end_ms: float, **args: Any) -> dict[str, Any]:
-    from optimizer.ir import parse_action
+    from pipesched.optimizer.ir import parse_action
 
     action = parse_action(text)
     return {
@@ -68,8 +68,8 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     Raises:
         ValueError: for an infeasible schedule (no actions to trace).
     """
-    from optimizer.instance import compile_problem
-    from optimizer.simulate import simulate
+    from pipesched.optimizer.instance import compile_problem
+    from pipesched.optimizer.simulate import simulate
 
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ValueError(f"schedule is infeasible ({schedule.reason}): there is no timeline to trace")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from optimizer.ir import Action, ActionKind
-from optimizer.problem import Problem
+from pipesched.optimizer.ir import Action, ActionKind
+from pipesched.optimizer.problem import Problem
 
 __all__ = ["Instance", "compile_problem", "stage_to_rank"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from optimizer.units import format_bytes
+from pipesched.optimizer.units import format_bytes
 
 __all__ = ["PartitionError", "even_partition", "partition_layers", "slowest_stage"]
 

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import BeforeValidator, Field, model_validator
 
-from optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.validation import StrictModel as _Strict
+from pipesched.optimizer.validation import raise_field_errors
 
 __all__ = [
     "FAMILY_NAMES",
@@ -72,28 +73,6 @@ def _number_or_list(value: Any) -> Any:
 PerStage = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 #: A per-rank number or list.
 PerRank = Annotated[float | list[float], BeforeValidator(_number_or_list)]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
-
-
-def raise_field_errors(title: str, errors: list[tuple[tuple[str | int, ...], str, Any]]) -> None:
-    """Raise one pydantic ``ValidationError`` carrying every ``(field path, message, input)``.
-
-    Used by cross-field checks so that, over HTTP, each error keeps the path of the field to fix.
-    """
-    if not errors:
-        return
-    details = [
-        InitErrorDetails(
-            type=PydanticCustomError("value_error", "{message}", {"message": message}),
-            loc=loc,
-            input=value,
-        )
-        for loc, message, value in errors
-    ]
-    raise ValidationError.from_exception_data(title, details)
 
 
 class Pipeline(_Strict):
@@ -216,9 +195,9 @@ class SolverOptions(_Strict):
 class Problem(_Strict):
     """One scheduling problem (contract, Problem).
 
-    Give ``costs`` and ``memory``, or ``model`` and ``cluster`` to have them derived
-    (see :mod:`optimizer.costmodel`). Per-stage lists have ``pipeline.num_stages`` entries,
-    per-rank lists ``pipeline.num_ranks``.
+    Give ``costs`` and ``memory``; a document with ``model`` and ``cluster`` instead is loaded by
+    :func:`pipesched.optimizer.derive.load_problem`, which derives them first. Per-stage lists have
+    ``pipeline.num_stages`` entries, per-rank lists ``pipeline.num_ranks``.
 
     Raises:
         pydantic.ValidationError: with the field path and a sentence saying what is valid.
@@ -236,30 +215,16 @@ class Problem(_Strict):
     @model_validator(mode="after")
     def _resolve_and_check(self) -> Problem:
         if self.costs is None or self.memory is None:
+            missing = [name for name in ("costs", "memory") if getattr(self, name) is None]
             if self.model is None or self.cluster is None:
-                missing = [name for name in ("costs", "memory") if getattr(self, name) is None]
-                raise_field_errors(
-                    "Problem",
-                    [
-                        (
-                            (missing[0],),
-                            f"missing {' and '.join(missing)}: give costs and memory, or model and "
-                            "cluster to derive them",
-                            None,
-                        )
-                    ],
+                hint = "give costs and memory, or model and cluster to derive them"
+            else:
+                hint = (
+                    "costs and memory are derived from model and cluster by "
+                    "pipesched.optimizer.derive.load_problem (the CLI and the HTTP service call it): load the "
+                    "problem with it instead of Problem.model_validate"
                 )
-            from optimizer.costmodel import derive_problem
-
-            derived = derive_problem(self.model, self.cluster, self.pipeline)  # type: ignore[arg-type]
-            if self.costs is None:
-                self.costs = derived.costs
-            if self.memory is None:
-                self.memory = derived.memory
-            # record the partition so the runtime builds its chunks from the same split; with costs and
-            # memory filled in, a re-validated problem keeps model/cluster as documentation only
-            layers = derived.layers_per_stage
-            self.model = self.model.model_copy(update={"layers_per_stage": layers})  # type: ignore[union-attr]
+            raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
         self._check_lengths()
         return self
 

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from optimizer.instance import Instance, compile_problem
-from optimizer.ir import Action, Orders, parse_action
-from optimizer.problem import Problem
-from optimizer.simulate import SimulationResult, simulate
+from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.ir import Action, Orders, parse_action
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import SimulationResult, simulate
 
 __all__ = [
     "OPTIMALITY_TOLERANCE_MS",

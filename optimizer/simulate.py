@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from optimizer.instance import Instance
-from optimizer.ir import Orders
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import Orders
 
 __all__ = [
     "InvalidSchedule",

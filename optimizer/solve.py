@@ -1,36 +1,21 @@
-"""The one entry point: ``solve(problem)`` → :class:`~optimizer.result.Schedule`.
+"""The one entry point: ``solve(problem)`` → :class:`~pipesched.optimizer.result.Schedule`.
 
 ``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
-(the search portfolio of :mod:`optimizer.solvers.portfolio`).
+(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from optimizer.families import get_family
-from optimizer.instance import compile_problem
-from optimizer.problem import Problem
-from optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.solvers.portfolio import solve_auto
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A search's state: best objective found (ms, ``None`` before the first), lower bound (ms), elapsed s."""
-
-    best_objective: float | None
-    lower_bound: float | None
-    elapsed_s: float
-    backend: str = ""
-    message: str = ""
-
-
-ProgressCallback = Callable[[Progress], None]
-StopCheck = Callable[[], bool]
 
 
 def solve(
@@ -54,8 +39,6 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
-        from optimizer.solvers.portfolio import solve_auto
-
         return solve_auto(problem, progress=progress, should_stop=should_stop)
     return solve_family(problem, problem.solver.method)
 

@@ -1,18 +1,18 @@
 """Execute one rank's part of a schedule with ``torch.distributed`` and record what happened.
 
-PyTorch's ``_PipelineScheduleRuntime`` (driven by :mod:`runtime.torch_compat` from the compute-only
+PyTorch's ``_PipelineScheduleRuntime`` (driven by :mod:`pipesched.runtime.torch_compat` from the compute-only
 CSV) runs every loop and V schedule, and is the default engine there (``engine="auto"`` in
-:mod:`runtime.launch`). This own executor is for what that runtime cannot follow:
+:mod:`pipesched.runtime.launch`). This own executor is for what that runtime cannot follow:
 
 * ``"bidirectional"`` placement (two model replicas whose stage ids ``S … 2S−1`` map back onto model
   stages ``0 … S−1``) and explicit placement lists: it reads the microbatch chains from
-  :func:`optimizer.instance.compile_problem`, where ``_PipelineScheduleRuntime`` knows one chain
+  :func:`pipesched.optimizer.instance.compile_problem`, where ``_PipelineScheduleRuntime`` knows one chain
   ``0 … S−1`` placed loop- or V-wise;
 * runs that need the wait before each action apart from its compute (``wait_ms``), and a
   second, independent execution of the same order to compare with PyTorch's (``engine="pipesched"``).
 
 The backward split uses PyTorch's own ``stage_backward_input`` / ``stage_backward_weight`` (through
-:mod:`runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a
+:mod:`pipesched.runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a
 stage whose input needs no gradient (the first model stage) I has nothing to compute and W runs the
 whole backward, as PyTorch does (``shared/NOTES.md`` §3).
 
@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from optimizer.instance import Instance, compile_problem
-from optimizer.ir import Action, ActionKind, parse_action
-from optimizer.result import Schedule
-from runtime import torch_compat
-from runtime.models import PipelineModel
+from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.ir import Action, ActionKind, parse_action
+from pipesched.optimizer.result import Schedule
+from pipesched.runtime import torch_compat
+from pipesched.runtime.models import PipelineModel
 
 __all__ = ["PipelineRuntimeError", "RankRun", "SavedActivationMeter", "execute_rank"]
 

@@ -24,15 +24,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from optimizer.instance import compile_problem
-from optimizer.result import Schedule
-from optimizer.simulate import InvalidSchedule, simulate
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
 
 ENGINES = ("auto", "pipesched", "torch")
 """``torch``: PyTorch's ``_PipelineScheduleRuntime`` fed the schedule's compute-only CSV (loop and V
-placement); ``pipesched``: the own executor (:mod:`runtime.executor`, every placement); ``auto``: torch
+placement); ``pipesched``: the own executor (:mod:`pipesched.runtime.executor`, every placement); ``auto``: torch
 wherever it can follow the schedule, else pipesched."""
 
 
@@ -84,9 +84,9 @@ def _free_port() -> int:
 def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float) -> dict[str, Any]:
     import torch
 
-    from optimizer.export import orders_to_torch_csv
-    from runtime.executor import SavedActivationMeter, execute_rank
-    from runtime.models import load_model
+    from pipesched.optimizer.export import orders_to_torch_csv
+    from pipesched.runtime.executor import SavedActivationMeter, execute_rank
+    from pipesched.runtime.models import load_model
 
     schedule = Schedule.model_validate_json(job["schedule"])
     model = load_model(job["model"], schedule.problem, seed=job["seed"])
@@ -95,7 +95,7 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
         result = asdict(run)
         result["gradients"] = run.gradients
         return result
-    from runtime.torch_compat import run_torch_runtime
+    from pipesched.runtime.torch_compat import run_torch_runtime
 
     inst = compile_problem(schedule.problem)
     m = inst.num_microbatches
@@ -262,7 +262,7 @@ def run_schedules(
     executor for the others; see :func:`resolve_engine`). ``validate``: reject a schedule the simulator rejects
     before starting any process (``False`` lets the runtime meet it, for testing the timeouts).
     On a node other than ``node_rank`` 0 the reports are ``{"node_rank": …}`` only: node 0 verifies.
-    With a torch outside :data:`runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and runs.
+    With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and runs.
 
     Raises:
         ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count mismatch).
@@ -270,12 +270,12 @@ def run_schedules(
     """
     import torch
 
-    from runtime.models import load_model
-    from runtime.verify import build_report, reference_run
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.verify import build_report, reference_run
 
     if not schedules:
         return []
-    from runtime.torch_compat import warn_if_unsupported_torch
+    from pipesched.runtime.torch_compat import warn_if_unsupported_torch
 
     warn_if_unsupported_torch()
     if backend not in ("gloo", "nccl"):
@@ -415,7 +415,7 @@ def run_schedule(
 
 
 def print_run_summary(report: dict[str, Any]) -> None:
-    """Print a one-screen rich summary of a run report (see :func:`runtime.verify.print_report`)."""
-    from runtime.verify import print_report
+    """Print a one-screen rich summary of a run report (see :func:`pipesched.runtime.verify.print_report`)."""
+    from pipesched.runtime.verify import print_report
 
     print_report(report)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimizer.problem import Problem
+from pipesched.optimizer.problem import Problem
 
 __all__ = [
     "PRESETS",
@@ -238,7 +238,7 @@ def _user_model(spec: str, num_stages: int, seed: int) -> PipelineModel:
         return built
     if not isinstance(built, Sequence) or not all(isinstance(m, nn.Module) for m in built):
         raise ValueError(
-            f"--model {spec!r}: the function must return a runtime.models.PipelineModel or a list of "
+            f"--model {spec!r}: the function must return a pipesched.runtime.models.PipelineModel or a list of "
             f"{num_stages} nn.Module stages, got {type(built).__name__}"
         )
     stages = list(built)
@@ -248,7 +248,7 @@ def _user_model(spec: str, num_stages: int, seed: int) -> PipelineModel:
     if not embeddings:
         raise ValueError(
             f"--model {spec!r}: with a plain list of stages the first stage must take token ids (hold an "
-            "nn.Embedding); return a runtime.models.PipelineModel to give your own inputs"
+            "nn.Embedding); return a pipesched.runtime.models.PipelineModel to give your own inputs"
         )
     vocab = embeddings[0].num_embeddings
     return PipelineModel(

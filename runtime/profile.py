@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from optimizer.problem import Problem
-from runtime import torch_compat
-from runtime.executor import SavedActivationMeter
-from runtime.models import load_model
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.runtime import torch_compat
+from pipesched.runtime.executor import SavedActivationMeter
+from pipesched.runtime.models import load_model
 
 __all__ = ["profile_model"]
 
@@ -50,14 +51,14 @@ def profile_model(
     Returns a :class:`Problem` with per-stage ``costs`` (ms) and ``memory`` (bytes), ``split_backward``
     true, ``memory.limit`` = ``memory_limit_bytes`` (None: no limit), ``costs.p2p`` = ``p2p_ms``.
 
-    With a torch outside :data:`runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
+    With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
 
     Raises:
         ValueError: unknown model, or a model that cannot be split into that many stages.
     """
     torch_compat.warn_if_unsupported_torch()
-    skeleton = Problem.model_validate(
+    skeleton = load_problem(
         {
             "pipeline": {
                 "num_ranks": num_ranks,
@@ -134,11 +135,11 @@ def profile_model(
         "limit": memory_limit_bytes,
         "static": static,
     }
-    return Problem.model_validate(data)
+    return load_problem(data)
 
 
 def skeleton_stage_ranks(problem: Problem) -> list[int]:
-    """Rank of each stage id of ``problem`` (:func:`optimizer.instance.stage_to_rank`)."""
-    from optimizer.instance import stage_to_rank
+    """Rank of each stage id of ``problem`` (:func:`pipesched.optimizer.instance.stage_to_rank`)."""
+    from pipesched.optimizer.instance import stage_to_rank
 
     return stage_to_rank(problem)

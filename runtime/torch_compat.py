@@ -37,7 +37,7 @@ def check_torch_version(version: str | None = None) -> str | None:
     """``None`` when ``version`` (default: the installed ``torch.__version__``, e.g. ``"2.13.0+cpu"``) is in
     :data:`SUPPORTED_TORCH`, else a sentence saying so, for a warning. Raises nothing.
 
-    :func:`runtime.launch.run_schedules` and :func:`runtime.profile.profile_model` warn with it
+    :func:`pipesched.runtime.launch.run_schedules` and :func:`pipesched.runtime.profile.profile_model` warn with it
     (``RuntimeWarning``) and go on: the private APIs may still work, and every run is verified anyway.
     """
     version = str(torch.__version__ if version is None else version).split("+")[0]

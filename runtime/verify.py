@@ -16,12 +16,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from optimizer.instance import compile_problem
-from optimizer.ir import parse_action
-from optimizer.result import Schedule
-from optimizer.simulate import simulate
-from optimizer.units import common_unit
-from runtime.models import PipelineModel
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.simulate import simulate
+from pipesched.optimizer.units import common_unit
+from pipesched.runtime.models import PipelineModel
 
 __all__ = ["build_report", "compare_gradients", "measured_costs", "print_report", "reference_run"]
 

@@ -8,15 +8,16 @@ from typing import Any
 
 import pytest
 
-from optimizer.problem import Problem
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.problem import Problem
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-PAPER_SETTINGS_PATH = SHARED / "bench" / "zb_paper_settings.json"
+SHARED = REPO.parent / "shared"  # the team's shared folder: absent from a user's clone
+PAPER_SETTINGS_PATH = REPO / "bench" / "data" / "zb_paper_settings.json"
 
 
 def paper_settings() -> list[dict[str, Any]]:
-    """The 12 profiled settings of the Zero Bubble paper (shared/bench/zb_paper_settings.json)."""
+    """The 12 profiled settings of the Zero Bubble paper (bench/data/zb_paper_settings.json, its source inside)."""
     return json.loads(PAPER_SETTINGS_PATH.read_text())["settings"]
 
 
@@ -40,7 +41,7 @@ def paper_problem(setting: dict[str, Any], **overrides: Any) -> Problem:
         for part in parts[:-1]:
             target = target.setdefault(part, {})
         target[parts[-1]] = value
-    return Problem.model_validate(data)
+    return load_problem(data)
 
 
 def uniform_problem(
@@ -63,7 +64,7 @@ def uniform_problem(
     time_limit_s: float = 10.0,
 ) -> Problem:
     """A small problem with uniform costs unless told otherwise."""
-    return Problem.model_validate(
+    return load_problem(
         {
             "pipeline": {
                 "num_ranks": num_ranks,

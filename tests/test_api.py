@@ -11,14 +11,14 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from api.app import create_app
-from api.jobs import make_stop_check
-from api.settings import Settings
-from api.storage import Store, problem_key
-from optimizer.export import orders_to_torch_csv
-from optimizer.families import registry
-from optimizer.problem import Problem
-from optimizer.solve import solve
+from pipesched.api.app import create_app
+from pipesched.api.jobs import make_stop_check
+from pipesched.api.settings import Settings
+from pipesched.api.storage import Store, problem_key
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.export import orders_to_torch_csv
+from pipesched.optimizer.families import registry
+from pipesched.optimizer.solve import solve
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
@@ -56,7 +56,7 @@ def wait_for_job(client: TestClient, job_id: str, timeout_s: float = 60.0) -> di
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    path = tmp_path_factory.mktemp("api") / "api.sqlite3"
+    path = tmp_path_factory.mktemp("api") / "pipesched.api.sqlite3"
     return Settings(
         database_url=f"sqlite:///{path}", solver_workers=2, max_time_limit_s=MAX_TIME_LIMIT_S, max_body_bytes=20_000
     )
@@ -74,7 +74,7 @@ def test_solve_answers_the_solvers_schedule_then_the_stored_one(client: TestClie
     assert first.status_code == 200, first.text
     assert first.headers["X-Pipesched-Cache"] == "miss"
     answer = first.json()
-    expected = solve(Problem.model_validate(body))
+    expected = solve(load_problem(body))
     assert answer["id"] and answer["cache"] == "miss"
     assert answer["status"] == expected.status
     assert answer["makespan"] == pytest.approx(expected.makespan)
@@ -120,7 +120,7 @@ def test_formats_of_a_stored_schedule(client: TestClient) -> None:
     assert as_json.status_code == 200 and as_json.json() == {k: v for k, v in answer.items() if k != "cache"}
     as_csv = client.get(f"/v1/schedules/{schedule_id}", params={"format": "csv"})
     assert as_csv.status_code == 200 and as_csv.headers["content-type"].startswith("text/csv")
-    assert as_csv.text == orders_to_torch_csv(solve(Problem.model_validate(body)).orders())
+    assert as_csv.text == orders_to_torch_csv(solve(load_problem(body)).orders())
     bad = client.get(f"/v1/schedules/{schedule_id}", params={"format": "xlsx"})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["query", "format"]
 
@@ -173,7 +173,7 @@ def test_a_model_and_cluster_request_answers_the_derived_costs_memory_and_partit
     assert response.status_code == 200, response.text
     answer = response.json()
     solved = answer["problem"]
-    derived = Problem.model_validate(body)
+    derived = load_problem(body)
     assert derived.costs is not None and derived.memory is not None and derived.model is not None
     assert solved["costs"] == derived.costs.model_dump(mode="json")
     assert solved["memory"] == derived.memory.model_dump(mode="json")
@@ -390,7 +390,7 @@ def test_cancelling_a_running_job_stops_its_search_and_stores_nothing(tmp_path: 
 
 def test_should_stop_sees_a_cancellation_and_the_deadline(settings: Settings) -> None:
     store = Store(settings.database_url)
-    problem = Problem.model_validate(problem_body("auto"))
+    problem = load_problem(problem_body("auto"))
     job = store.create_job(problem, problem_key(problem) + "-stop-check")
     assert store.start_job(job.id, 0)
     should_stop = make_stop_check(store, job.id, 0, time.monotonic() + 60)
@@ -407,10 +407,10 @@ def test_should_stop_sees_a_cancellation_and_the_deadline(settings: Settings) ->
 def test_jobs_left_running_are_requeued_or_failed_at_startup(tmp_path: Path) -> None:
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'restart.sqlite3'}", solver_workers=1, max_job_attempts=2)
     store = Store(settings.database_url)
-    problem = Problem.model_validate(problem_body("1f1b"))
+    problem = load_problem(problem_body("1f1b"))
     interrupted = store.create_job(problem, problem_key(problem))
     assert store.start_job(interrupted.id, 0)  # a previous run died while solving it
-    other = Problem.model_validate(problem_body("gpipe"))
+    other = load_problem(problem_body("gpipe"))
     exhausted = store.create_job(other, problem_key(other))
     with store.transaction() as session:
         row = session.get(type(exhausted), exhausted.id)
@@ -481,7 +481,7 @@ def test_a_write_that_fails_midway_leaves_nothing_half_stored(settings: Settings
     from sqlalchemy.exc import OperationalError
 
     store = Store(settings.database_url)
-    problem = Problem.model_validate(problem_body("1f1b"))
+    problem = load_problem(problem_body("1f1b"))
     key = problem_key(problem) + "-half-stored"
     job = store.create_job(problem, key)
     assert store.start_job(job.id, 0)

@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
-from api.app import create_app
-from api.settings import Settings
-from api.storage import Base, Store, problem_key
-from optimizer.problem import Problem
-from optimizer.solve import solve
+from pipesched.api.app import create_app
+from pipesched.api.settings import Settings
+from pipesched.api.storage import Base, Store, problem_key
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.solve import solve
 from tests.test_api_served import free_port, problem_body, wait_for_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient

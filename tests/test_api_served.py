@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.storage import Store
+from pipesched.api.storage import Store
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ class ServedApi:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         script = Path(sys.executable).parent / "pipesched"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "api.cli"]
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
         environ = {**os.environ, "PIPESCHED_DATABASE_URL": database_url, **env}
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(

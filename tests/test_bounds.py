@@ -8,10 +8,10 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optimizer.bounds import lower_bounds
-from optimizer.families import applicable_families
-from optimizer.instance import compile_problem
-from optimizer.simulate import InvalidSchedule, indexed_orders, simulate_indexed
+from pipesched.optimizer.bounds import lower_bounds
+from pipesched.optimizer.families import applicable_families
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.simulate import InvalidSchedule, indexed_orders, simulate_indexed
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 

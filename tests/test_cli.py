@@ -23,7 +23,7 @@ PROBLEM = {
 
 def pipesched(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "api.cli", *args],
+        [sys.executable, "-m", "pipesched.api.cli", *args],
         cwd=cwd,
         capture_output=True,
         text=True,

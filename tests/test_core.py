@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from optimizer.ir import Action, ActionKind, parse_action
-from optimizer.result import Schedule
-from optimizer.solve import solve_family
+from pipesched.optimizer.ir import Action, ActionKind, parse_action
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.solve import solve_family
 from tests.conftest import uniform_problem
 
 
@@ -67,7 +67,7 @@ def test_schedule_json_round_trip(method: str) -> None:
 
 def test_auto_without_memory_limit_solves() -> None:
     """No limit means unbounded capacity: the heuristic's warm-up cap must not turn inf into NaN."""
-    from optimizer.solve import solve
+    from pipesched.optimizer.solve import solve
     from tests.conftest import uniform_problem
 
     schedule = solve(uniform_problem(4, 6, limit=None, time_limit_s=2.0))

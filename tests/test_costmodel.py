@@ -10,10 +10,11 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from optimizer.accelerators import CATALOGUE, get_accelerator
-from optimizer.configs import ClusterConfig, ModelConfig
-from optimizer.costmodel import derive_problem, static_bytes_per_parameter
-from optimizer.problem import Pipeline, Problem
+from pipesched.optimizer.accelerators import CATALOGUE, get_accelerator
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.costmodel import derive_problem, static_bytes_per_parameter
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.problem import Pipeline, Problem
 from tests.conftest import paper_settings
 
 GIB = 1024**3
@@ -33,7 +34,7 @@ def one_setting_per_model() -> list[dict[str, Any]]:
 
 def paper_model_problem(setting: dict[str, Any], **cluster: Any) -> Problem:
     num_layers, micro_batch_size = PAPER_MODELS[setting["model"]]
-    return Problem.model_validate(
+    return load_problem(
         {
             "pipeline": {"num_ranks": setting["num_ranks"], "num_microbatches": setting["num_microbatches"]},
             "model": {
@@ -51,7 +52,7 @@ def paper_model_problem(setting: dict[str, Any], **cluster: Any) -> Problem:
 
 
 def model_problem(model: dict[str, Any], cluster: dict[str, Any], num_ranks: int = 4, **pipeline: Any) -> Problem:
-    return Problem.model_validate(
+    return load_problem(
         {
             "pipeline": {"num_ranks": num_ranks, "num_microbatches": 8, **pipeline},
             "model": model,
@@ -176,12 +177,12 @@ def test_derived_problem_round_trips_and_edits_are_kept() -> None:
     assert problem.model is not None and problem.model.layers_per_stage is not None
     assert sum(problem.model.layers_per_stage) == 10 and len(problem.model.layers_per_stage) == 4
     dumped = problem.model_dump(mode="json")
-    again = Problem.model_validate(dumped)
+    again = load_problem(dumped)
     assert again.costs == problem.costs and again.memory == problem.memory
     # a user edits the derived costs: the edit is kept, model/cluster are not re-derived
     dumped["costs"]["forward"] = 5.0
     dumped["memory"]["limit"] = 1e9
-    edited = Problem.model_validate(dumped)
+    edited = load_problem(dumped)
     assert edited.costs is not None and edited.costs.forward == 5.0
     assert edited.memory is not None and edited.memory.limit == 1e9
     assert edited.model == problem.model
@@ -259,7 +260,7 @@ def test_derive_problem_reports_the_partition_and_hardware() -> None:
 
 
 def test_cli_solve_shows_the_derived_problem(tmp_path: Path) -> None:
-    from api.cli import app
+    from pipesched.api.cli import app
 
     path = tmp_path / "problem.json"
     path.write_text(

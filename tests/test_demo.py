@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.problem import Problem
-from optimizer.solve import solve_family
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.solve import solve_family
 
 
 @pytest.mark.slow

@@ -28,9 +28,25 @@ def test_readme_opens_with_the_demo_and_test_commands_that_ci_runs() -> None:
 def test_every_cli_command_in_the_contract_exists() -> None:
     from typer.main import get_command
 
-    from api.cli import app
+    from pipesched.api.cli import app
 
     commands = set(get_command(app).commands)  # type: ignore[attr-defined]
     contract = (REPO / "docs" / "CONTRACT.md").read_text()
     named = set(re.findall(r"`pipesched (\w+)", contract))
-    assert named and named <= commands, named - commands
+    assert named and named <= commands | not_built_yet(), named - commands - not_built_yet()
+
+
+def not_built_yet() -> set[str]:
+    """The commands the README's "Not built yet" list names: the contract's parts still to come."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Not built yet", 1)[1].split("\n## ", 1)[0] if "## Not built yet" in readme else ""
+    return set(re.findall(r"`pipesched (\w+)`", section))  # a whole command, not an option of a built one
+
+
+def test_a_command_in_the_not_built_list_is_not_there_yet() -> None:
+    from typer.main import get_command
+
+    from pipesched.api.cli import app
+
+    built = set(get_command(app).commands) & not_built_yet()  # type: ignore[attr-defined]
+    assert not built, f"remove {sorted(built)} from the README's Not built yet list: it is built"

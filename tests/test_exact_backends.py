@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from optimizer.families import applicable_families, get_family
-from optimizer.instance import Instance, compile_problem
-from optimizer.problem import Problem
-from optimizer.simulate import indexed_orders, simulate_indexed
-from optimizer.solvers.base import BackendResult, BackendStatus
-from optimizer.solvers.cpsat import CpSatBackend, choose_tick_ms, fifo_normalise
-from optimizer.solvers.milp import MilpBackend
+from pipesched.optimizer.families import applicable_families, get_family
+from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import indexed_orders, simulate_indexed
+from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
+from pipesched.optimizer.solvers.cpsat import CpSatBackend, choose_tick_ms, fifo_normalise
+from pipesched.optimizer.solvers.milp import MilpBackend
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 TOLERANCE_MS = 1e-6
@@ -191,8 +191,8 @@ def test_milp_backend_alone_then_auto_in_one_fresh_process() -> None:
     # CP-SAT (nor the other way round) for the rest of the process, as in a service worker.
     script = """
 import json, sys
-import optimizer.solvers.milp
-from optimizer.solve import solve
+import pipesched.optimizer.solvers.milp
+from pipesched.optimizer.solve import solve
 from tests.conftest import uniform_problem
 
 problem = uniform_problem(3, 4, limit=200.0)

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from optimizer.families import FamilyDomainError, get_family, registry
-from optimizer.instance import compile_problem
-from optimizer.ir import Action, ActionKind
-from optimizer.problem import Problem
-from optimizer.simulate import InvalidSchedule, SimulationResult, simulate
+from pipesched.optimizer.families import FamilyDomainError, get_family, registry
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import Action, ActionKind
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
 from tests.conftest import uniform_problem
 
 
@@ -255,7 +255,7 @@ def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, da
 
 
 def test_capped_greedy_stops_when_asked() -> None:
-    from optimizer.families._greedy import SearchStopped, capped_greedy_orders
+    from pipesched.optimizer.families._greedy import SearchStopped, capped_greedy_orders
 
     inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional"))
     calls = []

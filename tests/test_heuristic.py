@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from optimizer.instance import compile_problem
-from optimizer.simulate import simulate_indexed
-from optimizer.solvers.base import BackendStatus
-from optimizer.solvers.heuristic import HeuristicBackend, evaluate, greedy, greedy_variants, sequential_orders
-from optimizer.solvers.infeasible import min_memory_limit
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.simulate import simulate_indexed
+from pipesched.optimizer.solvers.base import BackendStatus
+from pipesched.optimizer.solvers.heuristic import HeuristicBackend, evaluate, greedy, greedy_variants, sequential_orders
+from pipesched.optimizer.solvers.infeasible import min_memory_limit
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimizer.solve import solve
+from pipesched.optimizer.solve import solve
 from tests.conftest import paper_problem, paper_settings
 
 SETTINGS = [s for s in paper_settings() if s["num_ranks"] <= 16 and s["num_microbatches"] <= 64]

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from api.cli import app
-from optimizer.solve import solve_family
+from pipesched.api.cli import app
+from pipesched.optimizer.solve import solve_family
 from tests.conftest import paper_problem, paper_settings
 
 SETTINGS = paper_settings()

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from optimizer.partition import PartitionError, even_partition, partition_layers, slowest_stage
-from optimizer.problem import Problem
-from optimizer.solve import solve
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.partition import PartitionError, even_partition, partition_layers, slowest_stage
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.solve import solve
 
 #: A 16-layer model with a 256k vocabulary: the LM head weighs several layers, so an even split is slow.
 UNEVEN_MODEL = {
@@ -24,7 +25,7 @@ UNEVEN_MODEL = {
 
 
 def uneven_problem(layers_per_stage: list[int] | None, time_limit_s: float = 2.0) -> Problem:
-    return Problem.model_validate(
+    return load_problem(
         {
             "pipeline": {"num_ranks": 4, "num_microbatches": 8},
             "model": {**UNEVEN_MODEL, "layers_per_stage": layers_per_stage},
@@ -151,7 +152,7 @@ def test_shared_ranks_count_every_stage_they_hold() -> None:
 
 
 def test_interleaved_problem_is_partitioned_per_model_stage() -> None:
-    problem = Problem.model_validate(
+    problem = load_problem(
         {
             "pipeline": {"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2, "placement": "v"},
             "model": {**UNEVEN_MODEL, "num_layers": 12},

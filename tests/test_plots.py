@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from api import plots
-from api.cli import app
-from optimizer.export import run_report_to_chrome_trace, schedule_to_chrome_trace
-from optimizer.instance import compile_problem
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
-from optimizer.result import Schedule, build_schedule, infeasible_schedule
-from optimizer.simulate import simulate
-from optimizer.solve import solve_family
+from pipesched.api import plots
+from pipesched.api.cli import app
+from pipesched.optimizer.export import run_report_to_chrome_trace, schedule_to_chrome_trace
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.simulate import simulate
+from pipesched.optimizer.solve import solve_family
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 SVG_NS = "{http://www.w3.org/2000/svg}"

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optimizer.families import applicable_families
-from optimizer.instance import compile_problem
-from optimizer.simulate import indexed_orders, simulate, simulate_indexed
-from optimizer.solve import solve, solve_family
+from pipesched.optimizer.families import applicable_families
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.simulate import indexed_orders, simulate, simulate_indexed
+from pipesched.optimizer.solve import solve, solve_family
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 

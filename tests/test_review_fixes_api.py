@@ -15,13 +15,13 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from rich.console import Console
 
-from api.app import create_app
-from api.settings import Settings
-from api.storage import Store, problem_key
-from optimizer.partition import PartitionError, partition_layers
-from optimizer.problem import Problem
-from optimizer.solve import solve
-from optimizer.units import format_bytes
+from pipesched.api.app import create_app
+from pipesched.api.settings import Settings
+from pipesched.api.storage import Store, problem_key
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.partition import PartitionError, partition_layers
+from pipesched.optimizer.solve import solve
+from pipesched.optimizer.units import format_bytes
 from tests.conftest import uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlet
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    path = tmp_path_factory.mktemp("review") / "api.sqlite3"
+    path = tmp_path_factory.mktemp("review") / "pipesched.api.sqlite3"
     settings = Settings(database_url=f"sqlite:///{path}", solver_workers=1, max_time_limit_s=3.0)
     with TestClient(create_app(settings)) as test_client:
         yield test_client
@@ -114,7 +114,7 @@ def test_partition_memory_shared_by_a_ranks_stages_still_closes_the_full_rank() 
 def _report_with_losses(losses: dict[int, float], reference_loss: float) -> dict[str, Any]:
     """A run report whose measured actions are the schedule's own times (no torch run needed)."""
     pytest.importorskip("torch")
-    from runtime.verify import build_report
+    from pipesched.runtime.verify import build_report
 
     schedule = solve(uniform_problem(2, 3, method="1f1b", split_backward=False))
     ranks = [
@@ -138,7 +138,7 @@ def test_run_report_with_a_missing_loss_is_valid_json_and_not_verified() -> None
     assert report["loss"] is None and report["loss_rel_error"] is None
     assert report["missing_losses"] == [1] and report["verified"] is False
     assert json.loads(json.dumps(report, allow_nan=False))["loss"] is None  # strict JSON: no NaN
-    from runtime.verify import print_report
+    from pipesched.runtime.verify import print_report
 
     console = Console(file=io.StringIO(), width=200)
     print_report(report, console)
@@ -178,7 +178,7 @@ def test_max_job_attempts_counts_the_restarts_a_job_lives_through(tmp_path: Path
 def test_serve_with_a_bad_setting_exits_2_naming_it(env: dict[str, str], expected: str) -> None:
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from pipesched.api.cli import app
 
     result = CliRunner().invoke(app, ["serve"], env=env)
     assert result.exit_code == 2, (result.output, result.exception)
@@ -190,7 +190,7 @@ def test_serve_with_a_bad_setting_exits_2_naming_it(env: dict[str, str], expecte
 def test_serve_port_option_is_validated_like_the_setting() -> None:
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from pipesched.api.cli import app
 
     result = CliRunner().invoke(app, ["serve", "--port", "70000"])
     assert result.exit_code == 2, (result.output, result.exception)
@@ -218,20 +218,20 @@ def test_weights_too_large_for_a_small_memory_give_the_sizes_not_zero_gib() -> N
         },
     }
     with pytest.raises(ValidationError) as excinfo:
-        Problem.model_validate(body)
+        load_problem(body)
     message = next(str(e["msg"]) for e in excinfo.value.errors() if tuple(e["loc"])[:2] == ("cluster", "memory_bytes"))
     assert "weights, gradients and optimizer state need" in message
     assert "0.0 GiB" not in message and "MiB per rank" in message and "has 1 MiB" in message
 
 
 def test_the_service_modules_have_no_undocumented_public_functions_and_no_dead_wrappers() -> None:
-    import api.app
-    import api.jobs
-    import api.routes._common
-    import api.storage
+    import pipesched.api.app
+    import pipesched.api.jobs
+    import pipesched.api.routes._common
+    import pipesched.api.storage
 
     undocumented = []
-    for module in (api.app, api.jobs, api.routes._common, api.storage):
+    for module in (pipesched.api.app, pipesched.api.jobs, pipesched.api.routes._common, pipesched.api.storage):
         for name, value in vars(module).items():
             if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
                 continue
@@ -247,4 +247,4 @@ def test_the_service_modules_have_no_undocumented_public_functions_and_no_dead_w
                 ]
     assert undocumented == []
     # Removed: an OpenAPI dumper nothing called, and a key function that only renamed problem_key.
-    assert not hasattr(api.app, "openapi_json") and not hasattr(api.routes._common, "solve_key")
+    assert not hasattr(pipesched.api.app, "openapi_json") and not hasattr(pipesched.api.routes._common, "solve_key")

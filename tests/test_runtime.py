@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from optimizer.families import get_family
-from optimizer.ir import Action, ActionKind
-from optimizer.result import Schedule, build_schedule
-from optimizer.solve import solve
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.ir import Action, ActionKind
+from pipesched.optimizer.result import Schedule, build_schedule
+from pipesched.optimizer.solve import solve
 from tests.conftest import uniform_problem
 
 torch = pytest.importorskip("torch")
@@ -67,7 +68,7 @@ AUTO_KEY: Key = ("auto", "pipesched", True, "gpt-tiny")
 @pytest.fixture(scope="module")
 def family_runs() -> dict[Key, tuple[Schedule, dict]]:
     """Run every case in one launch; returns {(family, engine, split, model): (schedule, report)}."""
-    from runtime.launch import run_schedules
+    from pipesched.runtime.launch import run_schedules
 
     schedules, engines, models, keys = [], [], [], []
     for name, engine, options in CASES:
@@ -123,8 +124,8 @@ def test_schedule_runs_and_matches_reference(family_runs, key):
 
 def test_user_model_gradients_are_the_users_parameters(family_runs):
     """The user-model run compared the gradients of the user's own stage modules (not a GPT's)."""
-    from runtime.models import load_model
-    from runtime.verify import reference_run
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.verify import reference_run
 
     schedule, report = family_runs["1f1b", "pipesched", True, USER_MODEL]
     reference_loss, gradients = reference_run(load_model(USER_MODEL, schedule.problem), NUM_MICROBATCHES)
@@ -149,8 +150,8 @@ def test_csv_from_cli_is_what_the_torch_engine_loads(tmp_path: Path):
     """`pipesched solve --format csv` writes exactly the CSV the torch engine feeds `_load_csv`."""
     from typer.testing import CliRunner
 
-    from api.cli import app
-    from optimizer.export import orders_to_torch_csv
+    from pipesched.api.cli import app
+    from pipesched.optimizer.export import orders_to_torch_csv
 
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES)
     problem_path = tmp_path / "problem.json"
@@ -181,7 +182,7 @@ def deadlocking_schedule() -> Schedule:
 
 
 def test_broken_schedules_rejected_before_launch():
-    from runtime.launch import ScheduleError, run_schedule
+    from pipesched.runtime.launch import ScheduleError, run_schedule
 
     with pytest.raises(ScheduleError) as deadlock:
         run_schedule(deadlocking_schedule())
@@ -197,7 +198,7 @@ def test_deadlock_at_runtime_ends_with_p2p_timeout():
     """Bypassing the simulator, the runtime itself ends a deadlock within the timeout, naming the wait."""
     import time
 
-    from runtime.launch import RunFailed, run_schedules
+    from pipesched.runtime.launch import RunFailed, run_schedules
 
     started = time.perf_counter()
     with pytest.raises(RunFailed) as error:
@@ -210,7 +211,7 @@ def test_deadlock_at_runtime_ends_with_p2p_timeout():
 def test_cli_run_rejects_bad_input_with_exit_code_2(tmp_path: Path):
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from pipesched.api.cli import app
 
     bad = tmp_path / "bad.json"
     bad.write_text('{"status": "optimal"}')
@@ -225,7 +226,7 @@ def test_cli_run_rejects_bad_input_with_exit_code_2(tmp_path: Path):
 
 
 def test_profile_writes_a_problem_the_solver_takes(tmp_path: Path):
-    from runtime.profile import profile_model
+    from pipesched.runtime.profile import profile_model
 
     problem = profile_model(num_ranks=2, num_microbatches=4, repeats=1, warmup=1)
     assert problem.costs is not None and problem.memory is not None
@@ -253,7 +254,7 @@ def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says, en
     waits out the 120 s receive timeout, on either engine."""
     import time
 
-    from runtime.launch import RunFailed, run_schedule
+    from pipesched.runtime.launch import RunFailed, run_schedule
 
     started = time.perf_counter()
     with pytest.raises(RunFailed) as error:
@@ -268,8 +269,8 @@ def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says, en
 
 def test_unsupported_torch_version_warns_before_launch(monkeypatch):
     """`check_torch_version` runs where the runtime starts: another torch than 2.13 warns, then runs."""
-    from runtime.launch import ScheduleError, run_schedule
-    from runtime.torch_compat import check_torch_version
+    from pipesched.runtime.launch import ScheduleError, run_schedule
+    from pipesched.runtime.torch_compat import check_torch_version
 
     assert check_torch_version("2.13.0+cpu") is None
     assert check_torch_version("2.13.1") is None
@@ -290,7 +291,7 @@ def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
 
     from typer.testing import CliRunner
 
-    from api.cli import app
+    from pipesched.api.cli import app
 
     problem_path = tmp_path / "PROBLEM.json"
     profiled = CliRunner().invoke(
@@ -330,13 +331,12 @@ def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
 def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
     """A partition may leave the first and last stage without transformer layers (embedding / LM head
     alone); `--model problem` builds exactly that split and the run matches the reference."""
-    from optimizer.problem import Problem
-    from optimizer.solve import solve_family
-    from runtime.launch import run_schedule
-    from runtime.models import load_model
-    from runtime.verify import reference_run
+    from pipesched.optimizer.solve import solve_family
+    from pipesched.runtime.launch import run_schedule
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.verify import reference_run
 
-    problem = Problem.model_validate(
+    problem = load_problem(
         {
             "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
             "model": {
@@ -369,7 +369,7 @@ def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
 
 
 def test_auto_engine_is_torch_wherever_torch_can_follow_the_schedule():
-    from runtime.launch import ScheduleError, resolve_engine
+    from pipesched.runtime.launch import ScheduleError, resolve_engine
 
     assert resolve_engine("auto", family_schedule("zb-h1")) == "torch"
     assert resolve_engine("auto", family_schedule("zb-v", stages_per_rank=2, placement="v")) == "torch"

@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-from optimizer.families import get_family
-from optimizer.families.v_shape import capped_v_orders, v_block_orders
-from optimizer.families.zb_v import zbv_orders
-from optimizer.instance import compile_problem
-from optimizer.problem import Problem
-from optimizer.simulate import SimulationResult, simulate
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.families.v_shape import capped_v_orders, v_block_orders
+from pipesched.optimizer.families.zb_v import zbv_orders
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import SimulationResult, simulate
 from tests.conftest import uniform_problem
 
 ACTIVATION = 100.0

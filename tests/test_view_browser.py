@@ -20,7 +20,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from api.plots import KIND_COLORS
+from pipesched.api.plots import KIND_COLORS
 from tests.conftest import REPO, paper_problem, paper_settings
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -45,7 +45,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env["PIPESCHED_DATABASE_URL"] = f"sqlite:///{folder / 'pipesched.sqlite3'}"
     log = (folder / "serve.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "pipesched.api.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
         cwd=REPO,
         env=env,
         stdout=log,

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from optimizer.instance import Instance, compile_problem
-from optimizer.simulate import InvalidSchedule, simulate_indexed
-from optimizer.solvers.zb_auto import ZB_AUTO_VARIANTS, in_zb_auto_domain, zb_auto_order, zb_auto_orders
+from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.simulate import InvalidSchedule, simulate_indexed
+from pipesched.optimizer.solvers.zb_auto import ZB_AUTO_VARIANTS, in_zb_auto_domain, zb_auto_order, zb_auto_orders
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 _SETTINGS = paper_settings()

@@ -1,6 +1,6 @@
 """A user model for ``--model tests.user_pipeline_model:FUNCTION`` in the runtime tests (not a test module).
 
-:func:`tiny_stages` returns what ``runtime.models.load_model`` asks of a ``module:function`` model: one
+:func:`tiny_stages` returns what ``pipesched.runtime.models.load_model`` asks of a ``module:function`` model: one
 ``nn.Module`` per pipeline stage, the first taking token ids ``(2, 16)`` (it holds an ``nn.Embedding``),
 the last returning logits ``(2, 16, VOCAB)``. :func:`stages_with_rank2_dying` is the same model whose
 stage-2 module ends its process with ``os._exit`` on its third forward call: a rank dying mid-run;

@@ -10,12 +10,12 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from api.jobs import SolverPool
-from api.metrics import Metrics
-from api.settings import Settings
-from api.storage import Store
-from optimizer.families import FamilyDomainError, get_family
-from optimizer.problem import Problem
+from pipesched.api.jobs import SolverPool
+from pipesched.api.metrics import Metrics
+from pipesched.api.settings import Settings
+from pipesched.api.storage import Store
+from pipesched.optimizer.families import FamilyDomainError, get_family
+from pipesched.optimizer.problem import Problem
 
 
 @dataclass

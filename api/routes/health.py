@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from api.routes._common import Services, services
-from api.schemas import Health, error_responses
+from pipesched.api.routes._common import Services, services
+from pipesched.api.schemas import Health, error_responses
 
 router = APIRouter(tags=["health"])
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
-from api.routes._common import Services, prepare_problem, require_token, services
-from api.schemas import JobCreated, JobProgress, JobStatus, error_responses
-from api.storage import JobRow, problem_key
-from optimizer.problem import Problem
+from pipesched.api.routes._common import Services, prepare_problem, require_token, services
+from pipesched.api.schemas import JobCreated, JobProgress, JobStatus, error_responses
+from pipesched.api.storage import JobRow, problem_key
+from pipesched.optimizer.derive import ProblemDocument
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
 
@@ -42,7 +42,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     response_model=JobCreated,
     responses=error_responses(400, 401, 413, 422),
 )
-def create_job(problem: Problem, response: Response, svc: Services = Depends(services)) -> JobCreated:
+def create_job(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> JobCreated:
     """Queue ``problem`` for a solver process (at most ``solver_workers`` run at once; the rest wait).
 
     A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``).

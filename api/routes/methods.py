@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from api.routes._common import require_token
-from api.schemas import MethodInfo, Methods, error_responses
-from optimizer.families import registry
+from pipesched.api.routes._common import require_token
+from pipesched.api.schemas import MethodInfo, Methods, error_responses
+from pipesched.optimizer.families import registry
 
 router = APIRouter(prefix="/v1/methods", tags=["methods"], dependencies=[Depends(require_token)])
 

@@ -7,9 +7,9 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 
-from api import plots
-from api.jobs import SolverDied
-from api.routes._common import (
+from pipesched.api import plots
+from pipesched.api.jobs import SolverDied
+from pipesched.api.routes._common import (
     Services,
     cache_headers,
     check_method,
@@ -18,13 +18,14 @@ from api.routes._common import (
     require_token,
     services,
 )
-from api.schemas import ChromeTrace, ScheduleAnswer, error_responses
-from api.storage import problem_key
-from optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
-from optimizer.families import FamilyDomainError
-from optimizer.problem import Problem
-from optimizer.result import Schedule
-from optimizer.solve import solve_family
+from pipesched.api.schemas import ChromeTrace, ScheduleAnswer, error_responses
+from pipesched.api.storage import problem_key
+from pipesched.optimizer.derive import ProblemDocument
+from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
+from pipesched.optimizer.families import FamilyDomainError
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.solve import solve_family
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
 
@@ -49,7 +50,7 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
     Raises:
         HTTPException: 503 when the solver process died; 504 when the pool gives no answer within the
             time limit plus a grace period.
-        FamilyDomainError: as :func:`optimizer.solve.solve`.
+        FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
     """
     key = problem_key(problem)
     cached = svc.store.schedule_json_by_hash(key)
@@ -85,7 +86,7 @@ def with_cache_field(schedule_json: str, hit: bool) -> str:
     response_model=ScheduleAnswer,
     responses=error_responses(400, 401, 413, 422, 503, 504),
 )
-def solve_schedule(problem: Problem, response: Response, svc: Services = Depends(services)) -> Response:
+def solve_schedule(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> Response:
     """Solve ``problem`` (clamped to the service's time limit) and answer the schedule with its ``id``.
 
     The same problem again returns the stored schedule without solving (header

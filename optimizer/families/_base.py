@@ -6,8 +6,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import FAMILY_NAMES, Problem
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import FAMILY_NAMES, Problem
 
 __all__ = ["Family", "FamilyDomainError", "applicable_families", "backward", "get_family", "registry"]
 
@@ -73,9 +73,9 @@ def registry() -> dict[str, Family]:
     for name in FAMILY_NAMES:
         module_name = _MODULES[name]
         try:
-            module = importlib.import_module(f"optimizer.families.{module_name}")
+            module = importlib.import_module(f"pipesched.optimizer.families.{module_name}")
         except ModuleNotFoundError as error:
-            if error.name == f"optimizer.families.{module_name}":
+            if error.name == f"pipesched.optimizer.families.{module_name}":
                 continue
             raise
         for family in module.FAMILIES:

@@ -1,7 +1,7 @@
 """A memory-capped list scheduler for multi-stage placements (V, bidirectional, explicit).
 
 It builds per-rank orders by simulating time with the problem's own costs and dependencies
-(:class:`~optimizer.instance.Instance`): whenever a rank is free it runs, among the actions whose
+(:class:`~pipesched.optimizer.instance.Instance`): whenever a rank is free it runs, among the actions whose
 inputs have arrived, a backward (I or B) first, then a forward, then a W; a W also fills any
 idle moment. Passes of one kind on one stage run in microbatch order; the replicas of a bidirectional
 placement take turns.
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind, Orders
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind, Orders
 
 __all__ = ["SearchStopped", "capped_greedy_orders", "microbatch_reservation"]
 

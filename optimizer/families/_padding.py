@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from optimizer.ir import Orders
+from pipesched.optimizer.ir import Orders
 
 __all__ = ["drop_microbatches"]
 

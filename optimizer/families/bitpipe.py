@@ -1,6 +1,6 @@
 """BitPipe (Wu et al. 2024, arXiv 2410.19367): two V-shaped pipelines running in opposite directions.
 
-Placement "bidirectional" (see :mod:`optimizer.instance`): replica 0 has stage ids 0 … S−1 in V
+Placement "bidirectional" (see :mod:`pipesched.optimizer.instance`): replica 0 has stage ids 0 … S−1 in V
 placement, replica 1 ids S … 2S−1 mirrored, so every rank holds four stage ids; microbatches
 0 … ⌈m/2⌉−1 run through replica 0, the rest through replica 1. Both directions fill each other's
 warm-up and cool-down. We order the actions with the capped list scheduler of :mod:`._greedy`,
@@ -15,9 +15,9 @@ runs the same greedy at larger caps where the memory limit allows (1.5p: 0.08, 3
 
 from __future__ import annotations
 
-from optimizer.families._base import Family, require
-from optimizer.families.v_shape import capped_v_orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families.v_shape import capped_v_orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:

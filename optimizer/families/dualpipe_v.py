@@ -17,10 +17,10 @@ which keeps it deadlock-free. With split_backward false every backward is a fuse
 
 from __future__ import annotations
 
-from optimizer.families._base import Family, require
-from optimizer.families._padding import drop_microbatches
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._padding import drop_microbatches
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:

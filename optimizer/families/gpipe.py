@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from optimizer.families._base import Family, backward, require_loop_single_stage
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, backward, require_loop_single_stage
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:

@@ -14,10 +14,10 @@ deadlock-free; when p does not divide m the last group runs with idle slots.
 
 from __future__ import annotations
 
-from optimizer.families._base import Family, backward, require
-from optimizer.families._padding import drop_microbatches
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, backward, require
+from pipesched.optimizer.families._padding import drop_microbatches
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:

@@ -10,9 +10,9 @@ as soon as its last backward ends. With stages_per_rank 1 it is GPipe.
 
 from __future__ import annotations
 
-from optimizer.families._base import Family, backward, require
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, backward, require
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:

@@ -21,7 +21,7 @@ Fused backward: the backward slots run B (I and W together) and the W slots are 
 leaves them idle: the blocks are designed for split backward (for p=4, m=8 the fused V-Half bubble
 is 0.37 against 0.09 split, still below the capped greedy's 0.47).
 Any microbatch count (the block pattern is valid for every m); where the squeeze's assumptions fail
-or the order does not pass :func:`optimizer.simulate.simulate`, we fall back to the memory-capped
+or the order does not pass :func:`pipesched.optimizer.simulate.simulate`, we fall back to the memory-capped
 list scheduler of :mod:`._greedy` with ``k = ⌊p/2⌋ + 1`` (V-Half) or ``⌊p/3⌋ + 1`` (V-Min)
 microbatches per rank.
 """
@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from optimizer.families._base import Family, require
-from optimizer.families._greedy import capped_greedy_orders, microbatch_reservation
-from optimizer.instance import compile_problem
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
-from optimizer.simulate import InvalidSchedule, simulate
+from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._greedy import capped_greedy_orders, microbatch_reservation
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["block_pattern", "capped_v_orders", "mean_stage_costs", "require_v", "v_block_orders", "valid_or_none"]
 

@@ -29,7 +29,7 @@ the orders with the real per-stage costs. Needs split backward (it schedules I a
 
 Where the generator cannot complete (its dependency or memory assertion would fail, which the
 authors never hit for m ≥ 2p but can for very few microbatches), or its order does not pass
-:func:`optimizer.simulate.simulate`, we fall back to the memory-capped list scheduler of
+:func:`pipesched.optimizer.simulate.simulate`, we fall back to the memory-capped list scheduler of
 :mod:`._greedy` at the same cap.
 """
 
@@ -38,10 +38,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from optimizer.families._base import Family, require
-from optimizer.families.v_shape import capped_v_orders, mean_stage_costs, require_v, valid_or_none
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families.v_shape import capped_v_orders, mean_stage_costs, require_v, valid_or_none
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 __all__ = ["zbv_orders"]
 

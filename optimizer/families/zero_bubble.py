@@ -11,7 +11,7 @@ the bubbles 1F1B leaves. Rank r of p (0-based), m microbatches:
   zero p2p.
 
 These orders reproduce the paper's Table 5 bubble rates (and stage spans to 1e-9 ms) on all 12
-profiled settings of ``shared/bench/zb_paper_settings.json`` with the stage_span objective.
+profiled settings of ``bench/data/zb_paper_settings.json`` with the stage_span objective.
 Any microbatch count works: warm-ups and deferrals are capped at m.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from optimizer.families._base import Family, require, require_loop_single_stage
-from optimizer.ir import Action, ActionKind, Orders
-from optimizer.problem import Problem
+from pipesched.optimizer.families._base import Family, require, require_loop_single_stage
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
 
 
 def _check(name: str) -> Callable[[Problem], None]:

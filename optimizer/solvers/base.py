@@ -1,8 +1,8 @@
 """The interface every search backend implements, and its result.
 
-A backend works on a compiled :class:`~optimizer.instance.Instance` and returns per-rank orders of
+A backend works on a compiled :class:`~pipesched.optimizer.instance.Instance` and returns per-rank orders of
 action indices. It never reports times or objective values that anyone trusts: the portfolio
-re-simulates every order with :func:`optimizer.simulate.simulate_indexed` and keeps only what passes.
+re-simulates every order with :func:`pipesched.optimizer.simulate.simulate_indexed` and keeps only what passes.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from optimizer.instance import Instance
-from optimizer.solve import ProgressCallback, StopCheck
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.progress import ProgressCallback, StopCheck
 
 __all__ = ["Backend", "BackendResult", "BackendStatus"]
 

@@ -22,7 +22,7 @@ improved by :func:`improve`, which moves single actions within their rank's orde
 when the re-simulated objective does not get worse and memory still fits.
 
 A sequential schedule (one microbatch at a time through the whole pipeline) is always added: it
-needs the least memory there is (see :mod:`optimizer.solvers.infeasible`), so the heuristic finds a
+needs the least memory there is (see :mod:`pipesched.optimizer.solvers.infeasible`), so the heuristic finds a
 schedule whenever one exists.
 """
 
@@ -36,11 +36,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind
-from optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
-from optimizer.solve import ProgressCallback, StopCheck
-from optimizer.solvers.base import BackendResult, BackendStatus
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.progress import ProgressCallback, StopCheck
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
+from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
 
 __all__ = ["GreedyVariant", "HeuristicBackend", "greedy", "greedy_variants", "improve", "sequential_orders"]
 
@@ -347,7 +347,7 @@ def improve(
                 best_value = value
                 best = [list(x) for x in current]
                 if on_improve is not None:
-                    from optimizer.solve import Progress
+                    from pipesched.optimizer.progress import Progress
 
                     on_improve(Progress(best_value, None, 0.0, "heuristic", "local search"))
         else:
@@ -356,7 +356,7 @@ def improve(
 
 
 class HeuristicBackend:
-    """The greedy variants plus local search, as a :class:`~optimizer.solvers.base.Backend`."""
+    """The greedy variants plus local search, as a :class:`~pipesched.optimizer.solvers.base.Backend`."""
 
     name = "heuristic"
 
@@ -402,7 +402,7 @@ class HeuristicBackend:
             return BackendResult(BackendStatus.UNKNOWN, message="no order fits the memory limits")
         greedy_value = best_value
         if progress is not None:
-            from optimizer.solve import Progress
+            from pipesched.optimizer.progress import Progress
 
             progress(Progress(best_value, None, time.perf_counter() - started, self.name, "greedy"))
         if not (should_stop is not None and should_stop()):

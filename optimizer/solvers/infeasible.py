@@ -13,7 +13,7 @@ only part of it, W the rest, both later), plus F(s*, j)'s own allocation, counte
 
 Upper bound (a schedule that reaches it): run the microbatches one at a time through the whole
 pipeline, every F of j, then every backward of j with each W right after its I
-(:func:`optimizer.solvers.heuristic.sequential_orders`). At any instant a rank holds only the current
+(:func:`pipesched.optimizer.solvers.heuristic.sequential_orders`). At any instant a rank holds only the current
 microbatch's activations on it, at most ``need[r] − static[r]``.
 
 So a problem is feasible exactly when ``limit[r] ≥ need[r]`` on every rank, and ``need`` is the
@@ -22,9 +22,9 @@ So a problem is feasible exactly when ``limit[r] ≥ need[r]`` on every rank, an
 
 from __future__ import annotations
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind
-from optimizer.units import format_bytes
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.units import format_bytes
 
 __all__ = ["infeasibility_reason", "min_memory_limit"]
 

@@ -1,7 +1,7 @@
 """Large-neighbourhood search over CP-SAT: fix most of the incumbent's order, re-optimise a window.
 
 Each step takes a time window of the incumbent's simulated schedule; on every rank the actions that
-start inside it form a contiguous segment of the rank's order. :class:`~optimizer.solvers.cpsat.OrderModel`
+start inside it form a contiguous segment of the rank's order. :class:`~.cpsat_model.OrderModel`
 frees exactly those segments: the actions before them keep their times (constants), the ones after
 keep their order but may move in time, and memory is checked with the prefix's bytes as the base.
 CP-SAT re-optimises the window with the incumbent as hint and its objective as a cut; the new orders
@@ -21,12 +21,12 @@ from __future__ import annotations
 import bisect
 import time
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind
-from optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
-from optimizer.solve import Progress, ProgressCallback, StopCheck
-from optimizer.solvers.base import BackendResult, BackendStatus
-from optimizer.solvers.cpsat import OrderModel, run_model
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
+from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
+from pipesched.optimizer.solvers.cpsat_model import OrderModel, run_model
 
 __all__ = ["large_neighbourhood_search", "window_segments"]
 

@@ -4,7 +4,7 @@ The formulation of the Zero Bubble paper (arXiv 2401.10241, App. G):
 
 * continuous start times ``start_F_s3_mb12`` (ms, float costs used as they are, no rounding);
 * precedence with p2p latency from :attr:`Instance.preds`, FIFO per stage and kind (valid for
-  identical microbatches; see :mod:`optimizer.solvers.cpsat`);
+  identical microbatches; see :mod:`pipesched.optimizer.solvers.cpsat`);
 * one binary ``before_X_Y`` per pair of actions on a rank whose order neither the dependencies nor
   FIFO decide, with big-M disjunctions ``start_Y ≥ end_X − M·(1 − before)`` and the converse;
 * memory as a prefix sum over the order: at the start of each F,
@@ -33,12 +33,12 @@ from pathlib import Path
 import ortools.sat.python.cp_model  # noqa: F401  (import order matters, see above)
 import pulp
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind
-from optimizer.simulate import InvalidSchedule, simulate_indexed
-from optimizer.solve import Progress, ProgressCallback, StopCheck
-from optimizer.solvers.base import BackendResult, BackendStatus
-from optimizer.solvers.cpsat import fifo_normalise, reachable_masks
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.simulate import InvalidSchedule, simulate_indexed
+from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
+from pipesched.optimizer.solvers.cpsat_model import fifo_normalise, reachable_masks
 
 __all__ = ["MILP_SOLVERS", "MilpBackend"]
 
@@ -242,7 +242,7 @@ class MilpBackend:
         progress: ProgressCallback | None = None,
         should_stop: StopCheck | None = None,
     ) -> BackendResult:
-        """Minimise ``objective`` (ms); see :class:`~optimizer.solvers.base.Backend`.
+        """Minimise ``objective`` (ms); see :class:`~pipesched.optimizer.solvers.base.Backend`.
 
         The MILP cannot be interrupted: ``should_stop`` is polled only before it starts.
 

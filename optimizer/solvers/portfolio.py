@@ -3,24 +3,24 @@
 Order of work within ``solver.time_limit_s`` (``shared/CONTRACT.md``, Problem):
 
 1. Feasibility: if some rank's limit is below the least peak any schedule has
-   (:mod:`optimizer.solvers.infeasible`), answer ``infeasible`` with ``min_memory_limit``.
-2. Lower bound (:mod:`optimizer.bounds`).
+   (:mod:`pipesched.optimizer.solvers.infeasible`), answer ``infeasible`` with ``min_memory_limit``.
+2. Lower bound (:mod:`pipesched.optimizer.bounds`).
 3. The sequential schedule (always fits when anything fits: a first feasible answer at once), then
    every applicable family whose schedule fits memory (warm starts).
-4. The Zero Bubble authors' automatic scheduler (:mod:`optimizer.solvers.zb_auto`, the source of
+4. The Zero Bubble authors' automatic scheduler (:mod:`pipesched.optimizer.solvers.zb_auto`, the source of
    every published ZB-1p/ZB-2p figure) at the problem's limit and on a ladder of lower limits
    (k·p activations per rank, k = 1, 1.5, 2, 3): a schedule that fits less memory fits the limit too,
    so more memory never gives a worse answer.
-5. ``heuristic``: greedy variants plus local search (:mod:`optimizer.solvers.heuristic`).
-6. ``cpsat`` (:class:`optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
-   bound; ``milp`` (:class:`optimizer.solvers.milp.MilpBackend`) only on small instances unless
+5. ``heuristic``: greedy variants plus local search (:mod:`pipesched.optimizer.solvers.heuristic`).
+6. ``cpsat`` (:class:`pipesched.optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
+   bound; ``milp`` (:class:`pipesched.optimizer.solvers.milp.MilpBackend`) only on small instances unless
    ``solver.backends`` names it. Both are imported lazily and skipped while absent.
 
 Placement ``"bidirectional"`` (two replicas on different stage chains) skips 4–5: its warm starts are
-the families and the capped greedy of :mod:`optimizer.families._greedy` at several caps, then CP-SAT's
+the families and the capped greedy of :mod:`pipesched.optimizer.families._greedy` at several caps, then CP-SAT's
 window search on large instances, then local search.
 
-Every candidate is re-simulated with :func:`optimizer.simulate.simulate_indexed`; a backend's own
+Every candidate is re-simulated with :func:`pipesched.optimizer.simulate.simulate_indexed`; a backend's own
 objective is never used. The answer's ``lower_bound`` is the max of our bounds and the backends'
 proven bounds; ``status`` is ``optimal`` when it meets the best objective.
 """
@@ -34,19 +34,19 @@ import math
 import time
 from dataclasses import dataclass
 
-from optimizer.bounds import lower_bound as compute_lower_bound
-from optimizer.families import applicable_families
-from optimizer.families._greedy import SearchStopped, capped_greedy_orders, microbatch_reservation
-from optimizer.instance import Instance, compile_problem
-from optimizer.ir import ActionKind
-from optimizer.problem import Problem
-from optimizer.result import Schedule, build_schedule, infeasible_schedule
-from optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
-from optimizer.solve import Progress, ProgressCallback, StopCheck
-from optimizer.solvers.base import Backend, BackendStatus
-from optimizer.solvers.heuristic import HeuristicBackend, improve, sequential_orders
-from optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
-from optimizer.solvers.zb_auto import in_zb_auto_domain, zb_auto_orders
+from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
+from pipesched.optimizer.families import applicable_families
+from pipesched.optimizer.families._greedy import SearchStopped, capped_greedy_orders, microbatch_reservation
+from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
+from pipesched.optimizer.solvers.base import Backend, BackendStatus
+from pipesched.optimizer.solvers.heuristic import HeuristicBackend, improve, sequential_orders
+from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
+from pipesched.optimizer.solvers.zb_auto import in_zb_auto_domain, zb_auto_orders
 
 __all__ = ["LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
 
@@ -67,8 +67,8 @@ MILP_MAX_ACTIONS = 60
 """The MILP runs by default only on instances with at most this many actions."""
 
 _EXACT_BACKENDS = {
-    "cpsat": ("optimizer.solvers.cpsat", "CpSatBackend"),
-    "milp": ("optimizer.solvers.milp", "MilpBackend"),
+    "cpsat": ("pipesched.optimizer.solvers.cpsat", "CpSatBackend"),
+    "milp": ("pipesched.optimizer.solvers.milp", "MilpBackend"),
 }
 
 
@@ -179,7 +179,7 @@ def _ladder(inst: Instance) -> list[Instance]:
 
 
 def _capped_greedy(search: _Search) -> None:
-    """The memory-capped list scheduler (:mod:`optimizer.families._greedy`, BitPipe's generator) at caps of
+    """The memory-capped list scheduler (:mod:`pipesched.optimizer.families._greedy`, BitPipe's generator) at caps of
     k·num_ranks microbatches per rank (k in :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory:
     BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
     inst = search.inst
@@ -221,18 +221,18 @@ def solve_auto(
 
     Args:
         problem: a validated problem with ``solver.method == "auto"``.
-        progress: called with :class:`~optimizer.solve.Progress` on every improvement of the best
+        progress: called with :class:`~pipesched.optimizer.solve.Progress` on every improvement of the best
             objective or of the lower bound (ms).
         should_stop: polled; True ends the search with the best schedule so far.
 
     Returns:
-        A schedule re-simulated by :func:`~optimizer.result.build_schedule` with ``status``
+        A schedule re-simulated by :func:`~pipesched.optimizer.result.build_schedule` with ``status``
         ``optimal`` (gap 0) or ``feasible``, ``lower_bound``, ``gap``, ``backend`` (what found it:
         ``family:<name>``, ``heuristic``, ``sequential``, ``cpsat``, ``milp``) and ``solve_time_s``;
         or ``infeasible`` with a ``reason`` and ``min_memory_limit`` (bytes per rank).
 
     Placement ``"bidirectional"`` is searched by the sequential schedule, the families (BitPipe), the
-    capped greedy at larger caps and local search; its lower bound is :mod:`optimizer.bounds` over both
+    capped greedy at larger caps and local search; its lower bound is :mod:`pipesched.optimizer.bounds` over both
     chains, as for one chain.
     """
     inst = compile_problem(problem)
@@ -340,7 +340,7 @@ def _exact(search: _Search, name: str, budget: float) -> None:
 
 
 def _local_search(search: _Search) -> None:
-    """Spend the time left on local search from the incumbent (:func:`optimizer.solvers.heuristic.improve`)."""
+    """Spend the time left on local search from the incumbent (:func:`~.heuristic.improve`)."""
     if search.should_stop() or search.remaining() <= 0.1 or search.best.orders is None:
         return
     orders, _ = improve(

@@ -3,7 +3,7 @@
 Every published ZB-1p / ZB-2p figure (Zero Bubble paper, arXiv 2401.10241, Sec. 3.1 and Table 5)
 comes from the authors' greedy ``manual_order`` / ``initial_solution`` (their ``auto_schedule.py``,
 later ``zerobubble/scheduler/zb.py``; the ILP next to it is switched off). This module replays the
-same decisions on an :class:`~optimizer.instance.Instance`, so that on the paper's own inputs the
+same decisions on an :class:`~pipesched.optimizer.instance.Instance`, so that on the paper's own inputs the
 ``auto`` search starts from the paper's schedule and can never end worse than it.
 
 The greedy, per microbatch ``i`` (``shared/NOTES.md`` §1):
@@ -23,12 +23,12 @@ The greedy, per microbatch ``i`` (``shared/NOTES.md`` §1):
 * finally every rank flushes its remaining W.
 
 The three flags give 8 variants; :func:`zb_auto_orders` runs all of them and keeps the best order by
-our simulator (:func:`optimizer.simulate.simulate_indexed`) and the problem's objective.
+our simulator (:func:`pipesched.optimizer.simulate.simulate_indexed`) and the problem's objective.
 
 Domain (what the authors' scheduler supports): one stage per rank in loop placement (stage ``s`` on
 rank ``s``), split backward (F / I / W), identical microbatch chains. Per-stage costs and memory are
 supported; p2p latency may differ per stage (the authors use one ``cost_comm``; here each wait uses
-the sender's latency, exactly as :func:`optimizer.instance.compile_problem` does), and each rank's
+the sender's latency, exactly as :func:`pipesched.optimizer.instance.compile_problem` does), and each rank's
 memory budget is its limit minus its static memory. Outside this domain :func:`zb_auto_orders`
 returns ``None``.
 
@@ -47,9 +47,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from optimizer.instance import Instance
-from optimizer.ir import ActionKind
-from optimizer.simulate import InvalidSchedule, simulate_indexed
+from pipesched.optimizer.instance import Instance
+from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.simulate import InvalidSchedule, simulate_indexed
 
 __all__ = ["ZB_AUTO_VARIANTS", "ZbAutoVariant", "in_zb_auto_domain", "zb_auto_order", "zb_auto_orders"]
 
@@ -296,7 +296,7 @@ def zb_auto_orders(inst: Instance, objective: str) -> list[list[int]] | None:
     """Best order of the authors' automatic scheduler (all 8 variants) by our simulator.
 
     Source: Zero Bubble paper (arXiv 2401.10241), Sec. 3.1 "automatic scheduling"; the authors'
-    ``initial_solution``. Each variant's order is timed by :func:`optimizer.simulate.simulate_indexed`
+    ``initial_solution``. Each variant's order is timed by :func:`pipesched.optimizer.simulate.simulate_indexed`
     (which also checks every rank's memory limit, static memory included); invalid orders are dropped.
 
     Args:
