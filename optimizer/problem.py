@@ -22,11 +22,13 @@ __all__ = [
     "FAMILY_NAMES",
     "METHOD_NAMES",
     "Costs",
+    "DataParallel",
     "Memory",
     "MethodName",
     "Pipeline",
     "Problem",
     "SolverOptions",
+    "Training",
     "raise_field_errors",
 ]
 
@@ -166,6 +168,14 @@ class Costs(_Strict):
     p2p: PerStage = Field(
         0.0, description="Latency of one activation or gradient transfer out of a stage to another rank, ms."
     )
+    unshard: PerStage | None = Field(
+        None, description="UNSHARD: all-gather of a stage's sharded weights over the data-parallel group, ms."
+    )
+    reduce_grad: PerStage | None = Field(
+        None,
+        description="REDUCE_GRAD: all-reduce or reduce-scatter of a stage's gradients over the data-parallel group, ms",
+    )
+    optimizer_step: PerRank | None = Field(None, description="OPTIMIZER_STEP: one rank's optimizer step, ms.")
 
 
 class Memory(_Strict):
@@ -179,6 +189,50 @@ class Memory(_Strict):
     retained_for_weight: PerStage = Field(0.0, description="Bytes kept after I until W.")
     limit: PerRank | None = Field(None, description="Per-rank memory limit in bytes, counting static; null for none.")
     static: PerRank = Field(0.0, description="Per-rank bytes always held (weights, gradients, optimizer state).")
+
+
+class DataParallel(_Strict):
+    """The data-parallel group (contract, Terms): ``size`` copies of the whole pipeline; rank r of every copy
+    holds the same stages. ``sharding``: ``none`` (DDP, gradients all-reduced), ``optimizer`` (ZeRO-1),
+    ``gradients`` (ZeRO-2, gradients reduce-scattered), ``full`` (ZeRO-3 / FSDP, weights gathered before use).
+    """
+
+    size: int = Field(1, ge=1, le=1_000_000, description="Data-parallel degree d (copies of the pipeline).")
+    sharding: Literal["none", "optimizer", "gradients", "full"] = Field(
+        "none", description="What is sharded over the data-parallel group."
+    )
+    reshard_after_forward: bool = Field(
+        False, description="With sharding full: free gathered weights after F and gather again before backward."
+    )
+
+
+class Training(_Strict):
+    """How steps follow each other (contract, Problem: training).
+
+    ``flush: false`` with ``weight_versions: 2`` is PipeDream-2BW (no flush, double-buffered weights,
+    W(t+1) = W(t) − ν·∇f(W(t−1)); Narayanan et al. 2020, §3). ``post_validation`` is the Zero Bubble
+    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step.
+    """
+
+    flush: bool = Field(True, description="A pipeline flush (and a synchronous optimizer step) ends every step.")
+    weight_versions: int = Field(1, ge=1, le=2, description="Weight versions kept: 1, or 2 for PipeDream-2BW.")
+    post_validation: bool = Field(False, description="Zero Bubble's optimizer post-validation (§4).")
+
+    @model_validator(mode="after")
+    def _check_versions(self) -> Training:
+        if self.flush and self.weight_versions != 1:
+            raise_field_errors(
+                "Training",
+                [
+                    (
+                        ("weight_versions",),
+                        f"weight_versions {self.weight_versions} needs flush: false (a flushed step uses one weight "
+                        "version): set training.flush to false for PipeDream-2BW, or weight_versions to 1",
+                        self.weight_versions,
+                    )
+                ],
+            )
+        return self
 
 
 class SolverOptions(_Strict):
@@ -208,6 +262,8 @@ class Problem(_Strict):
     memory: Memory | None = None
     model: ModelConfig | None = None
     cluster: ClusterConfig | None = None
+    data_parallel: DataParallel | None = Field(None, description="The data-parallel group; none means size 1.")
+    training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
     objective: Literal["makespan", "stage_span"] = "makespan"
     solver: SolverOptions = Field(default_factory=SolverOptions)
