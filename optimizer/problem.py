@@ -38,6 +38,7 @@ MethodName = Literal[
     "gpipe",
     "1f1b",
     "interleaved-1f1b",
+    "interleaved-zb",
     "looped-bfs",
     "zb-h1",
     "zb-h2",

@@ -83,6 +83,7 @@ _DOMAINS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "gpipe": ("loop", (1,), False),
     "1f1b": ("loop", (1,), False),
     "interleaved-1f1b": ("loop", (2, 3, 4), False),
+    "interleaved-zb": ("loop", (1, 2, 3), True),
     "looped-bfs": ("loop", (1, 2, 3), False),
     "zb-h1": ("loop", (1,), True),
     "zb-h2": ("loop", (1,), True),

@@ -56,6 +56,7 @@ _MODULES = {
     "gpipe": "gpipe",
     "1f1b": "one_f_one_b",
     "interleaved-1f1b": "interleaved",
+    "interleaved-zb": "interleaved_zb",
     "looped-bfs": "looped_bfs",
     "zb-h1": "zero_bubble",
     "zb-h2": "zero_bubble",

@@ -1,0 +1,139 @@
+"""PyTorch's built-in pipeline schedules as data: their per-rank compute orders, read without a process group.
+
+Every schedule class of ``torch.distributed.pipelining.schedules`` computes its whole
+``pipeline_order`` (one list of actions per rank, ``None`` for an idle lockstep slot) in its
+constructor from the stages' ``stage_index``, ``num_stages``, ``group_size``, ``group_rank``,
+``is_first``, ``is_last`` and ``submod`` alone (``shared/NOTES.md`` §6, "Torch's own schedules as data").
+:func:`torch_compute_orders` builds a schedule on such stand-in stages and keeps the compute actions
+(F, I, W, B) in order: idle slots and bookkeeping actions (REDUCE_GRAD, UNSHARD, RESHARD, sends and
+receives) are dropped, and DualPipeV's ``OVERLAP_F_B`` pairs are flattened into their two passes, forward
+first. The result is what pipesched's simulator times (:mod:`pipesched.optimizer.simulate`).
+
+Known defect (torch 2.13): ``Schedule1F1B.pipeline_order`` numbers the last rank's forwards 1 … m
+instead of 0 … m−1 (what ``_step_microbatches`` runs is right); ``repair=True`` renumbers them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Literal
+
+__all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedules_for"]
+
+
+@dataclass(frozen=True)
+class TorchSchedule:
+    """One of PyTorch's built-in schedules.
+
+    Attributes:
+        name: the name ``get_schedule_class`` takes, e.g. ``"InterleavedZeroBubble"``.
+        placement: ``"loop"`` or ``"v"``.
+        stages_per_rank: ``None`` for any, else the only value it takes.
+        min_stages_per_rank: the least stages per rank (multi-stage schedules need 2 or more in 2.13).
+        split_backward: whether its backward is I + W (``"mixed"``: DualPipeV runs both forms).
+        family: pipesched's family of the same schedule.
+    """
+
+    name: str
+    placement: Literal["loop", "v"]
+    stages_per_rank: int | None
+    min_stages_per_rank: int
+    split_backward: bool | Literal["mixed"]
+    family: str
+
+
+TORCH_SCHEDULES: tuple[TorchSchedule, ...] = (
+    TorchSchedule("GPipe", "loop", 1, 1, False, "gpipe"),
+    TorchSchedule("1F1B", "loop", 1, 1, False, "1f1b"),
+    TorchSchedule("Interleaved1F1B", "loop", None, 2, False, "interleaved-1f1b"),
+    TorchSchedule("LoopedBFS", "loop", None, 1, False, "looped-bfs"),
+    TorchSchedule("InterleavedZeroBubble", "loop", None, 1, True, "interleaved-zb"),
+    TorchSchedule("ZBVZeroBubble", "v", 2, 2, True, "zb-v"),
+    TorchSchedule("DualPipeV", "v", 2, 2, "mixed", "dualpipe-v"),
+)
+"""PyTorch 2.13's schedules with a static order, with the pipesched family that builds the same schedule."""
+
+
+def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSchedule]:
+    """The built-in schedules that run a pipeline of this placement and stages per rank."""
+    return [
+        s
+        for s in TORCH_SCHEDULES
+        if s.placement == placement
+        and stages_per_rank >= s.min_stages_per_rank
+        and (s.stages_per_rank is None or s.stages_per_rank == stages_per_rank)
+    ]
+
+
+def _stand_in_stages(num_ranks: int, stages_per_rank: int, placement: str, rank: int) -> list[SimpleNamespace]:
+    num_stages = num_ranks * stages_per_rank
+    if placement == "loop":
+        ids = [chunk * num_ranks + rank for chunk in range(stages_per_rank)]
+    else:
+        ids = [rank, 2 * num_ranks - 1 - rank]
+    return [
+        SimpleNamespace(
+            stage_index=s,
+            num_stages=num_stages,
+            group_size=num_ranks,
+            group_rank=rank,
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            submod=None,
+        )
+        for s in ids
+    ]
+
+
+def torch_compute_orders(
+    name: str,
+    num_ranks: int,
+    stages_per_rank: int,
+    num_microbatches: int,
+    *,
+    repair: bool = False,
+) -> list[list[str]]:
+    """Per-rank compute action strings (``"3F12"``) of PyTorch's schedule ``name``.
+
+    Args:
+        name: a name of :data:`TORCH_SCHEDULES` (``get_schedule_class`` spelling).
+        num_ranks, stages_per_rank, num_microbatches: the pipeline shape.
+        repair: renumber ``Schedule1F1B``'s last-rank forwards (module docstring).
+
+    Raises:
+        ValueError: for an unknown name, or when PyTorch rejects the shape (its message kept), e.g.
+            interleaved schedules with m not divisible by ``max(1, m // num_ranks)``.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    spec = next((s for s in TORCH_SCHEDULES if s.name == name), None)
+    if spec is None:
+        raise ValueError(
+            f"unknown PyTorch schedule {name!r}: choose one of {', '.join(s.name for s in TORCH_SCHEDULES)}"
+        )
+    cls = get_schedule_class(name)
+    stages = _stand_in_stages(num_ranks, stages_per_rank, spec.placement, 0)
+    try:
+        schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, num_microbatches)
+    except (AssertionError, RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"PyTorch's {name} rejects p={num_ranks}, v={stages_per_rank}, m={num_microbatches}: {error}"
+        ) from error
+    orders: list[list[str]] = []
+    for rank in range(num_ranks):
+        row: list[str] = []
+        for action in schedule.pipeline_order[rank]:
+            if action is None:
+                continue
+            parts = action.sub_actions if action.sub_actions is not None else (action,)
+            for part in parts:
+                kind = part.computation_type.value
+                if kind in ("F", "I", "W", "B"):
+                    row.append(f"{part.stage_index}{kind}{part.microbatch_index}")
+        orders.append(row)
+    if repair and name == "1F1B":
+        last = num_ranks - 1
+        forwards = iter(range(num_microbatches))
+        orders[last] = [f"{last}F{next(forwards)}" if "F" in a else a for a in orders[last]]
+    return orders
