@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.simulate import simulate
 
@@ -85,7 +85,7 @@ def _prepare(schedule: Schedule) -> _View:
             f"schedule{' ' + schedule.id if schedule.id else ''} is infeasible ({schedule.reason}): nothing to draw; "
             "plot a feasible schedule"
         )
-    inst = compile_problem(schedule.problem)
+    inst = compile_for_orders(schedule.problem, schedule.orders())
     sim = simulate(inst, schedule.orders(), check_memory=False)
     makespan = max((a.end for r in schedule.ranks for a in r.actions), default=0.0)
     stage_to_rank = schedule.stage_to_rank

@@ -11,6 +11,11 @@ chain of stages ``c_0 … c_{S-1}``:
   last stage after its own F;
 * ``W(c_k, j)`` after ``I(c_k, j)`` on the same rank.
 
+The backward of each (stage, microbatch) pair is split (I + W) or fused (B) as ``split_backward`` says,
+unless ``backward_forms`` names the form per pair: a schedule may mix them, as DualPipeV does
+(DeepSeek; PyTorch's ``ScheduleDualPipeV``). A fused B sends its gradient only when it ends (its
+successors depend on its end, like an I's). :func:`compile_for_orders` reads the forms from a schedule.
+
 Memory (contract, Problem): F allocates ``activation``; I frees ``activation − retained_for_weight``;
 W frees ``retained_for_weight``; B frees ``activation``.
 """
@@ -18,12 +23,13 @@ W frees ``retained_for_weight``; B frees ``activation``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from pipesched.optimizer.ir import Action, ActionKind
+from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 
-__all__ = ["Instance", "compile_problem", "stage_to_rank"]
+__all__ = ["Instance", "backward_forms_of", "compile_for_orders", "compile_problem", "stage_to_rank"]
 
 
 def stage_to_rank(problem: Problem) -> list[int]:
@@ -119,8 +125,35 @@ class Instance:
         return self.index[Action(stage, ActionKind(kind), microbatch)]
 
 
-def compile_problem(problem: Problem) -> Instance:
-    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta."""
+def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
+    """Per (stage, microbatch) pair that ``orders`` runs a backward for: True when split (I or W), False when
+    fused (B). A pair with both forms counts as split; the simulator then rejects its B as unknown."""
+    forms: dict[tuple[int, int], bool] = {}
+    for row in orders:
+        for action in row:
+            if action.kind == ActionKind.BACKWARD:
+                forms.setdefault((action.stage, action.microbatch), False)
+            elif action.kind != ActionKind.FORWARD:
+                forms[action.stage, action.microbatch] = True
+    return forms
+
+
+def compile_for_orders(problem: Problem, orders: Orders) -> Instance:
+    """:func:`compile_problem` with each pair's backward form (B, or I + W) taken from ``orders``; pairs the
+    orders do not mention keep ``problem.split_backward``. Equal to ``compile_problem(problem)`` when the orders
+    use the problem's form throughout."""
+    forms = backward_forms_of(orders)
+    if all(split == problem.split_backward for split in forms.values()):
+        return compile_problem(problem)
+    return compile_problem(problem, backward_forms=forms)
+
+
+def compile_problem(problem: Problem, *, backward_forms: Mapping[tuple[int, int], bool] | None = None) -> Instance:
+    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
+
+    ``backward_forms`` maps (stage id, microbatch) to True (split: I + W) or False (fused: B); pairs it
+    omits follow ``problem.split_backward``. ``Instance.split_backward`` stays the problem's.
+    """
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
@@ -183,7 +216,7 @@ def compile_problem(problem: Problem) -> Instance:
         bwd_ids: dict[int, int] = {}
         for stage in reversed(chain):
             ms = model_stage[stage]
-            if split:
+            if split if backward_forms is None else backward_forms.get((stage, j), split):
                 bwd_ids[stage] = add(
                     Action(stage, ActionKind.BACKWARD_INPUT, j),
                     backward_input[ms],

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem
 from pipesched.optimizer.ir import Action, Orders, parse_action
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
@@ -120,7 +120,7 @@ def build_schedule(
     Raises:
         InvalidSchedule: when the simulator rejects the orders (memory only with ``check_memory``).
     """
-    inst = instance or compile_problem(problem)
+    inst = instance or compile_for_orders(problem, orders)
     sim = simulate(inst, orders, check_memory=check_memory)
     return schedule_from_simulation(
         problem,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, parse_action
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime import torch_compat
@@ -225,7 +225,7 @@ def execute_rank(
             ``p2p_timeout``), or an order this rank cannot run (reason ``schedule``: W before I, an
             action of a stage it does not hold).
     """
-    inst = inst or compile_problem(schedule.problem)
+    inst = inst or compile_for_orders(schedule.problem, schedule.orders())
     m = inst.num_microbatches
     order = [parse_action(a.action) for a in schedule.ranks[rank].actions]
     my_stages = sorted({s for s, r in enumerate(inst.stage_ranks) if r == rank})

@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
@@ -97,7 +97,7 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
         return result
     from pipesched.runtime.torch_compat import run_torch_runtime
 
-    inst = compile_problem(schedule.problem)
+    inst = compile_for_orders(schedule.problem, schedule.orders())
     m = inst.num_microbatches
     modules = {
         stage: model.build_stage(inst.model_stage[stage]).to(device)
@@ -196,7 +196,7 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
 def _validate(schedule: Schedule) -> None:
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ScheduleError("no_schedule", f"the schedule holds no ranks (status {schedule.status}: {schedule.reason})")
-    inst = compile_problem(schedule.problem)
+    inst = compile_for_orders(schedule.problem, schedule.orders())
     try:
         simulate(inst, schedule.orders(), check_memory=False)
     except InvalidSchedule as error:

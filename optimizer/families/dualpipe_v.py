@@ -8,7 +8,15 @@ order (rank r, p ranks, m microbatches):
 1. ``2(p−r−1)`` × F0;  2. ``r+1`` × (F0, F1);  3. ``p−r−1`` × (B1 split as I then W at once, F1);
 4. ``m−2p+r+1`` × (F0, B1, F1, B0) — the overlapped pairs;  5. ``p−r−1`` × (B1, F1, B0);
 6. ``r+1`` × (B1, B0), from the middle on (odd ranks before B1, even ranks after it) running I
-   only and deferring W;  7. ``p−r−1`` × (B0 as I only, one deferred W);  8. ``r+1`` × deferred W.
+   only and deferring W;  7. ``p−r−1`` × (the oldest deferred W, then B0 as I only, its W deferred);
+   8. ``r+1`` × deferred W.
+
+Steps 7's order (W before I) is DeepSeek's and PyTorch's (``ScheduleDualPipeV``, torch 2.13). Where
+DualPipeV runs a fused B (steps 4–6), this family runs I and W back to back when ``split_backward``:
+in pipesched's model that is never slower (the gradient leaves after I, not after I + W) and frees
+memory no later. With each of DualPipeV's B written as I W, the orders equal PyTorch's
+(``tests/test_torch_peers.py``); PyTorch's own mixed order (fused B and split I/W) is timed by the
+same simulator through :func:`~pipesched.optimizer.instance.compile_for_orders`.
 
 Activation peak about p+1 microbatches (rank 0: 2p−1 chunk-0 plus one chunk-1 activation). The
 order needs m ≥ 2p−1; for fewer microbatches it is built for 2p−1 and the extra ones are dropped,
@@ -60,7 +68,7 @@ def _rank_order(problem: Problem, rank: int, num_microbatches: int) -> list[Acti
             row.append(weight)
 
     def weight() -> None:
-        if split:
+        if split and deferred:
             row.append(deferred.pop(0))
 
     for _ in range(2 * (p - rank - 1)):
@@ -90,8 +98,8 @@ def _rank_order(problem: Problem, rank: int, num_microbatches: int) -> list[Acti
             zero_bubble = True
         backward(0, defer_weight=zero_bubble)
     for _ in range(p - rank - 1):
-        backward(0, defer_weight=True)
         weight()
+        backward(0, defer_weight=True)
     for _ in range(rank + 1):
         weight()
     return row
