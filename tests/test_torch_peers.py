@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from pipesched.optimizer.families import get_family
+from pipesched.optimizer.families.peers import torch_zbv_orders
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.ir import parse_orders
 from pipesched.optimizer.problem import Problem
@@ -157,3 +158,12 @@ def test_mixed_backward_fused_pass_sends_its_gradient_when_it_ends() -> None:
         both = parse_orders([["0F0", "0I0", "0W0"], ["1F0", "1B0", "1I0"]])
         simulate(compile_for_orders(problem, both), both)
     assert error.value.reason == "unknown_action"
+
+
+@pytest.mark.parametrize(("p", "m"), [*SHAPES, (4, 5), (8, 1)])
+def test_torch_zbv_warm_start_equals_torch(p: int, m: int) -> None:
+    """auto's warm start for PyTorch's fixed ZB-V pattern is PyTorch's order, and a valid schedule."""
+    ours = [[str(a) for a in row] for row in torch_zbv_orders(p, m)]
+    assert ours == torch_compute_orders("ZBVZeroBubble", p, 2, m)
+    problem = _problem(p, m, 2, "v", True, seed=p + m)
+    simulate(compile_problem(problem), torch_zbv_orders(p, m))
