@@ -542,6 +542,66 @@ def plot(
     console.print(f"wrote {output}", highlight=False)
 
 
+@app.command()
+def check(
+    problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
+    schedule_path: Annotated[
+        Path,
+        typer.Argument(
+            metavar="SCHEDULE",
+            help="PyTorch's compute-only CSV, or JSON: one list of action strings per rank (or a schedule file).",
+        ),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the answer as JSON (as POST /v1/schedules/check).")
+    ] = False,
+) -> None:
+    """Time and check a schedule written elsewhere: objective, bubble rate and peak memory per rank, or the first
+    violation as a rank × step grid. Exit 1 for an invalid schedule, 2 for bad input."""
+    from pipesched.optimizer.checking import ScheduleInputError, check_schedule, read_schedule, render_grid
+
+    try:
+        problem = load_problem(problem_path)
+    except InputError as error:
+        raise fail(str(error)) from None
+    try:
+        text = schedule_path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise fail(f"cannot read {schedule_path}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        orders, notes = read_schedule(text)
+    except ScheduleInputError as error:
+        raise fail(f"{schedule_path}: {error}") from None
+    result = check_schedule(problem, orders, notes)
+    if as_json:
+        write_output(None, json.dumps(result.to_dict(), indent=1))
+    else:
+        for note in result.notes:
+            console.print(f"note: {note}", highlight=False)
+        if result.valid:
+            assert result.peak_memory is not None
+            unit_name, unit = common_unit(result.peak_memory)
+            console.print(
+                f"valid · {problem.objective} {result.objective_value:.3f} ms · makespan {result.makespan:.3f} ms · "
+                f"stage_span {result.stage_span:.3f} ms · bubble rate {result.bubble_rate:.4f}",
+                highlight=False,
+            )
+            console.print(
+                f"peak memory per rank ({unit_name}): " + " ".join(f"{x / unit:.2f}" for x in result.peak_memory),
+                highlight=False,
+            )
+        else:
+            assert result.violation is not None
+            violation = result.violation
+            err_console.print(
+                f"[bold red]invalid ({violation.reason}):[/bold red] {violation.message}", highlight=False
+            )
+            if violation.marks:
+                err_console.print(render_grid(result.orders, violation.marks), highlight=False, soft_wrap=True)
+    if not result.valid:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

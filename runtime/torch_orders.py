@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedules_for"]
+__all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedule", "torch_schedules_for"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,30 @@ def _stand_in_stages(num_ranks: int, stages_per_rank: int, placement: str, rank:
     ]
 
 
+def torch_schedule(name: str, num_ranks: int, stages_per_rank: int, num_microbatches: int) -> Any:
+    """PyTorch's schedule object ``name`` built on stand-in stages for rank 0 (its ``pipeline_order`` covers every
+    rank; ``_dump_csv(path, "compute_only" | "compute_comms")`` writes it as PyTorch writes schedule CSVs).
+
+    Raises:
+        ValueError: for an unknown name, or when PyTorch rejects the shape (its message kept).
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    spec = next((s for s in TORCH_SCHEDULES if s.name == name), None)
+    if spec is None:
+        raise ValueError(
+            f"unknown PyTorch schedule {name!r}: choose one of {', '.join(s.name for s in TORCH_SCHEDULES)}"
+        )
+    cls = get_schedule_class(name)
+    stages = _stand_in_stages(num_ranks, stages_per_rank, spec.placement, 0)
+    try:
+        return cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, num_microbatches)
+    except (AssertionError, RuntimeError, ValueError) as error:
+        raise ValueError(
+            f"PyTorch's {name} rejects p={num_ranks}, v={stages_per_rank}, m={num_microbatches}: {error}"
+        ) from error
+
+
 def torch_compute_orders(
     name: str,
     num_ranks: int,
@@ -105,21 +129,7 @@ def torch_compute_orders(
         ValueError: for an unknown name, or when PyTorch rejects the shape (its message kept), e.g.
             interleaved schedules with m not divisible by ``max(1, m // num_ranks)``.
     """
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-
-    spec = next((s for s in TORCH_SCHEDULES if s.name == name), None)
-    if spec is None:
-        raise ValueError(
-            f"unknown PyTorch schedule {name!r}: choose one of {', '.join(s.name for s in TORCH_SCHEDULES)}"
-        )
-    cls = get_schedule_class(name)
-    stages = _stand_in_stages(num_ranks, stages_per_rank, spec.placement, 0)
-    try:
-        schedule = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages, num_microbatches)
-    except (AssertionError, RuntimeError, ValueError) as error:
-        raise ValueError(
-            f"PyTorch's {name} rejects p={num_ranks}, v={stages_per_rank}, m={num_microbatches}: {error}"
-        ) from error
+    schedule = torch_schedule(name, num_ranks, stages_per_rank, num_microbatches)
     orders: list[list[str]] = []
     for rank in range(num_ranks):
         row: list[str] = []
