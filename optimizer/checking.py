@@ -133,7 +133,10 @@ def _cells_from_text(text: str) -> list[list[str]]:
                 f"the schedule is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
             ) from None
         return _cells_from_json(data)
-    return [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    try:
+        return [[cell.strip() for cell in row] for row in csv.reader(io.StringIO(text))]
+    except csv.Error as error:
+        raise ScheduleInputError(f"the schedule is not CSV: {error}") from None
 
 
 def _cells_from_json(data: Any) -> list[list[str]]:

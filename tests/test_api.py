@@ -461,6 +461,7 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
     }
     assert set(operations) == {
         "solve_schedule",
+        "check_schedule",
         "get_schedule",
         "view_schedule",
         "create_job",
