@@ -147,3 +147,70 @@ def torch_compute_orders(
         forwards = iter(range(num_microbatches))
         orders[last] = [f"{last}F{next(forwards)}" if "F" in a else a for a in orders[last]]
     return orders
+
+
+@dataclass(frozen=True)
+class PeerComparison:
+    """``auto`` against one of PyTorch's schedules at the memory that schedule uses.
+
+    Attributes:
+        schedule: PyTorch's schedule name.
+        torch_value: its objective in pipesched's simulator, ms.
+        auto_value: ``auto``'s objective with ``memory.limit`` set to the schedule's per-rank peak, ms.
+        torch_peak, auto_peak: peak memory per rank, bytes.
+        backend: what found ``auto``'s answer (``family:<name>``, ``heuristic``, …).
+    """
+
+    schedule: str
+    torch_value: float
+    auto_value: float
+    torch_peak: list[float]
+    auto_peak: list[float]
+    backend: str
+
+    @property
+    def ratio(self) -> float:
+        """auto / torch (≤ 1: auto is at least as fast)."""
+        return self.auto_value / self.torch_value
+
+
+def peer_problem(problem: Any, spec: TorchSchedule) -> Any:
+    """``problem`` with the backward form PyTorch's schedule runs: fused for GPipe, 1F1B, Interleaved1F1B and
+    LoopedBFS, split for the zero-bubble ones (DualPipeV, which mixes both, is compared on the split problem)."""
+    return problem.with_changes(split_backward=spec.split_backward is not False)
+
+
+def auto_versus_torch(problem: Any, spec: TorchSchedule, time_limit_s: float) -> PeerComparison:
+    """Time PyTorch's order for ``problem``'s shape with pipesched's simulator, then solve ``auto`` with
+    ``memory.limit`` set to that order's per-rank peak and ``solver.time_limit_s`` to ``time_limit_s``.
+
+    ``problem`` must already have the placement, stages per rank and backward form of ``spec``
+    (:func:`peer_problem`). Schedule1F1B's order is repaired (module docstring).
+
+    Raises:
+        ValueError: when PyTorch rejects the shape.
+    """
+    from pipesched.optimizer.instance import compile_for_orders
+    from pipesched.optimizer.ir import parse_orders
+    from pipesched.optimizer.simulate import simulate
+    from pipesched.optimizer.solve import solve
+
+    pipeline = problem.pipeline
+    rows = torch_compute_orders(
+        spec.name, pipeline.num_ranks, pipeline.stages_per_rank, pipeline.num_microbatches, repair=True
+    )
+    orders = parse_orders(rows)
+    sim = simulate(compile_for_orders(problem, orders), orders, check_memory=False)
+    limited = problem.with_changes(
+        **{"memory.limit": sim.peak_memory, "solver.method": "auto", "solver.time_limit_s": time_limit_s}
+    )
+    answer = solve(limited)
+    assert answer.objective_value is not None, answer.reason
+    return PeerComparison(
+        schedule=spec.name,
+        torch_value=sim.objective_value(problem.objective),
+        auto_value=answer.objective_value,
+        torch_peak=sim.peak_memory,
+        auto_peak=list(answer.peak_memory),
+        backend=answer.backend,
+    )

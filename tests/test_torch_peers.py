@@ -19,7 +19,8 @@ from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.ir import parse_orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
-from pipesched.runtime.torch_orders import torch_compute_orders
+from pipesched.runtime.torch_orders import auto_versus_torch, peer_problem, torch_compute_orders, torch_schedules_for
+from tests.conftest import paper_settings
 
 SHAPES = [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 3 * p)]
 
@@ -167,3 +168,68 @@ def test_torch_zbv_warm_start_equals_torch(p: int, m: int) -> None:
     assert ours == torch_compute_orders("ZBVZeroBubble", p, 2, m)
     problem = _problem(p, m, 2, "v", True, seed=p + m)
     simulate(compile_problem(problem), torch_zbv_orders(p, m))
+
+
+# -- auto is never worse than PyTorch's built-in schedules at the memory they use ---------------------
+
+
+def _versus_problem(p: int, m: int, v: int, placement: str, costs: str, seed: int) -> Problem:
+    """The same model cut into p·v stages: the paper's per-layer-block costs divided by v (one setting per seed),
+    or random per-stage costs."""
+    if costs == "paper":
+        setting = paper_settings()[seed % 12]
+        forward = [setting["forward_ms"] / v] * (p * v)
+        backward_input = [setting["backward_input_ms"] / v] * (p * v)
+        backward_weight = [setting["backward_weight_ms"] / v] * (p * v)
+        p2p, activation, retained = setting["p2p_ms"], setting["activation"] / v, setting["retained_for_weight"] / v
+        objective = "stage_span"
+    else:
+        rng = random.Random(seed)
+        forward = [rng.uniform(1.0, 2.0) / v for _ in range(p * v)]
+        backward_input = [rng.uniform(1.0, 2.5) / v for _ in range(p * v)]
+        backward_weight = [rng.uniform(0.3, 1.5) / v for _ in range(p * v)]
+        p2p, activation, retained = rng.uniform(0.0, 0.2), [rng.uniform(50, 150) for _ in range(p * v)], 20.0
+        objective = "makespan"
+    return Problem.model_validate(
+        {
+            "pipeline": {"num_ranks": p, "num_microbatches": m, "stages_per_rank": v, "placement": placement},
+            "costs": {
+                "forward": forward,
+                "backward_input": backward_input,
+                "backward_weight": backward_weight,
+                "p2p": p2p,
+            },
+            "memory": {"activation": activation, "retained_for_weight": retained},
+            "objective": objective,
+        }
+    )
+
+
+VERSUS_CASES = [
+    (p, m, v, placement, costs, seed)
+    for seed, (p, m) in enumerate([(2, 4), (4, 8), (4, 4)])
+    for v, placement in [(1, "loop"), (2, "loop"), (2, "v")]
+    for costs in ("paper", "random")
+]
+
+
+@pytest.mark.parametrize(("p", "m", "v", "placement", "costs", "seed"), VERSUS_CASES)
+def test_auto_never_worse_than_torch_at_its_memory(
+    p: int, m: int, v: int, placement: str, costs: str, seed: int
+) -> None:
+    """For every PyTorch schedule of this placement: time its order, set memory.limit to its per-rank peak,
+    solve auto (0.5 s), and find auto at least as fast within that memory."""
+    base = _versus_problem(p, m, v, placement, costs, seed * 7 + v)
+    specs = torch_schedules_for(placement, v)
+    assert specs
+    compared = 0
+    for spec in specs:
+        try:
+            result = auto_versus_torch(peer_problem(base, spec), spec, time_limit_s=0.5)
+        except ValueError as error:  # PyTorch rejects the shape (DualPipeV needs m ≥ 2p)
+            assert "rejects" in str(error)
+            continue
+        compared += 1
+        assert result.auto_value <= result.torch_value + 1e-5, (spec.name, result)
+        assert all(a <= t + 1e-3 for a, t in zip(result.auto_peak, result.torch_peak, strict=True))
+    assert compared >= 1
