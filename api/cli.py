@@ -250,8 +250,16 @@ def compare(
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="Time limit for auto, s.")] = None,
     include_auto: Annotated[bool, typer.Option("--auto/--no-auto", help="Also run the auto search.")] = True,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the table as JSON.")] = None,
+    placements: Annotated[
+        str | None, typer.Option("--placements", help="Also re-cut the model for these placements: loop,v.")
+    ] = None,
+    stages_per_rank: Annotated[
+        str | None, typer.Option("--stages-per-rank", help="Also re-cut the model for these stages per rank: 1,2.")
+    ] = None,
 ) -> None:
-    """Every applicable family (and auto) side by side: objective, bubble rate, peak memory, fits."""
+    """Every applicable family (and auto) side by side: objective, bubble rate, peak memory, fits. With
+    --placements / --stages-per-rank, the same model re-cut for each such pipeline shape too (from model and
+    cluster when the problem has them, else its per-stage costs and activations split by layers)."""
     from pipesched.optimizer.families import applicable_families
     from pipesched.optimizer.solve import solve_family
 
@@ -259,16 +267,25 @@ def compare(
         problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
+    variants = pipeline_variants(problem, placements, stages_per_rank)
     rows = []
-    for family in applicable_families(problem):
-        rows.append(solve_family(problem, family.name, enforce_memory=False))
-    if include_auto:
-        started = time.perf_counter()
-        auto = solve_with_progress(problem.with_changes(**{"solver.method": "auto"}))
-        auto.solve_time_s = round(time.perf_counter() - started, 3)
-        rows.append(auto)
+    labels: list[str] = []
+    for label, variant, how in variants:
+        if how:
+            console.print(f"{label}: {how}", highlight=False)
+        for family in applicable_families(variant):
+            rows.append(solve_family(variant, family.name, enforce_memory=False))
+            labels.append(label)
+        if include_auto:
+            started = time.perf_counter()
+            auto = solve_with_progress(variant.with_changes(**{"solver.method": "auto"}))
+            auto.solve_time_s = round(time.perf_counter() - started, 3)
+            rows.append(auto)
+            labels.append(label)
     limits = problem.memory_limits
     table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
+    if len(variants) > 1:
+        table.add_column("pipeline")
     per_rank = problem.pipeline.num_ranks <= 16
     unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
@@ -276,13 +293,23 @@ def compare(
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
     records = []
-    for schedule in rows:
+    for label, schedule in zip(labels, rows, strict=True):
+        shape = [label] if len(variants) > 1 else []
+        where = (
+            {
+                "placement": schedule.problem.pipeline.placement,
+                "stages_per_rank": schedule.problem.pipeline.stages_per_rank,
+            }
+            if len(variants) > 1
+            else {}
+        )
         if schedule.status == "infeasible":
-            table.add_row(schedule.method, "—", "—", "—", "—", f"no ({schedule.reason})")
-            records.append({"method": schedule.method, "status": "infeasible", "reason": schedule.reason})
+            table.add_row(*shape, schedule.method, "—", "—", "—", "—", f"no ({schedule.reason})")
+            records.append({**where, "method": schedule.method, "status": "infeasible", "reason": schedule.reason})
             continue
         fits = bool(schedule.fits_memory)
         table.add_row(
+            *shape,
             schedule.method,
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
@@ -296,6 +323,7 @@ def compare(
         )
         records.append(
             {
+                **where,
                 "method": schedule.method,
                 "status": schedule.status,
                 "objective": schedule.objective_value,
@@ -311,6 +339,45 @@ def compare(
         console.print(f"memory limit per rank: {format_bytes(min(limits))}", highlight=False)
     if output is not None:
         write_output(output, json.dumps(records, indent=1))
+
+
+def pipeline_variants(
+    problem: Problem, placements: str | None, stages_per_rank: str | None
+) -> list[tuple[str, Problem, str]]:
+    """``(label, problem, how it was re-cut)`` for the problem's own pipeline shape, then each other shape the
+    options name (:func:`pipesched.optimizer.recut.recut_problem`). Bad option values exit 2."""
+    from pydantic import ValidationError
+
+    from pipesched.optimizer.recut import recut_problem
+
+    own = problem.pipeline
+    label = f"{own.placement if isinstance(own.placement, str) else 'explicit'} ×{own.stages_per_rank}"
+    variants = [(label, problem, "")]
+    if placements is None and stages_per_rank is None:
+        return variants
+    wanted_placements = [x.strip() for x in (placements or str(own.placement)).split(",") if x.strip()]
+    for name in wanted_placements:
+        if name not in ("loop", "v"):
+            raise fail(f"--placements: {name!r} is not a placement to re-cut for: use loop and/or v")
+    try:
+        counts = [int(x) for x in (stages_per_rank or str(own.stages_per_rank)).split(",") if x.strip()]
+    except ValueError:
+        raise fail(f"--stages-per-rank: expected whole numbers separated by commas, got {stages_per_rank!r}") from None
+    if any(not 1 <= count <= 64 for count in counts):
+        raise fail("--stages-per-rank: each value must be between 1 and 64")
+    seen = {(own.placement, own.stages_per_rank)}
+    for name in wanted_placements:
+        for count in counts if name == "loop" else [2]:
+            if (name, count) in seen:
+                continue
+            seen.add((name, count))
+            try:
+                variant, how = recut_problem(problem, name, count)  # type: ignore[arg-type]
+            except (ValueError, ValidationError) as error:
+                console.print(f"{name} ×{count}: cannot re-cut the model ({error})", highlight=False)
+                continue
+            variants.append((f"{name} ×{count}", variant, how))
+    return variants
 
 
 @app.command()
