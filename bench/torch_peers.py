@@ -10,7 +10,8 @@ problem ``auto`` gets), the zero-bubble ones split (DualPipeV mixes both and is 
 
 Printed: auto / torch ratio (below 1: auto is shorter), both objectives and who found auto's answer.
 
-Run: ``python -m bench.torch_peers [--quick] [--output bench/results/torch_peers.txt]`` (needs torch).
+Run: ``python -m bench.torch_peers [--quick] [--output bench/results/torch_peers.txt]`` (needs torch);
+``--plot FILE.png`` draws the ratios (from this run, or from ``--from-json`` without solving again).
 """
 
 from __future__ import annotations
@@ -54,12 +55,58 @@ def recut_problem(setting: dict[str, Any], stages_per_rank: int, placement: str)
     )
 
 
+def plot_ratios(records: list[dict[str, Any]], path: Path) -> None:
+    """One panel per pipeline shape: auto/torch per PyTorch schedule (bars) for each paper setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = [(placement, v) for v, placement in SHAPES]
+    settings = sorted({(r["num_ranks"], r["num_microbatches"], r["model"]) for r in records})
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4.2), sharey=True)
+    for ax, (placement, v) in zip(axes, shapes, strict=True):
+        rows = [r for r in records if r["placement"] == placement and r["stages_per_rank"] == v]
+        names = sorted({r["schedule"] for r in rows}, key=[s.name for s in torch_schedules_for(placement, v)].index)
+        width = 0.8 / max(1, len(names))
+        for k, name in enumerate(names):
+            values = []
+            for p, m, model in settings:
+                match = [
+                    r["ratio"]
+                    for r in rows
+                    if r["schedule"] == name
+                    and (r["num_ranks"], r["num_microbatches"]) == (p, m)
+                    and r["model"] == model
+                ]
+                values.append(match[0] if match else float("nan"))
+            ax.bar([i + k * width for i in range(len(settings))], values, width, label=name)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(settings))])
+        ax.set_xticklabels([f"{model}\np={p} m={m}" for p, m, model in settings], rotation=90, fontsize=7)
+        ax.set_title(f"{placement}, {v} stage{'s' if v > 1 else ''} per rank")
+        ax.legend(fontsize=7, loc="lower left")
+    axes[0].set_ylabel("auto / PyTorch stage_span at PyTorch's memory")
+    low = min([r["ratio"] for r in records] + [0.98])
+    for ax in axes:
+        ax.set_ylim(low - 0.005, 1.005)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 s per auto solve instead of 10 (30 at p = 32)")
     parser.add_argument("--max-ranks", type=int, default=32, help="skip settings with more ranks")
     parser.add_argument("--output", type=Path, help="also write the table here (and a .json beside it)")
+    parser.add_argument("--plot", type=Path, help="draw the ratios into this PNG")
+    parser.add_argument("--from-json", type=Path, help="plot the records of an earlier run instead of solving")
     args = parser.parse_args()
+    if args.from_json is not None:
+        if args.plot is None:
+            parser.error("--from-json needs --plot")
+        plot_ratios(json.loads(args.from_json.read_text()), args.plot)
+        return
     settings = json.loads(SETTINGS_PATH.read_text())["settings"]
     header = (
         f"{'model':<6}{'p':>4}{'m':>5}  {'shape':<7}{'PyTorch schedule':<23}{'torch ms':>11}{'auto ms':>11}"
@@ -122,6 +169,8 @@ def main() -> None:
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")
         args.output.with_suffix(".json").write_text(json.dumps(records, indent=1))
+    if args.plot is not None:
+        plot_ratios(records, args.plot)
 
 
 if __name__ == "__main__":
