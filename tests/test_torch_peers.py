@@ -233,3 +233,9 @@ def test_auto_never_worse_than_torch_at_its_memory(
         assert result.auto_value <= result.torch_value + 1e-5, (spec.name, result)
         assert all(a <= t + 1e-3 for a, t in zip(result.auto_peak, result.torch_peak, strict=True))
     assert compared >= 1
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (8, 24), (4, 3), (3, 7)])
+def test_interleaved_zb_with_one_stage_per_rank_is_zb_h1(p: int, m: int) -> None:
+    problem = _problem(p, m, 1, "loop", True)
+    assert _ours("interleaved-zb", problem) == _ours("zb-h1", problem)
