@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 REPO = Path(__file__).resolve().parent.parent
 #: Short enough for a test, long enough for a loaded machine's heartbeats (sent every third of it).
-STALLED_AFTER_S = 4.0
+STALLED_AFTER_S = 5.0
 #: From a worker's death to its job running again: stale heartbeat + sweep (2 s) + fetch poll (1 s), with slack.
 RETRY_BOUND_S = STALLED_AFTER_S + 2.0 + 1.0 + 8.0
 
