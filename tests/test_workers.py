@@ -397,3 +397,36 @@ def test_serve_with_the_postgres_queue_on_sqlite_exits_2(tmp_path: Path) -> None
     assert done.returncode == 2, done.stderr
     message = " ".join(done.stderr.split())
     assert "PIPESCHED_DATABASE_URL" in message and "PIPESCHED_QUEUE" in message
+
+
+def test_take_job_counts_attempts_and_shuts_out_the_stopped_attempt(tmp_path: Path) -> None:
+    """What a worker does with a task (real SQLite here; the PostgreSQL tests above run it there): a queued
+    job runs at its attempt; a job left running by a stopped worker is re-queued as the next attempt, which
+    the old attempt can neither write progress to nor finish; past max_job_attempts it fails with the reason;
+    an ended job is not run again."""
+    from pipesched.api.storage import problem_key
+    from pipesched.optimizer.problem import Problem
+    from pipesched.optimizer.solve import solve
+
+    store = Store(f"sqlite:///{tmp_path / 'take.sqlite3'}")
+    problem = Problem.model_validate(long_problem(0, 0.2)).with_changes(**{"solver.method": "zb-h1"})
+    key = problem_key(problem)
+    job = store.create_job(problem, key)
+    assert store.take_job(job.id, max_attempts=2) == 0 and store.start_job(job.id, 0)
+    # the worker died; the retried task takes the job over
+    assert store.take_job(job.id, max_attempts=2) == 1
+    row = store.job(job.id)
+    assert row is not None and row.status == "queued" and "retried after its worker stopped" in (row.message or "")
+    assert store.start_job(job.id, 1)
+    schedule = solve(problem)
+    assert store.finish_job(job.id, 0, key, schedule) is None  # the stopped attempt cannot finish
+    assert store.take_job(job.id, max_attempts=2) == 2 and store.start_job(job.id, 2)
+    assert store.take_job(job.id, max_attempts=2) is None  # a third stop: out of attempts
+    row = store.job(job.id)
+    assert row is not None and row.status == "failed" and "stopped 3 times" in (row.error or "")
+    assert store.count_schedules() == 0
+    done = store.create_job(problem, key)
+    assert store.take_job(done.id, 3) == 0 and store.start_job(done.id, 0)
+    assert store.finish_job(done.id, 0, key, schedule) is not None
+    assert store.take_job(done.id, 3) is None and store.job_status(done.id) == "done"
+    store.dispose()
