@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pipesched.api.jobs import JobOutcome, SolverDied, SolverPool, _store, run_job
+from pipesched.api.jobs import JobOutcome, SolverDied, SolverPool, run_job
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
 from pipesched.optimizer.problem import Problem
@@ -68,6 +68,16 @@ DATABASE_FIX = (
     "`pipesched serve` replica with PIPESCHED_QUEUE=postgres and every `pipesched worker` share)"
 )
 INSTALL_FIX = "pip install 'pipesched[workers]' (procrastinate and psycopg)"
+
+
+_STORES: dict[str, Store] = {}
+
+
+def _store(database_url: str) -> Store:
+    """One :class:`Store` per database in a worker process."""
+    if database_url not in _STORES:
+        _STORES[database_url] = Store(database_url)
+    return _STORES[database_url]
 
 
 class QueueSettingsError(ValueError):
