@@ -14,7 +14,9 @@ COPY pipesched ./pipesched
 COPY optimizer ./optimizer
 COPY api ./api
 COPY runtime ./runtime
-RUN pip install --no-cache-dir .
+# The workers extra (procrastinate, psycopg): the same image runs either role, `pipesched serve` (the CMD)
+# or `pipesched worker` (docker run … IMAGE pipesched worker), over PostgreSQL.
+RUN pip install --no-cache-dir '.[workers]'
 
 USER 10001
 ENV PIPESCHED_HOST=0.0.0.0 \

@@ -17,8 +17,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipesched.api.jobs import JobOutcome, SolverPool
+from pipesched.api.jobs import JobOutcome
 from pipesched.api.metrics import Metrics
+from pipesched.api.queue import make_runner
 from pipesched.api.routes import health, jobs, methods, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
@@ -124,6 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     which also re-queues (or fails, with the reason) jobs a previous run left queued or running.
     """
     settings = settings or Settings()
+    runner = make_runner(settings)  # the in-process pool, or the PostgreSQL queue (PIPESCHED_QUEUE)
     store = Store(settings.database_url)
     metrics = Metrics(store.count_jobs_by_status)
 
@@ -132,9 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = SolverPool(
-            store, settings.solver_workers, on_job_done=job_done, max_job_attempts=settings.max_job_attempts
-        )
+        pool = runner(store, on_job_done=job_done)
         app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics)
         pool.recover()
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,4 +51,19 @@ class Settings(BaseSettings):
     api_token: str | None = Field(None, description="When set, /v1 requests need `Authorization: Bearer <token>`.")
     max_job_attempts: int = Field(
         3, ge=1, description="Restarts a job may live through before it is marked failed instead of re-queued."
+    )
+    queue: Literal["local", "postgres"] = Field(
+        "local",
+        description="Where solves run: local (a process pool inside `pipesched serve`, the default) or postgres "
+        "(a procrastinate queue in the PostgreSQL database; `pipesched worker` processes, on any machines, solve).",
+    )
+    worker_metrics_port: int = Field(
+        9464, ge=0, le=65535, description="Port of a `pipesched worker`'s Prometheus /metrics (0: none)."
+    )
+    worker_stalled_after_s: float = Field(
+        10.0,
+        ge=2.0,
+        le=600.0,
+        description="A worker whose heartbeat is older than this, s, is taken for dead and its solve is retried "
+        "on another worker (it sends one every third of it).",
     )
