@@ -15,10 +15,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipesched.api.jobs import JobOutcome, SolverPool
-from pipesched.api.metrics import Metrics
+from pipesched.api.lanes import Lane
+from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.routes import health, jobs, methods, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
@@ -55,6 +58,8 @@ class GuardAndMeasure:
         async def send_measured(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if message["status"] == 405:
+                    message = _with_full_allow(scope, message)
             await send(message)
 
         try:
@@ -92,8 +97,50 @@ class GuardAndMeasure:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(method=scope["method"], route=template, status=str(status["code"])).inc()
+            self.metrics.requests.labels(
+                method=method_label(scope["method"]), route=template, status=status_label(status["code"])
+            ).inc()
             self.metrics.latency.labels(route=template).observe(time.perf_counter() - started)
+
+
+def _with_full_allow(scope: Scope, message: Message) -> Message:
+    """A 405's start message with ``Allow`` listing every method of every route on the path (Starlette
+    names only the first route's, e.g. GET without DELETE on ``/v1/jobs/{id}``)."""
+    app = scope.get("app")
+    router = getattr(app, "router", None)
+    if router is None:
+        return message
+    allowed: set[str] = set()
+    probe = {**scope, "method": "GET"}
+    for route in router.routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(probe)[0] != Match.NONE:
+            allowed |= set(methods)
+    if not allowed:
+        return message
+    headers = [(key, value) for key, value in message.get("headers", []) if key.lower() != b"allow"]
+    headers.append((b"allow", ", ".join(sorted(allowed)).encode()))
+    return {**message, "headers": headers}
+
+
+def _http_error_response(request: Request, error: Exception) -> JSONResponse:
+    """HTTP errors as ``{"detail": …}``; a 400 (a body that could not be read) in the shape of a 422,
+    ``[{"loc", "msg", "type"}]``, with the reason."""
+    assert isinstance(error, StarletteHTTPException)
+    headers = getattr(error, "headers", None)
+    detail: Any = error.detail
+    if error.status_code == 400 and not isinstance(detail, list):
+        cause = error.__cause__ or error.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(detail)
+        detail = [
+            {
+                "loc": ["body"],
+                "msg": f"the request body could not be read ({reason}); send the problem as a UTF-8 JSON object "
+                "with Content-Type: application/json",
+                "type": "body_unreadable",
+            }
+        ]
+    return JSONResponse({"detail": detail}, status_code=error.status_code, headers=headers)
 
 
 def _validation_response(request: Request, error: Exception) -> JSONResponse:
@@ -133,13 +180,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = SolverPool(
-            store, settings.solver_workers, on_job_done=job_done, max_job_attempts=settings.max_job_attempts
+            store,
+            settings.solver_workers,
+            sync_workers=settings.sync_solver_workers,
+            max_queued_jobs=settings.max_queued_jobs,
+            max_queued_solves=settings.max_queued_solves,
+            on_job_done=job_done,
+            max_job_attempts=settings.max_job_attempts,
         )
-        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics)
+        # A render process is replaced after a few drawings: what a large one left behind is returned.
+        renders = Lane("render", settings.render_workers, settings.max_queued_renders, max_tasks_per_child=8)
+        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics, renders=renders)
         pool.recover()
         try:
             yield
         finally:
+            renders.close()
             pool.shutdown()
             store.dispose()
 
@@ -150,6 +206,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
+    app.add_exception_handler(StarletteHTTPException, _http_error_response)
     for module in (schedules, jobs, methods, health):
         app.include_router(module.router)
     app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
