@@ -7,16 +7,17 @@ event loop; schedules and jobs are stored by :mod:`pipesched.api.storage`.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipesched.api.jobs import JobOutcome, SolverPool
@@ -31,6 +32,9 @@ __all__ = ["create_app"]
 
 log = logging.getLogger("pipesched.api")
 
+#: (path regex, HTTP methods) of each route: the ``Allow`` of a 405.
+RouteMethods = Sequence[tuple[re.Pattern[str], frozenset[str]]]
+
 
 def _too_large_message(limit: int) -> str:
     return f"the request body is larger than this service's limit of {limit} bytes (PIPESCHED_MAX_BODY_BYTES)"
@@ -43,10 +47,11 @@ class GuardAndMeasure:
     up to the limit (the server enforces a declared length).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics, routes: RouteMethods = ()) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,7 +64,7 @@ class GuardAndMeasure:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 if message["status"] == 405:
-                    message = _with_full_allow(scope, message)
+                    message = _with_full_allow(scope, message, self.routes)
             await send(message)
 
         try:
@@ -103,19 +108,11 @@ class GuardAndMeasure:
             self.metrics.latency.labels(route=template).observe(time.perf_counter() - started)
 
 
-def _with_full_allow(scope: Scope, message: Message) -> Message:
+def _with_full_allow(scope: Scope, message: Message, routes: RouteMethods) -> Message:
     """A 405's start message with ``Allow`` listing every method of every route on the path (Starlette
     names only the first route's, e.g. GET without DELETE on ``/v1/jobs/{id}``)."""
-    app = scope.get("app")
-    router = getattr(app, "router", None)
-    if router is None:
-        return message
-    allowed: set[str] = set()
-    probe = {**scope, "method": "GET"}
-    for route in router.routes:
-        methods = getattr(route, "methods", None)
-        if methods and route.matches(probe)[0] != Match.NONE:
-            allowed |= set(methods)
+    path = scope.get("path", "")
+    allowed = {method for pattern, methods in routes if pattern.match(path) for method in methods}
     if not allowed:
         return message
     headers = [(key, value) for key, value in message.get("headers", []) if key.lower() != b"allow"]
@@ -209,6 +206,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
     for module in (schedules, jobs, methods, health):
         app.include_router(module.router)
-    app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    routes = [
+        (route.path_regex, frozenset(route.methods))
+        for module in (schedules, jobs, methods, health)
+        for route in module.router.routes
+        if isinstance(route, APIRoute)
+    ]
+    app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics, routes=routes)
     app.state.settings = settings
     return app

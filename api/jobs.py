@@ -85,18 +85,21 @@ def run_solve(problem_json: str, deadline_s: float) -> str:
 
 
 def unstorable_reason(schedule: Schedule) -> str | None:
-    """Why ``schedule`` cannot be stored and read back (its JSON does not validate again: a non-finite
-    time or size, written as null), or None when it round-trips."""
+    """Why ``schedule`` cannot be stored and read back as it is (its JSON does not validate again, or
+    reads back different: a non-finite time or size is written as null), or None when it round-trips."""
     try:
-        Schedule.model_validate_json(schedule.model_dump_json())
+        again = Schedule.model_validate_json(schedule.model_dump_json())
     except ValueError as error:
-        first = error.errors()[0] if hasattr(error, "errors") else {}
-        where = ".".join(str(part) for part in first.get("loc", ())) or "the schedule"
-        return (
-            f"the solver's schedule cannot be stored: {where} is not a finite number after writing it as JSON "
-            f"({first.get('msg', error)}); check the problem's costs and memory for values near the float limits"
-        )
-    return None
+        return f"the solver's schedule cannot be stored: it does not read back ({error}); check the problem's costs"
+    if again == schedule:
+        return None
+    written, read = schedule.model_dump(), again.model_dump()
+    changed = [name for name in written if written[name] != read[name]] or ["a field"]
+    return (
+        f"the solver's schedule cannot be stored: {', '.join(changed[:3])} does not read back as computed (a "
+        "non-finite number, which JSON cannot hold); check the problem's costs and memory for values near the "
+        "float limits"
+    )
 
 
 def make_stop_check(store: Store, job_id: str, attempt: int, stop_at: float) -> Callable[[], bool]:
