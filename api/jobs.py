@@ -55,6 +55,10 @@ class SolverDied(RuntimeError):
     """A solver process ended abruptly (killed, out of memory), or the service stopped while it ran."""
 
 
+class UnstorableSchedule(ValueError):
+    """The solver's schedule cannot be stored and read back as computed (non-finite numbers)."""
+
+
 class SolveTimeout(TimeoutError):
     """A synchronous solve gave no answer in time; the message says whether it waited or ran."""
 
@@ -78,10 +82,15 @@ def run_solve(problem_json: str, deadline_s: float) -> str:
 
     Raises:
         FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
+        UnstorableSchedule: the schedule would not read back as computed (:func:`unstorable_reason`).
     """
     problem = Problem.model_validate_json(problem_json)
     stop_at = time.monotonic() + deadline_s
-    return solve(problem, should_stop=lambda: time.monotonic() >= stop_at).model_dump_json()
+    schedule = solve(problem, should_stop=lambda: time.monotonic() >= stop_at)
+    reason = unstorable_reason(schedule)
+    if reason is not None:
+        raise UnstorableSchedule(reason)
+    return schedule.model_dump_json()
 
 
 def unstorable_reason(schedule: Schedule) -> str | None:

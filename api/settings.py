@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         2, ge=0, description="Drawings that may wait for a render process; more are refused with 429."
     )
     max_render_actions: int = Field(
-        20_000,
+        50_000,
         ge=1,
         description="Largest schedule drawn as png, svg or view (actions, the compared family's included); 413 above.",
     )

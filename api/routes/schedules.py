@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
 from fastapi.exceptions import RequestValidationError
 
-from pipesched.api.jobs import SolverDied, SolveTimeout, unstorable_reason
+from pipesched.api.jobs import SolverDied, SolveTimeout, UnstorableSchedule
 from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
 from pipesched.api.render import Drawing, draw
 from pipesched.api.routes._common import (
@@ -64,11 +64,10 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
         raise too_busy(error, "submit it as a job with POST /v1/jobs") from None
     except SolverDied as error:
         raise HTTPException(503, f"{error}: retry, or lower the problem's size") from None
+    except UnstorableSchedule as error:
+        raise field_error(("body",), str(error), "unstorable") from None
     except SolveTimeout as error:
         raise HTTPException(504, f"{error}: retry, or submit it as a job with POST /v1/jobs") from None
-    reason = unstorable_reason(schedule)
-    if reason is not None:
-        raise field_error(("body",), reason, "unstorable")
     svc.metrics.solve_seconds.labels(method=problem.solver.method, mode=mode).observe(schedule.solve_time_s)
     stored, _created = svc.store.put_schedule(key, schedule)
     return stored.model_dump_json(), False
