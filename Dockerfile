@@ -20,8 +20,7 @@ USER 10001
 # The service listens on every interface here, so `pipesched serve` refuses to start without a token:
 #   docker run -e PIPESCHED_API_TOKEN=<secret> -p 8000:8000 pipesched   (clients send `Authorization: Bearer <secret>`)
 # PIPESCHED_ALLOW_NO_TOKEN=1 serves it open on purpose (a private network that does its own authentication).
-ENV PIPESCHED_ALLOW_NO_TOKEN=0 \
-    PIPESCHED_HOST=0.0.0.0 \
+ENV PIPESCHED_HOST=0.0.0.0 \
     PIPESCHED_PORT=8000 \
     PIPESCHED_DATABASE_URL=sqlite:////home/pipesched/pipesched.db
 EXPOSE 8000
