@@ -216,7 +216,7 @@ class SolverPool:
         workers: int,
         *,
         sync_workers: int = 1,
-        max_queued_jobs: int = 64,
+        max_queued_jobs: int = 32,
         max_queued_solves: int = 4,
         deadline_grace_s: float = 2.0,
         on_job_done: Callable[[JobOutcome], None] | None = None,

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
         1, ge=1, le=256, description="Solver processes for synchronous solves (POST /v1/schedules), apart from jobs."
     )
     max_queued_jobs: int = Field(
-        64, ge=0, description="Jobs that may wait for a solver process; more are refused with 429 and Retry-After."
+        32, ge=0, description="Jobs that may wait for a solver process; more are refused with 429 and Retry-After."
     )
     max_queued_solves: int = Field(
         4, ge=0, description="Synchronous solves that may wait for a solver process; more are refused with 429."
