@@ -253,8 +253,8 @@ class SolverPool:
                 ) from None
             ran = time.monotonic() - (ticket.started_at or time.monotonic())
             raise SolveTimeout(
-                f"the solver ran {ran:.0f} s, past its time limit of {problem.solver.time_limit_s:g} s, "
-                "without answering"
+                f"the solver ran {ran:.0f} s without answering (time limit {problem.solver.time_limit_s:g} s; "
+                f"this request waits at most {timeout_s:.0f} s)"
             ) from None
         except (WorkerDied, LaneClosed) as error:
             raise SolverDied(f"{error}") from None

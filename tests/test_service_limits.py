@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pipesched.api.app import create_app
-from pipesched.api.jobs import unstorable_reason
+from pipesched.api.jobs import SolverPool, SolveTimeout, unstorable_reason
 from pipesched.api.lanes import Lane, LaneFull, WorkerDied
 from pipesched.api.settings import Settings, exposure_problem
 from pipesched.api.storage import JobRow, Store, problem_key
@@ -286,3 +286,18 @@ def test_serve_refuses_a_public_interface_without_a_token(tmp_path: Path) -> Non
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "PIPESCHED_API_TOKEN" in result.stderr and "PIPESCHED_ALLOW_NO_TOKEN=1" in result.stderr
+
+
+def test_a_synchronous_timeout_says_whether_it_waited_or_ran(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'timeout.sqlite3'}")
+    pool = SolverPool(store, 1, sync_workers=1, max_queued_solves=1)
+    try:
+        hard = load_problem(long_job(0, time_limit_s=8.0))
+        # The first solve holds the only synchronous process; the second waits behind it.
+        with pytest.raises(SolveTimeout, match=r"the solver ran 2 s without answering \(time limit 8 s"):
+            pool.solve(hard, timeout_s=2.0)
+        with pytest.raises(SolveTimeout, match=r"waited .* behind 1 other synchronous solves and never started"):
+            pool.solve(load_problem(problem_body()), timeout_s=1.0)
+    finally:
+        pool.shutdown()
+        store.dispose()
