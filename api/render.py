@@ -10,18 +10,29 @@ the web process's memory, and ``/healthz`` stays fast.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from pipesched.api import plots
 from pipesched.api.storage import Store
+from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve_family
 
-__all__ = ["DRAWING_MEDIA", "Drawing", "count_actions", "draw"]
+__all__ = ["DRAWING_MEDIA", "DRAWN", "Drawing", "count_actions", "draw"]
 
-DRAWING_MEDIA = {"png": "image/png", "svg": "image/svg+xml", "view": "text/html"}
+DRAWING_MEDIA = {
+    "png": "image/png",
+    "svg": "image/svg+xml",
+    "view": "text/html",
+    "csv": "text/csv",
+    "chrome-trace": "application/json",
+}
+#: The kinds that are drawn (matplotlib or the HTML view): capped by ``max_actions``. csv and
+#: chrome-trace are written here too, so the web process never parses a large schedule, but not capped.
+DRAWN = frozenset({"png", "svg", "view"})
 
 _STORES: dict[str, Store] = {}
 
@@ -49,8 +60,8 @@ def _compare_error(msg: str, kind: str) -> Drawing:
 
 
 def draw(database_url: str, schedule_id: str, kind: str, compare: str | None, max_actions: int) -> Drawing:
-    """Draw stored schedule ``schedule_id`` as ``kind`` (png, svg or view), with family ``compare``
-    beside it (view only), in the calling (render) process.
+    """Draw stored schedule ``schedule_id`` as ``kind`` (png, svg or view; csv and chrome-trace are
+    written, uncapped), with family ``compare`` beside it (view only), in the calling (render) process.
 
     Returns:
         200 with the bytes; 404 (no such schedule), 409 (infeasible: nothing to draw), 413 (more than
@@ -64,7 +75,7 @@ def draw(database_url: str, schedule_id: str, kind: str, compare: str | None, ma
         return Drawing(404, detail=f"no schedule with id {schedule_id!r}: ids come from POST /v1/schedules or a job")
     # Counted in the stored text before parsing it: a schedule over the cap is refused at once.
     actions = text.count(ACTION_KEY) * (2 if compare is not None else 1)
-    if actions > max_actions:
+    if kind in DRAWN and actions > max_actions:
         counted = " (the compared family counted as many again)" if compare is not None else ""
         return Drawing(
             413,
@@ -92,7 +103,11 @@ def draw(database_url: str, schedule_id: str, kind: str, compare: str | None, ma
             return _compare_error(str(error.args[0]), "unknown_method")
         except FamilyDomainError as error:
             return _compare_error(f"{error}; choose another family", "family_domain")
-    if kind == "png":
+    if kind == "csv":
+        body = orders_to_torch_csv(schedule.orders()).encode()
+    elif kind == "chrome-trace":
+        body = json.dumps(schedule_to_chrome_trace(schedule)).encode()
+    elif kind == "png":
         body = plots.render_png(schedule)
     elif kind == "svg":
         body = plots.render_svg(schedule).encode()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
@@ -23,7 +22,6 @@ from pipesched.api.routes._common import (
 from pipesched.api.schemas import ChromeTrace, ScheduleAnswer, error_responses
 from pipesched.api.storage import problem_key
 from pipesched.optimizer.derive import ProblemDocument
-from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 from pipesched.optimizer.families import FamilyDomainError
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
@@ -126,25 +124,15 @@ def get_schedule(
     ),
     svc: Services = Depends(services),
 ) -> Response:
-    """The schedule stored under ``schedule_id`` in ``format``; png and svg are drawn in a render
-    process (413 over ``PIPESCHED_MAX_RENDER_ACTIONS``, 429 when the render queue is full)."""
+    """The schedule stored under ``schedule_id`` in ``format``: json as stored; the others written in a
+    render process (png and svg: 413 over ``PIPESCHED_MAX_RENDER_ACTIONS``; 429 when its queue is full)."""
     media = FORMAT_MEDIA[output_format]
     if output_format == "json":
         stored_json = svc.store.schedule_json(schedule_id)
         if stored_json is None:
             _stored(svc, schedule_id)  # the 404
         return Response(stored_json, media_type=media)
-    if output_format in ("png", "svg"):
-        return drawn(svc, schedule_id, output_format, None)
-    schedule = _stored(svc, schedule_id)
-    if schedule.status == "infeasible":
-        raise HTTPException(
-            409,
-            f"schedule {schedule_id} is infeasible ({schedule.reason}): it has no actions to write as {output_format}",
-        )
-    if output_format == "csv":
-        return Response(orders_to_torch_csv(schedule.orders()), media_type=media)
-    return Response(json.dumps(schedule_to_chrome_trace(schedule)), media_type=media)
+    return drawn(svc, schedule_id, output_format, None)
 
 
 def drawn(svc: Services, schedule_id: str, kind: str, compare: str | None) -> Response:
