@@ -315,6 +315,21 @@ class Lane:
                 return True
             return False
 
+    def abort(self, ticket: Ticket) -> bool:
+        """Drop ``ticket`` if queued, or kill the worker process running it (the ticket then ends with
+        :class:`WorkerDied` and the slot starts a fresh process); False when it had ended already."""
+        with self._lock:
+            if self.cancel(ticket):
+                return True
+            slot = next((slot for slot in self._slots if slot.ticket is ticket), None)
+            if slot is None:
+                return False
+            pids = slot.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
+        return True
+
     def close(self) -> None:
         """Drop the queued tasks and kill the worker processes (running tasks end with :class:`LaneClosed`)."""
         with self._lock:

@@ -84,6 +84,23 @@ def test_a_killed_worker_fails_only_its_task_and_the_queue_runs_on_a_fresh_one()
         lane.close()
 
 
+def test_an_aborted_task_frees_its_worker_for_the_next() -> None:
+    lane = Lane("test", workers=1, max_queued=1)
+    try:
+        runaway = lane.submit(time.sleep, 60.0)
+        following = lane.submit(math.factorial, 4)
+        wait_until(lane.worker_pids, 60.0, "a worker process")
+        started = time.monotonic()
+        assert lane.abort(runaway)
+        with pytest.raises(WorkerDied):
+            runaway.future.result(timeout=30)
+        assert following.future.result(timeout=60) == 24
+        assert time.monotonic() - started < 30.0
+        assert not lane.abort(runaway)
+    finally:
+        lane.close()
+
+
 def test_a_closed_lane_drops_its_queue_and_kills_its_workers() -> None:
     lane = Lane("test", workers=1, max_queued=1)
     running = lane.submit(time.sleep, 30.0)

@@ -163,6 +163,8 @@ def drawn(svc: Services, schedule_id: str, kind: str, compare: str | None) -> Re
         drawing: Drawing = ticket.future.result(timeout=settings.render_timeout_s)
     except TimeoutError:
         waited = svc.renders.cancel(ticket)
+        if not waited:
+            svc.renders.abort(ticket)  # a runaway drawing would hold the render process for the next ones
         raise HTTPException(
             504,
             f"no drawing within {settings.render_timeout_s:g} s (PIPESCHED_RENDER_TIMEOUT_S): "
