@@ -476,7 +476,7 @@ def serve(
     from sqlalchemy.exc import ArgumentError, OperationalError
 
     from pipesched.api.app import create_app
-    from pipesched.api.settings import Settings
+    from pipesched.api.settings import Settings, exposure_problem
 
     updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
     try:
@@ -493,6 +493,9 @@ def serve(
                 + (f" ({described})" if described else "")
             )
         raise fail("\n".join(lines)) from None
+    exposed = exposure_problem(settings)
+    if exposed is not None:
+        raise fail(exposed)
     database_fix = "set PIPESCHED_DATABASE_URL to sqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST/DATABASE"
     from pipesched.api.queue import QueueSettingsError
 
@@ -509,7 +512,13 @@ def serve(
             f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
             f"reachable, or {database_fix}"
         ) from None
-    uvicorn.run(service, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        service,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
 
 
 @app.command()

@@ -242,9 +242,15 @@ class QueueRunner:
         self.app = build_queue_app(settings, asynchronous=False)
         self.app.open()
 
-    def submit_job(self, job_id: str, attempt: int, time_limit_s: float) -> None:
+    def reserve_job(self) -> None:
+        """Admission for a job: the PostgreSQL queue takes every job (workers drain it at their pace)."""
+
+    def release_job(self) -> None:
+        """Give back a reservation the job did not use (nothing to give back here)."""
+
+    def submit_job(self, job_id: str, attempt: int, time_limit_s: float, *, reserved: bool = False) -> None:
         """Defer the stored job to the workers (``attempt`` and ``time_limit_s`` are read from its row there)."""
-        del attempt, time_limit_s
+        del attempt, time_limit_s, reserved
         self.app.configure_task(SOLVE_JOB_TASK, queue=QUEUE_NAME).defer(job_id=job_id)
 
     def solve(self, problem: Problem, timeout_s: float) -> Schedule:
@@ -324,6 +330,14 @@ def make_runner(
         return lambda store, **_options: QueueRunner(store, settings)
 
     def local(store: Store, **options: Any) -> SolverPool:
-        return SolverPool(store, settings.solver_workers, max_job_attempts=settings.max_job_attempts, **options)
+        return SolverPool(
+            store,
+            settings.solver_workers,
+            sync_workers=settings.sync_solver_workers,
+            max_queued_jobs=settings.max_queued_jobs,
+            max_queued_solves=settings.max_queued_solves,
+            max_job_attempts=settings.max_job_attempts,
+            **options,
+        )
 
     return local
