@@ -144,8 +144,11 @@ class Instance:
         return self.index[Action(stage, ActionKind(kind), microbatch)]
 
 
-def compile_problem(problem: Problem) -> Instance:
-    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta."""
+def compile_problem(problem: Problem, *, step_actions: bool = True) -> Instance:
+    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
+
+    ``step_actions=False`` leaves out the communication actions and optimizer steps (the passes only, as the
+    compute-only generators and searches see the problem)."""
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
@@ -233,7 +236,7 @@ def compile_problem(problem: Problem) -> Instance:
                 link(bwd_ids[nxt], bwd_ids[stage], latency)
             else:
                 link(fwd_ids[k], bwd_ids[stage], 0.0)
-    if problem.has_step_actions:
+    if step_actions and problem.has_step_actions:
         _add_step_actions(inst, problem)
     return inst
 
