@@ -407,7 +407,8 @@ class Problem(_Strict):
                 ]
             return []
         needed = ["reduce_grad"] + (["unshard"] if dp.sharding == "full" else [])
-        return [
+        errors = self._gradient_buffer_errors(dp)
+        return errors + [
             (
                 ("costs", name),
                 f"a data_parallel section (size {dp.size}, sharding {dp.sharding!r}) with costs that omit the "
@@ -418,6 +419,41 @@ class Problem(_Strict):
             for name in needed
             if getattr(self.costs, name) is None
         ]
+
+    def _gradient_buffer_errors(self, dp: DataParallel) -> list[tuple[tuple[str | int, ...], str, Any]]:
+        """REDUCE_GRAD frees (d−1)/d of ``memory.gradients`` from ``static``: static must hold them."""
+        assert self.memory is not None
+        if self.memory.gradients is None or dp.sharding not in ("gradients", "full"):
+            return []
+        pipeline = self.pipeline
+        p, num_stages = pipeline.num_ranks, pipeline.num_stages
+        placement = pipeline.placement
+        if isinstance(placement, list):
+            ranks = list(placement)
+        elif placement == "loop":
+            ranks = [s % p for s in range(num_stages)]
+        else:  # "v", and each replica of "bidirectional" (contract, Terms: placement)
+            ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+            if placement == "bidirectional":
+                ranks += [p - 1 - r for r in ranks]
+        gradients = self.stage_values(self.memory.gradients)
+        freed = [0.0] * p
+        for stage, rank in enumerate(ranks):
+            freed[rank] += gradients[stage % num_stages] * (dp.size - 1) / dp.size
+        static = self.static_memory
+        for rank in range(p):
+            if freed[rank] > static[rank] * (1 + 1e-9) + 1e-6:
+                return [
+                    (
+                        ("memory", "static"),
+                        f"rank {rank}'s REDUCE_GRADs free {freed[rank]:.0f} bytes of gradients (memory.gradients × "
+                        f"(d−1)/d with sharding {dp.sharding!r}), more than its static {static[rank]:.0f} bytes: "
+                        "static counts each stage's whole gradient buffer: raise"
+                        "  memory.static or lower memory.gradients",
+                        self.memory.static,
+                    )
+                ]
+        return []
 
     # -- helpers -------------------------------------------------------------------------------
 

@@ -66,7 +66,13 @@ def dp_body(
             "reduce_grad": reduce_grad,
             "optimizer_step": optimizer_step,
         },
-        "memory": {"activation": 100.0, "retained_for_weight": 40.0, "weights": 800.0, "gradients": 1600.0},
+        "memory": {
+            "activation": 100.0,
+            "retained_for_weight": 40.0,
+            "weights": 800.0,
+            "gradients": 1600.0,
+            "static": 4000.0,
+        },
         "data_parallel": {"size": size, "sharding": sharding},
         "objective": "step_time",
         "solver": {"method": method, "time_limit_s": 2.0},
@@ -119,6 +125,13 @@ def test_bad_data_parallel_input_is_rejected(change: dict[str, Any], field: str)
     with pytest.raises(ValidationError) as error:
         load_problem(body)
     assert field in str(error.value)
+
+
+def test_gradient_frees_must_fit_in_static() -> None:
+    body = dp_body()
+    body["memory"]["static"] = 1000.0
+    with pytest.raises(ValidationError, match=r"memory\.static"):
+        load_problem(body)
 
 
 def test_non_finite_collective_cost_is_rejected() -> None:
@@ -190,8 +203,7 @@ def test_reshard_after_forward_gathers_twice_and_needs_phases() -> None:
 
 def test_gathered_weights_over_the_limit_are_infeasible_with_the_least_limit() -> None:
     body = dp_body()
-    body["memory"]["static"] = 1000.0
-    body["memory"]["limit"] = 1500.0  # static + one stage's gathered 700 bytes exceeds it
+    body["memory"]["limit"] = 4500.0  # static 4000 + one stage's gathered 700 bytes exceeds it
     schedule = solve(load_problem(body))
     assert schedule.status == "infeasible" and "gathered weights" in (schedule.reason or "")
     assert schedule.min_memory_limit is not None
@@ -219,7 +231,7 @@ def _random_problem(rng: random.Random) -> Problem:
     body["costs"]["forward"] = [round(rng.uniform(0.5, 2), 3) for _ in range(num_stages)]
     body["solver"]["time_limit_s"] = 1.0
     if rng.random() < 0.5:
-        body["memory"]["limit"] = 5000.0 + rng.uniform(0, 2000)
+        body["memory"]["limit"] = 5800.0 + rng.uniform(0, 2000)
     return load_problem(body)
 
 
@@ -313,6 +325,7 @@ def test_http_and_cli_solve_data_parallel_problems(tmp_path: Path) -> None:
 def test_bitpipe_reduces_each_chunk_when_both_replicas_finished_it() -> None:
     body = dp_body(4, 8, 2, method="bitpipe", split_backward=False)
     body["pipeline"]["placement"] = "bidirectional"
+    body["memory"]["static"] = 6000.0  # four stage ids per rank, each with its gradient buffer
     schedule = solve(load_problem(body))
     assert schedule.status != "infeasible"
     inst = compile_problem(schedule.problem)
@@ -326,3 +339,21 @@ def test_bitpipe_reduces_each_chunk_when_both_replicas_finished_it() -> None:
         mirror_rank = inst.stage_ranks[mirror]
         last = max(a.end for a in schedule.ranks[mirror_rank].actions if a.kind == "B" and a.stage == mirror)
         assert timing.start >= last - 1e-9
+
+
+def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> None:
+    from pipesched.api.plots import render_svg, render_view_html
+    from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
+
+    schedule = solve(load_problem(dp_body(method="looped-bfs", stages_per_rank=2)))
+    trace = schedule_to_chrome_trace(schedule)
+    comm = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["tid"] == 1]
+    assert {e["cat"] for e in comm} == {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    assert any(e.get("args", {}).get("name") == "communication" for e in trace["traceEvents"])
+    assert trace["otherData"]["step_time_ms"] == schedule.step_time
+    svg = render_svg(schedule)
+    assert 'id="rank-0-comm"' in svg and "comm" in svg
+    page = render_view_html(schedule)
+    assert 'class="act comm"' in page and "0REDUCE_GRAD" in page and "step_time" in page
+    text = orders_to_torch_csv(schedule.orders())
+    assert "UNSHARD" not in text and "OPTIMIZER_STEP" not in text and "0F0" in text
