@@ -21,6 +21,10 @@ and to ``auto``'s orders; the simulator then times the result with the communica
   backwards (``prefetch`` stages ahead in backward order, never before that RESHARD): only schedules that run
   every forward of a stage before its first backward (GPipe, breadth-first, LGA) admit it.
 * ``OPTIMIZER_STEP`` ends every rank's row.
+
+``reduce_after_flush=True`` instead issues every REDUCE_GRAD after the rank's last pass, in the order the
+stages finished: Megatron-LM before ``overlap_grad_reduce`` (the data-parallel all-reduce ran after
+``forward_backward_func`` returned, i.e. after the flush), the baseline of the breadth-first paper.
 """
 
 from __future__ import annotations
@@ -69,13 +73,14 @@ def _place_gather(
         before.setdefault(target, []).append(gather)
 
 
-def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1) -> Orders:
+def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1, reduce_after_flush: bool = False) -> Orders:
     """Insert UNSHARD/RESHARD/REDUCE_GRAD and OPTIMIZER_STEP into compute-only ``orders`` (module docstring).
 
     Args:
         inst: the compiled problem (its step actions say which collectives exist).
         orders: per rank, passes only (F, I, W, B).
         prefetch: how many stages ahead an UNSHARD is issued (0: right before the stage's first pass).
+        reduce_after_flush: issue every REDUCE_GRAD after the rank's last pass (module docstring).
 
     Returns:
         New per-rank orders holding every action of ``inst``; ``orders`` unchanged when the problem has no
@@ -111,6 +116,7 @@ def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1) -> O
         backward_sequence = _stage_sequence(row, {inst.backward_kind})
         for stage in [s for s, _ in forward_sequence] + [s for s in local if s not in dict(forward_sequence)]:
             _place_gather(slots, index, stage, 0, forward_sequence, -1, prefetch)
+        flushed: list[tuple[int, Action]] = []
         for stage in local:
             finals = last_final.get(stage)
             reduce = Action(stage, ActionKind.REDUCE_GRAD, 0)
@@ -138,7 +144,9 @@ def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1) -> O
             for action in (reduce, last_reshard):
                 if action not in index:
                     continue
-                if finals is None:
+                if reduce_after_flush and action.kind == ActionKind.REDUCE_GRAD:
+                    flushed.append((-1 if finals is None else finals, action))
+                elif finals is None:
                     tail.append(action)
                 else:
                     after.setdefault(finals, []).append(action)
@@ -148,6 +156,7 @@ def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1) -> O
             new_row.append(action)
             new_row.extend(after.get(position, []))
         new_row.extend(tail)
+        new_row.extend(action for _, action in sorted(flushed))
         new_row.append(Action(rank, ActionKind.OPTIMIZER_STEP, 0))
         result.append(new_row)
     return result

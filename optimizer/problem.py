@@ -449,7 +449,7 @@ class Problem(_Strict):
                         f"rank {rank}'s REDUCE_GRADs free {freed[rank]:.0f} bytes of gradients (memory.gradients × "
                         f"(d−1)/d with sharding {dp.sharding!r}), more than its static {static[rank]:.0f} bytes: "
                         "static counts each stage's whole gradient buffer: raise"
-                        "  memory.static or lower memory.gradients",
+                        " memory.static or lower memory.gradients",
                         self.memory.static,
                     )
                 ]

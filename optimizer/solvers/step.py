@@ -145,8 +145,8 @@ def solve_step(
     def stop() -> bool:
         return elapsed() >= 0.9 * limit_s or (should_stop is not None and should_stop())
 
-    def offer(orders: Orders, backend: str) -> None:
-        for prefetch in PREFETCH_DISTANCES:
+    def offer(orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES) -> None:
+        for prefetch in prefetches:
             try:
                 full = add_communication(inst, orders, prefetch=prefetch)
                 sim: SimulationResult = simulate(inst, full, check_memory=False)
@@ -179,13 +179,21 @@ def solve_step(
             min_memory_limit=need,
             solve_time_s=elapsed(),
         )
+    # Every family at the default prefetch first (the guarantee: never worse than a family), then the other
+    # prefetch distances while time is left.
+    generated: list[tuple[str, Orders]] = []
     for family in applicable_families(problem):
-        if stop() and best.orders is not None:
+        if generated and (elapsed() >= limit_s or (should_stop is not None and should_stop())):
             break
         try:
-            offer(family.generate(problem), f"family:{family.name}")
+            generated.append((f"family:{family.name}", family.generate(problem)))
         except ValueError:
             continue
+        offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1])
+    for backend, orders in generated:
+        if stop():
+            break
+        offer(orders, backend, PREFETCH_DISTANCES[1:])
     remaining = 0.85 * limit_s - elapsed()
     if remaining > 0.05 and not (should_stop is not None and should_stop()):
         proxy = proxy.model_copy(update={"solver": proxy.solver.model_copy(update={"time_limit_s": remaining})})
