@@ -30,7 +30,7 @@ import time
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.communication import ReshardOrderError, add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
@@ -62,11 +62,11 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     static = problem.static_memory
     dp = problem.data_parallel
     if gathered_in_static and dp is not None and dp.sharding == "full" and problem.memory.weights is not None:
-        inst = compile_problem(problem)
         weights = problem.stage_values(problem.memory.weights)
         fraction = (dp.size - 1) / dp.size
-        for stage, rank in enumerate(inst.stage_ranks):
-            static[rank] += weights[inst.model_stage[stage]] * fraction
+        num_stages = problem.pipeline.num_stages
+        for stage, rank in enumerate(stage_to_rank(problem)):
+            static[rank] += weights[stage % num_stages] * fraction
     data["memory"]["static"] = static
     data["memory"]["weights"] = None
     data["memory"]["gradients"] = None
@@ -132,7 +132,7 @@ def solve_step(
     inst = compile_problem(problem)
     objective = problem.objective
     best = _Best()
-    bound = step_lower_bound(problem, inst)
+    bound: float | None = None
 
     def elapsed() -> float:
         return time.perf_counter() - started
@@ -159,7 +159,6 @@ def solve_step(
                 best.orders, best.value, best.backend = full, value, backend
                 report(f"{backend} (prefetch {prefetch}): {value:.3f} ms")
 
-    report("lower bound")
     proxy = compute_problem(problem, gathered_in_static=True)
     proxy_inst = compile_problem(proxy)
     need = min_memory_limit(proxy_inst)
@@ -190,6 +189,8 @@ def solve_step(
         except ValueError:
             continue
         offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1])
+    bound = step_lower_bound(problem, inst)
+    report("lower bound")
     for backend, orders in generated:
         if stop():
             break
