@@ -56,17 +56,30 @@ def _compute_objective(problem: Problem) -> str:
 def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     """The compute-only problem behind ``problem``: no data parallelism, no collective or optimizer costs,
     objective makespan (stage_span under post-validation). With ``gathered_in_static`` each rank's static
-    memory also holds the gathered (d−1)/d weights of all its stages (sharding ``full``)."""
+    memory also holds the gathered (d−1)/d weights of all its stages (sharding ``full``): every schedule of it
+    fits the real problem after the communication pass. Without, static drops the gradient shards that
+    REDUCE_GRAD frees (sharding ``gradients``/``full``): every real schedule fits it (a relaxation)."""
     assert problem.memory is not None
     data = problem.model_dump(mode="json")
     static = problem.static_memory
     dp = problem.data_parallel
+    num_stages = problem.pipeline.num_stages
     if gathered_in_static and dp is not None and dp.sharding == "full" and problem.memory.weights is not None:
         weights = problem.stage_values(problem.memory.weights)
         fraction = (dp.size - 1) / dp.size
-        num_stages = problem.pipeline.num_stages
         for stage, rank in enumerate(stage_to_rank(problem)):
             static[rank] += weights[stage % num_stages] * fraction
+    elif (
+        not gathered_in_static
+        and dp is not None
+        and dp.sharding in ("gradients", "full")
+        and problem.memory.gradients is not None
+    ):
+        # The relaxation: as if every gradient shard were freed from the start (REDUCE_GRAD only lowers it).
+        gradients = problem.stage_values(problem.memory.gradients)
+        fraction = (dp.size - 1) / dp.size
+        for stage, rank in enumerate(stage_to_rank(problem)):
+            static[rank] -= gradients[stage % num_stages] * fraction
     data["memory"]["static"] = static
     data["memory"]["weights"] = None
     data["memory"]["gradients"] = None
@@ -81,9 +94,9 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
 def step_lower_bound(problem: Problem, inst: Instance) -> float:
     """A lower bound (ms) on ``problem.objective`` for every schedule with the step's communication.
 
-    * compute: :func:`pipesched.optimizer.bounds.lower_bound` of the compute-only problem with the real static
-      memory (a relaxation: gathered weights only add memory), on makespan (stage_span under post-validation;
-      for objective stage_span itself);
+    * compute: :func:`pipesched.optimizer.bounds.lower_bound` of the compute-only relaxation
+      (:func:`compute_problem` without gathered weights, gradient shards freed from the start), on makespan
+      (stage_span under post-validation; for objective stage_span itself);
     * + the least ``unshard`` (sharding ``full``): a rank's first pass waits for a gather on its own rank that
       started no earlier than the step (the rank's span);
     * + the least ``reduce_grad`` (d > 1): the step's (each rank's) last pass is a last backward (W, or B when
