@@ -17,7 +17,7 @@ from pipesched.optimizer.collectives import data_parallel_costs
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
-from pipesched.optimizer.validation import StrictModel
+from pipesched.optimizer.validation import StrictModel, raise_field_errors
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -73,6 +73,37 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
     return Problem.model_validate(document)
 
 
+def _group_errors(
+    parts: _DerivationInput, size: int, tensor_parallel: int
+) -> list[tuple[tuple[str | int, ...], str, Any]]:
+    """The data-parallel group must agree with ``cluster.data_parallel_size`` and tile the nodes evenly."""
+    errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+    cluster_size = parts.cluster.data_parallel_size
+    if cluster_size not in (1, size):
+        errors.append(
+            (
+                ("cluster", "data_parallel_size"),
+                f"cluster.data_parallel_size {cluster_size} disagrees with data_parallel.size {size}: drop "
+                "cluster.data_parallel_size (data_parallel.size sets it) or make them equal",
+                cluster_size,
+            )
+        )
+    gpus_per_node = getattr(parts.cluster, "gpus_per_node", None)
+    group = size * tensor_parallel
+    if gpus_per_node and (gpus_per_node % group if group <= gpus_per_node else group % gpus_per_node):
+        fits = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % (d * tensor_parallel) == 0]
+        errors.append(
+            (
+                ("data_parallel", "size"),
+                f"data_parallel.size {size} × tensor_parallel {tensor_parallel} = {group} GPUs neither divides nor is "
+                f"a multiple of gpus_per_node {gpus_per_node}: the groups would straddle nodes unevenly; use a size "
+                f"in {fits} or a multiple of {max(1, gpus_per_node // tensor_parallel)}",
+                size,
+            )
+        )
+    return errors
+
+
 def _lacks_collectives(document: Mapping[str, Any]) -> bool:
     """Whether a document with d > 1 gives costs without ``costs.reduce_grad``."""
     dp, costs = document.get("data_parallel"), document.get("costs")
@@ -94,6 +125,7 @@ def _add_collectives(
     assert dp is not None and derived.hardware is not None
     tensor_parallel = document.get("tensor_parallel")
     tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
+    raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
     collectives = data_parallel_costs(
         model=parts.model,
         cluster=parts.cluster,

@@ -357,3 +357,30 @@ def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> No
     assert 'class="act comm"' in page and "0REDUCE_GRAD" in page and "step_time" in page
     text = orders_to_torch_csv(schedule.orders())
     assert "UNSHARD" not in text and "OPTIMIZER_STEP" not in text and "0F0" in text
+
+
+def test_cluster_data_parallel_size_must_agree() -> None:
+    document = {
+        "pipeline": {"num_ranks": 8, "num_microbatches": 8, "stages_per_rank": 8},
+        "model": MODEL_52B,
+        "cluster": {**CLUSTER, "data_parallel_size": 8, "shard_optimizer_state": True},
+        "data_parallel": {"size": 16, "sharding": "full"},
+    }
+    with pytest.raises(ValidationError, match=r"cluster\.data_parallel_size"):
+        load_problem(document)
+
+
+def test_group_link_picks_intra_or_inter_node_bandwidth() -> None:
+    from types import SimpleNamespace
+
+    from pipesched.optimizer.collectives import group_link
+
+    cluster = SimpleNamespace(
+        gpus_per_node=8,
+        intra_node_bandwidth_bytes_per_s=450e9,
+        inter_node_bandwidth_bytes_per_s=50e9,
+        p2p_bandwidth_bytes_per_s=25e9,
+    )
+    assert group_link(cluster, 8) == (450e9, "intra-node")  # type: ignore[arg-type]
+    assert group_link(cluster, 4, tensor_parallel=4) == (50e9, "inter-node")  # type: ignore[arg-type]
+    assert group_link(SimpleNamespace(p2p_bandwidth_bytes_per_s=25e9), 64) == (25e9, "p2p link")  # type: ignore[arg-type]
