@@ -35,12 +35,12 @@ optimizer step on its compute stream (``stream`` 0). ``compute`` counts the pass
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.problem import Problem
 
-__all__ = ["Instance", "compile_problem", "stage_to_rank"]
+__all__ = ["Instance", "compile_problem", "compute_instance", "stage_to_rank"]
 
 
 def stage_to_rank(problem: Problem) -> list[int]:
@@ -87,6 +87,7 @@ class Instance:
         has_step_actions: whether the problem has communication actions or optimizer steps.
         optimizer_steps: per rank, the index of its OPTIMIZER_STEP (empty without step actions).
         sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
+        num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
     """
 
     problem: Problem
@@ -112,6 +113,7 @@ class Instance:
     has_step_actions: bool = False
     optimizer_steps: list[int] = field(default_factory=list)
     sync_before_step: bool = False
+    num_passes: int = -1
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -241,6 +243,31 @@ def compile_problem(problem: Problem, *, step_actions: bool = True) -> Instance:
     return inst
 
 
+def compute_instance(inst: Instance) -> Instance:
+    """The passes of ``inst`` alone (what ``compile_problem(problem, step_actions=False)`` gives), cut from an
+    instance with step actions without compiling again: they are indexed after every pass."""
+    if not inst.has_step_actions:
+        return inst
+    n = inst.num_passes
+    actions = inst.actions[:n]
+    return replace(
+        inst,
+        actions=actions,
+        index={action: i for i, action in enumerate(actions)},
+        rank=inst.rank[:n],
+        duration=inst.duration[:n],
+        preds=[[(j, t) for j, t in row if j < n] for row in inst.preds[:n]],
+        succs=[[(j, t) for j, t in row if j < n] for row in inst.succs[:n]],
+        mem_delta=inst.mem_delta[:n],
+        rank_actions=[[i for i in row if i < n] for row in inst.rank_actions],
+        stream=[],
+        has_step_actions=False,
+        optimizer_steps=[],
+        sync_before_step=False,
+        num_passes=-1,
+    )
+
+
 def _add_step_actions(inst: Instance, problem: Problem) -> None:
     """Communication actions and optimizer steps (module docstring), appended after the passes."""
     assert problem.costs is not None and problem.memory is not None
@@ -255,6 +282,7 @@ def _add_step_actions(inst: Instance, problem: Problem) -> None:
     weights = problem.stage_values(problem.memory.weights) if problem.memory.weights is not None else zeros
     gradients = problem.stage_values(problem.memory.gradients) if problem.memory.gradients is not None else zeros
     inst.stream = [0] * len(inst.actions)
+    inst.num_passes = len(inst.actions)
     inst.has_step_actions = True
     inst.sync_before_step = not problem.training.post_validation
 

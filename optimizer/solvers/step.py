@@ -24,17 +24,18 @@ cheapest reduction after the step's last backward (d > 1), and the optimizer ste
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.communication import ReshardOrderError, add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_problem, compute_instance, stage_to_rank
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
-from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.result import Schedule, infeasible_schedule, schedule_from_simulation
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
 from pipesched.optimizer.solvers.infeasible import min_memory_limit
 from pipesched.optimizer.solvers.portfolio import solve_auto
@@ -53,6 +54,28 @@ def _compute_objective(problem: Problem) -> str:
     return "stage_span" if problem.training.post_validation else "makespan"
 
 
+def _static_adjustment(problem: Problem, *, gathered: bool) -> list[float]:
+    """Per rank, bytes to add to static: the gathered (d−1)/d weights of all the rank's stages (``gathered``,
+    sharding ``full``), or minus the gradient shards its REDUCE_GRADs free (not ``gathered``, sharding
+    ``gradients``/``full``)."""
+    assert problem.memory is not None
+    adjustment = [0.0] * problem.pipeline.num_ranks
+    dp = problem.data_parallel
+    if dp is None or dp.size == 1:
+        return adjustment
+    fraction = (dp.size - 1) / dp.size
+    num_stages = problem.pipeline.num_stages
+    if gathered and dp.sharding == "full" and problem.memory.weights is not None:
+        values, sign = problem.stage_values(problem.memory.weights), 1.0
+    elif not gathered and dp.sharding in ("gradients", "full") and problem.memory.gradients is not None:
+        values, sign = problem.stage_values(problem.memory.gradients), -1.0
+    else:
+        return adjustment
+    for stage, rank in enumerate(stage_to_rank(problem)):
+        adjustment[rank] += sign * values[stage % num_stages] * fraction
+    return adjustment
+
+
 def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     """The compute-only problem behind ``problem``: no data parallelism, no collective or optimizer costs,
     objective makespan (stage_span under post-validation). With ``gathered_in_static`` each rank's static
@@ -61,26 +84,8 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     REDUCE_GRAD frees (sharding ``gradients``/``full``): every real schedule fits it (a relaxation)."""
     assert problem.memory is not None
     data = problem.model_dump(mode="json")
-    static = problem.static_memory
-    dp = problem.data_parallel
-    num_stages = problem.pipeline.num_stages
-    if gathered_in_static and dp is not None and dp.sharding == "full" and problem.memory.weights is not None:
-        weights = problem.stage_values(problem.memory.weights)
-        fraction = (dp.size - 1) / dp.size
-        for stage, rank in enumerate(stage_to_rank(problem)):
-            static[rank] += weights[stage % num_stages] * fraction
-    elif (
-        not gathered_in_static
-        and dp is not None
-        and dp.sharding in ("gradients", "full")
-        and problem.memory.gradients is not None
-    ):
-        # The relaxation: as if every gradient shard were freed from the start (REDUCE_GRAD only lowers it).
-        gradients = problem.stage_values(problem.memory.gradients)
-        fraction = (dp.size - 1) / dp.size
-        for stage, rank in enumerate(stage_to_rank(problem)):
-            static[rank] -= gradients[stage % num_stages] * fraction
-    data["memory"]["static"] = static
+    adjustment = _static_adjustment(problem, gathered=gathered_in_static)
+    data["memory"]["static"] = [x + dx for x, dx in zip(problem.static_memory, adjustment, strict=True)]
     data["memory"]["weights"] = None
     data["memory"]["gradients"] = None
     for name in ("unshard", "reduce_grad", "optimizer_step"):
@@ -104,8 +109,10 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     * + for ``step_time``, the optimizer step: after the synchronisation every rank's, so the largest; under
       post-validation the rank's own, so the least.
     """
-    relaxed = compute_problem(problem, gathered_in_static=False)
-    bound = compute_lower_bound(compile_problem(relaxed), _compute_objective(problem))
+    passes = compute_instance(inst)
+    adjustment = _static_adjustment(problem, gathered=False)
+    relaxed = dataclasses.replace(passes, static=[x + dx for x, dx in zip(passes.static, adjustment, strict=True)])
+    bound = compute_lower_bound(relaxed, _compute_objective(problem))
     if not inst.has_step_actions:
         return bound
     assert problem.costs is not None
@@ -123,8 +130,10 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
 class _Best:
     def __init__(self) -> None:
         self.orders: Orders | None = None
+        self.simulation: SimulationResult | None = None
         self.value = math.inf
         self.backend = ""
+        self.eval_s = 0.0  # the longest one candidate took (pass + simulation), s
 
 
 def solve_step(
@@ -155,26 +164,35 @@ def solve_step(
             value = None if best.orders is None else best.value
             progress(Progress(value, bound, elapsed(), best.backend or "step", message))
 
+    # Room to build the answer (~20 µs per action on a busy 2-core machine), as the portfolio leaves.
+    deadline = limit_s - min(0.3 * limit_s, 0.1 + 3e-5 * len(inst.actions))
+
     def stop() -> bool:
-        return elapsed() >= 0.9 * limit_s or (should_stop is not None and should_stop())
+        """Whether another candidate would overrun the deadline (or the caller asks to stop)."""
+        return elapsed() + best.eval_s >= deadline or (should_stop is not None and should_stop())
 
     def offer(orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES) -> None:
-        for prefetch in prefetches:
+        for k, prefetch in enumerate(prefetches):
+            if k > 0 and stop():
+                return
+            began = time.perf_counter()
             try:
                 full = add_communication(inst, orders, prefetch=prefetch)
                 sim: SimulationResult = simulate(inst, full, check_memory=False)
             except (ReshardOrderError, InvalidSchedule):
                 return
+            finally:
+                best.eval_s = max(best.eval_s, time.perf_counter() - began)
             if not sim.fits:
                 continue
             value = sim.objective_value(objective)
             if value < best.value - 1e-9:
-                best.orders, best.value, best.backend = full, value, backend
+                best.orders, best.simulation, best.value, best.backend = full, sim, value, backend
                 report(f"{backend} (prefetch {prefetch}): {value:.3f} ms")
 
-    proxy = compute_problem(problem, gathered_in_static=True)
-    proxy_inst = compile_problem(proxy)
-    need = min_memory_limit(proxy_inst)
+    gathered = _static_adjustment(problem, gathered=True)
+    # min_memory_limit reads only the forward passes, which the step actions leave as they are.
+    need = [x + dx for x, dx in zip(min_memory_limit(inst), gathered, strict=True)]
     over = [r for r, (n, lim) in enumerate(zip(need, inst.limit, strict=True)) if n > lim * (1 + 1e-12) + 1e-9]
     if over:
         rank = over[0]
@@ -185,8 +203,7 @@ def solve_step(
             reason=(
                 f"rank {rank} needs at least {format_bytes(need[rank])} (static, the gathered weights of its stages "
                 f"and one microbatch's activations); its limit is {format_bytes(inst.limit[rank])}: raise "
-                f"memory.limit to at least {need[rank]:.0f} bytes on rank {rank}, or set "
-                "data_parallel.reshard_after_forward"
+                f"memory.limit to at least {need[rank]:.0f} bytes on rank {rank}"
             ),
             min_memory_limit=need,
             solve_time_s=elapsed(),
@@ -195,7 +212,7 @@ def solve_step(
     # prefetch distances while time is left.
     generated: list[tuple[str, Orders]] = []
     for family in applicable_families(problem):
-        if generated and (elapsed() >= limit_s or (should_stop is not None and should_stop())):
+        if generated and stop():
             break
         try:
             generated.append((f"family:{family.name}", family.generate(problem)))
@@ -208,8 +225,9 @@ def solve_step(
         if stop():
             break
         offer(orders, backend, PREFETCH_DISTANCES[1:])
-    remaining = 0.85 * limit_s - elapsed()
+    remaining = deadline - elapsed() - best.eval_s  # leave room to place the collectives in its answer
     if remaining > 0.05 and not (should_stop is not None and should_stop()):
+        proxy = compute_problem(problem, gathered_in_static=True)
         proxy = proxy.model_copy(update={"solver": proxy.solver.model_copy(update={"time_limit_s": remaining})})
         result = solve_auto(proxy, should_stop=should_stop)
         if result.status != "infeasible":
@@ -223,12 +241,13 @@ def solve_step(
             min_memory_limit=need,
             solve_time_s=elapsed(),
         )
-    return build_schedule(
+    assert best.simulation is not None
+    return schedule_from_simulation(
         problem,
-        best.orders,
+        inst,
+        best.simulation,
         method="auto",
         backend=best.backend,
         lower_bound=bound,
-        instance=inst,
         solve_time_s=elapsed(),
     )
