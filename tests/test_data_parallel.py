@@ -384,3 +384,44 @@ def test_group_link_picks_intra_or_inter_node_bandwidth() -> None:
     assert group_link(cluster, 8) == (450e9, "intra-node")  # type: ignore[arg-type]
     assert group_link(cluster, 4, tensor_parallel=4) == (50e9, "inter-node")  # type: ignore[arg-type]
     assert group_link(SimpleNamespace(p2p_bandwidth_bytes_per_s=25e9), 64) == (25e9, "p2p link")  # type: ignore[arg-type]
+
+
+def _check_timings(schedule: Schedule) -> None:
+    """The schedule's own times, checked against the rules without the simulator."""
+    problem = schedule.problem
+    assert problem.costs is not None
+    p2p = problem.costs.p2p
+    actions = {(a.action, r.rank): a for r in schedule.ranks for a in r.actions}
+    by_text: dict[str, Any] = {}
+    for (text, rank), a in actions.items():
+        by_text[text if a.kind != "OPTIMIZER_STEP" else f"{text}@{rank}"] = a
+    for rank in schedule.ranks:
+        for lane in (("F", "I", "W", "B", "OPTIMIZER_STEP"), ("UNSHARD", "REDUCE_GRAD")):
+            bars = sorted((a.start, a.end) for a in rank.actions if a.kind in lane)
+            assert all(nxt[0] >= cur[1] - 1e-6 for cur, nxt in pairwise(bars)), (rank.rank, lane)
+    last_end = max(a.end for a in by_text.values() if a.kind != "OPTIMIZER_STEP")
+    for text, a in by_text.items():
+        if a.kind == "F":
+            gather = by_text.get(f"{a.stage}UNSHARD")
+            if gather is not None:
+                assert a.start >= gather.end - 1e-6
+            if a.stage > 0:
+                before = by_text[f"{a.stage - 1}F{a.microbatch}"]
+                latency = p2p if schedule.stage_to_rank[a.stage - 1] != schedule.stage_to_rank[a.stage] else 0.0
+                assert a.start >= before.end + float(latency) - 1e-6
+        elif a.kind == "REDUCE_GRAD":
+            finals = [b for b in by_text.values() if b.kind in ("W", "B") and b.stage == a.stage]
+            assert all(a.start >= b.end - 1e-6 for b in finals)
+        elif a.kind == "OPTIMIZER_STEP":
+            assert a.start >= last_end - 1e-6, text
+    assert schedule.step_time == pytest.approx(max(a.end for a in by_text.values()))
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "lga", "auto"])
+def test_every_family_and_auto_pass_an_independent_timing_check(method: str) -> None:
+    spr = 2 if method in ("interleaved-1f1b", "looped-bfs", "lga") else 1
+    body = dp_body(4, 8, spr, method=method)
+    body["costs"]["p2p"] = 0.1
+    schedule = solve(load_problem(body))
+    assert schedule.status in ("optimal", "feasible")
+    _check_timings(schedule)
