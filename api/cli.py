@@ -487,7 +487,7 @@ def serve(
     from sqlalchemy.exc import ArgumentError, OperationalError
 
     from pipesched.api.app import create_app
-    from pipesched.api.settings import Settings
+    from pipesched.api.settings import Settings, exposure_problem
 
     updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
     try:
@@ -504,9 +504,16 @@ def serve(
                 + (f" ({described})" if described else "")
             )
         raise fail("\n".join(lines)) from None
+    exposed = exposure_problem(settings)
+    if exposed is not None:
+        raise fail(exposed)
     database_fix = "set PIPESCHED_DATABASE_URL to sqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST/DATABASE"
+    from pipesched.api.queue import QueueSettingsError
+
     try:
         service = create_app(settings)
+    except QueueSettingsError as error:
+        raise fail(str(error)) from None
     except ArgumentError as error:
         raise fail(f"PIPESCHED_DATABASE_URL is not a usable database URL ({error}): {database_fix}") from None
     except OperationalError as error:
@@ -516,7 +523,71 @@ def serve(
             f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
             f"reachable, or {database_fix}"
         ) from None
-    uvicorn.run(service, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        service,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+
+
+@app.command()
+def worker(
+    processes: Annotated[
+        int | None, typer.Option("--processes", help="Solver processes (default: PIPESCHED_SOLVER_WORKERS).", min=1)
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port", help="Prometheus /metrics port (default: PIPESCHED_WORKER_METRICS_PORT; 0: none)."
+        ),
+    ] = None,
+) -> None:
+    """Solve jobs from the PostgreSQL queue (run any number, on any machines, beside `pipesched serve` replicas
+    started with PIPESCHED_QUEUE=postgres on the same PIPESCHED_DATABASE_URL)."""
+    from pydantic import ValidationError
+    from sqlalchemy.engine import make_url
+
+    from pipesched.api.queue import QueueSettingsError, check_queue_settings
+    from pipesched.api.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as error:
+        lines = []
+        for item in error.errors():
+            name = str(item["loc"][0]) if item["loc"] else "?"
+            described = Settings.model_fields[name].description if name in Settings.model_fields else None
+            shown = "" if name == "api_token" else f" (got {item.get('input')!r})"
+            lines.append(
+                f"PIPESCHED_{name.upper()}: {item['msg']}{shown}; set a valid value"
+                + (f" ({described})" if described else "")
+            )
+        raise fail("\n".join(lines)) from None
+    try:
+        check_queue_settings(settings, role="worker")
+    except QueueSettingsError as error:
+        raise fail(str(error)) from None
+    from pipesched.api.worker import run_worker
+
+    try:
+        run_worker(
+            settings,
+            processes=processes or settings.solver_workers,
+            metrics_port=settings.worker_metrics_port if metrics_port is None else metrics_port,
+        )
+    except Exception as error:
+        from pipesched.api.queue import DATABASE_FIX
+
+        if type(error).__name__ not in ("OperationalError", "PoolTimeout", "ArgumentError"):
+            raise
+        where = make_url(settings.database_url).render_as_string(hide_password=True)
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+        raise fail(
+            f"PIPESCHED_DATABASE_URL: cannot reach the database {where} ({reason}): check that the server runs and "
+            f"this machine may connect, or {DATABASE_FIX}"
+        ) from None
 
 
 @app.command()
