@@ -131,6 +131,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "objective",
         "makespan ms",
         "stage_span ms",
+        "step_time ms",
         "bubble rate",
         "lower bound",
         "gap",
@@ -141,6 +142,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         schedule.objective,
         f"{schedule.makespan:.3f}",
         f"{schedule.stage_span:.3f}",
+        "—" if schedule.step_time is None else f"{schedule.step_time:.3f}",
         f"{schedule.bubble_rate:.4f}",
         "—" if schedule.lower_bound is None else f"{schedule.lower_bound:.3f}",
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
@@ -267,6 +269,8 @@ def compare(
         problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
+    from pipesched.optimizer.families import FamilyDomainError
+
     variants = pipeline_variants(problem, placements, stages_per_rank)
     rows = []
     labels: list[str] = []
@@ -274,7 +278,10 @@ def compare(
         if how:
             console.print(f"{label}: {how}", highlight=False)
         for family in applicable_families(variant):
-            rows.append(solve_family(variant, family.name, enforce_memory=False))
+            try:
+                rows.append(solve_family(variant, family.name, enforce_memory=False))
+            except FamilyDomainError:  # e.g. reshard_after_forward with a depth-first family
+                continue
             labels.append(label)
         if include_auto:
             started = time.perf_counter()
@@ -289,7 +296,9 @@ def compare(
     per_rank = problem.pipeline.num_ranks <= 16
     unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
-    for column in ("method", "makespan ms", "stage_span ms", "bubble rate", peak_title, "fits limit"):
+    step = problem.has_step_actions or problem.objective == "step_time"
+    columns = ("method", "makespan ms", "stage_span ms", *(("step_time ms",) if step else ()))
+    for column in (*columns, "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
     records = []
@@ -304,7 +313,7 @@ def compare(
             else {}
         )
         if schedule.status == "infeasible":
-            table.add_row(*shape, schedule.method, "—", "—", "—", "—", f"no ({schedule.reason})")
+            table.add_row(*shape, schedule.method, *["—"] * (len(columns) + 1), f"no ({schedule.reason})")
             records.append({**where, "method": schedule.method, "status": "infeasible", "reason": schedule.reason})
             continue
         fits = bool(schedule.fits_memory)
@@ -313,6 +322,7 @@ def compare(
             schedule.method,
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
+            *((f"{schedule.step_time:.3f}",) if step else ()),
             f"{schedule.bubble_rate:.4f}",
             (
                 " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)
@@ -329,6 +339,7 @@ def compare(
                 "objective": schedule.objective_value,
                 "makespan": schedule.makespan,
                 "stage_span": schedule.stage_span,
+                "step_time": schedule.step_time,
                 "bubble_rate": schedule.bubble_rate,
                 "peak_memory": schedule.peak_memory,
                 "fits_limit": fits,

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipesched.optimizer.communication import ReshardOrderError, with_communication
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import Action, Orders, parse_action
 from pipesched.optimizer.problem import Problem
@@ -229,10 +230,24 @@ def check_schedule(problem: Problem, orders: Orders, notes: list[str] | None = N
         A :class:`CheckResult`: valid with objective (ms), bubble rate and peak memory per rank (bytes), or
         invalid with the first :class:`Violation`.
     """
+    notes = list(notes or [])
+    inst = compile_for_orders(problem, orders)
+    if inst.has_step_actions and all(action.is_compute for row in orders for action in row):
+        try:
+            orders = with_communication(inst, orders)
+            notes.append(
+                "the problem's collectives and optimizer steps (data_parallel, costs.optimizer_step) are placed "
+                "as pipesched's families place them (optimizer/communication.py)"
+            )
+        except ReshardOrderError as error:
+            rows = [[str(action) for action in row] for row in orders]
+            result = CheckResult(valid=False, orders=rows, notes=notes, objective=problem.objective)
+            result.violation = Violation("reshard_order", str(error), {}, [])
+            return result
     rows = [[str(action) for action in row] for row in orders]
-    result = CheckResult(valid=False, orders=rows, notes=list(notes or []), objective=problem.objective)
+    result = CheckResult(valid=False, orders=rows, notes=notes, objective=problem.objective)
     try:
-        sim = simulate(compile_for_orders(problem, orders), orders, check_memory=True)
+        sim = simulate(inst, orders, check_memory=True)
     except InvalidSchedule as error:
         result.violation = Violation(error.reason, str(error), error.details, _marks(error, rows))
         return result

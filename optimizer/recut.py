@@ -7,9 +7,11 @@ Two ways, the first that applies:
 * Otherwise the problem's per-stage values are read as a model cut into ``num_stages`` equal slices of
   layers, and each new stage takes the slices it covers, in proportion: with uniform costs every stage's
   cost and activation is divided by the new-to-old ratio of stage counts (an even split by the number of
-  stages), with per-stage lists a heavy first or last stage stays heavy. ``p2p`` keeps the value of the slice a
-  new stage starts in (the same activation tensor crosses every boundary); per-rank ``static`` and ``limit``
-  stay as they are (every rank still holds 1/num_ranks of the layers).
+  stages), with per-stage lists a heavy first or last stage stays heavy (the data-parallel per-stage
+  values — ``costs.unshard``/``reduce_grad``, ``memory.weights``/``gradients`` — the same way). ``p2p``
+  keeps the value of the slice a new stage starts in (the same activation tensor crosses every boundary);
+  per-rank ``static``, ``limit`` and ``optimizer_step`` stay as they are (every rank still holds
+  1/num_ranks of the layers).
 
 The number of ranks, microbatches and everything else stay the same.
 """
@@ -25,6 +27,8 @@ __all__ = ["recut_problem", "recut_values"]
 
 _PER_STAGE_COSTS = ("forward", "backward_input", "backward_weight")
 _PER_STAGE_MEMORY = ("activation", "retained_for_weight")
+_PER_STAGE_OPTIONAL_COSTS = ("unshard", "reduce_grad")  # collectives over a stage's weights: split by layers too
+_PER_STAGE_OPTIONAL_MEMORY = ("weights", "gradients")
 
 
 def recut_values(values: list[float], new_count: int, *, extensive: bool = True) -> list[float]:
@@ -76,8 +80,14 @@ def recut_problem(problem: Problem, placement: Literal["loop", "v"], stages_per_
     for name in _PER_STAGE_COSTS:
         data["costs"][name] = recut_values(problem.stage_values(getattr(problem.costs, name)), new_count)
     data["costs"]["p2p"] = recut_values(problem.stage_values(problem.costs.p2p), new_count, extensive=False)
+    for name in _PER_STAGE_OPTIONAL_COSTS:
+        if getattr(problem.costs, name) is not None:
+            data["costs"][name] = recut_values(problem.stage_values(getattr(problem.costs, name)), new_count)
     for name in _PER_STAGE_MEMORY:
         data["memory"][name] = recut_values(problem.stage_values(getattr(problem.memory, name)), new_count)
+    for name in _PER_STAGE_OPTIONAL_MEMORY:
+        if getattr(problem.memory, name) is not None:
+            data["memory"][name] = recut_values(problem.stage_values(getattr(problem.memory, name)), new_count)
     old_count = problem.pipeline.num_stages
     how = (
         "per-stage costs and activations split by layers"

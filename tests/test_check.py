@@ -200,3 +200,22 @@ def test_http_check(client: TestClient) -> None:
     assert answer.status_code == 422 and "schedule" in answer.text
     answer = client.post("/v1/schedules/check", json={"problem": {"pipeline": {}}, "schedule": []})
     assert answer.status_code == 422
+
+
+def test_a_data_parallel_problem_gets_its_collectives_placed_by_pipesched() -> None:
+    """A compute-only schedule for a problem with data parallelism: pipesched adds UNSHARD/RESHARD/REDUCE_GRAD and
+    the optimizer steps as its families do, says so, and times the step."""
+    problem = Problem.model_validate(
+        {
+            **PROBLEM,
+            "costs": {**PROBLEM["costs"], "unshard": 0.5, "reduce_grad": 0.7, "optimizer_step": 0.2},
+            "memory": {"activation": 100, "retained_for_weight": 40, "weights": 50},
+            "data_parallel": {"size": 4, "sharding": "full"},
+        }
+    )
+    orders, notes = read_schedule(_good())
+    result = check_schedule(problem, orders, notes)
+    assert result.valid, result.violation
+    assert any("collectives" in note for note in result.notes)
+    assert any("REDUCE_GRAD" in action for row in result.orders for action in row)
+    assert result.makespan > check_schedule(Problem.model_validate(PROBLEM), orders).makespan
