@@ -93,7 +93,8 @@ def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1, redu
     if not inst.has_step_actions:
         return [list(row) for row in orders]
     index = inst.index
-    final_kind = ActionKind.BACKWARD_WEIGHT if inst.split_backward else ActionKind.BACKWARD
+    # A pair's last pass is W when its backward is split, B when fused (a schedule may mix both: compile_for_orders).
+    final_kinds = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
     problem = inst.problem
     reshard_after_forward = problem.data_parallel is not None and problem.data_parallel.reshard_after_forward
     result: Orders = []
@@ -107,13 +108,13 @@ def add_communication(inst: Instance, orders: Orders, *, prefetch: int = 1, redu
         last_final: dict[int, int] = {}
         last_forward: dict[int, int] = {}
         for position, action in enumerate(row):
-            if action.kind == final_kind:
+            if action.kind in final_kinds:
                 last_final[action.stage] = position
             elif action.kind == ActionKind.FORWARD:
                 last_forward[action.stage] = position
 
         forward_sequence = _stage_sequence(row, {ActionKind.FORWARD})
-        backward_sequence = _stage_sequence(row, {inst.backward_kind})
+        backward_sequence = _stage_sequence(row, {ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD})
         for stage in [s for s, _ in forward_sequence] + [s for s in local if s not in dict(forward_sequence)]:
             _place_gather(slots, index, stage, 0, forward_sequence, -1, prefetch)
         flushed: list[tuple[int, Action]] = []

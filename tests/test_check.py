@@ -219,3 +219,23 @@ def test_a_data_parallel_problem_gets_its_collectives_placed_by_pipesched() -> N
     assert any("collectives" in note for note in result.notes)
     assert any("REDUCE_GRAD" in action for row in result.orders for action in row)
     assert result.makespan > check_schedule(Problem.model_validate(PROBLEM), orders).makespan
+
+
+def test_a_mixed_backward_schedule_on_a_data_parallel_problem() -> None:
+    """PyTorch's DualPipeV order (fused B mixed with split I/W) checks valid with data parallelism too."""
+    pytest.importorskip("torch")
+    from pipesched.runtime.torch_orders import torch_compute_orders
+
+    problem = Problem.model_validate(
+        {
+            **PROBLEM,
+            "pipeline": {**PROBLEM["pipeline"], "placement": "v"},
+            "costs": {**PROBLEM["costs"], "reduce_grad": 0.7, "unshard": 0.4},
+            "memory": {"activation": 100, "retained_for_weight": 40, "weights": 50},
+            "data_parallel": {"size": 2, "sharding": "full"},
+        }
+    )
+    orders, notes = read_schedule(torch_compute_orders("DualPipeV", P, 2, M))
+    result = check_schedule(problem, orders, notes)
+    assert result.valid, result.violation
+    assert sum(a.endswith("REDUCE_GRAD") for row in result.orders for a in row) == 2 * P
