@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.costmodel import derive_problem
-from pipesched.optimizer.problem import Pipeline, Problem
+from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
 from pipesched.optimizer.validation import StrictModel
 
 __all__ = ["ProblemDocument", "load_problem"]
@@ -29,6 +29,8 @@ class _DerivationInput(StrictModel):
     pipeline: Pipeline
     model: ModelConfig
     cluster: ClusterConfig
+    tensor_parallel: TensorParallel | None = None
+    data_parallel: DataParallel | None = None
 
 
 def load_problem(data: Mapping[str, Any]) -> Problem:
@@ -52,7 +54,13 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
         and document.get("cluster") is not None
     ):
         parts = _DerivationInput.model_validate(document)
-        derived = derive_problem(parts.model, parts.cluster, parts.pipeline)
+        derived = derive_problem(
+            parts.model,
+            parts.cluster,
+            parts.pipeline,
+            tensor_parallel=parts.tensor_parallel,
+            data_parallel=parts.data_parallel,
+        )
         if document.get("costs") is None:
             document["costs"] = derived.costs.model_dump(mode="json")
         if document.get("memory") is None:
