@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipesched.api.jobs import JobOutcome, SolverPool
 from pipesched.api.metrics import Metrics
-from pipesched.api.routes import health, jobs, methods, schedules
+from pipesched.api.routes import health, jobs, methods, plans, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
@@ -150,7 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
-    for module in (schedules, jobs, methods, health):
+    for module in (schedules, jobs, methods, plans, health):
         app.include_router(module.router)
     app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
     app.state.settings = settings

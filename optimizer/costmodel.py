@@ -204,8 +204,9 @@ def transformer_layer(
     (added to F and I: Megatron does not overlap it).
 
     Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
-    inside I; ``full`` keeps only the layer input until the backward, reruns the whole forward inside I and
-    keeps that input until W (the transient memory of the recomputation itself is not modelled here).
+    inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
+    rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
+    layer input until the backward, reruns the whole forward inside I and keeps that input until W (the transient memory of the recomputation itself is not modelled here).
     """
     t, sequence_parallel = _tp(tensor_parallel)
     flops = layer_flops(model, t)
@@ -220,7 +221,15 @@ def transformer_layer(
         communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency)
     forward_ms = _ms(flops.forward, forward_traffic, hardware) + communication_ms
     backward_input_ms = _ms(flops.backward_input, backward_input_traffic, hardware) + communication_ms
-    if model.activation_recomputation == "selective":
+    if model.activation_recomputation == "selective" and model.attention == "flash":
+        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
+        linear_forward = flops.forward - flops.attention_forward
+        recomputed_bytes = full_activation - memory.activation
+        backward_input_ms += (
+            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
+            + communication_ms / 2
+        )
+    elif model.activation_recomputation == "selective":
         backward_input_ms += _ms(
             flops.attention_forward if memory.scores else 0.0,
             FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,

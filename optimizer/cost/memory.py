@@ -15,7 +15,12 @@ s·b·h·(34 + 5as/h). Generalised term by term to a key/value width k and an FF
 With tensor parallelism t and sequence parallelism (§4.2.2) every term divides by t; without sequence
 parallelism the norms' inputs 4h, the attention and MLP inputs 2h + 2h and the two dropout masks 2h (10·sbh)
 stay whole (§4.2.1: sbh·(10 + 24/t + 5as/(ht))). Selective recomputation (§5) drops the 5as score term; full
-recomputation keeps each layer's input only (2·sbh/t with sequence parallelism).
+recomputation keeps each layer's input only (2·sbh/t with sequence parallelism). Under FlashAttention, which
+stores no scores, ``selective`` is torchtitan's op-level policy instead (``activation_checkpoint.mode =
+"selective"``, ``selective_ac_option = "op"``: keep the attention output and every other matrix-multiply
+output, recompute the rest): per token the layer input 2h, the attention output 2h and half of the seven
+matrix-multiply outputs Q h, K k, V k, output h, FFN f (and f for SwiGLU's up), down h: 2h + 2h + (3h + 2k +
+f·(1 or 2)) bytes, split by t like the rest.
 
 Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1, M_W = 32·sbh at f = 4h):
 the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
@@ -86,6 +91,10 @@ def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_para
     recompute = model.activation_recomputation
     if recompute == "none":
         activation = full
+    elif recompute == "selective" and model.attention == "flash":
+        matmul_outputs = 3 * h + 2 * k + (2 * f if model.ffn_type == "swiglu" else f)
+        saved = (4 * h + matmul_outputs) * tokens * scale + statistics * scale
+        activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)
     elif recompute == "selective":
         activation = full - scores_bytes
     else:
