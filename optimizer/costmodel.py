@@ -206,7 +206,8 @@ def transformer_layer(
     Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
     inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
-    layer input until the backward, reruns the whole forward inside I and keeps that input until W (the transient memory of the recomputation itself is not modelled here).
+    layer input until the backward, reruns the whole forward inside I and keeps that input until W
+    (the transient memory of the recomputation itself is not modelled here).
     """
     t, sequence_parallel = _tp(tensor_parallel)
     flops = layer_flops(model, t)

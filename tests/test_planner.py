@@ -18,7 +18,6 @@ from pipesched.api.app import create_app
 from pipesched.api.cli import app as cli_app
 from pipesched.api.settings import Settings
 from pipesched.optimizer.planner.evaluate import build_problem, evaluate
-from pipesched.optimizer.planner.prune import Estimator
 from pipesched.optimizer.planner.rank import plan, prepare
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.planner.space import Configuration

@@ -277,9 +277,9 @@ def evaluate(
         makespan_bound = lower_bound(compile_problem(problem), "makespan")
         bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
     plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
-    if schedule.problem != problem:  # simulated for another sharding: the same orders on this problem
-        schedule = None  # rebuilt on demand by the caller (schedule_for)
-    return Evaluation(config, plan, schedule, problem, None)
+    # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
+    own = schedule if schedule.problem == problem else None
+    return Evaluation(config, plan, own, problem, None)
 
 
 def schedule_for(evaluation: Evaluation) -> Schedule | None:

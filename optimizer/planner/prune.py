@@ -307,7 +307,7 @@ class Estimator:
         _, _, _, _, model = self.blocks(
             config.tensor_parallel, config.micro_batch_size, config.activation_recomputation
         )
-        p2p_bytes = model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
         if self.sequence_parallel:
             p2p_bytes /= config.tensor_parallel
         p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -274,7 +275,7 @@ def search(
             break
         if config.num_stages * config.num_microbatches > AUTO_MAX_STAGE_MICROBATCHES or config.method == "auto":
             continue
-        auto_config = Configuration(**{**config.as_dict(), "method": "auto"})
+        auto_config = dataclasses.replace(config, method="auto")
         estimate = estimator.estimate(auto_config)
         if evaluation_seconds(auto_config) > remaining / 2:
             continue

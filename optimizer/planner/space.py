@@ -8,7 +8,7 @@ or two in a V; the schedule is a family (or ``auto``) whose domain admits the la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import cache
 
@@ -104,7 +104,7 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
             num_ranks=pipeline_parallel,
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
-            placement=placement,  # type: ignore[arg-type]
+            placement=placement,
         )
         problem = Problem(
             pipeline=pipeline,
@@ -117,7 +117,7 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     return True
 
 
-def _allowed(values: list[int] | list[str] | None, candidate: int | str) -> bool:
+def _allowed(values: Sequence[object] | None, candidate: int | str) -> bool:
     return values is None or candidate in values
 
 
