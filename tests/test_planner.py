@@ -83,19 +83,26 @@ def test_torchtitan_fragment_loads_with_its_section_and_key_names(small_answer: 
         assert "--nproc_per_node 8" in p.launch.torchrun and "torchtitan.train" in p.launch.torchrun
 
 
-def test_pipelined_plan_names_torchs_schedule_class() -> None:
+@pytest.mark.parametrize(
+    ("method", "torch_name"), [("interleaved-1f1b", "Interleaved1F1B"), ("zb-h1", None), ("zb-v", "ZBVZeroBubble")]
+)
+def test_pipelined_plan_names_torchs_schedule_class_or_the_csv(method: str, torch_name: str | None) -> None:
     answer = plan(
         PlanRequest.model_validate(
-            request(
-                "llama3.1-70b", nodes=4, batch=64, time_limit_s=15, pipeline_parallel=[4], method=["interleaved-1f1b"]
-            )
+            request("llama3.1-70b", nodes=4, batch=64, time_limit_s=8, pipeline_parallel=[4], method=[method])
         )
     ).answer
     assert answer.plans
-    fragment = tomllib.loads(answer.plans[0].launch.torchtitan)["parallelism"]
-    assert fragment["pipeline_parallel_schedule"] == "Interleaved1F1B"
+    best = answer.plans[0]
+    assert best.method in (method, "auto")
+    fragment = tomllib.loads(best.launch.torchtitan)["parallelism"]
     assert fragment["pipeline_parallel_degree"] == 4
-    assert fragment["pipeline_parallel_microbatch_size"] == answer.plans[0].micro_batch_size
+    assert fragment["pipeline_parallel_microbatch_size"] == best.micro_batch_size
+    if best.method == method and torch_name is not None:
+        assert fragment["pipeline_parallel_schedule"] == torch_name
+        assert "pipeline_parallel_schedule_csv" not in fragment
+    else:  # no torch class for it: torchtitan runs the schedule's CSV
+        assert fragment["pipeline_parallel_schedule_csv"] == "schedule.csv"
 
 
 def test_pins_restrict_the_space() -> None:

@@ -62,6 +62,7 @@ class Prepared:
     candidates: list[tuple[Configuration, Estimate]]
     rejected: list[Rejected]
     searched: Searched
+    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass
@@ -155,6 +156,7 @@ def prepare(request: PlanRequest) -> Prepared:
             pins that contradict each other), or none fits memory (``cluster``, with the least memory and
             GPUs that would do).
     """
+    started = time.perf_counter()
     estimator = Estimator(
         request.model,
         request.cluster,
@@ -178,7 +180,7 @@ def prepare(request: PlanRequest) -> Prepared:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=len(configurations), pruned_memory=len(rejected))
-    return Prepared(request, estimator, fitting, rejected, searched)
+    return Prepared(request, estimator, fitting, rejected, searched, started)
 
 
 def _kth(steps: list[float], k: int) -> float:
@@ -191,8 +193,9 @@ def search(
     progress: Callable[[PlanProgress], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> PlanOutcome:
-    """Evaluate ``prepared``'s candidates within ``search.time_limit_s`` and rank the plans (module docstring)."""
-    started = time.perf_counter()
+    """Evaluate ``prepared``'s candidates within ``search.time_limit_s`` (counted from :func:`prepare`'s start)
+    and rank the plans (module docstring)."""
+    started = prepared.started
     request = prepared.request
     limit_s = request.search.time_limit_s
     deadline = started + limit_s
