@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from pipesched.optimizer.validation import FieldError, raise_field_errors
 
 __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
 
+#: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
+MAX_CONFIGURATIONS = 100_000
 #: The most rejected configurations ``search.explain`` lists.
 MAX_EXPLAINED = 200
 #: Problems larger than this (stages × microbatches) are not given to the auto search.
@@ -88,7 +91,10 @@ def _empty_space_errors(request: PlanRequest) -> list[FieldError]:
         sizes = sorted(
             {
                 config.data_parallel_size * config.micro_batch_size
-                for config in enumerate_space(request.model, request.cluster, batch, request.search, ignore_batch=True)
+                for config in itertools.islice(
+                    enumerate_space(request.model, request.cluster, batch, request.search, ignore_batch=True),
+                    MAX_CONFIGURATIONS,
+                )
             }
         )
         nearby = sorted(
@@ -165,8 +171,23 @@ def prepare(request: PlanRequest) -> Prepared:
     )
     estimator.hardware  # noqa: B018 - resolve the accelerator now: an unknown one is a field error
     configurations = list(
-        enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search)
+        itertools.islice(
+            enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
+            MAX_CONFIGURATIONS + 1,
+        )
     )
+    if len(configurations) > MAX_CONFIGURATIONS:
+        raise_field_errors(
+            "PlanRequest",
+            [
+                (
+                    ("search",),
+                    f"more than {MAX_CONFIGURATIONS:,} configurations on {request.cluster.num_gpus:,} GPUs: pin some "
+                    "dimensions in search (tensor_parallel, pipeline_parallel, micro_batch_size, method)",
+                    None,
+                )
+            ],
+        )
     if not configurations:
         raise_field_errors("PlanRequest", _empty_space_errors(request))
     estimates = [(config, estimator.estimate(config)) for config in configurations]

@@ -20,6 +20,7 @@ from pipesched.optimizer.problem import Costs, Memory, Pipeline, Problem
 __all__ = [
     "DIMENSIONS",
     "Configuration",
+    "divisors",
     "enumerate_space",
     "layouts",
     "methods_for",
@@ -117,6 +118,19 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     return True
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` ≥ 1, ascending (trial division up to √n)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
 def _allowed(values: Sequence[object] | None, candidate: int | str) -> bool:
     return values is None or candidate in values
 
@@ -141,8 +155,8 @@ def enumerate_space(
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
         rest = num_gpus // t
-        for p in range(1, rest + 1):
-            if rest % p or not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
+        for p in divisors(rest):
+            if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
                 continue
             d = rest // p
             if not _allowed(search.data_parallel_size, d):
