@@ -137,6 +137,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics)
         pool.recover()
+        store.fail_unfinished_plans()
         try:
             yield
         finally:

@@ -471,3 +471,17 @@ class Store:
                 .where(PlanRow.id == plan_id)
                 .values(status="failed", error=reason, updated_at=time.time())
             )
+
+    def fail_unfinished_plans(self) -> int:
+        """At a start: plan searches a previous run left queued or running fail with the reason; how many."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(PlanRow)
+                .where(PlanRow.status.in_(ACTIVE_JOB_STATUSES))
+                .values(
+                    status="failed",
+                    error="the service restarted during this plan search: POST /v1/plans again",
+                    updated_at=time.time(),
+                )
+            )
+            return int(getattr(result, "rowcount", 0) or 0)

@@ -134,8 +134,9 @@ class ModelConfig(BaseModel):
                 )
             )
         kv = self.key_value_heads
-        divisors = [d for d in range(1, self.num_attention_heads + 1) if self.num_attention_heads % d == 0]
         if kv > self.num_attention_heads or self.num_attention_heads % kv:
+            heads = self.num_attention_heads
+            divisors = [d for d in range(1, min(heads, 1024) + 1) if heads % d == 0][:12]
             errors.append(
                 (
                     ("num_key_value_heads",),

@@ -1,5 +1,9 @@
 """Derive per-stage costs (ms) and memory (bytes) from a model and a cluster.
 
+The formulas for today's decoders (grouped-query attention, SwiGLU, FlashAttention, RoPE, tied embeddings,
+tensor parallelism) live in :mod:`pipesched.optimizer.cost` (``flops``, ``memory``, ``collectives``), each with
+its source; with a GPT's defaults they reduce to the Zero Bubble paper's formulas below.
+
 Sources and model:
 
 - FLOPs per transformer layer, Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241), Table 1, counting a
