@@ -23,8 +23,10 @@ from pipesched.optimizer.units import format_bytes
 
 __all__ = ["plan_command", "print_plans"]
 
-console = Console()
-err_console = Console(stderr=True)
+#: Wide enough for the plans table when the output is not a terminal (a file, a pipe, a test runner).
+_WIDTH = 170
+console = Console(width=None if sys.stdout.isatty() else _WIDTH)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDTH)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
