@@ -20,11 +20,12 @@ from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError
 from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule, build_schedule
 from pipesched.optimizer.solve import solve, solve_family
 from pipesched.optimizer.units import format_bytes
 
@@ -91,6 +92,7 @@ class Evaluation:
     problem: Problem | None
     reason: str | None
     over_memory: bool = False
+    source: Schedule | None = None
 
 
 def model_flops_per_token(estimator: Estimator) -> float:
@@ -279,13 +281,22 @@ def evaluate(
     plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None
-    return Evaluation(config, plan, own, problem, None)
+    return Evaluation(config, plan, own, problem, None, source=schedule)
 
 
 def schedule_for(evaluation: Evaluation) -> Schedule | None:
     """The evaluation's schedule on its own problem (rebuilt when it came from the cache)."""
     if evaluation.schedule is not None or evaluation.problem is None:
         return evaluation.schedule
-    if evaluation.configuration.method == "auto":
+    source = evaluation.source
+    if source is None:
         return None
-    return solve_family(evaluation.problem, evaluation.configuration.method, enforce_memory=False)
+    orders = [[parse_action(item.action) for item in rank.actions] for rank in source.ranks]
+    return build_schedule(
+        evaluation.problem,
+        orders,
+        method=source.method,
+        backend=source.backend,
+        check_memory=False,
+        solve_time_s=source.solve_time_s,
+    )

@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
+from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
@@ -272,7 +274,7 @@ def search(
             continue
         remaining = deadline - time.perf_counter()
         pipeline_key = (*astuple(config)[:3], *astuple(config)[4:])
-        if pipeline_key not in simulated and evaluation_seconds(config) > remaining:
+        if pipeline_key not in simulated and 2 * evaluation_seconds(config) > remaining:
             too_slow += 1  # its schedule cannot be built before the deadline
             continue
         simulated.add(pipeline_key)
@@ -317,9 +319,6 @@ def search(
         assert item.plan is not None
         plan_bound = item.plan
         if item.problem is not None and time.perf_counter() + evaluation_seconds(item.configuration) < deadline:
-            from pipesched.optimizer.bounds import lower_bound
-            from pipesched.optimizer.instance import compile_problem
-
             makespan_bound = lower_bound(compile_problem(item.problem), "makespan")
             bound = max(
                 item.plan.lower_bound_ms,
@@ -327,7 +326,7 @@ def search(
             )
             plan_bound = item.plan.model_copy(update={"lower_bound_ms": round(min(bound, item.plan.step_time_ms), 4)})
         plans.append(plan_bound)
-        schedules.append(schedule_for(item) if time.perf_counter() < deadline + 1.0 else item.schedule)
+        schedules.append(schedule_for(item))  # simulation only: the orders are kept
     if not plans and not rejected:
         rejected.append(Rejected(configuration={}, reason="the time limit ended the search before any evaluation"))
     answer = PlanAnswer(
