@@ -260,7 +260,9 @@ def search(
     quick = next((i for i, (config, _) in enumerate(candidates) if evaluation_seconds(config) <= 2.0), None)
     if quick:
         candidates.insert(0, candidates.pop(quick))
-    auto_share = 0.25 if any(config.pipeline_parallel > 1 for config, _ in prepared.candidates) else 0.0
+    auto_share = 0.0
+    if request.search.method is None or "auto" in request.search.method:
+        auto_share = 0.25 if any(config.pipeline_parallel > 1 for config, _ in prepared.candidates) else 0.0
     family_deadline = started + limit_s * (1 - auto_share)
     report("search", 0)
     processed = 0
@@ -293,7 +295,8 @@ def search(
     searched.unexplored = total - processed + too_slow
 
     # The auto schedule search on the best pipelined configurations, with the time left.
-    best_pipelined = [item for item in ranked() if item.configuration.pipeline_parallel > 1][:2]
+    auto_allowed = request.search.method is None or "auto" in request.search.method
+    best_pipelined = [item for item in ranked() if item.configuration.pipeline_parallel > 1][:2] if auto_allowed else []
     for item in best_pipelined:
         remaining = deadline - time.perf_counter()
         config = item.configuration
