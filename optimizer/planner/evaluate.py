@@ -5,11 +5,14 @@ The problem is derived from the model and cluster by :func:`pipesched.optimizer.
 inter-node one by where neighbouring pipeline ranks sit), the schedule is the configuration's family generated
 and simulated by :func:`pipesched.optimizer.solve.solve_family` (or the ``auto`` search), and the step adds the
 planner's data-parallel and optimizer estimates (:mod:`pipesched.optimizer.planner.prune`) to the simulated
-makespan: the simulator on this branch models no data-parallel collectives.
+makespan: the simulator on this branch models no data-parallel collectives. Where a problem carries them
+(``costs.reduce_grad`` derived) and the schedule has a ``step_time``, that simulated step is used instead and
+the estimates are not added.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +77,13 @@ SECONDS_PER_THOUSAND_ACTIONS = {
     "dualpipe-v": 0.4,
     "auto": 1.0,
 }
+
+
+def _simulates_collectives(problem: Problem) -> bool:
+    """Whether the problem carries data-parallel collective costs for the simulator to place (then its
+    ``step_time``, where the schedule has one, replaces the planner's own estimate)."""
+    costs = problem.costs
+    return costs is not None and getattr(costs, "reduce_grad", None) is not None
 
 
 def evaluation_seconds(config: Configuration) -> float:
@@ -243,6 +253,8 @@ def evaluate(
         config.activation_recomputation,
         config.method,
         tuple(problem.model.layers_per_stage or ()),
+        # where the simulator models the data-parallel collectives, sharding changes the schedule too
+        config.sharding if _simulates_collectives(problem) else None,
     )
     if cache is not None and key in cache:
         makespan, activation_peaks, schedule = cache[key]
@@ -278,6 +290,10 @@ def evaluate(
     if with_bound:
         makespan_bound = lower_bound(compile_problem(problem), "makespan")
         bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+    simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
+    if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
+        estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
+        makespan = float(simulated_step)
     plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None
