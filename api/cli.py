@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesched.api.loading import InputError, load_problem
+from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit, format_bytes
@@ -622,6 +623,9 @@ def plot(
     except ValueError as error:  # InvalidSchedule too: orders that do not run on the file's own problem
         raise fail(f"{schedule_path}: {error}") from None
     console.print(f"wrote {output}", highlight=False)
+
+
+app.command(name="plan")(plan_command)
 
 
 def main() -> None:
