@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesched.api.loading import InputError, load_problem
+from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit, format_bytes
@@ -749,6 +750,9 @@ def check(
                 err_console.print(render_grid(result.orders, violation.marks), highlight=False, soft_wrap=True)
     if not result.valid:
         raise typer.Exit(1)
+
+
+app.command(name="plan")(plan_command)
 
 
 def main() -> None:

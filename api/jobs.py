@@ -232,6 +232,10 @@ class SolverPool:
         self._lock = threading.Lock()
         self._tickets: dict[str, Ticket] = {}
 
+    def submit_task(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run ``fn(*args)`` in a worker (a plan search): it shares the pool's bound on concurrent work."""
+        return self._submit(fn, *args)
+
     def solve(self, problem: Problem, timeout_s: float) -> Schedule:
         """Solve in a worker and wait at most ``timeout_s`` (the search is told to stop before).
 

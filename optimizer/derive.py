@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict
 
 from pipesched.optimizer.collectives import data_parallel_costs
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
 from pipesched.optimizer.validation import StrictModel, raise_field_errors
@@ -30,6 +30,7 @@ class _DerivationInput(StrictModel):
     pipeline: Pipeline
     model: ModelConfig
     cluster: ClusterConfig
+    tensor_parallel: TensorParallel | None = None
     data_parallel: DataParallel | None = None
 
 
@@ -54,12 +55,14 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
         and document.get("cluster") is not None
     ):
         parts = _DerivationInput.model_validate(document)
-        cluster = parts.cluster
         dp = parts.data_parallel
-        if dp is not None and dp.size > 1 and dp.sharding != "none":
-            # Sharded optimizer state: the derivation's own static check sees 1/d of it.
-            cluster = cluster.model_copy(update={"data_parallel_size": dp.size, "shard_optimizer_state": True})
-        derived = derive_problem(parts.model, cluster, parts.pipeline)
+        derived = derive_problem(
+            parts.model,
+            parts.cluster,
+            parts.pipeline,
+            tensor_parallel=parts.tensor_parallel,
+            data_parallel=dp,
+        )
         costs_given, memory_given = document.get("costs") is not None, document.get("memory") is not None
         if not costs_given:
             document["costs"] = derived.costs.model_dump(mode="json")

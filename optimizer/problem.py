@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.validation import StrictModel as _Strict
 from pipesched.optimizer.validation import raise_field_errors
 
@@ -28,6 +28,7 @@ __all__ = [
     "Pipeline",
     "Problem",
     "SolverOptions",
+    "TensorParallel",
     "Training",
     "raise_field_errors",
 ]
@@ -291,6 +292,9 @@ class Problem(_Strict):
     model: ModelConfig | None = None
     cluster: ClusterConfig | None = None
     data_parallel: DataParallel | None = Field(None, description="The data-parallel group; none means size 1.")
+    tensor_parallel: TensorParallel | None = Field(
+        None, description="Megatron tensor parallelism of every stage (with model/cluster); none means size 1."
+    )
     training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
     objective: Literal["makespan", "stage_span", "step_time"] = "makespan"
