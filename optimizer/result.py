@@ -10,6 +10,7 @@ from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import Action, Orders, parse_action
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
+from pipesched.optimizer.training_step import flushed_step_time
 
 __all__ = [
     "OPTIMALITY_TOLERANCE_MS",
@@ -66,9 +67,19 @@ class Schedule(BaseModel):
     status: Status
     method: str
     backend: str
-    objective: Literal["makespan", "stage_span"]
+    objective: Literal["makespan", "stage_span", "step_period"]
     makespan: float | None = Field(None, description="ms")
     stage_span: float | None = Field(None, description="ms")
+    step_time: float | None = Field(
+        None,
+        description=(
+            "ms: first start to the end of the last rank's optimizer step; makespan + max optimizer_step "
+            "(synchronous), max over ranks of span + optimizer_step (post_validation), step_period without flushes"
+        ),
+    )
+    step_period: float | None = Field(
+        None, description="ms, schedules without flushes: steady-state time between two steps on every rank"
+    )
     lower_bound: float | None = Field(None, description="ms, on the objective")
     gap: float | None = None
     bubble_rate: float | None = None
@@ -98,6 +109,8 @@ class Schedule(BaseModel):
     @property
     def objective_value(self) -> float | None:
         """The value of ``objective``, ms."""
+        if self.objective == "step_period":
+            return self.step_period
         return self.makespan if self.objective == "makespan" else self.stage_span
 
 
@@ -178,6 +191,7 @@ def schedule_from_simulation(
         objective=problem.objective,
         makespan=round(sim.makespan, 6),
         stage_span=round(sim.stage_span, 6),
+        step_time=round(flushed_step_time(problem, sim), 6),
         lower_bound=None if lower_bound is None else round(lower_bound, 6),
         gap=gap,
         bubble_rate=round(sim.bubble_rate(problem.objective), 6),

@@ -14,6 +14,7 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.solvers.portfolio import solve_auto
+from pipesched.optimizer.steady_state import repeating_schedule
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
 
@@ -57,15 +58,18 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     family = get_family(name)
     inst = compile_problem(problem)
     orders = family.generate(problem)
-    schedule = build_schedule(
-        problem,
-        orders,
-        method=name,
-        backend="family",
-        instance=inst,
-        check_memory=False,
-        solve_time_s=time.perf_counter() - started,
-    )
+    if not family.flush:
+        schedule = repeating_schedule(problem, orders, method=name, started=started)
+    else:
+        schedule = build_schedule(
+            problem,
+            orders,
+            method=name,
+            backend="family",
+            instance=inst,
+            check_memory=False,
+            solve_time_s=time.perf_counter() - started,
+        )
     if enforce_memory and not schedule.fits_memory:
         over = [
             rank
