@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pipesched.optimizer.instance import Instance, compile_problem
+from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
@@ -470,7 +470,6 @@ def schedule_from_steady_state(
     ends = [row[-1][2] for row in window if row]
     spans = [row[-1][2] - row[0][1] for row in window if row]
     ideal = max(state.instance.compute) / state.steps
-    base = compile_problem(problem)
     return Schedule(
         status=status,
         method=method,
@@ -485,7 +484,7 @@ def schedule_from_steady_state(
         bubble_rate=round((period - ideal) / period, 6) if period > 0 else 0.0,
         peak_memory=state.peak_memory,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=base.stage_ranks,
+        stage_to_rank=stage_to_rank(problem),
         ranks=ranks,
         problem=problem,
         fits_memory=state.fits,

@@ -11,14 +11,20 @@ for m = 8, p = 4: ``0F3 0B0 0F4 0B1 … 0F7 0B4 0F8 0B5 0F9 0B6 0F10 0B7`` (``0F
 microbatches 0 … 2). With split backward each B is ``I`` then ``W`` of the same microbatch.
 
 **Steady state** (derived from the cycles of the timed run; checked by ``tests/test_training.py``): with uniform
-costs F, I, W (B = I + W fused, read W = 0 there), p2p latency c, an optimizer step o per rank and
-d = ⌈m/p⌉,
+costs F, I, W (B = I + W when fused; read W as 0 there), p2p latency c and no optimizer cost,
 
-    step_period = m·(F + I + W) + o + (m − d)·max(0, 2c − W).
+    step_period = m·(F + I + W) + m·(p − 1)/p · max(0, 2c − W).
 
-A microbatch's round trip from rank 0 through the pipeline and back is p·(F + I) + 2(p−1)·c and rank 0 keeps
-p microbatches in flight; when that trip is longer than p pairs of work (2c > W), every group of p
-microbatches waits for it. Peak activation memory p·M_B on rank 0 (as 1F1B) plus the second weight version.
+The endless 1F1B order does not depend on m, so the period is m times the per-microbatch rate. That rate is
+the larger of a rank's work per microbatch and the longest cycle per microbatch: a microbatch's round trip
+from rank 0 to the last rank and back, p·(F + I) + 2(p−1)·c plus rank 0's W, while rank 0 keeps p microbatches
+in flight (p pairs of work, p·(F + I + W)). When p does not divide m the step ends repeat only every few
+steps (cyclicity p / gcd(p, m)); the period is their mean.
+
+An optimizer step o per rank runs after the rank's last backward of the step. With split backward it adds o
+to the period (W is off the round trip); with fused backward it sits on the round trip of every rank, and the
+measured period grows by up to p·o. Peak activation memory p·M_B on rank 0 (as 1F1B) plus the second weight
+version.
 
 Domain: placement ``"loop"`` with one stage per rank, ``training.flush`` false, and m ≥ p − 1 (rank 0's
 next-step forwards must fit before its step ends: two versions, §3.1's "at least p microbatches").
