@@ -264,6 +264,34 @@ class SteadyStateEvaluator:
             self._unrolled[steps] = inst
         return inst
 
+    def peak_memory(self, pattern: Orders) -> list[float]:
+        """Per rank, the most bytes the pattern ever holds (static, extra weight versions, activations), from
+        the orders alone: a rank's memory changes only through its own actions, which never overlap, so the
+        levels do not depend on the times. A copy of the pattern frees what it allocates, so the warm-up copy
+        and one full copy reach every level there is."""
+        extra = self.problem.weight_version_memory
+        m = self.m
+        per_microbatch = len(self.base.actions) // m
+        delta = {(a.stage, a.kind): self.base.mem_delta[i] for i, a in enumerate(self.base.actions[:per_microbatch])}
+        peaks = []
+        for rank, row in enumerate(pattern):
+            level = self.base.static[rank] + extra[rank]
+            peak = level
+            for copy in (-1, 0):
+                for action in row:
+                    if action.microbatch + copy * m >= 0:
+                        level += delta[action.stage, action.kind]
+                        peak = max(peak, level)
+            peaks.append(peak)
+        return peaks
+
+    def fits(self, pattern: Orders) -> bool:
+        """Whether :meth:`peak_memory` stays within every rank's limit."""
+        return all(
+            peak <= limit * (1 + 1e-12) + 1e-9
+            for peak, limit in zip(self.peak_memory(pattern), self.base.limit, strict=True)
+        )
+
     def evaluate(self, pattern: Orders, *, checked: bool = False) -> SteadyState:
         """Time ``pattern`` (module docstring).
 
@@ -284,19 +312,24 @@ class SteadyStateEvaluator:
         m = self.m
         total = steps * m
         duration = list(inst.duration)
+        # compile_problem lays out microbatch after microbatch, the same actions in the same order for each
+        # (one chain), so action (stage, kind, g) has index g·A + its index for microbatch 0.
+        per_microbatch = len(self.base.actions) // m
+        local = {(a.stage, a.kind): i for i, a in enumerate(self.base.actions[:per_microbatch])}
         orders: list[list[int]] = []
         boundary: list[list[int]] = []  # per rank, the index of the last action of each step
         for rank, row in enumerate(pattern):
+            cells = [(action.microbatch, local[action.stage, action.kind]) for action in row]
             ids: list[int] = []
             ends: list[int] = []
             for copy in range(-1, steps):
                 offset = copy * m
-                for action in row:
-                    g = action.microbatch + offset
+                for microbatch, position in cells:
+                    g = microbatch + offset
                     if 0 <= g < total:
-                        ids.append(inst.index[Action(action.stage, action.kind, g)])
-                if copy >= 0 and row:
-                    last = inst.index[_shift(row[-1], offset)]
+                        ids.append(g * per_microbatch + position)
+                if copy >= 0 and cells:
+                    last = (cells[-1][0] + offset) * per_microbatch + cells[-1][1]
                     ends.append(last)
                     duration[last] += self._optimizer[rank]
             orders.append(ids)

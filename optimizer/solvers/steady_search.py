@@ -13,7 +13,10 @@ Order of work within ``solver.time_limit_s``:
    per step, and Little's law on the memory a microbatch holds while it is in flight).
 3. Warm starts, in this order: ``pipedream-2bw``; 1F1B without a flush with more microbatches in flight per
    rank (p − r + e, and k·(p − r)); with split backward the same with W passes deferred by d_r backward slots
-   (ZB-H1's trick: W fills the wait for the round trip); every flushed family's one-step order as a pattern
+   (ZB-H1's trick: W fills the wait for the round trip); the same capped at the microbatches each rank's free
+   memory holds; the best flushed schedule the ``auto`` portfolio finds in 40% of the time left (at the limit
+   less the extra weight version, objective stage_span), its steps overlapped; every flushed family's one-step
+   order as a pattern
    (its steps then overlap without a flush); one microbatch at a time (always fits when anything does, and is
    timed even past the deadline when nothing else fitted). Each counts only where it fits the limit; no
    evaluation starts that the longest one so far says would end past the deadline (the unrolled run of
@@ -124,11 +127,29 @@ def no_flush_patterns(problem: Problem) -> Iterator[tuple[str, Orders]]:
     p = problem.pipeline.num_ranks
     if problem.pipeline.placement == "loop" and problem.pipeline.stages_per_rank == 1:
         base = [p - r for r in range(p)]
+        # Microbatches each rank's free memory holds (activations only, the extra weight version counted).
+        assert problem.memory is not None
+        activation = problem.stage_values(problem.memory.activation)
+        free = [
+            limit - static - extra
+            for limit, static, extra in zip(
+                problem.memory_limits, problem.static_memory, problem.weight_version_memory, strict=True
+            )
+        ]
+        cap = [
+            max(1, int(f // a)) if math.isfinite(f) and a > 0 else m + 1 for f, a in zip(free, activation, strict=True)
+        ]
         variants: list[tuple[str, list[int], list[int]]] = [("family:pipedream-2bw", base, [0] * p)]
         for extra in (1, 2, 3):
             variants.append((f"1F1B no flush, p − r + {extra} in flight", [b + extra for b in base], [0] * p))
         for k in (1.5, 2.0):
             variants.append((f"1F1B no flush, {k:g}·(p − r) in flight", [math.ceil(k * b) for b in base], [0] * p))
+        seen = {tuple(in_flight) for _, in_flight, _ in variants}
+        for name, in_flight, deferred in list(variants):
+            capped = [min(n, c) for n, c in zip(in_flight, cap, strict=True)]
+            if tuple(capped) not in seen:
+                seen.add(tuple(capped))
+                variants.append((f"{name}, capped by memory", capped, deferred))
         if problem.split_backward:
             for name, in_flight, _ in list(variants):
                 variants.append((f"{name}, W deferred by r", in_flight, list(range(p))))
@@ -191,6 +212,8 @@ class _Search:
 
     def offer(self, pattern: Orders, backend: str, *, checked: bool = False) -> bool | None:
         """Time ``pattern``; keep it when it fits and is no longer than the best. ``None``: not valid."""
+        if not self.evaluator.fits(pattern):
+            return None
         started = time.perf_counter()
         try:
             state = self.evaluator.evaluate(pattern, checked=checked)
@@ -241,9 +264,15 @@ def solve_steady_state(
         )
     search.lower_bound = step_period_lower_bound(problem, evaluator.base)
     search.report("bounds", f"lower bound {search.lower_bound:.3f} ms")
+    flushed_tried = False
     for name, pattern in no_flush_patterns(problem):
-        if search.should_stop() and search.best is not None:
+        if search.should_stop():
             break
+        if name.startswith("family:") and name.endswith("(no flush)") and not flushed_tried:
+            flushed_tried = True
+            _flushed_search(search)
+            if search.should_stop():
+                break
         search.offer(pattern, name)
     if search.best is None:  # out of time before anything fitted: the sequential pattern always does
         search.offer(sequential_pattern(problem), "sequential")
@@ -258,6 +287,35 @@ def solve_steady_state(
         lower_bound=search.lower_bound,
         solve_time_s=search.elapsed(),
     )
+
+
+FLUSHED_SEARCH_SHARE = 0.4
+"""The share of the time left that the flushed search (the ``auto`` portfolio) gets as a warm start."""
+
+
+def _flushed_search(search: _Search) -> None:
+    """The best flushed schedule ``auto`` finds in :data:`FLUSHED_SEARCH_SHARE` of the time left, at the limit
+    less the extra weight versions, as a pattern: its steps then overlap without a flush. Where memory is too
+    tight for 1F1B's p − r microbatches in flight, this is the strong warm start."""
+    from pipesched.optimizer.solvers.portfolio import solve_auto
+
+    problem = search.problem
+    budget = (search.deadline - time.perf_counter()) * FLUSHED_SEARCH_SHARE
+    if budget < 0.2:
+        return
+    static = [s + x for s, x in zip(problem.static_memory, problem.weight_version_memory, strict=True)]
+    flushed = problem.with_changes(
+        **{
+            "training": {"flush": True, "weight_versions": 1, "post_validation": True},
+            "objective": "stage_span",
+            "memory.static": static,
+            "memory.weights": None,
+            "solver.time_limit_s": budget,
+        }
+    )
+    schedule = solve_auto(flushed, should_stop=search.user_stop)
+    if schedule.status != "infeasible":
+        search.offer(schedule.orders(), f"auto (flushed: {schedule.backend}) without its flush")
 
 
 def _local_search(search: _Search) -> None:
