@@ -146,6 +146,15 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
     out.print(table)
+    if schedule.step_period is not None:
+        out.print(
+            f"step_period {schedule.step_period:.3f} ms per step in steady state (no flush, "
+            f"{problem.training.weight_versions} weight versions); the actions are one repeating step, microbatch "
+            f"ids ≥ {pipeline.num_microbatches} are the next step's",
+            highlight=False,
+        )
+    elif schedule.step_time is not None and schedule.step_time != schedule.makespan:
+        out.print(f"step_time {schedule.step_time:.3f} ms", highlight=False)
     limits = problem.memory_limits
     memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
     memory.add_column("rank", justify="right")

@@ -228,6 +228,21 @@ def test_step_time_is_makespan_plus_optimizer_or_the_span_under_post_validation(
     assert plain.step_time == plain.makespan
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "gpipe"])
+@pytest.mark.parametrize("p2p", [0.0, 0.4])
+def test_a_flushed_step_repeated_without_a_barrier_takes_its_stage_span(name: str, p2p: float) -> None:
+    """Zero Bubble §4's claim, through the one simulator: with the end-of-step synchronisation gone, each rank
+    starts its next step when its own passes end, and steps follow one stage_span apart (= step_time under
+    post_validation)."""
+    flushed = problem(4, 8, p2p=p2p, training={"flush": True, "post_validation": True}, method=name)
+    schedule = solve(flushed)
+    repeated = steady_state(
+        problem(4, 8, p2p=p2p, method="auto", training={"flush": False}), get_family(name).generate(flushed)
+    )
+    assert repeated.step_period == pytest.approx(schedule.stage_span) == schedule.step_time
+    assert schedule.stage_span is not None and schedule.makespan is not None
+
+
 def _costs(optimizer: list[float]) -> dict[str, Any]:
     return {"optimizer_step": optimizer}
 
