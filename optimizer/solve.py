@@ -1,7 +1,8 @@
 """The one entry point: ``solve(problem)`` → :class:`~pipesched.optimizer.result.Schedule`.
 
 ``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
-(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`).
+(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`; with ``training.flush: false`` the
+pattern search of :mod:`pipesched.optimizer.solvers.steady_search`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.solvers.portfolio import solve_auto
+from pipesched.optimizer.solvers.steady_search import solve_steady_state
 from pipesched.optimizer.steady_state import repeating_schedule
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
@@ -40,6 +42,9 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
+        if not problem.training.flush:
+            # No flush (PipeDream-2BW): the repeating pattern and its step period, searched on its own.
+            return solve_steady_state(problem, progress=progress, should_stop=should_stop)
         return solve_auto(problem, progress=progress, should_stop=should_stop)
     return solve_family(problem, problem.solver.method)
 

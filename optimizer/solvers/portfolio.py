@@ -20,9 +20,6 @@ Placement ``"bidirectional"`` (two replicas on different stage chains) skips 4â€
 the families and the capped greedy of :mod:`pipesched.optimizer.families._greedy` at several caps, then CP-SAT's
 window search on large instances, then local search.
 
-A problem with ``training.flush: false`` goes to :mod:`pipesched.optimizer.solvers.steady_search` (the
-repeating pattern, objective ``step_period``).
-
 Every candidate is re-simulated with :func:`pipesched.optimizer.simulate.simulate_indexed`; a backend's own
 objective is never used. The answer's ``lower_bound`` is the max of our bounds and the backends'
 proven bounds; ``status`` is ``optimal`` when it meets the best objective.
@@ -238,11 +235,6 @@ def solve_auto(
     capped greedy at larger caps and local search; its lower bound is :mod:`pipesched.optimizer.bounds` over both
     chains, as for one chain.
     """
-    if not problem.training.flush:
-        # No flush (PipeDream-2BW): the repeating pattern and its step period, searched on its own.
-        from pipesched.optimizer.solvers.steady_search import solve_steady_state
-
-        return solve_steady_state(problem, progress=progress, should_stop=should_stop)
     inst = compile_problem(problem)
     search = _Search(problem, inst, progress, should_stop)
     reason = infeasibility_reason(inst)

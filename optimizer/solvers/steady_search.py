@@ -45,6 +45,7 @@ from pipesched.optimizer.result import Schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders
 from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
+from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.steady_state import (
     SteadyState,
     SteadyStateEvaluator,
@@ -297,8 +298,6 @@ def _flushed_search(search: _Search) -> None:
     """The best flushed schedule ``auto`` finds in :data:`FLUSHED_SEARCH_SHARE` of the time left, at the limit
     less the extra weight versions, as a pattern: its steps then overlap without a flush. Where memory is too
     tight for 1F1B's p − r microbatches in flight, this is the strong warm start."""
-    from pipesched.optimizer.solvers.portfolio import solve_auto
-
     problem = search.problem
     budget = (search.deadline - time.perf_counter()) * FLUSHED_SEARCH_SHARE
     if budget < 0.2:
