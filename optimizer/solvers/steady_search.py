@@ -11,16 +11,16 @@ Order of work within ``solver.time_limit_s``:
    least limit.
 2. Lower bound: :func:`pipesched.optimizer.steady_state.step_period_lower_bound` (the busiest rank's work
    per step, and Little's law on the memory a microbatch holds while it is in flight).
-3. Warm starts, in this order: ``pipedream-2bw``; 1F1B without a flush with more microbatches in flight per
-   rank (p − r + e, and k·(p − r)); with split backward the same with W passes deferred by d_r backward slots
-   (ZB-H1's trick: W fills the wait for the round trip); the same capped at the microbatches each rank's free
-   memory holds; the best flushed schedule the ``auto`` portfolio finds in 40% of the time left (at the limit
-   less the extra weight version, objective stage_span), its steps overlapped; every flushed family's one-step
-   order as a pattern
-   (its steps then overlap without a flush); one microbatch at a time (always fits when anything does, and is
-   timed even past the deadline when nothing else fitted). Each counts only where it fits the limit; no
-   evaluation starts that the longest one so far says would end past the deadline (the unrolled run of
-   p = 32, m = 256 takes about 2 s here).
+3. Warm starts, in this order: ``pipedream-2bw``; the best flushed schedule the ``auto`` portfolio finds in
+   40% of the time left (at the limit less the extra weight version, objective stage_span), its steps
+   overlapped; 1F1B without a flush with more microbatches in flight per rank (p − r + e, and k·(p − r)), and
+   the same capped at the microbatches each rank's free memory holds; with split backward each of these with
+   W passes deferred by d_r backward slots (ZB-H1's trick: W fills the wait for the round trip); every
+   flushed family's one-step order as a pattern (its steps then overlap without a flush); one microbatch at
+   a time (always fits when anything does, and is timed even past the deadline when nothing else fitted).
+   Each counts only where it fits the limit (judged from the orders, before any timing); no evaluation
+   starts that the longest one so far says would end past the deadline (the unrolled run of p = 32,
+   m = 256 takes about 2 s here).
 4. Local search until the deadline: move one action within its rank's pattern, or swap the last action of
    a rank's step with the next step's first, re-cut the pattern at the step boundary
    (:func:`canonical_pattern`), keep the move when the pattern stays valid (no deadlock, two weight
@@ -187,10 +187,12 @@ class _Search:
         self.problem = problem
         self.started = time.perf_counter()
         limit = problem.solver.time_limit_s
-        self.deadline = self.started + limit - min(0.25 * limit, 0.2)
+        self.evaluator = SteadyStateEvaluator(problem)
+        # Leave room to build the answer (one steady-state copy as pydantic objects, ~40 µs per action here).
+        margin = min(0.25 * limit, 0.2 + 5e-5 * len(self.evaluator.base.actions))
+        self.deadline = self.started + limit - margin
         self.progress = progress
         self.user_stop = should_stop
-        self.evaluator = SteadyStateEvaluator(problem)
         self.best: SteadyState | None = None
         self.best_backend = ""
         self.lower_bound = 0.0
@@ -266,10 +268,12 @@ def solve_steady_state(
     search.lower_bound = step_period_lower_bound(problem, evaluator.base)
     search.report("bounds", f"lower bound {search.lower_bound:.3f} ms")
     flushed_tried = False
-    for name, pattern in no_flush_patterns(problem):
+    for index, (name, pattern) in enumerate(no_flush_patterns(problem)):
         if search.should_stop():
             break
-        if name.startswith("family:") and name.endswith("(no flush)") and not flushed_tried:
+        if not flushed_tried and (index > 0 or name != "family:pipedream-2bw"):
+            # Right after PipeDream-2BW (when it is not already at the bound): the strongest warm start
+            # where memory is tight.
             flushed_tried = True
             _flushed_search(search)
             if search.should_stop():
