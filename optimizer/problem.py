@@ -224,7 +224,8 @@ class Training(_Strict):
 
     ``flush: false`` with ``weight_versions: 2`` is PipeDream-2BW (no flush, double-buffered weights,
     W(t+1) = W(t) − ν·∇f(W(t−1)); Narayanan et al. 2020, §3). ``post_validation`` is the Zero Bubble
-    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step.
+    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step; without
+    a flush it changes nothing (PipeDream-2BW's ranks update on their own, with no end-of-step barrier).
     """
 
     flush: bool = Field(True, description="A pipeline flush (and a synchronous optimizer step) ends every step.")
@@ -421,6 +422,23 @@ class Problem(_Strict):
                         rank_value,
                     )
                 )
+        if not errors and self.memory.weights is not None:
+            weights = self.rank_values(self.memory.weights, 0.0)
+            for rank, (weight, static) in enumerate(zip(weights, self.static_memory, strict=True)):
+                if weight > static:
+                    loc_w: tuple[str | int, ...] = ("memory", "weights")
+                    if isinstance(self.memory.weights, list):
+                        loc_w = (*loc_w, rank)
+                    errors.append(
+                        (
+                            loc_w,
+                            f"rank {rank}'s weights ({weight:g} bytes) exceed its static memory ({static:g}): "
+                            "memory.weights is the part of memory.static that one weight copy takes; raise "
+                            "memory.static or lower memory.weights",
+                            weight,
+                        )
+                    )
+                    break
         if not errors:
             activation = self.stage_values(self.memory.activation)
             retained = self.stage_values(self.memory.retained_for_weight)

@@ -256,6 +256,7 @@ BAD_TRAINING = [
     ({"training": {"flush": False, "weight_versions": 1}, "method": "auto"}, ["training", "weight_versions"], "2"),
     ({"objective": "step_period", "method": "1f1b", "training": {"flush": True}}, ["objective"], "flush"),
     ({"objective": "stage_span", "method": "auto", "training": {"flush": False}}, ["objective"], "step_period"),
+    ({"static": 10.0, "weights": 20.0}, ["memory", "weights"], "exceed its static memory"),
 ]
 
 
