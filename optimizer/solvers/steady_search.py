@@ -12,15 +12,15 @@ Order of work within ``solver.time_limit_s``:
 2. Lower bound: :func:`pipesched.optimizer.steady_state.step_period_lower_bound` (the busiest rank's work
    per step, and Little's law on the memory a microbatch holds while it is in flight).
 3. Warm starts, in this order: ``pipedream-2bw``; the best flushed schedule the ``auto`` portfolio finds in
-   40% of the time left (at the limit less the extra weight version, objective stage_span), its steps
-   overlapped; 1F1B without a flush with more microbatches in flight per rank (p − r + e, and k·(p − r)), and
-   the same capped at the microbatches each rank's free memory holds; with split backward each of these with
-   W passes deferred by d_r backward slots (ZB-H1's trick: W fills the wait for the round trip); every
-   flushed family's one-step order as a pattern (its steps then overlap without a flush); one microbatch at
-   a time (always fits when anything does, and is timed even past the deadline when nothing else fitted).
-   Each counts only where it fits the limit (judged from the orders, before any timing); no evaluation
-   starts that the longest one so far says would end past the deadline (the unrolled run of p = 32,
-   m = 256 takes about 2 s here).
+   40% of the time left, 70% when 2BW does not fit (at the limit less the extra weight version, objective
+   stage_span), its steps overlapped; 1F1B without a flush with more microbatches in flight per rank
+   (p − r + e, and k·(p − r)), and the same capped at the microbatches each rank's free memory holds; with
+   split backward each of these with W passes deferred by d_r backward slots (ZB-H1's trick: W fills the
+   wait for the round trip); every flushed family's one-step order as a pattern (its steps then overlap
+   without a flush); one microbatch at a time (always fits when anything does, and is timed even past the
+   deadline when nothing else fitted). Each counts only where it fits the limit (judged from the orders,
+   before any timing); no evaluation starts that the longest one so far says would end past the deadline
+   (the unrolled run of p = 32, m = 256 takes about 2 s here).
 4. Local search until the deadline: move one action within its rank's pattern, or swap the last action of
    a rank's step with the next step's first, re-cut the pattern at the step boundary
    (:func:`canonical_pattern`), keep the move when the pattern stays valid (no deadlock, two weight
@@ -275,7 +275,9 @@ def solve_steady_state(
             # Right after PipeDream-2BW (when it is not already at the bound): the strongest warm start
             # where memory is tight.
             flushed_tried = True
-            _flushed_search(search)
+            # Where 2BW does not fit, memory is tight and the flushed search is the best hope: more time.
+            share = FLUSHED_SEARCH_SHARE if search.best is not None else FLUSHED_SEARCH_SHARE_TIGHT
+            _flushed_search(search, share)
             if search.should_stop():
                 break
         search.offer(pattern, name)
@@ -297,13 +299,16 @@ def solve_steady_state(
 FLUSHED_SEARCH_SHARE = 0.4
 """The share of the time left that the flushed search (the ``auto`` portfolio) gets as a warm start."""
 
+FLUSHED_SEARCH_SHARE_TIGHT = 0.7
+"""Its share when PipeDream-2BW does not fit the limit."""
 
-def _flushed_search(search: _Search) -> None:
-    """The best flushed schedule ``auto`` finds in :data:`FLUSHED_SEARCH_SHARE` of the time left, at the limit
+
+def _flushed_search(search: _Search, share: float) -> None:
+    """The best flushed schedule ``auto`` finds in ``share`` of the time left, at the limit
     less the extra weight versions, as a pattern: its steps then overlap without a flush. Where memory is too
     tight for 1F1B's p − r microbatches in flight, this is the strong warm start."""
     problem = search.problem
-    budget = (search.deadline - time.perf_counter()) * FLUSHED_SEARCH_SHARE
+    budget = (search.deadline - time.perf_counter()) * share
     if budget < 0.2:
         return
     static = [s + x for s, x in zip(problem.static_memory, problem.weight_version_memory, strict=True)]
