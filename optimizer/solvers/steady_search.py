@@ -47,6 +47,7 @@ from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
 from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.steady_state import (
+    MIN_STEPS,
     SteadyState,
     SteadyStateEvaluator,
     pattern_from_sequence,
@@ -182,6 +183,10 @@ def sequential_pattern(problem: Problem) -> Orders:
     return action_orders(inst, sequential_orders(inst))
 
 
+EVALUATION_S_PER_ACTION = 2e-5
+"""Seconds per unrolled action assumed for the first timing of a pattern (then measured)."""
+
+
 class _Search:
     def __init__(self, problem: Problem, progress: ProgressCallback | None, should_stop: StopCheck | None) -> None:
         self.problem = problem
@@ -196,7 +201,9 @@ class _Search:
         self.best: SteadyState | None = None
         self.best_backend = ""
         self.lower_bound = 0.0
-        self.evaluation_s = 0.0  # the longest evaluation so far: no new one starts that would end past the deadline
+        # The longest evaluation so far (before the first: a guess from the unrolled size, measured here at
+        # 10–40 µs per unrolled action): no new one starts that would end past the deadline.
+        self.evaluation_s = EVALUATION_S_PER_ACTION * MIN_STEPS * len(self.evaluator.base.actions)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -308,7 +315,8 @@ def _flushed_search(search: _Search, share: float) -> None:
     less the extra weight versions, as a pattern: its steps then overlap without a flush. Where memory is too
     tight for 1F1B's p − r microbatches in flight, this is the strong warm start."""
     problem = search.problem
-    budget = (search.deadline - time.perf_counter()) * share
+    # Keep time to time the answer as a pattern afterwards.
+    budget = (search.deadline - time.perf_counter() - search.evaluation_s) * share
     if budget < 0.2:
         return
     static = [s + x for s, x in zip(problem.static_memory, problem.weight_version_memory, strict=True)]
