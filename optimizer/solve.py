@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 
-from pipesched.optimizer.families import get_family
+from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
@@ -45,6 +46,10 @@ def solve(
         if not problem.training.flush:
             # No flush (PipeDream-2BW): the repeating pattern and its step period, searched on its own.
             return solve_steady_state(problem, progress=progress, should_stop=should_stop)
+        if problem.has_step_actions or problem.objective == "step_time":
+            from pipesched.optimizer.solvers.step import solve_step
+
+            return solve_step(problem, progress=progress, should_stop=should_stop)
         return solve_auto(problem, progress=progress, should_stop=should_stop)
     return solve_family(problem, problem.solver.method)
 
@@ -66,6 +71,11 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     if not family.flush:
         schedule = repeating_schedule(problem, orders, method=name, started=started)
     else:
+        try:
+            # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+            orders = add_communication(inst, orders)
+        except ReshardOrderError as error:
+            raise FamilyDomainError(f"{name}: {error}") from None
         schedule = build_schedule(
             problem,
             orders,

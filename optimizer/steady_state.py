@@ -25,7 +25,7 @@ extended, no global barrier). The steps' ends of a repeating schedule are eventu
 read from the last steps once every rank's E(t) − E(t − c) is the same over two windows, with K doubled
 (from :data:`MIN_STEPS`) until that holds.
 
-**Memory**: static memory plus the extra weight versions (``Problem.weight_version_memory``: weights only)
+**Memory**: static memory plus the extra weight versions (:func:`weight_version_memory`: weights only)
 plus the activations of every microbatch in flight, counted by the same simulator over the K steps (the
 warm-up never holds more than the steady state of a repeating pattern, and the peak is taken over all).
 """
@@ -58,6 +58,7 @@ __all__ = [
     "steady_state",
     "step_period_lower_bound",
     "unroll",
+    "weight_version_memory",
 ]
 
 MIN_STEPS = 8
@@ -118,6 +119,28 @@ class SteadyState:
             )
         origin = min((row[0][1] for row in rows if row), default=0.0)
         return [[(a, s - origin, e - origin) for a, s, e in row] for row in rows]
+
+
+def weight_version_memory(problem: Problem) -> list[float]:
+    """Per-rank bytes held beyond ``memory.static`` for the extra weight versions (PipeDream-2BW, Narayanan
+    et al. 2020, §3.1): ``(weight_versions − 1) × Σ memory.weights`` over the rank's stages — weights only (one
+    gradient buffer and one optimizer state stay in ``static``), the shard of them (1/d) with
+    ``data_parallel.sharding: full``; ``× static`` when ``memory.weights`` is not given (an upper bound)."""
+    assert problem.memory is not None
+    extra = problem.training.weight_versions - 1
+    if extra == 0:
+        return [0.0] * problem.pipeline.num_ranks
+    if problem.memory.weights is None:
+        return [extra * s for s in problem.static_memory]
+    weights = problem.stage_values(problem.memory.weights)
+    ranks = stage_to_rank(problem)
+    shard = 1.0
+    if problem.data_parallel is not None and problem.data_parallel.sharding == "full":
+        shard = 1.0 / problem.data_parallel.size
+    per_rank = [0.0] * problem.pipeline.num_ranks
+    for stage, rank in enumerate(ranks):
+        per_rank[rank] += weights[stage % len(weights)] * shard
+    return [extra * w for w in per_rank]
 
 
 def _shift(action: Action, offset: int) -> Action:
@@ -243,7 +266,7 @@ class SteadyStateEvaluator:
 
     def __init__(self, problem: Problem) -> None:
         self.problem = problem
-        self.base = compile_problem(problem)
+        self.base = compile_problem(problem, step_actions=False)
         self.m = problem.pipeline.num_microbatches
         self._unrolled: dict[int, Instance] = {}
         self._optimizer = problem.rank_values(problem.costs.optimizer_step if problem.costs else None, 0.0)
@@ -258,8 +281,8 @@ class SteadyStateEvaluator:
         inst = self._unrolled.get(steps)
         if inst is None:
             unrolled = self.problem.with_changes(**{"pipeline.num_microbatches": steps * self.m})
-            inst = compile_problem(unrolled)
-            extra = self.problem.weight_version_memory
+            inst = compile_problem(unrolled, step_actions=False)
+            extra = weight_version_memory(self.problem)
             inst = dataclasses.replace(inst, static=[s + x for s, x in zip(inst.static, extra, strict=True)])
             self._unrolled[steps] = inst
         return inst
@@ -269,7 +292,7 @@ class SteadyStateEvaluator:
         the orders alone: a rank's memory changes only through its own actions, which never overlap, so the
         levels do not depend on the times. A copy of the pattern frees what it allocates, so the warm-up copy
         and one full copy reach every level there is."""
-        extra = self.problem.weight_version_memory
+        extra = weight_version_memory(self.problem)
         m = self.m
         per_microbatch = len(self.base.actions) // m
         delta = {(a.stage, a.kind): self.base.mem_delta[i] for i, a in enumerate(self.base.actions[:per_microbatch])}
@@ -412,10 +435,10 @@ def step_period_lower_bound(problem: Problem, inst: Instance | None = None) -> f
     """
     from pipesched.optimizer.bounds import _topological
 
-    inst = inst or compile_problem(problem)
+    inst = inst or compile_problem(problem, step_actions=False)
     optimizer = problem.rank_values(problem.costs.optimizer_step if problem.costs else None, 0.0)
     bound = max(c + o for c, o in zip(inst.compute, optimizer, strict=True))
-    versions = problem.weight_version_memory
+    versions = weight_version_memory(problem)
     m = inst.num_microbatches
     backward = inst.backward_kind
     microbatch_actions: dict[int, list[int]] = {}

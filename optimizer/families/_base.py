@@ -83,6 +83,7 @@ _MODULES = {
     "v-min": "v_shape",
     "bitpipe": "bitpipe",
     "dualpipe-v": "dualpipe_v",
+    "lga": "lga",
     "pipedream-2bw": "pipedream_2bw",
 }
 

@@ -53,6 +53,7 @@ from pipesched.optimizer.steady_state import (
     pattern_from_sequence,
     schedule_from_steady_state,
     step_period_lower_bound,
+    weight_version_memory,
 )
 
 __all__ = ["canonical_pattern", "no_flush_patterns", "sequential_pattern", "solve_steady_state"]
@@ -135,7 +136,7 @@ def no_flush_patterns(problem: Problem) -> Iterator[tuple[str, Orders]]:
         free = [
             limit - static - extra
             for limit, static, extra in zip(
-                problem.memory_limits, problem.static_memory, problem.weight_version_memory, strict=True
+                problem.memory_limits, problem.static_memory, weight_version_memory(problem), strict=True
             )
         ]
         cap = [
@@ -179,7 +180,7 @@ def no_flush_patterns(problem: Problem) -> Iterator[tuple[str, Orders]]:
 
 def sequential_pattern(problem: Problem) -> Orders:
     """One microbatch at a time through the whole pipeline, as a pattern: the least memory any schedule has."""
-    inst = compile_problem(problem)
+    inst = compile_problem(problem, step_actions=False)
     return action_orders(inst, sequential_orders(inst))
 
 
@@ -258,7 +259,7 @@ def solve_steady_state(
     """
     search = _Search(problem, progress, should_stop)
     evaluator = search.evaluator
-    versions = problem.weight_version_memory
+    versions = weight_version_memory(problem)
     inst = dataclasses.replace(
         evaluator.base, static=[s + x for s, x in zip(evaluator.base.static, versions, strict=True)]
     )
@@ -319,13 +320,14 @@ def _flushed_search(search: _Search, share: float) -> None:
     budget = (search.deadline - time.perf_counter() - search.evaluation_s) * share
     if budget < 0.2:
         return
-    static = [s + x for s, x in zip(problem.static_memory, problem.weight_version_memory, strict=True)]
+    static = [s + x for s, x in zip(problem.static_memory, weight_version_memory(problem), strict=True)]
     flushed = problem.with_changes(
         **{
             "training": {"flush": True, "weight_versions": 1, "post_validation": True},
             "objective": "stage_span",
             "memory.static": static,
             "memory.weights": None,
+            "costs.optimizer_step": None,  # the pattern's timing adds it at each step boundary
             "solver.time_limit_s": budget,
         }
     )
