@@ -289,7 +289,14 @@ def compare(
     unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
     step = problem.has_step_actions or problem.objective == "step_time"
-    columns = ("method", "makespan ms", "stage_span ms", *(("step_time ms",) if step else ()))
+    period = problem.objective == "step_period"  # no flush: the steady-state time per step
+    columns = (
+        "method",
+        "makespan ms",
+        "stage_span ms",
+        *(("step_time ms",) if step else ()),
+        *(("step_period ms",) if period else ()),
+    )
     for column in (*columns, "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
@@ -305,6 +312,7 @@ def compare(
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
             *((f"{schedule.step_time:.3f}",) if step else ()),
+            *((f"{schedule.step_period:.3f}",) if period else ()),
             f"{schedule.bubble_rate:.4f}",
             (
                 " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)
