@@ -53,6 +53,7 @@ __all__ = [
     "SteadyStateEvaluator",
     "check_pattern",
     "pattern_from_sequence",
+    "pattern_memory_timelines",
     "repeating_schedule",
     "schedule_from_steady_state",
     "steady_state",
@@ -574,3 +575,29 @@ def repeating_schedule(
         lower_bound=lower_bound,
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def pattern_memory_timelines(schedule: Schedule) -> list[list[tuple[float, float]]]:
+    """Per rank, ``(time ms, bytes)`` steps of a no-flush schedule's shown copy (the times of its ``ranks``):
+    static, the extra weight versions and the activations in flight when the copy starts (what the next
+    step's early passes allocated in the copy before), then each action's allocation from its start and its
+    frees from its end, as :func:`pipesched.optimizer.simulate.simulate` counts them. For the plots and the
+    Chrome trace, which cannot re-simulate a pattern on the one-step problem."""
+    problem = schedule.problem
+    base = compile_problem(problem, step_actions=False)
+    m = problem.pipeline.num_microbatches
+    per_microbatch = len(base.actions) // m
+    delta = {(a.stage, a.kind.value): base.mem_delta[i] for i, a in enumerate(base.actions[:per_microbatch])}
+    extra = weight_version_memory(problem)
+    timelines = []
+    for rank_schedule in schedule.ranks:
+        rank = rank_schedule.rank
+        level = base.static[rank] + extra[rank]
+        level += sum(delta[a.stage, a.kind] for a in rank_schedule.actions if a.microbatch >= m)
+        timeline = [(0.0, level)]
+        for a in rank_schedule.actions:
+            change = delta[a.stage, a.kind]
+            level += change
+            timeline.append((a.start if change > 0 else a.end, level))
+        timelines.append(timeline)
+    return timelines

@@ -332,3 +332,20 @@ def test_bad_training_exits_2_on_the_cli(tmp_path: Path) -> None:
     result = pipesched("solve", str(plain), "--method", "pipedream-2bw", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["step_period"] == pytest.approx(24.0)
+
+
+def test_a_pattern_draws_and_traces_with_its_memory() -> None:
+    """Plots and the Chrome trace cannot re-simulate a pattern on the one-step problem: its memory comes from
+    the pattern (in flight when the shown copy starts, then each action), peaking where the run peaks."""
+    from pipesched.api.plots import render_svg
+    from pipesched.optimizer.export import schedule_to_chrome_trace
+    from pipesched.optimizer.steady_state import pattern_memory_timelines
+
+    schedule = solve(problem(4, 8, p2p=0.1, static=50.0, weights=20.0))
+    timelines = pattern_memory_timelines(schedule)
+    assert [max(b for _, b in t) for t in timelines] == pytest.approx(schedule.peak_memory)
+    assert timelines[0][0][1] == pytest.approx(50.0 + 20.0 + 3 * 100.0)  # rank 0 enters with 0F8 … 0F10 in flight
+    trace = schedule_to_chrome_trace(schedule)
+    counters = [e["args"]["bytes"] for e in trace["traceEvents"] if e.get("name") == "memory" and e["pid"] == 0]
+    assert max(counters) == pytest.approx(schedule.peak_memory[0])
+    assert "<svg" in render_svg(schedule)[:400]
