@@ -587,16 +587,22 @@ def pattern_memory_timelines(schedule: Schedule) -> list[list[tuple[float, float
     base = compile_problem(problem, step_actions=False)
     m = problem.pipeline.num_microbatches
     per_microbatch = len(base.actions) // m
-    delta = {(a.stage, a.kind.value): base.mem_delta[i] for i, a in enumerate(base.actions[:per_microbatch])}
+    delta: dict[tuple[int | None, str], float] = {
+        (a.stage, a.kind.value): base.mem_delta[i] for i, a in enumerate(base.actions[:per_microbatch])
+    }
     extra = weight_version_memory(problem)
     timelines = []
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank
         level = base.static[rank] + extra[rank]
-        level += sum(delta[a.stage, a.kind] for a in rank_schedule.actions if a.microbatch >= m)
+        level += sum(
+            delta.get((a.stage, a.kind), 0.0)
+            for a in rank_schedule.actions
+            if a.microbatch is not None and a.microbatch >= m
+        )
         timeline = [(0.0, level)]
         for a in rank_schedule.actions:
-            change = delta[a.stage, a.kind]
+            change = delta.get((a.stage, a.kind), 0.0)
             level += change
             timeline.append((a.start if change > 0 else a.end, level))
         timelines.append(timeline)
