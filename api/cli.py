@@ -149,6 +149,15 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
     out.print(table)
+    if schedule.step_period is not None:
+        out.print(
+            f"step_period {schedule.step_period:.3f} ms per step in steady state (no flush, "
+            f"{problem.training.weight_versions} weight versions); the actions are one repeating step, microbatch "
+            f"ids ≥ {pipeline.num_microbatches} are the next step's",
+            highlight=False,
+        )
+    elif schedule.step_time is not None and schedule.step_time != schedule.makespan:
+        out.print(f"step_time {schedule.step_time:.3f} ms", highlight=False)
     limits = problem.memory_limits
     memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
     memory.add_column("rank", justify="right")
@@ -281,7 +290,14 @@ def compare(
     unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
     step = problem.has_step_actions or problem.objective == "step_time"
-    columns = ("method", "makespan ms", "stage_span ms", *(("step_time ms",) if step else ()))
+    period = problem.objective == "step_period"  # no flush: the steady-state time per step
+    columns = (
+        "method",
+        "makespan ms",
+        "stage_span ms",
+        *(("step_time ms",) if step else ()),
+        *(("step_period ms",) if period else ()),
+    )
     for column in (*columns, "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
@@ -297,6 +313,7 @@ def compare(
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
             *((f"{schedule.step_time:.3f}",) if step else ()),
+            *((f"{schedule.step_period:.3f}",) if period else ()),
             f"{schedule.bubble_rate:.4f}",
             (
                 " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)

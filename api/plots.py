@@ -126,7 +126,13 @@ def _prepare(schedule: Schedule) -> _View:
             "plot a feasible schedule"
         )
     inst = compile_problem(schedule.problem)
-    sim = simulate(inst, schedule.orders(), check_memory=False)
+    if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
+        from pipesched.optimizer.steady_state import pattern_memory_timelines
+
+        memory_timeline, peak_memory = pattern_memory_timelines(schedule), schedule.peak_memory
+    else:
+        sim = simulate(inst, schedule.orders(), check_memory=False)
+        memory_timeline, peak_memory = sim.memory_timeline, sim.peak_memory
     makespan = max((a.end for r in schedule.ranks for a in r.actions), default=0.0)
     stage_to_rank = schedule.stage_to_rank
     ranks = []
@@ -134,7 +140,7 @@ def _prepare(schedule: Schedule) -> _View:
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank
         stages = sorted(s for s, r in enumerate(stage_to_rank) if r == rank)
-        timeline = list(sim.memory_timeline[rank])
+        timeline = list(memory_timeline[rank])
         times = [t for t, _ in timeline]
         bars = []
         comm_bars: list[_Bar] = []
@@ -162,7 +168,7 @@ def _prepare(schedule: Schedule) -> _View:
                 bars=bars,
                 timeline=timeline,
                 limit=inst.limit[rank],
-                peak=sim.peak_memory[rank],
+                peak=peak_memory[rank],
                 comm_bars=comm_bars,
             )
         )

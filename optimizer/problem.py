@@ -21,6 +21,7 @@ from pipesched.optimizer.validation import raise_field_errors
 __all__ = [
     "FAMILY_NAMES",
     "METHOD_NAMES",
+    "NO_FLUSH_METHODS",
     "Costs",
     "DataParallel",
     "Memory",
@@ -48,9 +49,14 @@ MethodName = Literal[
     "bitpipe",
     "dualpipe-v",
     "lga",
+    "pipedream-2bw",
 ]
 METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
 FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
+
+#: Methods that run without a pipeline flush (``training.flush: false``): every other family ends each step
+#: with a flush and needs ``training.flush: true``.
+NO_FLUSH_METHODS: tuple[str, ...] = ("auto", "pipedream-2bw")
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -239,15 +245,20 @@ class Training(_Strict):
 
     ``flush: false`` with ``weight_versions: 2`` is PipeDream-2BW (no flush, double-buffered weights,
     W(t+1) = W(t) − ν·∇f(W(t−1)); Narayanan et al. 2020, §3). ``post_validation`` is the Zero Bubble
-    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step.
+    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step; without
+    a flush it changes nothing (PipeDream-2BW's ranks update on their own, with no end-of-step barrier).
     """
 
     flush: bool = Field(True, description="A pipeline flush (and a synchronous optimizer step) ends every step.")
-    weight_versions: int = Field(1, ge=1, le=2, description="Weight versions kept: 1, or 2 for PipeDream-2BW.")
+    weight_versions: int = Field(
+        1, ge=1, le=2, description="Weight versions kept: 1, or 2 for PipeDream-2BW (the default with flush false)."
+    )
     post_validation: bool = Field(False, description="Zero Bubble's optimizer post-validation (§4).")
 
     @model_validator(mode="after")
     def _check_versions(self) -> Training:
+        if not self.flush and "weight_versions" not in self.model_fields_set:
+            self.weight_versions = 2  # no flush: the next step starts on the old weights (PipeDream-2BW)
         if self.flush and self.weight_versions != 1:
             raise_field_errors(
                 "Training",
@@ -296,7 +307,13 @@ class Problem(_Strict):
     )
     training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
-    objective: Literal["makespan", "stage_span", "step_time"] = "makespan"
+    objective: Literal["makespan", "stage_span", "step_time", "step_period"] = Field(
+        "makespan",
+        description=(
+            'What to minimise. "step_period" (the steady-state time per step) goes with training.flush false; '
+            'there an omitted objective or "makespan" reads as "step_period".'
+        ),
+    )
     solver: SolverOptions = Field(default_factory=SolverOptions)
 
     @model_validator(mode="after")
@@ -313,7 +330,92 @@ class Problem(_Strict):
                 )
             raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
         self._check_lengths()
+        self._check_training()
         return self
+
+    def _check_training(self) -> None:
+        """Flush, weight versions, method and objective agree (contract, Problem: training).
+
+        ``pipedream-2bw`` with no ``training`` given sets ``{"flush": false, "weight_versions": 2}``; a problem
+        with ``flush: false`` optimises ``step_period`` when its objective is left out or is the default
+        ``makespan``; ``stage_span`` is rejected there.
+        """
+        method = self.solver.method
+        if method == "pipedream-2bw" and not self.training.model_fields_set:
+            self.training = Training(flush=False, weight_versions=2)
+        if not self.training.flush and ("objective" not in self.model_fields_set or self.objective == "makespan"):
+            # The default objective, makespan, has no meaning for an endless run: its time per step is read.
+            self.objective = "step_period"
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        if self.training.flush:
+            if method == "pipedream-2bw":
+                errors.append(
+                    (
+                        ("training", "flush"),
+                        "pipedream-2bw runs without a pipeline flush and keeps two weight versions: set "
+                        'training to {"flush": false, "weight_versions": 2} (or leave training out), or choose '
+                        "method 1f1b (PipeDream-Flush)",
+                        True,
+                    )
+                )
+            if self.objective == "step_period":
+                errors.append(
+                    (
+                        ("objective",),
+                        "objective step_period is the steady-state time per step of a schedule without flushes: "
+                        'set training.flush to false (PipeDream-2BW), or use objective "makespan" or "stage_span"',
+                        self.objective,
+                    )
+                )
+        else:
+            if method not in NO_FLUSH_METHODS:
+                errors.append(
+                    (
+                        ("training", "flush"),
+                        f"method {method} ends every step with a pipeline flush: set training.flush to true, or "
+                        f"use a method that runs without one ({', '.join(NO_FLUSH_METHODS)})",
+                        False,
+                    )
+                )
+            if self.data_parallel_size > 1:
+                errors.append(
+                    (
+                        ("data_parallel", "size"),
+                        "schedules without flushes are timed for the pipeline alone: data-parallel collectives in "
+                        "a repeating pattern are not planned yet; set data_parallel.size to 1 or training.flush "
+                        "to true",
+                        self.data_parallel_size,
+                    )
+                )
+            if self.pipeline.placement == "bidirectional":
+                errors.append(
+                    (
+                        ("pipeline", "placement"),
+                        'placement "bidirectional" runs two replicas with a flush; schedules without flushes are '
+                        'planned for "loop", "v" or an explicit placement: set training.flush to true or change '
+                        "the placement",
+                        "bidirectional",
+                    )
+                )
+            if self.training.weight_versions != 2:
+                errors.append(
+                    (
+                        ("training", "weight_versions"),
+                        "training.flush false needs weight_versions 2: without a flush the next step's forwards "
+                        "start before this step's update, so a rank keeps two weight versions (PipeDream-2BW)",
+                        self.training.weight_versions,
+                    )
+                )
+            if self.objective != "step_period":
+                errors.append(
+                    (
+                        ("objective",),
+                        f"objective {self.objective} measures one flushed step; a schedule without flushes repeats, "
+                        'and its time per step is the step_period: set objective to "step_period" or leave it out',
+                        self.objective,
+                    )
+                )
+        raise_field_errors("Problem", errors)
 
     def _check_lengths(self) -> None:
         assert self.costs is not None and self.memory is not None

@@ -1,7 +1,8 @@
 """The one entry point: ``solve(problem)`` → :class:`~pipesched.optimizer.result.Schedule`.
 
 ``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
-(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`).
+(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`; with ``training.flush: false`` the
+pattern search of :mod:`pipesched.optimizer.solvers.steady_search`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.solvers.portfolio import solve_auto
+from pipesched.optimizer.solvers.steady_search import solve_steady_state
+from pipesched.optimizer.steady_state import repeating_schedule
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
 
@@ -40,6 +43,9 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
+        if not problem.training.flush:
+            # No flush (PipeDream-2BW): the repeating pattern and its step period, searched on its own.
+            return solve_steady_state(problem, progress=progress, should_stop=should_stop)
         if problem.has_step_actions or problem.objective == "step_time":
             from pipesched.optimizer.solvers.step import solve_step
 
@@ -62,20 +68,23 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     family = get_family(name)
     inst = compile_problem(problem)
     orders = family.generate(problem)
-    try:
-        # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
-        orders = add_communication(inst, orders)
-    except ReshardOrderError as error:
-        raise FamilyDomainError(f"{name}: {error}") from None
-    schedule = build_schedule(
-        problem,
-        orders,
-        method=name,
-        backend="family",
-        instance=inst,
-        check_memory=False,
-        solve_time_s=time.perf_counter() - started,
-    )
+    if not family.flush:
+        schedule = repeating_schedule(problem, orders, method=name, started=started)
+    else:
+        try:
+            # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+            orders = add_communication(inst, orders)
+        except ReshardOrderError as error:
+            raise FamilyDomainError(f"{name}: {error}") from None
+        schedule = build_schedule(
+            problem,
+            orders,
+            method=name,
+            backend="family",
+            instance=inst,
+            check_memory=False,
+            solve_time_s=time.perf_counter() - started,
+        )
     if enforce_memory and not schedule.fits_memory:
         over = [
             rank
