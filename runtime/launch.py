@@ -166,7 +166,12 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
         results = []
         for job in jobs:
-            result = _rank_job(job, rank, device, timeout_s)
+            if job.get("training") is not None:
+                from pipesched.runtime.training import train_rank
+
+                result = train_rank(job, rank, device, timeout_s)
+            else:
+                result = _rank_job(job, rank, device, timeout_s)
             gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             results.append(gathered)
@@ -254,8 +259,14 @@ def run_schedules(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    training: Any = None,
 ) -> list[dict[str, Any]]:
     """Run several schedules (same number of ranks) one after another in one launch; one report each.
+
+    ``training``: a :class:`pipesched.runtime.training.TrainingOptions` (or one per schedule, ``None`` for a
+    plain one-step run) runs K steps with an optimizer and/or data parallelism (``num_ranks × D``
+    processes on a pp × dp mesh; every training job of one launch has the same D) and reports with
+    :func:`pipesched.runtime.training.build_training_report`.
 
     ``model`` and ``engine`` may be one value or one per schedule. ``engine``: one of :data:`ENGINES`
     (default ``"auto"``: PyTorch's ``_PipelineScheduleRuntime`` for loop and V placement, the own
@@ -283,6 +294,14 @@ def run_schedules(
     models = [model] * len(schedules) if isinstance(model, str) else list(model)
     asked = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
     engines = [resolve_engine(name, schedule) for name, schedule in zip(asked, schedules, strict=True)]
+    trainings = list(training) if isinstance(training, list | tuple) else [training] * len(schedules)
+    for options, schedule in zip(trainings, schedules, strict=True):
+        if options is not None:
+            options.check(schedule.problem.pipeline.num_microbatches)
+    sizes = {options.data_parallel if options is not None else 1 for options in trainings}
+    if len(sizes) > 1:
+        raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")
+    data_parallel = sizes.pop()
     num_ranks = schedules[0].problem.pipeline.num_ranks
     for index, schedule in enumerate(schedules):
         if schedule.problem.pipeline.num_ranks != num_ranks:
@@ -292,12 +311,13 @@ def run_schedules(
         load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
     if backend == "nccl" and not torch.cuda.is_available():
         raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-    nproc = nproc_per_node or max(1, num_ranks // nnodes)
-    if nproc * nnodes != num_ranks:
+    world = num_ranks * data_parallel
+    nproc = nproc_per_node or max(1, world // nnodes)
+    if nproc * nnodes != world:
         raise ScheduleError(
             "nproc_per_node",
-            f"the schedule has {num_ranks} ranks but nnodes {nnodes} × nproc_per_node {nproc} = {nproc * nnodes} "
-            f"processes: set --nproc-per-node {num_ranks // max(nnodes, 1)}",
+            f"the schedule has {num_ranks} ranks × data-parallel {data_parallel} = {world} processes but nnodes "
+            f"{nnodes} × nproc_per_node {nproc} = {nproc * nnodes}: set --nproc-per-node {world // max(nnodes, 1)}",
         )
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -314,6 +334,7 @@ def run_schedules(
                 "engine": engines[index],
                 "workdir": workdir,
                 "index": index,
+                "training": None if trainings[index] is None else asdict(trainings[index]),
             }
             for index, schedule in enumerate(schedules)
         ]
@@ -343,6 +364,24 @@ def run_schedules(
     for index, schedule in enumerate(schedules):
         ranks = per_job[index]
         pipeline_model = load_model(models[index], schedule.problem, seed=seed)
+        device_name = ranks[0]["device"] if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})"
+        if trainings[index] is not None:
+            from pipesched.runtime.training import build_training_report, reference_training
+
+            reference = reference_training(pipeline_model, schedule.problem.pipeline.num_microbatches, trainings[index])
+            reports.append(
+                build_training_report(
+                    schedule,
+                    ranks,
+                    reference,
+                    trainings[index],
+                    backend=backend,
+                    device=device_name,
+                    engine=engines[index],
+                    model_name=pipeline_model.name,
+                )
+            )
+            continue
         reference_loss, reference_gradients = reference_run(pipeline_model, schedule.problem.pipeline.num_microbatches)
         losses: dict[int, float] = {}
         gradients: dict[str, Any] = {}
@@ -382,6 +421,7 @@ def run_schedule(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    training: Any = None,
 ) -> dict[str, Any]:
     """Execute ``schedule`` on ``num_ranks`` processes with ``torch.distributed`` and verify it.
 
@@ -408,6 +448,7 @@ def run_schedule(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
+        training=training,
     )[0]
     if output is not None:
         Path(output).write_text(json.dumps(report, indent=1))
