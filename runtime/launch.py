@@ -19,7 +19,7 @@ import signal
 import socket
 import tempfile
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -368,7 +368,14 @@ def run_schedules(
         if trainings[index] is not None:
             from pipesched.runtime.training import build_training_report, reference_training
 
-            reference = reference_training(pipeline_model, schedule.problem.pipeline.num_microbatches, trainings[index])
+            options = trainings[index]
+            m = schedule.problem.pipeline.num_microbatches
+            reference = reference_training(pipeline_model, m, options)
+            synchronous = None
+            if options.weight_update == "2bw":
+                # A fresh model: a user model's build_stage may hand out the same (now trained) modules.
+                fresh = load_model(models[index], schedule.problem, seed=seed)
+                synchronous = reference_training(fresh, m, replace(options, weight_update="sync"))
             reports.append(
                 build_training_report(
                     schedule,
@@ -379,6 +386,7 @@ def run_schedules(
                     device=device_name,
                     engine=engines[index],
                     model_name=pipeline_model.name,
+                    synchronous_reference=synchronous,
                 )
             )
             continue

@@ -49,6 +49,7 @@ __all__ = [
     "TrainingError",
     "TrainingOptions",
     "build_training_report",
+    "print_training_summary",
     "reference_training",
     "train_rank",
     "training_options",
@@ -440,6 +441,14 @@ def train_rank(job: dict[str, Any], global_rank: int, device: Any, timeout_s: fl
                 for p in modules[stage].parameters():
                     if p.grad is not None:
                         partial += _local(p.grad).double().pow(2).sum()
+        # The reduced gradients of the last step, before clipping (as the reference records them).
+        if step == options.steps - 1:
+            gradients: dict[str, Any] = {}
+            for stage in my_stages:
+                for name, p in modules[stage].named_parameters():
+                    if p.grad is not None:
+                        gradients[f"{stage}/{name}"] = _full(p.grad).detach().float().cpu().clone()
+            record["gradients"] = gradients
         clip = options.clip_norm
         info: dict[str, Any] = {"step": step}
         if options.post_validation:
@@ -447,6 +456,8 @@ def train_rank(job: dict[str, Any], global_rank: int, device: Any, timeout_s: fl
             pending = dist.all_reduce(partial, async_op=True)
             saved = _snapshot(params, optimizer)
             optimizer.step()
+            with torch.no_grad():
+                info["speculative_step_finite"] = all(bool(torch.isfinite(_local(p)).all()) for p in params)
             pending.wait()
             norm = float(partial.sqrt())
             finite = math.isfinite(norm)
@@ -455,6 +466,12 @@ def train_rank(job: dict[str, Any], global_rank: int, device: Any, timeout_s: fl
             if not finite or coefficient < 1.0:
                 _restore(params, optimizer, saved)
                 info["rolled_back"] = True
+                with torch.no_grad():
+                    # Nothing half-applied: every parameter is bit-for-bit what it was before the step.
+                    info["max_change_after_rollback"] = max(
+                        (float((_local(p) - _local(q)).abs().max()) for p, q in zip(params, saved[0], strict=True)),
+                        default=0.0,
+                    )
                 if finite:
                     for p in params:
                         if p.grad is not None:
@@ -503,13 +520,6 @@ def train_rank(job: dict[str, Any], global_rank: int, device: Any, timeout_s: fl
             static_peak,
             _bytes(params) + _bytes([p.grad for p in params]) + _bytes(masters) + _bytes(optimizer_state),
         )
-        if step == options.steps - 1:
-            gradients: dict[str, Any] = {}
-            for stage in my_stages:
-                for name, p in modules[stage].named_parameters():
-                    if p.grad is not None:
-                        gradients[f"{stage}/{name}"] = _full(p.grad).detach().float().cpu()
-            record["gradients"] = gradients
     final = masters if two_versions else params
     parameters: dict[str, Any] = {}
     position = 0
@@ -639,6 +649,7 @@ def build_training_report(
     device: str,
     engine: str,
     model_name: str,
+    synchronous_reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run report of the contract for a training run (``--steps``/``--data-parallel``).
 
@@ -646,7 +657,9 @@ def build_training_report(
     parameters after K steps are within the tolerance of the reference (relative, per tensor), the loss of
     every step too, and every rank ran its schedule's compute actions in order. Communication time per rank:
     measured (the sum of its UNSHARD/RESHARD/REDUCE_GRAD records, mean over steps) beside the prediction (the
-    schedule's communication actions of that rank, when it has any).
+    schedule's communication actions of that rank, when it has any). ``synchronous_reference`` (for 2BW):
+    the synchronous rule's reference, reported as ``max_rel_param_error_vs_synchronous`` (how far the
+    delayed update takes the parameters from it).
     """
     inst = compile_problem(schedule.problem)
     tolerance = PARAM_TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
@@ -676,6 +689,12 @@ def build_training_report(
             max_rel_param, worst_param = r, w
         max_abs_param = max(max_abs_param, a)
         missing |= set(miss) | set(miss2)
+    versus_synchronous = None
+    if synchronous_reference is not None:
+        for replica_ranks in by_replica.values():
+            parameters = {k: v for rank in replica_ranks for k, v in rank["parameters"].items()}
+            _, r, _, _ = _relative_errors(parameters, synchronous_reference["parameters"], inst.model_stage)
+            versus_synchronous = r if versus_synchronous is None else min(versus_synchronous, r)
     step_losses: list[float | None] = []
     for step in range(options.steps):
         seen: dict[int, float] = {}
@@ -745,6 +764,7 @@ def build_training_report(
         "worst_parameter": worst_grad,
         "max_abs_param_error": max_abs_param,
         "max_rel_param_error": max_rel_param,
+        "max_rel_param_error_vs_synchronous": versus_synchronous,
         "worst_parameter_after_steps": worst_param,
         "missing_gradients": sorted(missing),
         "tolerance": tolerance,
@@ -779,3 +799,43 @@ def build_training_report(
 def with_options(options: TrainingOptions, **changes: Any) -> TrainingOptions:
     """``options`` with ``changes`` (a frozen dataclass)."""
     return replace(options, **changes)
+
+
+def print_training_summary(report: dict[str, Any], console: Any = None) -> None:
+    """Lines a person reads after :func:`pipesched.runtime.verify.print_report` for a training run."""
+    from rich.console import Console
+
+    console = console or Console()
+    dp = report["data_parallel"]
+    training = report["training"]
+    rule = "2bw (W(t+1) = W(t) − ν·∇f(W(t−1)))" if training["weight_update"] == "2bw" else "synchronous"
+    if training["post_validation"]:
+        rule = "post-validated (speculative steps, rollback)"
+    console.print(
+        f"{report['steps']} step(s) · {training['optimizer']} lr {training['lr']:g} · {rule} · clip "
+        f"{report['training']['clip_norm']} · data-parallel {dp['size']} ({dp['sharding']}) on {dp['world_size']} "
+        f"processes · max parameter error {report['max_rel_param_error']:.3g} rel",
+        highlight=False,
+    )
+    if report.get("max_rel_param_error_vs_synchronous") is not None:
+        console.print(
+            f"differs from the synchronous rule by {report['max_rel_param_error_vs_synchronous']:.3g} rel",
+            highlight=False,
+        )
+    if report["rolled_back_steps"]:
+        console.print(f"rolled back (or skipped): step(s) {report['rolled_back_steps']}", highlight=False)
+    console.print(
+        f"step time: predicted {report['predicted_step_time_ms']:.3f} ms ({report['predicted_step_time_from']}) · "
+        f"measured {report['measured_step_time_ms']:.3f} ms (median, first step excluded when K > 1)",
+        highlight=False,
+    )
+    for rank in report["ranks"][:16]:
+        predicted = rank["predicted_communication_ms"]
+        console.print(
+            f"rank {rank['rank']} (pp {rank['pp_rank']}, dp {rank['dp_rank']}): communication measured "
+            f"{rank['measured_communication_ms']:.3f} ms/step"
+            + ("" if predicted is None else f", predicted {predicted:.3f} ms")
+            + f" · static {rank['static_memory_bytes']} B measured, {rank['predicted_static_memory_bytes']:.0f} B"
+            " predicted",
+            highlight=False,
+        )
