@@ -373,6 +373,13 @@ def run(
             "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
         ),
     ] = None,
+    reshard_after_forward: Annotated[
+        bool | None,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
@@ -412,6 +419,7 @@ def run(
     given = {
         "data_parallel": data_parallel,
         "sharding": sharding,
+        "reshard_after_forward": reshard_after_forward,
         "steps": steps,
         "optimizer": optimizer,
         "lr": lr,

@@ -298,6 +298,20 @@ def run_schedules(
     for options, schedule in zip(trainings, schedules, strict=True):
         if options is not None:
             options.check(schedule.problem.pipeline.num_microbatches)
+            if (
+                options.sharding == "full"
+                and options.data_parallel > 1
+                and options.reshard_after_forward
+                and schedule.problem.split_backward
+            ):
+                # Measured with torch 2.13: FSDP2's post-backward fires at I (the input gradient) and W's weight
+                # gradients of every stage whose input needs a gradient are lost (both engines).
+                raise ScheduleError(
+                    "reshard_after_forward",
+                    "--reshard-after-forward with split backward (I/W) loses weight gradients under FSDP2 (torch "
+                    "2.13); run with --no-reshard-after-forward (torchtitan's choice under pipelining) or a "
+                    "schedule with fused backward (split_backward false)",
+                )
     sizes = {options.data_parallel if options is not None else 1 for options in trainings}
     if len(sizes) > 1:
         raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")

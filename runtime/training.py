@@ -433,6 +433,18 @@ def train_rank(job: dict[str, Any], global_rank: int, device: Any, timeout_s: fl
                     _local(p.grad).copy_(total)
         # The global checks: squared-norm partial sums, each model stage counted once (its first id), each
         # shard once (sharded: every dp rank holds a different shard; replicated: dp rank 0 speaks).
+        # FSDP2 may register new sharded parameter objects at its lazy initialisation (first forward, e.g.
+        # with reshard_after_forward): point the optimizer (and its state) at the parameters the modules hold.
+        current = [p for stage in my_stages for p in modules[stage].parameters()]
+        if any(a is not b for a, b in zip(current, params, strict=True)):
+            if not two_versions:
+                for old_param, new_param in zip(params, current, strict=True):
+                    if old_param in optimizer.state:
+                        optimizer.state[new_param] = optimizer.state.pop(old_param)
+                optimizer.param_groups[0]["params"] = current
+            params = current
+            if step == 0:
+                record["notes"].append("FSDP2 replaced the sharded parameters at lazy initialisation")
         partial = torch.zeros((), dtype=torch.float64, device=device)
         if sharded or dp_rank == 0:
             for stage in my_stages:
