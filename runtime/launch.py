@@ -450,7 +450,9 @@ def run_schedule(
     Returns the run report of the contract (``verified``, ``max_abs_grad_error``, ``max_rel_grad_error``,
     ``loss``, ``reference_loss``, ``executed_order_matches``, ``ranks`` with per-action start/end in ms
     and ``peak_memory_bytes``, ``predicted_makespan_ms``, ``measured_makespan_ms``, ``backend``,
-    ``device``) plus diagnostics; written as JSON to ``output`` when given.
+    ``device``) plus diagnostics; written as JSON to ``output`` when given. With ``training`` (a
+    :class:`pipesched.runtime.training.TrainingOptions`): K steps, data parallelism, and the training fields
+    (``steps``, ``max_rel_param_error``, ``predicted_step_time_ms``, ``measured_step_time_ms``, …).
 
     Raises:
         ScheduleError: the schedule, model or options cannot run (``reason`` says which).

@@ -56,6 +56,9 @@ CASES = {
         "gpt-tiny",
         {"sharding": "full", "steps": 2, "lr": 0.1, "post_validation": True, "inject_nan": (1, 5)},
     ),
+    # Bidirectional placement (two model replicas, only the own executor follows it): mirrored stages'
+    # sharded gradients summed, then FSDP2's reduce-scatter over dp.
+    "bitpipe-full": ("bitpipe", "pipesched", "gpt-tiny", {"sharding": "full", "steps": 2, "lr": 0.1}),
     "2bw": ("1f1b", "torch", "gpt-tiny", {"sharding": "none", "steps": 4, "lr": 0.5, "weight_update": "2bw"}),
 }
 
@@ -66,7 +69,11 @@ def runs() -> dict[str, tuple[Schedule, dict]]:
     from pipesched.runtime.training import TrainingOptions
 
     schedules = [
-        family_schedule("1f1b", split_backward=False) if name == "1f1b-fused" else family_schedule(name)
+        family_schedule("1f1b", split_backward=False)
+        if name == "1f1b-fused"
+        else family_schedule(name, stages_per_rank=2, placement="bidirectional")
+        if name == "bitpipe"
+        else family_schedule(name)
         for name, *_ in CASES.values()
     ]
     reports = run_schedules(
