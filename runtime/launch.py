@@ -109,7 +109,14 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
     targets = torch.cat([b[1] for b in batches])
     csv_path = Path(job["workdir"]) / f"schedule-{job['index']}.csv"
     if rank == 0:
-        csv_path.write_text(orders_to_torch_csv(schedule.orders()))
+        # Compute actions only: torch's lowering adds its own UNSHARD/RESHARD/REDUCE_GRAD and sends/receives.
+        from pipesched.runtime.executor import Action, split_action
+
+        compute = [
+            [a for a in map(split_action, (t.action for t in r.actions)) if isinstance(a, Action)]
+            for r in schedule.ranks
+        ]
+        csv_path.write_text(orders_to_torch_csv(compute))
     import torch.distributed as dist
 
     dist.barrier()

@@ -214,3 +214,18 @@ def test_training_options_follow_the_problem():
     validated = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(**{"training": {"post_validation": True}})
     assert training_options(validated).clip_norm == 1.0
     assert json.dumps(training_options(validated).__dict__)
+
+
+def test_communication_actions_are_told_apart_from_compute_actions():
+    """The runtime reads PyTorch's communication action names beside F/I/W/B, strictly."""
+    from pipesched.optimizer.ir import Action, ActionKind
+    from pipesched.runtime.executor import split_action
+
+    assert split_action("3REDUCE_GRAD") == (3, "REDUCE_GRAD")
+    assert split_action("0UNSHARD") == (0, "UNSHARD") and split_action("12RESHARD") == (12, "RESHARD")
+    assert split_action("OPTIMIZER_STEP") == (None, "OPTIMIZER_STEP")
+    assert split_action("1OPTIMIZER_STEP") == (1, "OPTIMIZER_STEP")
+    assert split_action("3F12") == Action(3, ActionKind.FORWARD, 12)
+    for bad in ("0F1x", "0UNSHARD1", "01REDUCE_GRAD", "0SEND_F1", "REDUCE"):
+        with pytest.raises(ValueError):
+            split_action(bad)
