@@ -348,6 +348,34 @@ class Store:
                     requeued.append((row.id, row.attempt))
         return requeued, failed
 
+    def take_job(self, job_id: str, max_attempts: int) -> int | None:
+        """For a queue worker (:mod:`pipesched.api.worker`) about to run a job: the attempt to run, or None.
+
+        A ``queued`` job is run at its attempt. A ``running`` one was left by a worker that stopped
+        (the queue retries a stalled task): it is re-queued with ``attempt + 1`` and a message saying
+        so — the old attempt can then neither write progress nor finish — or failed with the reason
+        once it has been retried ``max_attempts`` times. A job that ended (done, failed, cancelled) or
+        is unknown gives None. One transaction, the row locked (``SELECT … FOR UPDATE``).
+        """
+        with self.transaction() as session:
+            row = session.scalars(select(JobRow).where(JobRow.id == job_id).with_for_update()).first()
+            if row is None or row.status not in ACTIVE_JOB_STATUSES:
+                return None
+            if row.status == "queued":
+                return row.attempt
+            row.updated_at = time.time()
+            if row.attempt >= max_attempts:
+                row.status = "failed"
+                row.error = (
+                    f"the worker solving this job stopped {row.attempt + 1} times (killed, out of memory, or cut "
+                    "off from the database); submit it again, perhaps with a shorter solver.time_limit_s"
+                )
+                return None
+            row.status = "queued"
+            row.attempt += 1
+            row.message = f"retried after its worker stopped (attempt {row.attempt})"
+            return row.attempt
+
     def count_jobs_by_status(self) -> dict[str, int]:
         """Jobs per status (every status present, zero when none)."""
         counts = dict.fromkeys(JOB_STATUSES, 0)

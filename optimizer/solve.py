@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from pipesched.optimizer.families import get_family
+from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
@@ -39,6 +40,10 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
+        if problem.has_step_actions or problem.objective == "step_time":
+            from pipesched.optimizer.solvers.step import solve_step
+
+            return solve_step(problem, progress=progress, should_stop=should_stop)
         return solve_auto(problem, progress=progress, should_stop=should_stop)
     return solve_family(problem, problem.solver.method)
 
@@ -57,6 +62,11 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     family = get_family(name)
     inst = compile_problem(problem)
     orders = family.generate(problem)
+    try:
+        # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+        orders = add_communication(inst, orders)
+    except ReshardOrderError as error:
+        raise FamilyDomainError(f"{name}: {error}") from None
     schedule = build_schedule(
         problem,
         orders,

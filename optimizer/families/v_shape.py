@@ -77,7 +77,7 @@ def mean_stage_costs(problem: Problem) -> tuple[float, float, float, float, floa
 def valid_or_none(problem: Problem, orders: Orders) -> Orders | None:
     """``orders`` if the simulator accepts them for ``problem`` (memory limits included), else ``None``."""
     try:
-        simulate(compile_problem(problem), orders)
+        simulate(compile_problem(problem, step_actions=False), orders)
     except InvalidSchedule:
         return None
     return orders
@@ -85,7 +85,7 @@ def valid_or_none(problem: Problem, orders: Orders) -> Orders | None:
 
 def capped_v_orders(problem: Problem, in_flight: Callable[[int], int]) -> Orders:
     """Orders holding at most ``in_flight(p)`` microbatches' activations per rank (see :mod:`._greedy`)."""
-    inst = compile_problem(problem)
+    inst = compile_problem(problem, step_actions=False)
     k = in_flight(inst.num_ranks)
     caps = [
         k * max(microbatch_reservation(inst, rank, j) for j in range(inst.num_microbatches))
