@@ -745,7 +745,9 @@ def build_training_report(
     for rank in sorted(ranks, key=lambda r: r["rank"]):
         pp = rank["pp_rank"]
         comm_per_step = [sum(c["end"] - c["start"] for c in step) for step in rank["communication"]]
-        predicted_comm = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind not in ("F", "I", "W", "B")]
+        predicted_comm = [
+            a.end - a.start for a in schedule.ranks[pp].actions if a.kind in ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+        ]
         static_predicted = schedule.problem.static_memory[pp]
         report_ranks.append(
             {

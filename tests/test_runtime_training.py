@@ -204,7 +204,11 @@ def test_training_options_follow_the_problem():
     from pipesched.runtime.training import training_options
 
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
-        **{"data_parallel": {"size": 2, "sharding": "none"}, "training": {"flush": False, "weight_versions": 2}}
+        **{
+            "data_parallel": {"size": 2, "sharding": "none"},
+            "costs.reduce_grad": 0.5,
+            "training": {"flush": False, "weight_versions": 2},
+        }
     )
     options = training_options(problem)
     assert (options.data_parallel, options.sharding, options.weight_update) == (2, "none", "2bw")
