@@ -392,8 +392,49 @@ def run(
     trace: Annotated[
         Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
     ] = None,
+    data_parallel: Annotated[
+        int | None,
+        typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(
+            "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
+        ),
+    ] = None,
+    reshard_after_forward: Annotated[
+        bool | None,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
+    post_validation: Annotated[
+        bool | None,
+        typer.Option(
+            "--post-validation/--no-post-validation",
+            help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
+        ),
+    ] = None,
+    weight_update: Annotated[
+        str | None,
+        typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
+    ] = None,
+    max_grad_norm: Annotated[
+        float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
+    ] = None,
+    inject_nan: Annotated[
+        str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")
+    ] = None,
 ) -> None:
-    """Execute a schedule with torch.distributed and verify it against a single-process reference."""
+    """Execute a schedule with torch.distributed and verify it against a single-process reference.
+
+    With --steps, --data-parallel, --post-validation or --weight-update (or a problem that asks for data
+    parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
+    """
     require_torch("run")
     from pipesched.api.loading import load_schedule
     from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
@@ -402,6 +443,40 @@ def run(
         schedule = load_schedule(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
+    training = None
+    problem = schedule.problem
+    given = {
+        "data_parallel": data_parallel,
+        "sharding": sharding,
+        "reshard_after_forward": reshard_after_forward,
+        "steps": steps,
+        "optimizer": optimizer,
+        "lr": lr,
+        "post_validation": post_validation,
+        "weight_update": weight_update,
+        "max_grad_norm": max_grad_norm,
+    }
+    wants_training = (
+        any(value is not None for value in given.values())
+        or inject_nan is not None
+        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
+        or problem.training.post_validation
+        or not problem.training.flush
+    )
+    if wants_training:
+        from pipesched.runtime.training import TrainingError, training_options
+
+        nan_at = None
+        if inject_nan is not None:
+            try:
+                step_text, _, microbatch_text = inject_nan.partition(":")
+                nan_at = (int(step_text), int(microbatch_text))
+            except ValueError:
+                raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
+        try:
+            training = training_options(problem, **given, inject_nan=nan_at)
+        except TrainingError as error:
+            raise fail(str(error)) from None
     try:
         report = run_schedule(
             schedule,
@@ -416,6 +491,7 @@ def run(
             node_rank=node_rank,
             master_addr=master_addr,
             master_port=master_port,
+            training=training,
         )
     except (ScheduleError, ValueError) as error:
         raise fail(str(error)) from None
@@ -425,6 +501,10 @@ def run(
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
     print_run_summary(report)
+    if training is not None:
+        from pipesched.runtime.training import print_training_summary
+
+        print_training_summary(report, console)
     if output is not None:
         console.print(f"wrote {output}", highlight=False)
     if trace is not None:
