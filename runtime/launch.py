@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipesched.optimizer.instance import compile_problem
-from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule, build_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
@@ -205,6 +205,24 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         raise
 
 
+def executable_step(schedule: Schedule) -> Schedule:
+    """The one step the ranks run for ``schedule``: itself, or, for a schedule without a flush (a repeating
+    pattern whose ids run to 2m − 1), the pattern's first step unrolled with its warm-up and drain
+    (:func:`pipesched.optimizer.steady_state.unroll`), re-timed as a flushed step. Steps then follow each
+    other with a barrier: the run checks PipeDream-2BW's update rule, not the overlap of steps.
+    """
+    if schedule.step_period is None or schedule.status == "infeasible":
+        return schedule
+    from pipesched.optimizer.steady_state import unroll
+
+    problem = schedule.problem
+    step = problem.with_changes(
+        **{"training.flush": True, "training.weight_versions": 1, "objective": "makespan", "solver.method": "auto"}
+    )
+    orders = unroll(schedule.orders(), problem.pipeline.num_microbatches, 1)
+    return build_schedule(step, orders, method=schedule.method, backend=schedule.backend, check_memory=False)
+
+
 def _validate(schedule: Schedule) -> None:
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ScheduleError("no_schedule", f"the schedule holds no ranks (status {schedule.status}: {schedule.reason})")
@@ -319,6 +337,7 @@ def run_schedules(
                     "2.13); run with --no-reshard-after-forward (torchtitan's choice under pipelining) or a "
                     "schedule with fused backward (split_backward false)",
                 )
+    schedules = [executable_step(schedule) for schedule in schedules]
     sizes = {options.data_parallel if options is not None else 1 for options in trainings}
     if len(sizes) > 1:
         raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")

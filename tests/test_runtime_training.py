@@ -26,6 +26,12 @@ ADAMW_MODEL = "tests.user_pipeline_model:tiny_stages"
 
 def family_schedule(name: str, **problem_options) -> Schedule:
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options)
+    if name == "pipedream-2bw":  # no flush: the family's repeating pattern, as `pipesched solve` answers it
+        from pipesched.optimizer.solve import solve
+
+        return solve(
+            problem.with_changes(**{"training.flush": False, "training.weight_versions": 2, "solver.method": name})
+        )
     return build_schedule(
         problem, get_family(name).generate(problem), method=name, backend="family", check_memory=False
     )
@@ -56,6 +62,7 @@ CASES = {
         {"steps": 3, "lr": 0.1, "post_validation": True, "inject_nan": (1, 2)},
     ),
     "2bw": ("1f1b", "pipesched", {}, "gpt-tiny", {"steps": 4, "lr": 0.5, "weight_update": "2bw"}),
+    "2bw-family": ("pipedream-2bw", "torch", {}, "gpt-tiny", {"steps": 4, "lr": 0.5, "weight_update": "2bw"}),
 }
 
 
@@ -77,6 +84,8 @@ def runs() -> dict[str, tuple[Schedule, dict]]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_k_steps_match_the_reference(runs, case):
+    from pipesched.runtime.launch import executable_step
+
     schedule, report = runs[case]
     training = CASES[case][4]
     assert report["steps"] == training["steps"]
@@ -88,7 +97,8 @@ def test_k_steps_match_the_reference(runs, case):
     assert report["loss"] == pytest.approx(report["reference_loss"], rel=1e-5)
     # Training moved the loss: each step's loss is that of new parameters.
     assert len(set(report["losses"])) == training["steps"]
-    assert report["predicted_step_time_ms"] == schedule.makespan  # no step_time on these schedules: the makespan
+    # one step as run (a no-flush pattern runs its first step unrolled): its step time, the makespan here
+    assert report["predicted_step_time_ms"] == executable_step(schedule).step_time
     assert report["measured_step_time_ms"] > 0
     assert len(report["measured_step_times_ms"]) == training["steps"]
     for rank in report["ranks"]:
@@ -164,6 +174,17 @@ def test_a_nan_in_one_microbatch_rolls_the_step_back_on_every_rank(runs):
     assert all(loss is not None for loss in report["losses"])  # the NaN is in the gradient, not the loss
 
 
+def test_the_pipedream_2bw_family_runs_its_pattern_with_the_delayed_update(runs):
+    """The family's answer is a repeating pattern (ids up to 2m − 1); the runtime runs its first step unrolled,
+    K times, with PipeDream-2BW's update, and matches the delayed reference."""
+    schedule, report = runs["2bw-family"]
+    assert schedule.step_period is not None
+    assert max(a.microbatch for r in schedule.ranks for a in r.actions if a.microbatch is not None) >= NUM_MICROBATCHES
+    assert report["weight_versions"] == 2
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+
+
 def test_2bw_matches_the_delayed_update_and_differs_from_synchronous(runs):
     """PipeDream-2BW after K = 4 SGD steps: W(t+1) = W(t) − ν·∇f(W(t−1)) within 1e-5, and visibly away from
     the synchronous W(t+1) = W(t) − ν·∇f(W(t))."""
@@ -204,15 +225,16 @@ def test_training_options_follow_the_problem():
     from pipesched.runtime.training import training_options
 
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
-        **{
-            "data_parallel": {"size": 2, "sharding": "none"},
-            "costs.reduce_grad": 0.5,
-            "training": {"flush": False, "weight_versions": 2},
-        }
+        **{"data_parallel": {"size": 2, "sharding": "none"}, "costs.reduce_grad": 0.5}
     )
     options = training_options(problem)
-    assert (options.data_parallel, options.sharding, options.weight_update) == (2, "none", "2bw")
-    assert training_options(problem, sharding="full", weight_update="sync").sharding == "full"
+    assert (options.data_parallel, options.sharding, options.weight_update) == (2, "none", "sync")
+    assert training_options(problem, sharding="full", weight_update="2bw").sharding == "full"
+    # a problem without flush (its data parallelism is not modelled by the optimizer yet) runs PipeDream-2BW
+    no_flush = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
+        **{"training": {"flush": False, "weight_versions": 2}, "objective": "step_period"}
+    )
+    assert training_options(no_flush).weight_update == "2bw"
     plain = training_options(uniform_problem(NUM_RANKS, NUM_MICROBATCHES))
     assert (plain.data_parallel, plain.sharding, plain.weight_update, plain.steps) == (1, "full", "sync", 1)
     validated = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(**{"training": {"post_validation": True}})
