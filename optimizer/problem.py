@@ -53,6 +53,11 @@ FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
 
+#: Forward passes (num_stages × num_microbatches) pipesched compiles, searches minimally and answers per second
+#: of ``solver.time_limit_s + 2`` on a busy 2-core machine (about 240 µs a pass measured for compile,
+#: sequential schedule and answer): a larger problem is refused, naming the time limit it needs.
+PASSES_PER_SECOND = 3_000
+
 NonNegative = Annotated[float, Field(ge=0)]
 
 
@@ -282,7 +287,30 @@ class Problem(_Strict):
                 )
             raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
         self._check_lengths()
+        self._check_size_for_time()
         return self
+
+    def _check_size_for_time(self) -> None:
+        """Refuse a problem too large to compile and answer within ``solver.time_limit_s`` + 2 s."""
+        passes = self.pipeline.num_stages * self.pipeline.num_microbatches
+        time_limit = self.solver.time_limit_s
+        most = int(PASSES_PER_SECOND * (time_limit + 2.0))
+        if passes <= most:
+            return
+        needed = math.ceil(passes / PASSES_PER_SECOND - 2.0)
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("pipeline", "num_microbatches"),
+                    f"{self.pipeline.num_stages} stages × {self.pipeline.num_microbatches} microbatches = "
+                    f"{passes:,} forward passes, more than the {most:,} pipesched can schedule and answer within "
+                    f"solver.time_limit_s {time_limit:g} s ({PASSES_PER_SECOND:,} per second of the limit + 2 s): "
+                    f"raise solver.time_limit_s to at least {needed} s, or use fewer microbatches or stages",
+                    self.pipeline.num_microbatches,
+                )
+            ],
+        )
 
     def _check_lengths(self) -> None:
         assert self.costs is not None and self.memory is not None

@@ -22,12 +22,9 @@ from collections.abc import Callable
 
 from pipesched.optimizer.instance import Instance
 from pipesched.optimizer.ir import ActionKind, Orders
+from pipesched.optimizer.progress import SearchStopped
 
 __all__ = ["SearchStopped", "capped_greedy_orders", "microbatch_reservation"]
-
-
-class SearchStopped(Exception):
-    """A construction was abandoned because its ``should_stop`` said so."""
 
 
 def microbatch_reservation(inst: Instance, rank: int, microbatch: int) -> float:

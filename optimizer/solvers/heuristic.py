@@ -383,12 +383,16 @@ class HeuristicBackend:
         if hint is not None:
             candidates.append(hint)
         if all(c == inst.chains[0] for c in inst.chains):
+            slowest = 0.0  # the longest variant so far: none starts that could not finish in half the budget
             for variant in greedy_variants(inst):
                 if candidates and (
-                    time.perf_counter() > started + 0.5 * time_limit_s or (should_stop is not None and should_stop())
+                    time.perf_counter() + slowest > started + 0.5 * time_limit_s
+                    or (should_stop is not None and should_stop())
                 ):
                     break
+                variant_started = time.perf_counter()
                 orders = greedy(inst, variant)
+                slowest = max(slowest, time.perf_counter() - variant_started)
                 if orders is not None:
                     candidates.append(orders)
         candidates.append(sequential_orders(inst))
