@@ -39,6 +39,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+def check_method(method: str) -> None:
+    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names (difflib)."""
+    import difflib
+
+    from pipesched.optimizer.problem import METHOD_NAMES
+
+    if method in METHOD_NAMES:
+        return
+    close = difflib.get_close_matches(method, METHOD_NAMES, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise fail(f"--method {method!r} is not a method: {hint}choose one of {', '.join(METHOD_NAMES)}")
+
+
 def require_torch(command: str) -> None:
     """Exit 2 with the install step when torch (the ``runtime`` extra) is missing."""
     import importlib.util
@@ -213,6 +226,8 @@ def solve(
 
     if output_format not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
+    if method is not None:
+        check_method(method)
     try:
         problem = load_problem(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
     except InputError as error:
@@ -464,7 +479,32 @@ def profile(
     console.print(f"wrote {output}", highlight=False)
 
 
-@app.command()
+def settings_epilog() -> str:
+    """The ``PIPESCHED_*`` environment variables ``pipesched serve`` reads, from the service's settings."""
+    from pipesched.api.settings import Settings
+
+    lines = ["Environment variables (each overrides its default; --host/--port override those two):", ""]
+    for name, field in Settings.model_fields.items():
+        default = "a SQLite file in ~/.local/share/pipesched" if name == "database_url" else repr(field.default)
+        lines.append(f"PIPESCHED_{name.upper()}: {field.description} Default: {default}.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def database_description(url: str) -> str:
+    """What ``pipesched serve`` says it stores into: the SQLite file's absolute path, or the URL without password."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:"):
+            return "SQLite in memory (nothing kept after exit)"
+        return f"SQLite file {Path(database).expanduser().resolve()}"
+    return parsed.render_as_string(hide_password=True)
+
+
+@app.command(epilog=settings_epilog())
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
@@ -505,6 +545,12 @@ def serve(
             f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
             f"reachable, or {database_fix}"
         ) from None
+    err_console.print(
+        f"pipesched serve: database {database_description(settings.database_url)} (set PIPESCHED_DATABASE_URL to "
+        "change it)",
+        highlight=False,
+        soft_wrap=True,
+    )
     uvicorn.run(service, host=settings.host, port=settings.port, log_level="info")
 
 

@@ -1,0 +1,126 @@
+"""A newcomer's first hour: every mistake answers with what to do, exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipesched.api.settings import Settings
+from tests.conftest import REPO
+
+PROBLEM = {
+    "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+    "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.1},
+    "memory": {"activation": 100, "retained_for_weight": 40, "limit": 400},
+}
+CONSOLE_SCRIPT = Path(sys.executable).with_name("pipesched")
+
+
+def pipesched(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed console script as a user types it (no PYTHONPATH, so the cwd is not on sys.path)."""
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}: install with pip install -e .")
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "120", "HOME": str(cwd), **(env or {})},
+    )
+
+
+@pytest.fixture()
+def problem_file(tmp_path: Path) -> Path:
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(PROBLEM))
+    return path
+
+
+def test_a_misspelt_method_blames_the_option_and_suggests_names(problem_file: Path) -> None:
+    result = pipesched("solve", str(problem_file), "--method", "zb-h3", cwd=problem_file.parent)
+    assert result.returncode == 2
+    assert "--method 'zb-h3'" in result.stderr and "did you mean zb-h2" in result.stderr
+    assert "not a valid problem" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_profile_with_a_function_of_the_wrong_signature_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    result = pipesched("profile", "--model", "json:loads", "--num-ranks", "2", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "json.loads" in result.stderr and "build(num_stages" in result.stderr
+
+
+def test_module_function_models_import_from_the_current_directory(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "mystages.py")
+    result = pipesched(
+        "profile", "--model", "mystages:tiny_stages", "--num-ranks", "2", "--repeats", "1", "-o", "p.json", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["pipeline"]["num_ranks"] == 2
+
+
+def test_serve_help_lists_every_environment_variable(tmp_path: Path) -> None:
+    result = pipesched("serve", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for name in Settings.model_fields:
+        assert f"PIPESCHED_{name.upper()}" in text
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_says_which_database_it_uses(tmp_path: Path) -> None:
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}")
+    database = tmp_path / "here.sqlite3"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PIPESCHED_DATABASE_URL": f"sqlite:///{database}",
+        "PIPESCHED_PORT": str(_free_port()),
+        "PIPESCHED_SOLVER_WORKERS": "1",
+    }
+    process = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "serve"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            lines.append(line)
+            if "database" in line or not line:
+                break
+        assert any(f"SQLite file {database}" in line for line in lines), lines
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_database_description_resolves_relative_sqlite_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipesched.api.cli import database_description
+
+    monkeypatch.chdir(tmp_path)
+    assert database_description("sqlite:///rel.sqlite3") == f"SQLite file {tmp_path / 'rel.sqlite3'}"
+    assert "secret" not in database_description("postgresql+psycopg://user:secret@db/pipesched")
+    assert os.getcwd() == str(tmp_path)
