@@ -406,7 +406,7 @@ def run(
     except (ScheduleError, ValueError) as error:
         raise fail(str(error)) from None
     except RunFailed as error:
-        raise fail(f"the run failed ({error.reason}): {error}", code=1) from None
+        raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
     if "verified" not in report:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return

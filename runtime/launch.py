@@ -68,11 +68,13 @@ class ScheduleError(ValueError):
 class RunFailed(RuntimeError):
     """A rank failed or a wait timed out; ``reason`` says why: ``rank_died`` (a process ended without a Python
     error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``peer_lost`` (a peer's process went
-    away), ``schedule``, …; the message names the rank (``"rank2: …"``)."""
+    away), ``interrupted`` (the launcher got SIGTERM/SIGINT from outside), ``schedule``, …; the message names the
+    rank (``"rank2: …"``). ``exit_code``: what the CLI exits with (1, or 128 + signal when interrupted)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+        self.exit_code = 1
 
 
 def _free_port() -> int:
@@ -178,7 +180,7 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
 
         # A rank the agent stops (SIGTERM) after another rank failed, or whose peer went away under it, is
         # collateral, not a cause.
-        if isinstance(error, SignalException):
+        if isinstance(error, SignalException | KeyboardInterrupt):
             reason = "stopped"
         elif any(sign in str(error).lower() for sign in _PEER_LOST):
             reason = "peer_lost"
@@ -238,6 +240,22 @@ def _failure(error_dir: Path, error: BaseException) -> RunFailed:
     reason, who, message = messages[0]
     others = "" if len(messages) == 1 else f" ({len(messages) - 1} other rank(s) failed too)"
     return RunFailed(reason, f"{who}: {message}{others}")
+
+
+def _interrupted(signum: int) -> RunFailed:
+    """The launcher itself got ``signum`` (SIGTERM, SIGINT: Ctrl-C, a job scheduler's stop): every rank was
+    stopped with it, none failed. ``RunFailed.exit_code`` is the shell's 128 + signal number."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    failure = RunFailed(
+        "interrupted",
+        f"the run was stopped from outside ({name} to the launcher); every rank was stopped with it and none failed: "
+        "run it again to completion",
+    )
+    failure.exit_code = 128 + int(signum)
+    return failure
 
 
 def run_schedules(
@@ -330,8 +348,14 @@ def run_schedules(
             monitor_interval=0.1,
             start_method="spawn",
         )
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         try:
             returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+        except SignalException as error:
+            raise _interrupted(error.sigval) from None
+        except KeyboardInterrupt:
+            raise _interrupted(signal.SIGINT) from None
         except ChildFailedError as error:
             raise _failure(error_dir, error) from None
         except Exception as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -124,3 +125,35 @@ def test_database_description_resolves_relative_sqlite_paths(tmp_path: Path, mon
     assert database_description("sqlite:///rel.sqlite3") == f"SQLite file {tmp_path / 'rel.sqlite3'}"
     assert "secret" not in database_description("postgresql+psycopg://user:secret@db/pipesched")
     assert os.getcwd() == str(tmp_path)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_from_outside_says_so(tmp_path: Path, signum: signal.Signals) -> None:
+    pytest.importorskip("torch")
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}")
+    from tests.user_pipeline_model import SLOW_MARKER
+
+    problem = tmp_path / "problem.json"
+    problem.write_text(json.dumps({**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 8}}))
+    schedule = tmp_path / "schedule.json"
+    solved = pipesched("solve", str(problem), "--method", "1f1b", "-o", str(schedule), cwd=tmp_path)
+    assert solved.returncode == 0, solved.stderr
+    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "slowmodel.py")
+    process = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "run", str(schedule), "--model", "slowmodel:slow_stages", "--timeout", "120"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (tmp_path / SLOW_MARKER).exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (tmp_path / SLOW_MARKER).exists(), "the ranks never started"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr
+    assert "interrupted" in stderr and signum.name in stderr, stderr
+    assert "rank_failed" not in stderr and "Traceback" not in stderr, stderr
