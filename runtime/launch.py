@@ -288,6 +288,7 @@ def run_schedules(
     """
     import torch
 
+    from pipesched.runtime.memory_check import check_run_memory
     from pipesched.runtime.models import load_model
     from pipesched.runtime.verify import build_report, reference_run
 
@@ -307,7 +308,9 @@ def run_schedules(
             raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
         if validate:
             _validate(schedule)
-        load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        pipeline_model = load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
+            check_run_memory(schedule, pipeline_model.config, models[index])
     if backend == "nccl" and not torch.cuda.is_available():
         raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     nproc = nproc_per_node or max(1, num_ranks // nnodes)

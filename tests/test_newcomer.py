@@ -157,3 +157,61 @@ def test_a_run_stopped_from_outside_says_so(tmp_path: Path, signum: signal.Signa
     assert process.returncode == 128 + signum, stderr
     assert "interrupted" in stderr and signum.name in stderr, stderr
     assert "rank_failed" not in stderr and "Traceback" not in stderr, stderr
+
+
+README_62B = {
+    "pipeline": {"num_ranks": 8, "num_microbatches": 24},
+    "model": {
+        "num_layers": 30,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "seq_length": 1024,
+        "vocab_size": 50304,
+        "micro_batch_size": 3,
+        "dtype": "bf16",
+    },
+    "cluster": {"accelerator": "H100-SXM", "p2p_bandwidth_bytes_per_s": 50e9, "p2p_latency_ms": 0.01},
+    "solver": {"method": "1f1b"},
+}
+
+
+def test_the_run_memory_estimate_counts_parameters_and_refuses_what_does_not_fit() -> None:
+    from pipesched.optimizer.derive import load_problem
+    from pipesched.optimizer.solve import solve
+    from pipesched.runtime.memory_check import check_run_memory, gpt_parameters, run_memory_bytes
+
+    pytest.importorskip("torch")
+    from pipesched.runtime.models import PRESETS, GPTStage
+
+    # The parameter count matches the modules the runtime builds.
+    tiny = PRESETS["gpt-tiny"]
+    built = sum(p.numel() for p in GPTStage(tiny, tiny.num_layers, first=True, last=True).parameters())
+    assert gpt_parameters(tiny) == built
+
+    schedule = solve(load_problem(README_62B))
+    from pipesched.runtime.models import load_model
+
+    config = load_model("problem", schedule.problem).config
+    total, parameters, _ = run_memory_bytes(schedule, config)
+    assert 6.0e9 < parameters < 7.0e9 and total > 6 * 4 * parameters
+    with pytest.raises(ValueError, match=r"only 16 GiB is available: run a smaller model"):
+        check_run_memory(schedule, config, "problem", available=16 * 1024**3)
+    check_run_memory(schedule, config, "problem", available=2 * total)  # fits: no error
+
+
+def test_run_refuses_the_readme_62b_model_on_this_machine(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pipesched.runtime.memory_check import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is None or available > 400 * 1024**3:
+        pytest.skip("this machine could hold the 6.2B model")
+    problem = tmp_path / "big.json"
+    problem.write_text(json.dumps(README_62B))
+    solved = pipesched("solve", str(problem), "-o", "schedule.json", cwd=tmp_path)
+    assert solved.returncode == 0, solved.stderr
+    started = time.monotonic()
+    result = pipesched("run", "schedule.json", "--model", "problem", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "is available" in result.stderr and "parameters" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 120  # refused before anything was built
