@@ -18,7 +18,7 @@ from rich.table import Table
 from pipesched.api.loading import InputError, load_problem
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
-from pipesched.optimizer.units import common_unit, format_bytes
+from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
 
 app = typer.Typer(
     name="pipesched",
@@ -160,15 +160,22 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
     )
     out.print(table)
     limits = problem.memory_limits
+    finite_limits = [limit for limit in limits if limit != float("inf")]
+    # One unit and enough decimals that a peak reads over its limit exactly when it is over it.
+    unit_name, unit = common_unit(list(schedule.peak_memory) + finite_limits)
+    decimals = max(
+        [decimals_against_limit([peak], limit, unit) for peak, limit in zip(schedule.peak_memory, limits, strict=True)],
+        default=2,
+    )
     memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
     memory.add_column("rank", justify="right")
-    memory.add_column("peak", justify="right")
-    memory.add_column("limit", justify="right")
+    memory.add_column(f"peak {unit_name}", justify="right")
+    memory.add_column(f"limit {unit_name}", justify="right")
     for rank, peak in enumerate(schedule.peak_memory):
         memory.add_row(
             str(rank),
-            format_bytes(peak),
-            "none" if limits[rank] == float("inf") else format_bytes(limits[rank]),
+            f"{peak / unit:.{decimals}f}",
+            "none" if limits[rank] == float("inf") else f"{limits[rank] / unit:.{decimals}f}",
         )
     if len(schedule.peak_memory) <= 16:
         out.print(memory)
@@ -285,7 +292,11 @@ def compare(
     limits = problem.memory_limits
     table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
     per_rank = problem.pipeline.num_ranks <= 16
-    unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
+    finite_limits = [limit for limit in limits if limit != float("inf")]
+    unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory] + finite_limits)
+    decimals = decimals_against_limit(
+        [peak for x in rows for peak in x.peak_memory], min(finite_limits, default=float("inf")), unit
+    )
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
     for column in ("method", "makespan ms", "stage_span ms", "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
@@ -303,7 +314,7 @@ def compare(
             f"{schedule.stage_span:.3f}",
             f"{schedule.bubble_rate:.4f}",
             (
-                " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)
+                " ".join(f"{x / unit:.{decimals}f}" for x in schedule.peak_memory)
                 if per_rank
                 else format_bytes(max(schedule.peak_memory))
             ),
@@ -322,8 +333,8 @@ def compare(
             }
         )
     console.print(table)
-    if any(limit != float("inf") for limit in limits):
-        console.print(f"memory limit per rank: {format_bytes(min(limits))}", highlight=False)
+    if finite_limits:
+        console.print(f"memory limit per rank: {min(finite_limits) / unit:.{decimals}f} {unit_name}", highlight=False)
     if output is not None:
         write_output(output, json.dumps(records, indent=1))
 

@@ -215,3 +215,34 @@ def test_run_refuses_the_readme_62b_model_on_this_machine(tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert "is available" in result.stderr and "parameters" in result.stderr and "Traceback" not in result.stderr
     assert time.monotonic() - started < 120  # refused before anything was built
+
+
+def test_a_fitting_peak_never_reads_over_its_limit() -> None:
+    from pipesched.optimizer.units import decimals_against_limit
+
+    mib = 2**20
+    # The demo's case: 5.9549 MiB under 5.9551 MiB; two decimals of one unit keep the order.
+    assert decimals_against_limit([5.9549 * mib], 5.9551 * mib, mib) == 2
+    # Over the limit by less than the last decimal: more decimals until it reads over.
+    assert decimals_against_limit([5.9553 * mib], 5.9551 * mib, mib) == 4
+    assert decimals_against_limit([1.0], float("inf"), mib) == 2
+
+
+def test_the_demo_table_prints_peak_and_limit_alike() -> None:
+    from rich.console import Console
+
+    from pipesched.api.demo import _comparison_table
+    from pipesched.optimizer.solve import solve_family
+    from tests.conftest import uniform_problem
+
+    # 1F1B on 4 ranks holds 4 activations on rank 0: a peak of 5.95521 MiB under a limit of 5.95540 MiB
+    # (printed "5.96" against "5.955 MiB" before).
+    activation = 1_561_119.0
+    schedule = solve_family(uniform_problem(4, 8, activation=activation, limit=4 * activation + 200), "1f1b")
+    assert schedule.fits_memory
+    console = Console(record=True, width=200)
+    _comparison_table([schedule], console)
+    text = console.export_text()
+    limit_shown = float(text.split("limit ")[1].split()[0])
+    peaks_shown = [float(x) for x in text.split("yes")[0].split("│")[-2].split()]
+    assert max(peaks_shown) <= limit_shown, text
