@@ -451,10 +451,10 @@ def profile(
     from pydantic import ValidationError
 
     from pipesched.api.loading import format_validation_error
-    from pipesched.runtime.profile import profile_model
+    from pipesched.runtime.profile import SPREAD_WARNING, measure_model
 
     try:
-        problem = profile_model(
+        measured = measure_model(
             num_ranks=num_ranks,
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
@@ -469,11 +469,20 @@ def profile(
         raise fail(format_validation_error(error)) from None
     except ValueError as error:
         raise fail(str(error)) from None
+    problem = measured.problem
     write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
     assert problem.costs is not None and problem.memory is not None
-    table = Table(title=f"{model}: measured per stage", header_style="bold")
+    table = Table(
+        title=f"{model}: measured per stage (median ms, and min–max over {repeats} runs)", header_style="bold"
+    )
     for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=column.endswith("ms"))
+    spread = {(x.kind, x.stage): x for x in measured.spreads}
+
+    def timed(kind: str, stage: int, median: float) -> str:
+        x = spread[(kind, stage)]
+        return f"{median:.3f} ({x.low:.3g}–{x.high:.3g})"
+
     values = [
         problem.stage_values(v)
         for v in (
@@ -485,8 +494,28 @@ def profile(
         )
     ]
     for stage, (f, i, w, act, ret) in enumerate(zip(*values, strict=True)):
-        table.add_row(str(stage), f"{f:.3f}", f"{i:.3f}", f"{w:.3f}", format_bytes(act), format_bytes(ret))
+        table.add_row(
+            str(stage),
+            timed("F", stage, f),
+            timed("I", stage, i),
+            timed("W", stage, w),
+            format_bytes(act),
+            format_bytes(ret),
+        )
     console.print(table)
+    unsteady = measured.unsteady()
+    if unsteady:
+        worst = ", ".join(
+            f"{x.kind} of stage {x.stage} (interquartile range {100 * x.relative_iqr:.0f}% of its median)"
+            for x in unsteady[:3]
+        )
+        err_console.print(
+            f"[bold yellow]warning:[/bold yellow] {len(unsteady)} pass(es) spread by more than "
+            f"{100 * SPREAD_WARNING:.0f}% between runs: {worst}. The machine is busy or the passes are too short: "
+            "profile on an idle machine, or raise --repeats",
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"wrote {output}", highlight=False)
 
 

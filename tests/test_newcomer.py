@@ -246,3 +246,22 @@ def test_the_demo_table_prints_peak_and_limit_alike() -> None:
     limit_shown = float(text.split("limit ")[1].split()[0])
     peaks_shown = [float(x) for x in text.split("yes")[0].split("│")[-2].split()]
     assert max(peaks_shown) <= limit_shown, text
+
+
+def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pipesched.runtime.profile import PassSpread, measure_model
+
+    measured = measure_model(num_ranks=2, num_microbatches=4, repeats=4, warmup=1)
+    assert {(x.kind, x.stage) for x in measured.spreads} == {(k, s) for k in "FIW" for s in range(2)}
+    assert all(len(x.samples) == 4 and x.low <= x.median <= x.high for x in measured.spreads)
+    forward = measured.problem.stage_values(measured.problem.costs.forward)  # type: ignore[union-attr]
+    assert [round(x.median, 6) for x in measured.spreads if x.kind == "F"] == forward
+    # A pass whose samples moved 10× is reported as unsteady, worst first.
+    steady = PassSpread("F", 0, (1.0, 1.01, 0.99, 1.0))
+    moving = PassSpread("W", 1, (1.0, 10.0, 1.2, 9.0))
+    assert steady.relative_iqr < 0.05 and moving.relative_iqr > 1
+    assert type(measured)(measured.problem, [steady, moving]).unsteady() == [moving]
+    result = pipesched("profile", "--num-ranks", "2", "--repeats", "3", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "min–max over 3 runs" in " ".join(result.stdout.split())
