@@ -7,10 +7,21 @@ so neither imports the other for these types.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
-__all__ = ["NO_DEADLINE", "Deadline", "Progress", "ProgressCallback", "SearchStopped", "StopCheck"]
+__all__ = [
+    "NO_DEADLINE",
+    "Deadline",
+    "Progress",
+    "ProgressCallback",
+    "SearchStopped",
+    "StopCheck",
+    "active_deadline",
+    "check_deadline",
+]
 
 
 @dataclass(frozen=True)
@@ -70,3 +81,25 @@ class Deadline:
 
 #: A deadline that never expires.
 NO_DEADLINE = Deadline()
+
+
+_ACTIVE: ContextVar[Deadline | None] = ContextVar("pipesched_active_deadline", default=None)
+
+
+@contextmanager
+def active_deadline(deadline: Deadline) -> Iterator[Deadline]:
+    """Make ``deadline`` the one :func:`check_deadline` polls inside the block (for steps whose signature
+    carries no stop flag, such as a family's ``generate``)."""
+    token = _ACTIVE.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _ACTIVE.reset(token)
+
+
+def check_deadline() -> None:
+    """Raise :class:`SearchStopped` when the active deadline (see :func:`active_deadline`) expired; no-op
+    without one. Cheap enough for a step of an inner loop (a context lookup and a clock read)."""
+    deadline = _ACTIVE.get()
+    if deadline is not None:
+        deadline.check()

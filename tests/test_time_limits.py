@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pipesched.optimizer.bounds import lower_bounds
+from pipesched.optimizer.families import FamilyDomainError
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import PASSES_PER_SECOND
 from pipesched.optimizer.progress import Deadline
@@ -90,3 +91,33 @@ def test_a_problem_too_large_for_its_limit_is_refused_naming_the_limit_it_needs(
     assert "solver.time_limit_s" in error["msg"] and f"at least {needed} s" in error["msg"]
     # With that time limit the same problem is accepted.
     assert uniform_problem(8, 100_000, time_limit_s=needed, method="1f1b").pipeline.num_microbatches == 100_000
+
+
+FAMILY_SHAPES = [
+    (64, 1, 64, "loop", "interleaved-1f1b"),
+    (64, 1, 64, "loop", "looped-bfs"),
+    (512, 7, 2, "v", "v-half"),
+    (512, 7, 2, "v", "zb-v"),
+    (512, 7, 2, "v", "dualpipe-v"),
+    (512, 7, 2, "bidirectional", "bitpipe"),
+    (8, 460, 2, "v", "v-min"),
+]
+
+
+@pytest.mark.parametrize(("num_ranks", "num_microbatches", "stages_per_rank", "placement", "method"), FAMILY_SHAPES)
+def test_a_named_family_answers_or_says_it_ran_out_of_time_within_the_limit(
+    num_ranks: int, num_microbatches: int, stages_per_rank: int, placement: str, method: str
+) -> None:
+    # v-half on 512 ranks took 150 s at a 0.5 s limit before the families polled the deadline.
+    problem = _problem(num_ranks, num_microbatches, stages_per_rank, placement, 30.0, tl=0.5).with_changes(
+        **{"solver.method": method}
+    )
+    started = time.perf_counter()
+    try:
+        schedule = solve(problem)
+        assert schedule.status in ("feasible", "optimal", "infeasible")
+    except FamilyDomainError as error:
+        assert "did not finish within solver.time_limit_s 0.5 s" in str(error) and "raise solver.time_limit_s" in str(
+            error
+        )
+    assert time.perf_counter() - started <= 0.5 + 2.0

@@ -37,11 +37,18 @@ from dataclasses import dataclass
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.families._greedy import capped_greedy_orders
+from pipesched.optimizer.families._greedy import capped_greedy_orders, max_reservations
 from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import ActionKind
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck
+from pipesched.optimizer.progress import (
+    Deadline,
+    Progress,
+    ProgressCallback,
+    SearchStopped,
+    StopCheck,
+    active_deadline,
+)
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
 from pipesched.optimizer.solvers.base import Backend, BackendStatus
@@ -188,7 +195,11 @@ def _families(search: _Search) -> None:
             search.report("family", "families skipped: not enough time left for one more")
             return
         try:
-            orders = indexed_orders(search.inst, family.generate(search.problem))
+            with active_deadline(Deadline(search.deadline, search.user_stop)):
+                orders = indexed_orders(search.inst, family.generate(search.problem))
+        except SearchStopped:
+            search.report("family", f"family {family.name} stopped at the deadline")
+            return
         except (InvalidSchedule, ValueError):
             continue
         search.offer(orders, f"family:{family.name}", f"family {family.name}")
@@ -219,15 +230,11 @@ def _capped_greedy(search: _Search) -> None:
     BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
     inst = search.inst
     p = inst.num_ranks
-    # Per rank, the largest reservation of one microbatch (one pass over each microbatch's chain).
-    reservation = [0.0] * p
-    for j, chain in enumerate(inst.chains):
-        if search.should_stop():
-            return
-        total = [0.0] * p
-        for stage in chain:
-            total[inst.stage_ranks[stage]] += inst.mem_delta[inst.action_id(stage, ActionKind.FORWARD, j)]
-        reservation = [max(a, b) for a, b in zip(reservation, total, strict=True)]
+    try:
+        with active_deadline(Deadline(search.deadline, search.user_stop)):
+            reservation = max_reservations(inst)
+    except SearchStopped:
+        return
     free = [limit - static for limit, static in zip(inst.limit, inst.static, strict=True)]
     tried: set[tuple[float, ...]] = set()
     for k in CAPPED_IN_FLIGHT:
@@ -249,7 +256,11 @@ def _zero_bubble_auto(search: _Search) -> None:
     for rung in _ladder(search.inst):
         if not search.can_afford(ZB_AUTO_COMPILES):
             return
-        orders = zb_auto_orders(rung, search.objective)
+        try:
+            with active_deadline(Deadline(search.deadline, search.user_stop)):
+                orders = zb_auto_orders(rung, search.objective)
+        except SearchStopped:
+            return
         if orders is not None:
             search.offer(orders, "heuristic", "Zero Bubble automatic scheduler")
 
@@ -331,16 +342,17 @@ def solve_auto(
         def heuristic_progress(update: Progress) -> None:
             search.report("heuristic", update.message)
 
-        result = HeuristicBackend().solve(
-            inst,
-            objective=problem.objective,
-            time_limit_s=budget,
-            hint=search.best.orders,
-            upper_bound=search.best.value,
-            progress=None if progress is None else heuristic_progress,
-            should_stop=search.should_stop,
-            seed=problem.solver.seed,
-        )
+        with active_deadline(Deadline(search.deadline, search.user_stop)):
+            result = HeuristicBackend().solve(
+                inst,
+                objective=problem.objective,
+                time_limit_s=budget,
+                hint=search.best.orders,
+                upper_bound=search.best.value,
+                progress=None if progress is None else heuristic_progress,
+                should_stop=search.should_stop,
+                seed=problem.solver.seed,
+            )
         if result.orders is not None:
             search.offer(result.orders, "heuristic", result.message)
 
