@@ -84,6 +84,10 @@ ZB_AUTO_COMPILES = 15.0
 GREEDY_COMPILES = 10.0
 """The same for one greedy variant of the heuristic backend, which cannot stop midway."""
 
+OVERRUN_S = 0.5
+"""How far past the search deadline a step that cannot stop may be expected to run (out of the 2 s grace the
+time limit allows): on small instances the compile's time, the price's unit, is mostly noise."""
+
 ANSWER_COMPILES = 3.0
 """What re-simulating the best orders and building the answer costs, in compiles (measured 2.5)."""
 
@@ -91,8 +95,9 @@ EXACT_COMPILES = 6.0
 """The same for what an exact backend does before it can stop (normalise and simulate the hint, build the
 first model)."""
 
-IMPORT_S = 1.5
-"""Seconds the first import of an exact backend's library takes (OR-Tools measured 1.2 s on a busy machine)."""
+IMPORT_S = 1.0
+"""Seconds the first import of an exact backend's library takes (OR-Tools measured 0.5–1.2 s, the latter on a
+busy machine)."""
 
 MILP_MAX_ACTIONS = 60
 """The MILP runs by default only on instances with at most this many actions."""
@@ -154,7 +159,7 @@ class _Search:
     def can_afford(self, compiles: float) -> bool:
         """Whether a step that cannot stop midway, costing about ``compiles`` × the compile's time, fits in
         the time left (and no stop was asked)."""
-        return not self.should_stop() and self.remaining() > compiles * self.compile_s
+        return not self.should_stop() and self.remaining() + OVERRUN_S > compiles * self.compile_s
 
     def should_stop(self) -> bool:
         if time.perf_counter() >= self.deadline:
@@ -321,7 +326,7 @@ def solve_auto(
             _capped_greedy(search)
         cpsat = len(inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else "cpsat" in allowed
         import_s = 0.0 if _EXACT_BACKENDS["cpsat"][0] in sys.modules else IMPORT_S
-        if cpsat and search.can_afford(EXACT_COMPILES) and search.remaining() > import_s + 0.1:
+        if cpsat and search.can_afford(EXACT_COMPILES) and search.remaining() + OVERRUN_S > import_s + 0.1:
             _exact(search, "cpsat", search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
         if heuristics:
             _local_search(search)
@@ -359,7 +364,7 @@ def solve_auto(
     for k, name in enumerate(available):
         module_name = _EXACT_BACKENDS[name][0]
         import_s = 0.0 if module_name in sys.modules else IMPORT_S
-        if not search.can_afford(EXACT_COMPILES) or search.remaining() < import_s + 0.1:
+        if not search.can_afford(EXACT_COMPILES) or search.remaining() + OVERRUN_S < import_s + 0.1:
             search.report(name, f"{name} skipped: not enough time left to start it")
             break
         budget = search.remaining() / (len(available) - k)
