@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -121,3 +122,19 @@ def test_a_named_family_answers_or_says_it_ran_out_of_time_within_the_limit(
             error
         )
     assert time.perf_counter() - started <= 0.5 + 2.0
+
+
+def test_the_issue_request_answers_over_http_within_the_limit(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
+
+    body = _problem(64, 1, 64, "loop", None, tl=1.0).model_dump(mode="json")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'limits.sqlite3'}", solver_workers=1)
+    with TestClient(create_app(settings)) as client:
+        started = time.perf_counter()
+        response = client.post("/v1/schedules", json=body)
+        wall = time.perf_counter() - started
+    assert response.status_code == 200, response.text[:300]
+    assert wall <= 1.0 + 2.0, f"answered after {wall:.2f} s"
