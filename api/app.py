@@ -7,19 +7,24 @@ event loop; schedules and jobs are stored by :mod:`pipesched.api.storage`.
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pipesched.api.jobs import JobOutcome, SolverPool
-from pipesched.api.metrics import Metrics
-from pipesched.api.routes import health, jobs, methods, schedules
+from pipesched.api.jobs import JobOutcome
+from pipesched.api.lanes import Lane
+from pipesched.api.metrics import Metrics, method_label, status_label
+from pipesched.api.queue import make_runner
+from pipesched.api.routes import health, jobs, methods, plans, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
@@ -27,6 +32,9 @@ from pipesched.api.storage import Store
 __all__ = ["create_app"]
 
 log = logging.getLogger("pipesched.api")
+
+#: (path regex, HTTP methods) of each route: the ``Allow`` of a 405.
+RouteMethods = Sequence[tuple[re.Pattern[str], frozenset[str]]]
 
 
 def _too_large_message(limit: int) -> str:
@@ -40,10 +48,11 @@ class GuardAndMeasure:
     up to the limit (the server enforces a declared length).
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, metrics: Metrics, routes: RouteMethods = ()) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,6 +64,8 @@ class GuardAndMeasure:
         async def send_measured(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if message["status"] == 405:
+                    message = _with_full_allow(scope, message, self.routes)
             await send(message)
 
         try:
@@ -92,8 +103,42 @@ class GuardAndMeasure:
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
-            self.metrics.requests.labels(method=scope["method"], route=template, status=str(status["code"])).inc()
+            self.metrics.requests.labels(
+                method=method_label(scope["method"]), route=template, status=status_label(status["code"])
+            ).inc()
             self.metrics.latency.labels(route=template).observe(time.perf_counter() - started)
+
+
+def _with_full_allow(scope: Scope, message: Message, routes: RouteMethods) -> Message:
+    """A 405's start message with ``Allow`` listing every method of every route on the path (Starlette
+    names only the first route's, e.g. GET without DELETE on ``/v1/jobs/{id}``)."""
+    path = scope.get("path", "")
+    allowed = {method for pattern, methods in routes if pattern.match(path) for method in methods}
+    if not allowed:
+        return message
+    headers = [(key, value) for key, value in message.get("headers", []) if key.lower() != b"allow"]
+    headers.append((b"allow", ", ".join(sorted(allowed)).encode()))
+    return {**message, "headers": headers}
+
+
+def _http_error_response(request: Request, error: Exception) -> JSONResponse:
+    """HTTP errors as ``{"detail": …}``; a 400 (a body that could not be read) in the shape of a 422,
+    ``[{"loc", "msg", "type"}]``, with the reason."""
+    assert isinstance(error, StarletteHTTPException)
+    headers = getattr(error, "headers", None)
+    detail: Any = error.detail
+    if error.status_code == 400 and not isinstance(detail, list):
+        cause = error.__cause__ or error.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(detail)
+        detail = [
+            {
+                "loc": ["body"],
+                "msg": f"the request body could not be read ({reason}); send the problem as a UTF-8 JSON object "
+                "with Content-Type: application/json",
+                "type": "body_unreadable",
+            }
+        ]
+    return JSONResponse({"detail": detail}, status_code=error.status_code, headers=headers)
 
 
 def _validation_response(request: Request, error: Exception) -> JSONResponse:
@@ -124,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     which also re-queues (or fails, with the reason) jobs a previous run left queued or running.
     """
     settings = settings or Settings()
+    runner = make_runner(settings)  # the in-process pool, or the PostgreSQL queue (PIPESCHED_QUEUE)
     store = Store(settings.database_url)
     metrics = Metrics(store.count_jobs_by_status)
 
@@ -132,14 +178,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = SolverPool(
-            store, settings.solver_workers, on_job_done=job_done, max_job_attempts=settings.max_job_attempts
-        )
-        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics)
+        pool = runner(store, on_job_done=job_done)
+        # A render process is replaced after a few drawings: what a large one left behind is returned.
+        renders = Lane("render", settings.render_workers, settings.max_queued_renders, max_tasks_per_child=8)
+        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics, renders=renders)
         pool.recover()
+        store.fail_unfinished_plans()
         try:
             yield
         finally:
+            renders.close()
             pool.shutdown()
             store.dispose()
 
@@ -150,8 +198,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
-    for module in (schedules, jobs, methods, health):
+    app.add_exception_handler(StarletteHTTPException, _http_error_response)
+    for module in (schedules, jobs, methods, plans, health):
         app.include_router(module.router)
-    app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics)
+    routes = [
+        (route.path_regex, frozenset(route.methods))
+        for module in (schedules, jobs, methods, plans, health)
+        for route in module.router.routes
+        if isinstance(route, APIRoute)
+    ]
+    app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics, routes=routes)
     app.state.settings = settings
     return app

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesched.api.loading import InputError, load_problem
+from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
@@ -144,6 +145,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "objective",
         "makespan ms",
         "stage_span ms",
+        "step_time ms",
         "bubble rate",
         "lower bound",
         "gap",
@@ -154,6 +156,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         schedule.objective,
         f"{schedule.makespan:.3f}",
         f"{schedule.stage_span:.3f}",
+        "—" if schedule.step_time is None else f"{schedule.step_time:.3f}",
         f"{schedule.bubble_rate:.4f}",
         "—" if schedule.lower_bound is None else f"{schedule.lower_bound:.3f}",
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
@@ -281,9 +284,14 @@ def compare(
         problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
+    from pipesched.optimizer.families import FamilyDomainError
+
     rows = []
     for family in applicable_families(problem):
-        rows.append(solve_family(problem, family.name, enforce_memory=False))
+        try:
+            rows.append(solve_family(problem, family.name, enforce_memory=False))
+        except FamilyDomainError:  # e.g. reshard_after_forward with a depth-first family
+            continue
     if include_auto:
         started = time.perf_counter()
         auto = solve_with_progress(problem.with_changes(**{"solver.method": "auto"}))
@@ -298,13 +306,15 @@ def compare(
         [peak for x in rows for peak in x.peak_memory], min(finite_limits, default=float("inf")), unit
     )
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
-    for column in ("method", "makespan ms", "stage_span ms", "bubble rate", peak_title, "fits limit"):
+    step = problem.has_step_actions or problem.objective == "step_time"
+    columns = ("method", "makespan ms", "stage_span ms", *(("step_time ms",) if step else ()))
+    for column in (*columns, "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
     records = []
     for schedule in rows:
         if schedule.status == "infeasible":
-            table.add_row(schedule.method, "—", "—", "—", "—", f"no ({schedule.reason})")
+            table.add_row(schedule.method, *["—"] * (len(columns) + 1), f"no ({schedule.reason})")
             records.append({"method": schedule.method, "status": "infeasible", "reason": schedule.reason})
             continue
         fits = bool(schedule.fits_memory)
@@ -312,6 +322,7 @@ def compare(
             schedule.method,
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
+            *((f"{schedule.step_time:.3f}",) if step else ()),
             f"{schedule.bubble_rate:.4f}",
             (
                 " ".join(f"{x / unit:.{decimals}f}" for x in schedule.peak_memory)
@@ -327,6 +338,7 @@ def compare(
                 "objective": schedule.objective_value,
                 "makespan": schedule.makespan,
                 "stage_span": schedule.stage_span,
+                "step_time": schedule.step_time,
                 "bubble_rate": schedule.bubble_rate,
                 "peak_memory": schedule.peak_memory,
                 "fits_limit": fits,
@@ -556,7 +568,7 @@ def serve(
     from sqlalchemy.exc import ArgumentError, OperationalError
 
     from pipesched.api.app import create_app
-    from pipesched.api.settings import Settings
+    from pipesched.api.settings import Settings, exposure_problem
 
     updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
     try:
@@ -573,9 +585,16 @@ def serve(
                 + (f" ({described})" if described else "")
             )
         raise fail("\n".join(lines)) from None
+    exposed = exposure_problem(settings)
+    if exposed is not None:
+        raise fail(exposed)
     database_fix = "set PIPESCHED_DATABASE_URL to sqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST/DATABASE"
+    from pipesched.api.queue import QueueSettingsError
+
     try:
         service = create_app(settings)
+    except QueueSettingsError as error:
+        raise fail(str(error)) from None
     except ArgumentError as error:
         raise fail(f"PIPESCHED_DATABASE_URL is not a usable database URL ({error}): {database_fix}") from None
     except OperationalError as error:
@@ -591,7 +610,71 @@ def serve(
         highlight=False,
         soft_wrap=True,
     )
-    uvicorn.run(service, host=settings.host, port=settings.port, log_level="info")
+    uvicorn.run(
+        service,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+
+
+@app.command()
+def worker(
+    processes: Annotated[
+        int | None, typer.Option("--processes", help="Solver processes (default: PIPESCHED_SOLVER_WORKERS).", min=1)
+    ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port", help="Prometheus /metrics port (default: PIPESCHED_WORKER_METRICS_PORT; 0: none)."
+        ),
+    ] = None,
+) -> None:
+    """Solve jobs from the PostgreSQL queue (run any number, on any machines, beside `pipesched serve` replicas
+    started with PIPESCHED_QUEUE=postgres on the same PIPESCHED_DATABASE_URL)."""
+    from pydantic import ValidationError
+    from sqlalchemy.engine import make_url
+
+    from pipesched.api.queue import QueueSettingsError, check_queue_settings
+    from pipesched.api.settings import Settings
+
+    try:
+        settings = Settings()
+    except ValidationError as error:
+        lines = []
+        for item in error.errors():
+            name = str(item["loc"][0]) if item["loc"] else "?"
+            described = Settings.model_fields[name].description if name in Settings.model_fields else None
+            shown = "" if name == "api_token" else f" (got {item.get('input')!r})"
+            lines.append(
+                f"PIPESCHED_{name.upper()}: {item['msg']}{shown}; set a valid value"
+                + (f" ({described})" if described else "")
+            )
+        raise fail("\n".join(lines)) from None
+    try:
+        check_queue_settings(settings, role="worker")
+    except QueueSettingsError as error:
+        raise fail(str(error)) from None
+    from pipesched.api.worker import run_worker
+
+    try:
+        run_worker(
+            settings,
+            processes=processes or settings.solver_workers,
+            metrics_port=settings.worker_metrics_port if metrics_port is None else metrics_port,
+        )
+    except Exception as error:
+        from pipesched.api.queue import DATABASE_FIX
+
+        if type(error).__name__ not in ("OperationalError", "PoolTimeout", "ArgumentError"):
+            raise
+        where = make_url(settings.database_url).render_as_string(hide_password=True)
+        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+        raise fail(
+            f"PIPESCHED_DATABASE_URL: cannot reach the database {where} ({reason}): check that the server runs and "
+            f"this machine may connect, or {DATABASE_FIX}"
+        ) from None
 
 
 @app.command()
@@ -626,6 +709,9 @@ def plot(
     except ValueError as error:  # InvalidSchedule too: orders that do not run on the file's own problem
         raise fail(f"{schedule_path}: {error}") from None
     console.print(f"wrote {output}", highlight=False)
+
+
+app.command(name="plan")(plan_command)
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """Solving off the event loop: a bounded pool of worker processes.
 
-At most ``solver_workers`` solves run at once (a :class:`concurrent.futures.ProcessPoolExecutor`);
-a burst queues in the pool. A job's worker writes its progress to the job row, polls the row to
-learn of a cancellation (``should_stop``) and stores its schedule and the ``done`` status in one
-transaction. A synchronous solve runs in the same pool and stops at its deadline.
+Jobs and synchronous solves run in two lanes of worker processes (:mod:`pipesched.api.lanes`), each
+with its own processes and bounded queue: at most ``solver_workers`` jobs run at once and
+``max_queued_jobs`` wait; a full lane refuses more (429). A job's worker writes its progress to the
+job row, polls the row to learn of a cancellation (``should_stop``) and stores its schedule and the
+``done`` status in one transaction. A synchronous solve runs in its own lane and stops at its deadline.
 
 After a restart, :meth:`SolverPool.recover` re-queues the jobs left ``queued``/``running`` (or fails
 them with the reason once they have lived through ``max_job_attempts`` restarts): none stays running.
@@ -12,20 +13,28 @@ them with the reason once they have lived through ``max_job_attempts`` restarts)
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pipesched.api.lanes import Lane, LaneClosed, LaneFull, Ticket, WorkerDied
 from pipesched.api.storage import Store
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import Progress, solve
 
-__all__ = ["JobOutcome", "SolverDied", "SolverPool", "run_job", "run_solve"]
+__all__ = [
+    "JobOutcome",
+    "LaneFull",
+    "SolveTimeout",
+    "SolverDied",
+    "SolverPool",
+    "run_job",
+    "run_solve",
+    "unstorable_reason",
+]
 
 log = logging.getLogger("pipesched.jobs")
 
@@ -43,7 +52,15 @@ def _store(database_url: str) -> Store:
 
 
 class SolverDied(RuntimeError):
-    """A solver process ended abruptly (killed, out of memory)."""
+    """A solver process ended abruptly (killed, out of memory), or the service stopped while it ran."""
+
+
+class UnstorableSchedule(ValueError):
+    """The solver's schedule cannot be stored and read back as computed (non-finite numbers)."""
+
+
+class SolveTimeout(TimeoutError):
+    """A synchronous solve gave no answer in time; the message says whether it waited or ran."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +82,33 @@ def run_solve(problem_json: str, deadline_s: float) -> str:
 
     Raises:
         FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
+        UnstorableSchedule: the schedule would not read back as computed (:func:`unstorable_reason`).
     """
     problem = Problem.model_validate_json(problem_json)
     stop_at = time.monotonic() + deadline_s
-    return solve(problem, should_stop=lambda: time.monotonic() >= stop_at).model_dump_json()
+    schedule = solve(problem, should_stop=lambda: time.monotonic() >= stop_at)
+    reason = unstorable_reason(schedule)
+    if reason is not None:
+        raise UnstorableSchedule(reason)
+    return schedule.model_dump_json()
+
+
+def unstorable_reason(schedule: Schedule) -> str | None:
+    """Why ``schedule`` cannot be stored and read back as it is (its JSON does not validate again, or
+    reads back different: a non-finite time or size is written as null), or None when it round-trips."""
+    try:
+        again = Schedule.model_validate_json(schedule.model_dump_json())
+    except ValueError as error:
+        return f"the solver's schedule cannot be stored: it does not read back ({error}); check the problem's costs"
+    if again == schedule:
+        return None
+    written, read = schedule.model_dump(), again.model_dump()
+    changed = [name for name in written if written[name] != read[name]] or ["a field"]
+    return (
+        f"the solver's schedule cannot be stored: {', '.join(changed[:3])} does not read back as computed (a "
+        "non-finite number, which JSON cannot hold); check the problem's costs and memory for values near the "
+        "float limits"
+    )
 
 
 def make_stop_check(store: Store, job_id: str, attempt: int, stop_at: float) -> Callable[[], bool]:
@@ -138,6 +178,10 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
         return stop_check()
 
     schedule = solve(problem, progress=progress, should_stop=should_stop)
+    reason = unstorable_reason(schedule)
+    if reason is not None:
+        store.fail_job(job_id, reason, attempt)
+        return JobOutcome(job_id, None, "failed", schedule.method, schedule.solve_time_s)
     stored = store.finish_job(job_id, attempt, job.problem_hash, schedule)
     return JobOutcome(
         job_id,
@@ -148,21 +192,21 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
     )
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    # Never fork a process that runs an event loop and threads: forkserver where there is one.
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-
-
 class SolverPool:
-    """The bounded pool of solver processes and the jobs in flight.
+    """Two lanes of solver processes (:class:`pipesched.api.lanes.Lane`): synchronous solves and jobs.
+
+    Each lane has its own processes and its own bounded queue, so a flood of jobs never delays a
+    synchronous solve; a full queue raises :class:`LaneFull` (the routes answer 429 with ``Retry-After``).
+    A worker process that dies fails only what it was running.
 
     Args:
         store: the service's store (jobs are read and finished by the workers through the same URL).
-        workers: the most solves at once.
+        workers: job processes (the most jobs solved at once).
+        sync_workers: processes for synchronous solves.
+        max_queued_jobs: jobs that may wait for a process; more are refused.
+        max_queued_solves: synchronous solves that may wait for a process; more are refused.
         deadline_grace_s: added to a problem's time limit before its search is told to stop.
         on_job_done: called in a pool thread with each finished :class:`JobOutcome` (metrics).
-        on_job_failed: called in a pool thread with (job id, reason).
         max_job_attempts: passed on to :meth:`Store.recover_jobs`.
     """
 
@@ -171,6 +215,9 @@ class SolverPool:
         store: Store,
         workers: int,
         *,
+        sync_workers: int = 1,
+        max_queued_jobs: int = 32,
+        max_queued_solves: int = 4,
         deadline_grace_s: float = 2.0,
         on_job_done: Callable[[JobOutcome], None] | None = None,
         max_job_attempts: int = 3,
@@ -180,55 +227,76 @@ class SolverPool:
         self.deadline_grace_s = deadline_grace_s
         self.on_job_done = on_job_done
         self.max_job_attempts = max_job_attempts
+        self.jobs = Lane("job", workers, max_queued_jobs)
+        self.solves = Lane("solve", sync_workers, max_queued_solves)
         self._lock = threading.Lock()
-        self._executor = self._new_executor()
-        self._futures: dict[str, Future[JobOutcome]] = {}
+        self._tickets: dict[str, Ticket] = {}
 
-    def _new_executor(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=self.workers, mp_context=_context())
-
-    def _submit(self, fn: Callable[..., object], *args: object) -> Future:
-        with self._lock:
-            try:
-                return self._executor.submit(fn, *args)
-            except BrokenProcessPool:
-                log.warning("solver pool broken; starting a new one")
-                self._executor = self._new_executor()
-                return self._executor.submit(fn, *args)
+    def submit_task(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run ``fn(*args)`` in a worker (a plan search): it shares the pool's bound on concurrent work."""
+        return self._submit(fn, *args)
 
     def solve(self, problem: Problem, timeout_s: float) -> Schedule:
         """Solve in a worker and wait at most ``timeout_s`` (the search is told to stop before).
 
         Raises:
-            TimeoutError: no answer within ``timeout_s``.
+            LaneFull: ``max_queued_solves`` solves wait already.
+            SolveTimeout: no answer within ``timeout_s`` (saying whether it waited or ran).
             SolverDied: the worker process died.
             FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
         """
         deadline_s = problem.solver.time_limit_s + self.deadline_grace_s
-        future = self._submit(run_solve, problem.model_dump_json(), deadline_s)
+        ticket = self.solves.submit(run_solve, problem.model_dump_json(), deadline_s, expected_s=deadline_s)
         try:
-            text = future.result(timeout=timeout_s)
+            text = ticket.future.result(timeout=timeout_s)
         except TimeoutError:
-            future.cancel()
-            raise
-        except BrokenProcessPool:
-            with self._lock:
-                self._executor = self._new_executor()
-            raise SolverDied("the solver process died (out of memory or killed) while solving this problem") from None
+            if self.solves.cancel(ticket):
+                raise SolveTimeout(
+                    f"the solve waited {timeout_s:.0f} s for a solver process behind {ticket.queued_behind} other "
+                    "synchronous solves and never started"
+                ) from None
+            ran = time.monotonic() - (ticket.started_at or time.monotonic())
+            raise SolveTimeout(
+                f"the solver ran {ran:.0f} s without answering (time limit {problem.solver.time_limit_s:g} s; "
+                f"this request waits at most {timeout_s:.0f} s)"
+            ) from None
+        except (WorkerDied, LaneClosed) as error:
+            raise SolverDied(f"{error}") from None
         return Schedule.model_validate_json(str(text))
 
-    def submit_job(self, job_id: str, attempt: int, time_limit_s: float) -> None:
-        """Queue a stored job for a worker."""
-        future: Future[JobOutcome] = self._submit(
-            run_job, self.store.database_url, job_id, attempt, time_limit_s + self.deadline_grace_s
+    def reserve_job(self) -> None:
+        """Hold a place in the job queue before the job's row is written (raises :class:`LaneFull`)."""
+        self.jobs.reserve()
+
+    def release_job(self) -> None:
+        """Give back a place held by :meth:`reserve_job` that no job took."""
+        self.jobs.release()
+
+    def submit_job(self, job_id: str, attempt: int, time_limit_s: float, *, reserved: bool = False) -> None:
+        """Queue a stored job for a worker (after :meth:`reserve_job` with ``reserved``; recovered jobs
+        are queued beyond the bound).
+
+        Raises:
+            LaneFull: the job queue is full (only without ``reserved``).
+        """
+        deadline_s = time_limit_s + self.deadline_grace_s
+        ticket = self.jobs.submit(
+            run_job,
+            self.store.database_url,
+            job_id,
+            attempt,
+            deadline_s,
+            expected_s=deadline_s,
+            reserved=reserved,
+            force=not reserved,
         )
         with self._lock:
-            self._futures[job_id] = future
-        future.add_done_callback(lambda done: self._job_finished(job_id, attempt, done))
+            self._tickets[job_id] = ticket
+        ticket.future.add_done_callback(lambda done: self._job_finished(job_id, attempt, done))
 
     def _job_finished(self, job_id: str, attempt: int, future: Future[JobOutcome]) -> None:
         with self._lock:
-            self._futures.pop(job_id, None)
+            self._tickets.pop(job_id, None)
         if future.cancelled():
             return
         error = future.exception()
@@ -237,7 +305,9 @@ class SolverPool:
             if self.on_job_done is not None and outcome.schedule_id is not None:
                 self.on_job_done(outcome)
             return
-        if isinstance(error, BrokenProcessPool):
+        if isinstance(error, LaneClosed):  # shutting down: the row is re-queued at the next start
+            return
+        if isinstance(error, WorkerDied):
             reason = "the solver process died (out of memory or killed) while solving this job"
         else:
             reason = f"the solver failed: {type(error).__name__}: {error}"
@@ -248,11 +318,11 @@ class SolverPool:
             log.exception("could not mark job %s failed", job_id)
 
     def cancel(self, job_id: str) -> None:
-        """Drop a job that has not started yet from the pool's queue (a running one polls its row)."""
+        """Drop a job that has not started yet from the queue (a running one polls its row)."""
         with self._lock:
-            future = self._futures.get(job_id)
-        if future is not None:
-            future.cancel()
+            ticket = self._tickets.get(job_id)
+        if ticket is not None:
+            self.jobs.cancel(ticket)
 
     def recover(self) -> tuple[int, int]:
         """Re-queue (or fail) jobs a previous run left ``queued``/``running``; (re-queued, failed)."""
@@ -267,11 +337,16 @@ class SolverPool:
         return len(requeued), len(failed)
 
     def in_flight(self) -> int:
-        """Solves submitted to the pool and not yet finished (queued behind the workers included)."""
+        """Jobs submitted and not yet finished (queued behind the workers included)."""
         with self._lock:
-            return len(self._futures)
+            return len(self._tickets)
+
+    def worker_pids(self) -> list[int]:
+        """Live solver processes (both lanes)."""
+        return [*self.jobs.worker_pids(), *self.solves.worker_pids()]
 
     def shutdown(self) -> None:
-        """Stop taking work; queued solves are dropped (their rows are recovered at the next start)."""
-        with self._lock:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop: queued work is dropped and running solves are killed (job rows are recovered at the next
+        start), so nothing runs on after the service."""
+        self.jobs.close()
+        self.solves.close()

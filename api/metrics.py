@@ -1,6 +1,8 @@
 """Prometheus metrics of one app instance (its own registry, so several apps can live in one process).
 
-- ``pipesched_http_requests_total{method, route, status}``: requests by route template and status code.
+- ``pipesched_http_requests_total{method, route, status}``: requests by method (the standard ones, any
+  other as ``other``), route template (``unmatched`` for a path no route takes) and status code (a code
+  outside 100–599 as its class): every label set is bounded, whatever clients send.
 - ``pipesched_http_request_duration_seconds{route}``: request latency, s.
 - ``pipesched_solve_seconds{method, mode}``: solve time (``mode``: sync or job), s.
 - ``pipesched_cache_lookups_total{result}``: stored-schedule lookups, ``hit`` or ``miss``.
@@ -13,7 +15,21 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "method_label", "status_label"]
+
+#: HTTP methods counted under their own name; any other is counted as ``other``.
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    """``method`` when it is a standard HTTP method, else ``other`` (clients may send any token)."""
+    return method if method in KNOWN_METHODS else "other"
+
+
+def status_label(code: int) -> str:
+    """The status code as text (100–599), else its class (e.g. ``6xx``): a bounded set."""
+    return str(code) if 100 <= code <= 599 else f"{min(max(code // 100, 0), 9)}xx"
+
 
 SOLVE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 

@@ -9,6 +9,10 @@
   second schedule drawn beneath on the same time axis.
 * :func:`plot_to_file`: one of the three by the file's suffix.
 
+With data parallelism (contract: communication actions) every rank gets a second row beneath its compute row,
+its communication stream: UNSHARD and REDUCE_GRAD bars (RESHARD takes no time); OPTIMIZER_STEP stays on the
+compute row.
+
 Memory comes from ``pipesched.optimizer.simulate.simulate(compile_problem(schedule.problem), schedule.orders())``
 (memory checks off, so a schedule over its limit is still drawn — with its excess visible).
 """
@@ -31,8 +35,30 @@ from pipesched.optimizer.simulate import simulate
 __all__ = ["KIND_COLORS", "plot_to_file", "render_png", "render_svg", "render_view_html"]
 
 # Okabe & Ito (2008) colour-blind-safe palette. I and B never occur in the same schedule.
-KIND_COLORS = {"F": "#0072B2", "I": "#E69F00", "W": "#009E73", "B": "#D55E00"}
-KIND_NAMES = {"F": "F forward", "I": "I backward (input)", "W": "W backward (weight)", "B": "B backward (fused)"}
+KIND_COLORS = {
+    "F": "#0072B2",
+    "I": "#E69F00",
+    "W": "#009E73",
+    "B": "#D55E00",
+    "UNSHARD": "#56B4E9",
+    "RESHARD": "#999999",
+    "REDUCE_GRAD": "#CC79A7",
+    "OPTIMIZER_STEP": "#F0E442",
+}
+KIND_NAMES = {
+    "F": "F forward",
+    "I": "I backward (input)",
+    "W": "W backward (weight)",
+    "B": "B backward (fused)",
+    "UNSHARD": "UNSHARD (all-gather weights)",
+    "RESHARD": "RESHARD (free gathered weights)",
+    "REDUCE_GRAD": "REDUCE_GRAD (reduce gradients)",
+    "OPTIMIZER_STEP": "OPTIMIZER_STEP",
+}
+#: Kinds drawn on a rank's communication row.
+COMMUNICATION_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_ALL_KINDS = ("F", "I", "W", "B", "UNSHARD", "RESHARD", "REDUCE_GRAD", "OPTIMIZER_STEP")
+_SHORT = {"UNSHARD": "U", "RESHARD": "R", "REDUCE_GRAD": "RG", "OPTIMIZER_STEP": "opt"}
 IDLE_COLOR = "#E4E4E4"
 LIMIT_COLOR = "#C00000"
 _LATER_STAGE_WHITE = 0.45  # a rank's later stages: the kind's colour mixed with this much white
@@ -41,9 +67,9 @@ _LATER_STAGE_WHITE = 0.45  # a rank's later stages: the kind's colour mixed with
 @dataclass
 class _Bar:
     action: str
-    stage: int
+    stage: int | None
     kind: str
-    microbatch: int
+    microbatch: int | None
     start: float
     end: float
     chunk: int  # index of the stage among the rank's stages (0 = the rank's lowest stage)
@@ -58,6 +84,7 @@ class _RankView:
     timeline: list[tuple[float, float]]  # (ms, bytes) steps, last step at the makespan
     limit: float
     peak: float
+    comm_bars: list[_Bar] = field(default_factory=list)  # the communication stream's actions
 
 
 @dataclass
@@ -71,6 +98,19 @@ class _View:
     @property
     def finite_limits(self) -> list[float]:
         return [r.limit for r in self.ranks if math.isfinite(r.limit)]
+
+    @property
+    def has_comm(self) -> bool:
+        """Whether ranks get a communication row."""
+        return any(r.comm_bars for r in self.ranks)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ranks) * (2 if self.has_comm else 1)
+
+    def row_of(self, rank: int) -> int:
+        """The compute row of ``rank`` (its communication row is the next one)."""
+        return rank * (2 if self.has_comm else 1)
 
 
 def _prepare(schedule: Schedule) -> _View:
@@ -97,10 +137,11 @@ def _prepare(schedule: Schedule) -> _View:
         timeline = list(sim.memory_timeline[rank])
         times = [t for t, _ in timeline]
         bars = []
+        comm_bars: list[_Bar] = []
         for a in rank_schedule.actions:
             kinds.add(a.kind)
             at = bisect_right(times, a.start + 1e-9) - 1
-            bars.append(
+            (comm_bars if a.kind in COMMUNICATION_KINDS else bars).append(
                 _Bar(
                     action=a.action,
                     stage=a.stage,
@@ -122,9 +163,10 @@ def _prepare(schedule: Schedule) -> _View:
                 timeline=timeline,
                 limit=inst.limit[rank],
                 peak=sim.peak_memory[rank],
+                comm_bars=comm_bars,
             )
         )
-    order: list[str] = [k for k in ("F", "I", "W", "B") if k in kinds]
+    order: list[str] = [k for k in _ALL_KINDS if k in kinds]
     return _View(
         schedule=schedule,
         ranks=ranks,
@@ -187,6 +229,9 @@ def _fit_label(
     then turned upright (narrow actions such as a W, about half an F, keep their microbatch); nothing when
     even that is too wide.
     """
+    if bar.microbatch is None:
+        short = _SHORT.get(bar.kind, bar.kind) + ("" if bar.stage is None else str(bar.stage))
+        return (short, 1.0, False) if width_px >= _text_em(short) * em_px + 3 else ("", 0.0, False)
     microbatch = str(bar.microbatch)
     if multi_stage:
         full = f"s{bar.stage}·{microbatch}"
@@ -221,7 +266,7 @@ def _headline(view: _View) -> tuple[str, str]:
     limits = view.finite_limits
     limit_text = f" of {_format_bytes(min(limits))} limit" if limits else " (no limit)"
     fits = "" if s.fits_memory is None or s.fits_memory else " — OVER THE LIMIT"
-    figures = {"makespan": s.makespan, "stage_span": s.stage_span}
+    figures = {"makespan": s.makespan, "stage_span": s.stage_span, "step_time": s.step_time}
     times = " · ".join(
         f"{name} {value:.2f} ms" + (" (objective)" if name == s.objective else "")
         for name, value in sorted(figures.items(), key=lambda item: item[0] != s.objective)
@@ -255,7 +300,7 @@ def _figure(schedule: Schedule, compare: Schedule | None, dpi: float) -> Any:
     width_in = 15.0
     heights: list[float] = []
     for v in views:
-        heights += [0.9 + _row_height_in(len(v.ranks)) * len(v.ranks), 2.1]
+        heights += [0.9 + _row_height_in(v.num_rows) * v.num_rows, 2.1]
     fig = Figure(figsize=(width_in, sum(heights) + 0.5 * len(views)), dpi=dpi, layout="constrained")
     grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
     axes_width_px = width_in * dpi * 0.86
@@ -275,7 +320,7 @@ def _legend(fig: Any, views: list[_View]) -> None:
     """One legend for the kinds, the later-stage shade and idle time, under the figure."""
     from matplotlib.patches import Patch
 
-    kinds = [k for k in ("F", "I", "W", "B") if any(k in v.kinds for v in views)]
+    kinds = [k for k in _ALL_KINDS if any(k in v.kinds for v in views)]
     handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds]
     if any(v.multi_stage for v in views):
         handles += [
@@ -299,15 +344,38 @@ def _legend(fig: Any, views: list[_View]) -> None:
 
 def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix: str, dpi: float) -> None:
     num_ranks = len(view.ranks)
-    row_in = _row_height_in(num_ranks)
+    num_rows = view.num_rows
+    row_in = _row_height_in(num_rows)
     font = max(4.5, min(8.0, row_in * 72 * 0.42))
     px_per_ms = axes_width_px / x_max
     em_px = font * dpi / 72
     bar_px = row_in * dpi * 0.78
     bar_height = 0.78
     for rank_view in view.ranks:
-        y = rank_view.rank - bar_height / 2
+        row = view.row_of(rank_view.rank)
+        y = row - bar_height / 2
         ax.broken_barh([(0.0, view.makespan)], (y, bar_height), facecolors=IDLE_COLOR, linewidth=0)
+        if view.has_comm:
+            comm = [b for b in rank_view.comm_bars if b.end > b.start]
+            comm_colors = [KIND_COLORS[b.kind] for b in comm]
+            ax.broken_barh([(0.0, view.makespan)], (y + 1, bar_height), facecolors=IDLE_COLOR, linewidth=0)
+            drawn = ax.broken_barh(
+                [(b.start, b.end - b.start) for b in comm], (y + 1, bar_height), facecolors=comm_colors, linewidth=0
+            )
+            drawn.set_gid(f"{prefix}rank-{rank_view.rank}-comm")
+            for b, color in zip(comm, comm_colors, strict=True):
+                text, size, _ = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
+                if text:
+                    ax.text(
+                        (b.start + b.end) / 2,
+                        row + 1,
+                        text,
+                        ha="center",
+                        va="center",
+                        fontsize=font * size,
+                        color=_text_color(color),
+                        clip_on=True,
+                    )
         colors = [_shade(KIND_COLORS[b.kind], b.chunk) for b in rank_view.bars]
         bars = ax.broken_barh(
             [(b.start, b.end - b.start) for b in rank_view.bars],
@@ -323,7 +391,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
                 continue
             ax.text(
                 (b.start + b.end) / 2,
-                rank_view.rank,
+                row,
                 text,
                 ha="center",
                 va="center",
@@ -333,14 +401,18 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
                 rotation=90 if upright else 0,
                 clip_on=True,
             )
-    ax.set_ylim(num_ranks - 0.5, -0.5)
+    ax.set_ylim(num_rows - 0.5, -0.5)
     step = 1 if num_ranks <= 16 else 2
-    ax.set_yticks(range(0, num_ranks, step))
     if view.multi_stage:
         labels = [f"rank {r.rank} (s{', s'.join(map(str, r.stages))})" for r in view.ranks[::step]]
     else:
         labels = [f"rank {r.rank}" for r in view.ranks[::step]]
-    ax.set_yticklabels(labels, fontsize=8 if num_ranks <= 16 else 6.5)
+    ticks = [view.row_of(r.rank) for r in view.ranks[::step]]
+    if view.has_comm:
+        ticks = [t for row in ticks for t in (row, row + 1)]
+        labels = [text for label in labels for text in (label, "  comm")]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=8 if num_rows <= 16 else 6.5)
     ax.set_xlim(0, x_max * 1.005)
     ax.tick_params(axis="x", labelbottom=False)
     ax.grid(axis="x", color="#BBBBBB", linewidth=0.5, alpha=0.6)
@@ -481,7 +553,8 @@ def _nice_step(span: float, target: int) -> float:
 def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
     """One schedule: Gantt rows, memory curves and a time axis, as inline SVG."""
     num_ranks = len(view.ranks)
-    row = 30 if num_ranks <= 4 else 24 if num_ranks <= 8 else 16 if num_ranks <= 16 else 11
+    rows = view.num_rows
+    row = 30 if rows <= 4 else 24 if rows <= 8 else 16 if rows <= 16 else 11
     plot_w = _SVG_WIDTH - _LEFT - _RIGHT
     scale = plot_w / x_max
 
@@ -489,7 +562,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
         return _LEFT + t * scale
 
     gantt_top = 8
-    gantt_h = row * num_ranks
+    gantt_h = row * rows
     mem_top = gantt_top + gantt_h + 34
     mem_h = 150
     height = mem_top + mem_h + 34
@@ -508,7 +581,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
         out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{gantt_top}" y2="{mem_top + mem_h}"/>')
     out.append("</g>")
     for r in view.ranks:
-        y = gantt_top + r.rank * row
+        y = gantt_top + view.row_of(r.rank) * row
         stages = f" (s{', s'.join(map(str, r.stages))})" if view.multi_stage else ""
         out.append(
             f'<g class="rank" id="{prefix}rank-{r.rank}">'
@@ -541,6 +614,27 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                 )
             elif text:
                 out.append(f'<text {attrs} x="{center:.2f}" y="{y + row / 2 + font * size * 0.36:.1f}">{text}</text>')
+        if view.has_comm:
+            yc = y + row
+            out.append(
+                f'<text class="ylab" x="{_LEFT - 6}" y="{yc + row / 2 + 4:.1f}" font-size="{10 if row >= 16 else 7}">'
+                f"comm</text>"
+                f'<rect class="idle" x="{x(0):.2f}" y="{yc + 1}" width="{view.makespan * scale:.2f}" '
+                f'height="{row - 2}"/>'
+            )
+            for i, b in enumerate(r.comm_bars, start=len(r.bars)):
+                color = KIND_COLORS[b.kind]
+                w = (b.end - b.start) * scale
+                out.append(
+                    f'<rect class="act comm" x="{x(b.start):.2f}" y="{yc + 1}" width="{max(w, 0.6):.2f}" '
+                    f'height="{row - 2}" fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
+                )
+                text, size, _ = _fit_label(b, view.multi_stage, w, row - 2, font)
+                if text:
+                    out.append(
+                        f'<text class="lab" font-size="{font * size:.1f}" fill="{_text_color(color)}" '
+                        f'x="{x(b.start) + w / 2:.2f}" y="{yc + row / 2 + font * 0.36:.1f}">{text}</text>'
+                    )
         out.append("</g>")
     # memory
     top = max(max(r.peak for r in view.ranks), max(view.finite_limits, default=0.0)) or 1.0
@@ -616,7 +710,7 @@ def _view_data(view: _View) -> dict[str, Any]:
             {
                 "rank": r.rank,
                 "limit": r.limit if math.isfinite(r.limit) else None,
-                "bars": [[b.action, b.start, b.end, b.memory] for b in r.bars],
+                "bars": [[b.action, b.start, b.end, b.memory] for b in r.bars + r.comm_bars],
                 "timeline": [[round(t, 6), b] for t, b in r.timeline],
             }
             for r in view.ranks
@@ -709,7 +803,7 @@ def render_view_html(schedule: Schedule, compare: Schedule | None = None) -> str
     """
     views = [_prepare(schedule)] + ([_prepare(compare)] if compare is not None else [])
     x_max = max(v.makespan for v in views) or 1.0
-    kinds = [k for k in ("F", "I", "W", "B") if any(k in v.kinds for v in views)]
+    kinds = [k for k in _ALL_KINDS if any(k in v.kinds for v in views)]
     legend = "".join(f'<span><i style="background:{KIND_COLORS[k]}"></i>{KIND_NAMES[k]}</span>' for k in kinds)
     if any(v.multi_stage for v in views):
         legend += (

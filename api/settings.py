@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_database_url"]
+__all__ = ["Settings", "default_database_url", "exposure_problem"]
 
 
 def default_database_url() -> str:
@@ -48,6 +49,70 @@ class Settings(BaseSettings):
         description="Largest problem accepted: num_stages × num_microbatches × actions per microbatch (422 above).",
     )
     api_token: str | None = Field(None, description="When set, /v1 requests need `Authorization: Bearer <token>`.")
+    sync_solver_workers: int = Field(
+        1, ge=1, le=256, description="Solver processes for synchronous solves (POST /v1/schedules), apart from jobs."
+    )
+    max_queued_jobs: int = Field(
+        32, ge=0, description="Jobs that may wait for a solver process; more are refused with 429 and Retry-After."
+    )
+    max_queued_solves: int = Field(
+        4, ge=0, description="Synchronous solves that may wait for a solver process; more are refused with 429."
+    )
+    render_workers: int = Field(1, ge=1, le=64, description="Processes drawing png, svg and view pages.")
+    max_queued_renders: int = Field(
+        2, ge=0, description="Drawings that may wait for a render process; more are refused with 429."
+    )
+    max_render_actions: int = Field(
+        50_000,
+        ge=1,
+        description="Largest schedule drawn as png, svg or view (actions, the compared family's included); 413 above.",
+    )
+    render_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a drawing, s (504 after).")
+    allow_no_token: bool = Field(
+        False,
+        description="Let `pipesched serve` listen on a non-loopback interface without PIPESCHED_API_TOKEN.",
+    )
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="On SIGTERM, how long open requests may finish before the server stops, s."
+    )
     max_job_attempts: int = Field(
         3, ge=1, description="Restarts a job may live through before it is marked failed instead of re-queued."
     )
+    queue: Literal["local", "postgres"] = Field(
+        "local",
+        description="Where solves run: local (a process pool inside `pipesched serve`, the default) or postgres "
+        "(a procrastinate queue in the PostgreSQL database; `pipesched worker` processes, on any machines, solve).",
+    )
+    worker_metrics_port: int = Field(
+        9464, ge=0, le=65535, description="Port of a `pipesched worker`'s Prometheus /metrics (0: none)."
+    )
+    worker_stalled_after_s: float = Field(
+        10.0,
+        ge=2.0,
+        le=600.0,
+        description="A worker whose heartbeat is older than this, s, is taken for dead and its solve is retried "
+        "on another worker (it sends one every third of it).",
+    )
+
+
+def exposure_problem(settings: Settings) -> str | None:
+    """Why ``settings`` must not be served as they are: a non-loopback ``host`` without ``api_token``
+    (anyone who reaches the port could use the service), unless ``allow_no_token``; None when fine."""
+    if settings.api_token or settings.allow_no_token or _is_loopback(settings.host):
+        return None
+    return (
+        f"refusing to serve on {settings.host} (not a loopback interface) without an API token: set "
+        "PIPESCHED_API_TOKEN=<secret> (clients then send `Authorization: Bearer <secret>`), or bind "
+        "--host 127.0.0.1, or set PIPESCHED_ALLOW_NO_TOKEN=1 to serve it open on purpose"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

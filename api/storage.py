@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from pipesched.optimizer.planner.request import PlanAnswer
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 
@@ -30,6 +31,7 @@ __all__ = [
     "ACTIVE_JOB_STATUSES",
     "JOB_STATUSES",
     "JobRow",
+    "PlanRow",
     "ScheduleRow",
     "Store",
     "problem_key",
@@ -78,6 +80,28 @@ class JobRow(Base):
     message: Mapped[str | None] = mapped_column(Text, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     cache_hit: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class PlanRow(Base):
+    """A plan search (``POST /v1/plans``): the request, its progress and the answer (ranked plans) as JSON.
+
+    While running, ``answer_json`` holds the best plans found so far.
+    """
+
+    __tablename__ = "plans"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    request_json: Mapped[str] = mapped_column(Text)
+    phase: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    evaluated: Mapped[int] = mapped_column(Integer, default=0)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    best_step_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    elapsed_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    answer_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
 
@@ -348,6 +372,34 @@ class Store:
                     requeued.append((row.id, row.attempt))
         return requeued, failed
 
+    def take_job(self, job_id: str, max_attempts: int) -> int | None:
+        """For a queue worker (:mod:`pipesched.api.worker`) about to run a job: the attempt to run, or None.
+
+        A ``queued`` job is run at its attempt. A ``running`` one was left by a worker that stopped
+        (the queue retries a stalled task): it is re-queued with ``attempt + 1`` and a message saying
+        so — the old attempt can then neither write progress nor finish — or failed with the reason
+        once it has been retried ``max_attempts`` times. A job that ended (done, failed, cancelled) or
+        is unknown gives None. One transaction, the row locked (``SELECT … FOR UPDATE``).
+        """
+        with self.transaction() as session:
+            row = session.scalars(select(JobRow).where(JobRow.id == job_id).with_for_update()).first()
+            if row is None or row.status not in ACTIVE_JOB_STATUSES:
+                return None
+            if row.status == "queued":
+                return row.attempt
+            row.updated_at = time.time()
+            if row.attempt >= max_attempts:
+                row.status = "failed"
+                row.error = (
+                    f"the worker solving this job stopped {row.attempt + 1} times (killed, out of memory, or cut "
+                    "off from the database); submit it again, perhaps with a shorter solver.time_limit_s"
+                )
+                return None
+            row.status = "queued"
+            row.attempt += 1
+            row.message = f"retried after its worker stopped (attempt {row.attempt})"
+            return row.attempt
+
     def count_jobs_by_status(self) -> dict[str, int]:
         """Jobs per status (every status present, zero when none)."""
         counts = dict.fromkeys(JOB_STATUSES, 0)
@@ -355,3 +407,109 @@ class Store:
             for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
                 counts[status] = int(count)
         return counts
+
+    # --- plans -----------------------------------------------------------------------------------
+
+    def create_plan(self, request_json: str, total: int) -> PlanRow:
+        """A new plan search, ``queued``, over ``total`` configurations to evaluate."""
+        now = time.time()
+        row = PlanRow(
+            id=_new_id(),
+            status="queued",
+            request_json=request_json,
+            evaluated=0,
+            total=total,
+            created_at=now,
+            updated_at=now,
+        )
+        with self.transaction() as session:
+            session.add(row)
+        return row
+
+    def plan(self, plan_id: str) -> PlanRow | None:
+        """The plan search with this id, or None."""
+        with self._sessions() as session:
+            return session.get(PlanRow, plan_id)
+
+    def record_plan_progress(
+        self,
+        plan_id: str,
+        *,
+        phase: str,
+        evaluated: int,
+        total: int,
+        best_step_ms: float | None,
+        elapsed_s: float,
+        answer_json: str | None,
+    ) -> None:
+        """Mark the search running and record where it stands (and the best plans so far)."""
+        values: dict[str, Any] = {
+            "status": "running",
+            "phase": phase,
+            "evaluated": evaluated,
+            "total": total,
+            "best_step_ms": best_step_ms,
+            "elapsed_s": elapsed_s,
+            "updated_at": time.time(),
+        }
+        if answer_json is not None:
+            values["answer_json"] = answer_json
+        with self.transaction() as session:
+            session.execute(
+                update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(ACTIVE_JOB_STATUSES)).values(**values)
+            )
+
+    def finish_plan(self, plan_id: str, answer: PlanAnswer, schedules: list[Schedule | None]) -> PlanAnswer:
+        """Store the plans' schedules and the answer (their ``schedule_id`` filled in) in one transaction.
+
+        ``schedules[i]`` belongs to ``answer.plans[i]``; a schedule whose problem is stored already keeps the
+        stored one's id. Returns the answer as stored.
+        """
+        plans = []
+        with self.transaction() as session:
+            for plan, schedule in zip(answer.plans, schedules, strict=True):
+                if schedule is None:
+                    plans.append(plan)
+                    continue
+                key = problem_key(schedule.problem)
+                schedule_id = session.scalar(select(ScheduleRow.id).where(ScheduleRow.problem_hash == key))
+                if schedule_id is None:
+                    schedule_id = self._insert_schedule(session, key, schedule).id
+                launch = plan.launch.model_copy(
+                    update={
+                        "torchtitan": plan.launch.torchtitan.replace(
+                            "pipesched solve --format csv", f"GET /v1/schedules/{schedule_id}?format=csv"
+                        )
+                    }
+                )
+                plans.append(plan.model_copy(update={"schedule_id": schedule_id, "launch": launch}))
+            stored = answer.model_copy(update={"id": plan_id, "status": "done", "plans": plans})
+            session.execute(
+                update(PlanRow)
+                .where(PlanRow.id == plan_id)
+                .values(status="done", phase="done", answer_json=stored.model_dump_json(), updated_at=time.time())
+            )
+        return stored
+
+    def fail_plan(self, plan_id: str, reason: str) -> None:
+        """Mark the search failed with ``reason``."""
+        with self.transaction() as session:
+            session.execute(
+                update(PlanRow)
+                .where(PlanRow.id == plan_id)
+                .values(status="failed", error=reason, updated_at=time.time())
+            )
+
+    def fail_unfinished_plans(self) -> int:
+        """At a start: plan searches a previous run left queued or running fail with the reason; how many."""
+        with self.transaction() as session:
+            result = session.execute(
+                update(PlanRow)
+                .where(PlanRow.status.in_(ACTIVE_JOB_STATUSES))
+                .values(
+                    status="failed",
+                    error="the service restarted during this plan search: POST /v1/plans again",
+                    updated_at=time.time(),
+                )
+            )
+            return int(getattr(result, "rowcount", 0) or 0)

@@ -10,25 +10,34 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipesched.optimizer.presets import MODEL_PRESETS
 from pipesched.optimizer.validation import raise_field_errors
 
-__all__ = ["DTYPE_BYTES", "ClusterConfig", "ModelConfig"]
+__all__ = ["DTYPE_BYTES", "ClusterConfig", "ModelConfig", "TensorParallel"]
 
 #: Bytes per element of each dtype.
 DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
 class ModelConfig(BaseModel):
-    """A GPT-style decoder (Zero Bubble paper, Table 1 notation: h, a, s, b, L, V).
+    """A decoder-only transformer (Zero Bubble paper, Table 1 notation: h, a, s, b, L, V).
 
-    Stage 0 also holds the embedding, the last stage the final layer norm, the LM head and the loss.
+    Stage 0 also holds the embedding, the last stage the final norm, the LM head and the loss. The defaults
+    describe a GPT: GeLU FFN of 4h, learned positions, eager attention (scores stored), one key/value head per
+    query head, biases and layer norms, untied embeddings. ``preset`` fills every field from
+    :data:`pipesched.optimizer.presets.MODEL_PRESETS`; fields given beside it override the preset's.
 
     Raises:
-        pydantic.ValidationError: ``num_attention_heads`` not dividing ``hidden_size``.
+        pydantic.ValidationError: an unknown ``preset`` (the message lists the known ones),
+            ``num_attention_heads`` not dividing ``hidden_size``, ``num_key_value_heads`` not dividing
+            ``num_attention_heads``.
     """
 
     model_config = ConfigDict(extra="forbid")
 
+    preset: str | None = Field(
+        None, description='Catalogue name filling the other fields, e.g. "llama3.1-8b"; fields beside it override.'
+    )
     num_layers: int = Field(ge=1, le=100_000, description="Transformer layers L.")
     hidden_size: int = Field(ge=1, le=1_048_576, description="Hidden size h (at most 2²⁰).")
     num_attention_heads: int = Field(ge=1, le=65_536, description="Attention heads a.")
@@ -39,6 +48,27 @@ class ModelConfig(BaseModel):
     ffn_hidden_size: int | None = Field(
         None, ge=1, le=16_777_216, description="FFN inner size (the MLP's hidden width); null for 4h."
     )
+    num_key_value_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); null for num_attention_heads."
+    )
+    ffn_type: Literal["gelu", "swiglu"] = Field(
+        "gelu", description='"gelu": two FFN matrices h×f; "swiglu": three (gate, up, down).'
+    )
+    attention: Literal["flash", "eager"] = Field(
+        "eager",
+        description='"eager" stores the a·s² softmax scores and dropout mask; "flash" (FlashAttention) stores '
+        "none of them and recomputes the scores in the backward.",
+    )
+    position_embedding: Literal["learned", "rope"] = Field(
+        "learned", description='"learned": an s×h position table on the first stage; "rope": no parameters.'
+    )
+    tie_embeddings: bool = Field(
+        False, description="The LM head shares the embedding's V×h matrix (a copy on the last stage when pipelined)."
+    )
+    norm: Literal["layernorm", "rmsnorm"] = Field(
+        "layernorm", description='"layernorm": scale and shift (2h parameters); "rmsnorm": scale only (h).'
+    )
+    bias: bool = Field(True, description="Linear layers carry biases (GPT) or not (Llama).")
     activation_recomputation: Literal["none", "selective", "full"] = Field(
         "none",
         description='"none"; "selective" recomputes the attention core (drops 5as per token); "full" keeps '
@@ -49,6 +79,36 @@ class ModelConfig(BaseModel):
         description="Layers per model stage (one entry per stage, summing to num_layers); null lets pipesched "
         "partition. A derived problem records the chosen partition here.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("preset") is None:
+            return data
+        name = data["preset"]
+        if not isinstance(name, str) or name.lower() not in MODEL_PRESETS:
+            raise_field_errors(
+                "ModelConfig",
+                [
+                    (
+                        ("preset",),
+                        f"unknown model preset {name!r}: use one of {', '.join(MODEL_PRESETS)}, or give the "
+                        "model's fields (num_layers, hidden_size, …) without a preset",
+                        name,
+                    )
+                ],
+            )
+        return {**MODEL_PRESETS[name.lower()], **data, "preset": name.lower()}
+
+    @property
+    def key_value_heads(self) -> int:
+        """Key/value heads: ``num_key_value_heads`` or ``num_attention_heads``."""
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        """Per-head size h / a."""
+        return self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:
@@ -73,6 +133,18 @@ class ModelConfig(BaseModel):
                     f"(head size {self.hidden_size / self.num_attention_heads:g}): use a divisor such as "
                     f"{', '.join(str(a) for a in sorted(nearby))}",
                     self.num_attention_heads,
+                )
+            )
+        kv = self.key_value_heads
+        if kv > self.num_attention_heads or self.num_attention_heads % kv:
+            heads = self.num_attention_heads
+            divisors = [d for d in range(1, min(heads, 1024) + 1) if heads % d == 0][:12]
+            errors.append(
+                (
+                    ("num_key_value_heads",),
+                    f"{kv} key/value heads do not divide {self.num_attention_heads} attention heads: use a divisor "
+                    f"of num_attention_heads such as {', '.join(str(d) for d in divisors)}",
+                    kv,
                 )
             )
         raise_field_errors("ModelConfig", errors)
@@ -106,3 +178,33 @@ class ClusterConfig(BaseModel):
     memory_reserve_bytes: float = Field(
         2 * 1024**3, ge=0, description="Bytes kept free per rank (CUDA context, allocator fragmentation)."
     )
+    num_nodes: int = Field(1, ge=1, le=100_000, description="Hosts in the cluster.")
+    gpus_per_node: int = Field(
+        8, ge=1, le=1024, description="Accelerators per host (one tensor-parallel group at most)."
+    )
+    intra_node_bandwidth_bytes_per_s: float = Field(
+        450e9, gt=0, description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s."
+    )
+    inter_node_bandwidth_bytes_per_s: float = Field(
+        50e9, gt=0, description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s."
+    )
+    collective_latency_ms: float = Field(0.01, ge=0, description="Latency of one ring step of a collective, ms.")
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs in the cluster: ``num_nodes × gpus_per_node``."""
+        return self.num_nodes * self.gpus_per_node
+
+
+class TensorParallel(BaseModel):
+    """Megatron tensor parallelism inside a node (contract, Problem: ``tensor_parallel``).
+
+    ``size`` GPUs split every layer's matrices (attention by heads, the FFN by columns then rows) and the
+    vocabulary; ``sequence_parallel`` also splits the layer norms and dropouts along the sequence (Korthikanti
+    et al. 2022, §4.2.2), turning each all-reduce into a reduce-scatter plus an all-gather.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(1, ge=1, le=1024, description="Tensor-parallel degree t (GPUs per layer, within a node).")
+    sequence_parallel: bool = Field(True, description="Split norms and dropouts along the sequence too.")

@@ -1,5 +1,9 @@
 """Derive per-stage costs (ms) and memory (bytes) from a model and a cluster.
 
+The formulas for today's decoders (grouped-query attention, SwiGLU, FlashAttention, RoPE, tied embeddings,
+tensor parallelism) live in :mod:`pipesched.optimizer.cost` (``flops``, ``memory``, ``collectives``), each with
+its source; with a GPT's defaults they reduce to the Zero Bubble paper's formulas below.
+
 Sources and model:
 
 - FLOPs per transformer layer, Zero Bubble paper (Qi et al., ICLR 2024, arXiv 2401.10241), Table 1, counting a
@@ -33,9 +37,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
+from pipesched.optimizer.cost.flops import (
+    embedding_parameters,
+    head_flops,
+    head_parameters,
+    layer_flops,
+    layer_parameters,
+    norm_parameters,
+)
+from pipesched.optimizer.cost.memory import layer_activation, static_bytes_per_parameter_sharded
 from pipesched.optimizer.partition import PartitionError, partition_layers
-from pipesched.optimizer.problem import Costs, Memory, Pipeline
+from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
 from pipesched.optimizer.units import format_bytes
 from pipesched.optimizer.validation import raise_field_errors
 
@@ -174,85 +188,130 @@ def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
     return 1e3 * (flops / hardware.effective_flops_per_s + traffic_bytes / hardware.memory_bandwidth_bytes_per_s)
 
 
-def transformer_layer(model: ModelConfig, hardware: Hardware) -> Block:
-    """One transformer layer for one microbatch (Zero Bubble paper, Table 1; see the module docstring).
+def _tp(tensor_parallel: TensorParallel | None) -> tuple[int, bool]:
+    if tensor_parallel is None:
+        return 1, True
+    return tensor_parallel.size, tensor_parallel.sequence_parallel
 
-    Recomputation: ``selective`` drops the attention core's 5as²b bytes and reruns its forward inside I;
-    ``full`` keeps only the layer input (s·b·h elements) until the backward, reruns the whole forward inside I
-    and keeps that input until W (the transient memory of the recomputation itself is not modelled).
+
+def transformer_layer(
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: TensorParallel | None = None,
+    cluster: ClusterConfig | None = None,
+) -> Block:
+    """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
+
+    FLOPs from :func:`pipesched.optimizer.cost.flops.layer_flops`, activation bytes from
+    :func:`pipesched.optimizer.cost.memory.layer_activation`, tensor-parallel communication from
+    :func:`pipesched.optimizer.cost.collectives.tensor_parallel_layer_ms` over ``cluster``'s intra-node link
+    (added to F and I: Megatron does not overlap it).
+
+    Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
+    inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
+    rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
+    layer input until the backward, reruns the whole forward inside I and keeps that input until W
+    (the transient memory of the recomputation itself is not modelled here).
     """
-    s, b, h = model.seq_length, model.micro_batch_size, model.hidden_size
-    a, f = model.num_attention_heads, model.ffn_size
-    scale = model.dtype_bytes / 2  # Table 1 counts fp16 bytes
-    gemm = s * b * (8 * h * h + 4 * h * f)
-    attention_forward = 4 * s * s * b * h
-    forward_flops = gemm + attention_forward
-    backward_input_flops = gemm + 2 * attention_forward
-    backward_weight_flops = gemm
-    attention_core_bytes = 5 * a * s * s * b * scale
-    activation = s * b * (18 * h + 4 * f) * scale + attention_core_bytes
-    retained = s * b * (16 * h + 4 * f) * scale
-    forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * activation
-    backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * activation
-    forward_ms = _ms(forward_flops, forward_traffic, hardware)
-    backward_input_ms = _ms(backward_input_flops, backward_input_traffic, hardware)
-    if model.activation_recomputation == "selective":
-        activation -= attention_core_bytes
+    t, sequence_parallel = _tp(tensor_parallel)
+    flops = layer_flops(model, t)
+    memory = layer_activation(model, t, sequence_parallel)
+    full_activation = memory.full
+    forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
+    backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
+    communication_ms = 0.0
+    if t > 1:
+        bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
+        latency = cluster.collective_latency_ms if cluster is not None else 0.0
+        communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency)
+    forward_ms = _ms(flops.forward, forward_traffic, hardware) + communication_ms
+    backward_input_ms = _ms(flops.backward_input, backward_input_traffic, hardware) + communication_ms
+    if model.activation_recomputation == "selective" and model.attention == "flash":
+        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
+        linear_forward = flops.forward - flops.attention_forward
+        recomputed_bytes = full_activation - memory.activation
+        backward_input_ms += (
+            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
+            + communication_ms / 2
+        )
+    elif model.activation_recomputation == "selective":
         backward_input_ms += _ms(
-            attention_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * attention_core_bytes, hardware
+            flops.attention_forward if memory.scores else 0.0,
+            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,
+            hardware,
         )
     elif model.activation_recomputation == "full":
-        activation = s * b * h * model.dtype_bytes
-        retained = activation
         backward_input_ms += forward_ms
-    parameters = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    norms = 2 * norm_parameters(model)
+    parameters = (layer_parameters(model) - norms) / t + norms
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
-        backward_weight_ms=_ms(backward_weight_flops, 0.0, hardware),
-        activation_bytes=activation,
-        retained_bytes=retained,
+        backward_weight_ms=_ms(flops.backward_weight, 0.0, hardware),
+        activation_bytes=memory.activation,
+        retained_bytes=memory.retained,
         parameters=parameters,
     )
 
 
-def embedding_block(model: ModelConfig, hardware: Hardware) -> Block:
-    """Token + position embedding on the first stage: memory-bound gather (F) and scatter-add (W).
+def embedding_block(
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: TensorParallel | None = None,
+    cluster: ClusterConfig | None = None,
+) -> Block:
+    """Token (+ learned position) embedding on the first stage: memory-bound gather (F) and scatter-add (W).
 
     F writes s·b·h elements and adds positions (3 passes over s·b·h); I is empty (token ids need no gradient);
     W accumulates s·b·h gradient rows into the fp32 table (read + write, 8 bytes each). Activation: the embedding
-    dropout mask, s·b·h bytes. Parameters V·h + s·h.
+    dropout mask, s·b·h bytes. Parameters V·h (+ s·h learned positions), split over the vocabulary by tensor
+    parallelism, whose partial outputs are all-reduced (one all-reduce of s·b·h in F).
     """
+    t, _ = _tp(tensor_parallel)
     s, b, h, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.dtype_bytes
     tokens = s * b * h
+    communication_ms = 0.0
+    if t > 1:
+        bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
+        communication_ms = all_reduce_ms(tokens * d, t, bandwidth)
     return Block(
-        forward_ms=_ms(0.0, 3 * tokens * d, hardware),
+        forward_ms=_ms(0.0, 3 * tokens * d / t, hardware) + communication_ms,
         backward_input_ms=0.0,
-        backward_weight_ms=_ms(0.0, 8 * tokens + tokens * d, hardware),
-        activation_bytes=tokens,
+        backward_weight_ms=_ms(0.0, (8 * tokens + tokens * d) / t, hardware),
+        activation_bytes=tokens / t,
         retained_bytes=0.0,
-        parameters=model.vocab_size * h + s * h,
+        parameters=embedding_parameters(model) / t,
     )
 
 
-def head_block(model: ModelConfig, hardware: Hardware) -> Block:
-    """Final layer norm, LM head and cross-entropy loss on the last stage.
+def head_block(
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: TensorParallel | None = None,
+    *,
+    separate_copy: bool = True,
+) -> Block:
+    """Final norm, LM head and cross-entropy loss on the last stage.
 
-    FLOPs: F = 2·s·b·h·V (the logits), I = 2·s·b·h·V (gradient of the head input), W = 2·s·b·h·V. Traffic: F writes
-    the logits and the fp32 softmax ((2d + 4)·s·b·V bytes), I reads the softmax and writes the logits' gradient.
-    Activation: the layer norm's input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward
-    (4·s·b·V); W still needs the head input and the logits' gradient (s·b·h·d + s·b·V·d).
+    FLOPs: F = 2·s·b·h·V (the logits), I = 2·s·b·h·V (gradient of the head input), W = 2·s·b·h·V, each split by
+    tensor parallelism over the vocabulary. Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V
+    bytes), I reads the softmax and writes the logits' gradient. Activation: the norm's input and output
+    (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head input and the
+    logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a ``separate_copy`` (the
+    last stage of a pipeline keeps a copy, as Megatron does).
     """
+    t, _ = _tp(tensor_parallel)
     s, b, h, v, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
-    logits = s * b * v
-    flops = 2 * s * b * h * v
+    logits = s * b * v / t
+    flops = head_flops(model, t)
+    norm = norm_parameters(model)
     return Block(
         forward_ms=_ms(flops, (2 * d + 4) * logits, hardware),
         backward_input_ms=_ms(flops, (4 + d) * logits, hardware),
         backward_weight_ms=_ms(flops, 0.0, hardware),
         activation_bytes=2 * s * b * h * d + 4 * logits,
         retained_bytes=s * b * h * d + logits * d,
-        parameters=v * h + 2 * h,
+        parameters=(head_parameters(model, separate_copy=separate_copy) - norm) / t + norm,
     )
 
 
@@ -346,8 +405,65 @@ def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
     return errors
 
 
-def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipeline) -> DerivedProblem:
+def _check_tensor_parallel(
+    model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None
+) -> _Errors:
+    if tensor_parallel is None or tensor_parallel.size == 1:
+        return []
+    t = tensor_parallel.size
+    valid = [
+        d
+        for d in range(1, cluster.gpus_per_node + 1)
+        if cluster.gpus_per_node % d == 0
+        and model.num_attention_heads % d == 0
+        and model.key_value_heads % d == 0
+        and model.ffn_size % d == 0
+    ]
+    problems = []
+    if t > cluster.gpus_per_node:
+        problems.append(f"exceeds cluster.gpus_per_node {cluster.gpus_per_node} (tensor parallelism stays in a node)")
+    if model.num_attention_heads % t or model.key_value_heads % t:
+        problems.append(
+            f"does not divide the {model.num_attention_heads} attention heads "
+            f"and {model.key_value_heads} key/value heads"
+        )
+    if model.ffn_size % t:
+        problems.append(f"does not divide ffn_hidden_size {model.ffn_size}")
+    if not problems:
+        return []
+    return [
+        (
+            ("tensor_parallel", "size"),
+            f"tensor_parallel {t} {' and '.join(problems)}: use {', '.join(str(d) for d in valid)}",
+            t,
+        )
+    ]
+
+
+def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
+    if data_parallel is None:
+        return static_bytes_per_parameter(model, cluster)
+    per_parameter = static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+    if data_parallel.sharding == "full" and data_parallel.size > 1 and not data_parallel.reshard_after_forward:
+        per_parameter += model.dtype_bytes  # the gathered 16-bit weights stay for the whole step
+    return per_parameter
+
+
+def derive_problem(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    pipeline: Pipeline,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+    data_parallel: DataParallel | None = None,
+) -> DerivedProblem:
     """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
+
+    ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
+    :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3; with ``full`` and no resharding after
+    forward the gathered 16-bit weights count for the whole step, with resharding two layers' worth), in place
+    of ``cluster.data_parallel_size``/``shard_optimizer_state``.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -366,13 +482,19 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
 
     hardware = resolve_hardware(cluster)
     num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
-    raise_field_errors("Problem", _check_layers_per_stage(model, num_stages))
+    raise_field_errors(
+        "Problem",
+        _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
+    )
+    t, sequence_parallel = _tp(tensor_parallel)
 
-    layer = transformer_layer(model, hardware)
-    embedding = embedding_block(model, hardware)
-    head = head_block(model, hardware)
-    per_parameter = static_bytes_per_parameter(model, cluster)
+    layer = transformer_layer(model, hardware, tensor_parallel, cluster)
+    embedding = embedding_block(model, hardware, tensor_parallel, cluster)
+    head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
+    per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
+    if data_parallel is not None and data_parallel.sharding == "full" and data_parallel.reshard_after_forward:
+        limit -= 2 * layer.parameters * model.dtype_bytes  # a gathered layer and the prefetched next one
     holders = stage_ranks(pipeline)
 
     def stage_block(stage: int, count: int) -> Block:
@@ -459,12 +581,10 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
             static[rank] += block.parameters * per_parameter
-    p2p_ms = (
-        cluster.p2p_latency_ms
-        + 1e3
-        * (model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes)
-        / cluster.p2p_bandwidth_bytes_per_s
-    )
+    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
+    if sequence_parallel:
+        p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
+    p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
     costs = Costs(
         forward=[round(block.forward_ms, 6) for block in stages],
         backward_input=[round(block.backward_input_ms, 6) for block in stages],
@@ -480,7 +600,14 @@ def derive_problem(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipelin
     return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware)
 
 
-def derive_costs_and_memory(model: ModelConfig, cluster: ClusterConfig, pipeline: Pipeline) -> tuple[Costs, Memory]:
+def derive_costs_and_memory(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    pipeline: Pipeline,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+    data_parallel: DataParallel | None = None,
+) -> tuple[Costs, Memory]:
     """Per-stage F/I/W times (ms) and memory (bytes) for ``model`` on ``cluster`` (see :func:`derive_problem`)."""
-    derived = derive_problem(model, cluster, pipeline)
+    derived = derive_problem(model, cluster, pipeline, tensor_parallel=tensor_parallel, data_parallel=data_parallel)
     return derived.costs, derived.memory

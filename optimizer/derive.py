@@ -13,9 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.costmodel import derive_problem
-from pipesched.optimizer.problem import Pipeline, Problem
+from pipesched.optimizer.collectives import data_parallel_costs
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
 from pipesched.optimizer.validation import StrictModel, raise_field_errors
 
 __all__ = ["ProblemDocument", "load_problem"]
@@ -29,6 +30,8 @@ class _DerivationInput(StrictModel):
     pipeline: Pipeline
     model: ModelConfig
     cluster: ClusterConfig
+    tensor_parallel: TensorParallel | None = None
+    data_parallel: DataParallel | None = None
 
 
 def load_problem(data: Mapping[str, Any]) -> Problem:
@@ -47,21 +50,31 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
     """
     document = dict(data)
     if (
-        (document.get("costs") is None or document.get("memory") is None)
+        (document.get("costs") is None or document.get("memory") is None or _lacks_collectives(document))
         and document.get("model") is not None
         and document.get("cluster") is not None
     ):
         parts = _DerivationInput.model_validate(document)
-        derived_sections = {name for name in ("costs", "memory") if document.get(name) is None}
+        dp = parts.data_parallel
         try:
-            derived = derive_problem(parts.model, parts.cluster, parts.pipeline)
+            derived = derive_problem(
+                parts.model,
+                parts.cluster,
+                parts.pipeline,
+                tensor_parallel=parts.tensor_parallel,
+                data_parallel=dp,
+            )
         except ValidationError as error:
             _blame_inputs(error, parts.cluster, {"Costs": "costs", "Memory": "memory"}.get(error.title))
             raise
-        if "costs" in derived_sections:
+        costs_given, memory_given = document.get("costs") is not None, document.get("memory") is not None
+        derived_sections = {name for name, given in (("costs", costs_given), ("memory", memory_given)) if not given}
+        if not costs_given:
             document["costs"] = derived.costs.model_dump(mode="json")
-        if "memory" in derived_sections:
+        if not memory_given:
             document["memory"] = derived.memory.model_dump(mode="json")
+        if dp is not None and dp.size > 1:
+            _add_collectives(document, parts, derived, costs_given=costs_given, memory_given=memory_given)
         document["model"] = parts.model.model_copy(update={"layers_per_stage": derived.layers_per_stage}).model_dump(
             mode="json", exclude_none=True
         )
@@ -116,6 +129,87 @@ def _blame_inputs(error: ValidationError, cluster: ClusterConfig, section: str |
 
 #: Field names a derived section's errors carry when raised by its own model (``Costs``, ``Memory``).
 _DERIVED_FIELDS = ("forward", "backward_input", "backward_weight", "p2p", "activation", "retained_for_weight", "static")
+
+
+def _group_errors(
+    parts: _DerivationInput, size: int, tensor_parallel: int
+) -> list[tuple[tuple[str | int, ...], str, Any]]:
+    """The data-parallel group must agree with ``cluster.data_parallel_size`` and tile the nodes evenly."""
+    errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+    cluster_size = parts.cluster.data_parallel_size
+    if cluster_size not in (1, size):
+        errors.append(
+            (
+                ("cluster", "data_parallel_size"),
+                f"cluster.data_parallel_size {cluster_size} disagrees with data_parallel.size {size}: drop "
+                "cluster.data_parallel_size (data_parallel.size sets it) or make them equal",
+                cluster_size,
+            )
+        )
+    gpus_per_node = getattr(parts.cluster, "gpus_per_node", None)
+    group = size * tensor_parallel
+    if gpus_per_node and (gpus_per_node % group if group <= gpus_per_node else group % gpus_per_node):
+        fits = [d for d in range(1, gpus_per_node + 1) if gpus_per_node % (d * tensor_parallel) == 0]
+        errors.append(
+            (
+                ("data_parallel", "size"),
+                f"data_parallel.size {size} × tensor_parallel {tensor_parallel} = {group} GPUs neither divides nor is "
+                f"a multiple of gpus_per_node {gpus_per_node}: the groups would straddle nodes unevenly; use a size "
+                f"in {fits} or a multiple of {max(1, gpus_per_node // tensor_parallel)}",
+                size,
+            )
+        )
+    return errors
+
+
+def _lacks_collectives(document: Mapping[str, Any]) -> bool:
+    """Whether a document with d > 1 gives costs without ``costs.reduce_grad``."""
+    dp, costs = document.get("data_parallel"), document.get("costs")
+    return (
+        isinstance(dp, Mapping)
+        and isinstance(dp.get("size"), int)
+        and dp["size"] > 1
+        and isinstance(costs, Mapping)
+        and costs.get("reduce_grad") is None
+    )
+
+
+def _add_collectives(
+    document: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, *, costs_given: bool, memory_given: bool
+) -> None:
+    """Fill ``costs.unshard``/``reduce_grad``/``optimizer_step`` (those not given) and, for derived memory,
+    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.collectives`)."""
+    dp = parts.data_parallel
+    assert dp is not None and derived.hardware is not None
+    tensor_parallel = document.get("tensor_parallel")
+    tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
+    raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
+    collectives = data_parallel_costs(
+        model=parts.model,
+        cluster=parts.cluster,
+        stage_parameters=[block.parameters for block in derived.stages],
+        stage_holders=stage_ranks(parts.pipeline),
+        num_ranks=parts.pipeline.num_ranks,
+        data_parallel_size=dp.size,
+        sharding=dp.sharding,
+        memory_bandwidth_bytes_per_s=derived.hardware.memory_bandwidth_bytes_per_s,
+        tensor_parallel=tp_size,
+    )
+    costs = dict(document["costs"])
+    for name, value in (
+        ("unshard", collectives.unshard_ms),
+        ("reduce_grad", collectives.reduce_grad_ms),
+        ("optimizer_step", collectives.optimizer_step_ms),
+    ):
+        if costs.get(name) is None:
+            costs[name] = value
+    document["costs"] = costs
+    if not memory_given:
+        memory = dict(document["memory"])
+        memory["weights"] = [float(round(x)) for x in collectives.weights_bytes]
+        memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]
+        memory["static"] = collectives.static_bytes
+        document["memory"] = memory
 
 
 def _derive_missing(value: Any) -> Any:

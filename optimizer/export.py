@@ -18,12 +18,14 @@ def orders_to_torch_csv(orders: Orders) -> str:
     """PyTorch's compute-only schedule CSV: one row per rank, one action string per cell.
 
     Loadable by ``_PipelineScheduleRuntime._load_csv(path, "compute_only")`` and torchtitan's
-    ``--parallelism.pipeline_parallel_schedule_csv`` (``shared/NOTES.md`` §3).
+    ``--parallelism.pipeline_parallel_schedule_csv`` (``shared/NOTES.md`` §3). Communication actions and
+    optimizer steps are left out (the format is compute-only; torch's lowering inserts its own UNSHARD,
+    RESHARD and REDUCE_GRAD).
     """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
     for row in orders:
-        writer.writerow([str(action) for action in row])
+        writer.writerow([str(action) for action in row if action.is_compute])
     return buffer.getvalue()
 
 
@@ -39,28 +41,40 @@ def _trace_process(events: list[dict[str, Any]], pid: int, name: str) -> None:
     events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}})
     events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
     events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}})
+    events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "communication"}})
 
 
 def _trace_action(pid: int, text: str, trace_start_ms: float, trace_end_ms: float, **args: Any) -> dict[str, Any]:
-    from pipesched.optimizer.ir import parse_action
+    from pipesched.optimizer.ir import COMMUNICATION_KINDS, ActionKind, parse_action
 
     action = parse_action(text)
+    if action.is_compute:
+        name, stage, microbatch = (
+            f"{action.kind.value}{action.microbatch} (stage {action.stage})",
+            action.stage,
+            action.microbatch,
+        )
+    elif action.kind == ActionKind.OPTIMIZER_STEP:
+        name, stage, microbatch = "OPTIMIZER_STEP", None, None
+    else:
+        name, stage, microbatch = f"{action.kind.value} (stage {action.stage})", action.stage, None
     return {
-        "name": f"{action.kind.value}{action.microbatch} (stage {action.stage})",
+        "name": name,
         "cat": action.kind.value,
         "ph": "X",
         "pid": pid,
-        "tid": 0,
+        "tid": 1 if action.kind in COMMUNICATION_KINDS else 0,
         "ts": round(trace_start_ms * 1000.0, 3),
         "dur": round((trace_end_ms - trace_start_ms) * 1000.0, 3),
-        "args": {"action": text, "stage": action.stage, "microbatch": action.microbatch, **args},
+        "args": {"action": text, "stage": stage, "microbatch": microbatch, **args},
     }
 
 
 def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     """A schedule as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
 
-    One process per rank (``pid`` = rank, named ``"rank r"``), one complete event (``"ph": "X"``) per
+    One process per rank (``pid`` = rank, named ``"rank r"``) with two threads, ``compute`` (tid 0) and
+    ``communication`` (tid 1: UNSHARD, RESHARD, REDUCE_GRAD), one complete event (``"ph": "X"``) per
     action named like ``"F12 (stage 3)"`` with category its kind, ``ts``/``dur`` in microseconds (the
     schedule's ms × 1000), and each rank's memory as a counter track ``"memory"`` (``"ph": "C"``, bytes,
     from the simulator's ``memory_timeline``).
@@ -93,6 +107,7 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
             "objective": schedule.objective,
             "makespan_ms": schedule.makespan,
             "stage_span_ms": schedule.stage_span,
+            "step_time_ms": schedule.step_time,
             "bubble_rate": schedule.bubble_rate,
             "peak_memory_bytes": schedule.peak_memory,
         },

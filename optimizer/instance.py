@@ -13,17 +13,34 @@ chain of stages ``c_0 … c_{S-1}``:
 
 Memory (contract, Problem): F allocates ``activation``; I frees ``activation − retained_for_weight``;
 W frees ``retained_for_weight``; B frees ``activation``.
+
+The training step (contract, Terms: data-parallel group, communication actions, step_time), when the
+problem has d > 1 or an optimizer cost (:attr:`Problem.has_step_actions`), adds per stage id s:
+
+* sharding ``full``: ``UNSHARD(s)`` (all-gather, ``costs.unshard``; holds ``memory.weights``·(d−1)/d) before
+  every F of s, and ``RESHARD(s)`` (no time; frees them) after every backward of s. With
+  ``reshard_after_forward`` a first pair frames the forwards (RESHARD after every F) and a second pair the
+  backwards (UNSHARD before every I/B, after the first RESHARD);
+* d > 1: ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
+  placement also after those of the mirror replica's stage (both replicas' gradients are reduced together,
+  BitPipe §3.3); with sharding ``gradients``/``full`` it frees ``memory.gradients``·(d−1)/d;
+* per rank ``OPTIMIZER_STEP`` (``costs.optimizer_step``) after the rank's REDUCE_GRADs and, unless
+  ``training.post_validation``, after every other action of every rank (the global synchronisation: the
+  simulator enforces it, see :attr:`Instance.sync_before_step`).
+
+UNSHARD, RESHARD and REDUCE_GRAD run on the rank's communication stream (``stream`` 1); passes and the
+optimizer step on its compute stream (``stream`` 0). ``compute`` counts the passes only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.problem import Problem
 
-__all__ = ["Instance", "compile_problem", "stage_to_rank"]
+__all__ = ["Instance", "compile_problem", "compute_instance", "stage_to_rank"]
 
 
 def stage_to_rank(problem: Problem) -> list[int]:
@@ -66,6 +83,11 @@ class Instance:
         limit: per-rank limit in bytes (``inf`` for none).
         rank_actions: per rank, the action indices it must run (any order).
         compute: per-rank total busy time, ms (``ideal`` of the bubble rate is its max).
+        stream: index → 0 (compute stream) or 1 (communication stream); empty without step actions.
+        has_step_actions: whether the problem has communication actions or optimizer steps.
+        optimizer_steps: per rank, the index of its OPTIMIZER_STEP (empty without step actions).
+        sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
+        num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
     """
 
     problem: Problem
@@ -87,6 +109,11 @@ class Instance:
     limit: list[float] = field(default_factory=list)
     rank_actions: list[list[int]] = field(default_factory=list)
     compute: list[float] = field(default_factory=list)
+    stream: list[int] = field(default_factory=list)
+    has_step_actions: bool = False
+    optimizer_steps: list[int] = field(default_factory=list)
+    sync_before_step: bool = False
+    num_passes: int = -1
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -119,8 +146,11 @@ class Instance:
         return self.index[Action(stage, ActionKind(kind), microbatch)]
 
 
-def compile_problem(problem: Problem) -> Instance:
-    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta."""
+def compile_problem(problem: Problem, *, step_actions: bool = True) -> Instance:
+    """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
+
+    ``step_actions=False`` leaves out the communication actions and optimizer steps (the passes only, as the
+    compute-only generators and searches see the problem)."""
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
@@ -208,4 +238,112 @@ def compile_problem(problem: Problem) -> Instance:
                 link(bwd_ids[nxt], bwd_ids[stage], latency)
             else:
                 link(fwd_ids[k], bwd_ids[stage], 0.0)
+    if step_actions and problem.has_step_actions:
+        _add_step_actions(inst, problem)
     return inst
+
+
+def compute_instance(inst: Instance) -> Instance:
+    """The passes of ``inst`` alone (what ``compile_problem(problem, step_actions=False)`` gives), cut from an
+    instance with step actions without compiling again: they are indexed after every pass."""
+    if not inst.has_step_actions:
+        return inst
+    n = inst.num_passes
+    actions = inst.actions[:n]
+    return replace(
+        inst,
+        actions=actions,
+        index={action: i for i, action in enumerate(actions)},
+        rank=inst.rank[:n],
+        duration=inst.duration[:n],
+        preds=[[(j, t) for j, t in row if j < n] for row in inst.preds[:n]],
+        succs=[[(j, t) for j, t in row if j < n] for row in inst.succs[:n]],
+        mem_delta=inst.mem_delta[:n],
+        rank_actions=[[i for i in row if i < n] for row in inst.rank_actions],
+        stream=[],
+        has_step_actions=False,
+        optimizer_steps=[],
+        sync_before_step=False,
+        num_passes=-1,
+    )
+
+
+def _add_step_actions(inst: Instance, problem: Problem) -> None:
+    """Communication actions and optimizer steps (module docstring), appended after the passes."""
+    assert problem.costs is not None and problem.memory is not None
+    dp = problem.data_parallel
+    d = problem.data_parallel_size
+    sharding = "none" if dp is None else dp.sharding
+    zeros = [0.0] * inst.num_stages
+    unshard = problem.stage_values(problem.costs.unshard) if problem.costs.unshard is not None else zeros
+    reduce_grad = problem.stage_values(problem.costs.reduce_grad) if problem.costs.reduce_grad is not None else zeros
+    optimizer_step = problem.rank_values(problem.costs.optimizer_step, 0.0)
+    fraction = (d - 1) / d
+    weights = problem.stage_values(problem.memory.weights) if problem.memory.weights is not None else zeros
+    gradients = problem.stage_values(problem.memory.gradients) if problem.memory.gradients is not None else zeros
+    inst.stream = [0] * len(inst.actions)
+    inst.num_passes = len(inst.actions)
+    inst.has_step_actions = True
+    inst.sync_before_step = not problem.training.post_validation
+
+    def add(action: Action, rank: int, duration: float, delta: float, stream: int) -> int:
+        idx = len(inst.actions)
+        inst.actions.append(action)
+        inst.index[action] = idx
+        inst.rank.append(rank)
+        inst.duration.append(duration)
+        inst.preds.append([])
+        inst.succs.append([])
+        inst.mem_delta.append(delta)
+        inst.rank_actions[rank].append(idx)
+        inst.stream.append(stream)
+        return idx
+
+    def link(before: int, after: int) -> None:
+        inst.preds[after].append((before, 0.0))
+        inst.succs[before].append((after, 0.0))
+
+    stage_ids = range(len(inst.stage_ranks))
+    microbatches = {s: [j for j, chain in enumerate(inst.chains) if s in chain] for s in stage_ids}
+    last_kind = ActionKind.BACKWARD_WEIGHT if inst.split_backward else ActionKind.BACKWARD
+    reduce_ids: dict[int, int] = {}
+    for s in stage_ids:
+        rank, ms = inst.stage_ranks[s], inst.model_stage[s]
+        forwards = [inst.action_id(s, ActionKind.FORWARD, j) for j in microbatches[s]]
+        backwards = [inst.action_id(s, inst.backward_kind, j) for j in microbatches[s]]
+        finals = [inst.action_id(s, last_kind, j) for j in microbatches[s]]
+        if sharding == "full":
+            held = weights[ms] * fraction
+            gather = add(Action(s, ActionKind.UNSHARD, 0), rank, unshard[ms], held, 1)
+            free = add(Action(s, ActionKind.RESHARD, 0), rank, 0.0, -held, 1)
+            for idx in forwards:
+                link(gather, idx)
+            if dp is not None and dp.reshard_after_forward:
+                for idx in forwards:
+                    link(idx, free)
+                regather = add(Action(s, ActionKind.UNSHARD, 1), rank, unshard[ms], held, 1)
+                refree = add(Action(s, ActionKind.RESHARD, 1), rank, 0.0, -held, 1)
+                link(free, regather)
+                for idx in backwards:
+                    link(regather, idx)
+                for idx in finals:
+                    link(idx, refree)
+            else:
+                for idx in finals:
+                    link(idx, free)
+        if d > 1:
+            freed = -gradients[ms] * fraction if sharding in ("gradients", "full") else 0.0
+            reduce_ids[s] = add(Action(s, ActionKind.REDUCE_GRAD, 0), rank, reduce_grad[ms], freed, 1)
+            for idx in finals:
+                link(idx, reduce_ids[s])
+    if problem.pipeline.placement == "bidirectional" and d > 1:
+        for s in stage_ids:
+            mirror = s + inst.num_stages if s < inst.num_stages else s - inst.num_stages
+            for j in microbatches[mirror]:
+                link(inst.action_id(mirror, last_kind, j), reduce_ids[s])
+    for rank in range(inst.num_ranks):
+        step = add(Action(rank, ActionKind.OPTIMIZER_STEP, 0), rank, optimizer_step[rank], 0.0, 0)
+        inst.optimizer_steps.append(step)
+        for s, idx in reduce_ids.items():
+            if inst.stage_ranks[s] == rank:
+                link(idx, step)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.validation import StrictModel as _Strict
 from pipesched.optimizer.validation import raise_field_errors
 
@@ -28,6 +28,7 @@ __all__ = [
     "Pipeline",
     "Problem",
     "SolverOptions",
+    "TensorParallel",
     "Training",
     "raise_field_errors",
 ]
@@ -46,6 +47,7 @@ MethodName = Literal[
     "v-min",
     "bitpipe",
     "dualpipe-v",
+    "lga",
 ]
 METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
 FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
@@ -202,6 +204,16 @@ class Memory(_Strict):
     retained_for_weight: PerStage = Field(0.0, description="Bytes kept after I until W.")
     limit: PerRank | None = Field(None, description="Per-rank memory limit in bytes, counting static; null for none.")
     static: PerRank = Field(0.0, description="Per-rank bytes always held (weights, gradients, optimizer state).")
+    weights: PerStage | None = Field(
+        None,
+        description="Bytes of one stage's unsharded weights. With data_parallel.sharding full, UNSHARD holds the "
+        "gathered (d−1)/d of them until RESHARD; static counts the shard. null: gathered weights not counted.",
+    )
+    gradients: PerStage | None = Field(
+        None,
+        description="Bytes of one stage's unsharded gradient buffer. With sharding gradients or full, static counts "
+        "the whole buffer and REDUCE_GRAD frees (d−1)/d of it. null: gradient frees not counted.",
+    )
 
 
 class DataParallel(_Strict):
@@ -217,6 +229,22 @@ class DataParallel(_Strict):
     reshard_after_forward: bool = Field(
         False, description="With sharding full: free gathered weights after F and gather again before backward."
     )
+
+    @model_validator(mode="after")
+    def _check_reshard(self) -> DataParallel:
+        if self.reshard_after_forward and self.sharding != "full":
+            raise_field_errors(
+                "DataParallel",
+                [
+                    (
+                        ("reshard_after_forward",),
+                        f'reshard_after_forward needs sharding "full" (only sharded weights are gathered), got '
+                        f'{self.sharding!r}: set sharding to "full" or reshard_after_forward to false',
+                        True,
+                    )
+                ],
+            )
+        return self
 
 
 class Training(_Strict):
@@ -283,9 +311,12 @@ class Problem(_Strict):
     model: ModelConfig | None = None
     cluster: ClusterConfig | None = None
     data_parallel: DataParallel | None = Field(None, description="The data-parallel group; none means size 1.")
+    tensor_parallel: TensorParallel | None = Field(
+        None, description="Megatron tensor parallelism of every stage (with model/cluster); none means size 1."
+    )
     training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
-    objective: Literal["makespan", "stage_span"] = "makespan"
+    objective: Literal["makespan", "stage_span", "step_time"] = "makespan"
     solver: SolverOptions = Field(default_factory=SolverOptions)
 
     @model_validator(mode="after")
@@ -383,6 +414,10 @@ class Problem(_Strict):
             ("costs", "p2p", self.costs.p2p),
             ("memory", "activation", self.memory.activation),
             ("memory", "retained_for_weight", self.memory.retained_for_weight),
+            ("costs", "unshard", self.costs.unshard),
+            ("costs", "reduce_grad", self.costs.reduce_grad),
+            ("memory", "weights", self.memory.weights),
+            ("memory", "gradients", self.memory.gradients),
         ]
         for section, name, value in per_stage:
             if isinstance(value, list) and len(value) != num_stages:
@@ -394,16 +429,17 @@ class Problem(_Strict):
                         value,
                     )
                 )
-        per_rank: list[tuple[str, float | list[float] | None]] = [
-            ("limit", self.memory.limit),
-            ("static", self.memory.static),
+        per_rank: list[tuple[str, str, float | list[float] | None]] = [
+            ("memory", "limit", self.memory.limit),
+            ("memory", "static", self.memory.static),
+            ("costs", "optimizer_step", self.costs.optimizer_step),
         ]
-        for name, rank_value in per_rank:
+        for section, name, rank_value in per_rank:
             if isinstance(rank_value, list) and len(rank_value) != num_ranks:
                 errors.append(
                     (
-                        ("memory", name),
-                        f"memory.{name} has {len(rank_value)} values but there are {num_ranks} ranks: give "
+                        (section, name),
+                        f"{section}.{name} has {len(rank_value)} values but there are {num_ranks} ranks: give "
                         "one value per rank or a single number",
                         rank_value,
                     )
@@ -442,7 +478,72 @@ class Problem(_Strict):
                         None,
                     )
                 )
+        errors.extend(self._data_parallel_errors())
         raise_field_errors("Problem", errors)
+
+    def _data_parallel_errors(self) -> list[tuple[tuple[str | int, ...], str, Any]]:
+        """With d > 1 the collective costs must be given (derived from model/cluster by load_problem)."""
+        assert self.costs is not None
+        dp = self.data_parallel
+        if dp is None or dp.size == 1:
+            if dp is not None and dp.sharding != "none":
+                return [
+                    (
+                        ("data_parallel", "sharding"),
+                        f'sharding "{dp.sharding}" needs data_parallel.size > 1 (there is nothing to shard over '
+                        'one copy): set size to the number of pipeline copies, or sharding to "none"',
+                        dp.sharding,
+                    )
+                ]
+            return []
+        needed = ["reduce_grad"] + (["unshard"] if dp.sharding == "full" else [])
+        errors = self._gradient_buffer_errors(dp)
+        return errors + [
+            (
+                ("costs", name),
+                f"a data_parallel section (size {dp.size}, sharding {dp.sharding!r}) with costs that omit the "
+                f"collectives: give costs.{name} (ms per stage, a number or one per stage), or give model and "
+                "cluster instead of costs so pipesched derives them",
+                None,
+            )
+            for name in needed
+            if getattr(self.costs, name) is None
+        ]
+
+    def _gradient_buffer_errors(self, dp: DataParallel) -> list[tuple[tuple[str | int, ...], str, Any]]:
+        """REDUCE_GRAD frees (d−1)/d of ``memory.gradients`` from ``static``: static must hold them."""
+        assert self.memory is not None
+        if self.memory.gradients is None or dp.sharding not in ("gradients", "full"):
+            return []
+        pipeline = self.pipeline
+        p, num_stages = pipeline.num_ranks, pipeline.num_stages
+        placement = pipeline.placement
+        if isinstance(placement, list):
+            ranks = list(placement)
+        elif placement == "loop":
+            ranks = [s % p for s in range(num_stages)]
+        else:  # "v", and each replica of "bidirectional" (contract, Terms: placement)
+            ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+            if placement == "bidirectional":
+                ranks += [p - 1 - r for r in ranks]
+        gradients = self.stage_values(self.memory.gradients)
+        freed = [0.0] * p
+        for stage, rank in enumerate(ranks):
+            freed[rank] += gradients[stage % num_stages] * (dp.size - 1) / dp.size
+        static = self.static_memory
+        for rank in range(p):
+            if freed[rank] > static[rank] * (1 + 1e-9) + 1e-6:
+                return [
+                    (
+                        ("memory", "static"),
+                        f"rank {rank}'s REDUCE_GRADs free {freed[rank]:.0f} bytes of gradients (memory.gradients × "
+                        f"(d−1)/d with sharding {dp.sharding!r}), more than its static {static[rank]:.0f} bytes: "
+                        "static counts each stage's whole gradient buffer: raise"
+                        " memory.static or lower memory.gradients",
+                        self.memory.static,
+                    )
+                ]
+        return []
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -459,6 +560,17 @@ class Problem(_Strict):
         if isinstance(value, list):
             return [float(v) for v in value]
         return [float(value)] * self.pipeline.num_ranks
+
+    @property
+    def data_parallel_size(self) -> int:
+        """d: copies of the pipeline (1 without a data_parallel section)."""
+        return 1 if self.data_parallel is None else self.data_parallel.size
+
+    @property
+    def has_step_actions(self) -> bool:
+        """Whether the step has communication actions or optimizer steps (d > 1 or an optimizer cost)."""
+        assert self.costs is not None
+        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None
 
     @property
     def memory_limits(self) -> list[float]:

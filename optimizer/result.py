@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipesched.optimizer.instance import Instance, compile_problem
-from pipesched.optimizer.ir import Action, Orders, parse_action
+from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
 
@@ -33,10 +33,10 @@ class ActionTiming(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    action: str = Field(description='String form, e.g. "3F12".')
-    stage: int
-    kind: Literal["F", "I", "W", "B"]
-    microbatch: int
+    action: str = Field(description='String form, e.g. "3F12", "3REDUCE_GRAD", "OPTIMIZER_STEP".')
+    stage: int | None = Field(description="Stage id; null for OPTIMIZER_STEP.")
+    kind: Literal["F", "I", "W", "B", "UNSHARD", "RESHARD", "REDUCE_GRAD", "OPTIMIZER_STEP"]
+    microbatch: int | None = Field(description="Microbatch; null for communication actions and OPTIMIZER_STEP.")
     start: float = Field(description="ms")
     end: float = Field(description="ms")
 
@@ -66,9 +66,14 @@ class Schedule(BaseModel):
     status: Status
     method: str
     backend: str
-    objective: Literal["makespan", "stage_span"]
+    objective: Literal["makespan", "stage_span", "step_time"]
     makespan: float | None = Field(None, description="ms")
     stage_span: float | None = Field(None, description="ms")
+    step_time: float | None = Field(
+        None,
+        description="ms: first start to the end of the last optimizer step (contract, Terms); equals the makespan "
+        "(stage_span under post-validation) without data parallelism and optimizer cost",
+    )
     lower_bound: float | None = Field(None, description="ms, on the objective")
     gap: float | None = None
     bubble_rate: float | None = None
@@ -93,11 +98,13 @@ class Schedule(BaseModel):
 
     def orders(self) -> Orders:
         """Per-rank :class:`Action` orders."""
-        return [[parse_action(a.action) for a in rank.actions] for rank in self.ranks]
+        return parse_orders([[a.action for a in rank.actions] for rank in self.ranks])
 
     @property
     def objective_value(self) -> float | None:
         """The value of ``objective``, ms."""
+        if self.objective == "step_time":
+            return self.step_time
         return self.makespan if self.objective == "makespan" else self.stage_span
 
 
@@ -163,9 +170,9 @@ def schedule_from_simulation(
             timings.append(
                 ActionTiming(
                     action=str(action),
-                    stage=action.stage,
+                    stage=None if action.kind == ActionKind.OPTIMIZER_STEP else action.stage,
                     kind=action.kind.value,
-                    microbatch=action.microbatch,
+                    microbatch=action.microbatch if action.is_compute else None,
                     start=round(sim.start[idx], 6),
                     end=round(sim.end[idx], 6),
                 )
@@ -178,6 +185,7 @@ def schedule_from_simulation(
         objective=problem.objective,
         makespan=round(sim.makespan, 6),
         stage_span=round(sim.stage_span, 6),
+        step_time=round(sim.step_time, 6),
         lower_bound=None if lower_bound is None else round(lower_bound, 6),
         gap=gap,
         bubble_rate=round(sim.bubble_rate(problem.objective), 6),

@@ -8,6 +8,18 @@ counted from its start, I/W/B's frees from their end.
 Rejections raise :class:`InvalidSchedule` with a machine-readable ``reason``:
 ``malformed`` (wrong number of ranks), ``unknown_action``, ``wrong_rank``, ``missing_action``,
 ``duplicate_action``, ``deadlock`` (with who waits on what) and ``memory_limit`` (rank, time, bytes).
+
+The training step (contract, step_time): an instance with communication actions or optimizer steps
+(:attr:`Instance.has_step_actions`) gives every rank a second resource, its communication stream. A rank's
+list is then two in-order queues: its passes and OPTIMIZER_STEP on the compute stream, UNSHARD and
+REDUCE_GRAD on the communication stream (they overlap compute, not each other), and RESHARD, a free that
+takes no time and occupies neither. A communication action is issued where it stands in the list: it starts
+no earlier than the pass before it in the list (PyTorch's runtime issues it when it reaches it). With
+synchronisation (no ``training.post_validation``) every OPTIMIZER_STEP waits for every other action of every
+rank. Memory is then counted event by event in time order (frees before allocations at the same instant).
+``step_time``: first start to the last OPTIMIZER_STEP's end, or under post-validation the max over ranks of
+(the rank's OPTIMIZER_STEP end − its first start); without step actions it is the makespan, or the
+stage_span under post-validation.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipesched.optimizer.instance import Instance
-from pipesched.optimizer.ir import Orders
+from pipesched.optimizer.ir import ActionKind, Orders
 
 __all__ = [
     "InvalidSchedule",
@@ -51,6 +63,7 @@ class SimulationResult:
         memory_timeline: per rank, ``(time ms, bytes)`` steps from time 0.
         fits: whether every rank stayed within its limit.
         ideal: max per-rank compute, ms.
+        step_time: first start to the end of the last optimizer step, ms (module docstring).
     """
 
     orders: list[list[int]]
@@ -62,9 +75,12 @@ class SimulationResult:
     memory_timeline: list[list[tuple[float, float]]]
     fits: bool
     ideal: float
+    step_time: float = math.nan
 
     def objective_value(self, objective: str) -> float:
-        """``makespan`` or ``stage_span`` in ms."""
+        """``makespan``, ``stage_span`` or ``step_time`` in ms."""
+        if objective == "step_time":
+            return self.step_time
         return self.makespan if objective == "makespan" else self.stage_span
 
     def bubble_rate(self, objective: str) -> float:
@@ -148,6 +164,8 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
     Raises:
         InvalidSchedule: ``deadlock`` or (with ``check_memory``) ``memory_limit``.
     """
+    if inst.has_step_actions:
+        return _simulate_streams(inst, orders, check_memory=check_memory)
     n = len(inst.actions)
     start = [math.nan] * n
     end = [math.nan] * n
@@ -240,6 +258,174 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
         memory_timeline=timelines,
         fits=fits,
         ideal=inst.ideal,
+        step_time=stage_span if inst.problem.training.post_validation else makespan,
+    )
+
+
+def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: bool) -> SimulationResult:
+    """List scheduling with a compute and a communication stream per rank (module docstring)."""
+    n = len(inst.actions)
+    start = [math.nan] * n
+    end = [math.nan] * n
+    preds, duration, stream = inst.preds, inst.duration, inst.stream
+    num_ranks = len(orders)
+    is_step = [False] * n
+    for idx in inst.optimizer_steps:
+        is_step[idx] = True
+    instant = [inst.actions[i].kind == ActionKind.RESHARD for i in range(n)]
+    queues: list[list[list[int]]] = []
+    issue = [-1] * n
+    for row in orders:
+        lanes: list[list[int]] = [[], []]
+        previous = -1
+        for idx in row:
+            lanes[stream[idx]].append(idx)
+            if stream[idx] == 1:
+                issue[idx] = previous
+            else:
+                previous = idx
+        queues.append(lanes)
+    pos = [[0, 0] for _ in range(num_ranks)]
+    free = [[0.0, 0.0] for _ in range(num_ranks)]
+    pending = n - len(inst.optimizer_steps)
+    barrier = 0.0
+    done = 0
+    worklist = [(r, k) for r in range(num_ranks) for k in (0, 1)]
+    queued = {item: True for item in worklist}
+
+    def wake(rank: int) -> None:
+        for k in (0, 1):
+            if not queued[(rank, k)]:
+                queued[(rank, k)] = True
+                worklist.append((rank, k))
+
+    while worklist:
+        rank, lane = worklist.pop()
+        queued[(rank, lane)] = False
+        queue = queues[rank][lane]
+        k = pos[rank][lane]
+        progressed = False
+        while k < len(queue):
+            idx = queue[k]
+            ready = 0.0 if instant[idx] else free[rank][lane]
+            if issue[idx] >= 0:
+                t = start[issue[idx]]
+                if t != t:
+                    break
+                ready = max(ready, t)
+            if is_step[idx] and inst.sync_before_step:
+                if pending > 0:
+                    break
+                ready = max(ready, barrier)
+            blocked = False
+            for pred, latency in preds[idx]:
+                t = end[pred]
+                if t != t:
+                    blocked = True
+                    break
+                ready = max(ready, t + latency)
+            if blocked:
+                break
+            start[idx] = ready
+            end[idx] = ready + duration[idx]
+            if not instant[idx]:
+                free[rank][lane] = end[idx]
+            k += 1
+            done += 1
+            progressed = True
+            if not is_step[idx]:
+                pending -= 1
+                barrier = max(barrier, end[idx])
+                if pending == 0:
+                    for r in range(num_ranks):
+                        wake(r)
+            for succ, _ in inst.succs[idx]:
+                if inst.rank[succ] != rank:
+                    wake(inst.rank[succ])
+        pos[rank][lane] = k
+        if progressed:
+            wake(rank)
+    if done != n:
+        waits = []
+        for rank, row in enumerate(orders):
+            waiting = [idx for idx in row if end[idx] != end[idx]]
+            if not waiting:
+                continue
+            idx = waiting[0]
+            missing = [pred for pred, _ in preds[idx] if end[pred] != end[pred]]
+            blocker = missing[0] if missing else (issue[idx] if issue[idx] >= 0 else waiting[-1])
+            waits.append(
+                {
+                    "rank": rank,
+                    "action": str(inst.actions[idx]),
+                    "waits_for": str(inst.actions[blocker]),
+                    "on_rank": inst.rank[blocker],
+                }
+            )
+        text = "; ".join(
+            f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in waits
+        )
+        raise InvalidSchedule("deadlock", f"deadlock: {text}", waits=waits)
+
+    first_start = min((min(start[i] for i in row) for row in orders if row), default=0.0)
+    makespan = stage_span = step_time = 0.0
+    for row in orders:
+        body = [i for i in row if not is_step[i]]
+        if body:
+            row_start = min(start[i] for i in body)
+            row_end = max(end[i] for i in body)
+            makespan = max(makespan, row_end - first_start)
+            stage_span = max(stage_span, row_end - row_start)
+        if row:
+            last = max(end[i] for i in row)
+            own_start = min(start[i] for i in row)
+            step_time = max(step_time, last - (own_start if not inst.sync_before_step else first_start))
+
+    peaks: list[float] = []
+    timelines: list[list[tuple[float, float]]] = []
+    fits = True
+    for rank, row in enumerate(orders):
+        events = sorted(
+            (
+                (start[idx] if inst.mem_delta[idx] > 0 else end[idx], 1 if inst.mem_delta[idx] > 0 else 0, k, idx)
+                for k, idx in enumerate(row)
+                if inst.mem_delta[idx] != 0
+            )
+        )
+        current = inst.static[rank]
+        peak = current
+        timeline = [(0.0, current)]
+        limit = inst.limit[rank]
+        for time, _, _, idx in events:
+            current += inst.mem_delta[idx]
+            timeline.append((time, current))
+            peak = max(peak, current)
+            if current > limit * (1 + 1e-12) + 1e-9:
+                if fits and check_memory:
+                    raise InvalidSchedule(
+                        "memory_limit",
+                        f"rank {rank} holds {current:.0f} bytes at {time:.3f} ms (from {inst.actions[idx]}), "
+                        f"over its limit of {limit:.0f} bytes by {current - limit:.0f}",
+                        rank=rank,
+                        time_ms=time,
+                        bytes=current,
+                        limit=limit,
+                        action=str(inst.actions[idx]),
+                    )
+                fits = False
+        peaks.append(peak)
+        timelines.append(timeline)
+    return SimulationResult(
+        orders=orders,
+        start=start,
+        end=end,
+        makespan=makespan,
+        stage_span=stage_span,
+        peak_memory=peaks,
+        memory_timeline=timelines,
+        fits=fits,
+        ideal=inst.ideal,
+        step_time=step_time,
     )
 
 

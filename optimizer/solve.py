@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from pipesched.optimizer.communication import ReshardOrderError, add_communication
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
@@ -39,6 +40,10 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
+        if problem.has_step_actions or problem.objective == "step_time":
+            from pipesched.optimizer.solvers.step import solve_step
+
+            return solve_step(problem, progress=progress, should_stop=should_stop)
         return solve_auto(problem, progress=progress, should_stop=should_stop)
     return solve_family(problem, problem.solver.method)
 
@@ -71,6 +76,11 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
             f"{pipeline.stages_per_rank} stages per rank × {pipeline.num_microbatches} microbatches: raise "
             "solver.time_limit_s, use fewer ranks or microbatches, or method auto"
         ) from None
+    try:
+        # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+        orders = add_communication(inst, orders)
+    except ReshardOrderError as error:
+        raise FamilyDomainError(f"{name}: {error}") from None
     schedule = build_schedule(
         problem,
         orders,

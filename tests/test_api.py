@@ -466,6 +466,8 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
         "create_job",
         "get_job",
         "cancel_job",
+        "create_plan",
+        "get_plan",
         "list_methods",
         "health",
         "metrics",

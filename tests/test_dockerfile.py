@@ -115,6 +115,17 @@ def test_install_steps_in_a_plain_venv(tmp_path: Path) -> None:
             assert server.poll() is None, server.stdout.read().decode() if server.stdout else ""
             assert time.monotonic() < deadline, result.stderr
             time.sleep(0.5)
+        # the same image runs a worker: with the workers extra installed, an unreachable database is its only complaint
+        unreachable = f"postgresql+psycopg://pipesched@127.0.0.1:{free_port()}/pipesched"
+        worker = subprocess.run(
+            ["pipesched", "worker"],
+            cwd=tmp_path,
+            env={**env, "PIPESCHED_DATABASE_URL": unreachable},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert worker.returncode == 2 and "cannot reach the database" in worker.stderr, worker.stderr[-2000:]
     finally:
         server.terminate()
         server.wait(timeout=30)

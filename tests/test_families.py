@@ -91,6 +91,7 @@ _DOMAINS: dict[str, tuple[str, tuple[int, ...], bool]] = {
     "v-min": ("v", (2,), False),
     "bitpipe": ("bidirectional", (2,), False),
     "dualpipe-v": ("v", (2,), False),
+    "lga": ("loop", (1, 2, 3), False),
 }
 
 

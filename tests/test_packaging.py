@@ -42,7 +42,6 @@ def test_the_wheel_holds_only_the_pipesched_package(tmp_path: Path) -> None:
             "pip",
             "wheel",
             "--no-deps",
-            "--no-build-isolation",
             "-q",
             "-w",
             str(tmp_path),

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from pipesched.api.jobs import SolverPool
+from pipesched.api.lanes import Lane, LaneFull
 from pipesched.api.metrics import Metrics
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
@@ -26,6 +27,27 @@ class Services:
     store: Store
     pool: SolverPool
     metrics: Metrics
+    renders: Lane
+
+
+#: The setting that bounds each lane's queue, named in a 429.
+QUEUE_SETTINGS = {
+    "job": "PIPESCHED_MAX_QUEUED_JOBS",
+    "solve": "PIPESCHED_MAX_QUEUED_SOLVES",
+    "render": "PIPESCHED_MAX_QUEUED_RENDERS",
+}
+
+
+def too_busy(error: LaneFull, alternative: str = "") -> HTTPException:
+    """429 with ``Retry-After`` for a full lane: what is full, its bound's setting, when to retry."""
+    return HTTPException(
+        status_code=429,
+        detail=(
+            f"{error} ({QUEUE_SETTINGS.get(error.lane, 'the queue bound')}): retry after {error.retry_after_s} s"
+            + (f", or {alternative}" if alternative else "")
+        ),
+        headers={"Retry-After": str(error.retry_after_s)},
+    )
 
 
 def services(request: Request) -> Services:

@@ -2,22 +2,39 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import APIRouter, Depends, HTTPException, Response
 
-from pipesched.api.routes._common import Services, prepare_problem, require_token, services
+from pipesched.api.lanes import LaneClosed, LaneFull
+from pipesched.api.routes._common import Services, prepare_problem, require_token, services, too_busy
 from pipesched.api.schemas import JobCreated, JobProgress, JobStatus, error_responses
 from pipesched.api.storage import JobRow, problem_key
 from pipesched.optimizer.derive import ProblemDocument
+
+log = logging.getLogger("pipesched.api")
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(require_token)])
 
 
 def job_status(svc: Services, row: JobRow) -> JobStatus:
-    """The API view of a job row (the schedule included once done)."""
-    result = svc.store.schedule(row.schedule_id) if row.schedule_id else None
+    """The API view of a job row (the schedule included once done).
+
+    A stored schedule that no longer reads back (written by an older build) is reported as the job's
+    ``error`` with status ``failed``, never as a 500.
+    """
+    status, error = row.status, row.error
+    try:
+        result = svc.store.schedule(row.schedule_id) if row.schedule_id else None
+    except ValueError as unreadable:
+        log.error("job %s: stored schedule %s does not read back: %s", row.id, row.schedule_id, unreadable)
+        result, status = None, "failed"
+        error = (
+            f"the stored schedule {row.schedule_id} cannot be read back ({type(unreadable).__name__}); submit it again"
+        )
     return JobStatus(
         id=row.id,
-        status=row.status,
+        status=status,
         progress=JobProgress(
             best_objective=row.best_objective,
             lower_bound=row.lower_bound,
@@ -26,7 +43,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
         ),
         schedule_id=row.schedule_id,
         result=result,
-        error=row.error,
+        error=error,
         cache="hit" if row.cache_hit else "miss",
         attempt=row.attempt,
         created_at=row.created_at,
@@ -40,20 +57,36 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     operation_id="create_job",
     summary="Queue a solve; poll GET /v1/jobs/{id}",
     response_model=JobCreated,
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 413, 422, 429, 503),
 )
 def create_job(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> JobCreated:
     """Queue ``problem`` for a solver process (at most ``solver_workers`` run at once; the rest wait).
 
-    A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``).
+    A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``). When
+    ``max_queued_jobs`` jobs wait already: 429 with ``Retry-After``, and nothing is stored.
     """
     problem = prepare_problem(problem, svc.settings)
     key = problem_key(problem)
     cached = svc.store.schedule_by_hash(key)
     svc.metrics.cache_lookups.labels(result="hit" if cached else "miss").inc()
-    row = svc.store.create_job(problem, key, cached)
     if cached is None:
-        svc.pool.submit_job(row.id, row.attempt, problem.solver.time_limit_s)
+        try:
+            svc.pool.reserve_job()
+        except LaneFull as error:
+            raise too_busy(error, "solve it synchronously with POST /v1/schedules") from None
+        except LaneClosed as error:
+            raise HTTPException(503, f"{error}: retry") from None
+        try:
+            row = svc.store.create_job(problem, key, None)
+        except BaseException:
+            svc.pool.release_job()
+            raise
+        try:
+            svc.pool.submit_job(row.id, row.attempt, problem.solver.time_limit_s, reserved=True)
+        except LaneClosed as error:  # shutting down: the queued row is picked up at the next start
+            raise HTTPException(503, f"{error}: job {row.id} runs when the service is back") from None
+    else:
+        row = svc.store.create_job(problem, key, cached)
     response.headers["Location"] = f"/v1/jobs/{row.id}"
     response.headers["X-Pipesched-Cache"] = "hit" if cached else "miss"
     return JobCreated(id=row.id, status=row.status)

@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Response
+from fastapi.exceptions import RequestValidationError
 
-from pipesched.api import plots
-from pipesched.api.jobs import SolverDied
+from pipesched.api.jobs import SolverDied, SolveTimeout, UnstorableSchedule
+from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
+from pipesched.api.render import Drawing, draw
 from pipesched.api.routes._common import (
     Services,
     cache_headers,
-    check_method,
     field_error,
     prepare_problem,
     require_token,
     services,
+    too_busy,
 )
 from pipesched.api.schemas import ChromeTrace, ScheduleAnswer, error_responses
 from pipesched.api.storage import problem_key
 from pipesched.optimizer.derive import ProblemDocument
-from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 from pipesched.optimizer.families import FamilyDomainError
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
-from pipesched.optimizer.solve import solve_family
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
 
@@ -59,14 +58,14 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
         return cached, True
     try:
         schedule = svc.pool.solve(problem, timeout_s=problem.solver.time_limit_s + SYNC_WAIT_GRACE_S)
+    except LaneFull as error:
+        raise too_busy(error, "submit it as a job with POST /v1/jobs") from None
     except SolverDied as error:
         raise HTTPException(503, f"{error}: retry, or lower the problem's size") from None
-    except TimeoutError:
-        raise HTTPException(
-            504,
-            f"no answer within {problem.solver.time_limit_s + SYNC_WAIT_GRACE_S:.0f} s (the solver pool is busy): "
-            "retry, or submit it as a job with POST /v1/jobs",
-        ) from None
+    except UnstorableSchedule as error:
+        raise field_error(("body",), str(error), "unstorable") from None
+    except SolveTimeout as error:
+        raise HTTPException(504, f"{error}: retry, or submit it as a job with POST /v1/jobs") from None
     svc.metrics.solve_seconds.labels(method=problem.solver.method, mode=mode).observe(schedule.solve_time_s)
     stored, _created = svc.store.put_schedule(key, schedule)
     return stored.model_dump_json(), False
@@ -84,7 +83,7 @@ def with_cache_field(schedule_json: str, hit: bool) -> str:
     operation_id="solve_schedule",
     summary="Solve a problem within its time limit and answer the schedule",
     response_model=ScheduleAnswer,
-    responses=error_responses(400, 401, 413, 422, 503, 504),
+    responses=error_responses(400, 401, 413, 422, 429, 503, 504),
 )
 def solve_schedule(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> Response:
     """Solve ``problem`` (clamped to the service's time limit) and answer the schedule with its ``id``.
@@ -115,7 +114,7 @@ def _stored(svc: Services, schedule_id: str) -> Schedule:
     response_model=Schedule | ChromeTrace,
     responses={
         200: {"content": {media: {} for media in ("text/csv", "image/png", "image/svg+xml")}},
-        **error_responses(401, 404, 409, 422),
+        **error_responses(401, 404, 409, 413, 422, 429, 503, 504),
     },
 )
 def get_schedule(
@@ -125,33 +124,67 @@ def get_schedule(
     ),
     svc: Services = Depends(services),
 ) -> Response:
-    """The schedule stored under ``schedule_id`` in ``format``."""
+    """The schedule stored under ``schedule_id`` in ``format``: json as stored; the others written in a
+    render process (png and svg: 413 over ``PIPESCHED_MAX_RENDER_ACTIONS``; 429 when its queue is full)."""
     media = FORMAT_MEDIA[output_format]
     if output_format == "json":
         stored_json = svc.store.schedule_json(schedule_id)
         if stored_json is None:
             _stored(svc, schedule_id)  # the 404
         return Response(stored_json, media_type=media)
-    schedule = _stored(svc, schedule_id)
-    if schedule.status == "infeasible":
-        raise HTTPException(
-            409,
-            f"schedule {schedule_id} is infeasible ({schedule.reason}): it has no actions to write as {output_format}",
+    return drawn(svc, schedule_id, output_format, None)
+
+
+def drawn(svc: Services, schedule_id: str, kind: str, compare: str | None) -> Response:
+    """``kind`` (png, svg, view) of a stored schedule, drawn by :func:`pipesched.api.render.draw` in the
+    render lane, waiting at most ``render_timeout_s``.
+
+    Raises:
+        HTTPException: 429 (render queue full), 503 (the render process died), 504 (no drawing in time),
+            or the drawing's own 404/409/413.
+        RequestValidationError: ``compare`` is not a family that admits the problem (422).
+    """
+    settings = svc.settings
+    try:
+        ticket = svc.renders.submit(
+            draw,
+            svc.store.database_url,
+            schedule_id,
+            kind,
+            compare,
+            settings.max_render_actions,
+            expected_s=settings.render_timeout_s / 4,
         )
-    if output_format == "csv":
-        return Response(orders_to_torch_csv(schedule.orders()), media_type=media)
-    if output_format == "chrome-trace":
-        return Response(json.dumps(schedule_to_chrome_trace(schedule)), media_type=media)
-    if output_format == "png":
-        return Response(plots.render_png(schedule), media_type=media)
-    return Response(plots.render_svg(schedule), media_type=media)
+    except LaneFull as error:
+        raise too_busy(error, "fetch it with ?format=json and draw it locally with `pipesched plot`") from None
+    except LaneClosed as error:
+        raise HTTPException(503, f"{error}: retry") from None
+    try:
+        drawing: Drawing = ticket.future.result(timeout=settings.render_timeout_s)
+    except TimeoutError:
+        waited = svc.renders.cancel(ticket)
+        if not waited:
+            svc.renders.abort(ticket)  # a runaway drawing would hold the render process for the next ones
+        raise HTTPException(
+            504,
+            f"no drawing within {settings.render_timeout_s:g} s (PIPESCHED_RENDER_TIMEOUT_S): "
+            + ("it waited in the render queue and never started" if waited else "the drawing itself took longer")
+            + "; fetch it with ?format=json and draw it locally with `pipesched plot`",
+        ) from None
+    except (WorkerDied, LaneClosed) as error:
+        raise HTTPException(503, f"{error}: retry, or fetch it with ?format=json") from None
+    if drawing.status == 422:
+        raise RequestValidationError(drawing.detail)
+    if drawing.status != 200:
+        raise HTTPException(drawing.status, drawing.detail)
+    return Response(drawing.body, media_type=drawing.media)
 
 
 @router.get(
     "/{schedule_id}/view",
     operation_id="view_schedule",
     summary="An HTML page of a stored schedule, optionally beside another family's",
-    responses={200: {"content": {"text/html": {}}}, **error_responses(401, 404, 409, 422, 504)},
+    responses={200: {"content": {"text/html": {}}}, **error_responses(401, 404, 409, 413, 422, 429, 503, 504)},
     response_class=Response,
 )
 def view_schedule(
@@ -159,21 +192,6 @@ def view_schedule(
     compare: str | None = Query(None, description="A family name (see GET /v1/methods) to draw beside it."),
     svc: Services = Depends(services),
 ) -> Response:
-    """The HTML view; with ``compare`` the same problem solved by that family is drawn beside it."""
-    schedule = _stored(svc, schedule_id)
-    if schedule.status == "infeasible":
-        raise HTTPException(409, f"schedule {schedule_id} is infeasible ({schedule.reason}): there is nothing to draw")
-    other: Schedule | None = None
-    if compare is not None:
-        if compare == "auto":
-            raise field_error(
-                ("query", "compare"), "compare names one family (see GET /v1/methods), not auto", "unknown_method"
-            )
-        check_method(schedule.problem, compare, ("query", "compare"))
-        try:
-            # Drawn as the family builds it, flagged over the limit when it does not fit (not stored: with
-            # the memory limit enforced it would be an infeasible answer with nothing to draw).
-            other = solve_family(schedule.problem, compare, enforce_memory=False)
-        except FamilyDomainError as error:
-            raise field_error(("query", "compare"), f"{error}; choose another family", "family_domain") from None
-    return Response(plots.render_view_html(schedule, compare=other), media_type="text/html")
+    """The HTML view; with ``compare`` the same problem solved by that family is drawn beside it (both
+    drawn in a render process: 413 over ``PIPESCHED_MAX_RENDER_ACTIONS``, 429 when its queue is full)."""
+    return drawn(svc, schedule_id, "view", compare)

@@ -64,6 +64,7 @@ _MODULES = {
     "v-min": "v_shape",
     "bitpipe": "bitpipe",
     "dualpipe-v": "dualpipe_v",
+    "lga": "lga",
 }
 
 

@@ -78,7 +78,7 @@ def mean_stage_costs(problem: Problem) -> tuple[float, float, float, float, floa
 def valid_or_none(problem: Problem, orders: Orders) -> Orders | None:
     """``orders`` if the simulator accepts them for ``problem`` (memory limits included), else ``None``."""
     try:
-        simulate(compile_problem(problem), orders)
+        simulate(compile_problem(problem, step_actions=False), orders)
     except InvalidSchedule:
         return None
     return orders
@@ -86,7 +86,7 @@ def valid_or_none(problem: Problem, orders: Orders) -> Orders | None:
 
 def capped_v_orders(problem: Problem, in_flight: Callable[[int], int]) -> Orders:
     """Orders holding at most ``in_flight(p)`` microbatches' activations per rank (see :mod:`._greedy`)."""
-    inst = compile_problem(problem)
+    inst = compile_problem(problem, step_actions=False)
     k = in_flight(inst.num_ranks)
     caps = [k * reservation for reservation in max_reservations(inst)]
     return capped_greedy_orders(inst, caps)

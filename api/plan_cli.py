@@ -1,0 +1,156 @@
+"""``pipesched plan CONFIG.json [--top K] [-o PLAN.json]``: the best parallel configurations, on the command line.
+
+Bad input exits 2 naming the field; a search that finds no plan exits 1 with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipesched.api.loading import format_validation_error
+from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
+from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
+from pipesched.optimizer.units import format_bytes
+
+__all__ = ["plan_command", "print_plans"]
+
+#: Wide enough for the plans table when the output is not a terminal (a file, a pipe, a test runner).
+_WIDTH = 170
+console = Console(width=None if sys.stdout.isatty() else _WIDTH)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else _WIDTH)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def load_plan_request(path: Path, top: int | None = None, time_limit: float | None = None) -> PlanRequest:
+    """Read and validate a plan request file (contract, Plan).
+
+    Raises:
+        typer.Exit: code 2 with the field paths and the fix.
+    """
+    try:
+        data = json.loads(path.read_text())
+    except OSError as error:
+        raise _fail(f"cannot read {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+    if not isinstance(data, dict):
+        raise _fail(f"{path}: a plan request is a JSON object with model, cluster, training (see the contract)")
+    search = dict(data.get("search") or {})
+    if top is not None:
+        search["top"] = top
+    if time_limit is not None:
+        search["time_limit_s"] = time_limit
+    data = {**data, "search": search}
+    try:
+        return PlanRequest.model_validate(data)
+    except ValidationError as error:
+        raise _fail(f"{path}:\n{format_validation_error(error, '  ')}") from None
+
+
+def print_plans(answer: PlanAnswer, out: Console) -> None:
+    """The ranked plans as a table, then the search counts."""
+    table = Table(title="plans, best first", title_justify="left")
+    for column in ("#", "pp", "tp", "dp", "chunks", "mb×m", "recompute", "method", "step ms", "tok/s/GPU", "MFU"):
+        table.add_column(column, justify="right" if column not in ("dp", "chunks", "recompute", "method") else "left")
+    table.add_column("peak", justify="right")
+    table.add_column("bound ms", justify="right")
+    for rank, plan in enumerate(answer.plans, 1):
+        table.add_row(
+            str(rank),
+            str(plan.pipeline_parallel),
+            str(plan.tensor_parallel),
+            f"{plan.data_parallel.size} {plan.data_parallel.sharding}",
+            f"{plan.stages_per_rank} {plan.placement}",
+            f"{plan.micro_batch_size}×{plan.num_microbatches}",
+            plan.activation_recomputation,
+            plan.method,
+            f"{plan.step_time_ms:.1f}",
+            f"{plan.tokens_per_s_per_gpu:.0f}",
+            f"{plan.mfu:.1%}",
+            format_bytes(plan.peak_memory_bytes),
+            f"{plan.lower_bound_ms:.1f}",
+        )
+    out.print(table)
+    searched = answer.searched
+    out.print(
+        f"searched: {searched.enumerated} enumerated, {searched.pruned_memory} pruned by memory, "
+        f"{searched.pruned_bound} pruned by bound, {searched.solved} simulated, {searched.unexplored} unexplored; "
+        f"first plan after {answer.first_answer_s if answer.first_answer_s is not None else '—'} s, "
+        f"done in {answer.elapsed_s:.1f} s",
+        highlight=False,
+    )
+
+
+def run_with_progress(request: PlanRequest) -> PlanOutcome:
+    """Prepare and search with a rich progress bar on stderr (counts and the best step so far).
+
+    Raises:
+        pydantic.ValidationError: as :func:`pipesched.optimizer.planner.rank.prepare`.
+    """
+    prepared = prepare(request)
+    searched = prepared.searched
+    err_console.print(
+        f"{searched.enumerated} configurations, {searched.pruned_memory} over memory, "
+        f"{len(prepared.candidates)} to search (time limit {request.search.time_limit_s:g} s)",
+        highlight=False,
+    )
+    with Progress(
+        TextColumn("[bold]planning[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[state]}"),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=False,
+        disable=not err_console.is_terminal,
+    ) as bar:
+        task = bar.add_task("plan", total=max(1, len(prepared.candidates)), state="no plan yet")
+
+        def on_progress(update: PlanProgress) -> None:
+            best = "no plan yet" if update.best_step_ms is None else f"best {update.best_step_ms:.1f} ms"
+            bar.update(task, completed=update.evaluated, state=f"{best} · {update.phase}")
+
+        return search(prepared, progress=on_progress)
+
+
+def plan_command(
+    config_path: Annotated[Path, typer.Argument(metavar="CONFIG.json", help="Plan request (contract, Plan).")],
+    top: Annotated[int | None, typer.Option("--top", help="Plans to return (search.top).")] = None,
+    time_limit: Annotated[float | None, typer.Option("--time-limit", help="search.time_limit_s.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plans (JSON) here.")] = None,
+) -> None:
+    """The best parallel configurations (pipeline, tensor, data parallel, schedule) for a model on a cluster."""
+    request = load_plan_request(config_path, top, time_limit)
+    try:
+        outcome = run_with_progress(request)
+    except ValidationError as error:
+        raise _fail(f"{config_path}:\n{format_validation_error(error, '  ')}") from None
+    answer = outcome.answer
+    out = err_console if output is None else console
+    print_plans(answer, out)
+    text = answer.model_dump_json(indent=1)
+    if output is None:
+        sys.stdout.write(text + "\n")
+    else:
+        try:
+            output.write_text(text)
+        except OSError as error:
+            raise _fail(
+                f"cannot write {output}: {error.strerror or error}: give -o a path in an existing folder"
+            ) from None
+        console.print(f"wrote {output}", highlight=False)
+    if not answer.plans:
+        raise _fail(answer.error or "no plan", code=1)

@@ -1,0 +1,89 @@
+"""``/v1/plans``: the best parallel configurations for a model on a cluster (a job with progress)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, HTTPException, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from pipesched.api.plans import submit_plan
+from pipesched.api.routes._common import Services, require_token, services
+from pipesched.api.schemas import JobCreated, error_responses
+from pipesched.optimizer.planner.rank import prepare
+from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
+
+router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
+
+
+class PlanProgressView(BaseModel):
+    """Where a plan search stands."""
+
+    phase: str | None = Field(None, description="search, auto (the schedule search on the best), done.")
+    evaluated: int = Field(0, description="Configurations taken up so far.")
+    total: int = Field(0, description="Configurations left after the memory filter.")
+    best_step_ms: float | None = Field(None, description="Best predicted step so far, ms.")
+    elapsed_s: float | None = None
+
+
+class PlanStatus(PlanAnswer):
+    """The contract's plan answer with the search's progress; ``plans`` holds the best so far while running."""
+
+    progress: PlanProgressView = Field(default_factory=PlanProgressView)
+
+
+@router.post(
+    "",
+    status_code=202,
+    operation_id="create_plan",
+    summary="Queue a plan search; poll GET /v1/plans/{id}",
+    response_model=JobCreated,
+    responses=error_responses(400, 401, 413, 422),
+)
+def create_plan(request: PlanRequest, response: Response, svc: Services = Depends(services)) -> JobCreated:
+    """Check the request (an empty space or one where nothing fits is a 422 naming the field), then queue it.
+
+    ``search.time_limit_s`` is clamped to the service's ``max_time_limit_s``.
+    """
+    limit = min(request.search.time_limit_s, svc.settings.max_time_limit_s)
+    request = request.model_copy(update={"search": request.search.model_copy(update={"time_limit_s": limit})})
+    try:
+        prepared = prepare(request)
+    except ValidationError as error:
+        raise RequestValidationError(
+            [{"loc": ("body", *item["loc"]), "msg": item["msg"], "type": item["type"]} for item in error.errors()]
+        ) from None
+    row = svc.store.create_plan(request.model_dump_json(), total=len(prepared.candidates))
+    submit_plan(svc.pool, svc.store, row.id)
+    response.headers["Location"] = f"/v1/plans/{row.id}"
+    return JobCreated(id=row.id, status="queued")
+
+
+@router.get(
+    "/{plan_id}",
+    operation_id="get_plan",
+    summary="A plan search: status, progress, ranked plans",
+    response_model=PlanStatus,
+    responses=error_responses(401, 404),
+)
+def get_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
+    """Status, progress, and the ranked plans (the best so far while running); each plan's schedule is at
+    ``/v1/schedules/{schedule_id}`` once done."""
+    row = svc.store.plan(plan_id)
+    if row is None:
+        raise HTTPException(status_code=404, detail=f"no plan with id {plan_id!r}: POST /v1/plans first")
+    answer = PlanAnswer.model_validate_json(row.answer_json) if row.answer_json else PlanAnswer(plans=[])
+    return PlanStatus(
+        **{
+            **answer.model_dump(),
+            "id": row.id,
+            "status": row.status,
+            "error": row.error or answer.error,
+        },
+        progress=PlanProgressView(
+            phase=row.phase,
+            evaluated=row.evaluated,
+            total=row.total,
+            best_step_ms=row.best_step_ms,
+            elapsed_s=row.elapsed_s,
+        ),
+    )

@@ -1,0 +1,234 @@
+"""Benchmark of the planner against torchtitan's published Llama 3.1 layouts on H100s.
+
+Source: the pytorch/torchtitan repository, ``benchmarks/llama3_h100_202412_torchtitan.md`` (end of 2024,
+torch 1963fc8, torchtitan 9dec370): Grand Teton hosts of 8 H100s (96 GB HBM2e, 2.4 TB/s, 500 W) with NVLink,
+400 Gb/s RDMA per GPU, sequence length 8192. Rows used (TPS/GPU, memory GiB):
+
+- Table 1, Llama 3.1 8B, 8 GPUs, FSDP 8, local batch 2 (global 16), selective AC: FSDP 5,762 / 82.4;
+  FSDP + torch.compile 6,667 / 77.0.
+- Table 3, Llama 3.1 8B, 128 GPUs, FSDP 128, local batch 2 (global 256), selective AC: 5,605 / 67.0;
+  + torch.compile 6,514 / 62.0.
+- Table 4, Llama 3.1 70B, 256 GPUs, FSDP 32 × TP 8, local batch 16 (global 512), full AC, torch.compile +
+  Float8: 829 / 71.9.
+- Table 5, Llama 3.1 405B, 512 GPUs, FSDP 8 × TP 8 × PP 8, local batch 32 (global 256), full AC,
+  torch.compile + Float8 + AsyncTP: 1F1B 100 / 82.5; Interleaved 1F1B 128 / 72.7 (microbatch size 1,
+  torchtitan's default; two stages per rank assumed for the interleaved schedule).
+
+For each: the planner's prediction for torchtitan's own layout (every dimension pinned in ``search``), and
+the planner's best layout for the same model, GPUs and global batch. The cluster is the benchmark's: H100
+SXM peak (989.5 TFLOP/s dense bf16, the figure torchtitan's MFU uses), 96 GiB at 2.4 TB/s, NVLink 450 GB/s
+per direction inside a host, 50 GB/s per GPU between hosts; the default matrix-multiply efficiency 0.75.
+
+Run: ``python -m bench.planner_bench [--time-limit S] [--output FILE]`` (default 60 s per free search).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pipesched.optimizer.planner.rank import plan
+from pipesched.optimizer.planner.request import Plan, PlanRequest
+
+GIB = 1024**3
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: The benchmark's hosts (see the module docstring).
+CLUSTER: dict[str, Any] = {
+    "accelerator": "H100-SXM",
+    "memory_bytes": 96 * GIB,
+    "memory_bandwidth_bytes_per_s": 2.4e12,
+    "gpus_per_node": 8,
+    "intra_node_bandwidth_bytes_per_s": 450e9,
+    "inter_node_bandwidth_bytes_per_s": 50e9,
+}
+
+#: (name, preset, nodes, global batch, torchtitan's layout as search pins, published TPS/GPU, memory GiB, note)
+CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] = [
+    (
+        "8B, 8 GPUs",
+        "llama3.1-8b",
+        1,
+        16,
+        {
+            "pipeline_parallel": [1],
+            "tensor_parallel": [1],
+            "sharding": ["full"],
+            "micro_batch_size": [2],
+            "activation_recomputation": ["selective"],
+        },
+        5762,
+        82.4,
+        "Table 1, FSDP, bf16, eager (6,667 with torch.compile)",
+    ),
+    (
+        "8B, 128 GPUs",
+        "llama3.1-8b",
+        16,
+        256,
+        {
+            "pipeline_parallel": [1],
+            "tensor_parallel": [1],
+            "sharding": ["full"],
+            "micro_batch_size": [2],
+            "activation_recomputation": ["selective"],
+        },
+        5605,
+        67.0,
+        "Table 3, FSDP, bf16, eager (6,514 with torch.compile)",
+    ),
+    (
+        "70B, 256 GPUs",
+        "llama3.1-70b",
+        32,
+        512,
+        {
+            "pipeline_parallel": [1],
+            "tensor_parallel": [8],
+            "sharding": ["full"],
+            "micro_batch_size": [16],
+            "activation_recomputation": ["full"],
+        },
+        829,
+        71.9,
+        "Table 4, FSDP 32 × TP 8, compile + Float8",
+    ),
+    (
+        "405B, 512 GPUs, 1F1B",
+        "llama3.1-405b",
+        64,
+        256,
+        {
+            "pipeline_parallel": [8],
+            "tensor_parallel": [8],
+            "sharding": ["full"],
+            "stages_per_rank": [1],
+            "micro_batch_size": [1],
+            "activation_recomputation": ["full"],
+            "method": ["1f1b"],
+        },
+        100,
+        82.5,
+        "Table 5, FSDP 8 × TP 8 × PP 8, compile + Float8 + AsyncTP",
+    ),
+    (
+        "405B, 512 GPUs, interleaved",
+        "llama3.1-405b",
+        64,
+        256,
+        {
+            "pipeline_parallel": [8],
+            "tensor_parallel": [8],
+            "sharding": ["full"],
+            "stages_per_rank": [2],
+            "placement": ["loop"],
+            "micro_batch_size": [1],
+            "activation_recomputation": ["full"],
+            "method": ["interleaved-1f1b"],
+        },
+        128,
+        72.7,
+        "Table 5, as above, Interleaved 1F1B",
+    ),
+]
+
+
+def request(preset: str, nodes: int, batch: int, time_limit_s: float, pins: dict[str, Any]) -> PlanRequest:
+    """The plan request of one case."""
+    return PlanRequest.model_validate(
+        {
+            "model": {"preset": preset},
+            "cluster": {**CLUSTER, "num_nodes": nodes},
+            "training": {"global_batch_size": batch},
+            "search": {"time_limit_s": time_limit_s, "top": 1, **pins},
+        }
+    )
+
+
+def layout(plan_: Plan) -> str:
+    """A short description of a plan's layout."""
+    pipeline = (
+        f"PP {plan_.pipeline_parallel} {plan_.method} v{plan_.stages_per_rank} {plan_.placement} × "
+        if plan_.pipeline_parallel > 1
+        else ""
+    )
+    return (
+        f"{pipeline}TP {plan_.tensor_parallel} × DP {plan_.data_parallel.size} {plan_.data_parallel.sharding}, "
+        f"mb {plan_.micro_batch_size}×{plan_.num_microbatches}, AC {plan_.activation_recomputation}"
+    )
+
+
+def run(time_limit_s: float) -> list[dict[str, Any]]:
+    """Every case: the pinned (torchtitan) and the free search."""
+    rows = []
+    for name, preset, nodes, batch, pins, published, memory_gib, note in CASES:
+        started = time.perf_counter()
+        pinned = plan(request(preset, nodes, batch, min(time_limit_s, 20.0), pins)).answer
+        pinned_s = time.perf_counter() - started
+        started = time.perf_counter()
+        free = plan(request(preset, nodes, batch, time_limit_s, {})).answer
+        free_s = time.perf_counter() - started
+        ours = pinned.plans[0] if pinned.plans else None
+        best = free.plans[0] if free.plans else None
+        rows.append(
+            {
+                "case": name,
+                "note": note,
+                "published_tokens_per_s_per_gpu": published,
+                "published_memory_gib": memory_gib,
+                "torchtitan_layout": layout(ours) if ours else pinned.error,
+                "predicted_tokens_per_s_per_gpu": ours.tokens_per_s_per_gpu if ours else None,
+                "predicted_memory_gib": round(ours.peak_memory_bytes / GIB, 1) if ours else None,
+                "predicted_mfu": ours.mfu if ours else None,
+                "pinned_search_s": round(pinned_s, 1),
+                "best_layout": layout(best) if best else free.error,
+                "best_tokens_per_s_per_gpu": best.tokens_per_s_per_gpu if best else None,
+                "best_memory_gib": round(best.peak_memory_bytes / GIB, 1) if best else None,
+                "best_mfu": best.mfu if best else None,
+                "free_search_s": round(free_s, 1),
+                "first_answer_s": free.first_answer_s,
+                "searched": free.searched.model_dump(),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A markdown table of the rows."""
+    lines = [
+        "| case | published tok/s/GPU (GiB) | planner on torchtitan's layout: tok/s/GPU (GiB, MFU) "
+        "| planner's best layout | its tok/s/GPU (GiB, MFU) "
+        "| search: first answer / total s; enumerated, pruned memory / bound, simulated |",
+        "|---|---:|---:|---|---:|---|",
+    ]
+    for row in rows:
+        searched = row["searched"]
+        lines.append(
+            f"| {row['case']} ({row['note']}) | {row['published_tokens_per_s_per_gpu']:,.0f} "
+            f"({row['published_memory_gib']}) | {row['predicted_tokens_per_s_per_gpu'] or 0:,.0f} "
+            f"({row['predicted_memory_gib']}, {row['predicted_mfu'] or 0:.0%}) | {row['best_layout']} | "
+            f"{row['best_tokens_per_s_per_gpu'] or 0:,.0f} ({row['best_memory_gib']}, {row['best_mfu'] or 0:.0%}) | "
+            f"{row['first_answer_s']} / {row['free_search_s']}; {searched['enumerated']}, "
+            f"{searched['pruned_memory']} / {searched['pruned_bound']}, {searched['solved']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--time-limit", type=float, default=60.0, help="search.time_limit_s of each free search")
+    parser.add_argument("--output", type=Path, default=RESULTS / "planner_bench.md")
+    args = parser.parse_args()
+    rows = run(args.time_limit)
+    text = table(rows)
+    args.output.write_text(text + "\n")
+    args.output.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

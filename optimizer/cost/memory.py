@@ -1,0 +1,124 @@
+"""Activation bytes of one decoder layer and static bytes per parameter.
+
+**Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+§4.1, 16-bit elements, one microbatch of s·b tokens): attention 11·sbh + 5·a·s²·b, MLP 19·sbh, two norms 4·sbh:
+s·b·h·(34 + 5as/h). Generalised term by term to a key/value width k and an FFN of size f:
+
+- attention: norm output / QKV input 2h, Q 2h, K and V 2k each, the output projection's input 2h, the dropout
+  mask h → 7h + 4k (11h at k = h), plus the scores: softmax 2as, its dropout mask as, dropout output 2as per
+  token (5as), stored by eager attention only. FlashAttention (Dao et al. 2022) stores the softmax statistics,
+  4·a bytes (fp32) per token, instead.
+- MLP: its input 2h and the dropout mask h, plus GeLU: the first matrix's output 2f and GeLU's output 2f (19h at
+  f = 4h); SwiGLU: gate and up outputs 2f each, SiLU's output 2f and the product 2f (8f).
+- norms: their two inputs, 4h.
+
+With tensor parallelism t and sequence parallelism (§4.2.2) every term divides by t; without sequence
+parallelism the norms' inputs 4h, the attention and MLP inputs 2h + 2h and the two dropout masks 2h (10·sbh)
+stay whole (§4.2.1: sbh·(10 + 24/t + 5as/(ht))). Selective recomputation (§5) drops the 5as score term; full
+recomputation keeps each layer's input only (2·sbh/t with sequence parallelism). Under FlashAttention, which
+stores no scores, ``selective`` is torchtitan's op-level policy instead (``activation_checkpoint.mode =
+"selective"``, ``selective_ac_option = "op"``: keep the attention output and every other matrix-multiply
+output, recompute the rest): per token the layer input 2h, the attention output 2h and half of the seven
+matrix-multiply outputs Q h, K k, V k, output h, FFN f (and f for SwiGLU's up), down h: 2h + 2h + (3h + 2k +
+f·(1 or 2)) bytes, split by t like the rest.
+
+Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1, M_W = 32·sbh at f = 4h):
+the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
+
+**Static bytes per parameter** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5), mixed precision with Adam: 2 B
+16-bit weights, 4 B fp32 gradients (reduced in fp32), 12 B fp32 master weights and two moments. ZeRO-1
+(``optimizer``) divides the 12 by the data-parallel size d, ZeRO-2 (``gradients``) the 4 + 12, ZeRO-3 /
+FSDP (``full``) all 18, plus the gathered 16-bit weights a rank holds while it computes (counted by the
+caller). fp32 training: 4 + 4 + 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipesched.optimizer.configs import ModelConfig
+
+__all__ = ["LayerActivation", "layer_activation", "static_bytes_per_parameter_sharded"]
+
+
+@dataclass(frozen=True)
+class LayerActivation:
+    """Bytes of one layer for one microbatch on one tensor-parallel rank.
+
+    Attributes:
+        activation: allocated by F and held until the backward (after recomputation choices).
+        retained: the part of it W still needs after I.
+        scores: the eager attention's 5as²b bytes inside ``activation`` before recomputation (0 for flash).
+        full: what F allocates with no recomputation (the transient peak of a recomputed layer).
+    """
+
+    activation: float
+    retained: float
+    scores: float
+    full: float
+
+
+def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_parallel: bool = True) -> LayerActivation:
+    """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention)."""
+    s, b, h, a, f = (
+        model.seq_length,
+        model.micro_batch_size,
+        model.hidden_size,
+        model.num_attention_heads,
+        model.ffn_size,
+    )
+    k = model.head_size * model.key_value_heads
+    t = tensor_parallel
+    scale = model.dtype_bytes / 2
+    tokens = s * b
+    mlp_inner = 4 * f if model.ffn_type == "gelu" else 8 * f
+    split = (4 * h + 4 * k + mlp_inner) * tokens  # Q, K, V, projection input, FFN inner activations
+    whole = 10 * h * tokens  # norm inputs 4h, attention/MLP inputs 4h, dropout masks 2h
+    if model.attention == "eager":
+        scores = 5.0 * a * s * s * b
+        statistics = 0.0
+    else:
+        scores = 0.0
+        statistics = 4 * a * tokens / scale  # fp32, not scaled by the 16-bit factor
+    if sequence_parallel or t == 1:
+        full = (split + whole + scores + statistics) / t
+    else:
+        full = whole + (split + scores + statistics) / t
+    full *= scale
+    retained_elements = (12 * h + 4 * k + (4 * f if model.ffn_type == "gelu" else 6 * f)) * tokens
+    retained = retained_elements * scale / t
+    scores_bytes = scores * scale / t
+    recompute = model.activation_recomputation
+    if recompute == "none":
+        activation = full
+    elif recompute == "selective" and model.attention == "flash":
+        matmul_outputs = 3 * h + 2 * k + (2 * f if model.ffn_type == "swiglu" else f)
+        saved = (4 * h + matmul_outputs) * tokens * scale + statistics * scale
+        activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)
+    elif recompute == "selective":
+        activation = full - scores_bytes
+    else:
+        layer_input = tokens * h * model.dtype_bytes
+        activation = layer_input / t if (sequence_parallel or t == 1) else layer_input
+        retained = activation
+    return LayerActivation(activation=activation, retained=min(retained, activation), scores=scores_bytes, full=full)
+
+
+def static_bytes_per_parameter_sharded(model: ModelConfig, sharding: str, data_parallel_size: int) -> float:
+    """Bytes per parameter of weights, gradients and Adam state under ``sharding`` (module docstring).
+
+    ``sharding``: ``none`` / ``optimizer`` / ``gradients`` / ``full`` (contract, Terms: data-parallel group);
+    ``full`` returns the sharded bytes only (the caller adds the gathered 16-bit weights).
+    """
+    if model.dtype == "fp32":
+        weights, gradients, optimizer = 4.0, 4.0, 8.0
+    else:
+        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
+    d = float(data_parallel_size)
+    if sharding == "optimizer":
+        optimizer /= d
+    elif sharding == "gradients":
+        gradients, optimizer = gradients / d, optimizer / d
+    elif sharding == "full":
+        weights, gradients, optimizer = weights / d, gradients / d, optimizer / d
+    return weights + gradients + optimizer

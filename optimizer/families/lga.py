@@ -1,0 +1,52 @@
+"""Layered gradient accumulation with modular pipeline parallelism (Lamy-Poirier, "Layered gradient
+accumulation and modular pipeline parallelism: fast and efficient training of large language models", 2021).
+
+One layer per stage, placed modularly: layer l on rank ``l mod p`` (the ``"loop"`` placement with
+``stages_per_rank = num_layers / p``). Every microbatch passes a layer before the next layer starts
+(Sec. 3, "layered gradient accumulation"), forward up and backward down, so each layer's gradient
+reduction (``{l}REDUCE_GRAD``, placed by :mod:`pipesched.optimizer.communication` right after the layer's
+last backward) and each layer's weight gather overlap the remaining layers' compute (Sec. 3–4).
+
+The compute order is breadth-first's (:mod:`.looped_bfs`) at the grain of single layers; what sets the family
+apart is its domain: with a ``model`` given, the pipeline must have one stage per layer.
+"""
+
+from __future__ import annotations
+
+from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families.looped_bfs import _build as _breadth_first
+from pipesched.optimizer.problem import Problem
+
+
+def _check(problem: Problem) -> None:
+    pipeline = problem.pipeline
+    require(
+        pipeline.placement == "loop",
+        "lga",
+        f'needs placement "loop" (layer l on rank l mod num_ranks), got placement {pipeline.placement!r}',
+    )
+    if problem.model is not None:
+        layers = problem.model.num_layers
+        fix = (
+            f"set stages_per_rank to {layers // pipeline.num_ranks}"
+            if layers % pipeline.num_ranks == 0
+            else f"use a num_ranks dividing {layers}"
+        )
+        require(
+            pipeline.num_stages == layers,
+            "lga",
+            f"needs one layer per stage: the model has {layers} layers but the pipeline has {pipeline.num_stages} "
+            f"stages: {fix} so that num_ranks × stages_per_rank = {layers}",
+        )
+
+
+FAMILIES = [
+    Family(
+        name="lga",
+        description="Layered gradient accumulation + modular pipeline: one layer per stage, layer l on rank l mod p, "
+        "all microbatches through a layer before the next, each layer's reduction right after its last backward.",
+        domain='placement "loop", one layer per stage (num_stages = model.num_layers when a model is given)',
+        check=_check,
+        build=_breadth_first,
+    )
+]

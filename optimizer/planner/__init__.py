@@ -1,0 +1,1 @@
+"""The planner: model + cluster + global batch → ranked parallel configurations and their schedules."""

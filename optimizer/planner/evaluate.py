@@ -1,0 +1,318 @@
+"""One configuration → its problem → its schedule (the simulator's judgement) → a plan.
+
+The problem is derived from the model and cluster by :func:`pipesched.optimizer.derive.load_problem`
+(``tensor_parallel``, ``data_parallel`` and the pipeline of the configuration; the p2p link is the intra- or
+inter-node one by where neighbouring pipeline ranks sit), the schedule is the configuration's family generated
+and simulated by :func:`pipesched.optimizer.solve.solve_family` (or the ``auto`` search), and the step adds the
+planner's data-parallel and optimizer estimates (:mod:`pipesched.optimizer.planner.prune`) to the simulated
+makespan: the simulator on this branch models no data-parallel collectives. Where a problem carries them
+(``costs.reduce_grad`` derived) and the schedule has a ``step_time``, that simulated step is used instead and
+the estimates are not added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipesched.optimizer.bounds import lower_bound
+from pipesched.optimizer.cost.flops import model_parameters
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.families import FamilyDomainError
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.planner.prune import Estimate, Estimator
+from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
+from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule, build_schedule
+from pipesched.optimizer.solve import solve, solve_family
+from pipesched.optimizer.units import format_bytes
+
+__all__ = [
+    "SECONDS_PER_THOUSAND_ACTIONS",
+    "TORCH_SCHEDULE_NAMES",
+    "Evaluation",
+    "SimulationCache",
+    "build_problem",
+    "evaluate",
+    "evaluation_seconds",
+    "launch_for",
+    "model_flops_per_token",
+    "schedule_for",
+]
+
+#: Families PyTorch has a schedule class for (torchtitan's ``pipeline_parallel_schedule``); the others run
+#: from the schedule's CSV (``pipeline_parallel_schedule_csv``).
+TORCH_SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved-1f1b": "Interleaved1F1B",
+    "looped-bfs": "LoopedBFS",
+    "zb-v": "ZBVZeroBubble",
+    "dualpipe-v": "DualPipeV",
+}
+
+
+#: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
+#: activation peak bytes, the schedule). Sharding changes only the static memory, not the schedule.
+SimulationCache = dict[tuple[Any, ...], tuple[float, list[float], Schedule]]
+
+#: Seconds one family takes to generate and simulate per 1,000 actions on this project's 2-core machine
+#: (measured on a 405B configuration, p = 32, m = 128, under load): what the search uses to avoid starting an
+#: evaluation that cannot end before the deadline.
+SECONDS_PER_THOUSAND_ACTIONS = {
+    "gpipe": 0.06,
+    "1f1b": 0.06,
+    "zb-h1": 0.06,
+    "zb-h2": 0.08,
+    "interleaved-1f1b": 0.07,
+    "looped-bfs": 0.07,
+    "zb-v": 0.35,
+    "v-half": 0.9,
+    "v-min": 0.9,
+    "dualpipe-v": 0.4,
+    "auto": 1.0,
+}
+
+
+def _simulates_collectives(problem: Problem) -> bool:
+    """Whether the problem carries data-parallel collective costs for the simulator to place (then its
+    ``step_time``, where the schedule has one, replaces the planner's own estimate)."""
+    costs = problem.costs
+    return costs is not None and getattr(costs, "reduce_grad", None) is not None
+
+
+def evaluation_seconds(config: Configuration) -> float:
+    """Predicted seconds to generate and simulate ``config``'s schedule."""
+    actions = 3 * config.num_stages * config.num_microbatches
+    return SECONDS_PER_THOUSAND_ACTIONS[config.method] * actions / 1000
+
+
+@dataclass
+class Evaluation:
+    """What evaluating a configuration gave: a plan, or the reason it has none."""
+
+    configuration: Configuration
+    plan: Plan | None
+    schedule: Schedule | None
+    problem: Problem | None
+    reason: str | None
+    over_memory: bool = False
+    source: Schedule | None = None
+
+
+def model_flops_per_token(estimator: Estimator) -> float:
+    """Training FLOPs per token: 6·(N − V·h) + 12·l·h·s (PaLM, Chowdhery et al. 2022, App. B; torchtitan's MFU)."""
+    model = estimator.model
+    non_embedding = model_parameters(model) - model.vocab_size * model.hidden_size
+    return 6 * non_embedding + 12 * model.num_layers * model.hidden_size * model.seq_length
+
+
+def build_problem(estimator: Estimator, config: Configuration, time_limit_s: float = 10.0) -> Problem:
+    """The scheduling problem of ``config`` (costs and memory derived).
+
+    Raises:
+        pydantic.ValidationError: the model does not fit the configuration (no partition fits memory).
+    """
+    model = estimator.model_for(config.micro_batch_size, config.activation_recomputation)
+    cluster = estimator.cluster.model_copy(update={"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)})
+    document: dict[str, Any] = {
+        "pipeline": {
+            "num_ranks": config.pipeline_parallel,
+            "num_microbatches": config.num_microbatches,
+            "stages_per_rank": config.stages_per_rank,
+            "placement": config.placement,
+        },
+        "model": model.model_dump(mode="json", exclude_none=True),
+        "cluster": cluster.model_dump(mode="json", exclude_none=True),
+        "solver": {"method": config.method, "time_limit_s": time_limit_s},
+    }
+    if config.tensor_parallel > 1:
+        document["tensor_parallel"] = {"size": config.tensor_parallel, "sequence_parallel": estimator.sequence_parallel}
+    if config.data_parallel_size > 1:
+        document["data_parallel"] = {
+            "size": config.data_parallel_size,
+            "sharding": config.sharding,
+            "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
+        }
+    return load_problem(document)
+
+
+def launch_for(estimator: Estimator, config: Configuration, schedule_id: str | None) -> Launch:
+    """torchtitan's TOML fragment (NOTES §6 names) and the torchrun line for ``config``."""
+    model, cluster = estimator.model, estimator.cluster
+    d = config.data_parallel_size
+    replicate, shard = (d, 1) if config.sharding == "none" else (1, d)
+    lines = ["[parallelism]"]
+    lines.append(f"data_parallel_replicate_degree = {replicate}")
+    lines.append(f"data_parallel_shard_degree = {shard}")
+    if config.sharding in ("optimizer", "gradients"):
+        lines.append('fsdp_reshard_after_forward = "never"  # closest to ZeRO-1/2: weights stay gathered')
+    lines.append(f"tensor_parallel_degree = {config.tensor_parallel}")
+    lines.append(f"pipeline_parallel_degree = {config.pipeline_parallel}")
+    if config.pipeline_parallel > 1:
+        torch_name = TORCH_SCHEDULE_NAMES.get(config.method)
+        if torch_name is not None:
+            lines.append(f'pipeline_parallel_schedule = "{torch_name}"')
+        else:
+            where = f"GET /v1/schedules/{schedule_id}?format=csv" if schedule_id else "pipesched solve --format csv"
+            lines.append(
+                f'pipeline_parallel_schedule = "{"ZBVZeroBubble" if config.placement == "v" else "Interleaved1F1B"}"'
+            )
+            lines.append(f'pipeline_parallel_schedule_csv = "schedule.csv"  # {config.method}: from {where}')
+        lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")
+    lines += [
+        "",
+        "[training]",
+        f"local_batch_size = {estimator.global_batch_size // d}",
+        f"global_batch_size = {estimator.global_batch_size}",
+        f"seq_len = {model.seq_length}",
+        "",
+        "[activation_checkpoint]",
+        f'mode = "{config.activation_recomputation}"',
+        "",
+    ]
+    torchrun = (
+        f"torchrun --nnodes {cluster.num_nodes} --nproc_per_node {cluster.gpus_per_node} "
+        "--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500 "
+        "-m torchtitan.train --job.config_file plan.toml"
+    )
+    return Launch(torchtitan="\n".join(lines), torchrun=torchrun)
+
+
+def _plan(
+    estimator: Estimator,
+    config: Configuration,
+    estimate: Estimate,
+    makespan_ms: float,
+    peak_memory_bytes: float,
+    bound_ms: float,
+    schedule_id: str | None = None,
+) -> Plan:
+    step_ms = makespan_ms + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms
+    num_gpus = estimator.cluster.num_gpus
+    tokens = estimator.global_batch_size * estimator.model.seq_length
+    tokens_per_s_per_gpu = tokens / (step_ms / 1e3) / num_gpus
+    mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
+    return Plan(
+        pipeline_parallel=config.pipeline_parallel,
+        tensor_parallel=config.tensor_parallel,
+        data_parallel=DataParallelPlan(size=config.data_parallel_size, sharding=config.sharding),
+        stages_per_rank=config.stages_per_rank,
+        placement=config.placement,
+        micro_batch_size=config.micro_batch_size,
+        num_microbatches=config.num_microbatches,
+        activation_recomputation=config.activation_recomputation,
+        method=config.method,
+        step_time_ms=round(step_ms, 4),
+        tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
+        mfu=round(mfu, 4),
+        peak_memory_bytes=float(round(peak_memory_bytes)),
+        lower_bound_ms=round(bound_ms, 4),
+        schedule_id=schedule_id,
+        launch=launch_for(estimator, config, schedule_id),
+        pipeline_makespan_ms=round(makespan_ms, 4),
+        data_parallel_exposed_ms=round(estimate.data_parallel_exposed_ms, 4),
+        optimizer_step_ms=round(estimate.optimizer_step_ms, 4),
+    )
+
+
+def evaluate(
+    estimator: Estimator,
+    config: Configuration,
+    estimate: Estimate,
+    *,
+    time_limit_s: float = 10.0,
+    with_bound: bool = False,
+    cache: SimulationCache | None = None,
+) -> Evaluation:
+    """Derive, schedule and simulate ``config``; a plan when it fits, else the reason.
+
+    ``with_bound`` adds the scheduling lower bound of :mod:`pipesched.optimizer.bounds` (on the makespan)
+    to the configuration's bound; otherwise the plan's bound is the estimator's (busiest rank's compute).
+    """
+    try:
+        problem = build_problem(estimator, config, time_limit_s)
+    except ValidationError as error:
+        message = "; ".join(str(item["msg"]).removeprefix("Value error, ") for item in error.errors())
+        return Evaluation(config, None, None, None, f"does not fit: {message}", over_memory=True)
+    assert problem.model is not None
+    static = problem.static_memory
+    key = (
+        config.pipeline_parallel,
+        config.tensor_parallel,
+        config.data_parallel_size,
+        config.stages_per_rank,
+        config.placement,
+        config.micro_batch_size,
+        config.num_microbatches,
+        config.activation_recomputation,
+        config.method,
+        tuple(problem.model.layers_per_stage or ()),
+        # where the simulator models the data-parallel collectives, sharding changes the schedule too
+        config.sharding if _simulates_collectives(problem) else None,
+    )
+    if cache is not None and key in cache:
+        makespan, activation_peaks, schedule = cache[key]
+        peaks = [base + extra for base, extra in zip(static, activation_peaks, strict=True)]
+    else:
+        try:
+            if config.method == "auto":
+                schedule = solve(problem)
+                if schedule.status == "infeasible":
+                    reason = schedule.reason or "infeasible"
+                    return Evaluation(config, None, schedule, problem, reason, over_memory=True)
+            else:
+                schedule = solve_family(problem, config.method, enforce_memory=False)
+        except FamilyDomainError as error:
+            return Evaluation(config, None, None, problem, f"{config.method} does not apply: {error}")
+        assert schedule.makespan is not None
+        makespan, peaks = schedule.makespan, list(schedule.peak_memory)
+        if cache is not None:
+            cache[key] = (makespan, [peak - base for peak, base in zip(peaks, static, strict=True)], schedule)
+    peak = max(peaks) if peaks else 0.0
+    limit = estimator.limit_bytes
+    if peak > limit:
+        return Evaluation(
+            config,
+            None,
+            schedule,
+            problem,
+            f"the {config.method} schedule peaks at {format_bytes(peak)} on a rank, over the {format_bytes(limit)} "
+            "a GPU offers",
+            over_memory=True,
+        )
+    bound = estimate.bound_ms
+    if with_bound:
+        makespan_bound = lower_bound(compile_problem(problem), "makespan")
+        bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+    simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
+    if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
+        estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
+        makespan = float(simulated_step)
+    plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
+    # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
+    own = schedule if schedule.problem == problem else None
+    return Evaluation(config, plan, own, problem, None, source=schedule)
+
+
+def schedule_for(evaluation: Evaluation) -> Schedule | None:
+    """The evaluation's schedule on its own problem (rebuilt when it came from the cache)."""
+    if evaluation.schedule is not None or evaluation.problem is None:
+        return evaluation.schedule
+    source = evaluation.source
+    if source is None:
+        return None
+    orders = [[parse_action(item.action) for item in rank.actions] for rank in source.ranks]
+    return build_schedule(
+        evaluation.problem,
+        orders,
+        method=source.method,
+        backend=source.backend,
+        check_memory=False,
+        solve_time_s=source.solve_time_s,
+    )

@@ -1,0 +1,326 @@
+"""Cheap figures of a configuration, before any schedule is built: memory, a lower bound and an estimate.
+
+Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.planner.space.Configuration`:
+
+- **Blocks**: a layer, the embedding and the head for the configuration's tensor degree, micro-batch size and
+  recomputation (:mod:`pipesched.optimizer.costmodel`), the layers split evenly over the chunks (Megatron's
+  default; the evaluation partitions them by time and memory).
+- **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
+  with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
+  ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
+  time (the one computing and the prefetched next).
+- **Activations in flight** on the first and the last rank at their peak, by schedule family: GPipe m,
+  1F1B / ZB-H1 p (Narayanan et al. 2021, §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B
+  2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's warm-up), looped BFS all m·v, ZB-V 2p half-size chunks,
+  V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1 (Qi et al. 2024, "Pipeline Parallelism with Controllable
+  Memory", Table 1). An estimate: the simulator measures the real peak of every schedule it evaluates.
+- **Data-parallel time** (the planner's own estimate while the simulator models no collectives): ring
+  collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
+  link when the group stays in a node (torchtitan's mesh order pp × dp × tp: a group spans t·d consecutive
+  GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights gathered in 16 bits.
+  ``none``: one all-reduce; ``optimizer``/``gradients``: a reduce-scatter and an all-gather of the updated
+  weights after the step; ``full``: a reduce-scatter and one all-gather per step (two per microbatch without a
+  pipeline, resharded after forward). Exposed: without a pipeline, what a microbatch's collectives exceed of
+  its compute, plus one layer's (the first gather, the last reduction); with a pipeline, the reduction of the
+  chunk whose backward ends last (1/v of the rank's) and every gather not prefetched (1/v with ``full``,
+  all of the after-step gather with ``optimizer``/``gradients``).
+- **Optimizer step**: Adam is memory-bound: 30 bytes per local parameter (fp32 master, two moments read and
+  written, the fp32 gradient read, the 16-bit weight written) over the memory bandwidth.
+- **Lower bound** of the step: m × the busiest rank's F + I + W per microbatch + the optimizer step; no
+  schedule of this configuration is faster under this cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+from pipesched.optimizer.costmodel import (
+    Block,
+    Hardware,
+    embedding_block,
+    head_block,
+    resolve_hardware,
+    transformer_layer,
+)
+from pipesched.optimizer.partition import even_partition
+from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.units import format_bytes
+
+__all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
+
+#: Bytes Adam's step moves per local parameter (module docstring).
+ADAM_BYTES_PER_PARAMETER = 30.0
+
+#: Bubble of each family as a fraction of 1F1B's (p − 1) chunk times, for ordering only.
+_BUBBLE = {
+    "gpipe": 1.0,
+    "1f1b": 1.0,
+    "interleaved-1f1b": 1.0,
+    "looped-bfs": 1.0,
+    "zb-h1": 0.4,
+    "zb-h2": 0.1,
+    "zb-v": 0.15,
+    "v-half": 0.5,
+    "v-min": 0.8,
+    "dualpipe-v": 0.2,
+    "auto": 0.1,
+}
+
+
+def in_flight(method: str, p: int, v: int, m: int) -> tuple[int, int]:
+    """Chunk activations held at the peak on the first and on the last pipeline rank (module docstring)."""
+    if p == 1:
+        return 1, 1
+    first = {
+        "gpipe": m,
+        "1f1b": min(p, m),
+        "zb-h1": min(p, m),
+        "zb-h2": min(2 * p - 1, m),
+        "interleaved-1f1b": min(m * v, 2 * (p - 1) + (v - 1) * p + 1),
+        "looped-bfs": m * v,
+        "zb-v": min(2 * m, 2 * p),
+        "v-half": min(2 * m, p + 1),
+        "v-min": min(2 * m, math.ceil(2 * p / 3) + 1),
+        "dualpipe-v": min(2 * m, 2 * p + 1),
+        "auto": min(p, m),
+    }[method]
+    last = first if method in ("gpipe", "looped-bfs") else max(1, min(first, v))
+    return first, last
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A configuration's cheap figures (ms, bytes) and, when it cannot fit, why."""
+
+    peak_memory_bytes: float
+    static_bytes: float
+    bound_ms: float
+    estimate_ms: float
+    data_parallel_exposed_ms: float
+    optimizer_step_ms: float
+    fits: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Per rank (the first and the last, and the busiest): compute per microbatch, parameters, chunk activation."""
+
+    rank_compute_ms: float
+    rank_backward_ms: float
+    first_parameters: float
+    last_parameters: float
+    max_parameters: float
+    first_chunk_activation: float
+    last_chunk_activation: float
+    transient_bytes: float
+    layer_parameters: float
+
+
+class Estimator:
+    """Cheap figures for the configurations of one request (blocks cached per degree, size and recomputation)."""
+
+    def __init__(
+        self, model: ModelConfig, cluster: ClusterConfig, global_batch_size: int, *, sequence_parallel: bool = True
+    ) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.global_batch_size = global_batch_size
+        self.sequence_parallel = sequence_parallel
+        self._blocks: dict[tuple[int, int, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
+        self._layouts: dict[tuple[int, int, str, int, int, str], _Layout] = {}
+
+    @cached_property
+    def hardware(self) -> Hardware:
+        """The resolved accelerator."""
+        return resolve_hardware(self.cluster)
+
+    @property
+    def limit_bytes(self) -> float:
+        """Per-GPU memory a plan may use: the accelerator's minus the reserve."""
+        return self.hardware.memory_bytes - self.cluster.memory_reserve_bytes
+
+    def model_for(self, micro_batch_size: int, recompute: str) -> ModelConfig:
+        """The model with the configuration's micro-batch size and recomputation."""
+        return self.model.model_copy(
+            update={
+                "micro_batch_size": micro_batch_size,
+                "activation_recomputation": recompute,
+                "layers_per_stage": None,
+            }
+        )
+
+    def blocks(self, t: int, b: int, recompute: str) -> tuple[Block, Block, Block, Block, ModelConfig]:
+        """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b."""
+        key = (t, b, recompute)
+        if key not in self._blocks:
+            model = self.model_for(b, recompute)
+            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
+            layer = transformer_layer(model, self.hardware, tp, self.cluster)
+            plain = layer
+            if recompute != "none":
+                plain = transformer_layer(
+                    model.model_copy(update={"activation_recomputation": "none"}), self.hardware, tp, self.cluster
+                )
+            self._blocks[key] = (
+                layer,
+                embedding_block(model, self.hardware, tp, self.cluster),
+                head_block(model, self.hardware, tp),
+                plain,
+                model,
+            )
+        return self._blocks[key]
+
+    def layout(self, config: Configuration) -> _Layout:
+        """Even split of the layers over the chunks, summed per rank."""
+        key = (
+            config.tensor_parallel,
+            config.micro_batch_size,
+            config.activation_recomputation,
+            config.pipeline_parallel,
+            config.stages_per_rank,
+            config.placement,
+        )
+        if key in self._layouts:
+            return self._layouts[key]
+        layer, embedding, head, plain, _ = self.blocks(*key[:3])
+        p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
+        num_stages = p * v
+        counts = even_partition(self.model.num_layers, num_stages)
+        if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
+            tp = TensorParallel(size=config.tensor_parallel, sequence_parallel=self.sequence_parallel)
+            head = head_block(self.model_for(*key[1:3]), self.hardware, tp if key[0] > 1 else None, separate_copy=False)
+        compute = [0.0] * p
+        backward = [0.0] * p
+        parameters = [0.0] * p
+        activation = [0.0] * p
+        for stage, count in enumerate(counts):
+            block = layer.times(count)
+            if stage == 0:
+                block = block + embedding
+            if stage == num_stages - 1:
+                block = block + head
+            rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
+            compute[rank] += block.compute_ms
+            backward[rank] += block.backward_input_ms + block.backward_weight_ms
+            parameters[rank] += block.parameters
+            activation[rank] = max(activation[rank], block.activation_bytes)
+        transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
+        busiest = max(range(p), key=lambda rank: compute[rank])
+        last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        figures = _Layout(
+            rank_compute_ms=compute[busiest],
+            rank_backward_ms=backward[busiest],
+            first_parameters=parameters[0],
+            last_parameters=parameters[last_rank],
+            max_parameters=max(parameters),
+            first_chunk_activation=activation[0],
+            last_chunk_activation=activation[last_rank] if last_rank != 0 else activation[0],
+            transient_bytes=transient,
+            layer_parameters=layer.parameters,
+        )
+        self._layouts[key] = figures
+        return figures
+
+    def static_bytes(self, config: Configuration, parameters: float, layer_parameters: float) -> float:
+        """Weights, gradients and optimizer state of a rank holding ``parameters`` (module docstring)."""
+        per_parameter = static_bytes_per_parameter_sharded(self.model, config.sharding, config.data_parallel_size)
+        static = parameters * per_parameter
+        if config.sharding == "full" and config.data_parallel_size > 1:
+            if config.pipeline_parallel > 1:
+                static += parameters * self.model.dtype_bytes
+            else:
+                static += 2 * layer_parameters * self.model.dtype_bytes
+        return static
+
+    def data_parallel_bandwidth(self, config: Configuration) -> float:
+        """Per-GPU bandwidth of the data-parallel ring (intra-node when the group fits a node), B/s."""
+        span = config.tensor_parallel * config.data_parallel_size
+        if span <= self.cluster.gpus_per_node:
+            return self.cluster.intra_node_bandwidth_bytes_per_s
+        return self.cluster.inter_node_bandwidth_bytes_per_s
+
+    def pipeline_bandwidth(self, config: Configuration) -> float:
+        """Per-GPU bandwidth between neighbouring pipeline ranks, B/s."""
+        stride = config.tensor_parallel * config.data_parallel_size
+        if stride < self.cluster.gpus_per_node and config.pipeline_parallel * stride <= self.cluster.gpus_per_node:
+            return self.cluster.intra_node_bandwidth_bytes_per_s
+        return self.cluster.inter_node_bandwidth_bytes_per_s
+
+    def data_parallel_ms(self, config: Configuration, layout: _Layout) -> float:
+        """Data-parallel collectives not hidden behind compute, ms (module docstring)."""
+        d = config.data_parallel_size
+        if d == 1:
+            return 0.0
+        beta = self.data_parallel_bandwidth(config)
+        latency = self.cluster.collective_latency_ms
+        parameters = layout.max_parameters
+        gradient_bytes = 4.0 * parameters
+        weight_bytes = float(self.model.dtype_bytes) * parameters
+        reduce = (
+            all_reduce_ms(gradient_bytes, d, beta, latency)
+            if config.sharding == "none"
+            else reduce_scatter_ms(gradient_bytes, d, beta, latency)
+        )
+        gather = all_gather_ms(weight_bytes, d, beta, latency) if config.sharding != "none" else 0.0
+        layers_per_rank = max(1, self.model.num_layers // config.pipeline_parallel)
+        if config.pipeline_parallel == 1:
+            if config.sharding == "full":
+                per_microbatch = reduce + 2 * gather
+                compute = layout.rank_compute_ms
+                return (
+                    config.num_microbatches * max(0.0, per_microbatch - compute) + (reduce + gather) / layers_per_rank
+                )
+            once = reduce + gather
+            return max(0.0, once - layout.rank_backward_ms) + once / layers_per_rank
+        v = config.stages_per_rank
+        if config.sharding == "full":
+            return (reduce + gather) / v
+        return reduce / v + gather
+
+    def optimizer_ms(self, config: Configuration, layout: _Layout) -> float:
+        """Adam's step on a rank's local parameters, ms (module docstring)."""
+        local = layout.max_parameters
+        if config.sharding != "none":
+            local /= config.data_parallel_size
+        return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
+
+    def estimate(self, config: Configuration) -> Estimate:
+        """Memory, bound and estimated step of ``config`` (module docstring)."""
+        layout = self.layout(config)
+        p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
+        first_count, last_count = in_flight(config.method, p, v, m)
+        static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters)
+        static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters)
+        peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
+        peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
+        peak = max(peak_first, peak_last)
+        static = max(static_first, static_last)
+        exposed = self.data_parallel_ms(config, layout)
+        optimizer = self.optimizer_ms(config, layout)
+        bound = m * layout.rank_compute_ms + optimizer
+        _, _, _, _, model = self.blocks(
+            config.tensor_parallel, config.micro_batch_size, config.activation_recomputation
+        )
+        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        if self.sequence_parallel:
+            p2p_bytes /= config.tensor_parallel
+        p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
+        bubble = _BUBBLE[config.method] * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
+        estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer
+        limit = self.limit_bytes
+        fits = peak <= limit
+        reason = None
+        if not fits:
+            which = "first" if peak_first >= peak_last else "last"
+            reason = (
+                f"needs about {format_bytes(peak)} on the {which} pipeline rank (static {format_bytes(static)}, "
+                f"{first_count if which == 'first' else last_count} chunk activations in flight under "
+                f"{config.method}) over the {format_bytes(limit)} a GPU offers"
+            )
+        return Estimate(peak, static, bound, estimate, exposed, optimizer, fits, reason)

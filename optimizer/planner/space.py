@@ -1,0 +1,198 @@
+"""The configurations a plan may choose, as data: every field a dimension, every value allowed by the request.
+
+A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
+data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
+sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop,
+or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from functools import cache
+
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.families import FamilyDomainError, get_family
+from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
+from pipesched.optimizer.problem import Costs, Memory, Pipeline, Problem
+
+__all__ = [
+    "DIMENSIONS",
+    "Configuration",
+    "divisors",
+    "enumerate_space",
+    "layouts",
+    "methods_for",
+    "tensor_degrees",
+]
+
+#: Layout → schedule families tried on it (``auto`` only when ``search.method`` names it).
+_LOOP_ONE = ("1f1b", "zb-h1", "zb-h2", "gpipe")
+_LOOP_MANY = ("interleaved-1f1b", "looped-bfs")
+_V = ("zb-v", "v-half", "v-min", "dualpipe-v")
+#: Micro-batch sizes tried (each must divide the per-replica batch).
+_MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+#: Chunks per rank tried with the loop placement.
+_LOOP_STAGES = (1, 2, 4)
+
+
+@dataclass(frozen=True, order=True)
+class Configuration:
+    """One point of the space; field names are the plan's and ``search``'s."""
+
+    pipeline_parallel: int
+    tensor_parallel: int
+    data_parallel_size: int
+    sharding: str
+    stages_per_rank: int
+    placement: str
+    micro_batch_size: int
+    num_microbatches: int
+    activation_recomputation: str
+    method: str
+
+    def as_dict(self) -> dict[str, int | str]:
+        """The fields by name."""
+        return asdict(self)
+
+    @property
+    def num_stages(self) -> int:
+        """Model chunks: ``pipeline_parallel × stages_per_rank``."""
+        return self.pipeline_parallel * self.stages_per_rank
+
+
+#: The search dimensions, by field name.
+DIMENSIONS: tuple[str, ...] = tuple(field.name for field in fields(Configuration))
+
+
+def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
+    """Tensor degrees that divide a node, the attention and key/value heads and the FFN."""
+    return [
+        t
+        for t in range(1, cluster.gpus_per_node + 1)
+        if cluster.gpus_per_node % t == 0
+        and model.num_attention_heads % t == 0
+        and model.key_value_heads % t == 0
+        and model.ffn_size % t == 0
+    ]
+
+
+def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages."""
+    if pipeline_parallel == 1:
+        return [(1, "loop")]
+    candidates = [(v, "loop") for v in _LOOP_STAGES] + [(2, "v")]
+    return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
+
+
+def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
+    """Families worth trying on a layout (one rank: plain gradient accumulation, ``1f1b``)."""
+    if pipeline_parallel == 1:
+        return ("1f1b",)
+    if placement == "v":
+        return _V
+    return _LOOP_ONE if stages_per_rank == 1 else _LOOP_MANY
+
+
+@cache
+def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement: str, num_microbatches: int) -> bool:
+    """Whether family ``method`` admits the layout and microbatch count (its own domain check)."""
+    if method == "auto":
+        return True
+    try:
+        pipeline = Pipeline(
+            num_ranks=pipeline_parallel,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            placement=placement,
+        )
+        problem = Problem(
+            pipeline=pipeline,
+            costs=Costs(forward=1.0, backward_input=1.0, backward_weight=1.0),
+            memory=Memory(activation=1.0),
+        )
+        get_family(method).check(problem)
+    except (FamilyDomainError, ValueError):
+        return False
+    return True
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` ≥ 1, ascending (trial division up to √n)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+def _allowed(values: Sequence[object] | None, candidate: int | str) -> bool:
+    return values is None or candidate in values
+
+
+def enumerate_space(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    global_batch_size: int,
+    search: PlanSearch,
+    *,
+    ignore_batch: bool = False,
+) -> Iterator[Configuration]:
+    """Every configuration the request allows, in no particular order.
+
+    Args:
+        ignore_batch: enumerate as if every micro-batch size divided the batch (used to tell a batch no
+            configuration divides from pins that contradict each other).
+    """
+    num_gpus = cluster.num_gpus
+    methods_pinned = search.method
+    for t in tensor_degrees(model, cluster):
+        if not _allowed(search.tensor_parallel, t) or num_gpus % t:
+            continue
+        rest = num_gpus // t
+        for p in divisors(rest):
+            if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
+                continue
+            d = rest // p
+            if not _allowed(search.data_parallel_size, d):
+                continue
+            if not ignore_batch and global_batch_size % d:
+                continue
+            local = global_batch_size // d if not ignore_batch else None
+            for sharding in SHARDING if d > 1 else ("none",):
+                if not _allowed(search.sharding, sharding):
+                    continue
+                for v, placement in layouts(p, model.num_layers):
+                    if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
+                        continue
+                    for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
+                        if local is not None and local % b:
+                            continue
+                        m = local // b if local is not None else max(p, 1) * v
+                        if not _allowed(search.num_microbatches, m) and local is not None:
+                            continue
+                        if local is None and search.num_microbatches:
+                            m = search.num_microbatches[0]
+                        for recompute in RECOMPUTATION:
+                            if not _allowed(search.activation_recomputation, recompute):
+                                continue
+                            if (
+                                recompute == "selective"
+                                and model.attention == "flash"
+                                and search.activation_recomputation is None
+                            ):
+                                continue  # FlashAttention stores no scores: selective equals none
+                            candidates = methods_for(v, placement, p)
+                            if methods_pinned is not None:
+                                candidates = tuple(
+                                    name for name in methods_pinned if name in candidates or name == "auto"
+                                )
+                            for method in candidates:
+                                if not _admits(method, p, v, placement, m):
+                                    continue
+                                yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)

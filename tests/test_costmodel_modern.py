@@ -1,0 +1,153 @@
+"""The cost model for today's transformers: presets, parameter counts, GQA, SwiGLU, FlashAttention, tensor parallel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from pipesched.optimizer.configs import ModelConfig, TensorParallel
+from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.flops import layer_flops, model_parameters
+from pipesched.optimizer.cost.memory import layer_activation
+from pipesched.optimizer.costmodel import derive_problem, resolve_hardware, transformer_layer
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.presets import MODEL_PRESETS
+from pipesched.optimizer.problem import Pipeline
+
+GIB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"),
+    [
+        ("llama3.1-8b", 8.03e9),  # Llama 3 Herd of Models, Table 3 / model card: 8.03B
+        ("llama3.1-70b", 70.6e9),  # 70.6B
+        ("llama3.1-405b", 405.9e9),  # 405.9B (model card: 405B, 405.85 counted)
+        ("gpt3-175b", 175.0e9),  # Brown et al. 2020, Table 2.1: 175.0B
+        ("gpt2", 124e6),  # the released GPT-2 small: 124M
+        ("gpt2-xl", 1.56e9),  # GPT-2 XL: 1.5B (1.56B with 64-dim heads)
+    ],
+)
+def test_parameter_counts_match_the_published_ones(preset: str, published: float) -> None:
+    count = model_parameters(ModelConfig(preset=preset))
+    tolerance = 0.005 if preset.startswith("llama") else 0.01
+    assert count == pytest.approx(published, rel=tolerance)
+
+
+def test_llama_8b_exact_count() -> None:
+    # 32·(2·4096² + 2·4096·1024 + 3·4096·14336 + 2·4096) + 2·128256·4096 + 4096
+    assert model_parameters(ModelConfig(preset="llama3.1-8b")) == 8_030_261_248
+
+
+def test_preset_overrides_and_unknown_preset_lists_the_known_ones() -> None:
+    model = ModelConfig(preset="llama3.1-70b", seq_length=4096, micro_batch_size=2)
+    assert (model.num_layers, model.hidden_size, model.seq_length, model.micro_batch_size) == (80, 8192, 4096, 2)
+    assert model.key_value_heads == 8 and model.ffn_type == "swiglu" and model.attention == "flash"
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="llama-9000")
+    error = excinfo.value.errors()[0]
+    assert error["loc"] == ("preset",)
+    for name in MODEL_PRESETS:
+        assert name in error["msg"]
+
+
+def test_key_value_heads_must_divide_heads() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="llama3.1-8b", num_key_value_heads=5)
+    assert excinfo.value.errors()[0]["loc"] == ("num_key_value_heads",)
+
+
+def gpt(**fields: Any) -> ModelConfig:
+    base = {"num_layers": 4, "hidden_size": 4096, "num_attention_heads": 32, "seq_length": 8192, "vocab_size": 32000}
+    return ModelConfig(**{**base, **fields})
+
+
+def test_defaults_are_korthikanti_34_plus_5as_over_h() -> None:
+    model = gpt(seq_length=2048)
+    s, h, a = 2048, 4096, 32
+    assert layer_activation(model).activation == s * h * (34 + 5 * a * s / h)
+    # tensor parallel 8 with sequence parallelism: every term divides by t (§4.2.2)
+    assert layer_activation(model, 8, True).activation == pytest.approx(s * h * (34 / 8 + 5 * a * s / (h * 8)))
+    # without sequence parallelism: sbh(10 + 24/t + 5as/(ht)) (§4.2.1)
+    assert layer_activation(model, 8, False).activation == pytest.approx(s * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+
+
+def test_flash_attention_stores_no_scores_at_8192() -> None:
+    eager = layer_activation(gpt(preset="llama3.1-8b", attention="eager"))
+    flash = layer_activation(gpt(preset="llama3.1-8b"))
+    # eager keeps 5·a·s² bytes of scores: 5·32·8192² = 10 GiB per layer
+    assert eager.activation - flash.activation > 9.9 * GIB
+    # 1.34 GiB: no s² term, only the softmax statistics (fp32 per head and token)
+    assert flash.activation == 8192 * (14 * 4096 + 4 * 1024 + 8 * 14336) + 4 * 32 * 8192
+    assert flash.scores == 0
+
+
+def test_gqa_shrinks_kv_and_swiglu_has_three_matrices() -> None:
+    h, f, s = 4096, 14336, 8192
+    mha = layer_flops(gpt(ffn_hidden_size=f, ffn_type="swiglu", attention="eager"))
+    gqa = layer_flops(gpt(ffn_hidden_size=f, ffn_type="swiglu", attention="eager", num_key_value_heads=8))
+    # K and V projections shrink from h×h to h×h/4 each: 2·s·(2·h·(h − h/4)) FLOPs less
+    assert mha.forward - gqa.forward == pytest.approx(2 * s * 2 * h * (h - h // 4))
+    gelu = layer_flops(gpt(ffn_hidden_size=f, attention="eager"))
+    assert mha.forward - gelu.forward == pytest.approx(2 * s * h * f)  # SwiGLU's third matrix
+    # flash computes the causal half of the attention core forward, 2.5× of it backward
+    flash = layer_flops(gpt(ffn_hidden_size=f, ffn_type="swiglu", attention="flash"))
+    assert mha.forward - flash.forward == pytest.approx(2 * s * s * h)
+    assert flash.backward_weight == mha.backward_weight
+
+
+def test_tensor_parallel_splits_flops_memory_parameters_and_adds_collectives() -> None:
+    model = ModelConfig(preset="llama3.1-70b")
+    cluster_doc = {"accelerator": "H100-SXM", "intra_node_bandwidth_bytes_per_s": 450e9}
+    from pipesched.optimizer.configs import ClusterConfig
+
+    cluster = ClusterConfig(**cluster_doc)
+    hardware = resolve_hardware(cluster)
+    one = transformer_layer(model, hardware, None, cluster)
+    eight = transformer_layer(model, hardware, TensorParallel(size=8), cluster)
+    assert eight.parameters == pytest.approx(one.parameters / 8, rel=0.001)
+    assert eight.activation_bytes == pytest.approx(one.activation_bytes / 8)
+    assert eight.backward_weight_ms == pytest.approx(one.backward_weight_ms / 8)
+    # F: 1/8 of the compute plus two all-reduces of s·b·h·2 bytes over 8 GPUs at 450 GB/s
+    collective = 2 * all_reduce_ms(8192 * 8192 * 2, 8, 450e9, cluster.collective_latency_ms)
+    assert collective == pytest.approx(2 * 2 * 7 * (0.01 + 1e3 * 8192 * 8192 * 2 / (8 * 450e9)))
+    assert eight.forward_ms == pytest.approx(one.forward_ms / 8 + collective)
+
+
+def test_ring_formulas() -> None:
+    assert all_reduce_ms(1e9, 4, 1e9) == pytest.approx(2 * 3 * 1e3 / 4)
+    assert reduce_scatter_ms(1e9, 4, 1e9) == all_gather_ms(1e9, 4, 1e9) == pytest.approx(3 * 1e3 / 4)
+    assert all_reduce_ms(1e9, 1, 1e9) == 0
+
+
+def test_problem_with_tensor_parallel_over_http_shape_and_errors_name_the_field() -> None:
+    document = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 4, "gpus_per_node": 8},
+        "tensor_parallel": {"size": 8, "sequence_parallel": True},
+    }
+    problem = load_problem(document)
+    assert problem.tensor_parallel is not None and problem.tensor_parallel.size == 8
+    assert problem.model is not None and problem.model.preset == "llama3.1-8b"
+    again = load_problem(problem.model_dump(mode="json"))  # the stored problem loads again as it was
+    assert again.costs == problem.costs
+    with pytest.raises(ValidationError) as excinfo:
+        load_problem({**document, "tensor_parallel": {"size": 16}})
+    error = excinfo.value.errors()[0]
+    assert error["loc"] == ("tensor_parallel", "size")
+    assert "1, 2, 4, 8" in error["msg"]
+
+
+def test_llama_8b_at_8192_fits_with_flash_where_eager_did_not() -> None:
+    from pipesched.optimizer.configs import ClusterConfig
+
+    cluster = ClusterConfig(accelerator="H100-SXM")
+    pipeline = Pipeline(num_ranks=4, num_microbatches=8)
+    flash = derive_problem(ModelConfig(preset="llama3.1-8b"), cluster, pipeline)
+    activation = flash.memory.activation
+    assert isinstance(activation, list) and max(activation) < 10 * 1.4 * GIB  # ≤ 10 layers of 1.34 GiB (+ head)
+    with pytest.raises(ValidationError):  # eager: 11.3 GiB per layer, 90 GiB per stage and microbatch
+        derive_problem(ModelConfig(preset="llama3.1-8b", attention="eager"), cluster, pipeline)

@@ -1,0 +1,427 @@
+"""Data parallelism in the step: collective costs, communication actions, step_time, families and auto."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from pipesched.api.app import create_app
+from pipesched.api.settings import Settings
+from pipesched.optimizer.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.families import FamilyDomainError, applicable_families
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.ir import ActionKind, format_orders, parse_action, parse_orders
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.simulate import simulate
+from pipesched.optimizer.solve import solve, solve_family
+from tests.conftest import REPO, paper_problem, paper_settings
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+MODEL_52B = {
+    "num_layers": 64,
+    "hidden_size": 8192,
+    "num_attention_heads": 64,
+    "seq_length": 2048,
+    "vocab_size": 51200,
+    "micro_batch_size": 1,
+    "dtype": "bf16",
+    "activation_recomputation": "full",
+}
+CLUSTER = {"accelerator": "A100-80GB", "p2p_bandwidth_bytes_per_s": 25e9, "p2p_latency_ms": 0.02}
+
+
+def dp_body(
+    num_ranks: int = 4,
+    num_microbatches: int = 8,
+    stages_per_rank: int = 1,
+    *,
+    size: int = 8,
+    sharding: str = "full",
+    unshard: float | list[float] = 3.0,
+    reduce_grad: float | list[float] = 6.0,
+    optimizer_step: float | list[float] = 1.0,
+    method: str = "auto",
+    **extra: Any,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "pipeline": {"num_ranks": num_ranks, "num_microbatches": num_microbatches, "stages_per_rank": stages_per_rank},
+        "costs": {
+            "forward": 1.0,
+            "backward_input": 1.0,
+            "backward_weight": 1.0,
+            "p2p": 0.1,
+            "unshard": unshard,
+            "reduce_grad": reduce_grad,
+            "optimizer_step": optimizer_step,
+        },
+        "memory": {
+            "activation": 100.0,
+            "retained_for_weight": 40.0,
+            "weights": 800.0,
+            "gradients": 1600.0,
+            "static": 4000.0,
+        },
+        "data_parallel": {"size": size, "sharding": sharding},
+        "objective": "step_time",
+        "solver": {"method": method, "time_limit_s": 2.0},
+    }
+    body.update(extra)
+    return body
+
+
+def test_ring_formulas() -> None:
+    # 8 ranks, 1 GB, 100 GB/s, no latency: all-reduce 2·7/8·10 ms, reduce-scatter and all-gather 7/8·10 ms.
+    assert all_reduce_ms(1e9, 8, 100e9, 0.0) == pytest.approx(17.5)
+    assert reduce_scatter_ms(1e9, 8, 100e9, 0.0) == pytest.approx(8.75)
+    assert all_gather_ms(1e9, 8, 100e9, 0.01) == pytest.approx(8.75 + 0.07)
+    assert all_reduce_ms(1e9, 1, 100e9, 0.01) == 0.0
+
+
+@pytest.mark.parametrize("setting", paper_settings(), ids=lambda s: f"{s['model']}-m{s['num_microbatches']}")
+def test_without_data_parallelism_step_time_is_todays_objective(setting: dict[str, Any]) -> None:
+    for post_validation in (False, True):
+        problem = paper_problem(setting, objective="step_time", **{"training.post_validation": post_validation})
+        for method in ("1f1b", "zb-h1", "zb-h2"):
+            schedule = solve_family(problem, method, enforce_memory=False)
+            expected = schedule.stage_span if post_validation else schedule.makespan
+            assert schedule.step_time == expected
+            assert all(a.kind in ("F", "I", "W", "B") for rank in schedule.ranks for a in rank.actions)
+
+
+def test_missing_collective_costs_name_the_field() -> None:
+    body = dp_body()
+    del body["costs"]["unshard"], body["costs"]["reduce_grad"]
+    with pytest.raises(ValidationError) as error:
+        load_problem(body)
+    text = str(error.value)
+    assert "costs.reduce_grad" in text and "costs.unshard" in text and "omit the collectives" in text
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"costs": {"unshard": -1.0}}, "costs.unshard"),
+        ({"costs": {"reduce_grad": [1.0, 2.0]}}, "costs.reduce_grad"),
+        ({"data_parallel": {"sharding": "fsdp"}}, "data_parallel.sharding"),
+        ({"data_parallel": {"sharding": "none", "reshard_after_forward": True}}, "data_parallel.reshard_after_forward"),
+    ],
+)
+def test_bad_data_parallel_input_is_rejected(change: dict[str, Any], field: str) -> None:
+    body = dp_body()
+    for section, values in change.items():
+        body[section].update(values)
+    with pytest.raises(ValidationError) as error:
+        load_problem(body)
+    assert field in str(error.value)
+
+
+def test_gradient_frees_must_fit_in_static() -> None:
+    body = dp_body()
+    body["memory"]["static"] = 1000.0
+    with pytest.raises(ValidationError, match=r"memory\.static"):
+        load_problem(body)
+
+
+def test_non_finite_collective_cost_is_rejected() -> None:
+    body = dp_body()
+    body["costs"]["reduce_grad"] = float("inf")
+    with pytest.raises(ValidationError, match="reduce_grad"):
+        load_problem(body)
+
+
+def test_communication_actions_round_trip_and_re_time() -> None:
+    schedule = solve(load_problem(dp_body(method="1f1b")))
+    rows = [[a.action for a in rank.actions] for rank in schedule.ranks]
+    assert rows[0][0] == "0UNSHARD" and rows[0][-1] == "OPTIMIZER_STEP"
+    assert "0REDUCE_GRAD" in rows[0] and "0RESHARD" in rows[0]
+    assert format_orders(parse_orders(rows)) == rows
+    step = next(a for a in schedule.ranks[0].actions if a.kind == "OPTIMIZER_STEP")
+    assert step.stage is None and step.microbatch is None
+    # Re-timed independently from the JSON alone.
+    again = Schedule.model_validate_json(schedule.model_dump_json())
+    sim = simulate(compile_problem(again.problem), again.orders())
+    assert sim.step_time == pytest.approx(schedule.step_time)
+    with pytest.raises(ValueError):
+        parse_action("0UNSHARD1")
+
+
+def test_collectives_overlap_compute_but_not_each_other() -> None:
+    problem = load_problem(dp_body(method="looped-bfs", stages_per_rank=2, reduce_grad=5.0))
+    schedule = solve(problem)
+    for rank in schedule.ranks:
+        comm = sorted((a.start, a.end) for a in rank.actions if a.kind in ("UNSHARD", "REDUCE_GRAD"))
+        for (_, end), (start, _) in pairwise(comm):
+            assert start >= end - 1e-9
+        compute = sorted((a.start, a.end) for a in rank.actions if a.kind in ("F", "I", "W", "B"))
+        for (_, end), (start, _) in pairwise(compute):
+            assert start >= end - 1e-9
+        by_name = {a.action: a for a in rank.actions}
+        for a in rank.actions:
+            if a.kind == "REDUCE_GRAD":
+                last_w = max(x.end for x in rank.actions if x.kind == "W" and x.stage == a.stage)
+                assert a.start >= last_w - 1e-9
+                # The first stage's reduction on the rank runs while the other stage still computes.
+        first_reduce = min(a.start for a in rank.actions if a.kind == "REDUCE_GRAD")
+        last_compute = max(a.end for a in rank.actions if a.kind in ("F", "I", "W", "B"))
+        assert first_reduce < last_compute
+        assert by_name["OPTIMIZER_STEP"].start >= max(
+            a.end for r in schedule.ranks for a in r.actions if a.kind != "OPTIMIZER_STEP"
+        )
+
+
+def test_post_validation_drops_the_synchronisation() -> None:
+    # The last rank's optimizer step is slow; it ends its backwards first, and need not wait for rank 0.
+    steps = [0.0, 0.0, 0.0, 10.0]
+    synced = solve(load_problem(dp_body(method="1f1b", optimizer_step=steps)))
+    post = solve(load_problem(dp_body(method="1f1b", optimizer_step=steps, training={"post_validation": True})))
+    assert post.step_time < synced.step_time
+
+
+def test_reshard_after_forward_gathers_twice_and_needs_phases() -> None:
+    body = dp_body(method="gpipe")
+    body["data_parallel"]["reshard_after_forward"] = True
+    schedule = solve(load_problem(body))
+    rows = [[a.action for a in rank.actions] for rank in schedule.ranks]
+    assert rows[0].count("0UNSHARD") == 2 and rows[0].count("0RESHARD") == 2
+    assert simulate(compile_problem(schedule.problem), schedule.orders()).step_time == pytest.approx(schedule.step_time)
+    body["solver"]["method"] = "1f1b"
+    with pytest.raises(FamilyDomainError, match="reshard_after_forward"):
+        solve(load_problem(body))
+
+
+def test_gathered_weights_over_the_limit_are_infeasible_with_the_least_limit() -> None:
+    body = dp_body()
+    body["memory"]["limit"] = 4500.0  # static 4000 + one stage's gathered 700 bytes exceeds it
+    schedule = solve(load_problem(body))
+    assert schedule.status == "infeasible" and "gathered weights" in (schedule.reason or "")
+    assert schedule.min_memory_limit is not None
+    body["memory"]["limit"] = max(schedule.min_memory_limit)
+    assert solve(load_problem(body)).status in ("optimal", "feasible")
+
+
+def _random_problem(rng: random.Random) -> Problem:
+    p = rng.choice([2, 3, 4])
+    v = rng.choice([1, 2])
+    m = rng.choice([p, 2 * p, 3 * p])
+    num_stages = p * v
+    body = dp_body(
+        p,
+        m,
+        v,
+        size=rng.choice([2, 8, 64]),
+        sharding=rng.choice(["none", "optimizer", "gradients", "full"]),
+        unshard=[round(rng.uniform(0, 6), 3) for _ in range(num_stages)],
+        reduce_grad=[round(rng.uniform(0, 12), 3) for _ in range(num_stages)],
+        optimizer_step=round(rng.uniform(0, 2), 3),
+        training={"post_validation": rng.random() < 0.3},
+        split_backward=rng.random() < 0.6,
+    )
+    body["costs"]["forward"] = [round(rng.uniform(0.5, 2), 3) for _ in range(num_stages)]
+    body["solver"]["time_limit_s"] = 1.0
+    if rng.random() < 0.5:
+        body["memory"]["limit"] = 5800.0 + rng.uniform(0, 2000)
+    return load_problem(body)
+
+
+def test_auto_is_never_worse_than_any_family_under_step_time() -> None:
+    rng = random.Random(14)
+    for _ in range(8):
+        problem = _random_problem(rng)
+        auto = solve(problem)
+        if auto.status == "infeasible":
+            continue
+        assert auto.lower_bound is not None and auto.lower_bound <= auto.step_time + 1e-6
+        for family in applicable_families(problem):
+            try:
+                other = solve_family(problem, family.name)
+            except FamilyDomainError:
+                continue
+            if other.status != "infeasible":
+                assert auto.step_time <= other.step_time + 1e-6, (family.name, problem.model_dump())
+                assert auto.lower_bound <= other.step_time + 1e-6
+
+
+def test_first_answer_within_a_second_at_p32_d64() -> None:
+    body = dp_body(32, 64, 1, size=64, sharding="full", method="auto")
+    body["solver"]["time_limit_s"] = 3.0
+    seen: list[float] = []
+    schedule = solve(
+        load_problem(body), progress=lambda p: seen.append(p.elapsed_s) if p.best_objective is not None else None
+    )
+    assert schedule.status in ("optimal", "feasible")
+    assert seen and seen[0] < 1.0
+    assert schedule.solve_time_s < 3.0 + 2.0
+
+
+def test_derived_collectives_and_breadth_first_ahead_of_depth_first() -> None:
+    document = {
+        "pipeline": {"num_ranks": 8, "num_microbatches": 16, "stages_per_rank": 8},
+        "model": MODEL_52B,
+        "cluster": CLUSTER,
+        "data_parallel": {"size": 16, "sharding": "full"},
+        "objective": "step_time",
+    }
+    problem = load_problem(document)
+    assert problem.costs is not None and problem.memory is not None
+    unshard = problem.stage_values(problem.costs.unshard)
+    # One 64-layer model, 8 × 8 stages of one layer: 12·h² params per layer in bf16 over 25 GB/s, 15/16 moved.
+    layer_bytes = 2 * 12 * 8192**2
+    assert unshard[1] == pytest.approx(15 / 16 * layer_bytes / 25e9 * 1e3 + 15 * 0.02, rel=0.01)
+    assert problem.memory.weights is not None
+    steps = {name: solve_family(problem, name).step_time for name in ("looped-bfs", "interleaved-1f1b", "lga")}
+    assert steps["looped-bfs"] < steps["interleaved-1f1b"]
+    assert steps["lga"] == steps["looped-bfs"]
+
+
+def test_http_and_cli_solve_data_parallel_problems(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", solver_workers=1, max_time_limit_s=3.0)
+    with TestClient(create_app(settings)) as client:
+        for method in ("auto", "1f1b", "interleaved-1f1b", "looped-bfs", "lga", "zb-h1", "gpipe"):
+            spr = 2 if method in ("interleaved-1f1b", "looped-bfs", "lga") else 1
+            answer = client.post("/v1/schedules", json=dp_body(stages_per_rank=spr, method=method))
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            assert body["step_time"] >= body["makespan"] and body["objective"] == "step_time"
+            assert any(a["action"] == "0REDUCE_GRAD" for a in body["ranks"][0]["actions"])
+        bad = dp_body()
+        del bad["costs"]["reduce_grad"]
+        answer = client.post("/v1/schedules", json=bad)
+        assert answer.status_code == 422 and "reduce_grad" in answer.text
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(dp_body(method="zb-h1")))
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "120"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pipesched.api.cli", "solve", str(path), "-o", str(tmp_path / "s.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["step_time"] > 0
+    path.write_text(json.dumps(bad))
+    run = subprocess.run(
+        [sys.executable, "-m", "pipesched.api.cli", "solve", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert run.returncode == 2 and "reduce_grad" in run.stdout + run.stderr
+
+
+def test_bitpipe_reduces_each_chunk_when_both_replicas_finished_it() -> None:
+    body = dp_body(4, 8, 2, method="bitpipe", split_backward=False)
+    body["pipeline"]["placement"] = "bidirectional"
+    body["memory"]["static"] = 6000.0  # four stage ids per rank, each with its gradient buffer
+    schedule = solve(load_problem(body))
+    assert schedule.status != "infeasible"
+    inst = compile_problem(schedule.problem)
+    ends = {(a.action, r.rank): a for r in schedule.ranks for a in r.actions}
+    num_stages = inst.num_stages
+    for (text, _rank), timing in ends.items():
+        action = parse_action(text)
+        if action.kind != ActionKind.REDUCE_GRAD:
+            continue
+        mirror = action.stage + num_stages if action.stage < num_stages else action.stage - num_stages
+        mirror_rank = inst.stage_ranks[mirror]
+        last = max(a.end for a in schedule.ranks[mirror_rank].actions if a.kind == "B" and a.stage == mirror)
+        assert timing.start >= last - 1e-9
+
+
+def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> None:
+    from pipesched.api.plots import render_svg, render_view_html
+    from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
+
+    schedule = solve(load_problem(dp_body(method="looped-bfs", stages_per_rank=2)))
+    trace = schedule_to_chrome_trace(schedule)
+    comm = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["tid"] == 1]
+    assert {e["cat"] for e in comm} == {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    assert any(e.get("args", {}).get("name") == "communication" for e in trace["traceEvents"])
+    assert trace["otherData"]["step_time_ms"] == schedule.step_time
+    svg = render_svg(schedule)
+    assert 'id="rank-0-comm"' in svg and "comm" in svg
+    page = render_view_html(schedule)
+    assert 'class="act comm"' in page and "0REDUCE_GRAD" in page and "step_time" in page
+    text = orders_to_torch_csv(schedule.orders())
+    assert "UNSHARD" not in text and "OPTIMIZER_STEP" not in text and "0F0" in text
+
+
+def test_cluster_data_parallel_size_must_agree() -> None:
+    document = {
+        "pipeline": {"num_ranks": 8, "num_microbatches": 8, "stages_per_rank": 8},
+        "model": MODEL_52B,
+        "cluster": {**CLUSTER, "data_parallel_size": 8, "shard_optimizer_state": True},
+        "data_parallel": {"size": 16, "sharding": "full"},
+    }
+    with pytest.raises(ValidationError, match=r"cluster\.data_parallel_size"):
+        load_problem(document)
+
+
+def test_group_link_picks_intra_or_inter_node_bandwidth() -> None:
+    from types import SimpleNamespace
+
+    from pipesched.optimizer.collectives import group_link
+
+    cluster = SimpleNamespace(
+        gpus_per_node=8,
+        intra_node_bandwidth_bytes_per_s=450e9,
+        inter_node_bandwidth_bytes_per_s=50e9,
+        p2p_bandwidth_bytes_per_s=25e9,
+    )
+    assert group_link(cluster, 8) == (450e9, "intra-node")  # type: ignore[arg-type]
+    assert group_link(cluster, 4, tensor_parallel=4) == (50e9, "inter-node")  # type: ignore[arg-type]
+    assert group_link(SimpleNamespace(p2p_bandwidth_bytes_per_s=25e9), 64) == (25e9, "p2p link")  # type: ignore[arg-type]
+
+
+def _check_timings(schedule: Schedule) -> None:
+    """The schedule's own times, checked against the rules without the simulator."""
+    problem = schedule.problem
+    assert problem.costs is not None
+    p2p = problem.costs.p2p
+    actions = {(a.action, r.rank): a for r in schedule.ranks for a in r.actions}
+    by_text: dict[str, Any] = {}
+    for (text, rank), a in actions.items():
+        by_text[text if a.kind != "OPTIMIZER_STEP" else f"{text}@{rank}"] = a
+    for rank in schedule.ranks:
+        for lane in (("F", "I", "W", "B", "OPTIMIZER_STEP"), ("UNSHARD", "REDUCE_GRAD")):
+            bars = sorted((a.start, a.end) for a in rank.actions if a.kind in lane)
+            assert all(nxt[0] >= cur[1] - 1e-6 for cur, nxt in pairwise(bars)), (rank.rank, lane)
+    last_end = max(a.end for a in by_text.values() if a.kind != "OPTIMIZER_STEP")
+    for text, a in by_text.items():
+        if a.kind == "F":
+            gather = by_text.get(f"{a.stage}UNSHARD")
+            if gather is not None:
+                assert a.start >= gather.end - 1e-6
+            if a.stage > 0:
+                before = by_text[f"{a.stage - 1}F{a.microbatch}"]
+                latency = p2p if schedule.stage_to_rank[a.stage - 1] != schedule.stage_to_rank[a.stage] else 0.0
+                assert a.start >= before.end + float(latency) - 1e-6
+        elif a.kind == "REDUCE_GRAD":
+            finals = [b for b in by_text.values() if b.kind in ("W", "B") and b.stage == a.stage]
+            assert all(a.start >= b.end - 1e-6 for b in finals)
+        elif a.kind == "OPTIMIZER_STEP":
+            assert a.start >= last_end - 1e-6, text
+    assert schedule.step_time == pytest.approx(max(a.end for a in by_text.values()))
+
+
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "lga", "auto"])
+def test_every_family_and_auto_pass_an_independent_timing_check(method: str) -> None:
+    spr = 2 if method in ("interleaved-1f1b", "looped-bfs", "lga") else 1
+    body = dp_body(4, 8, spr, method=method)
+    body["costs"]["p2p"] = 0.1
+    schedule = solve(load_problem(body))
+    assert schedule.status in ("optimal", "feasible")
+    _check_timings(schedule)

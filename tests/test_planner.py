@@ -1,0 +1,265 @@
+"""The planner: model + cluster + global batch → ranked parallel configurations (optimizer/planner, CLI, HTTP)."""
+
+from __future__ import annotations
+
+import json
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from pipesched.api.app import create_app
+from pipesched.api.cli import app as cli_app
+from pipesched.api.settings import Settings
+from pipesched.optimizer.planner.evaluate import build_problem, evaluate
+from pipesched.optimizer.planner.rank import plan, prepare
+from pipesched.optimizer.planner.request import PlanRequest
+from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.presets import MODEL_PRESETS
+from pipesched.optimizer.solve import solve_family
+
+GIB = 1024**3
+
+
+def request(
+    preset: str = "llama3.1-8b", nodes: int = 1, batch: int = 16, time_limit_s: float = 10.0, **search: Any
+) -> dict[str, Any]:
+    return {
+        "model": {"preset": preset},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": nodes, "gpus_per_node": 8},
+        "training": {"global_batch_size": batch},
+        "search": {"time_limit_s": time_limit_s, **search},
+    }
+
+
+def field_errors(excinfo: pytest.ExceptionInfo[ValidationError]) -> dict[tuple[str | int, ...], str]:
+    return {tuple(error["loc"]): error["msg"] for error in excinfo.value.errors()}
+
+
+@pytest.fixture(scope="module")
+def small_answer() -> Any:
+    return plan(PlanRequest.model_validate(request(time_limit_s=15, top=5))).answer
+
+
+def test_plans_are_ranked_and_carry_the_contract_fields(small_answer: Any) -> None:
+    plans = small_answer.plans
+    assert len(plans) == 5
+    steps = [p.step_time_ms for p in plans]
+    assert steps == sorted(steps)
+    for p in plans:
+        assert p.pipeline_parallel * p.tensor_parallel * p.data_parallel.size == 8
+        assert p.data_parallel.size * p.micro_batch_size * p.num_microbatches == 16
+        assert p.lower_bound_ms <= p.step_time_ms
+        assert p.peak_memory_bytes <= 80 * GIB - 2 * GIB
+        # tokens/s/GPU follows from the step time: 16 sequences of 8192 tokens over 8 GPUs
+        assert p.tokens_per_s_per_gpu == pytest.approx(16 * 8192 / (p.step_time_ms / 1e3) / 8, rel=1e-3)
+        assert 0 < p.mfu < 1
+    searched = small_answer.searched
+    assert searched.enumerated > searched.pruned_memory > 0
+    assert searched.solved >= 5 and searched.pruned_bound > 0
+
+
+def test_torchtitan_fragment_loads_with_its_section_and_key_names(small_answer: Any) -> None:
+    for p in small_answer.plans:
+        fragment = tomllib.loads(p.launch.torchtitan)
+        parallelism = fragment["parallelism"]
+        assert parallelism["tensor_parallel_degree"] == p.tensor_parallel
+        assert parallelism["pipeline_parallel_degree"] == p.pipeline_parallel
+        assert parallelism["data_parallel_shard_degree"] * parallelism["data_parallel_replicate_degree"] == (
+            p.data_parallel.size
+        )
+        assert fragment["training"] == {
+            "local_batch_size": 16 // p.data_parallel.size,
+            "global_batch_size": 16,
+            "seq_len": 8192,
+        }
+        assert fragment["activation_checkpoint"]["mode"] == p.activation_recomputation
+        assert "--nproc_per_node 8" in p.launch.torchrun and "torchtitan.train" in p.launch.torchrun
+
+
+@pytest.mark.parametrize(
+    ("method", "torch_name"), [("interleaved-1f1b", "Interleaved1F1B"), ("zb-h1", None), ("zb-v", "ZBVZeroBubble")]
+)
+def test_pipelined_plan_names_torchs_schedule_class_or_the_csv(method: str, torch_name: str | None) -> None:
+    answer = plan(
+        PlanRequest.model_validate(
+            request("llama3.1-70b", nodes=4, batch=64, time_limit_s=8, pipeline_parallel=[4], method=[method])
+        )
+    ).answer
+    assert answer.plans
+    best = answer.plans[0]
+    assert best.method == method  # auto only when search.method allows it
+    fragment = tomllib.loads(best.launch.torchtitan)["parallelism"]
+    assert fragment["pipeline_parallel_degree"] == 4
+    assert fragment["pipeline_parallel_microbatch_size"] == best.micro_batch_size
+    if best.method == method and torch_name is not None:
+        assert fragment["pipeline_parallel_schedule"] == torch_name
+        assert "pipeline_parallel_schedule_csv" not in fragment
+    else:  # no torch class for it: torchtitan runs the schedule's CSV
+        assert fragment["pipeline_parallel_schedule_csv"] == "schedule.csv"
+
+
+def test_pins_restrict_the_space() -> None:
+    answer = plan(
+        PlanRequest.model_validate(
+            request(tensor_parallel=[2], activation_recomputation=["full"], sharding=["full"], time_limit_s=5)
+        )
+    ).answer
+    assert answer.plans
+    for p in answer.plans:
+        assert (p.tensor_parallel, p.activation_recomputation, p.data_parallel.sharding) == (2, "full", "full")
+
+
+def test_plan_step_is_the_simulated_makespan_plus_data_parallel_and_optimizer() -> None:
+    prepared = prepare(PlanRequest.model_validate(request("llama3.1-70b", nodes=4, batch=32)))
+    config = Configuration(8, 4, 1, "none", 2, "loop", 1, 32, "full", "interleaved-1f1b")
+    estimate = prepared.estimator.estimate(config)
+    evaluation = evaluate(prepared.estimator, config, estimate)
+    assert evaluation.plan is not None
+    schedule = solve_family(build_problem(prepared.estimator, config), "interleaved-1f1b", enforce_memory=False)
+    assert evaluation.plan.pipeline_makespan_ms == pytest.approx(schedule.makespan, rel=1e-6)
+    assert evaluation.plan.data_parallel_exposed_ms == 0  # d = 1
+    assert evaluation.plan.step_time_ms == pytest.approx(
+        schedule.makespan + evaluation.plan.optimizer_step_ms, rel=1e-6
+    )
+    assert evaluation.plan.peak_memory_bytes == pytest.approx(max(schedule.peak_memory), rel=1e-6)
+
+
+def test_best_plan_is_never_slower_than_torchtitans_layout_on_the_same_gpus() -> None:
+    """Llama 3.1 8B on 8 H100s, torchtitan's Table 1 layout: FSDP 8, local batch 2, selective checkpointing."""
+    torchtitan = plan(
+        PlanRequest.model_validate(
+            request(
+                pipeline_parallel=[1],
+                tensor_parallel=[1],
+                sharding=["full"],
+                micro_batch_size=[2],
+                activation_recomputation=["selective"],
+                time_limit_s=10,
+            )
+        )
+    ).answer.plans[0]
+    best = plan(PlanRequest.model_validate(request(time_limit_s=15))).answer.plans[0]
+    assert best.step_time_ms <= torchtitan.step_time_ms
+    assert best.tokens_per_s_per_gpu >= torchtitan.tokens_per_s_per_gpu
+
+
+def test_indivisible_global_batch_names_the_field() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        prepare(PlanRequest.model_validate(request(batch=7, tensor_parallel=[1], pipeline_parallel=[1])))
+    errors = field_errors(excinfo)
+    assert ("training", "global_batch_size") in errors
+    assert "8" in errors[("training", "global_batch_size")]
+
+
+def test_contradictory_pins_name_the_fields() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        prepare(PlanRequest.model_validate(request(pipeline_parallel=[2], tensor_parallel=[2], data_parallel_size=[4])))
+    errors = field_errors(excinfo)
+    assert set(errors) <= {
+        ("search", "pipeline_parallel"),
+        ("search", "tensor_parallel"),
+        ("search", "data_parallel_size"),
+    }
+    assert errors
+    with pytest.raises(ValidationError) as excinfo:
+        prepare(PlanRequest.model_validate(request(placement=["v"], method=["1f1b"], pipeline_parallel=[2])))
+    assert {("search", "placement"), ("search", "method")} & set(field_errors(excinfo))
+
+
+def test_a_cluster_too_small_for_the_model_says_the_least_memory_and_gpus() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        prepare(PlanRequest.model_validate(request("llama3.1-405b", nodes=1, batch=8)))
+    ((loc, message),) = field_errors(excinfo).items()
+    assert loc == ("cluster", "accelerator")
+    assert "least any needs" in message and "GPUs" in message
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        PlanRequest.model_validate(request("llama-7"))
+    ((loc, message),) = field_errors(excinfo).items()
+    assert loc == ("model", "preset")
+    assert all(name in message for name in MODEL_PRESETS)
+
+
+def test_explain_lists_what_did_not_fit() -> None:
+    answer = plan(PlanRequest.model_validate(request(time_limit_s=3, explain=True, top=1))).answer
+    assert answer.explain
+    assert all("GiB" in item.reason or "fit" in item.reason for item in answer.explain)
+
+
+def test_405b_on_512_gpus_answers_first_within_10_s_and_ends_within_its_limit() -> None:
+    started = time.perf_counter()
+    outcome = plan(PlanRequest.model_validate(request("llama3.1-405b", nodes=64, batch=256, time_limit_s=30)))
+    elapsed = time.perf_counter() - started
+    answer = outcome.answer
+    assert answer.plans
+    assert answer.first_answer_s is not None and answer.first_answer_s < 10
+    assert elapsed < 30 + 2 + 2  # the limit, the grace, and prepare's enumeration
+    assert answer.searched.enumerated > 5000 and answer.searched.pruned_memory > 0
+
+
+def test_cli_plan_writes_ranked_plans(tmp_path: Path) -> None:
+    config = tmp_path / "plan.json"
+    config.write_text(json.dumps(request(time_limit_s=5)))
+    out = tmp_path / "plans.json"
+    result = CliRunner().invoke(cli_app, ["plan", str(config), "--top", "3", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(out.read_text())
+    assert len(answer["plans"]) == 3
+    assert "pruned by memory" in result.output
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(request(batch=7, tensor_parallel=[1], pipeline_parallel=[1])))
+    result = CliRunner().invoke(cli_app, ["plan", str(bad)])
+    assert result.exit_code == 2
+    assert "training.global_batch_size" in result.output
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    path = tmp_path_factory.mktemp("plans") / "pipesched.sqlite3"
+    settings = Settings(database_url=f"sqlite:///{path}", solver_workers=1, max_time_limit_s=20)
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def test_http_plan_job_with_progress_and_stored_schedules(client: TestClient) -> None:
+    created = client.post("/v1/plans", json=request(time_limit_s=6, top=3))
+    assert created.status_code == 202, created.text
+    plan_id = created.json()["id"]
+    seen_running = False
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        body = client.get(f"/v1/plans/{plan_id}").json()
+        seen_running |= body["status"] == "running"
+        if body["status"] in ("done", "failed"):
+            break
+        time.sleep(0.2)
+    assert body["status"] == "done", body
+    assert len(body["plans"]) == 3
+    assert body["progress"]["total"] > 0 and body["progress"]["evaluated"] > 0
+    assert set(body["searched"]) >= {"enumerated", "pruned_memory", "pruned_bound", "solved"}
+    for item in body["plans"]:
+        schedule = client.get(f"/v1/schedules/{item['schedule_id']}")
+        assert schedule.status_code == 200
+        assert schedule.json()["problem"]["pipeline"]["num_ranks"] == item["pipeline_parallel"]
+
+
+def test_http_bad_plans_are_422_naming_the_field(client: TestClient) -> None:
+    answer = client.post("/v1/plans", json=request("llama-7"))
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"][-2:] == ["model", "preset"]
+    answer = client.post("/v1/plans", json=request(batch=7, tensor_parallel=[1], pipeline_parallel=[1]))
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"] == ["body", "training", "global_batch_size"]
+    answer = client.post("/v1/plans", json=request("llama3.1-405b", nodes=1, batch=8))
+    assert answer.status_code == 422
+    assert "least any needs" in answer.json()["detail"][0]["msg"]
+    assert client.get("/v1/plans/nope").status_code == 404

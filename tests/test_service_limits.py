@@ -1,0 +1,320 @@
+"""The service's limits: bounded queues (429 with Retry-After), a dead worker fails only its task,
+drawings in a capped render process, bounded metric labels, one 400 shape, the full Allow of a 405,
+the API token on every /v1 route, and `pipesched serve` refusing a public interface without a token.
+
+Real worker processes (killed with SIGKILL), real SQLite, the app's real lifespan.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipesched.api.app import create_app
+from pipesched.api.jobs import SolverPool, SolveTimeout, unstorable_reason
+from pipesched.api.lanes import Lane, LaneFull, WorkerDied
+from pipesched.api.settings import Settings, exposure_problem
+from pipesched.api.storage import JobRow, Store, problem_key
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.solve import solve
+from tests.conftest import paper_problem, paper_settings, uniform_problem
+from tests.test_api import metric_value, wait_for_job
+from tests.test_api_served import free_port
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def problem_body(method: str = "1f1b", num_microbatches: int = 8, **changes: Any) -> dict[str, Any]:
+    problem = uniform_problem(4, num_microbatches, p2p=0.1).with_changes(
+        **{"solver.method": method, "solver.time_limit_s": 2.0, **changes}
+    )
+    return problem.model_dump(mode="json")
+
+
+def long_job(seed: int, time_limit_s: float = 20.0) -> dict[str, Any]:
+    """A job whose search runs its whole time limit (the paper's 1.5B setting at 1.2 × p·activation)."""
+    setting = paper_settings()[0]
+    return paper_problem(
+        setting,
+        **{
+            "memory.limit": 1.2 * setting["num_ranks"] * setting["activation"],
+            "solver.time_limit_s": time_limit_s,
+            "solver.seed": seed,
+        },
+    ).model_dump(mode="json")
+
+
+def wait_until(condition: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {timeout_s} s"
+        time.sleep(0.05)
+
+
+# --- the lane ------------------------------------------------------------------------------------
+
+
+def test_a_killed_worker_fails_only_its_task_and_the_queue_runs_on_a_fresh_one() -> None:
+    lane = Lane("test", workers=1, max_queued=2)
+    try:
+        running = lane.submit(time.sleep, 30.0, expected_s=30.0)
+        queued = [lane.submit(math.factorial, n) for n in (5, 6)]
+        with pytest.raises(LaneFull) as full:
+            lane.submit(math.factorial, 7)
+        assert full.value.retry_after_s >= 1
+        wait_until(lane.worker_pids, 60.0, "a worker process")
+        (pid,) = lane.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied):
+            running.future.result(timeout=30)
+        assert [ticket.future.result(timeout=60) for ticket in queued] == [120, 720]
+        (fresh,) = lane.worker_pids()
+        assert fresh != pid
+    finally:
+        lane.close()
+
+
+def test_an_aborted_task_frees_its_worker_for_the_next() -> None:
+    lane = Lane("test", workers=1, max_queued=1)
+    try:
+        runaway = lane.submit(time.sleep, 60.0)
+        following = lane.submit(math.factorial, 4)
+        wait_until(lane.worker_pids, 60.0, "a worker process")
+        started = time.monotonic()
+        assert lane.abort(runaway)
+        with pytest.raises(WorkerDied):
+            runaway.future.result(timeout=30)
+        assert following.future.result(timeout=60) == 24
+        assert time.monotonic() - started < 30.0
+        assert not lane.abort(runaway)
+    finally:
+        lane.close()
+
+
+def test_a_closed_lane_drops_its_queue_and_kills_its_workers() -> None:
+    lane = Lane("test", workers=1, max_queued=1)
+    running = lane.submit(time.sleep, 30.0)
+    queued = lane.submit(math.factorial, 5)
+    wait_until(lane.worker_pids, 60.0, "a worker process")
+    (pid,) = lane.worker_pids()
+    lane.close()
+    assert queued.future.cancelled()
+    with pytest.raises(Exception) as ended:
+        running.future.result(timeout=30)
+    assert "shut down" in str(ended.value)
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text(), 10, "kill")
+
+
+# --- over HTTP -----------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def settings(tmp_path: Path) -> Settings:
+    return Settings(
+        database_url=f"sqlite:///{tmp_path / 'limits.sqlite3'}",
+        solver_workers=1,
+        max_queued_jobs=2,
+        max_time_limit_s=30.0,
+        max_render_actions=100,
+    )
+
+
+@pytest.fixture()
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as test_client:
+        yield test_client
+
+
+def test_a_flood_of_jobs_gets_429_and_a_synchronous_solve_still_answers(client: TestClient, settings: Settings) -> None:
+    store = Store(settings.database_url)
+    try:
+        answers = [client.post("/v1/jobs", json=long_job(seed)) for seed in range(6)]
+        codes = [answer.status_code for answer in answers]
+        # one job runs, max_queued_jobs wait, the rest are refused (nothing stored for them)
+        assert codes == [202, 202, 202, 429, 429, 429], codes
+        refused = answers[3]
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "PIPESCHED_MAX_QUEUED_JOBS" in refused.json()["detail"]
+        assert sum(store.count_jobs_by_status().values()) == 3
+        # the synchronous solve has its own process: it answers while the job lane is full
+        started = time.monotonic()
+        solved = client.post("/v1/schedules", json=problem_body())
+        assert solved.status_code == 200, solved.text
+        assert time.monotonic() - started < 30.0
+        for answer in answers[:3]:
+            client.delete(f"/v1/jobs/{answer.json()['id']}")
+    finally:
+        store.dispose()
+
+
+def test_a_killed_solver_fails_its_job_and_the_queued_one_still_runs(client: TestClient) -> None:
+    running = client.post("/v1/jobs", json=long_job(0)).json()["id"]
+    queued = client.post("/v1/jobs", json=problem_body("zb-h1")).json()["id"]
+    wait_until(lambda: client.get(f"/v1/jobs/{running}").json()["status"] == "running", 60, "the job running")
+    pool = client.app.state.services.pool  # type: ignore[attr-defined]
+    (pid,) = pool.jobs.worker_pids()
+    os.kill(pid, signal.SIGKILL)
+    failed = wait_for_job(client, running)
+    assert failed["status"] == "failed" and "died" in failed["error"]
+    done = wait_for_job(client, queued)
+    assert done["status"] == "done" and done["result"]["method"] == "zb-h1"
+    assert pool.jobs.worker_pids() and pool.jobs.worker_pids() != [pid]
+
+
+def test_drawings_over_the_cap_are_413_naming_the_cap_and_json(client: TestClient) -> None:
+    small = client.post("/v1/schedules", json=problem_body(num_microbatches=4)).json()  # 4·4·2 = 32 actions
+    large = client.post("/v1/schedules", json=problem_body(num_microbatches=16)).json()  # 128 actions
+    schedule_of_60 = client.post(
+        "/v1/schedules",
+        json=uniform_problem(3, 10, p2p=0.1).with_changes(**{"solver.method": "1f1b"}).model_dump(mode="json"),
+    ).json()
+    assert client.get(f"/v1/schedules/{small['id']}?format=png").content.startswith(b"\x89PNG")
+    assert client.get(f"/v1/schedules/{small['id']}/view?compare=gpipe").status_code == 200
+    for url in (
+        f"/v1/schedules/{large['id']}?format=png",
+        f"/v1/schedules/{large['id']}?format=svg",
+        f"/v1/schedules/{large['id']}/view",
+        f"/v1/schedules/{schedule_of_60['id']}/view?compare=gpipe",  # 60 actions, the comparison counted as 60 more
+    ):
+        refused = client.get(url)
+        assert refused.status_code == 413, (url, refused.text)
+        assert "PIPESCHED_MAX_RENDER_ACTIONS" in refused.json()["detail"] and "format=json" in refused.json()["detail"]
+    assert client.get(f"/v1/schedules/{large['id']}?format=json").status_code == 200
+    unknown = client.get(f"/v1/schedules/{small['id']}/view?compare=nope")
+    assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["query", "compare"]
+    assert client.get("/v1/schedules/nope?format=png").status_code == 404
+
+
+def test_a_full_render_queue_is_429(settings: Settings) -> None:
+    with TestClient(create_app(settings.model_copy(update={"max_queued_renders": 0}))) as client:
+        schedule = client.post("/v1/schedules", json=problem_body(num_microbatches=4)).json()
+        renders = client.app.state.services.renders  # type: ignore[attr-defined]
+        blocker = renders.submit(time.sleep, 5.0)
+        refused = client.get(f"/v1/schedules/{schedule['id']}?format=png")
+        assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+        assert "format=json" in refused.json()["detail"]
+        blocker.future.result(timeout=60)
+        assert client.get(f"/v1/schedules/{schedule['id']}?format=png").status_code == 200
+
+
+def test_metric_labels_stay_bounded_under_random_methods(client: TestClient) -> None:
+    for index in range(40):
+        client.request(f"X{index}RANDOM", "/v1/jobs")
+        client.get(f"/no/such/path/{index}")
+    text = client.get("/metrics").text
+    assert "RANDOM" not in text and "/no/such" not in text
+    assert metric_value(text, "pipesched_http_requests_total", method="other", route="/v1/jobs", status="405") == 40
+    assert metric_value(text, "pipesched_http_requests_total", method="GET", route="unmatched", status="404") == 40
+
+
+def test_every_400_is_a_list_of_errors_with_the_reason(client: TestClient) -> None:
+    for body in (b"\xff\xfe{", b'{"pipeline": '):
+        response = client.post("/v1/schedules", content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        (detail,) = response.json()["detail"]
+        assert detail["loc"] == ["body"] and detail["msg"] and detail["type"]
+    unreadable = client.post("/v1/jobs", content=b"\xff\xfe{", headers={"content-type": "application/json"})
+    assert "UnicodeDecodeError" in unreadable.json()["detail"][0]["msg"]
+
+
+def test_the_405_on_a_job_allows_get_and_delete(client: TestClient) -> None:
+    response = client.put("/v1/jobs/abc")
+    assert response.status_code == 405
+    assert {method.strip() for method in response.headers["allow"].split(",")} == {"GET", "DELETE"}
+
+
+def test_the_api_token_guards_every_v1_route(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", api_token="s3cret")
+    app = create_app(settings)
+    with TestClient(app) as client:
+        checked = 0
+        for template, operations in client.get("/openapi.json").json()["paths"].items():
+            if not template.startswith("/v1"):
+                continue
+            path = template.replace("{schedule_id}", "x").replace("{job_id}", "x")
+            for method in operations:
+                response = client.request(method.upper(), path, json=problem_body())
+                assert response.status_code == 401, (method, path, response.status_code)
+                checked += 1
+        assert checked >= 6
+
+
+def test_a_stored_schedule_that_does_not_read_back_is_a_failed_job_not_a_500(
+    client: TestClient, settings: Settings
+) -> None:
+    problem = load_problem(problem_body())
+    schedule = solve(problem)
+    assert unstorable_reason(schedule) is None
+    assert "makespan" in (unstorable_reason(schedule.model_copy(update={"makespan": math.inf})) or "")
+    store = Store(settings.database_url)
+    try:
+        job = store.create_job(problem, problem_key(problem))
+        assert store.start_job(job.id, 0)
+        stored = store.finish_job(job.id, 0, problem_key(problem), schedule)
+        assert stored is not None
+        with store.transaction() as session:
+            from pipesched.api.storage import ScheduleRow
+
+            row = session.get(ScheduleRow, stored.id)
+            assert row is not None
+            row.schedule_json = row.schedule_json.replace(f'"makespan":{schedule.makespan}', '"makespan":"nan ms"')
+        answer = client.get(f"/v1/jobs/{job.id}")
+        assert answer.status_code == 200 and answer.json()["status"] == "failed"
+        assert "cannot be read back" in answer.json()["error"]
+        assert store.job(job.id) is not None and isinstance(store.job(job.id), JobRow)
+    finally:
+        store.dispose()
+
+
+# --- pipesched serve on a public interface -------------------------------------------------------
+
+
+def test_exposure_needs_a_token_or_the_explicit_opt_out() -> None:
+    assert exposure_problem(Settings(host="127.0.0.1")) is None
+    assert exposure_problem(Settings(host="::1")) is None
+    assert exposure_problem(Settings(host="0.0.0.0", api_token="t")) is None
+    assert exposure_problem(Settings(host="0.0.0.0", allow_no_token=True)) is None
+    message = exposure_problem(Settings(host="0.0.0.0"))
+    assert message and "PIPESCHED_API_TOKEN" in message and "PIPESCHED_ALLOW_NO_TOKEN=1" in message
+
+
+def test_serve_refuses_a_public_interface_without_a_token(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "pipesched"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIPESCHED_")} | {
+        "PIPESCHED_DATABASE_URL": f"sqlite:///{tmp_path / 'open.sqlite3'}"
+    }
+    result = subprocess.run(
+        [*command, "serve", "--host", "0.0.0.0", "--port", str(free_port())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "PIPESCHED_API_TOKEN" in result.stderr and "PIPESCHED_ALLOW_NO_TOKEN=1" in result.stderr
+
+
+def test_a_synchronous_timeout_says_whether_it_waited_or_ran(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'timeout.sqlite3'}")
+    pool = SolverPool(store, 1, sync_workers=1, max_queued_solves=1)
+    try:
+        hard = load_problem(long_job(0, time_limit_s=8.0))
+        # The first solve holds the only synchronous process; the second waits behind it.
+        with pytest.raises(SolveTimeout, match=r"the solver ran 2 s without answering \(time limit 8 s"):
+            pool.solve(hard, timeout_s=2.0)
+        with pytest.raises(SolveTimeout, match=r"waited .* behind 1 other synchronous solves and never started"):
+            pool.solve(load_problem(problem_body()), timeout_s=1.0)
+    finally:
+        pool.shutdown()
+        store.dispose()
