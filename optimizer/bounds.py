@@ -119,14 +119,17 @@ def _topological(inst: Instance, members: list[int]) -> list[int]:
 def _longest_from(inst: Instance, source: int, order: list[int]) -> dict[int, float]:
     """Longest path (ms) from the START of ``source`` to the start of every action it reaches.
 
-    ``order`` is one microbatch's actions in topological order (dependencies never cross microbatches).
+    ``order`` is one microbatch's passes in topological order; paths leave it for nothing else (a relaxation).
     """
     dist = {source: 0.0}
+    inside = set(order)
     for a in order:
         da = dist.get(a)
         if da is None:
             continue
         for b, latency in inst.succs[a]:
+            if b not in inside:
+                continue
             cand = da + inst.duration[a] + latency
             if cand > dist.get(b, -math.inf):
                 dist[b] = cand
@@ -141,9 +144,12 @@ def _to_rank(inst: Instance, order: list[int], rank: int) -> dict[int, float]:
     """
     reach_of: dict[int, float] = {}
     duration, succs, ranks = inst.duration, inst.succs, inst.rank
+    inside = set(order)
     for a in reversed(order):
         reach = -math.inf
         for b, latency in succs[a]:
+            if b not in inside:
+                continue
             after_b = reach_of.get(b, -math.inf)
             if ranks[b] == rank and after_b < 0.0:
                 after_b = 0.0
@@ -206,7 +212,9 @@ def _chains(inst: Instance, deadline: Deadline) -> list[_Chain]:
     wanted = set(rep.values())
     microbatch_actions: dict[int, list[int]] = {j: [] for j in wanted}
     for idx, action in enumerate(inst.actions):
-        if action.microbatch in wanted:
+        # Passes only: communication actions run on their own stream beside the passes (leaving them and
+        # their dependencies out relaxes the problem, so every bound stays valid).
+        if action.microbatch in wanted and action.is_compute:
             microbatch_actions[action.microbatch].append(idx)
     out: list[_Chain] = []
     for key, j in rep.items():
@@ -217,11 +225,14 @@ def _chains(inst: Instance, deadline: Deadline) -> list[_Chain]:
         head = {a: 0.0 for a in members}
         for a in order:
             for b, latency in inst.succs[a]:
-                head[b] = max(head[b], head[a] + inst.duration[a] + latency)
+                if b in head:
+                    head[b] = max(head[b], head[a] + inst.duration[a] + latency)
         # Tails: longest path from an action's end to the end of the microbatch's last action.
         tail: dict[int, float] = {}
         for a in reversed(order):
-            tail[a] = max((latency + inst.duration[b] + tail[b] for b, latency in inst.succs[a]), default=0.0)
+            tail[a] = max(
+                (latency + inst.duration[b] + tail[b] for b, latency in inst.succs[a] if b in tail), default=0.0
+            )
         by_rank: dict[int, list[int]] = {}
         for a in members:
             by_rank.setdefault(inst.rank[a], []).append(a)
