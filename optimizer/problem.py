@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.validation import StrictModel as _Strict
@@ -60,6 +60,19 @@ NO_FLUSH_METHODS: tuple[str, ...] = ("auto", "pipedream-2bw")
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
+
+#: Forward passes (num_stages × num_microbatches) pipesched compiles, searches minimally and answers per second
+#: of ``solver.time_limit_s + 2`` on a busy 2-core machine (about 240 µs a pass measured for compile,
+#: sequential schedule and answer): a larger problem is refused, naming the time limit it needs.
+PASSES_PER_SECOND = 3_000
+
+#: The most work (ms) one step may hold in total: num_microbatches × Σ over stages of F + I + W + 2·p2p. About
+#: 31 years; above it costs were surely given in another unit, and sums of them lose float precision.
+MAX_STEP_MS = 1e12
+
+#: The most activation and static memory (bytes) one rank may be asked to account for: static plus
+#: num_microbatches × Σ over its stages of activation (10²¹ B, a zettabyte).
+MAX_RANK_BYTES = 1e21
 
 NonNegative = Annotated[float, Field(ge=0)]
 
@@ -284,6 +297,13 @@ class SolverOptions(_Strict):
     )
     seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
 
+    @field_validator("time_limit_s", mode="before")
+    @classmethod
+    def _finite_time_limit(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number of seconds (0 < time_limit_s ≤ 86400), got {value}: e.g. 10")
+        return value
+
 
 class Problem(_Strict):
     """One scheduling problem (contract, Problem).
@@ -331,6 +351,8 @@ class Problem(_Strict):
             raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
         self._check_lengths()
         self._check_training()
+        self._check_magnitudes()
+        self._check_size_for_time()
         return self
 
     def _check_training(self) -> None:
@@ -416,6 +438,70 @@ class Problem(_Strict):
                     )
                 )
         raise_field_errors("Problem", errors)
+
+    def _check_magnitudes(self) -> None:
+        """Refuse costs or sizes whose totals overflow or leave float precision (schedules must serialise)."""
+        assert self.costs is not None and self.memory is not None
+        m = self.pipeline.num_microbatches
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        parts = {
+            name: self.stage_values(getattr(self.costs, name))
+            for name in ("forward", "backward_input", "backward_weight", "p2p")
+        }
+        weights = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 2.0}
+        sums = {name: weights[name] * sum(values) * m for name, values in parts.items()}
+        total_ms = sum(sums.values())
+        if not total_ms <= MAX_STEP_MS:
+            culprit = max(sums, key=lambda name: sums[name])
+            errors.append(
+                (
+                    ("costs", culprit),
+                    f"the step's total work, num_microbatches {m} × Σ over stages of (forward + backward_input + "
+                    f"backward_weight + 2·p2p), is {total_ms:.3g} ms, beyond the {MAX_STEP_MS:.0e} ms (about 31 "
+                    f"years) pipesched computes with; costs.{culprit} contributes most: give times in milliseconds",
+                    getattr(self.costs, culprit),
+                )
+            )
+        # Every rank's peak is at most its static bytes + every microbatch's activation on every stage (twice
+        # for the two replicas of a bidirectional placement).
+        replicas = 2 if self.pipeline.placement == "bidirectional" else 1
+        activations = replicas * m * sum(self.stage_values(self.memory.activation))
+        static = max(self.static_memory)
+        total_bytes = static + activations
+        if not total_bytes <= MAX_RANK_BYTES:
+            culprit = "static" if static >= activations else "activation"
+            errors.append(
+                (
+                    ("memory", culprit),
+                    f"a rank may hold up to {total_bytes:.3g} bytes (static + num_microbatches {m} × the stages' "
+                    f"activations), beyond the {MAX_RANK_BYTES:.0e} bytes pipesched computes with: give "
+                    f"memory.{culprit} in bytes",
+                    getattr(self.memory, culprit),
+                )
+            )
+        raise_field_errors("Problem", errors)
+
+    def _check_size_for_time(self) -> None:
+        """Refuse a problem too large to compile and answer within ``solver.time_limit_s`` + 2 s."""
+        passes = self.pipeline.num_stages * self.pipeline.num_microbatches
+        time_limit = self.solver.time_limit_s
+        most = int(PASSES_PER_SECOND * (time_limit + 2.0))
+        if passes <= most:
+            return
+        needed = math.ceil(passes / PASSES_PER_SECOND - 2.0)
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("pipeline", "num_microbatches"),
+                    f"{self.pipeline.num_stages} stages × {self.pipeline.num_microbatches} microbatches = "
+                    f"{passes:,} forward passes, more than the {most:,} pipesched can schedule and answer within "
+                    f"solver.time_limit_s {time_limit:g} s ({PASSES_PER_SECOND:,} per second of the limit + 2 s): "
+                    f"raise solver.time_limit_s to at least {needed} s, or use fewer microbatches or stages",
+                    self.pipeline.num_microbatches,
+                )
+            ],
+        )
 
     def _check_lengths(self) -> None:
         assert self.costs is not None and self.memory is not None

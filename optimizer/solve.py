@@ -13,7 +13,7 @@ from pipesched.optimizer.communication import ReshardOrderError, add_communicati
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck, active_deadline
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.solvers.steady_search import solve_steady_state
@@ -62,12 +62,26 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     back as is, with ``fits_memory`` false.
 
     Raises:
-        FamilyDomainError: when the family does not admit the problem.
+        FamilyDomainError: when the family does not admit the problem, or does not finish within
+            ``solver.time_limit_s``.
     """
     started = time.perf_counter()
     family = get_family(name)
     inst = compile_problem(problem)
-    orders = family.generate(problem)
+    # A family cannot answer in part: past the time limit (less what building the answer takes) it stops,
+    # and the request is answered at once with what to change.
+    time_limit = problem.solver.time_limit_s
+    deadline = Deadline(started + time_limit - min(0.25 * time_limit, 3 * (time.perf_counter() - started)))
+    try:
+        with active_deadline(deadline):
+            orders = family.generate(problem)
+    except SearchStopped:
+        pipeline = problem.pipeline
+        raise FamilyDomainError(
+            f"{name} did not finish within solver.time_limit_s {time_limit:g} s for {pipeline.num_ranks} ranks × "
+            f"{pipeline.stages_per_rank} stages per rank × {pipeline.num_microbatches} microbatches: raise "
+            "solver.time_limit_s, use fewer ranks or microbatches, or method auto"
+        ) from None
     if not family.flush:
         schedule = repeating_schedule(problem, orders, method=name, started=started)
     else:

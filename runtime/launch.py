@@ -68,11 +68,13 @@ class ScheduleError(ValueError):
 class RunFailed(RuntimeError):
     """A rank failed or a wait timed out; ``reason`` says why: ``rank_died`` (a process ended without a Python
     error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``peer_lost`` (a peer's process went
-    away), ``schedule``, …; the message names the rank (``"rank2: …"``)."""
+    away), ``interrupted`` (the launcher got SIGTERM/SIGINT from outside), ``schedule``, …; the message names the
+    rank (``"rank2: …"``). ``exit_code``: what the CLI exits with (1, or 128 + signal when interrupted)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+        self.exit_code = 1
 
 
 def _free_port() -> int:
@@ -190,7 +192,7 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
 
         # A rank the agent stops (SIGTERM) after another rank failed, or whose peer went away under it, is
         # collateral, not a cause.
-        if isinstance(error, SignalException):
+        if isinstance(error, SignalException | KeyboardInterrupt):
             reason = "stopped"
         elif any(sign in str(error).lower() for sign in _PEER_LOST):
             reason = "peer_lost"
@@ -270,6 +272,22 @@ def _failure(error_dir: Path, error: BaseException) -> RunFailed:
     return RunFailed(reason, f"{who}: {message}{others}")
 
 
+def _interrupted(signum: int) -> RunFailed:
+    """The launcher itself got ``signum`` (SIGTERM, SIGINT: Ctrl-C, a job scheduler's stop): every rank was
+    stopped with it, none failed. ``RunFailed.exit_code`` is the shell's 128 + signal number."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    failure = RunFailed(
+        "interrupted",
+        f"the run was stopped from outside ({name} to the launcher); every rank was stopped with it and none failed: "
+        "run it again to completion",
+    )
+    failure.exit_code = 128 + int(signum)
+    return failure
+
+
 def run_schedules(
     schedules: list[Schedule],
     *,
@@ -306,6 +324,7 @@ def run_schedules(
     """
     import torch
 
+    from pipesched.runtime.memory_check import check_run_memory
     from pipesched.runtime.models import load_model
     from pipesched.runtime.verify import build_report, reference_run
 
@@ -348,7 +367,9 @@ def run_schedules(
             raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
         if validate:
             _validate(schedule)
-        load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        pipeline_model = load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
+            check_run_memory(schedule, pipeline_model.config, models[index])
     if backend == "nccl" and not torch.cuda.is_available():
         raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     world = num_ranks * data_parallel
@@ -391,8 +412,14 @@ def run_schedules(
             monitor_interval=0.1,
             start_method="spawn",
         )
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         try:
             returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+        except SignalException as error:
+            raise _interrupted(error.sigval) from None
+        except KeyboardInterrupt:
+            raise _interrupted(signal.SIGINT) from None
         except ChildFailedError as error:
             raise _failure(error_dir, error) from None
         except Exception as error:
