@@ -19,7 +19,7 @@ from pipesched.api.loading import InputError, load_problem
 from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
-from pipesched.optimizer.units import common_unit, format_bytes
+from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
 
 app = typer.Typer(
     name="pipesched",
@@ -38,6 +38,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print ``message`` to stderr and return the Exit to raise."""
     err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def check_method(method: str) -> None:
+    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names (difflib)."""
+    import difflib
+
+    from pipesched.optimizer.problem import METHOD_NAMES
+
+    if method in METHOD_NAMES:
+        return
+    close = difflib.get_close_matches(method, METHOD_NAMES, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    raise fail(f"--method {method!r} is not a method: {hint}choose one of {', '.join(METHOD_NAMES)}")
 
 
 def require_torch(command: str) -> None:
@@ -149,16 +162,32 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
     out.print(table)
+    if schedule.step_period is not None:
+        out.print(
+            f"step_period {schedule.step_period:.3f} ms per step in steady state (no flush, "
+            f"{problem.training.weight_versions} weight versions); the actions are one repeating step, microbatch "
+            f"ids ≥ {pipeline.num_microbatches} are the next step's",
+            highlight=False,
+        )
+    elif schedule.step_time is not None and schedule.step_time != schedule.makespan:
+        out.print(f"step_time {schedule.step_time:.3f} ms", highlight=False)
     limits = problem.memory_limits
+    finite_limits = [limit for limit in limits if limit != float("inf")]
+    # One unit and enough decimals that a peak reads over its limit exactly when it is over it.
+    unit_name, unit = common_unit(list(schedule.peak_memory) + finite_limits)
+    decimals = max(
+        [decimals_against_limit([peak], limit, unit) for peak, limit in zip(schedule.peak_memory, limits, strict=True)],
+        default=2,
+    )
     memory = Table(show_header=True, header_style="bold", title="peak memory per rank")
     memory.add_column("rank", justify="right")
-    memory.add_column("peak", justify="right")
-    memory.add_column("limit", justify="right")
+    memory.add_column(f"peak {unit_name}", justify="right")
+    memory.add_column(f"limit {unit_name}", justify="right")
     for rank, peak in enumerate(schedule.peak_memory):
         memory.add_row(
             str(rank),
-            format_bytes(peak),
-            "none" if limits[rank] == float("inf") else format_bytes(limits[rank]),
+            f"{peak / unit:.{decimals}f}",
+            "none" if limits[rank] == float("inf") else f"{limits[rank] / unit:.{decimals}f}",
         )
     if len(schedule.peak_memory) <= 16:
         out.print(memory)
@@ -216,6 +245,8 @@ def solve(
 
     if output_format not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
+    if method is not None:
+        check_method(method)
     try:
         problem = load_problem(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
     except InputError as error:
@@ -295,10 +326,21 @@ def compare(
     if len(variants) > 1:
         table.add_column("pipeline")
     per_rank = problem.pipeline.num_ranks <= 16
-    unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory])
+    finite_limits = [limit for limit in limits if limit != float("inf")]
+    unit_name, unit = common_unit([max(x.peak_memory) for x in rows if x.peak_memory] + finite_limits)
+    decimals = decimals_against_limit(
+        [peak for x in rows for peak in x.peak_memory], min(finite_limits, default=float("inf")), unit
+    )
     peak_title = f"peak memory per rank ({unit_name})" if per_rank else "max peak memory"
     step = problem.has_step_actions or problem.objective == "step_time"
-    columns = ("method", "makespan ms", "stage_span ms", *(("step_time ms",) if step else ()))
+    period = problem.objective == "step_period"  # no flush: the steady-state time per step
+    columns = (
+        "method",
+        "makespan ms",
+        "stage_span ms",
+        *(("step_time ms",) if step else ()),
+        *(("step_period ms",) if period else ()),
+    )
     for column in (*columns, "bubble rate", peak_title, "fits limit"):
         table.add_column(column, justify="right" if column != "method" else "left")
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
@@ -324,9 +366,10 @@ def compare(
             f"{schedule.makespan:.3f}",
             f"{schedule.stage_span:.3f}",
             *((f"{schedule.step_time:.3f}",) if step else ()),
+            *((f"{schedule.step_period:.3f}",) if period else ()),
             f"{schedule.bubble_rate:.4f}",
             (
-                " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory)
+                " ".join(f"{x / unit:.{decimals}f}" for x in schedule.peak_memory)
                 if per_rank
                 else format_bytes(max(schedule.peak_memory))
             ),
@@ -347,8 +390,8 @@ def compare(
             }
         )
     console.print(table)
-    if any(limit != float("inf") for limit in limits):
-        console.print(f"memory limit per rank: {format_bytes(min(limits))}", highlight=False)
+    if finite_limits:
+        console.print(f"memory limit per rank: {min(finite_limits) / unit:.{decimals}f} {unit_name}", highlight=False)
     if output is not None:
         write_output(output, json.dumps(records, indent=1))
 
@@ -442,8 +485,49 @@ def run(
     trace: Annotated[
         Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
     ] = None,
+    data_parallel: Annotated[
+        int | None,
+        typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(
+            "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
+        ),
+    ] = None,
+    reshard_after_forward: Annotated[
+        bool | None,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
+    post_validation: Annotated[
+        bool | None,
+        typer.Option(
+            "--post-validation/--no-post-validation",
+            help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
+        ),
+    ] = None,
+    weight_update: Annotated[
+        str | None,
+        typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
+    ] = None,
+    max_grad_norm: Annotated[
+        float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
+    ] = None,
+    inject_nan: Annotated[
+        str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")
+    ] = None,
 ) -> None:
-    """Execute a schedule with torch.distributed and verify it against a single-process reference."""
+    """Execute a schedule with torch.distributed and verify it against a single-process reference.
+
+    With --steps, --data-parallel, --post-validation or --weight-update (or a problem that asks for data
+    parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
+    """
     require_torch("run")
     from pipesched.api.loading import load_schedule
     from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
@@ -452,6 +536,40 @@ def run(
         schedule = load_schedule(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
+    training = None
+    problem = schedule.problem
+    given = {
+        "data_parallel": data_parallel,
+        "sharding": sharding,
+        "reshard_after_forward": reshard_after_forward,
+        "steps": steps,
+        "optimizer": optimizer,
+        "lr": lr,
+        "post_validation": post_validation,
+        "weight_update": weight_update,
+        "max_grad_norm": max_grad_norm,
+    }
+    wants_training = (
+        any(value is not None for value in given.values())
+        or inject_nan is not None
+        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
+        or problem.training.post_validation
+        or not problem.training.flush
+    )
+    if wants_training:
+        from pipesched.runtime.training import TrainingError, training_options
+
+        nan_at = None
+        if inject_nan is not None:
+            try:
+                step_text, _, microbatch_text = inject_nan.partition(":")
+                nan_at = (int(step_text), int(microbatch_text))
+            except ValueError:
+                raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
+        try:
+            training = training_options(problem, **given, inject_nan=nan_at)
+        except TrainingError as error:
+            raise fail(str(error)) from None
     try:
         report = run_schedule(
             schedule,
@@ -466,15 +584,20 @@ def run(
             node_rank=node_rank,
             master_addr=master_addr,
             master_port=master_port,
+            training=training,
         )
     except (ScheduleError, ValueError) as error:
         raise fail(str(error)) from None
     except RunFailed as error:
-        raise fail(f"the run failed ({error.reason}): {error}", code=1) from None
+        raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
     if "verified" not in report:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
     print_run_summary(report)
+    if training is not None:
+        from pipesched.runtime.training import print_training_summary
+
+        print_training_summary(report, console)
     if output is not None:
         console.print(f"wrote {output}", highlight=False)
     if trace is not None:
@@ -504,10 +627,10 @@ def profile(
     from pydantic import ValidationError
 
     from pipesched.api.loading import format_validation_error
-    from pipesched.runtime.profile import profile_model
+    from pipesched.runtime.profile import SPREAD_WARNING, measure_model
 
     try:
-        problem = profile_model(
+        measured = measure_model(
             num_ranks=num_ranks,
             num_microbatches=num_microbatches,
             stages_per_rank=stages_per_rank,
@@ -522,11 +645,20 @@ def profile(
         raise fail(format_validation_error(error)) from None
     except ValueError as error:
         raise fail(str(error)) from None
+    problem = measured.problem
     write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
     assert problem.costs is not None and problem.memory is not None
-    table = Table(title=f"{model}: measured per stage", header_style="bold")
+    table = Table(
+        title=f"{model}: measured per stage (median ms, and min–max over {repeats} runs)", header_style="bold"
+    )
     for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", no_wrap=column.endswith("ms"))
+    spread = {(x.kind, x.stage): x for x in measured.spreads}
+
+    def timed(kind: str, stage: int, median: float) -> str:
+        x = spread[(kind, stage)]
+        return f"{median:.3f} ({x.low:.3g}–{x.high:.3g})"
+
     values = [
         problem.stage_values(v)
         for v in (
@@ -538,12 +670,57 @@ def profile(
         )
     ]
     for stage, (f, i, w, act, ret) in enumerate(zip(*values, strict=True)):
-        table.add_row(str(stage), f"{f:.3f}", f"{i:.3f}", f"{w:.3f}", format_bytes(act), format_bytes(ret))
+        table.add_row(
+            str(stage),
+            timed("F", stage, f),
+            timed("I", stage, i),
+            timed("W", stage, w),
+            format_bytes(act),
+            format_bytes(ret),
+        )
     console.print(table)
+    unsteady = measured.unsteady()
+    if unsteady:
+        worst = ", ".join(
+            f"{x.kind} of stage {x.stage} (interquartile range {100 * x.relative_iqr:.0f}% of its median)"
+            for x in unsteady[:3]
+        )
+        err_console.print(
+            f"[bold yellow]warning:[/bold yellow] {len(unsteady)} pass(es) spread by more than "
+            f"{100 * SPREAD_WARNING:.0f}% between runs: {worst}. The machine is busy or the passes are too short: "
+            "profile on an idle machine, or raise --repeats",
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"wrote {output}", highlight=False)
 
 
-@app.command()
+def settings_epilog() -> str:
+    """The ``PIPESCHED_*`` environment variables ``pipesched serve`` reads, from the service's settings."""
+    from pipesched.api.settings import Settings
+
+    lines = ["Environment variables (each overrides its default; --host/--port override those two):", ""]
+    for name, field in Settings.model_fields.items():
+        default = "a SQLite file in ~/.local/share/pipesched" if name == "database_url" else repr(field.default)
+        lines.append(f"PIPESCHED_{name.upper()}: {field.description} Default: {default}.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def database_description(url: str) -> str:
+    """What ``pipesched serve`` says it stores into: the SQLite file's absolute path, or the URL without password."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:"):
+            return "SQLite in memory (nothing kept after exit)"
+        return f"SQLite file {Path(database).expanduser().resolve()}"
+    return parsed.render_as_string(hide_password=True)
+
+
+@app.command(epilog=settings_epilog())
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
@@ -591,6 +768,12 @@ def serve(
             f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
             f"reachable, or {database_fix}"
         ) from None
+    err_console.print(
+        f"pipesched serve: database {database_description(settings.database_url)} (set PIPESCHED_DATABASE_URL to "
+        "change it)",
+        highlight=False,
+        soft_wrap=True,
+    )
     uvicorn.run(
         service,
         host=settings.host,

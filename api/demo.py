@@ -154,11 +154,17 @@ def _solve_job(client: httpx.Client, body: dict[str, Any], console: Console) -> 
 
 
 def _comparison_table(schedules: list[Schedule], console: Console) -> None:
-    from pipesched.optimizer.units import common_unit, format_bytes
+    from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
 
     limits = schedules[0].problem.memory_limits
-    unit_name, unit = common_unit([max(x.peak_memory) for x in schedules if x.peak_memory])
-    title = f"{DEMO_NUM_RANKS} ranks · {DEMO_NUM_MICROBATCHES} microbatches · limit {format_bytes(limits[0])}"
+    unit_name, unit = common_unit([max(x.peak_memory) for x in schedules if x.peak_memory] + [limits[0]])
+    # Peaks and limit in one unit and with enough decimals that a fitting peak never reads over the limit.
+    peaks = [peak for x in schedules for peak in x.peak_memory]
+    decimals = decimals_against_limit(peaks, limits[0], unit)
+    shown_limit = (
+        format_bytes(limits[0]) if limits[0] == float("inf") else f"{limits[0] / unit:.{decimals}f} {unit_name}"
+    )
+    title = f"{DEMO_NUM_RANKS} ranks · {DEMO_NUM_MICROBATCHES} microbatches · limit {shown_limit}"
     table = Table(title=title)
     table.add_column("method")
     table.add_column("status")
@@ -175,7 +181,7 @@ def _comparison_table(schedules: list[Schedule], console: Console) -> None:
             schedule.status,
             f"{schedule.makespan:.3f}",
             f"{schedule.bubble_rate:.4f}",
-            " ".join(f"{x / unit:.2f}" for x in schedule.peak_memory),
+            " ".join(f"{x / unit:.{decimals}f}" for x in schedule.peak_memory),
             "yes" if schedule.fits_memory else "no",
         )
     console.print(table)

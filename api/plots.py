@@ -126,7 +126,13 @@ def _prepare(schedule: Schedule) -> _View:
             "plot a feasible schedule"
         )
     inst = compile_for_orders(schedule.problem, schedule.orders())
-    sim = simulate(inst, schedule.orders(), check_memory=False)
+    if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
+        from pipesched.optimizer.steady_state import pattern_memory_timelines
+
+        memory_timeline, peak_memory = pattern_memory_timelines(schedule), schedule.peak_memory
+    else:
+        sim = simulate(inst, schedule.orders(), check_memory=False)
+        memory_timeline, peak_memory = sim.memory_timeline, sim.peak_memory
     makespan = max((a.end for r in schedule.ranks for a in r.actions), default=0.0)
     stage_to_rank = schedule.stage_to_rank
     ranks = []
@@ -134,7 +140,7 @@ def _prepare(schedule: Schedule) -> _View:
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank
         stages = sorted(s for s, r in enumerate(stage_to_rank) if r == rank)
-        timeline = list(sim.memory_timeline[rank])
+        timeline = list(memory_timeline[rank])
         times = [t for t, _ in timeline]
         bars = []
         comm_bars: list[_Bar] = []
@@ -162,7 +168,7 @@ def _prepare(schedule: Schedule) -> _View:
                 bars=bars,
                 timeline=timeline,
                 limit=inst.limit[rank],
-                peak=sim.peak_memory[rank],
+                peak=peak_memory[rank],
                 comm_bars=comm_bars,
             )
         )
@@ -218,30 +224,39 @@ def _text_em(text: str) -> float:
     return sum(0.32 if ch == "·" else 0.52 if ch == "s" else 0.64 for ch in text)
 
 
-def _fit_label(bar: _Bar, multi_stage: bool, width_px: float, height_px: float, em_px: float) -> tuple[str, float]:
-    """The bar's label and its size (× the label font) that fit ``width_px`` × ``height_px``; ``("", 0)`` if none.
+def _fit_label(
+    bar: _Bar, multi_stage: bool, width_px: float, height_px: float, em_px: float
+) -> tuple[str, float, bool]:
+    """The bar's label, its size (× the label font) and whether it runs vertically, to fit ``width_px`` ×
+    ``height_px``; ``("", 0, False)`` if none fits.
 
     ``s{stage}·{microbatch}`` where a rank holds several stages (or on two lines ``s{stage}`` over the
-    microbatch when the bar is narrow but tall), else the microbatch alone; nothing when even that is too wide.
+    microbatch when the bar is narrow but tall), else the microbatch alone, at full size, then at 3/4 size,
+    then turned upright (narrow actions such as a W, about half an F, keep their microbatch); nothing when
+    even that is too wide.
     """
     if bar.microbatch is None:
         short = _SHORT.get(bar.kind, bar.kind) + ("" if bar.stage is None else str(bar.stage))
-        return (short, 1.0) if width_px >= _text_em(short) * em_px + 3 else ("", 0.0)
+        return (short, 1.0, False) if width_px >= _text_em(short) * em_px + 3 else ("", 0.0, False)
     microbatch = str(bar.microbatch)
     if multi_stage:
         full = f"s{bar.stage}·{microbatch}"
         if width_px >= _text_em(full) * em_px + 3:
-            return full, 1.0
+            return full, 1.0, False
         stage = f"s{bar.stage}"
         scale = 0.85
         if (
             width_px >= max(_text_em(stage), _text_em(microbatch)) * em_px * scale + 2
             and height_px >= 2.3 * em_px * scale
         ):
-            return f"{stage}\n{microbatch}", scale
-    if width_px >= _text_em(microbatch) * em_px + 3:
-        return microbatch, 1.0
-    return "", 0.0
+            return f"{stage}\n{microbatch}", scale, False
+    for scale in (1.0, 0.75):
+        if width_px >= _text_em(microbatch) * em_px * scale + 3 * scale:
+            return microbatch, scale, False
+    upright = min(1.0, (width_px - 1) / em_px)  # a line of text is about one em tall
+    if upright >= 0.6 and height_px >= _text_em(microbatch) * em_px * upright + 2:
+        return microbatch, upright, True
+    return "", 0.0, False
 
 
 def _headline(view: _View) -> tuple[str, str]:
@@ -315,7 +330,10 @@ def _legend(fig: Any, views: list[_View]) -> None:
     handles = [Patch(facecolor=KIND_COLORS[k], label=KIND_NAMES[k]) for k in kinds]
     if any(v.multi_stage for v in views):
         handles += [
-            Patch(facecolor=_shade(KIND_COLORS[k], 1), label=f"{k}, the rank's later stage (labels s{{stage}}·{{mb}})")
+            Patch(
+                facecolor=_shade(KIND_COLORS[k], 1),
+                label=f"{k}, the rank's later stage (a label s5·3 is stage 5, microbatch 3)",
+            )
             for k in kinds[:1]
         ]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle"))
@@ -352,7 +370,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
             )
             drawn.set_gid(f"{prefix}rank-{rank_view.rank}-comm")
             for b, color in zip(comm, comm_colors, strict=True):
-                text, size = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
+                text, size, _ = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
                 if text:
                     ax.text(
                         (b.start + b.end) / 2,
@@ -374,7 +392,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
         )
         bars.set_gid(f"{prefix}rank-{rank_view.rank}")
         for b, color in zip(rank_view.bars, colors, strict=True):
-            text, size = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
+            text, size, upright = _fit_label(b, view.multi_stage, (b.end - b.start) * px_per_ms, bar_px, em_px)
             if not text:
                 continue
             ax.text(
@@ -386,6 +404,7 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
                 linespacing=1.0,
                 fontsize=font * size,
                 color=_text_color(color),
+                rotation=90 if upright else 0,
                 clip_on=True,
             )
     ax.set_ylim(num_rows - 0.5, -0.5)
@@ -410,17 +429,33 @@ def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix
     ax.set_title(f"{first}\n{second}", loc="left", fontsize=9.5)
 
 
+#: Up to this many ranks, each memory curve gets its own colour of a qualitative palette and a legend entry.
+QUALITATIVE_RANKS = 20
+
+
+def _rank_color(rank: int, num_ranks: int) -> str:
+    """The memory curve's colour of ``rank`` (hex): one hue per rank from matplotlib's qualitative ``tab10``
+    (≤ 10 ranks) or ``tab20`` (≤ 20), else along the ``turbo`` map (then a colour bar says which rank)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    if num_ranks <= 10:
+        return to_hex(colormaps["tab10"](rank))
+    if num_ranks <= QUALITATIVE_RANKS:
+        return to_hex(colormaps["tab20"](rank))
+    return to_hex(colormaps["turbo"](0.05 + 0.9 * rank / max(1, num_ranks - 1)))
+
+
 def _draw_memory(ax: Any, view: _View, x_max: float, prefix: str) -> None:
     from matplotlib import colormaps
 
     num_ranks = len(view.ranks)
     top = max(max(r.peak for r in view.ranks), max(view.finite_limits, default=0.0)) or 1.0
     divisor, unit = _bytes_unit(top)
-    cmap = colormaps["viridis"]
     limits = view.finite_limits
     same_limit = bool(limits) and len(limits) == num_ranks and max(limits) - min(limits) <= 1e-9 * max(limits)
     for r in view.ranks:
-        color = cmap(r.rank / max(1, num_ranks - 1) * 0.9)
+        color = _rank_color(r.rank, num_ranks)
         xs = [t for t, _ in r.timeline]
         ys = [b / divisor for _, b in r.timeline]
         (line,) = ax.step(xs, ys, where="post", color=color, linewidth=1.3 if num_ranks <= 8 else 0.9)
@@ -457,13 +492,14 @@ def _draw_memory(ax: Any, view: _View, x_max: float, prefix: str) -> None:
     ax.grid(color="#BBBBBB", linewidth=0.5, alpha=0.6)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    if num_ranks <= 8:
-        ax.legend(loc="upper right", fontsize=7, ncol=min(num_ranks, 8), frameon=False)
+    if num_ranks <= QUALITATIVE_RANKS:
+        ax.legend(loc="upper right", fontsize=7, ncol=min(num_ranks, 10), frameon=False)
     else:
         from matplotlib.cm import ScalarMappable
         from matplotlib.colors import Normalize
 
-        mappable = ScalarMappable(norm=Normalize(0, (num_ranks - 1) / 0.9), cmap=cmap)
+        span = max(1, num_ranks - 1)
+        mappable = ScalarMappable(norm=Normalize(-0.05 / 0.9 * span, 0.95 / 0.9 * span), cmap=colormaps["turbo"])
         bar = ax.figure.colorbar(mappable, ax=ax, pad=0.005, fraction=0.02, aspect=12)
         bar.set_label("rank", fontsize=7.5)
         bar.ax.set_ylim(0, num_ranks - 1)
@@ -566,7 +602,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                 f'<rect class="act" x="{x(b.start):.2f}" y="{y + 1}" width="{max(w, 0.3):.2f}" height="{row - 2}" '
                 f'fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
             )
-            text, size = _fit_label(b, view.multi_stage, w, row - 2, font)
+            text, size, upright = _fit_label(b, view.multi_stage, w, row - 2, font)
             center = x(b.start) + w / 2
             attrs = f'class="lab" font-size="{font * size:.1f}" fill="{_text_color(color)}"'
             if "\n" in text:
@@ -576,8 +612,14 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                     f'<text {attrs} x="{center:.2f}" y="{y + row / 2 - line * 0.12:.1f}">{upper}'
                     f'<tspan x="{center:.2f}" dy="{line * 0.95:.1f}">{lower}</tspan></text>'
                 )
+            elif text and upright:
+                cy = y + row / 2
+                out.append(
+                    f'<text {attrs} x="{center + font * size * 0.36:.2f}" y="{cy:.1f}" '
+                    f'transform="rotate(-90 {center + font * size * 0.36:.2f} {cy:.1f})">{text}</text>'
+                )
             elif text:
-                out.append(f'<text {attrs} x="{center:.2f}" y="{y + row / 2 + font * 0.36:.1f}">{text}</text>')
+                out.append(f'<text {attrs} x="{center:.2f}" y="{y + row / 2 + font * size * 0.36:.1f}">{text}</text>')
         if view.has_comm:
             yc = y + row
             out.append(
@@ -593,7 +635,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
                     f'<rect class="act comm" x="{x(b.start):.2f}" y="{yc + 1}" width="{max(w, 0.6):.2f}" '
                     f'height="{row - 2}" fill="{color}" data-r="{r.rank}" data-i="{i}"/>'
                 )
-                text, size = _fit_label(b, view.multi_stage, w, row - 2, font)
+                text, size, _ = _fit_label(b, view.multi_stage, w, row - 2, font)
                 if text:
                     out.append(
                         f'<text class="lab" font-size="{font * size:.1f}" fill="{_text_color(color)}" '
@@ -623,7 +665,7 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
         )
         k += 1
     for r in view.ranks:
-        hue = 260 - 200 * r.rank / max(1, num_ranks - 1)
+        stroke = _rank_color(r.rank, num_ranks)
         points = []
         previous: float | None = None
         for t, held in r.timeline:
@@ -633,20 +675,20 @@ def _svg_panel(view: _View, x_max: float, prefix: str) -> str:
             previous = held
         out.append(
             f'<polyline class="mem" id="{prefix}memory-rank-{r.rank}" data-r="{r.rank}" '
-            f'stroke="hsl({hue:.0f},70%,40%)" points="{" ".join(points)}"><title>rank {r.rank}: peak '
+            f'stroke="{stroke}" points="{" ".join(points)}"><title>rank {r.rank}: peak '
             f"{_format_bytes(r.peak)}, limit {_format_bytes(r.limit)}</title></polyline>"
         )
     # which colour is which rank: swatches for a few ranks, else the two ends of the hue ramp
     shown = view.ranks if num_ranks <= 8 else [view.ranks[0], view.ranks[-1]]
     legend_x = _LEFT + plot_w - 8
     for r in reversed(shown):
-        hue = 260 - 200 * r.rank / max(1, num_ranks - 1)
+        stroke = _rank_color(r.rank, num_ranks)
         label = f"rank {r.rank}" if num_ranks <= 8 or r is view.ranks[0] else f"… rank {r.rank}"
         width = 7 * len(label) + 22
         legend_x -= width
         out.append(
             f'<line x1="{legend_x:.0f}" x2="{legend_x + 16:.0f}" y1="{mem_top + 12}" y2="{mem_top + 12}" '
-            f'stroke="hsl({hue:.0f},70%,40%)" stroke-width="3"/>'
+            f'stroke="{stroke}" stroke-width="3"/>'
             f'<text class="tick" x="{legend_x + 20:.0f}" y="{mem_top + 16}">{label}</text>'
         )
     limits = view.finite_limits
@@ -772,7 +814,7 @@ def render_view_html(schedule: Schedule, compare: Schedule | None = None) -> str
     if any(v.multi_stage for v in views):
         legend += (
             f'<span><i style="background:{_shade(KIND_COLORS["F"], 1)}"></i>lighter: the rank\'s later stage '
-            "(labels s{stage}·{microbatch})</span>"
+            "(a label s5·3 is stage 5, microbatch 3)</span>"
         )
     legend += f'<span><i style="background:{IDLE_COLOR}"></i>idle</span>'
     body = [f'<div class="legend">{legend}</div>', _summary_html(views[0], "Schedule"), _svg_panel(views[0], x_max, "")]

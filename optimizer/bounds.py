@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from pipesched.optimizer.instance import Instance
 from pipesched.optimizer.ir import Action, ActionKind
+from pipesched.optimizer.progress import NO_DEADLINE, Deadline, SearchStopped
 
 __all__ = ["LowerBounds", "lower_bound", "lower_bounds"]
 
@@ -118,84 +119,169 @@ def _topological(inst: Instance, members: list[int]) -> list[int]:
 def _longest_from(inst: Instance, source: int, order: list[int]) -> dict[int, float]:
     """Longest path (ms) from the START of ``source`` to the start of every action it reaches.
 
-    ``order`` is one microbatch's actions in topological order (dependencies never cross microbatches).
+    ``order`` is one microbatch's passes in topological order; paths leave it for nothing else (a relaxation).
     """
     dist = {source: 0.0}
+    inside = set(order)
     for a in order:
         da = dist.get(a)
         if da is None:
             continue
         for b, latency in inst.succs[a]:
+            if b not in inside:
+                continue
             cand = da + inst.duration[a] + latency
             if cand > dist.get(b, -math.inf):
                 dist[b] = cand
     return dist
 
 
-def _one_machine(groups: dict[tuple[float, float], float]) -> float:
-    """``max over H, T of H + Σ{duration : head ≥ H, tail ≥ T} + T`` for ``(head, tail) → duration`` groups."""
-    best = 0.0
-    heads = sorted({h for h, _ in groups})
+def _to_rank(inst: Instance, order: list[int], rank: int) -> dict[int, float]:
+    """Longest path (ms) from an action's END to the END of an action on ``rank`` reached strictly after it.
+
+    ``order`` is one microbatch's actions in topological order; actions that reach nothing on ``rank``
+    are absent. O(actions + dependencies) of the microbatch.
+    """
+    reach_of: dict[int, float] = {}
+    duration, succs, ranks = inst.duration, inst.succs, inst.rank
+    inside = set(order)
+    for a in reversed(order):
+        reach = -math.inf
+        for b, latency in succs[a]:
+            if b not in inside:
+                continue
+            after_b = reach_of.get(b, -math.inf)
+            if ranks[b] == rank and after_b < 0.0:
+                after_b = 0.0
+            if after_b > -math.inf:
+                reach = max(reach, latency + duration[b] + after_b)
+        if reach > -math.inf:
+            reach_of[a] = reach
+    return reach_of
+
+
+def _one_machine(groups: dict[tuple[float, float], float], deadline: Deadline) -> float:
+    """``max over H, T of H + Σ{duration : head ≥ H, tail ≥ T} + T`` for ``(head, tail) → duration`` groups.
+
+    O(heads × tails): heads are swept from the largest down while a per-tail column accumulates, and a
+    suffix sum over the tails gives every ``(H, T)`` at once.
+
+    Raises:
+        SearchStopped: when ``deadline`` expires (polled once per head).
+    """
     tails = sorted({t for _, t in groups})
-    for head in heads:
-        for tail in tails:
-            work = sum(d for (h, t), d in groups.items() if h >= head and t >= tail)
-            if work > 0:
-                best = max(best, head + work + tail)
+    tail_index = {t: i for i, t in enumerate(tails)}
+    by_head: dict[float, list[tuple[int, float]]] = {}
+    for (h, t), d in groups.items():
+        by_head.setdefault(h, []).append((tail_index[t], d))
+    column = [0.0] * len(tails)
+    best = 0.0
+    for head in sorted(by_head, reverse=True):
+        deadline.check()
+        for i, d in by_head[head]:
+            column[i] += d
+        work = 0.0
+        for i in range(len(tails) - 1, -1, -1):
+            work += column[i]
+            if work > 0 and head + work + tails[i] > best:
+                best = head + work + tails[i]
     return best
 
 
-def _bottleneck_bounds(inst: Instance, chain_count: dict[int, int]) -> tuple[float, float]:
-    """The bottleneck-rank bounds of the module docstring: ``(stage_span, makespan)``, ms.
+@dataclass
+class _Chain:
+    """One distinct chain's microbatch: its actions in topological order, heads and tails (ms)."""
 
-    ``chain_count`` maps a representative microbatch of each distinct chain to how many microbatches
-    share that chain (identical chains give identical heads and tails).
-    """
-    microbatch_actions: dict[int, list[int]] = {}
+    microbatch: int
+    count: int
+    members: list[int]
+    order: list[int]
+    head: dict[int, float]
+    tail: dict[int, float]
+    by_rank: dict[int, list[int]]
+
+
+def _chains(inst: Instance, deadline: Deadline) -> list[_Chain]:
+    """One :class:`_Chain` per distinct chain (identical chains give identical paths). O(actions of those)."""
+    counts: dict[tuple[int, ...], int] = {}
+    rep: dict[tuple[int, ...], int] = {}
+    for j, chain in enumerate(inst.chains):
+        key = tuple(chain)
+        counts[key] = counts.get(key, 0) + 1
+        rep.setdefault(key, j)
+    wanted = set(rep.values())
+    microbatch_actions: dict[int, list[int]] = {j: [] for j in wanted}
     for idx, action in enumerate(inst.actions):
-        if action.microbatch in chain_count:
-            microbatch_actions.setdefault(action.microbatch, []).append(idx)
-    span_groups: dict[tuple[int, int], dict[tuple[float, float], float]] = {}
-    makespan_groups: dict[int, dict[tuple[float, float], float]] = {}
-    for j, count in chain_count.items():
+        # Passes only: communication actions run on their own stream beside the passes (leaving them and
+        # their dependencies out relaxes the problem, so every bound stays valid).
+        if action.microbatch in wanted and action.is_compute:
+            microbatch_actions[action.microbatch].append(idx)
+    out: list[_Chain] = []
+    for key, j in rep.items():
+        deadline.check()
         members = microbatch_actions[j]
         order = _topological(inst, members)
-        # Makespan frame: heads from the microbatch's sources, tails to the end of its last action.
-        head: dict[int, float] = {a: 0.0 for a in members}
+        # Heads: longest path from the microbatch's sources (all may start at the first start).
+        head = {a: 0.0 for a in members}
         for a in order:
             for b, latency in inst.succs[a]:
-                head[b] = max(head[b], head[a] + inst.duration[a] + latency)
+                if b in head:
+                    head[b] = max(head[b], head[a] + inst.duration[a] + latency)
+        # Tails: longest path from an action's end to the end of the microbatch's last action.
         tail: dict[int, float] = {}
         for a in reversed(order):
-            tail[a] = max((latency + inst.duration[b] + tail[b] for b, latency in inst.succs[a]), default=0.0)
+            tail[a] = max(
+                (latency + inst.duration[b] + tail[b] for b, latency in inst.succs[a] if b in tail), default=0.0
+            )
+        by_rank: dict[int, list[int]] = {}
         for a in members:
-            group = makespan_groups.setdefault(inst.rank[a], {})
-            key = (head[a], tail[a])
-            group[key] = group.get(key, 0.0) + inst.duration[a] * count
-        # Stage_span frame of the entry rank q: from q's forward of the microbatch to its last end on q.
-        entry = inst.index[_entry_forward(inst, j)]
-        q = inst.rank[entry]
-        start = _longest_from(inst, entry, order)
-        to_q: dict[int, float] = {}  # longest path from an action's end to the end of an action on q
-        for a in reversed(order):
-            reach = -math.inf
-            for b, latency in inst.succs[a]:
-                after_b = 0.0 if inst.rank[b] == q else -math.inf
-                if b in to_q:
-                    after_b = max(after_b, to_q[b])
-                reach = max(reach, latency + inst.duration[b] + after_b)
-            if inst.rank[a] == q:
-                reach = max(reach, 0.0)
-            if math.isfinite(reach):
-                to_q[a] = reach
-        for a in members:
-            if a not in start or a not in to_q:
-                continue
-            group = span_groups.setdefault((q, inst.rank[a]), {})
-            key = (start[a], to_q[a])
-            group[key] = group.get(key, 0.0) + inst.duration[a] * count
-    stage_span = max((_one_machine(g) for g in span_groups.values()), default=0.0)
-    makespan = max((_one_machine(g) for g in makespan_groups.values()), default=0.0)
+            by_rank.setdefault(inst.rank[a], []).append(a)
+        out.append(_Chain(j, counts[key], members, order, head, tail, by_rank))
+    return out
+
+
+def _bottleneck_bounds(inst: Instance, chains: list[_Chain], deadline: Deadline) -> tuple[float, float]:
+    """The bottleneck-rank bounds of the module docstring: ``(stage_span, makespan)``, ms.
+
+    Each rank's one-machine bound holds alone, so when ``deadline`` expires the ranks done so far count
+    and the rest are left out (0 when it expires before any).
+    """
+    span_groups: dict[tuple[int, int], dict[tuple[float, float], float]] = {}
+    makespan_groups: dict[int, dict[tuple[float, float], float]] = {}
+    try:
+        for chain in chains:
+            deadline.check()
+            count = chain.count
+            for a in chain.members:
+                group = makespan_groups.setdefault(inst.rank[a], {})
+                key = (chain.head[a], chain.tail[a])
+                group[key] = group.get(key, 0.0) + inst.duration[a] * count
+            # Stage_span frame of the entry rank q: from q's forward of the microbatch to its last end on q.
+            entry = inst.index[_entry_forward(inst, chain.microbatch)]
+            q = inst.rank[entry]
+            start = _longest_from(inst, entry, chain.order)
+            to_q = _to_rank(inst, chain.order, q)
+            for a in chain.members:
+                if a not in start:
+                    continue
+                reach = to_q.get(a, -math.inf)
+                if inst.rank[a] == q:
+                    reach = max(reach, 0.0)
+                if not math.isfinite(reach):
+                    continue
+                group = span_groups.setdefault((q, inst.rank[a]), {})
+                key = (start[a], reach)
+                group[key] = group.get(key, 0.0) + inst.duration[a] * count
+    except SearchStopped:
+        return 0.0, 0.0
+    stage_span = makespan = 0.0
+    try:
+        for span_group in span_groups.values():
+            stage_span = max(stage_span, _one_machine(span_group, deadline))
+        for makespan_group in makespan_groups.values():
+            makespan = max(makespan, _one_machine(makespan_group, deadline))
+    except SearchStopped:
+        pass
     return stage_span, makespan
 
 
@@ -204,75 +290,88 @@ def _entry_forward(inst: Instance, microbatch: int) -> Action:
     return Action(inst.chains[microbatch][0], ActionKind.FORWARD, microbatch)
 
 
-def lower_bounds(inst: Instance) -> LowerBounds:
+def _trivial(inst: Instance) -> LowerBounds:
+    """Each rank's work alone: the bound that costs nothing beyond the compiled instance."""
+    p = inst.num_ranks
+    work = max(inst.compute, default=0.0)
+    return LowerBounds(
+        compute=list(inst.compute),
+        warmup_idle=[0.0] * p,
+        cooldown_idle=[0.0] * p,
+        head=[0.0] * p,
+        tail=[0.0] * p,
+        critical_path=0.0,
+        stage_span=work,
+        makespan=work,
+    )
+
+
+def lower_bounds(inst: Instance, deadline: Deadline | None = None) -> LowerBounds:
     """Compute the bounds of the module docstring for ``inst``.
+
+    Args:
+        inst: the compiled problem.
+        deadline: when it expires (time or stop flag) the bounds computed so far are returned: each
+            rank's work (always), heads, tails and the critical path (O(actions of one microbatch per
+            distinct chain)), then the warm-up/cool-down idle rank by rank (O(ranks × actions of one
+            microbatch)), then the bottleneck-rank bounds rank by rank. Every partial answer is a valid
+            (weaker) bound.
 
     Returns:
         :class:`LowerBounds`, all times in ms. Ranks without actions get zeros.
     """
+    deadline = deadline or NO_DEADLINE
     p = inst.num_ranks
-    microbatch_actions: dict[int, list[int]] = {}
-    for idx, action in enumerate(inst.actions):
-        microbatch_actions.setdefault(action.microbatch, []).append(idx)
     backward_kind = inst.backward_kind
-
-    # Group microbatches by chain (identical chains give identical paths).
-    chain_rep: dict[tuple[int, ...], int] = {}
-    for j, chain in enumerate(inst.chains):
-        chain_rep.setdefault(tuple(chain), j)
+    try:
+        chains = _chains(inst, deadline)
+    except SearchStopped:
+        return _trivial(inst)
 
     head = [math.inf] * p
     tail = [math.inf] * p
+    critical_path = 0.0
+    for chain in chains:
+        for a in chain.members:
+            critical_path = max(critical_path, chain.head[a] + inst.duration[a] + chain.tail[a])
+        for r, acts in chain.by_rank.items():
+            head[r] = min(head[r], min(chain.head[a] for a in acts))
+            tail[r] = min(tail[r], min(chain.tail[a] for a in acts))
+    for r in range(p):
+        if not inst.rank_actions[r] or not math.isfinite(head[r]):
+            head[r] = 0.0
+        if not inst.rank_actions[r] or not math.isfinite(tail[r]):
+            tail[r] = 0.0
+
+    # Windows rank by rank; a rank's windows count only once every chain has been seen on it.
     window_warm = [math.inf] * p  # D_r
     window_cool = [math.inf] * p  # T_r
-    critical_path = 0.0
-    for j in chain_rep.values():
-        members = microbatch_actions[j]
-        order = _topological(inst, members)
-        # Heads: longest path from the microbatch's sources (all may start at the first start).
-        head_dist = {a: 0.0 for a in members}
-        for a in order:
-            for b, latency in inst.succs[a]:
-                head_dist[b] = max(head_dist[b], head_dist[a] + inst.duration[a] + latency)
-        # Tails: longest path from an action's end to the end of the microbatch's last action.
-        tail_dist: dict[int, float] = {}
-        for a in reversed(order):
-            best = 0.0
-            for b, latency in inst.succs[a]:
-                if b in tail_dist:
-                    best = max(best, latency + inst.duration[b] + tail_dist.get(b, 0.0))
-            tail_dist[a] = best
-        for a in members:
-            critical_path = max(critical_path, head_dist.get(a, 0.0) + inst.duration[a] + tail_dist[a])
-        by_rank: dict[int, list[int]] = {}
-        for a in members:
-            by_rank.setdefault(inst.rank[a], []).append(a)
-        for r, acts in by_rank.items():
-            head[r] = min(head[r], min(head_dist.get(a, 0.0) for a in acts))
-            tail[r] = min(tail[r], min(tail_dist[a] for a in acts))
-            forwards = [a for a in acts if inst.actions[a].kind == ActionKind.FORWARD]
-            backwards = [a for a in acts if inst.actions[a].kind == backward_kind]
-            if not forwards or not backwards:
-                continue
-            first_forward = min(forwards, key=lambda a: head_dist.get(a, 0.0))
-            dist = _longest_from(inst, first_forward, order)
-            window_warm[r] = min(window_warm[r], min(dist.get(b, 0.0) for b in backwards))
-            # Cool-down: from each forward's end to the end of this microbatch's last action on r.
-            for f in forwards:
-                dist_f = _longest_from(inst, f, order)
-                reach = max(
-                    (dist_f[a] + inst.duration[a] for a in acts if a in dist_f and a != f),
-                    default=inst.duration[f],
-                )
-                window_cool[r] = min(window_cool[r], reach - inst.duration[f])
+    done = [False] * p
+    try:
+        for r in range(p):
+            for chain in chains:
+                deadline.check()
+                acts = chain.by_rank.get(r, [])
+                forwards = [a for a in acts if inst.actions[a].kind == ActionKind.FORWARD]
+                backwards = [a for a in acts if inst.actions[a].kind == backward_kind]
+                if not forwards or not backwards:
+                    continue
+                first_forward = min(forwards, key=lambda a: chain.head[a])
+                dist = _longest_from(inst, first_forward, chain.order)
+                window_warm[r] = min(window_warm[r], min(dist.get(b, 0.0) for b in backwards))
+                # Cool-down: from each forward's end to the end of this microbatch's last action on r.
+                reach = _to_rank(inst, chain.order, r)
+                window_cool[r] = min(window_cool[r], min(reach.get(f, 0.0) for f in forwards))
+            done[r] = True
+    except SearchStopped:
+        pass
 
     m = inst.num_microbatches
     warm_idle = [0.0] * p
     cool_idle = [0.0] * p
-    span = [0.0] * p
+    span = list(inst.compute)
     for r in range(p):
-        if not inst.rank_actions[r]:
-            head[r] = tail[r] = 0.0
+        if not inst.rank_actions[r] or not done[r]:
             continue
         capacity = inst.limit[r] - inst.static[r]
         stage_ids = sorted({inst.actions[a].stage for a in inst.rank_actions[r]})
@@ -302,16 +401,7 @@ def lower_bounds(inst: Instance) -> LowerBounds:
         disjoint = total_activation > capacity * (1 + 1e-12) and m > 0
         idle = warm_idle[r] + cool_idle[r] if disjoint else max(warm_idle[r], cool_idle[r])
         span[r] = inst.compute[r] + idle
-        if not math.isfinite(head[r]):
-            head[r] = 0.0
-        if not math.isfinite(tail[r]):
-            tail[r] = 0.0
-    counts: dict[tuple[int, ...], int] = {}
-    for chain in inst.chains:
-        counts[tuple(chain)] = counts.get(tuple(chain), 0) + 1
-    bottleneck_span, bottleneck_makespan = _bottleneck_bounds(
-        inst, {j: counts[chain] for chain, j in chain_rep.items()}
-    )
+    bottleneck_span, bottleneck_makespan = _bottleneck_bounds(inst, chains, deadline)
     stage_span = max([bottleneck_span, *span])
     makespan = max([critical_path, bottleneck_makespan] + [head[r] + span[r] + tail[r] for r in range(p)])
     return LowerBounds(
@@ -326,6 +416,7 @@ def lower_bounds(inst: Instance) -> LowerBounds:
     )
 
 
-def lower_bound(inst: Instance, objective: str) -> float:
-    """The tightest of this module's bounds on ``objective`` (``"makespan"``/``"stage_span"``), ms."""
-    return lower_bounds(inst).value(objective)
+def lower_bound(inst: Instance, objective: str, deadline: Deadline | None = None) -> float:
+    """The tightest of this module's bounds on ``objective`` (``"makespan"``/``"stage_span"``), ms, that
+    :func:`lower_bounds` reaches before ``deadline``."""
+    return lower_bounds(inst, deadline).value(objective)

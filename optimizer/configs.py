@@ -39,13 +39,15 @@ class ModelConfig(BaseModel):
         None, description='Catalogue name filling the other fields, e.g. "llama3.1-8b"; fields beside it override.'
     )
     num_layers: int = Field(ge=1, le=100_000, description="Transformer layers L.")
-    hidden_size: int = Field(ge=1, description="Hidden size h.")
-    num_attention_heads: int = Field(ge=1, description="Attention heads a.")
-    seq_length: int = Field(ge=1, description="Sequence length s, tokens.")
-    vocab_size: int = Field(ge=1, description="Vocabulary size V.")
-    micro_batch_size: int = Field(1, ge=1, description="Sequences per microbatch b.")
+    hidden_size: int = Field(ge=1, le=1_048_576, description="Hidden size h (at most 2²⁰).")
+    num_attention_heads: int = Field(ge=1, le=65_536, description="Attention heads a.")
+    seq_length: int = Field(ge=1, le=16_777_216, description="Sequence length s, tokens (at most 2²⁴).")
+    vocab_size: int = Field(ge=1, le=16_777_216, description="Vocabulary size V (at most 2²⁴).")
+    micro_batch_size: int = Field(1, ge=1, le=1_048_576, description="Sequences per microbatch b.")
     dtype: Literal["fp16", "bf16", "fp32"] = Field("bf16", description="Activation and weight dtype.")
-    ffn_hidden_size: int | None = Field(None, ge=1, description="FFN inner size; null for 4h.")
+    ffn_hidden_size: int | None = Field(
+        None, ge=1, le=16_777_216, description="FFN inner size (the MLP's hidden width); null for 4h."
+    )
     num_key_value_heads: int | None = Field(
         None, ge=1, description="Key/value heads (grouped-query attention); null for num_attention_heads."
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict
+from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.collectives import data_parallel_costs
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
@@ -56,14 +56,19 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
     ):
         parts = _DerivationInput.model_validate(document)
         dp = parts.data_parallel
-        derived = derive_problem(
-            parts.model,
-            parts.cluster,
-            parts.pipeline,
-            tensor_parallel=parts.tensor_parallel,
-            data_parallel=dp,
-        )
+        try:
+            derived = derive_problem(
+                parts.model,
+                parts.cluster,
+                parts.pipeline,
+                tensor_parallel=parts.tensor_parallel,
+                data_parallel=dp,
+            )
+        except ValidationError as error:
+            _blame_inputs(error, parts.cluster, {"Costs": "costs", "Memory": "memory"}.get(error.title))
+            raise
         costs_given, memory_given = document.get("costs") is not None, document.get("memory") is not None
+        derived_sections = {name for name, given in (("costs", costs_given), ("memory", memory_given)) if not given}
         if not costs_given:
             document["costs"] = derived.costs.model_dump(mode="json")
         if not memory_given:
@@ -73,7 +78,57 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
         document["model"] = parts.model.model_copy(update={"layers_per_stage": derived.layers_per_stage}).model_dump(
             mode="json", exclude_none=True
         )
+        try:
+            return Problem.model_validate(document)
+        except ValidationError as error:
+            sections = {str(entry["loc"][0]) for entry in error.errors() if entry["loc"]}
+            for section in sorted(sections & derived_sections):
+                _blame_inputs(error, parts.cluster, section)
+            raise
     return Problem.model_validate(document)
+
+
+def _blame_inputs(error: ValidationError, cluster: ClusterConfig, section: str | None) -> None:
+    """Re-raise an error in a derived section (``costs``/``memory``, which the user never sent) on the
+    ``cluster``/``model`` inputs it came from, with the fix; return when ``section`` is not derived.
+
+    Raises:
+        pydantic.ValidationError: on ``cluster.flops_per_s`` (or ``memory_bandwidth_bytes_per_s``) when the
+            derived times are out of range and the rate was given, ``cluster.memory_bytes`` for memory, else
+            on ``model``.
+    """
+    if section not in ("costs", "memory"):
+        return
+    first = next(
+        (entry for entry in error.errors() if not entry["loc"] or entry["loc"][0] in (section, *_DERIVED_FIELDS)),
+        error.errors()[0],
+    )
+    what = f"the derived {section} are out of range ({first['msg'].removeprefix('Value error, ')})"
+    loc: tuple[str, ...]
+    if section == "costs" and cluster.flops_per_s is not None:
+        loc = ("cluster", "flops_per_s")
+        fix = (
+            f"cluster.flops_per_s {cluster.flops_per_s:g} FLOP/s is too small: give the accelerator's dense peak in "
+            "FLOP/s (e.g. 9.895e14 for an H100-SXM in bf16), or name it in cluster.accelerator"
+        )
+        value: Any = cluster.flops_per_s
+    elif section == "costs" and cluster.memory_bandwidth_bytes_per_s is not None:
+        loc = ("cluster", "memory_bandwidth_bytes_per_s")
+        fix = "give the memory bandwidth in bytes/s (e.g. 3.35e12 for an H100-SXM)"
+        value = cluster.memory_bandwidth_bytes_per_s
+    elif section == "memory" and cluster.memory_bytes is not None:
+        loc = ("cluster", "memory_bytes")
+        fix = "give the accelerator's memory in bytes"
+        value = cluster.memory_bytes
+    else:
+        loc = ("model",)
+        fix = "check the model's sizes (hidden_size, seq_length, micro_batch_size, num_layers)"
+        value = None
+    raise_field_errors("Problem", [(loc, f"{what}: {fix}", value)])
+
+
+#: Field names a derived section's errors carry when raised by its own model (``Costs``, ``Memory``).
+_DERIVED_FIELDS = ("forward", "backward_input", "backward_weight", "p2p", "activation", "retained_for_weight", "static")
 
 
 def _group_errors(

@@ -87,14 +87,21 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
 
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ValueError(f"schedule is infeasible ({schedule.reason}): there is no timeline to trace")
-    sim = simulate(compile_problem(schedule.problem), schedule.orders(), check_memory=False)
+    if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
+        from pipesched.optimizer.steady_state import pattern_memory_timelines
+
+        memory_timeline = pattern_memory_timelines(schedule)
+    else:
+        memory_timeline = simulate(
+            compile_problem(schedule.problem), schedule.orders(), check_memory=False
+        ).memory_timeline
     events: list[dict[str, Any]] = []
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank
         _trace_process(events, rank, f"rank {rank}")
         for a in rank_schedule.actions:
             events.append(_trace_action(rank, a.action, a.start, a.end, start_ms=a.start, end_ms=a.end))
-        for time_ms, held in sim.memory_timeline[rank]:
+        for time_ms, held in memory_timeline[rank]:
             events.append(
                 {"name": "memory", "ph": "C", "pid": rank, "ts": round(time_ms * 1000.0, 3), "args": {"bytes": held}}
             )

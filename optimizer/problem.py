@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.validation import StrictModel as _Strict
@@ -21,6 +21,7 @@ from pipesched.optimizer.validation import raise_field_errors
 __all__ = [
     "FAMILY_NAMES",
     "METHOD_NAMES",
+    "NO_FLUSH_METHODS",
     "Costs",
     "DataParallel",
     "Memory",
@@ -49,12 +50,30 @@ MethodName = Literal[
     "bitpipe",
     "dualpipe-v",
     "lga",
+    "pipedream-2bw",
 ]
 METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
 FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
 
+#: Methods that run without a pipeline flush (``training.flush: false``): every other family ends each step
+#: with a flush and needs ``training.flush: true``.
+NO_FLUSH_METHODS: tuple[str, ...] = ("auto", "pipedream-2bw")
+
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
+
+#: Forward passes (num_stages × num_microbatches) pipesched compiles, searches minimally and answers per second
+#: of ``solver.time_limit_s + 2`` on a busy 2-core machine (about 240 µs a pass measured for compile,
+#: sequential schedule and answer): a larger problem is refused, naming the time limit it needs.
+PASSES_PER_SECOND = 3_000
+
+#: The most work (ms) one step may hold in total: num_microbatches × Σ over stages of F + I + W + 2·p2p. About
+#: 31 years; above it costs were surely given in another unit, and sums of them lose float precision.
+MAX_STEP_MS = 1e12
+
+#: The most activation and static memory (bytes) one rank may be asked to account for: static plus
+#: num_microbatches × Σ over its stages of activation (10²¹ B, a zettabyte).
+MAX_RANK_BYTES = 1e21
 
 NonNegative = Annotated[float, Field(ge=0)]
 
@@ -240,15 +259,20 @@ class Training(_Strict):
 
     ``flush: false`` with ``weight_versions: 2`` is PipeDream-2BW (no flush, double-buffered weights,
     W(t+1) = W(t) − ν·∇f(W(t−1)); Narayanan et al. 2020, §3). ``post_validation`` is the Zero Bubble
-    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step.
+    paper's optimizer post-validation (Qi et al. 2023, §4): no global synchronisation before the step; without
+    a flush it changes nothing (PipeDream-2BW's ranks update on their own, with no end-of-step barrier).
     """
 
     flush: bool = Field(True, description="A pipeline flush (and a synchronous optimizer step) ends every step.")
-    weight_versions: int = Field(1, ge=1, le=2, description="Weight versions kept: 1, or 2 for PipeDream-2BW.")
+    weight_versions: int = Field(
+        1, ge=1, le=2, description="Weight versions kept: 1, or 2 for PipeDream-2BW (the default with flush false)."
+    )
     post_validation: bool = Field(False, description="Zero Bubble's optimizer post-validation (§4).")
 
     @model_validator(mode="after")
     def _check_versions(self) -> Training:
+        if not self.flush and "weight_versions" not in self.model_fields_set:
+            self.weight_versions = 2  # no flush: the next step starts on the old weights (PipeDream-2BW)
         if self.flush and self.weight_versions != 1:
             raise_field_errors(
                 "Training",
@@ -274,6 +298,13 @@ class SolverOptions(_Strict):
     )
     seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
 
+    @field_validator("time_limit_s", mode="before")
+    @classmethod
+    def _finite_time_limit(cls, value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number of seconds (0 < time_limit_s ≤ 86400), got {value}: e.g. 10")
+        return value
+
 
 class Problem(_Strict):
     """One scheduling problem (contract, Problem).
@@ -297,7 +328,13 @@ class Problem(_Strict):
     )
     training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")
-    objective: Literal["makespan", "stage_span", "step_time"] = "makespan"
+    objective: Literal["makespan", "stage_span", "step_time", "step_period"] = Field(
+        "makespan",
+        description=(
+            'What to minimise. "step_period" (the steady-state time per step) goes with training.flush false; '
+            'there an omitted objective or "makespan" reads as "step_period".'
+        ),
+    )
     solver: SolverOptions = Field(default_factory=SolverOptions)
 
     @model_validator(mode="after")
@@ -314,7 +351,158 @@ class Problem(_Strict):
                 )
             raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
         self._check_lengths()
+        self._check_training()
+        self._check_magnitudes()
+        self._check_size_for_time()
         return self
+
+    def _check_training(self) -> None:
+        """Flush, weight versions, method and objective agree (contract, Problem: training).
+
+        ``pipedream-2bw`` with no ``training`` given sets ``{"flush": false, "weight_versions": 2}``; a problem
+        with ``flush: false`` optimises ``step_period`` when its objective is left out or is the default
+        ``makespan``; ``stage_span`` is rejected there.
+        """
+        method = self.solver.method
+        if method == "pipedream-2bw" and not self.training.model_fields_set:
+            self.training = Training(flush=False, weight_versions=2)
+        if not self.training.flush and ("objective" not in self.model_fields_set or self.objective == "makespan"):
+            # The default objective, makespan, has no meaning for an endless run: its time per step is read.
+            self.objective = "step_period"
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        if self.training.flush:
+            if method == "pipedream-2bw":
+                errors.append(
+                    (
+                        ("training", "flush"),
+                        "pipedream-2bw runs without a pipeline flush and keeps two weight versions: set "
+                        'training to {"flush": false, "weight_versions": 2} (or leave training out), or choose '
+                        "method 1f1b (PipeDream-Flush)",
+                        True,
+                    )
+                )
+            if self.objective == "step_period":
+                errors.append(
+                    (
+                        ("objective",),
+                        "objective step_period is the steady-state time per step of a schedule without flushes: "
+                        'set training.flush to false (PipeDream-2BW), or use objective "makespan" or "stage_span"',
+                        self.objective,
+                    )
+                )
+        else:
+            if method not in NO_FLUSH_METHODS:
+                errors.append(
+                    (
+                        ("training", "flush"),
+                        f"method {method} ends every step with a pipeline flush: set training.flush to true, or "
+                        f"use a method that runs without one ({', '.join(NO_FLUSH_METHODS)})",
+                        False,
+                    )
+                )
+            if self.data_parallel_size > 1:
+                errors.append(
+                    (
+                        ("data_parallel", "size"),
+                        "schedules without flushes are timed for the pipeline alone: data-parallel collectives in "
+                        "a repeating pattern are not planned yet; set data_parallel.size to 1 or training.flush "
+                        "to true",
+                        self.data_parallel_size,
+                    )
+                )
+            if self.pipeline.placement == "bidirectional":
+                errors.append(
+                    (
+                        ("pipeline", "placement"),
+                        'placement "bidirectional" runs two replicas with a flush; schedules without flushes are '
+                        'planned for "loop", "v" or an explicit placement: set training.flush to true or change '
+                        "the placement",
+                        "bidirectional",
+                    )
+                )
+            if self.training.weight_versions != 2:
+                errors.append(
+                    (
+                        ("training", "weight_versions"),
+                        "training.flush false needs weight_versions 2: without a flush the next step's forwards "
+                        "start before this step's update, so a rank keeps two weight versions (PipeDream-2BW)",
+                        self.training.weight_versions,
+                    )
+                )
+            if self.objective != "step_period":
+                errors.append(
+                    (
+                        ("objective",),
+                        f"objective {self.objective} measures one flushed step; a schedule without flushes repeats, "
+                        'and its time per step is the step_period: set objective to "step_period" or leave it out',
+                        self.objective,
+                    )
+                )
+        raise_field_errors("Problem", errors)
+
+    def _check_magnitudes(self) -> None:
+        """Refuse costs or sizes whose totals overflow or leave float precision (schedules must serialise)."""
+        assert self.costs is not None and self.memory is not None
+        m = self.pipeline.num_microbatches
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        parts = {
+            name: self.stage_values(getattr(self.costs, name))
+            for name in ("forward", "backward_input", "backward_weight", "p2p")
+        }
+        weights = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 2.0}
+        sums = {name: weights[name] * sum(values) * m for name, values in parts.items()}
+        total_ms = sum(sums.values())
+        if not total_ms <= MAX_STEP_MS:
+            culprit = max(sums, key=lambda name: sums[name])
+            errors.append(
+                (
+                    ("costs", culprit),
+                    f"the step's total work, num_microbatches {m} × Σ over stages of (forward + backward_input + "
+                    f"backward_weight + 2·p2p), is {total_ms:.3g} ms, beyond the {MAX_STEP_MS:.0e} ms (about 31 "
+                    f"years) pipesched computes with; costs.{culprit} contributes most: give times in milliseconds",
+                    getattr(self.costs, culprit),
+                )
+            )
+        # Every rank's peak is at most its static bytes + every microbatch's activation on every stage (twice
+        # for the two replicas of a bidirectional placement).
+        replicas = 2 if self.pipeline.placement == "bidirectional" else 1
+        activations = replicas * m * sum(self.stage_values(self.memory.activation))
+        static = max(self.static_memory)
+        total_bytes = static + activations
+        if not total_bytes <= MAX_RANK_BYTES:
+            culprit = "static" if static >= activations else "activation"
+            errors.append(
+                (
+                    ("memory", culprit),
+                    f"a rank may hold up to {total_bytes:.3g} bytes (static + num_microbatches {m} × the stages' "
+                    f"activations), beyond the {MAX_RANK_BYTES:.0e} bytes pipesched computes with: give "
+                    f"memory.{culprit} in bytes",
+                    getattr(self.memory, culprit),
+                )
+            )
+        raise_field_errors("Problem", errors)
+
+    def _check_size_for_time(self) -> None:
+        """Refuse a problem too large to compile and answer within ``solver.time_limit_s`` + 2 s."""
+        passes = self.pipeline.num_stages * self.pipeline.num_microbatches
+        time_limit = self.solver.time_limit_s
+        most = int(PASSES_PER_SECOND * (time_limit + 2.0))
+        if passes <= most:
+            return
+        needed = math.ceil(passes / PASSES_PER_SECOND - 2.0)
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("pipeline", "num_microbatches"),
+                    f"{self.pipeline.num_stages} stages × {self.pipeline.num_microbatches} microbatches = "
+                    f"{passes:,} forward passes, more than the {most:,} pipesched can schedule and answer within "
+                    f"solver.time_limit_s {time_limit:g} s ({PASSES_PER_SECOND:,} per second of the limit + 2 s): "
+                    f"raise solver.time_limit_s to at least {needed} s, or use fewer microbatches or stages",
+                    self.pipeline.num_microbatches,
+                )
+            ],
+        )
 
     def _check_lengths(self) -> None:
         assert self.costs is not None and self.memory is not None

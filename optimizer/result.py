@@ -66,13 +66,16 @@ class Schedule(BaseModel):
     status: Status
     method: str
     backend: str
-    objective: Literal["makespan", "stage_span", "step_time"]
+    objective: Literal["makespan", "stage_span", "step_time", "step_period"]
     makespan: float | None = Field(None, description="ms")
     stage_span: float | None = Field(None, description="ms")
     step_time: float | None = Field(
         None,
         description="ms: first start to the end of the last optimizer step (contract, Terms); equals the makespan "
         "(stage_span under post-validation) without data parallelism and optimizer cost",
+    )
+    step_period: float | None = Field(
+        None, description="ms, schedules without flushes: steady-state time between two steps on every rank"
     )
     lower_bound: float | None = Field(None, description="ms, on the objective")
     gap: float | None = None
@@ -103,6 +106,8 @@ class Schedule(BaseModel):
     @property
     def objective_value(self) -> float | None:
         """The value of ``objective``, ms."""
+        if self.objective == "step_period":
+            return self.step_period
         if self.objective == "step_time":
             return self.step_time
         return self.makespan if self.objective == "makespan" else self.stage_span

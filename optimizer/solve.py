@@ -1,7 +1,8 @@
 """The one entry point: ``solve(problem)`` → :class:`~pipesched.optimizer.result.Schedule`.
 
 ``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
-(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`).
+(the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`; with ``training.flush: false`` the
+pattern search of :mod:`pipesched.optimizer.solvers.steady_search`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from pipesched.optimizer.communication import ReshardOrderError, add_communicati
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck, active_deadline
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.solvers.portfolio import solve_auto
+from pipesched.optimizer.solvers.steady_search import solve_steady_state
+from pipesched.optimizer.steady_state import repeating_schedule
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
 
@@ -40,6 +43,9 @@ def solve(
         FamilyDomainError: when a named family does not admit the problem.
     """
     if problem.solver.method == "auto":
+        if not problem.training.flush:
+            # No flush (PipeDream-2BW): the repeating pattern and its step period, searched on its own.
+            return solve_steady_state(problem, progress=progress, should_stop=should_stop)
         if problem.has_step_actions or problem.objective == "step_time":
             from pipesched.optimizer.solvers.step import solve_step
 
@@ -56,26 +62,43 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     back as is, with ``fits_memory`` false.
 
     Raises:
-        FamilyDomainError: when the family does not admit the problem.
+        FamilyDomainError: when the family does not admit the problem, or does not finish within
+            ``solver.time_limit_s``.
     """
     started = time.perf_counter()
     family = get_family(name)
     inst = compile_problem(problem)
-    orders = family.generate(problem)
+    # A family cannot answer in part: past the time limit (less what building the answer takes) it stops,
+    # and the request is answered at once with what to change.
+    time_limit = problem.solver.time_limit_s
+    deadline = Deadline(started + time_limit - min(0.25 * time_limit, 3 * (time.perf_counter() - started)))
     try:
-        # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
-        orders = add_communication(inst, orders)
-    except ReshardOrderError as error:
-        raise FamilyDomainError(f"{name}: {error}") from None
-    schedule = build_schedule(
-        problem,
-        orders,
-        method=name,
-        backend="family",
-        instance=inst,
-        check_memory=False,
-        solve_time_s=time.perf_counter() - started,
-    )
+        with active_deadline(deadline):
+            orders = family.generate(problem)
+    except SearchStopped:
+        pipeline = problem.pipeline
+        raise FamilyDomainError(
+            f"{name} did not finish within solver.time_limit_s {time_limit:g} s for {pipeline.num_ranks} ranks × "
+            f"{pipeline.stages_per_rank} stages per rank × {pipeline.num_microbatches} microbatches: raise "
+            "solver.time_limit_s, use fewer ranks or microbatches, or method auto"
+        ) from None
+    if not family.flush:
+        schedule = repeating_schedule(problem, orders, method=name, started=started)
+    else:
+        try:
+            # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+            orders = add_communication(inst, orders)
+        except ReshardOrderError as error:
+            raise FamilyDomainError(f"{name}: {error}") from None
+        schedule = build_schedule(
+            problem,
+            orders,
+            method=name,
+            backend="family",
+            instance=inst,
+            check_memory=False,
+            solve_time_s=time.perf_counter() - started,
+        )
     if enforce_memory and not schedule.fits_memory:
         over = [
             rank

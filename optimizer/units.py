@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["common_unit", "format_bytes"]
+__all__ = ["common_unit", "decimals_against_limit", "format_bytes"]
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
@@ -28,3 +28,21 @@ def common_unit(values: list[float] | tuple[float, ...]) -> tuple[str, int]:
     """
     largest = max((abs(x) for x in values), default=0.0)
     return next(((name, size) for name, size in _UNITS if largest >= size), ("bytes", 1))
+
+
+def decimals_against_limit(values: list[float], limit: float, unit: float, least: int = 2, most: int = 6) -> int:
+    """Decimals to print byte counts ``values`` and ``limit`` with, all in the same ``unit`` (bytes per unit),
+    so that every value reads above the limit exactly when it is above it.
+
+    Rounding to a common unit and number of decimals is monotone, so a value at or under the limit never
+    reads over it; more decimals (from ``least`` up to ``most``) are added until every value over the limit
+    also reads over it. E.g. a peak of 5.9549 MiB against a limit of 5.9551 MiB prints as 5.95 and 5.96 with
+    two decimals of separate formats, but with this as 5.955 and 5.955; a peak of 5.9553 needs 4 decimals.
+    """
+    if limit == float("inf"):
+        return least
+    for decimals in range(least, most + 1):
+        shown_limit = round(limit / unit, decimals)
+        if all((value > limit) == (round(value / unit, decimals) > shown_limit) for value in values):
+            return decimals
+    return most

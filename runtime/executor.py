@@ -27,8 +27,10 @@ not exercised here.
 
 from __future__ import annotations
 
+import re
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -43,7 +45,33 @@ from pipesched.optimizer.result import Schedule
 from pipesched.runtime import torch_compat
 from pipesched.runtime.models import PipelineModel
 
-__all__ = ["PipelineRuntimeError", "RankRun", "SavedActivationMeter", "execute_rank"]
+__all__ = [
+    "COMMUNICATION_KINDS",
+    "PipelineRuntimeError",
+    "RankRun",
+    "SavedActivationMeter",
+    "execute_rank",
+    "split_action",
+]
+
+#: Data-parallel communication actions a schedule may hold beside F/I/W/B (contract, Terms), PyTorch's
+#: names: ``"{stage}UNSHARD"``, ``"{stage}RESHARD"``, ``"{stage}REDUCE_GRAD"``; and ``OPTIMIZER_STEP``,
+#: the end of a rank's step (with or without a stage prefix), which the training loop runs, not the executor.
+COMMUNICATION_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OPTIMIZER_STEP")
+_COMMUNICATION_RE = re.compile(r"(0|[1-9][0-9]*)?(UNSHARD|RESHARD|REDUCE_GRAD|OPTIMIZER_STEP)")
+
+
+def split_action(text: str) -> Action | tuple[int | None, str]:
+    """A compute action (:class:`Action`), or a communication action as ``(stage or None, kind)``.
+
+    Raises:
+        ValueError: for anything else (the message of :func:`parse_action`).
+    """
+    match = _COMMUNICATION_RE.fullmatch(text) if isinstance(text, str) else None
+    if match is not None:
+        return (None if match.group(1) is None else int(match.group(1)), match.group(2))
+    return parse_action(text)
+
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _META_LEN = 10
@@ -75,7 +103,8 @@ class SavedActivationMeter:
     """
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
-        self.exclude = {p.untyped_storage().data_ptr() for p in exclude}
+        # Sharded (DTensor) parameters: exclude their local shards.
+        self.exclude = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in exclude}
         self.live_bytes = 0
         self.peak_bytes = 0
         self._refs: dict[int, list[int]] = {}
@@ -132,6 +161,8 @@ class RankRun:
     losses: dict[int, float] = field(default_factory=dict)
     gradients: dict[str, torch.Tensor] = field(default_factory=dict)
     device: str = "cpu"
+    communication: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -151,7 +182,15 @@ def _tag(stage: int, microbatch: int, backward: bool, num_microbatches: int, met
 class _P2P:
     """Tagged point-to-point transfers with a bounded wait (shape travels in a small header)."""
 
-    def __init__(self, rank: int, device: torch.device, num_microbatches: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        num_microbatches: int,
+        timeout_s: float,
+        to_global: Callable[[int], int] | None = None,
+    ) -> None:
+        self.to_global = to_global or (lambda peer: peer)
         self.rank = rank
         self.device = device
         self.m = num_microbatches
@@ -165,7 +204,7 @@ class _P2P:
         meta[1] = tensor.dim()
         meta[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         for payload, is_meta in ((meta, True), (tensor, False)):
-            work = dist.isend(payload, dst=peer, tag=_tag(stage, microbatch, backward, self.m, is_meta))
+            work = dist.isend(payload, dst=self.to_global(peer), tag=_tag(stage, microbatch, backward, self.m, is_meta))
             self.pending.append((work, payload))
 
     def _wait(self, work: dist.Work | None, what: str, peer: int) -> None:
@@ -186,11 +225,17 @@ class _P2P:
 
     def recv(self, peer: int, stage: int, microbatch: int, backward: bool, what: str) -> torch.Tensor:
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(meta, src=peer, tag=_tag(stage, microbatch, backward, self.m, True)), what, peer)
+        self._wait(
+            dist.irecv(meta, src=self.to_global(peer), tag=_tag(stage, microbatch, backward, self.m, True)), what, peer
+        )
         ndim = int(meta[1])
         shape = [int(x) for x in meta[2 : 2 + ndim]]
         tensor = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
-        self._wait(dist.irecv(tensor, src=peer, tag=_tag(stage, microbatch, backward, self.m, False)), what, peer)
+        self._wait(
+            dist.irecv(tensor, src=self.to_global(peer), tag=_tag(stage, microbatch, backward, self.m, False)),
+            what,
+            peer,
+        )
         return tensor
 
     def drain(self) -> None:
@@ -213,12 +258,25 @@ def execute_rank(
     p2p_timeout_s: float,
     warmup_steps: int = 1,
     inst: Instance | None = None,
+    modules: dict[int, nn.Module] | None = None,
+    make_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    to_global: Callable[[int], int] | None = None,
+    communicate: Callable[[int, str], None] | None = None,
 ) -> RankRun:
     """Run ``schedule``'s actions of ``rank`` in their order, exchanging activations and gradients.
 
     ``warmup_steps`` untimed steps run first (their gradients discarded). The process group must be
     initialised with one process per rank. Loss per microbatch is
     ``model.loss_fn(...) / num_microbatches`` so the gradients are those of the mean loss.
+
+    For training (:mod:`pipesched.runtime.training`): ``modules`` (stage id → module, already on
+    ``device``, gradients left as they are: zero them between steps) replaces building them from ``model``;
+    ``make_microbatch``/``loss_fn`` replace the model's (a data-parallel replica's microbatches);
+    ``to_global`` maps a pipeline rank to the global rank of this replica's peer (p2p on a pp × dp mesh);
+    ``communicate(stage, kind)`` runs a communication action of the schedule (``UNSHARD``, ``RESHARD``,
+    ``REDUCE_GRAD``), timed into ``RankRun.communication``. Without it, or for ``OPTIMIZER_STEP``, such an
+    action is skipped with a note in ``RankRun.notes``.
 
     Raises:
         PipelineRuntimeError: a receive that does not complete within ``p2p_timeout_s`` (reason
@@ -227,12 +285,15 @@ def execute_rank(
     """
     inst = inst or compile_for_orders(schedule.problem, schedule.orders())
     m = inst.num_microbatches
-    order = [parse_action(a.action) for a in schedule.ranks[rank].actions]
+    order = [split_action(a.action) for a in schedule.ranks[rank].actions]
     my_stages = sorted({s for s, r in enumerate(inst.stage_ranks) if r == rank})
-    modules: dict[int, nn.Module] = {}
-    for stage in my_stages:
-        modules[stage] = model.build_stage(inst.model_stage[stage]).to(device)
-        modules[stage].zero_grad(set_to_none=True)
+    make_microbatch = make_microbatch or model.make_microbatch
+    loss_fn = loss_fn or model.loss_fn
+    if modules is None:
+        modules = {}
+        for stage in my_stages:
+            modules[stage] = model.build_stage(inst.model_stage[stage]).to(device)
+            modules[stage].zero_grad(set_to_none=True)
     previous: dict[tuple[int, int], int | None] = {}
     following: dict[tuple[int, int], int | None] = {}
     for j, chain in enumerate(inst.chains):
@@ -241,7 +302,7 @@ def execute_rank(
             following[stage, j] = chain[k + 1] if k + 1 < len(chain) else None
 
     meter = SavedActivationMeter([p for module in modules.values() for p in module.parameters()])
-    p2p = _P2P(rank, device, m, p2p_timeout_s)
+    p2p = _P2P(rank, device, m, p2p_timeout_s, to_global)
     state: dict[tuple[int, int], _Microbatch] = {}
     run = RankRun(rank=rank, device=str(device))
     run.memory_measure = "cuda-max-allocated" if device.type == "cuda" else "saved-activations"
@@ -253,7 +314,28 @@ def execute_rank(
         state.clear()
         dist.barrier()
         origin = time.perf_counter()
-        for action in order:
+        for item in order:
+            if not isinstance(item, Action):
+                communication_stage, communication_kind = item
+                name = f"{'' if communication_stage is None else communication_stage}{communication_kind}"
+                if communicate is None or communication_kind == "OPTIMIZER_STEP" or communication_stage is None:
+                    if record:
+                        run.notes.append(f"{name}: skipped by the executor (run by the training loop)")
+                    continue
+                started = time.perf_counter()
+                communicate(communication_stage, communication_kind)
+                _synchronize(device)
+                ended = time.perf_counter()
+                if record:
+                    run.communication.append(
+                        {
+                            "action": name,
+                            "start": round((started - origin) * 1e3, 6),
+                            "end": round((ended - origin) * 1e3, 6),
+                        }
+                    )
+                continue
+            action = item
             stage, kind, j = action
             if stage not in modules:
                 raise fail(action, f"stage {stage} is held by rank {inst.stage_ranks[stage]}, not this rank")
@@ -263,7 +345,7 @@ def execute_rank(
             if kind == ActionKind.FORWARD:
                 before = previous[stage, j]
                 if before is None:
-                    x, _ = model.make_microbatch(j)
+                    x, _ = make_microbatch(j)
                     x = x.to(device)
                 elif inst.stage_ranks[before] == rank:
                     produced = state.get((before, j))
@@ -277,8 +359,8 @@ def execute_rank(
                 with meter.hooks():
                     out = module(x)
                     if following[stage, j] is None:
-                        _, target = model.make_microbatch(j)
-                        loss = model.loss_fn(out, target.to(device))
+                        _, target = make_microbatch(j)
+                        loss = loss_fn(out, target.to(device))
                         run.losses[j] = float(loss.detach())
                         out = loss / m
                 mb.input, mb.output = x, out

@@ -19,13 +19,13 @@ import signal
 import socket
 import tempfile
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from pipesched.optimizer.instance import compile_for_orders
-from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule, build_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
@@ -68,11 +68,13 @@ class ScheduleError(ValueError):
 class RunFailed(RuntimeError):
     """A rank failed or a wait timed out; ``reason`` says why: ``rank_died`` (a process ended without a Python
     error), ``rank_failed`` (a Python error on a rank), ``p2p_timeout``, ``peer_lost`` (a peer's process went
-    away), ``schedule``, …; the message names the rank (``"rank2: …"``)."""
+    away), ``interrupted`` (the launcher got SIGTERM/SIGINT from outside), ``schedule``, …; the message names the
+    rank (``"rank2: …"``). ``exit_code``: what the CLI exits with (1, or 128 + signal when interrupted)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+        self.exit_code = 1
 
 
 def _free_port() -> int:
@@ -109,7 +111,14 @@ def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float)
     targets = torch.cat([b[1] for b in batches])
     csv_path = Path(job["workdir"]) / f"schedule-{job['index']}.csv"
     if rank == 0:
-        csv_path.write_text(orders_to_torch_csv(schedule.orders()))
+        # Compute actions only: torch's lowering adds its own UNSHARD/RESHARD/REDUCE_GRAD and sends/receives.
+        from pipesched.runtime.executor import Action, split_action
+
+        compute = [
+            [a for a in map(split_action, (t.action for t in r.actions)) if isinstance(a, Action)]
+            for r in schedule.ranks
+        ]
+        csv_path.write_text(orders_to_torch_csv(compute))
     import torch.distributed as dist
 
     dist.barrier()
@@ -166,7 +175,12 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
         results = []
         for job in jobs:
-            result = _rank_job(job, rank, device, timeout_s)
+            if job.get("training") is not None:
+                from pipesched.runtime.training import train_rank
+
+                result = train_rank(job, rank, device, timeout_s)
+            else:
+                result = _rank_job(job, rank, device, timeout_s)
             gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             results.append(gathered)
@@ -178,7 +192,7 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
 
         # A rank the agent stops (SIGTERM) after another rank failed, or whose peer went away under it, is
         # collateral, not a cause.
-        if isinstance(error, SignalException):
+        if isinstance(error, SignalException | KeyboardInterrupt):
             reason = "stopped"
         elif any(sign in str(error).lower() for sign in _PEER_LOST):
             reason = "peer_lost"
@@ -191,6 +205,24 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         first_line = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
         Path(error_dir, f"rank{rank}.txt").write_text(f"{reason}\n{type(root).__name__}: {first_line}")
         raise
+
+
+def executable_step(schedule: Schedule) -> Schedule:
+    """The one step the ranks run for ``schedule``: itself, or, for a schedule without a flush (a repeating
+    pattern whose ids run to 2m − 1), the pattern's first step unrolled with its warm-up and drain
+    (:func:`pipesched.optimizer.steady_state.unroll`), re-timed as a flushed step. Steps then follow each
+    other with a barrier: the run checks PipeDream-2BW's update rule, not the overlap of steps.
+    """
+    if schedule.step_period is None or schedule.status == "infeasible":
+        return schedule
+    from pipesched.optimizer.steady_state import unroll
+
+    problem = schedule.problem
+    step = problem.with_changes(
+        **{"training.flush": True, "training.weight_versions": 1, "objective": "makespan", "solver.method": "auto"}
+    )
+    orders = unroll(schedule.orders(), problem.pipeline.num_microbatches, 1)
+    return build_schedule(step, orders, method=schedule.method, backend=schedule.backend, check_memory=False)
 
 
 def _validate(schedule: Schedule) -> None:
@@ -240,6 +272,22 @@ def _failure(error_dir: Path, error: BaseException) -> RunFailed:
     return RunFailed(reason, f"{who}: {message}{others}")
 
 
+def _interrupted(signum: int) -> RunFailed:
+    """The launcher itself got ``signum`` (SIGTERM, SIGINT: Ctrl-C, a job scheduler's stop): every rank was
+    stopped with it, none failed. ``RunFailed.exit_code`` is the shell's 128 + signal number."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    failure = RunFailed(
+        "interrupted",
+        f"the run was stopped from outside ({name} to the launcher); every rank was stopped with it and none failed: "
+        "run it again to completion",
+    )
+    failure.exit_code = 128 + int(signum)
+    return failure
+
+
 def run_schedules(
     schedules: list[Schedule],
     *,
@@ -254,8 +302,14 @@ def run_schedules(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    training: Any = None,
 ) -> list[dict[str, Any]]:
     """Run several schedules (same number of ranks) one after another in one launch; one report each.
+
+    ``training``: a :class:`pipesched.runtime.training.TrainingOptions` (or one per schedule, ``None`` for a
+    plain one-step run) runs K steps with an optimizer and/or data parallelism (``num_ranks × D``
+    processes on a pp × dp mesh; every training job of one launch has the same D) and reports with
+    :func:`pipesched.runtime.training.build_training_report`.
 
     ``model`` and ``engine`` may be one value or one per schedule. ``engine``: one of :data:`ENGINES`
     (default ``"auto"``: PyTorch's ``_PipelineScheduleRuntime`` for loop and V placement, the own
@@ -270,6 +324,7 @@ def run_schedules(
     """
     import torch
 
+    from pipesched.runtime.memory_check import check_run_memory
     from pipesched.runtime.models import load_model
     from pipesched.runtime.verify import build_report, reference_run
 
@@ -283,21 +338,47 @@ def run_schedules(
     models = [model] * len(schedules) if isinstance(model, str) else list(model)
     asked = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
     engines = [resolve_engine(name, schedule) for name, schedule in zip(asked, schedules, strict=True)]
+    trainings = list(training) if isinstance(training, list | tuple) else [training] * len(schedules)
+    for options, schedule in zip(trainings, schedules, strict=True):
+        if options is not None:
+            options.check(schedule.problem.pipeline.num_microbatches)
+            if (
+                options.sharding == "full"
+                and options.data_parallel > 1
+                and options.reshard_after_forward
+                and schedule.problem.split_backward
+            ):
+                # Measured with torch 2.13: FSDP2's post-backward fires at I (the input gradient) and W's weight
+                # gradients of every stage whose input needs a gradient are lost (both engines).
+                raise ScheduleError(
+                    "reshard_after_forward",
+                    "--reshard-after-forward with split backward (I/W) loses weight gradients under FSDP2 (torch "
+                    "2.13); run with --no-reshard-after-forward (torchtitan's choice under pipelining) or a "
+                    "schedule with fused backward (split_backward false)",
+                )
+    schedules = [executable_step(schedule) for schedule in schedules]
+    sizes = {options.data_parallel if options is not None else 1 for options in trainings}
+    if len(sizes) > 1:
+        raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")
+    data_parallel = sizes.pop()
     num_ranks = schedules[0].problem.pipeline.num_ranks
     for index, schedule in enumerate(schedules):
         if schedule.problem.pipeline.num_ranks != num_ranks:
             raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
         if validate:
             _validate(schedule)
-        load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        pipeline_model = load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
+        if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
+            check_run_memory(schedule, pipeline_model.config, models[index])
     if backend == "nccl" and not torch.cuda.is_available():
         raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-    nproc = nproc_per_node or max(1, num_ranks // nnodes)
-    if nproc * nnodes != num_ranks:
+    world = num_ranks * data_parallel
+    nproc = nproc_per_node or max(1, world // nnodes)
+    if nproc * nnodes != world:
         raise ScheduleError(
             "nproc_per_node",
-            f"the schedule has {num_ranks} ranks but nnodes {nnodes} × nproc_per_node {nproc} = {nproc * nnodes} "
-            f"processes: set --nproc-per-node {num_ranks // max(nnodes, 1)}",
+            f"the schedule has {num_ranks} ranks × data-parallel {data_parallel} = {world} processes but nnodes "
+            f"{nnodes} × nproc_per_node {nproc} = {nproc * nnodes}: set --nproc-per-node {world // max(nnodes, 1)}",
         )
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -314,6 +395,7 @@ def run_schedules(
                 "engine": engines[index],
                 "workdir": workdir,
                 "index": index,
+                "training": None if trainings[index] is None else asdict(trainings[index]),
             }
             for index, schedule in enumerate(schedules)
         ]
@@ -330,8 +412,14 @@ def run_schedules(
             monitor_interval=0.1,
             start_method="spawn",
         )
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
         try:
             returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+        except SignalException as error:
+            raise _interrupted(error.sigval) from None
+        except KeyboardInterrupt:
+            raise _interrupted(signal.SIGINT) from None
         except ChildFailedError as error:
             raise _failure(error_dir, error) from None
         except Exception as error:
@@ -343,6 +431,32 @@ def run_schedules(
     for index, schedule in enumerate(schedules):
         ranks = per_job[index]
         pipeline_model = load_model(models[index], schedule.problem, seed=seed)
+        device_name = ranks[0]["device"] if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})"
+        if trainings[index] is not None:
+            from pipesched.runtime.training import build_training_report, reference_training
+
+            options = trainings[index]
+            m = schedule.problem.pipeline.num_microbatches
+            reference = reference_training(pipeline_model, m, options)
+            synchronous = None
+            if options.weight_update == "2bw":
+                # A fresh model: a user model's build_stage may hand out the same (now trained) modules.
+                fresh = load_model(models[index], schedule.problem, seed=seed)
+                synchronous = reference_training(fresh, m, replace(options, weight_update="sync"))
+            reports.append(
+                build_training_report(
+                    schedule,
+                    ranks,
+                    reference,
+                    trainings[index],
+                    backend=backend,
+                    device=device_name,
+                    engine=engines[index],
+                    model_name=pipeline_model.name,
+                    synchronous_reference=synchronous,
+                )
+            )
+            continue
         reference_loss, reference_gradients = reference_run(pipeline_model, schedule.problem.pipeline.num_microbatches)
         losses: dict[int, float] = {}
         gradients: dict[str, Any] = {}
@@ -382,13 +496,16 @@ def run_schedule(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    training: Any = None,
 ) -> dict[str, Any]:
     """Execute ``schedule`` on ``num_ranks`` processes with ``torch.distributed`` and verify it.
 
     Returns the run report of the contract (``verified``, ``max_abs_grad_error``, ``max_rel_grad_error``,
     ``loss``, ``reference_loss``, ``executed_order_matches``, ``ranks`` with per-action start/end in ms
     and ``peak_memory_bytes``, ``predicted_makespan_ms``, ``measured_makespan_ms``, ``backend``,
-    ``device``) plus diagnostics; written as JSON to ``output`` when given.
+    ``device``) plus diagnostics; written as JSON to ``output`` when given. With ``training`` (a
+    :class:`pipesched.runtime.training.TrainingOptions`): K steps, data parallelism, and the training fields
+    (``steps``, ``max_rel_param_error``, ``predicted_step_time_ms``, ``measured_step_time_ms``, …).
 
     Raises:
         ScheduleError: the schedule, model or options cannot run (``reason`` says which).
@@ -408,6 +525,7 @@ def run_schedule(
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
+        training=training,
     )[0]
     if output is not None:
         Path(output).write_text(json.dumps(report, indent=1))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -227,13 +229,27 @@ def gpt_model(config: GPTConfig, num_stages: int, *, seed: int = 0, layers_per_s
 
 def _user_model(spec: str, num_stages: int, seed: int) -> PipelineModel:
     module_name, _, function_name = spec.partition(":")
+    # As `python -m` does: modules in the current directory import without PYTHONPATH=.
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         function = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
         raise ValueError(
-            f"--model {spec!r}: cannot load {function_name!r} from module {module_name!r}: {error}"
+            f"--model {spec!r}: cannot load {function_name!r} from module {module_name!r}: {error} (the module is "
+            "looked up in the current directory and on PYTHONPATH)"
         ) from None
-    built = function(num_stages, seed)
+    if not callable(function):
+        raise ValueError(f"--model {spec!r}: {module_name}.{function_name} is not a function")
+    try:
+        built = function(num_stages, seed)
+    except Exception as error:
+        raise ValueError(
+            f"--model {spec!r}: calling {module_name}.{function_name}(num_stages={num_stages}, seed={seed}) failed "
+            f"with {type(error).__name__}: {error}; --model module:function names a function build(num_stages, "
+            "seed) returning one nn.Module per stage (or a PipelineModel)"
+        ) from None
     if isinstance(built, PipelineModel):
         return built
     if not isinstance(built, Sequence) or not all(isinstance(m, nn.Module) for m in built):

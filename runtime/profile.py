@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from pipesched.runtime import torch_compat
 from pipesched.runtime.executor import SavedActivationMeter
 from pipesched.runtime.models import load_model
 
-__all__ = ["profile_model"]
+__all__ = ["SPREAD_WARNING", "PassSpread", "Profile", "measure_model", "profile_model"]
 
 
 def _sync(device: torch.device) -> None:
@@ -32,7 +33,64 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_model(
+#: A pass whose interquartile range exceeds this fraction of its median is reported as unsteady.
+SPREAD_WARNING = 0.25
+
+
+@dataclass(frozen=True)
+class PassSpread:
+    """The timed samples of one pass (F, I or W) of one stage, ms."""
+
+    kind: str
+    stage: int
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def low(self) -> float:
+        return min(self.samples)
+
+    @property
+    def high(self) -> float:
+        return max(self.samples)
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range (ms; 0 with fewer than 2 samples)."""
+        if len(self.samples) < 2:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.samples, n=4, method="inclusive")
+        return q3 - q1
+
+    @property
+    def relative_iqr(self) -> float:
+        """IQR over the median (0 when the median is 0)."""
+        return self.iqr / self.median if self.median > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What :func:`measure_model` measured: the problem (medians) and every pass's samples."""
+
+    problem: Problem
+    spreads: list[PassSpread]
+
+    def unsteady(self, threshold: float = SPREAD_WARNING) -> list[PassSpread]:
+        """Passes whose IQR is above ``threshold`` × their median (at least 0.05 ms, below which timer noise
+        rules), worst first."""
+        noisy = [s for s in self.spreads if s.relative_iqr > threshold and s.iqr > 0.05]
+        return sorted(noisy, key=lambda s: s.relative_iqr, reverse=True)
+
+
+def profile_model(**options: Any) -> Problem:
+    """:func:`measure_model`'s problem alone (same arguments)."""
+    return measure_model(**options).problem
+
+
+def measure_model(
     *,
     num_ranks: int,
     num_microbatches: int,
@@ -45,11 +103,13 @@ def profile_model(
     p2p_ms: float = 0.0,
     memory_limit_bytes: float | None = None,
     device: str = "cpu",
-) -> Problem:
+) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages; return the problem to solve.
 
-    Returns a :class:`Problem` with per-stage ``costs`` (ms) and ``memory`` (bytes), ``split_backward``
-    true, ``memory.limit`` = ``memory_limit_bytes`` (None: no limit), ``costs.p2p`` = ``p2p_ms``.
+    Returns a :class:`Profile`: its ``problem`` has per-stage ``costs`` (medians, ms) and ``memory`` (bytes),
+    ``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes`` (None: no limit), ``costs.p2p`` =
+    ``p2p_ms``; its ``spreads`` every pass's timed samples (min, max, interquartile range), since medians on
+    a loaded machine move a lot between identical runs.
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
@@ -135,7 +195,10 @@ def profile_model(
         "limit": memory_limit_bytes,
         "static": static,
     }
-    return load_problem(data)
+    spreads = [
+        PassSpread(kind, stage, tuple(times[kind][stage])) for stage in range(num_stages) for kind in ("F", "I", "W")
+    ]
+    return Profile(load_problem(data), spreads)
 
 
 def skeleton_stage_ranks(problem: Problem) -> list[int]:

@@ -21,10 +21,14 @@ from torch import nn
 
 __all__ = [
     "SUPPORTED_TORCH",
+    "TorchPipeline",
     "TorchRuntimeRun",
     "backward_input",
     "backward_weight",
     "check_torch_version",
+    "fsdp_defer_reduction",
+    "fsdp_modules",
+    "fsdp_reduce_grad",
     "run_torch_runtime",
     "warn_if_unsupported_torch",
 ]
@@ -81,17 +85,30 @@ def backward_weight(param_groups: Any, module: nn.Module) -> None:
 
 class TorchRuntimeRun:
     """One rank's run under ``_PipelineScheduleRuntime``: the compute actions in executed order with
-    their start and end (ms from the step's start), losses of local last-stage microbatches, gradients."""
+    their start and end (ms from the step's start), losses of local last-stage microbatches, gradients,
+    and ``communication``: the data-parallel actions torch lowered and ran (``"{stage}UNSHARD"`` from
+    issue to completion, ``"{stage}REDUCE_GRAD"``), same fields."""
 
     def __init__(self) -> None:
         self.actions: list[dict[str, Any]] = []
+        self.communication: list[dict[str, Any]] = []
         self.losses: list[float] = []
         self.gradients: dict[str, torch.Tensor] = {}
 
 
+class _Clock:
+    """Where the records of the current step go, and the step's time origin (``perf_counter`` s)."""
+
+    def __init__(self) -> None:
+        self.run = TorchRuntimeRun()
+        self.origin = time.perf_counter()
+
+    def ms(self, instant: float) -> float:
+        return round((instant - self.origin) * 1e3, 6)
+
+
 def _record(
-    run: TorchRuntimeRun,
-    origin: float,
+    clock: _Clock,
     stage_index: int,
     kind_of: Callable[..., str],
     method: Callable,
@@ -103,15 +120,163 @@ def _record(
         ended = time.perf_counter()
         action: dict[str, Any] = {
             "action": f"{stage_index}{kind_of(*args, **kwargs)}{args[0]}",
-            "start": round((started - origin) * 1e3, 6),
-            "end": round((ended - origin) * 1e3, 6),
+            "start": clock.ms(started),
+            "end": clock.ms(ended),
         }
         if memory_bytes is not None:
             action["memory_bytes"] = int(memory_bytes())
-        run.actions.append(action)
+        clock.run.actions.append(action)
         return result
 
     return wrapped
+
+
+def fsdp_modules(module: nn.Module) -> list[Any]:
+    """The ``FSDPModule``s in ``module`` (itself included), outermost first; empty for a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_defer_reduction(module: nn.Module) -> None:
+    """Before a pipelined step of an FSDP2 stage: accumulate unsharded gradients over the microbatches and
+    reduce once at REDUCE_GRAD, as ``PipelineStage.backward_maybe_with_nosync`` does (split backward
+    runs I and W apart, so FSDP's own per-backward reduction would fire before W has computed anything)."""
+    for fsdp in fsdp_modules(module)[:1]:
+        fsdp.set_is_last_backward(False)
+        fsdp.set_reshard_after_backward(False)
+        fsdp.set_requires_gradient_sync(False)
+
+
+def fsdp_reduce_grad(module: nn.Module) -> None:
+    """REDUCE_GRAD of an FSDP2 stage: run FSDP's post-backward for every parameter group (reduce-scatter
+    of the accumulated gradients over the data-parallel mesh, averaging) and its final callback, as
+    ``PipelineStage.perform_reduce_grad`` does (torch 2.13), without its microbatch scaling."""
+    from torch.distributed.fsdp import fully_shard
+
+    roots = fsdp_modules(module)[:1]
+    for fsdp in roots:
+        fsdp.set_is_last_backward(True)
+        fsdp.set_reshard_after_backward(True)
+        fsdp.set_requires_gradient_sync(True)
+        state = fully_shard.state(fsdp)  # type: ignore[attr-defined]
+        for member in state._state_ctx.all_states:
+            for group in member._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+
+
+class TorchPipeline:
+    """PyTorch's ``_PipelineScheduleRuntime`` built once for a rank and stepped many times.
+
+    ``modules``: this rank's stage index → module (plain, or FSDP2 ``fully_shard``-ed: torch then lowers
+    UNSHARD/RESHARD/REDUCE_GRAD itself). ``group``: the pipeline-parallel process group (``None``: the
+    default group). Compute actions are recorded by wrapping each stage's ``forward_one_chunk``,
+    ``backward_one_chunk`` and ``backward_weight_one_chunk``; REDUCE_GRAD by wrapping
+    ``perform_reduce_grad``; an UNSHARD from the call of ``unshard`` to the return of its handle's wait.
+    """
+
+    def __init__(
+        self,
+        csv_path: Path,
+        modules: dict[int, nn.Module],
+        *,
+        num_stages: int,
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        device: torch.device,
+        memory_bytes: Callable[[], int] | None = None,
+        group: Any = None,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        self.device = device
+        self.modules = modules
+        self.stages = [
+            PipelineStage(module, stage_index=index, num_stages=num_stages, device=device, group=group)
+            for index, module in sorted(modules.items())
+        ]
+        self.schedule = _PipelineScheduleRuntime(
+            self.stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True
+        )
+        self.schedule._load_csv(str(csv_path), "compute_only")
+        self.clock = _Clock()
+        clock = self.clock
+        for stage in self.stages:
+            index = stage.stage_index
+            stage.forward_one_chunk = _record(  # type: ignore[method-assign]
+                clock, index, lambda *a, **k: "F", stage.forward_one_chunk, memory_bytes
+            )
+            stage.backward_one_chunk = _record(  # type: ignore[method-assign]
+                clock,
+                index,
+                lambda *a, **k: "B" if k.get("full_backward", True) else "I",
+                stage.backward_one_chunk,
+                memory_bytes,
+            )
+            stage.backward_weight_one_chunk = _record(  # type: ignore[method-assign]
+                clock, index, lambda *a, **k: "W", stage.backward_weight_one_chunk, memory_bytes
+            )
+            stage.perform_reduce_grad = self._timed(  # type: ignore[method-assign]
+                f"{index}REDUCE_GRAD", stage.perform_reduce_grad
+            )
+            for fsdp in fsdp_modules(stage.submod)[:1]:
+                fsdp.unshard = self._timed_unshard(f"{index}UNSHARD", fsdp.unshard)
+
+    def _timed(self, name: str, method: Callable) -> Callable:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = method(*args, **kwargs)
+            ended = time.perf_counter()
+            self.clock.run.communication.append(
+                {"action": name, "start": self.clock.ms(started), "end": self.clock.ms(ended)}
+            )
+            return result
+
+        return wrapped
+
+    def _timed_unshard(self, name: str, method: Callable) -> Callable:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            handle = method(*args, **kwargs)
+            record = {"action": name, "start": self.clock.ms(started), "end": self.clock.ms(time.perf_counter())}
+            self.clock.run.communication.append(record)
+            if handle is not None and hasattr(handle, "wait"):
+                wait = handle.wait
+
+                def timed_wait(*a: Any, **k: Any) -> Any:
+                    out = wait(*a, **k)
+                    record["end"] = self.clock.ms(time.perf_counter())
+                    return out
+
+                handle.wait = timed_wait
+            return handle
+
+        return wrapped
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> TorchRuntimeRun:
+        """One step over the whole (per-replica) batch, split by torch into the microbatches on dim 0.
+
+        Gradients accumulate into the modules' ``.grad`` (zero them between steps), scaled by
+        ``1/num_microbatches``. Returns the records of this step; ``gradients`` is left empty (read the
+        modules). Raises ``RuntimeError`` from torch ("Malformed compute schedule", a failed stage).
+        """
+        import torch.distributed as dist
+
+        self.clock.run = run = TorchRuntimeRun()
+        has_first = any(stage.is_first for stage in self.stages)
+        has_last = any(stage.is_last for stage in self.stages)
+        losses: list[torch.Tensor] = []
+        args = (inputs.to(self.device),) if has_first else ()
+        dist.barrier()
+        self.clock.origin = time.perf_counter()
+        if has_last:
+            self.schedule.step(*args, target=targets.to(self.device), losses=losses)
+        else:
+            self.schedule.step(*args)
+        run.losses = [float(loss.detach()) for loss in losses]
+        return run
 
 
 def run_torch_runtime(
@@ -131,50 +296,22 @@ def run_torch_runtime(
     ``modules``: this rank's stage index → module (loop or V placement, inferred by torch from the CSV).
     ``inputs``/``targets``: the whole batch, split by torch into ``num_microbatches`` equal chunks on dim 0.
     Gradients are scaled by ``1/num_microbatches`` (``scale_grads``), i.e. those of the mean loss.
-    Executed compute actions are recorded by wrapping each stage's ``forward_one_chunk``,
-    ``backward_one_chunk`` and ``backward_weight_one_chunk``; ``memory_bytes`` (bytes, e.g. live saved
-    activations or ``torch.cuda.memory_allocated``) is read after each one when given.
+    Executed compute actions are recorded (see :class:`TorchPipeline`); ``memory_bytes`` (bytes, e.g. live
+    saved activations or ``torch.cuda.memory_allocated``) is read after each one when given.
 
     Raises:
         RuntimeError: from torch, e.g. "Malformed compute schedule" for an order that deadlocks.
     """
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
-    stages = [
-        PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
-        for index, module in sorted(modules.items())
-    ]
-    schedule = _PipelineScheduleRuntime(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
-    schedule._load_csv(str(csv_path), "compute_only")
-    run = TorchRuntimeRun()
-    dist.barrier()
-    origin = time.perf_counter()
-    for stage in stages:
-        stage.forward_one_chunk = _record(  # type: ignore[method-assign]
-            run, origin, stage.stage_index, lambda *a, **k: "F", stage.forward_one_chunk, memory_bytes
-        )
-        stage.backward_one_chunk = _record(  # type: ignore[method-assign]
-            run,
-            origin,
-            stage.stage_index,
-            lambda *a, **k: "B" if k.get("full_backward", True) else "I",
-            stage.backward_one_chunk,
-            memory_bytes,
-        )
-        stage.backward_weight_one_chunk = _record(  # type: ignore[method-assign]
-            run, origin, stage.stage_index, lambda *a, **k: "W", stage.backward_weight_one_chunk, memory_bytes
-        )
-    has_first = any(stage.is_first for stage in stages)
-    has_last = any(stage.is_last for stage in stages)
-    losses: list[torch.Tensor] = []
-    args = (inputs.to(device),) if has_first else ()
-    if has_last:
-        schedule.step(*args, target=targets.to(device), losses=losses)
-    else:
-        schedule.step(*args)
-    run.losses = [float(loss.detach()) for loss in losses]
+    pipeline = TorchPipeline(
+        csv_path,
+        modules,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        loss_fn=loss_fn,
+        device=device,
+        memory_bytes=memory_bytes,
+    )
+    run = pipeline.step(inputs, targets)
     for index, module in sorted(modules.items()):
         for name, parameter in module.named_parameters():
             if parameter.grad is not None:

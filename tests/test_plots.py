@@ -281,3 +281,38 @@ def test_pipesched_solve_writes_a_chrome_trace(tmp_path: Path) -> None:
     trace = json.loads(target.read_text())
     assert len(_events(trace, "X")) == 4 * 8 * 3
     assert {e["pid"] for e in _events(trace, "X")} == {0, 1, 2, 3}
+
+
+def test_w_actions_carry_their_microbatch_label(zb_h1: Schedule) -> None:
+    # W runs about half as long as F (9.3 against 18.5 ms): too narrow for a level label, so it stands upright.
+    fig = plots._figure(zb_h1, None, 110)
+    labelled = {(round(t.get_position()[0], 6), round(t.get_position()[1])): t for t in fig.axes[0].texts}
+    view = plots._prepare(zb_h1)
+    weights = [(r.rank, b) for r in view.ranks for b in r.bars if b.kind == "W"]
+    found = [labelled.get((round((b.start + b.end) / 2, 6), rank)) for rank, b in weights]
+    assert all(t is not None and t.get_text() == str(b.microbatch) for t, (_, b) in zip(found, weights, strict=True))
+    # The HTML view's own SVG labels every action too, the narrowest upright.
+    page = plots.render_view_html(zb_h1)
+    assert page.count('<text class="lab"') == 3 * len(weights)
+    assert re.search(r'<text class="lab"[^>]*transform="rotate\(-90[^>]*>\d+</text>', page)
+
+
+def test_memory_curves_have_one_hue_per_rank(zb_h1: Schedule) -> None:
+    from matplotlib.colors import to_hex
+
+    fig = plots._figure(zb_h1, None, 110)
+    colors = [to_hex(line.get_color()) for line in fig.axes[1].lines if str(line.get_label()).startswith("rank")]
+    assert len(colors) == 8 and len(set(colors)) == 8
+    from matplotlib import colormaps
+
+    assert colors == [to_hex(colormaps["tab10"](r)) for r in range(8)]  # qualitative, not a one-hue ramp
+    html = plots.render_view_html(zb_h1)
+    assert all(color in html for color in colors)
+
+
+def test_the_v_legend_explains_the_labels_without_a_format_string(v_schedule: Schedule) -> None:
+    fig = plots._figure(v_schedule, None, 110)
+    texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert any("s5·3 is stage 5, microbatch 3" in text for text in texts), texts
+    assert not any("{" in text for text in texts)
+    assert "{stage}" not in plots.render_view_html(v_schedule)

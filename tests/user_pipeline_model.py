@@ -96,3 +96,29 @@ def stages_with_rank2_raising(num_stages: int, seed: int) -> list[nn.Module]:
     stages = tiny_stages(num_stages, seed)
     stages[2] = _FailOnCall(stages[2], fail_on=3, hard=False)
     return stages
+
+
+#: File (in the working directory) that :func:`slow_stages` touches on its first forward call: the ranks run.
+SLOW_MARKER = "slow_stages_started"
+
+
+class _Slow(nn.Module):
+    """Wraps a stage; every forward call sleeps ``seconds`` first (and the first touches :data:`SLOW_MARKER`)."""
+
+    def __init__(self, stage: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.stage = stage
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+        from pathlib import Path
+
+        Path(SLOW_MARKER).touch()
+        time.sleep(self.seconds)
+        return self.stage(x)
+
+
+def slow_stages(num_stages: int, seed: int) -> list[nn.Module]:
+    """:func:`tiny_stages` whose every forward takes 1 s more: a run long enough to be stopped from outside."""
+    return [_Slow(stage, 1.0) for stage in tiny_stages(num_stages, seed)]

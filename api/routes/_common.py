@@ -111,7 +111,7 @@ def check_method(problem: Problem, method: str, loc: tuple[str | int, ...]) -> N
     if method == "auto":
         return
     try:
-        get_family(method).check(problem)
+        get_family(method).check_domain(problem)
     except KeyError as error:
         raise field_error(loc, str(error.args[0]), "unknown_method") from None
     except FamilyDomainError as error:

@@ -26,6 +26,9 @@ class Family:
         domain: one line saying which problems it admits.
         check: raises :class:`FamilyDomainError` when ``problem`` is outside the domain.
         build: per-rank orders for a problem inside the domain.
+        flush: whether every step ends with a pipeline flush (``training.flush`` must match). A family
+            without one (PipeDream-2BW) builds the repeating per-rank pattern of
+            :mod:`pipesched.optimizer.steady_state` instead of one step.
     """
 
     name: str
@@ -33,6 +36,7 @@ class Family:
     domain: str
     check: Callable[[Problem], None]
     build: Callable[[Problem], Orders]
+    flush: bool = True
 
     def generate(self, problem: Problem) -> Orders:
         """Check the domain, then build the orders.
@@ -40,13 +44,28 @@ class Family:
         Raises:
             FamilyDomainError: outside the family's domain.
         """
-        self.check(problem)
+        self.check_domain(problem)
         return self.build(problem)
+
+    def check_domain(self, problem: Problem) -> None:
+        """``training.flush`` matches the family, then the family's own check.
+
+        Raises:
+            FamilyDomainError: naming ``training.flush`` or what the family needs.
+        """
+        if problem.training.flush != self.flush:
+            if self.flush:
+                raise FamilyDomainError(
+                    f"{self.name} ends every step with a pipeline flush: it needs training.flush true "
+                    "(use pipedream-2bw or auto for a schedule without flushes)"
+                )
+            raise FamilyDomainError(f"{self.name} runs without a flush: it needs training.flush false")
+        self.check(problem)
 
     def applies_to(self, problem: Problem) -> bool:
         """Whether ``problem`` is inside the domain."""
         try:
-            self.check(problem)
+            self.check_domain(problem)
         except FamilyDomainError:
             return False
         return True
@@ -66,6 +85,7 @@ _MODULES = {
     "bitpipe": "bitpipe",
     "dualpipe-v": "dualpipe_v",
     "lga": "lga",
+    "pipedream-2bw": "pipedream_2bw",
 }
 
 

@@ -22,12 +22,9 @@ from collections.abc import Callable
 
 from pipesched.optimizer.instance import Instance
 from pipesched.optimizer.ir import ActionKind, Orders
+from pipesched.optimizer.progress import SearchStopped, check_deadline
 
-__all__ = ["SearchStopped", "capped_greedy_orders", "microbatch_reservation"]
-
-
-class SearchStopped(Exception):
-    """A construction was abandoned because its ``should_stop`` said so."""
+__all__ = ["SearchStopped", "capped_greedy_orders", "max_reservations", "microbatch_reservation"]
 
 
 def microbatch_reservation(inst: Instance, rank: int, microbatch: int) -> float:
@@ -37,6 +34,19 @@ def microbatch_reservation(inst: Instance, rank: int, microbatch: int) -> float:
         if inst.stage_ranks[stage] == rank:
             total += inst.mem_delta[inst.action_id(stage, ActionKind.FORWARD, microbatch)]
     return total
+
+
+def max_reservations(inst: Instance) -> list[float]:
+    """Per rank, the largest :func:`microbatch_reservation` over the microbatches (bytes), in one pass over
+    each microbatch's chain: O(num_microbatches × chain length)."""
+    best = [0.0] * inst.num_ranks
+    for j, chain in enumerate(inst.chains):
+        check_deadline()
+        total = [0.0] * inst.num_ranks
+        for stage in chain:
+            total[inst.stage_ranks[stage]] += inst.mem_delta[inst.action_id(stage, ActionKind.FORWARD, j)]
+        best = [max(a, b) for a, b in zip(best, total, strict=True)]
+    return best
 
 
 def capped_greedy_orders(
@@ -135,6 +145,7 @@ def capped_greedy_orders(
     choice_of: list[tuple[float, tuple[int, int, int], int, int] | None] = [None] * p
     dirty = set(range(p))
     while any(remaining):
+        check_deadline()
         if should_stop is not None and should_stop():
             raise SearchStopped("capped greedy stopped before every action was placed")
         for rank in dirty:

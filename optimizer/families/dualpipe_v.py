@@ -29,6 +29,7 @@ from pipesched.optimizer.families._base import Family, require
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(problem: Problem) -> None:
@@ -42,6 +43,7 @@ def _check(problem: Problem) -> None:
 
 
 def _rank_order(problem: Problem, rank: int, num_microbatches: int) -> list[Action]:
+    check_deadline()
     p, m = problem.pipeline.num_ranks, num_microbatches
     stages = (rank, 2 * p - 1 - rank)
     forwards = [0, 0]

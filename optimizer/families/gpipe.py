@@ -5,6 +5,7 @@ from __future__ import annotations
 from pipesched.optimizer.families._base import Family, backward, require_loop_single_stage
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(problem: Problem) -> None:
@@ -15,6 +16,7 @@ def _build(problem: Problem) -> Orders:
     p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
     orders: Orders = []
     for rank in range(p):
+        check_deadline()
         row = [Action(rank, ActionKind.FORWARD, j) for j in range(m)]
         for j in range(m):
             row.extend(backward(problem, rank, j))

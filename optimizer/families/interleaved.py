@@ -18,6 +18,7 @@ from pipesched.optimizer.families._base import Family, backward, require
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(problem: Problem) -> None:
@@ -41,6 +42,7 @@ def _build(problem: Problem) -> Orders:
 
     orders: Orders = []
     for rank in range(p):
+        check_deadline()
 
         def forward(k: int, rank: int = rank) -> Action:
             return Action(((k // p) % v) * p + rank, ActionKind.FORWARD, microbatch(k))

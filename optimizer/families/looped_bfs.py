@@ -17,6 +17,7 @@ from __future__ import annotations
 from pipesched.optimizer.families._base import Family, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(problem: Problem) -> None:
@@ -33,6 +34,7 @@ def _build(problem: Problem) -> Orders:
     v = problem.pipeline.stages_per_rank
     orders: Orders = []
     for rank in range(p):
+        check_deadline()
         stages = [chunk * p + rank for chunk in range(v)]
         row = [Action(stage, ActionKind.FORWARD, j) for stage in stages for j in range(m)]
         for stage in reversed(stages):

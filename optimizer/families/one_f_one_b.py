@@ -9,6 +9,7 @@ from __future__ import annotations
 from pipesched.optimizer.families._base import Family, backward, require_loop_single_stage
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(problem: Problem) -> None:
@@ -19,6 +20,7 @@ def _build(problem: Problem) -> Orders:
     p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
     orders: Orders = []
     for rank in range(p):
+        check_deadline()
         warmup = min(p - rank - 1, m)
         row = [Action(rank, ActionKind.FORWARD, j) for j in range(warmup)]
         for j in range(m - warmup):

@@ -31,10 +31,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipesched.optimizer.families._base import Family, require
-from pipesched.optimizer.families._greedy import capped_greedy_orders, microbatch_reservation
+from pipesched.optimizer.families._greedy import capped_greedy_orders, max_reservations
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
 __all__ = ["block_pattern", "capped_v_orders", "mean_stage_costs", "require_v", "v_block_orders", "valid_or_none"]
@@ -87,10 +88,7 @@ def capped_v_orders(problem: Problem, in_flight: Callable[[int], int]) -> Orders
     """Orders holding at most ``in_flight(p)`` microbatches' activations per rank (see :mod:`._greedy`)."""
     inst = compile_problem(problem, step_actions=False)
     k = in_flight(inst.num_ranks)
-    caps = [
-        k * max(microbatch_reservation(inst, rank, j) for j in range(inst.num_microbatches))
-        for rank in range(inst.num_ranks)
-    ]
+    caps = [k * reservation for reservation in max_reservations(inst)]
     return capped_greedy_orders(inst, caps)
 
 
@@ -131,6 +129,7 @@ def _place_weights(slots: Slots, split: bool) -> Slots:
     with ``split`` the chunk-1 backwards' W go to list 4 and the chunk-0 backwards' to list 5
     (in an empty slot, list 4 is served first).
     """
+    check_deadline()
     result = [list(times) for times in slots[:_NUM_BLOCK_TYPES]]
     weights: list[list[int]] = [[], []] if split else [[]]
     owed = [0, 0]
@@ -159,6 +158,7 @@ def _place_weights(slots: Slots, split: bool) -> Slots:
 
 def _activation_peak(slots: Slots) -> int:
     """Peak activation units on one rank (authors' ``mem_of_stage``); without W lists, W runs lazily in empty slots."""
+    check_deadline()
     has_weights = len(slots) > _NUM_BLOCK_TYPES
     at = {t: kind for kind, times in enumerate(slots) for t in times}
     bound = max(at) if at else -1
@@ -184,6 +184,7 @@ def _eager_slots(ranks: list[Slots]) -> list[Slots]:
     last: list[tuple[int, int] | None] = [None] * p
     start: list[Slots] = [[[0] * len(times) for times in slots] for slots in ranks]
     while (event := _next_event(ranks, pos)) is not None:
+        check_deadline()
         _, rank, kind, k = event
         pos[rank][kind] += 1
         ready = 0
@@ -217,6 +218,7 @@ def _squeeze(ranks: list[Slots], with_weights: bool) -> list[Slots]:
     occupied: list[set[int]] = [set() for _ in range(p)]
     phase = 0
     while (event := _next_event(ranks, pos)) is not None:
+        check_deadline()
         slot, rank, kind, k = event
         pos[rank][kind] += 1
         if kind == 3 and rank == 0 and phase == 0:

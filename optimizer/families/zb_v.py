@@ -46,6 +46,7 @@ from pipesched.optimizer.families._base import Family, require
 from pipesched.optimizer.families.v_shape import capped_v_orders, mean_stage_costs, require_v, valid_or_none
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 __all__ = ["zbv_orders"]
 
@@ -101,6 +102,7 @@ class _Try:
 
     def put(self, cat: int, chunk: int, rank: int) -> None:
         """Append the next pass of (cat, chunk) on ``rank`` at its earliest time after the rank's last pass."""
+        check_deadline()
         t = no_bubble = self.cur[rank] + self.cost[cat]
         mb = self.count[rank][cat * 2 + chunk]
         self.check(mb < self.m)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pipesched.optimizer.families._base import Family, require, require_loop_single_stage
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import check_deadline
 
 
 def _check(name: str) -> Callable[[Problem], None]:
@@ -51,6 +52,7 @@ def handcrafted_orders(problem: Problem, *, warmup: list[int], deferred: list[in
     p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
     orders: Orders = []
     for rank in range(p):
+        check_deadline()
         forwards = min(warmup[rank], m)
         row = [Action(rank, ActionKind.FORWARD, j) for j in range(forwards)]
         weights = 0

@@ -288,7 +288,7 @@ def evaluate(
         )
     bound = estimate.bound_ms
     if with_bound:
-        makespan_bound = lower_bound(compile_problem(problem), "makespan")
+        makespan_bound = lower_bound(compile_problem(problem, step_actions=False), "makespan")
         bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
     simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included

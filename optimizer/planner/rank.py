@@ -322,7 +322,7 @@ def search(
         assert item.plan is not None
         plan_bound = item.plan
         if item.problem is not None and time.perf_counter() + evaluation_seconds(item.configuration) < deadline:
-            makespan_bound = lower_bound(compile_problem(item.problem), "makespan")
+            makespan_bound = lower_bound(compile_problem(item.problem, step_actions=False), "makespan")
             bound = max(
                 item.plan.lower_bound_ms,
                 makespan_bound + item.plan.data_parallel_exposed_ms + item.plan.optimizer_step_ms,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from pipesched.optimizer.instance import Instance
 from pipesched.optimizer.ir import ActionKind
-from pipesched.optimizer.progress import ProgressCallback, StopCheck
+from pipesched.optimizer.progress import ProgressCallback, SearchStopped, StopCheck, check_deadline
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
 from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
 
@@ -221,6 +221,7 @@ def greedy(inst: Instance, variant: GreedyVariant) -> list[list[int]] | None:
     decisions: list[tuple[float, int] | None] = [decide(r) for r in range(p)]
     scheduled = 0
     while scheduled < n:
+        check_deadline()
         best_rank = -1
         best_t = math.inf
         for r in range(p):
@@ -383,12 +384,19 @@ class HeuristicBackend:
         if hint is not None:
             candidates.append(hint)
         if all(c == inst.chains[0] for c in inst.chains):
+            slowest = 0.0  # the longest variant so far: none starts that could not finish in half the budget
             for variant in greedy_variants(inst):
                 if candidates and (
-                    time.perf_counter() > started + 0.5 * time_limit_s or (should_stop is not None and should_stop())
+                    time.perf_counter() + slowest > started + 0.5 * time_limit_s
+                    or (should_stop is not None and should_stop())
                 ):
                     break
-                orders = greedy(inst, variant)
+                variant_started = time.perf_counter()
+                try:
+                    orders = greedy(inst, variant)
+                except SearchStopped:  # the active deadline (portfolio) passed mid-variant
+                    break
+                slowest = max(slowest, time.perf_counter() - variant_started)
                 if orders is not None:
                     candidates.append(orders)
         candidates.append(sequential_orders(inst))

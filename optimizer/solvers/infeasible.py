@@ -30,21 +30,24 @@ __all__ = ["infeasibility_reason", "min_memory_limit"]
 
 
 def min_memory_limit(inst: Instance) -> list[float]:
-    """Per rank, the least memory limit (bytes, static included) that admits any schedule."""
+    """Per rank, the least memory limit (bytes, static included) that admits any schedule.
+
+    O(stages × distinct chains): one pass over each distinct chain.
+    """
     need = list(inst.static)
+    best = [0.0] * inst.num_ranks
+    seen: set[tuple[int, ...]] = set()
+    for j, chain in enumerate(inst.chains):
+        key = tuple(chain)
+        if key in seen:
+            continue
+        seen.add(key)
+        total = [0.0] * inst.num_ranks
+        for s in chain:
+            total[inst.stage_ranks[s]] += inst.mem_delta[inst.action_id(s, ActionKind.FORWARD, j)]
+        best = [max(b, t) for b, t in zip(best, total, strict=True)]
     for rank in range(inst.num_ranks):
-        best = 0.0
-        seen: set[tuple[int, ...]] = set()
-        for j, chain in enumerate(inst.chains):
-            key = tuple(chain)
-            if key in seen:
-                continue
-            seen.add(key)
-            total = sum(
-                inst.mem_delta[inst.action_id(s, ActionKind.FORWARD, j)] for s in chain if inst.stage_ranks[s] == rank
-            )
-            best = max(best, total)
-        need[rank] += best
+        need[rank] += best[rank]
     return need
 
 

@@ -32,17 +32,25 @@ import dataclasses
 import importlib
 import importlib.util
 import math
+import sys
 import time
 from dataclasses import dataclass
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.families._greedy import SearchStopped, capped_greedy_orders, microbatch_reservation
+from pipesched.optimizer.families._greedy import capped_greedy_orders, max_reservations
 from pipesched.optimizer.families.peers import peer_warm_starts
 from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import ActionKind
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.progress import (
+    Deadline,
+    Progress,
+    ProgressCallback,
+    SearchStopped,
+    StopCheck,
+    active_deadline,
+)
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
 from pipesched.optimizer.solvers.base import Backend, BackendStatus
@@ -50,7 +58,7 @@ from pipesched.optimizer.solvers.heuristic import HeuristicBackend, improve, seq
 from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
 from pipesched.optimizer.solvers.zb_auto import in_zb_auto_domain, zb_auto_orders
 
-__all__ = ["LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
+__all__ = ["BOUND_SHARE", "LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
 
 LADDER_FACTORS = (1.0, 1.5, 2.0, 3.0)
 """Lower memory limits the warm starts also try, in units of num_ranks × a rank's activation."""
@@ -64,6 +72,34 @@ BIDIRECTIONAL_CPSAT_SHARE = 0.6
 CAPPED_IN_FLIGHT = (2.0, 3.0, 1.5, 4.0, 1.0)
 """In-flight microbatches per rank, in units of num_ranks, that the capped greedy tries on bidirectional
 placements (most promising first; each cap also at most the rank's free memory)."""
+
+BOUND_SHARE = 0.3
+"""The most of the time left that the lower bound (:mod:`pipesched.optimizer.bounds`) may take."""
+
+FAMILY_COMPILES = 20.0
+"""What generating, indexing and simulating one family costs at most, in units of the compile's time (ZB-V's
+search measured 15 at 36k actions); a family is skipped when the time left is shorter."""
+
+ZB_AUTO_COMPILES = 15.0
+"""The same for one run of the authors' scheduler on one rung of the ladder (measured 13 at 36k actions)."""
+
+GREEDY_COMPILES = 10.0
+"""The same for one greedy variant of the heuristic backend, which cannot stop midway."""
+
+OVERRUN_S = 0.5
+"""How far past the search deadline a step that cannot stop may be expected to run (out of the 2 s grace the
+time limit allows): on small instances the compile's time, the price's unit, is mostly noise."""
+
+ANSWER_COMPILES = 3.0
+"""What re-simulating the best orders and building the answer costs, in compiles (measured 2.5)."""
+
+EXACT_COMPILES = 6.0
+"""The same for what an exact backend does before it can stop (normalise and simulate the hint, build the
+first model)."""
+
+IMPORT_S = 1.0
+"""Seconds the first import of an exact backend's library takes (OR-Tools measured 0.5–1.2 s, the latter on a
+busy machine)."""
 
 MILP_MAX_ACTIONS = 60
 """The MILP runs by default only on instances with at most this many actions."""
@@ -97,14 +133,19 @@ class _Search:
         inst: Instance,
         progress: ProgressCallback | None,
         should_stop: StopCheck | None,
+        started: float | None = None,
     ) -> None:
         self.problem = problem
         self.inst = inst
         self.objective = problem.objective
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started
+        # Seconds the compile took: the unit in which the phases that cannot stop midway are priced.
+        self.compile_s = time.perf_counter() - self.started
         # Leave room to build the answer (simulation + pydantic objects, ~20 µs per action on a busy
-        # 2-core machine) and for a last search step to notice the deadline.
-        margin = min(0.25 * problem.solver.time_limit_s, 0.1 + 1e-4 * len(inst.actions))
+        # 2-core machine, about ANSWER_COMPILES compiles) and for a last search step to notice the deadline.
+        margin = max(
+            min(0.25 * problem.solver.time_limit_s, 0.1 + 1e-4 * len(inst.actions)), ANSWER_COMPILES * self.compile_s
+        )
         self.deadline = self.started + problem.solver.time_limit_s - margin
         self.progress = progress
         self.user_stop = should_stop
@@ -116,6 +157,11 @@ class _Search:
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.perf_counter())
+
+    def can_afford(self, compiles: float) -> bool:
+        """Whether a step that cannot stop midway, costing about ``compiles`` × the compile's time, fits in
+        the time left (and no stop was asked)."""
+        return not self.should_stop() and self.remaining() + OVERRUN_S > compiles * self.compile_s
 
     def should_stop(self) -> bool:
         if time.perf_counter() >= self.deadline:
@@ -152,10 +198,15 @@ class _Search:
 
 def _families(search: _Search) -> None:
     for family in applicable_families(search.problem):
-        if search.should_stop():
+        if not search.can_afford(FAMILY_COMPILES):
+            search.report("family", "families skipped: not enough time left for one more")
             return
         try:
-            orders = indexed_orders(search.inst, family.generate(search.problem))
+            with active_deadline(Deadline(search.deadline, search.user_stop)):
+                orders = indexed_orders(search.inst, family.generate(search.problem))
+        except SearchStopped:
+            search.report("family", f"family {family.name} stopped at the deadline")
+            return
         except (InvalidSchedule, ValueError):
             continue
         search.offer(orders, f"family:{family.name}", f"family {family.name}")
@@ -193,8 +244,12 @@ def _capped_greedy(search: _Search) -> None:
     k·num_ranks microbatches per rank (k in :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory:
     BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
     inst = search.inst
-    p, m = inst.num_ranks, inst.num_microbatches
-    reservation = [max(microbatch_reservation(inst, r, j) for j in range(m)) for r in range(p)]
+    p = inst.num_ranks
+    try:
+        with active_deadline(Deadline(search.deadline, search.user_stop)):
+            reservation = max_reservations(inst)
+    except SearchStopped:
+        return
     free = [limit - static for limit, static in zip(inst.limit, inst.static, strict=True)]
     tried: set[tuple[float, ...]] = set()
     for k in CAPPED_IN_FLIGHT:
@@ -214,9 +269,13 @@ def _zero_bubble_auto(search: _Search) -> None:
     if not in_zb_auto_domain(search.inst):
         return
     for rung in _ladder(search.inst):
-        if search.should_stop():
+        if not search.can_afford(ZB_AUTO_COMPILES):
             return
-        orders = zb_auto_orders(rung, search.objective)
+        try:
+            with active_deadline(Deadline(search.deadline, search.user_stop)):
+                orders = zb_auto_orders(rung, search.objective)
+        except SearchStopped:
+            return
         if orders is not None:
             search.offer(orders, "heuristic", "Zero Bubble automatic scheduler")
 
@@ -245,8 +304,9 @@ def solve_auto(
     capped greedy at larger caps and local search; its lower bound is :mod:`pipesched.optimizer.bounds` over both
     chains, as for one chain.
     """
+    started = time.perf_counter()
     inst = compile_problem(problem)
-    search = _Search(problem, inst, progress, should_stop)
+    search = _Search(problem, inst, progress, should_stop, started)
     reason = infeasibility_reason(inst)
     if reason is not None:
         return infeasible_schedule(
@@ -260,7 +320,9 @@ def solve_auto(
     bidirectional = problem.pipeline.placement == "bidirectional"
     allowed = problem.solver.backends
     heuristics = allowed is None or "heuristic" in allowed
-    search.raise_bound(compute_lower_bound(inst, problem.objective), "bounds")
+    # The bound gets at most BOUND_SHARE of the time; past it, the weaker parts it reached count.
+    bound_deadline = Deadline(time.perf_counter() + BOUND_SHARE * search.remaining(), search.user_stop)
+    search.raise_bound(compute_lower_bound(inst, problem.objective, bound_deadline), "bounds")
     search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
     _families(search)
     if not bidirectional and heuristics:
@@ -273,7 +335,8 @@ def solve_auto(
         if heuristics:
             _capped_greedy(search)
         cpsat = len(inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else "cpsat" in allowed
-        if cpsat and not search.should_stop():
+        import_s = 0.0 if _EXACT_BACKENDS["cpsat"][0] in sys.modules else IMPORT_S
+        if cpsat and search.can_afford(EXACT_COMPILES) and search.remaining() + OVERRUN_S > import_s + 0.1:
             _exact(search, "cpsat", search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
         if heuristics:
             _local_search(search)
@@ -287,28 +350,32 @@ def solve_auto(
     ]
     available = [name for name in exact if importlib.util.find_spec(_EXACT_BACKENDS[name][0]) is not None]
 
-    if heuristics and not search.should_stop():
+    if heuristics and search.can_afford(GREEDY_COMPILES):
         share = 0.4 if available else 1.0
         budget = max(0.0, search.remaining() * share)
 
         def heuristic_progress(update: Progress) -> None:
             search.report("heuristic", update.message)
 
-        result = HeuristicBackend().solve(
-            inst,
-            objective=problem.objective,
-            time_limit_s=budget,
-            hint=search.best.orders,
-            upper_bound=search.best.value,
-            progress=None if progress is None else heuristic_progress,
-            should_stop=search.should_stop,
-            seed=problem.solver.seed,
-        )
+        with active_deadline(Deadline(search.deadline, search.user_stop)):
+            result = HeuristicBackend().solve(
+                inst,
+                objective=problem.objective,
+                time_limit_s=budget,
+                hint=search.best.orders,
+                upper_bound=search.best.value,
+                progress=None if progress is None else heuristic_progress,
+                should_stop=search.should_stop,
+                seed=problem.solver.seed,
+            )
         if result.orders is not None:
             search.offer(result.orders, "heuristic", result.message)
 
     for k, name in enumerate(available):
-        if search.should_stop():
+        module_name = _EXACT_BACKENDS[name][0]
+        import_s = 0.0 if module_name in sys.modules else IMPORT_S
+        if not search.can_afford(EXACT_COMPILES) or search.remaining() + OVERRUN_S < import_s + 0.1:
+            search.report(name, f"{name} skipped: not enough time left to start it")
             break
         budget = search.remaining() / (len(available) - k)
         if budget <= 0.05:

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from pipesched.optimizer.instance import Instance
 from pipesched.optimizer.ir import ActionKind
+from pipesched.optimizer.progress import check_deadline
 from pipesched.optimizer.simulate import InvalidSchedule, simulate_indexed
 
 __all__ = ["ZB_AUTO_VARIANTS", "ZbAutoVariant", "in_zb_auto_domain", "zb_auto_order", "zb_auto_orders"]
@@ -128,6 +129,7 @@ class _Greedy:
 
     def place(self, rank: int, kind: int) -> None:
         """Append the rank's next pass of ``kind`` and time it as soon as possible."""
+        check_deadline()
         j = self.count[kind][rank]
         cost = self.duration[kind][rank]
         no_wait = self.free_at[rank] + cost

@@ -1,0 +1,280 @@
+"""A newcomer's first hour: every mistake answers with what to do, exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipesched.api.settings import Settings
+from tests.conftest import REPO
+
+PROBLEM = {
+    "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+    "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.1},
+    "memory": {"activation": 100, "retained_for_weight": 40, "limit": 400},
+}
+CONSOLE_SCRIPT = Path(sys.executable).with_name("pipesched")
+
+
+def pipesched(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed console script as a user types it (no PYTHONPATH, so the cwd is not on sys.path)."""
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}: install with pip install -e .")
+    return subprocess.run(
+        [str(CONSOLE_SCRIPT), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "COLUMNS": "120", "HOME": str(cwd), **(env or {})},
+    )
+
+
+@pytest.fixture()
+def problem_file(tmp_path: Path) -> Path:
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(PROBLEM))
+    return path
+
+
+def test_a_misspelt_method_blames_the_option_and_suggests_names(problem_file: Path) -> None:
+    result = pipesched("solve", str(problem_file), "--method", "zb-h3", cwd=problem_file.parent)
+    assert result.returncode == 2
+    assert "--method 'zb-h3'" in result.stderr and "did you mean zb-h2" in result.stderr
+    assert "not a valid problem" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_profile_with_a_function_of_the_wrong_signature_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    result = pipesched("profile", "--model", "json:loads", "--num-ranks", "2", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "json.loads" in result.stderr and "build(num_stages" in result.stderr
+
+
+def test_module_function_models_import_from_the_current_directory(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "mystages.py")
+    result = pipesched(
+        "profile", "--model", "mystages:tiny_stages", "--num-ranks", "2", "--repeats", "1", "-o", "p.json", cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["pipeline"]["num_ranks"] == 2
+
+
+def test_serve_help_lists_every_environment_variable(tmp_path: Path) -> None:
+    result = pipesched("serve", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for name in Settings.model_fields:
+        assert f"PIPESCHED_{name.upper()}" in text
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_says_which_database_it_uses(tmp_path: Path) -> None:
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}")
+    database = tmp_path / "here.sqlite3"
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "PIPESCHED_DATABASE_URL": f"sqlite:///{database}",
+        "PIPESCHED_PORT": str(_free_port()),
+        "PIPESCHED_SOLVER_WORKERS": "1",
+    }
+    process = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "serve"],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        deadline = time.monotonic() + 60
+        lines = []
+        while time.monotonic() < deadline:
+            line = process.stderr.readline()
+            lines.append(line)
+            if "database" in line or not line:
+                break
+        assert any(f"SQLite file {database}" in line for line in lines), lines
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_database_description_resolves_relative_sqlite_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipesched.api.cli import database_description
+
+    monkeypatch.chdir(tmp_path)
+    assert database_description("sqlite:///rel.sqlite3") == f"SQLite file {tmp_path / 'rel.sqlite3'}"
+    assert "secret" not in database_description("postgresql+psycopg://user:secret@db/pipesched")
+    assert os.getcwd() == str(tmp_path)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_stopped_from_outside_says_so(tmp_path: Path, signum: signal.Signals) -> None:
+    pytest.importorskip("torch")
+    if not CONSOLE_SCRIPT.exists():
+        pytest.skip(f"no console script at {CONSOLE_SCRIPT}")
+    from tests.user_pipeline_model import SLOW_MARKER
+
+    problem = tmp_path / "problem.json"
+    problem.write_text(json.dumps({**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 8}}))
+    schedule = tmp_path / "schedule.json"
+    solved = pipesched("solve", str(problem), "--method", "1f1b", "-o", str(schedule), cwd=tmp_path)
+    assert solved.returncode == 0, solved.stderr
+    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "slowmodel.py")
+    process = subprocess.Popen(
+        [str(CONSOLE_SCRIPT), "run", str(schedule), "--model", "slowmodel:slow_stages", "--timeout", "120"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 180
+    while not (tmp_path / SLOW_MARKER).exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (tmp_path / SLOW_MARKER).exists(), "the ranks never started"
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr
+    assert "interrupted" in stderr and signum.name in stderr, stderr
+    assert "rank_failed" not in stderr and "Traceback" not in stderr, stderr
+
+
+README_62B = {
+    "pipeline": {"num_ranks": 8, "num_microbatches": 24},
+    "model": {
+        "num_layers": 30,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "seq_length": 1024,
+        "vocab_size": 50304,
+        "micro_batch_size": 3,
+        "dtype": "bf16",
+    },
+    "cluster": {"accelerator": "H100-SXM", "p2p_bandwidth_bytes_per_s": 50e9, "p2p_latency_ms": 0.01},
+    "solver": {"method": "1f1b"},
+}
+
+
+def test_the_run_memory_estimate_counts_parameters_and_refuses_what_does_not_fit() -> None:
+    from pipesched.optimizer.derive import load_problem
+    from pipesched.optimizer.solve import solve
+    from pipesched.runtime.memory_check import check_run_memory, gpt_parameters, run_memory_bytes
+
+    pytest.importorskip("torch")
+    from pipesched.runtime.models import PRESETS, GPTStage
+
+    # The parameter count matches the modules the runtime builds.
+    tiny = PRESETS["gpt-tiny"]
+    built = sum(p.numel() for p in GPTStage(tiny, tiny.num_layers, first=True, last=True).parameters())
+    assert gpt_parameters(tiny) == built
+
+    schedule = solve(load_problem(README_62B))
+    from pipesched.runtime.models import load_model
+
+    config = load_model("problem", schedule.problem).config
+    total, parameters, _ = run_memory_bytes(schedule, config)
+    assert 6.0e9 < parameters < 7.0e9 and total > 6 * 4 * parameters
+    with pytest.raises(ValueError, match=r"only 16 GiB is available: run a smaller model"):
+        check_run_memory(schedule, config, "problem", available=16 * 1024**3)
+    check_run_memory(schedule, config, "problem", available=2 * total)  # fits: no error
+
+
+def test_run_refuses_the_readme_62b_model_on_this_machine(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pipesched.runtime.memory_check import available_memory_bytes
+
+    available = available_memory_bytes()
+    if available is None or available > 400 * 1024**3:
+        pytest.skip("this machine could hold the 6.2B model")
+    problem = tmp_path / "big.json"
+    problem.write_text(json.dumps(README_62B))
+    solved = pipesched("solve", str(problem), "-o", "schedule.json", cwd=tmp_path)
+    assert solved.returncode == 0, solved.stderr
+    started = time.monotonic()
+    result = pipesched("run", "schedule.json", "--model", "problem", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "is available" in result.stderr and "parameters" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 120  # refused before anything was built
+
+
+def test_a_fitting_peak_never_reads_over_its_limit() -> None:
+    from pipesched.optimizer.units import decimals_against_limit
+
+    mib = 2**20
+    # The demo's case: 5.9549 MiB under 5.9551 MiB; two decimals of one unit keep the order.
+    assert decimals_against_limit([5.9549 * mib], 5.9551 * mib, mib) == 2
+    # Over the limit by less than the last decimal: more decimals until it reads over.
+    assert decimals_against_limit([5.9553 * mib], 5.9551 * mib, mib) == 4
+    assert decimals_against_limit([1.0], float("inf"), mib) == 2
+
+
+def test_the_demo_table_prints_peak_and_limit_alike() -> None:
+    from rich.console import Console
+
+    from pipesched.api.demo import _comparison_table
+    from pipesched.optimizer.solve import solve_family
+    from tests.conftest import uniform_problem
+
+    # 1F1B on 4 ranks holds 4 activations on rank 0: a peak of 5.95521 MiB under a limit of 5.95540 MiB
+    # (printed "5.96" against "5.955 MiB" before).
+    activation = 1_561_119.0
+    schedule = solve_family(uniform_problem(4, 8, activation=activation, limit=4 * activation + 200), "1f1b")
+    assert schedule.fits_memory
+    console = Console(record=True, width=200)
+    _comparison_table([schedule], console)
+    text = console.export_text()
+    limit_shown = float(text.split("limit ")[1].split()[0])
+    peaks_shown = [float(x) for x in text.split("yes")[0].split("│")[-2].split()]
+    assert max(peaks_shown) <= limit_shown, text
+
+
+def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from pipesched.runtime.profile import PassSpread, measure_model
+
+    measured = measure_model(num_ranks=2, num_microbatches=4, repeats=4, warmup=1)
+    assert {(x.kind, x.stage) for x in measured.spreads} == {(k, s) for k in "FIW" for s in range(2)}
+    assert all(len(x.samples) == 4 and x.low <= x.median <= x.high for x in measured.spreads)
+    forward = measured.problem.stage_values(measured.problem.costs.forward)  # type: ignore[union-attr]
+    assert [round(x.median, 6) for x in measured.spreads if x.kind == "F"] == forward
+    # A pass whose samples moved 10× is reported as unsteady, worst first.
+    steady = PassSpread("F", 0, (1.0, 1.01, 0.99, 1.0))
+    moving = PassSpread("W", 1, (1.0, 10.0, 1.2, 9.0))
+    assert steady.relative_iqr < 0.05 and moving.relative_iqr > 1
+    assert type(measured)(measured.problem, [steady, moving]).unsteady() == [moving]
+    result = pipesched("profile", "--num-ranks", "2", "--repeats", "3", "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "min–max over 3 runs" in " ".join(result.stdout.split())
+
+
+def test_the_readme_documents_every_model_and_cluster_field() -> None:
+    from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+
+    readme = (REPO / "README.md").read_text()
+    missing = [
+        f"{prefix}.{name}"
+        for cls, prefix in ((ModelConfig, "model"), (ClusterConfig, "cluster"))
+        for name in cls.model_fields
+        if f"{prefix}.{name}" not in readme
+    ]
+    assert not missing, f"document {missing} in the README's field table"

@@ -1,0 +1,256 @@
+"""Data parallelism in the runtime: 4 gloo processes (pp 2 × dp 2 on a two-dimensional DeviceMesh), FSDP2
+``fully_shard`` (sharding full) or plain modules with an all-reduce per stage (sharding none), on PyTorch's
+runtime and on the own executor; every replica's gathered gradients and parameters equal a single-process
+reference over the whole global batch (2 × 4 microbatches, different ones per replica: with the same ones
+the gradients would be those of 4 microbatches and miss the reference). Composes with K steps, AdamW,
+post-validation (a NaN in replica 1's microbatch rolls back all 4 ranks) and 2BW.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.result import Schedule, build_schedule
+from tests.conftest import uniform_problem
+
+torch = pytest.importorskip("torch")
+
+NUM_RANKS = 2
+NUM_MICROBATCHES = 4
+DP = 2
+USER_MODEL = "tests.user_pipeline_model:tiny_stages"
+
+
+def family_schedule(name: str, **problem_options) -> Schedule:
+    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options)
+    return build_schedule(
+        problem, get_family(name).generate(problem), method=name, backend="family", check_memory=False
+    )
+
+
+CASES = {
+    "full-torch": ("1f1b", "torch", "gpt-tiny", {"sharding": "full"}),
+    "none-torch": ("1f1b", "torch", "gpt-tiny", {"sharding": "none"}),
+    "full-pipesched": ("zb-h1", "pipesched", "gpt-tiny", {"sharding": "full"}),
+    "none-pipesched": ("zb-h1", "pipesched", "gpt-tiny", {"sharding": "none"}),
+    "full-adamw-3-steps": (
+        "zb-h1",
+        "torch",
+        USER_MODEL,
+        {"sharding": "full", "steps": 3, "optimizer": "adamw", "lr": 1e-2},
+    ),
+    # FSDP2 regathers weights before the backward: with fused B only (see the rejection test below).
+    "full-reshard-after-forward": (
+        "1f1b-fused",
+        "pipesched",
+        "gpt-tiny",
+        {"sharding": "full", "reshard_after_forward": True, "steps": 2, "lr": 0.1},
+    ),
+    "post-validation-nan": (
+        "zb-h1",
+        "pipesched",
+        "gpt-tiny",
+        {"sharding": "full", "steps": 2, "lr": 0.1, "post_validation": True, "inject_nan": (1, 5)},
+    ),
+    # Bidirectional placement (two model replicas, only the own executor follows it): mirrored stages'
+    # sharded gradients summed, then FSDP2's reduce-scatter over dp.
+    "bitpipe-full": ("bitpipe", "pipesched", "gpt-tiny", {"sharding": "full", "steps": 2, "lr": 0.1}),
+    "2bw": ("1f1b", "torch", "gpt-tiny", {"sharding": "none", "steps": 4, "lr": 0.5, "weight_update": "2bw"}),
+}
+
+
+def communicating_schedule() -> Schedule:
+    """ZB-H1 from the optimizer side with data parallelism: UNSHARD, REDUCE_GRAD, RESHARD per stage and
+    OPTIMIZER_STEP per rank in its rows, and a step_time."""
+    from pipesched.optimizer.problem import Problem
+    from pipesched.optimizer.solve import solve_family
+
+    problem = Problem.model_validate(
+        {
+            "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
+            "costs": {
+                "forward": 1,
+                "backward_input": 1,
+                "backward_weight": 1,
+                "p2p": 0.1,
+                "unshard": 0.5,
+                "reduce_grad": 0.8,
+                "optimizer_step": 0.2,
+            },
+            "memory": {"activation": 100},
+            "data_parallel": {"size": DP, "sharding": "full"},
+            "objective": "step_time",
+        }
+    )
+    return solve_family(problem, "zb-h1")
+
+
+#: The optimizer side's schedule with communication actions, on both engines (torch lowers its own).
+COMMUNICATING = {"communicating-torch": "torch", "communicating-pipesched": "pipesched"}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[Schedule, dict]]:
+    from pipesched.runtime.launch import run_schedules
+    from pipesched.runtime.training import TrainingOptions
+
+    schedules = [
+        family_schedule("1f1b", split_backward=False)
+        if name == "1f1b-fused"
+        else family_schedule(name, stages_per_rank=2, placement="bidirectional")
+        if name == "bitpipe"
+        else family_schedule(name)
+        for name, *_ in CASES.values()
+    ]
+    engines = [engine for _, engine, _, _ in CASES.values()]
+    models = [model for _, _, model, _ in CASES.values()]
+    trainings = [TrainingOptions(data_parallel=DP, **options) for *_, options in CASES.values()]
+    for engine in COMMUNICATING.values():
+        schedules.append(communicating_schedule())
+        engines.append(engine)
+        models.append("gpt-tiny")
+        trainings.append(TrainingOptions(data_parallel=DP, sharding="full", steps=2, lr=0.1))
+    reports = run_schedules(schedules, engine=engines, model=models, training=trainings, timeout_s=120)
+    return dict(zip([*CASES, *COMMUNICATING], zip(schedules, reports, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("case", list(COMMUNICATING))
+def test_a_schedule_with_communication_actions_runs_them(runs, case):
+    """The schedule's own UNSHARD/REDUCE_GRAD/RESHARD run where they stand on the own executor (PyTorch's
+    runtime lowers its own UNSHARD/REDUCE_GRAD onto FSDP2); OPTIMIZER_STEP is the training loop's. Verified,
+    with the measured communication beside the schedule's and the predicted step time its step_time."""
+    schedule, report = runs[case]
+    assert report["verified"] is True
+    assert report["max_rel_param_error"] <= 1e-5 and report["max_rel_grad_error"] <= 1e-5
+    assert report["executed_order_matches"]
+    assert report["predicted_step_time_ms"] == schedule.step_time
+    assert report["predicted_step_time_from"] == "step_time"
+    for rank in report["ranks"]:
+        stage = rank["pp_rank"]
+        assert rank["predicted_communication_ms"] == pytest.approx(0.5 + 0.8)  # UNSHARD + REDUCE_GRAD (RESHARD 0)
+        assert rank["measured_communication_ms"] > 0
+        names = [c["action"] for c in rank["communication"]]
+        if COMMUNICATING[case] == "pipesched":
+            assert names == [f"{stage}UNSHARD", f"{stage}REDUCE_GRAD", f"{stage}RESHARD"]
+        else:
+            assert names == [f"{stage}UNSHARD", f"{stage}REDUCE_GRAD"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_replica_matches_the_global_batch_reference(runs, case):
+    schedule, report = runs[case]
+    options = CASES[case][3]
+    assert report["verified"] is True, {k: report[k] for k in ("max_rel_param_error", "max_rel_grad_error", "losses")}
+    assert report["max_rel_grad_error"] <= 1e-5
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["missing_gradients"] == []
+    assert report["executed_order_matches"]
+    assert report["steps"] == options.get("steps", 1)
+    assert report["data_parallel"] == {"size": DP, "sharding": options["sharding"], "world_size": NUM_RANKS * DP}
+    assert sorted((r["pp_rank"], r["dp_rank"]) for r in report["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    for rank in report["ranks"]:
+        # Every rank reduced its gradients over the dp group, and the time it took was measured; these
+        # schedules carry no communication actions, so there is no prediction to put beside it.
+        assert rank["measured_communication_ms"] > 0
+        assert rank["predicted_communication_ms"] is None
+        assert any(c["action"].endswith("REDUCE_GRAD") for c in rank["communication"])
+    assert report["predicted_step_time_ms"] == schedule.makespan
+    assert report["measured_step_time_ms"] > 0
+
+
+def test_full_sharding_halves_the_static_memory(runs):
+    """FSDP2 over dp 2 holds half of each stage's parameters and gradients on each rank."""
+    full = {r["rank"]: r["static_memory_bytes"] for r in runs["full-torch"][1]["ranks"]}
+    none = {r["rank"]: r["static_memory_bytes"] for r in runs["none-torch"][1]["ranks"]}
+    for rank, replicated in none.items():
+        assert full[rank] == pytest.approx(replicated / 2, rel=0.02)
+
+
+def test_nan_in_one_replica_rolls_back_every_rank(runs):
+    """Global microbatch 5 of step 1 is replica 1's microbatch 1: its NaN reaches every rank through the
+    reduce-scatter, every speculative step is undone exactly, and the reference skipped that step."""
+    _, report = runs["post-validation-nan"]
+    assert report["rolled_back_steps"] == [1] and report["reference_skipped_steps"] == [1]
+    for rank in report["ranks"]:
+        assert rank["steps"][1]["rolled_back"] is True
+        assert rank["steps"][1]["max_change_after_rollback"] == 0.0
+        assert rank["steps"][0]["norm"] is not None
+
+
+def test_2bw_with_data_parallelism_differs_from_synchronous(runs):
+    _, report = runs["2bw"]
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+
+
+def test_cli_run_data_parallel_writes_the_contract_report(tmp_path: Path):
+    """`pipesched run SCHEDULE --data-parallel 2 --steps 2 -o REPORT` on 4 processes: the run report of the
+    contract with its training and data-parallel fields."""
+    from typer.testing import CliRunner
+
+    from pipesched.api.cli import app
+
+    path = tmp_path / "schedule.json"
+    path.write_text(family_schedule("1f1b").model_dump_json())
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "run",
+            str(path),
+            "--data-parallel",
+            "2",
+            "--steps",
+            "2",
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    for field in (
+        "verified",
+        "max_abs_grad_error",
+        "max_rel_grad_error",
+        "max_rel_param_error",
+        "steps",
+        "loss",
+        "reference_loss",
+        "executed_order_matches",
+        "ranks",
+        "predicted_makespan_ms",
+        "measured_makespan_ms",
+        "predicted_step_time_ms",
+        "measured_step_time_ms",
+        "backend",
+        "device",
+    ):
+        assert field in report, field
+    assert report["verified"] is True and report["steps"] == 2
+    assert report["data_parallel"]["sharding"] == "full"  # the default without a problem's data_parallel
+    assert len(report["ranks"]) == 4
+    assert "data-parallel 2 (full) on 4 processes" in " ".join(result.output.split())
+
+
+def test_reshard_after_forward_with_split_backward_is_refused_before_launch():
+    """torch 2.13's FSDP2 runs its post-backward at I and loses W's weight gradients when weights are
+    resharded after F (measured on both engines: the last stage's gradients came back None); the run is
+    refused with the option and the fix named, before any process starts."""
+    from pipesched.runtime.launch import ScheduleError, run_schedule
+    from pipesched.runtime.training import TrainingOptions
+
+    with pytest.raises(ScheduleError, match="--no-reshard-after-forward") as error:
+        run_schedule(
+            family_schedule("zb-h1"),
+            training=TrainingOptions(data_parallel=2, sharding="full", reshard_after_forward=True),
+        )
+    assert error.value.reason == "reshard_after_forward"

@@ -1,0 +1,257 @@
+"""Training beyond one step on 2 gloo ranks (real torch processes): K steps with torch.optim on every rank
+matched against a single-process reference following the same rule — synchronous, post-validated
+(speculative steps, clipping by the global norm, rollback on a NaN), PipeDream-2BW's delayed update — on
+PyTorch's runtime and on the own executor. All cases share one launch (process start costs seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.result import Schedule, build_schedule
+from tests.conftest import uniform_problem
+
+torch = pytest.importorskip("torch")
+
+NUM_RANKS = 2
+NUM_MICROBATCHES = 4
+#: AdamW normalises every element's gradient, so an element whose exact gradient is zero (gpt-tiny's
+#: attention key bias: softmax ignores it) moves by ±lr on rounding noise; the user model has none.
+ADAMW_MODEL = "tests.user_pipeline_model:tiny_stages"
+
+
+def family_schedule(name: str, **problem_options) -> Schedule:
+    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options)
+    if name == "pipedream-2bw":  # no flush: the family's repeating pattern, as `pipesched solve` answers it
+        from pipesched.optimizer.solve import solve
+
+        return solve(
+            problem.with_changes(**{"training.flush": False, "training.weight_versions": 2, "solver.method": name})
+        )
+    return build_schedule(
+        problem, get_family(name).generate(problem), method=name, backend="family", check_memory=False
+    )
+
+
+CASES = {
+    "adamw-torch": ("1f1b", "torch", {}, ADAMW_MODEL, {"steps": 3, "optimizer": "adamw", "lr": 1e-2}),
+    "adamw-pipesched": ("zb-h1", "pipesched", {}, ADAMW_MODEL, {"steps": 3, "optimizer": "adamw", "lr": 1e-2}),
+    "sgd-bitpipe": (
+        "bitpipe",
+        "pipesched",
+        {"stages_per_rank": 2, "placement": "bidirectional"},
+        "gpt-tiny",
+        {"steps": 2, "lr": 0.1},
+    ),
+    "post-validation": (
+        "zb-h1",
+        "pipesched",
+        {},
+        "gpt-tiny",
+        {"steps": 3, "lr": 0.1, "post_validation": True, "max_grad_norm": 0.8},
+    ),
+    "nan-rollback": (
+        "1f1b",
+        "torch",
+        {},
+        "gpt-tiny",
+        {"steps": 3, "lr": 0.1, "post_validation": True, "inject_nan": (1, 2)},
+    ),
+    "2bw": ("1f1b", "pipesched", {}, "gpt-tiny", {"steps": 4, "lr": 0.5, "weight_update": "2bw"}),
+    "2bw-family": ("pipedream-2bw", "torch", {}, "gpt-tiny", {"steps": 4, "lr": 0.5, "weight_update": "2bw"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[Schedule, dict]]:
+    from pipesched.runtime.launch import run_schedules
+    from pipesched.runtime.training import TrainingOptions
+
+    schedules = [family_schedule(name, **options) for name, _, options, _, _ in CASES.values()]
+    reports = run_schedules(
+        schedules,
+        engine=[engine for _, engine, _, _, _ in CASES.values()],
+        model=[model for _, _, _, model, _ in CASES.values()],
+        training=[TrainingOptions(**training) for *_, training in CASES.values()],
+        timeout_s=120,
+    )
+    return dict(zip(CASES, zip(schedules, reports, strict=True), strict=True))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_k_steps_match_the_reference(runs, case):
+    from pipesched.runtime.launch import executable_step
+
+    schedule, report = runs[case]
+    training = CASES[case][4]
+    assert report["steps"] == training["steps"]
+    assert report["verified"] is True, {k: report[k] for k in ("max_rel_param_error", "max_rel_grad_error", "losses")}
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["max_rel_grad_error"] <= 1e-5
+    assert report["executed_order_matches"]
+    assert report["missing_gradients"] == []
+    assert report["loss"] == pytest.approx(report["reference_loss"], rel=1e-5)
+    # Training moved the loss: each step's loss is that of new parameters.
+    assert len(set(report["losses"])) == training["steps"]
+    # one step as run (a no-flush pattern runs its first step unrolled): its step time, the makespan here
+    assert report["predicted_step_time_ms"] == executable_step(schedule).step_time
+    assert report["measured_step_time_ms"] > 0
+    assert len(report["measured_step_times_ms"]) == training["steps"]
+    for rank in report["ranks"]:
+        assert rank["peak_memory_bytes"] > 0 and rank["static_memory_bytes"] > 0
+        assert rank["measured_communication_ms"] == 0.0  # D = 1: nothing to reduce
+        assert rank["predicted_communication_ms"] is None  # no communication actions in the schedule
+
+
+def test_adamw_steps_change_the_parameters(runs):
+    """The AdamW reference is not a no-op: the K-step parameters are far from the initial ones."""
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.training import TrainingOptions, reference_training
+
+    schedule, report = runs["adamw-torch"]
+    # A fresh model per reference: the user model's build_stage hands out the same modules each call.
+    one = reference_training(
+        load_model(ADAMW_MODEL, schedule.problem),
+        NUM_MICROBATCHES,
+        TrainingOptions(steps=1, optimizer="adamw", lr=1e-2),
+    )
+    three = reference_training(
+        load_model(ADAMW_MODEL, schedule.problem),
+        NUM_MICROBATCHES,
+        TrainingOptions(steps=3, optimizer="adamw", lr=1e-2),
+    )
+    moved = max(float((three["parameters"][k] - one["parameters"][k]).abs().max()) for k in one["parameters"])
+    assert moved > 1e-3
+    assert report["reference_loss"] == pytest.approx(three["losses"][-1], rel=1e-12)
+
+
+def test_post_validation_equals_synchronous_with_clipping(runs):
+    """Post-validated steps (speculative, then rolled back and redone where the global norm clips) end at the
+    synchronous-with-clipping parameters (the verified reference); clipping was active, and without it the
+    parameters would differ."""
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.training import TrainingOptions, reference_training
+
+    schedule, report = runs["post-validation"]
+    assert report["training"]["clip_norm"] == 0.8
+    redone = [info["step"] for info in report["ranks"][0]["steps"] if info.get("redone_with_clipping")]
+    kept = [info["step"] for info in report["ranks"][0]["steps"] if not info["rolled_back"]]
+    # gpt-tiny's global norms are ≈ 0.79, 0.83, 0.80: step 0 keeps its speculative step, the others clip.
+    assert redone == [1, 2] and kept == [0], report["ranks"][0]["steps"]
+    for rank in report["ranks"]:
+        assert all(info["speculative"] for info in rank["steps"])
+        assert [info["step"] for info in rank["steps"] if info.get("redone_with_clipping")] == redone
+    model = load_model("gpt-tiny", schedule.problem)
+    unclipped = reference_training(model, NUM_MICROBATCHES, TrainingOptions(steps=3, lr=0.1))
+    clipped = reference_training(model, NUM_MICROBATCHES, TrainingOptions(steps=3, lr=0.1, max_grad_norm=0.8))
+    assert (
+        max(float((unclipped["parameters"][k] - clipped["parameters"][k]).abs().max()) for k in clipped["parameters"])
+        > 1e-4
+    )
+    assert report["reference_loss"] == pytest.approx(clipped["losses"][-1], rel=1e-12)
+
+
+def test_a_nan_in_one_microbatch_rolls_the_step_back_on_every_rank(runs):
+    """Microbatch 2 of step 1 gets a NaN gradient: every rank's speculative step went non-finite, was rolled
+    back bit for bit (nothing half-applied), and the parameters after 3 steps equal the reference that
+    skipped step 1."""
+    _, report = runs["nan-rollback"]
+    assert report["rolled_back_steps"] == [1]
+    assert report["reference_skipped_steps"] == [1]
+    for rank in report["ranks"]:
+        step = rank["steps"][1]
+        assert step["norm"] is None
+        assert step["speculative_step_finite"] is False  # the speculative step did write NaNs …
+        assert step["rolled_back"] is True
+        assert step["max_change_after_rollback"] == 0.0  # … and the rollback restored every parameter exactly
+        assert not step.get("redone_with_clipping")
+        assert all(info["norm"] is not None for info in (rank["steps"][0], rank["steps"][2]))
+    assert report["max_rel_param_error"] <= 1e-5
+    assert all(loss is not None for loss in report["losses"])  # the NaN is in the gradient, not the loss
+
+
+def test_the_pipedream_2bw_family_runs_its_pattern_with_the_delayed_update(runs):
+    """The family's answer is a repeating pattern (ids up to 2m − 1); the runtime runs its first step unrolled,
+    K times, with PipeDream-2BW's update, and matches the delayed reference."""
+    schedule, report = runs["2bw-family"]
+    assert schedule.step_period is not None
+    assert max(a.microbatch for r in schedule.ranks for a in r.actions if a.microbatch is not None) >= NUM_MICROBATCHES
+    assert report["weight_versions"] == 2
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+
+
+def test_2bw_matches_the_delayed_update_and_differs_from_synchronous(runs):
+    """PipeDream-2BW after K = 4 SGD steps: W(t+1) = W(t) − ν·∇f(W(t−1)) within 1e-5, and visibly away from
+    the synchronous W(t+1) = W(t) − ν·∇f(W(t))."""
+    _, report = runs["2bw"]
+    assert report["weight_versions"] == 2
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+    # Two weight versions on every rank: its static memory holds the parameters twice (plus gradients).
+    synchronous = runs["post-validation"][1]
+    for rank, other in zip(report["ranks"], synchronous["ranks"], strict=True):
+        assert rank["static_memory_bytes"] > other["static_memory_bytes"]
+
+
+def test_cli_rejects_bad_training_options_with_exit_code_2(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from pipesched.api.cli import app
+
+    path = tmp_path / "schedule.json"
+    path.write_text(family_schedule("1f1b").model_dump_json())
+    for options, says in [
+        (["--steps", "0"], "--steps"),
+        (["--optimizer", "lamb"], "--optimizer"),
+        (["--lr", "nan"], "--lr"),
+        (["--lr", "inf"], "--lr"),
+        (["--data-parallel", "0"], "--data-parallel"),
+        (["--sharding", "zero-7"], "--sharding"),
+        (["--weight-update", "3bw"], "--weight-update"),
+        (["--inject-nan", "5:0", "--steps", "2"], "--inject-nan"),
+        (["--inject-nan", "x"], "--inject-nan"),
+    ]:
+        result = CliRunner().invoke(app, ["run", str(path), *options])
+        assert result.exit_code == 2, (options, result.output)
+        assert says in result.output, (options, result.output)
+
+
+def test_training_options_follow_the_problem():
+    from pipesched.runtime.training import training_options
+
+    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
+        **{"data_parallel": {"size": 2, "sharding": "none"}, "costs.reduce_grad": 0.5}
+    )
+    options = training_options(problem)
+    assert (options.data_parallel, options.sharding, options.weight_update) == (2, "none", "sync")
+    assert training_options(problem, sharding="full", weight_update="2bw").sharding == "full"
+    # a problem without flush (its data parallelism is not modelled by the optimizer yet) runs PipeDream-2BW
+    no_flush = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
+        **{"training": {"flush": False, "weight_versions": 2}, "objective": "step_period"}
+    )
+    assert training_options(no_flush).weight_update == "2bw"
+    plain = training_options(uniform_problem(NUM_RANKS, NUM_MICROBATCHES))
+    assert (plain.data_parallel, plain.sharding, plain.weight_update, plain.steps) == (1, "full", "sync", 1)
+    validated = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(**{"training": {"post_validation": True}})
+    assert training_options(validated).clip_norm == 1.0
+    assert json.dumps(training_options(validated).__dict__)
+
+
+def test_communication_actions_are_told_apart_from_compute_actions():
+    """The runtime reads PyTorch's communication action names beside F/I/W/B, strictly."""
+    from pipesched.optimizer.ir import Action, ActionKind
+    from pipesched.runtime.executor import split_action
+
+    assert split_action("3REDUCE_GRAD") == (3, "REDUCE_GRAD")
+    assert split_action("0UNSHARD") == (0, "UNSHARD") and split_action("12RESHARD") == (12, "RESHARD")
+    assert split_action("OPTIMIZER_STEP") == (None, "OPTIMIZER_STEP")
+    assert split_action("1OPTIMIZER_STEP") == (1, "OPTIMIZER_STEP")
+    assert split_action("3F12") == Action(3, ActionKind.FORWARD, 12)
+    for bad in ("0F1x", "0UNSHARD1", "01REDUCE_GRAD", "0SEND_F1", "REDUCE"):
+        with pytest.raises(ValueError):
+            split_action(bad)

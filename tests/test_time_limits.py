@@ -1,0 +1,140 @@
+"""Time limits are limits: ``solve`` answers within ``solver.time_limit_s`` + 2 s whatever the problem's shape,
+every phase stops on the deadline and on the stop flag, and a problem too large to answer in time is refused."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from pipesched.optimizer.bounds import lower_bounds
+from pipesched.optimizer.families import FamilyDomainError
+from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.problem import PASSES_PER_SECOND
+from pipesched.optimizer.progress import Deadline
+from pipesched.optimizer.simulate import simulate_indexed
+from pipesched.optimizer.solve import solve
+from pipesched.optimizer.solvers.heuristic import sequential_orders
+from tests.conftest import uniform_problem
+
+# Adversarial shapes: many ranks and stages with one microbatch (the bound's worst case before it was
+# deadline-aware: 64 × 64 × 1 took 15–120 s at a 1 s limit), many microbatches, V and bidirectional placements,
+# all at sizes the validation admits for a limit of 0.5 s (7,500 passes).
+SHAPES = [
+    # (num_ranks, num_microbatches, stages_per_rank, placement, limit in activations per rank or None)
+    (64, 1, 64, "loop", None),
+    (1024, 1, 7, "loop", None),
+    (1024, 7, 1, "loop", 10.0),
+    (16, 460, 1, "loop", 30.0),
+    (8, 460, 2, "v", 30.0),
+    (8, 460, 2, "bidirectional", 30.0),
+    (512, 7, 2, "v", None),
+]
+
+
+def _problem(
+    num_ranks: int, num_microbatches: int, stages_per_rank: int, placement: str, limit: float | None, tl: float
+):
+    return uniform_problem(
+        num_ranks,
+        num_microbatches,
+        stages_per_rank=stages_per_rank,
+        placement=placement,
+        backward_weight=0.5,
+        p2p=0.1,
+        limit=None if limit is None else limit * 100.0 * stages_per_rank,
+        time_limit_s=tl,
+    )
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(SHAPES), time_limit_s=st.sampled_from([0.5, 1.0]))
+def test_auto_answers_within_the_limit_plus_two_seconds(shape: tuple, time_limit_s: float) -> None:
+    problem = _problem(*shape, tl=time_limit_s)
+    started = time.perf_counter()
+    schedule = solve(problem)
+    wall = time.perf_counter() - started
+    assert schedule.status in ("optimal", "feasible")
+    assert wall <= time_limit_s + 2.0, f"{shape} at {time_limit_s} s answered after {wall:.2f} s"
+
+
+def test_the_stop_flag_ends_every_phase_at_once() -> None:
+    problem = _problem(64, 1, 64, "loop", None, tl=60.0)
+    started = time.perf_counter()
+    schedule = solve(problem, should_stop=lambda: True)
+    assert time.perf_counter() - started < 10.0  # the unstopped bound alone took 15–120 s here
+    assert schedule.status in ("optimal", "feasible")
+
+
+def test_a_bound_cut_short_is_weaker_but_still_a_bound() -> None:
+    problem = uniform_problem(8, 12, stages_per_rank=2, p2p=0.1, limit=600.0, objective="stage_span")
+    inst = compile_problem(problem)
+    full = lower_bounds(inst)
+    cut = lower_bounds(inst, Deadline(time.perf_counter()))  # expired before it starts
+    assert cut.stage_span <= full.stage_span and cut.makespan <= full.makespan
+    assert cut.stage_span == max(inst.compute)  # each rank's work: the bound that costs nothing
+    sequential = simulate_indexed(inst, sequential_orders(inst))
+    assert full.makespan <= sequential.objective_value("makespan") + 1e-9
+    assert full.stage_span > cut.stage_span  # the windows and the bottleneck rank add to it
+
+
+def test_a_problem_too_large_for_its_limit_is_refused_naming_the_limit_it_needs() -> None:
+    with pytest.raises(ValidationError) as raised:
+        uniform_problem(8, 100_000, time_limit_s=1.0)
+    error = raised.value.errors()[0]
+    assert error["loc"] == ("pipeline", "num_microbatches")
+    needed = math.ceil(800_000 / PASSES_PER_SECOND - 2)
+    assert "solver.time_limit_s" in error["msg"] and f"at least {needed} s" in error["msg"]
+    # With that time limit the same problem is accepted.
+    assert uniform_problem(8, 100_000, time_limit_s=needed, method="1f1b").pipeline.num_microbatches == 100_000
+
+
+FAMILY_SHAPES = [
+    (64, 1, 64, "loop", "interleaved-1f1b"),
+    (64, 1, 64, "loop", "looped-bfs"),
+    (512, 7, 2, "v", "v-half"),
+    (512, 7, 2, "v", "zb-v"),
+    (512, 7, 2, "v", "dualpipe-v"),
+    (512, 7, 2, "bidirectional", "bitpipe"),
+    (8, 460, 2, "v", "v-min"),
+]
+
+
+@pytest.mark.parametrize(("num_ranks", "num_microbatches", "stages_per_rank", "placement", "method"), FAMILY_SHAPES)
+def test_a_named_family_answers_or_says_it_ran_out_of_time_within_the_limit(
+    num_ranks: int, num_microbatches: int, stages_per_rank: int, placement: str, method: str
+) -> None:
+    # v-half on 512 ranks took 150 s at a 0.5 s limit before the families polled the deadline.
+    problem = _problem(num_ranks, num_microbatches, stages_per_rank, placement, 30.0, tl=0.5).with_changes(
+        **{"solver.method": method}
+    )
+    started = time.perf_counter()
+    try:
+        schedule = solve(problem)
+        assert schedule.status in ("feasible", "optimal", "infeasible")
+    except FamilyDomainError as error:
+        assert "did not finish within solver.time_limit_s 0.5 s" in str(error) and "raise solver.time_limit_s" in str(
+            error
+        )
+    assert time.perf_counter() - started <= 0.5 + 2.0
+
+
+def test_the_issue_request_answers_over_http_within_the_limit(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
+
+    body = _problem(64, 1, 64, "loop", None, tl=1.0).model_dump(mode="json")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'limits.sqlite3'}", solver_workers=1)
+    with TestClient(create_app(settings)) as client:
+        started = time.perf_counter()
+        response = client.post("/v1/schedules", json=body)
+        wall = time.perf_counter() - started
+    assert response.status_code == 200, response.text[:300]
+    assert wall <= 1.0 + 2.0, f"answered after {wall:.2f} s"
