@@ -211,7 +211,7 @@ def _families(search: _Search) -> None:
             continue
         search.offer(orders, f"family:{family.name}", f"family {family.name}")
     for name, peer in peer_warm_starts(search.problem):
-        if search.should_stop():
+        if search.should_stop() or not search.can_afford(FAMILY_COMPILES):
             return
         try:
             orders = indexed_orders(search.inst, peer)
