@@ -269,7 +269,8 @@ def test_derived_collectives_and_breadth_first_ahead_of_depth_first() -> None:
     document = {
         "pipeline": {"num_ranks": 8, "num_microbatches": 16, "stages_per_rank": 8},
         "model": MODEL_52B,
-        "cluster": CLUSTER,
+        # 16 GPUs span two 8-GPU nodes: the ring runs on the inter-node link with the collective latency per step.
+        "cluster": {**CLUSTER, "inter_node_bandwidth_bytes_per_s": 25e9, "collective_latency_ms": 0.02},
         "data_parallel": {"size": 16, "sharding": "full"},
         "objective": "step_time",
     }
