@@ -334,8 +334,8 @@ def run_demo(
             f"[bold green]verified[/bold green]: after {report['steps']} {DEMO_OPTIMIZER} steps every parameter on "
             f"every rank equals the single-process reference within {report['max_rel_param_error']:.2g} "
             f"(relative); loss {report['loss']:.6g} against {report['reference_loss']:.6g}. On a CPU shared by "
-            f"{processes} processes the measured times say little about a GPU cluster; the figures that transfer are the order, the "
-            "memory and the verification.",
+            f"{processes} processes the measured times say little about a GPU cluster; what transfers is the "
+            "order, the memory and the verification.",
             highlight=False,
         )
     console.rule("[bold]what next")
