@@ -438,10 +438,16 @@ def pipeline_variants(
 @app.command()
 def demo(
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder for the results.")] = None,
-    time_limit: Annotated[float, typer.Option("--time-limit", help="Time limit for the auto search, s.")] = 15.0,
-    run: Annotated[bool, typer.Option("--run/--no-run", help="Execute the schedule on 4 gloo ranks.")] = True,
+    quick: Annotated[bool, typer.Option("--quick", help="A short plan search (2 s instead of 10 s).")] = False,
+    time_limit: Annotated[
+        float | None, typer.Option("--time-limit", help="Time limit for the plan search, s (overrides --quick).")
+    ] = None,
+    run: Annotated[
+        bool, typer.Option("--run/--no-run", help="Train the schedule on 4 gloo processes (pp 2 × dp 2, FSDP).")
+    ] = True,
 ) -> None:
-    """The main job end to end: config in, optimal schedule out, real torch ranks prove it."""
+    """The main job end to end: plan a layout, schedule it with its communication, train 3 steps on 4 processes
+    (pipeline 2 × data-parallel 2, FSDP) and verify them against a single-process reference."""
     import httpx
 
     from pipesched.api.demo import run_demo
@@ -449,7 +455,7 @@ def demo(
     if run:
         require_torch("demo")
     try:
-        run_demo(output, time_limit_s=time_limit, run=run, console=console)
+        run_demo(output, quick=quick, time_limit_s=time_limit, run=run, console=console)
     except httpx.HTTPStatusError as error:
         raise fail(f"the service answered {error.response.status_code}: {error.response.text[:500]}", 1) from None
     except (httpx.HTTPError, RuntimeError, ValueError, OSError) as error:

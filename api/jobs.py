@@ -232,9 +232,13 @@ class SolverPool:
         self._lock = threading.Lock()
         self._tickets: dict[str, Ticket] = {}
 
-    def submit_task(self, fn: Callable[..., object], *args: object) -> Future:
-        """Run ``fn(*args)`` in a worker (a plan search): it shares the pool's bound on concurrent work."""
-        return self._submit(fn, *args)
+    def submit_task(self, fn: Callable[..., object], *args: object, expected_s: float = 60.0) -> Future:
+        """Run ``fn(*args)`` in a job process (a plan search): it shares the job lane's processes and bound.
+
+        Raises:
+            LaneFull: the job queue is full (the route answers 429 with ``Retry-After``).
+        """
+        return self.jobs.submit(fn, *args, expected_s=expected_s).future
 
     def solve(self, problem: Problem, timeout_s: float) -> Schedule:
         """Solve in a worker and wait at most ``timeout_s`` (the search is told to stop before).

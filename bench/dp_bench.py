@@ -71,7 +71,14 @@ def problem(
                 "stages_per_rank": stages_per_rank,
             },
             "model": {**MODEL, "activation_recomputation": recomputation},
-            "cluster": {**CLUSTER, "p2p_bandwidth_bytes_per_s": bandwidth},
+            # every link at the bench's bandwidth: the data-parallel ring (intra- or inter-node) as the pipeline's
+            "cluster": {
+                **CLUSTER,
+                "p2p_bandwidth_bytes_per_s": bandwidth,
+                "intra_node_bandwidth_bytes_per_s": bandwidth,
+                "inter_node_bandwidth_bytes_per_s": bandwidth,
+                "collective_latency_ms": CLUSTER["p2p_latency_ms"],
+            },
             "data_parallel": {"size": data_parallel, "sharding": "full"},
             "objective": "step_time",
             "solver": {"method": "auto", "time_limit_s": time_limit_s},

@@ -30,11 +30,27 @@ master weight, gradient and both moments (16 B) and writes master, moments (12 B
 copy (2 B with bf16): 30 B at the accelerator's memory bandwidth (``ADAM_BYTES_PER_PARAMETER``), over the
 rank's shard of the parameters when the optimizer state is sharded.
 
-Static bytes per parameter by sharding (ZeRO paper, Sec. 5.1, K = 12 for mixed-precision Adam): weights
-w (2 B bf16, or 1/d of it with ``full``), gradients 4 B (fp32), optimizer state 12 B (1/d of it from
-``optimizer`` up). With ``gradients``/``full`` the whole gradient buffer is counted from the step's
-start and REDUCE_GRAD frees (d−1)/d of it (``memory.gradients``); with ``full`` UNSHARD holds the gathered
-(d−1)/d of the weights until RESHARD (``memory.weights``).
+Static bytes per parameter by sharding have one home,
+:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded` (ZeRO paper, Sec. 5.1, K = 12 for
+mixed-precision Adam): weights w (2 B bf16), gradients 4 B (fp32), optimizer state 12 B, each divided by d
+from the sharding level that shards it. Gathered weights and unsharded gradients are not static: they live
+in the step model's ``memory.weights`` (held from UNSHARD to RESHARD) and ``memory.gradients`` (freed but
+for the shard at REDUCE_GRAD), each byte counted once.
+
+Granularity (``gradients`` and ``full``, which torchtitan runs as FSDP2): torchtitan applies ``fully_shard``
+to every transformer block, to the token embedding, and to the final norm with the output head (PyTorch
+FSDP2, ``torch.distributed.fsdp.fully_shard``; torchtitan ``parallelize`` ``apply_fsdp``). Each such unit's
+gradients are produced unsharded by its backward, reduce-scattered as one bucket right after it, and freed
+but for the rank's fp32 shard. So a stage holds the unsharded gradients of one unit at a time, the largest
+of its units counted: ``memory.gradients`` is 4 B × the parameters of the stage's largest unit, ``static``
+holds the sharded state plus (d−1)/d of that buffer, and REDUCE_GRAD frees that (d−1)/d. Likewise the
+gathered weights: without ``reshard_after_forward`` every unit of the stage stays gathered from its forward
+to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 frees each unit after its
+forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
+units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole fp32 gradient buffer
+(static). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
+buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
+compute: an upper bound by one unit.
 """
 
 from __future__ import annotations
@@ -43,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 
 __all__ = [
     "ADAM_BYTES_PER_PARAMETER",
@@ -59,11 +76,9 @@ __all__ = [
 ADAM_BYTES_PER_PARAMETER = 30.0
 #: Bytes per gradient element reduced over the data-parallel group (fp32).
 GRADIENT_REDUCE_BYTES = 4.0
-#: fp32 optimizer state per parameter with mixed precision: master weights, first and second moment.
-_OPTIMIZER_STATE_BYTES = 12.0
 
 
-def all_reduce_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float) -> float:
+def all_reduce_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float:
     """Ring all-reduce of ``num_bytes`` over ``group_size`` ranks, ms: 2(d−1)·α + 2(d−1)/d · B/β (Thakur et al.
     2005, Sec. 4.4). Zero for a group of one."""
     d = group_size
@@ -72,7 +87,9 @@ def all_reduce_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: floa
     return 2 * (d - 1) * latency_ms + 1e3 * 2 * (d - 1) / d * num_bytes / bandwidth_bytes_per_s
 
 
-def reduce_scatter_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float) -> float:
+def reduce_scatter_ms(
+    num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> float:
     """Ring reduce-scatter of ``num_bytes`` (the whole buffer) over ``group_size`` ranks, ms:
     (d−1)·α + (d−1)/d · B/β (Thakur et al. 2005, Sec. 4.5)."""
     d = group_size
@@ -81,7 +98,7 @@ def reduce_scatter_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: 
     return (d - 1) * latency_ms + 1e3 * (d - 1) / d * num_bytes / bandwidth_bytes_per_s
 
 
-def all_gather_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float) -> float:
+def all_gather_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float:
     """Ring all-gather producing ``num_bytes`` on every rank, ms: (d−1)·α + (d−1)/d · B/β (Thakur et al. 2005,
     Sec. 4.1)."""
     return reduce_scatter_ms(num_bytes, group_size, bandwidth_bytes_per_s, latency_ms)
@@ -116,9 +133,12 @@ class DataParallelCosts:
         unshard_ms: per model stage, the weights' all-gather (0 unless sharding is ``full``).
         reduce_grad_ms: per model stage, the gradients' all-reduce or reduce-scatter.
         optimizer_step_ms: per rank, the Adam step over the rank's (shard of the) parameters.
-        weights_bytes: per model stage, unsharded weights in the model dtype.
-        gradients_bytes: per model stage, the unsharded fp32 gradient buffer.
-        static_bytes: per rank, weights + gradients + optimizer state by sharding level.
+        weights_bytes: per model stage, the gathered weights in the model dtype (the whole stage, or with
+            ``reshard_after_forward`` two of its largest FSDP units; module docstring).
+        gradients_bytes: per model stage, the unsharded fp32 gradient buffer it holds before REDUCE_GRAD (with
+            ``gradients``/``full``: its largest FSDP unit's; otherwise the whole stage's).
+        static_bytes: per rank, the sharded weights, gradients and optimizer state plus (d−1)/d of each of its
+            stages' ``gradients_bytes`` with ``gradients``/``full`` (REDUCE_GRAD frees them).
         link: where the group lies (:func:`group_link`).
     """
 
@@ -142,12 +162,14 @@ def data_parallel_costs(
     sharding: str,
     memory_bandwidth_bytes_per_s: float,
     tensor_parallel: int = 1,
+    stage_largest_unit: list[float] | None = None,
+    reshard_after_forward: bool = False,
 ) -> DataParallelCosts:
     """Collective times (ms), optimizer step (ms) and memory (bytes) of a pipeline with d data-parallel copies.
 
     Args:
         model: the model (its ``dtype`` sets the weights' bytes per parameter).
-        cluster: links (``group_link``) and ``p2p_latency_ms`` as the per-step latency α.
+        cluster: links (``group_link``) and ``collective_latency_ms`` as the per-step latency α.
         stage_parameters: parameters of each model stage (on one tensor-parallel rank).
         stage_holders: ranks holding each model stage (two for bidirectional placement: both replicas
             take part in the stage's gradient reduction, so its group has 2·d ranks).
@@ -156,43 +178,48 @@ def data_parallel_costs(
         sharding: ``none``, ``optimizer``, ``gradients`` or ``full``.
         memory_bandwidth_bytes_per_s: the accelerator's memory bandwidth (optimizer step).
         tensor_parallel: tensor-parallel degree (where the group lies).
+        stage_largest_unit: parameters of each stage's largest FSDP unit (a transformer block, the embedding,
+            or the final norm with the head); ``None``: the whole stage is one unit.
+        reshard_after_forward: with ``full``, units are freed after their forward (module docstring).
 
     Formulas and sources: module docstring.
     """
     d = data_parallel_size
     weight_bytes = float(model.dtype_bytes)
     bandwidth, link = group_link(cluster, d, tensor_parallel)
-    latency = cluster.p2p_latency_ms
-    mixed = model.dtype != "fp32"
-    optimizer_state = _OPTIMIZER_STATE_BYTES if mixed else 8.0
-    adam_bytes = ADAM_BYTES_PER_PARAMETER if mixed else 28.0
+    latency = cluster.collective_latency_ms
+    adam_bytes = ADAM_BYTES_PER_PARAMETER if model.dtype != "fp32" else 28.0
+    per_block = sharding in ("gradients", "full")
+    units = stage_largest_unit if stage_largest_unit is not None else list(stage_parameters)
     unshard, reduce, weights, gradients = [], [], [], []
-    for params, holders in zip(stage_parameters, stage_holders, strict=True):
+    for params, unit, holders in zip(stage_parameters, units, stage_holders, strict=True):
         group = d * len(holders)
-        w_bytes = params * weight_bytes
+        gathered = min(params, 2 * unit) if reshard_after_forward else params
+        weights.append(gathered * weight_bytes)
+        gradients.append((unit if per_block else params) * GRADIENT_REDUCE_BYTES)
+        unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
         g_bytes = params * GRADIENT_REDUCE_BYTES
-        weights.append(w_bytes)
-        gradients.append(g_bytes)
-        unshard.append(all_gather_ms(w_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
-        if sharding in ("gradients", "full"):
+        if per_block:
             reduce.append(reduce_scatter_ms(g_bytes, group, bandwidth, latency))
         else:
             reduce.append(all_reduce_ms(g_bytes, group, bandwidth, latency))
     rank_params = [0.0] * num_ranks
-    for params, holders in zip(stage_parameters, stage_holders, strict=True):
+    rank_buffers = [0.0] * num_ranks
+    for params, buffer, holders in zip(stage_parameters, gradients, stage_holders, strict=True):
         for rank in holders:
             rank_params[rank] += params
+            rank_buffers[rank] += buffer * (d - 1) / d if per_block else 0.0
     shard = d if sharding != "none" else 1
+    per_parameter = static_bytes_per_parameter_sharded(model, sharding, d)
     optimizer_step = []
     static = []
-    for params in rank_params:
+    for params, buffers in zip(rank_params, rank_buffers, strict=True):
         step_ms = 1e3 * params / shard * adam_bytes / memory_bandwidth_bytes_per_s
         if sharding == "gradients":
             # ZeRO-2 gathers the updated weights after the step (ZeRO-1's gather is inside its all-reduce cost).
             step_ms += all_gather_ms(params * weight_bytes, d, bandwidth, latency)
         optimizer_step.append(step_ms)
-        w = weight_bytes / (d if sharding == "full" else 1)
-        static.append(params * (w + GRADIENT_REDUCE_BYTES + optimizer_state / shard))
+        static.append(params * per_parameter + buffers)
     return DataParallelCosts(
         unshard_ms=[round(x, 6) for x in unshard],
         reduce_grad_ms=[round(x, 6) for x in reduce],

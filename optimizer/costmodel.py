@@ -358,6 +358,8 @@ class DerivedProblem:
         static_bytes: per rank, weights + gradients + optimizer state.
         limit_bytes: per rank, accelerator memory minus the reserve.
         hardware: the resolved accelerator.
+        largest_unit: per model stage, parameters of its largest FSDP unit (a transformer block, the token
+            embedding, or the final norm with the head: torchtitan's ``fully_shard`` units).
     """
 
     costs: Costs
@@ -367,6 +369,7 @@ class DerivedProblem:
     static_bytes: list[float] = field(default_factory=list)
     limit_bytes: float = math.inf
     hardware: Hardware | None = None
+    largest_unit: list[float] = field(default_factory=list)
 
 
 def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
@@ -443,10 +446,23 @@ def _check_tensor_parallel(
 def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
     if data_parallel is None:
         return static_bytes_per_parameter(model, cluster)
-    per_parameter = static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
-    if data_parallel.sharding == "full" and data_parallel.size > 1 and not data_parallel.reshard_after_forward:
-        per_parameter += model.dtype_bytes  # the gathered 16-bit weights stay for the whole step
-    return per_parameter
+    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+
+
+def _transient_bytes(
+    model: ModelConfig, data_parallel: DataParallel | None, parameters: float, largest_unit: float
+) -> float:
+    """Bytes a sharded stage holds beyond its static state while it computes: the gathered weights (whole
+    stage, or two units with ``reshard_after_forward``) and one unit's unsharded fp32 gradients, each (d−1)/d
+    (the step model's ``memory.weights``/``memory.gradients``, :mod:`pipesched.optimizer.collectives`)."""
+    if data_parallel is None or data_parallel.size <= 1 or data_parallel.sharding not in ("gradients", "full"):
+        return 0.0
+    d = data_parallel.size
+    held = largest_unit * 4.0
+    if data_parallel.sharding == "full":
+        gathered = min(parameters, 2 * largest_unit) if data_parallel.reshard_after_forward else parameters
+        held += gathered * model.dtype_bytes
+    return held * (d - 1) / d
 
 
 def derive_problem(
@@ -461,9 +477,10 @@ def derive_problem(
 
     ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
     :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3; with ``full`` and no resharding after
-    forward the gathered 16-bit weights count for the whole step, with resharding two layers' worth), in place
-    of ``cluster.data_parallel_size``/``shard_optimizer_state``.
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only), in place of
+    ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
+    gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
+    :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -493,8 +510,6 @@ def derive_problem(
     head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
     per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
-    if data_parallel is not None and data_parallel.sharding == "full" and data_parallel.reshard_after_forward:
-        limit -= 2 * layer.parameters * model.dtype_bytes  # a gathered layer and the prefetched next one
     holders = stage_ranks(pipeline)
 
     def stage_block(stage: int, count: int) -> Block:
@@ -505,9 +520,18 @@ def derive_problem(
             block = block + head
         return block
 
+    def largest_unit(stage: int, count: int) -> float:
+        units = [layer.parameters] if count else []
+        if stage == 0:
+            units.append(embedding.parameters)
+        if stage == num_stages - 1:
+            units.append(head.parameters)
+        return max(units, default=0.0)
+
     def stage_memory(stage: int, count: int) -> float:
         block = stage_block(stage, count)
-        return block.parameters * per_parameter + block.activation_bytes
+        transient = _transient_bytes(model, data_parallel, block.parameters, largest_unit(stage, count))
+        return block.parameters * per_parameter + transient + block.activation_bytes
 
     total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
     total_static += model.num_layers * layer.parameters * per_parameter
@@ -597,7 +621,8 @@ def derive_problem(
         limit=float(round(limit)),
         static=[float(round(value)) for value in static],
     )
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware)
+    units = [largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
 
 
 def derive_costs_and_memory(

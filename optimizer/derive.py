@@ -194,6 +194,8 @@ def _add_collectives(
         sharding=dp.sharding,
         memory_bandwidth_bytes_per_s=derived.hardware.memory_bandwidth_bytes_per_s,
         tensor_parallel=tp_size,
+        stage_largest_unit=derived.largest_unit,
+        reshard_after_forward=dp.reshard_after_forward,
     )
     costs = dict(document["costs"])
     for name, value in (

@@ -269,7 +269,8 @@ def test_derived_collectives_and_breadth_first_ahead_of_depth_first() -> None:
     document = {
         "pipeline": {"num_ranks": 8, "num_microbatches": 16, "stages_per_rank": 8},
         "model": MODEL_52B,
-        "cluster": CLUSTER,
+        # 16 GPUs span two 8-GPU nodes: the ring runs on the inter-node link with the collective latency per step.
+        "cluster": {**CLUSTER, "inter_node_bandwidth_bytes_per_s": 25e9, "collective_latency_ms": 0.02},
         "data_parallel": {"size": 16, "sharding": "full"},
         "objective": "step_time",
     }
@@ -425,3 +426,60 @@ def test_every_family_and_auto_pass_an_independent_timing_check(method: str) -> 
     schedule = solve(load_problem(body))
     assert schedule.status in ("optimal", "feasible")
     _check_timings(schedule)
+
+
+def test_fsdp_memory_counts_each_byte_once_with_one_units_unsharded_gradients() -> None:
+    """Llama 3.1 8B, FSDP 8 (torchtitan's per-block fully_shard): gathered weights live in memory.weights only,
+    unsharded gradients of one unit (the norm with the head, the largest) in memory.gradients, the rest sharded."""
+    model = {
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "ffn_hidden_size": 14336,
+        "ffn_type": "swiglu",
+        "seq_length": 8192,
+        "vocab_size": 128256,
+        "micro_batch_size": 2,
+        "dtype": "bf16",
+        "attention": "flash",
+        "activation_recomputation": "selective",
+        "position_embedding": "rope",
+        "norm": "rmsnorm",
+        "tie_embeddings": False,
+    }
+    problems = {}
+    for reshard in (False, True):
+        document = {
+            "pipeline": {"num_ranks": 1, "num_microbatches": 1},
+            "model": model,
+            "cluster": {"accelerator": "H100-SXM"},
+            "data_parallel": {"size": 8, "sharding": "full", "reshard_after_forward": reshard},
+        }
+        problems[reshard] = load_problem(document)
+    problem = problems[False]
+    assert problem.memory is not None and problem.memory.weights is not None and problem.memory.gradients is not None
+    embedding = 128256 * 4096
+    parameters = problem.memory.weights[0] / 2  # the whole stage gathered in bf16 without resharding
+    assert 7.9e9 < parameters < 8.1e9
+    assert problem.memory.gradients[0] == pytest.approx(4 * (embedding + 4096), rel=1e-6)  # norm + head
+    # static: 18 B/param sharded over 8, plus 7/8 of the one unit's fp32 gradients (REDUCE_GRAD frees them)
+    assert problem.static_memory[0] == pytest.approx(parameters * 18 / 8 + 7 / 8 * 4 * (embedding + 4096), rel=1e-6)
+    resharded = problems[True]
+    assert resharded.memory is not None and resharded.memory.weights is not None
+    assert resharded.memory.weights[0] == pytest.approx(
+        2 * 2 * (embedding + 4096), rel=1e-6
+    )  # two units gathered at most
+    assert resharded.static_memory == problem.static_memory
+    schedule = solve_family(problem, "gpipe")
+    # the peak holds static + the gathered 7/8 of the weights + activations, each once: under 80 GB
+    assert schedule.peak_memory[0] >= problem.static_memory[0] + 7 / 8 * problem.memory.weights[0]
+    assert schedule.peak_memory[0] < 80e9
+
+
+def test_ring_formulas_have_one_home() -> None:
+    from pipesched.optimizer.cost import collectives as cost_collectives
+
+    assert cost_collectives.all_reduce_ms is all_reduce_ms
+    assert cost_collectives.reduce_scatter_ms is reduce_scatter_ms
+    assert cost_collectives.all_gather_ms is all_gather_ms

@@ -1,4 +1,4 @@
-"""The main job end to end: `pipesched demo` as a user runs it, in a fresh process."""
+"""The main job end to end: `pipesched demo --quick` as a user runs it, in a fresh process and folder."""
 
 from __future__ import annotations
 
@@ -10,38 +10,51 @@ from pathlib import Path
 import pytest
 
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.solve import solve_family
+from pipesched.optimizer.simulate import simulate
 
 
 @pytest.mark.slow
-def test_demo_runs_to_a_verified_end(tmp_path: Path) -> None:
-    # Exactly what the README's first command runs: the console script, no arguments, in a fresh folder.
+def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     pipesched = Path(sys.executable).parent / "pipesched"
-    result = subprocess.run([str(pipesched), "demo"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result = subprocess.run(
+        [str(pipesched), "demo", "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
     (folder,) = tmp_path.glob("pipesched-demo-*")
-    assert str(folder.name) in result.stdout.replace("\n", "")
-    for name in ("problem.json", "schedule.json", "gantt.png", "schedule.csv", "report.json", "measured-trace.json"):
+    for name in ("plans.json", "schedule.json", "gantt.png", "view.html", "torchtitan.toml", "report.json"):
         assert (folder / name).stat().st_size > 0, name
+    # 1. a ranked plan, beside the naive layout
+    plans = json.loads((folder / "plans.json").read_text())["plans"]
+    assert len(plans) >= 2
+    steps = [plan["step_time_ms"] for plan in plans]
+    assert steps == sorted(steps)
+    assert all(p["pipeline_parallel"] == 2 and p["data_parallel"] == {"size": 2, "sharding": "full"} for p in plans)
+    assert "ranked layouts" in out and "naive" in out and "chosen" in out
+    # 2. the chosen schedule carries its collectives, and the simulator re-times it to what it says
+    schedule = json.loads((folder / "schedule.json").read_text())
+    kinds = {a["kind"] for rank in schedule["ranks"] for a in rank["actions"]}
+    assert {"UNSHARD", "REDUCE_GRAD", "OPTIMIZER_STEP"} <= kinds
+    problem = Problem.model_validate(schedule["problem"])
+    from pipesched.optimizer.instance import compile_problem
+    from pipesched.optimizer.result import Schedule
+
+    timed = simulate(compile_problem(problem), Schedule.model_validate(schedule).orders())
+    assert timed.step_time == pytest.approx(schedule["step_time"], rel=1e-9)
+    assert schedule["step_time"] == pytest.approx(plans[0]["step_time_ms"], rel=1e-6)
+    assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # 3. a real run: 4 processes (pp 2 × dp 2, FSDP), 3 steps, verified against the single-process reference
     report = json.loads((folder / "report.json").read_text())
     assert report["verified"] is True
-    assert report["engine"] == "torch"  # PyTorch's own runtime, wherever it can follow the schedule
-    assert report["executed_order_matches"] is True
-    assert report["max_rel_grad_error"] <= 1e-5
-    schedule = json.loads((folder / "schedule.json").read_text())
-    assert schedule["status"] in ("optimal", "feasible")
-    limit = schedule["problem"]["memory"]["limit"]
-    assert max(schedule["peak_memory"]) <= limit
-    # The comparison is printed, and auto is no worse than either family shown beside it.
-    assert "1f1b" in result.stdout and "zb-h1" in result.stdout
-    problem = Problem.model_validate(schedule["problem"])
-    for family in ("1f1b", "zb-h1"):
-        other = solve_family(problem, family)
-        assert other.status == "feasible"
-        assert schedule["makespan"] <= other.makespan + 1e-6, family
-    # The limit makes the choice matter: ZB-H2 would be faster than ZB-H1 but does not fit, and auto
-    # beats 1F1B.
-    zb_h2 = solve_family(problem, "zb-h2", enforce_memory=False)
-    assert zb_h2.fits_memory is False
-    assert schedule["makespan"] < solve_family(problem, "1f1b").makespan - 1e-6
-    assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report["steps"] == 3
+    assert report["data_parallel"]["size"] == 2 and report["data_parallel"]["world_size"] == 4
+    assert report["max_rel_param_error"] <= 1e-5
+    assert report["loss"] == pytest.approx(report["reference_loss"], rel=1e-5)
+    assert len(report["ranks"]) == 4
+    # 4. predicted beside measured, per rank
+    assert report["predicted_step_time_ms"] == pytest.approx(schedule["step_time"])
+    assert report["measured_step_time_ms"] > 0
+    assert all(
+        r["predicted_communication_ms"] is not None and r["measured_communication_ms"] > 0 for r in report["ranks"]
+    )
+    assert "verified" in out and "what next" in out

@@ -6,8 +6,9 @@ from fastapi import APIRouter, Depends, HTTPException, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from pipesched.api.lanes import LaneFull
 from pipesched.api.plans import submit_plan
-from pipesched.api.routes._common import Services, require_token, services
+from pipesched.api.routes._common import Services, require_token, services, too_busy
 from pipesched.api.schemas import JobCreated, error_responses
 from pipesched.optimizer.planner.rank import prepare
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
@@ -37,7 +38,7 @@ class PlanStatus(PlanAnswer):
     operation_id="create_plan",
     summary="Queue a plan search; poll GET /v1/plans/{id}",
     response_model=JobCreated,
-    responses=error_responses(400, 401, 413, 422),
+    responses=error_responses(400, 401, 413, 422, 429),
 )
 def create_plan(request: PlanRequest, response: Response, svc: Services = Depends(services)) -> JobCreated:
     """Check the request (an empty space or one where nothing fits is a 422 naming the field), then queue it.
@@ -53,7 +54,11 @@ def create_plan(request: PlanRequest, response: Response, svc: Services = Depend
             [{"loc": ("body", *item["loc"]), "msg": item["msg"], "type": item["type"]} for item in error.errors()]
         ) from None
     row = svc.store.create_plan(request.model_dump_json(), total=len(prepared.candidates))
-    submit_plan(svc.pool, svc.store, row.id)
+    try:
+        submit_plan(svc.pool, svc.store, row.id)
+    except LaneFull as error:
+        svc.store.fail_plan(row.id, f"not started: {error}")
+        raise too_busy(error) from None
     response.headers["Location"] = f"/v1/plans/{row.id}"
     return JobCreated(id=row.id, status="queued")
 

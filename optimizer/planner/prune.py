@@ -8,13 +8,16 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next).
+  time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.collectives`)
+  counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
+  estimate stays at or under the simulated peak and prunes no configuration that fits.
 - **Activations in flight** on the first and the last rank at their peak, by schedule family: GPipe m,
   1F1B / ZB-H1 p (Narayanan et al. 2021, §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B
   2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's warm-up), looped BFS all m·v, ZB-V 2p half-size chunks,
   V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1 (Qi et al. 2024, "Pipeline Parallelism with Controllable
   Memory", Table 1). An estimate: the simulator measures the real peak of every schedule it evaluates.
-- **Data-parallel time** (the planner's own estimate while the simulator models no collectives): ring
+- **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
+  step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
   link when the group stays in a node (torchtitan's mesh order pp × dp × tp: a group spans t·d consecutive
   GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights gathered in 16 bits.
