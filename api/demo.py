@@ -176,8 +176,16 @@ def _layout(plan: dict[str, Any]) -> str:
     )
 
 
-def _plans_table(answer: dict[str, Any], naive: dict[str, Any], console: Console) -> None:
+def _plans_table(answer: dict[str, Any], naive: dict[str, Any], console: Console, limit_bytes: float) -> None:
+    """The ranked plans and the naive layout; peaks and the per-GPU limit in one unit and enough decimals that a
+    fitting peak never reads over the limit."""
+    from pipesched.optimizer.units import common_unit, decimals_against_limit
+
     searched = answer["searched"]
+    rows = [(str(i + 1), plan) for i, plan in enumerate(answer["plans"])] + [("naive", naive)]
+    peaks = [float(plan["peak_memory_bytes"]) for _, plan in rows]
+    unit_name, unit = common_unit([*peaks, limit_bytes])
+    decimals = decimals_against_limit(peaks, limit_bytes, unit)
     table = Table(
         title=(
             f"ranked layouts · {searched['enumerated']} enumerated, {searched['pruned_memory']} over memory, "
@@ -191,11 +199,10 @@ def _plans_table(answer: dict[str, Any], naive: dict[str, Any], console: Console
         ("step ms", "right"),
         ("bound ms", "right"),
         ("tokens/s/GPU", "right"),
-        ("peak memory", "right"),
+        (f"peak {unit_name}", "right"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    rows = [(str(i + 1), plan) for i, plan in enumerate(answer["plans"])] + [("naive", naive)]
-    for label, plan in rows:
+    for (label, plan), peak in zip(rows, peaks, strict=True):
         table.add_row(
             label,
             _layout(plan),
@@ -203,15 +210,15 @@ def _plans_table(answer: dict[str, Any], naive: dict[str, Any], console: Console
             f"{plan['step_time_ms']:.2f}",
             f"{plan['lower_bound_ms']:.2f}",
             f"{plan['tokens_per_s_per_gpu']:,.0f}",
-            format_bytes(plan["peak_memory_bytes"]),
+            f"{peak / unit:.{decimals}f}",
         )
     console.print(table)
     best = answer["plans"][0]
     console.print(
         f"[bold]chosen:[/bold] #1, {best['method']} on {_layout(best)}: the shortest predicted step "
         f"({best['step_time_ms']:.2f} ms, {naive['step_time_ms'] / best['step_time_ms']:.2f}× faster than the "
-        f"naive 1F1B layout's {naive['step_time_ms']:.2f} ms) within each GPU's "
-        f"{format_bytes(DEMO_CLUSTER['memory_bytes'])}; no schedule of this layout beats "
+        f"naive 1F1B layout's {naive['step_time_ms']:.2f} ms) within each GPU's limit of "
+        f"{limit_bytes / unit:.{decimals}f} {unit_name}; no schedule of this layout beats "
         f"{best['lower_bound_ms']:.2f} ms",
         highlight=False,
     )
@@ -281,7 +288,7 @@ def run_demo(
         answer = _follow_plan(client, body, console, "plan search")
         naive = _follow_plan(client, demo_plan_request(time_limit_s=min(limit, 5.0), naive=True), console, "naive")
         (folder / "plans.json").write_text(json.dumps(answer, indent=1))
-        _plans_table(answer, naive["plans"][0], console)
+        _plans_table(answer, naive["plans"][0], console, float(DEMO_CLUSTER["memory_bytes"]))
         best = answer["plans"][0]
         summary["plan"] = best
         summary["naive"] = naive["plans"][0]

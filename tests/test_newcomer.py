@@ -231,21 +231,32 @@ def test_a_fitting_peak_never_reads_over_its_limit() -> None:
 def test_the_demo_table_prints_peak_and_limit_alike() -> None:
     from rich.console import Console
 
-    from pipesched.api.demo import _comparison_table
-    from pipesched.optimizer.solve import solve_family
-    from tests.conftest import uniform_problem
+    from pipesched.api.demo import _plans_table
 
-    # 1F1B on 4 ranks holds 4 activations on rank 0: a peak of 5.95521 MiB under a limit of 5.95540 MiB
-    # (printed "5.96" against "5.955 MiB" before).
-    activation = 1_561_119.0
-    schedule = solve_family(uniform_problem(4, 8, activation=activation, limit=4 * activation + 200), "1f1b")
-    assert schedule.fits_memory
+    # A peak of 5.95521 MiB under a limit of 5.95540 MiB (printed "5.96" against "5.955 MiB" before).
+    mib = 2**20
+    limit = 5.95540 * mib
+    plan = {
+        "pipeline_parallel": 2,
+        "data_parallel": {"size": 2, "sharding": "full"},
+        "placement": "loop",
+        "stages_per_rank": 1,
+        "num_microbatches": 8,
+        "micro_batch_size": 1,
+        "activation_recomputation": "none",
+        "method": "1f1b",
+        "step_time_ms": 10.0,
+        "lower_bound_ms": 9.0,
+        "tokens_per_s_per_gpu": 1000.0,
+        "peak_memory_bytes": 5.95521 * mib,
+    }
+    answer = {"plans": [plan], "searched": {"enumerated": 1, "pruned_memory": 0, "pruned_bound": 0, "solved": 1}}
     console = Console(record=True, width=200)
-    _comparison_table([schedule], console)
+    _plans_table(answer, plan, console, limit)
     text = console.export_text()
-    limit_shown = float(text.split("limit ")[1].split()[0])
-    peaks_shown = [float(x) for x in text.split("yes")[0].split("│")[-2].split()]
-    assert max(peaks_shown) <= limit_shown, text
+    limit_shown = float(text.split("limit of ")[1].split()[0])
+    peaks_shown = [float(line.split("│")[-2]) for line in text.splitlines() if "1f1b" in line and "│" in line]
+    assert peaks_shown and max(peaks_shown) <= limit_shown, text
 
 
 def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
