@@ -87,6 +87,8 @@ GREEDY_COMPILES = 10.0
 """The same for one greedy variant of the heuristic backend, which cannot stop midway."""
 
 OVERRUN_S = 0.5
+#: The most one compile is taken to cost per action, s (see ``_Search.compile_s``).
+COMPILE_S_PER_ACTION = 2e-5
 """How far past the search deadline a step that cannot stop may be expected to run (out of the 2 s grace the
 time limit allows): on small instances the compile's time, the price's unit, is mostly noise."""
 
@@ -139,8 +141,11 @@ class _Search:
         self.inst = inst
         self.objective = problem.objective
         self.started = time.perf_counter() if started is None else started
-        # Seconds the compile took: the unit in which the phases that cannot stop midway are priced.
-        self.compile_s = time.perf_counter() - self.started
+        # Seconds the compile took: the unit in which the phases that cannot stop midway are priced. One
+        # measurement can be far off (a first import, a collector pause: 0.15 s for 576 actions once made every
+        # family look unaffordable at a 2 s limit, leaving the sequential schedule), so it is capped at
+        # COMPILE_S_PER_ACTION per action, about 4× what compiling takes here (4–6 µs per action).
+        self.compile_s = min(time.perf_counter() - self.started, COMPILE_S_PER_ACTION * len(inst.actions))
         # Leave room to build the answer (simulation + pydantic objects, ~20 µs per action on a busy
         # 2-core machine, about ANSWER_COMPILES compiles) and for a last search step to notice the deadline.
         margin = max(
