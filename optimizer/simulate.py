@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipesched.optimizer.instance import Instance
-from pipesched.optimizer.ir import ActionKind, Orders
+from pipesched.optimizer.ir import Action, ActionKind, Orders
 
 __all__ = [
     "InvalidSchedule",
     "SimulationResult",
     "action_orders",
+    "check_placement",
     "indexed_orders",
     "simulate",
     "simulate_indexed",
@@ -89,6 +90,39 @@ class SimulationResult:
         return (value - self.ideal) / value if value > 0 else 0.0
 
 
+def check_placement(
+    inst: Instance, rank: int, action: Action, idx: int | None, seen: set[int], *, unknown: str, twice: str = ""
+) -> None:
+    """The checks every per-rank order makes of one action: the problem has it (``idx`` is its index, or
+    ``None``), its stage is on ``rank``, and it was not ``seen`` before; adds it to ``seen``.
+
+    ``unknown`` ends the message for an action the problem does not have; ``twice`` qualifies a duplicate.
+
+    Raises:
+        InvalidSchedule: ``unknown_action``, ``wrong_rank`` or ``duplicate_action``, naming the action and rank.
+    """
+    if idx is None:
+        raise InvalidSchedule(
+            "unknown_action", f"rank {rank} runs {action}, which {unknown}", rank=rank, action=str(action)
+        )
+    if inst.rank[idx] != rank:
+        raise InvalidSchedule(
+            "wrong_rank",
+            f"rank {rank} runs {action}, but stage {action.stage} is placed on rank {inst.rank[idx]}",
+            rank=rank,
+            action=str(action),
+            expected_rank=inst.rank[idx],
+        )
+    if idx in seen:
+        raise InvalidSchedule(
+            "duplicate_action",
+            f"{action} appears twice{twice} (rank {rank})",
+            rank=rank,
+            action=str(action),
+        )
+    seen.add(idx)
+
+
 def indexed_orders(inst: Instance, orders: Orders) -> list[list[int]]:
     """Map per-rank :class:`Action` orders to indices, checking each rank runs exactly its actions.
 
@@ -104,36 +138,23 @@ def indexed_orders(inst: Instance, orders: Orders) -> list[list[int]]:
             got=len(orders),
         )
     result: list[list[int]] = []
-    seen: dict[int, int] = {}
+    seen: set[int] = set()
     for rank, row in enumerate(orders):
         ids = []
         for action in row:
             idx = inst.index.get(action)
-            if idx is None:
-                raise InvalidSchedule(
-                    "unknown_action",
-                    f"rank {rank} runs {action}, which this problem does not have "
-                    f"(stages 0 … {len(inst.stage_ranks) - 1}, microbatches 0 … {inst.num_microbatches - 1}, "
-                    f"kinds {'F, I, W' if inst.split_backward else 'F, B'})",
-                    rank=rank,
-                    action=str(action),
-                )
-            if inst.rank[idx] != rank:
-                raise InvalidSchedule(
-                    "wrong_rank",
-                    f"rank {rank} runs {action}, but stage {action.stage} is placed on rank {inst.rank[idx]}",
-                    rank=rank,
-                    action=str(action),
-                    expected_rank=inst.rank[idx],
-                )
-            if idx in seen:
-                raise InvalidSchedule(
-                    "duplicate_action",
-                    f"{action} appears twice (rank {rank})",
-                    rank=rank,
-                    action=str(action),
-                )
-            seen[idx] = rank
+            check_placement(
+                inst,
+                rank,
+                action,
+                idx,
+                seen,
+                unknown=(
+                    f"this problem does not have (stages 0 … {len(inst.stage_ranks) - 1}, microbatches 0 … "
+                    f"{inst.num_microbatches - 1}, kinds {'F, I, W' if inst.split_backward else 'F, B'})"
+                ),
+            )
+            assert idx is not None
             ids.append(idx)
         result.append(ids)
     if len(seen) != len(inst.actions):

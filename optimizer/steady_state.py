@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Literal
 from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate_indexed
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, check_placement, simulate_indexed
 
 if TYPE_CHECKING:
     from pipesched.optimizer.result import Schedule
@@ -169,30 +169,18 @@ def check_pattern(inst: Instance, pattern: Orders) -> None:
         for action in row:
             base = Action(action.stage, action.kind, action.microbatch % m) if action.microbatch < 2 * m else None
             idx = inst.index.get(base) if base is not None else None
-            if idx is None:
-                raise InvalidSchedule(
-                    "unknown_action",
-                    f"rank {rank} runs {action}, which a pattern of this problem cannot hold (microbatch ids 0 … "
-                    f"{m - 1} for this step, {m} … {2 * m - 1} for the next)",
-                    rank=rank,
-                    action=str(action),
-                )
-            if inst.rank[idx] != rank:
-                raise InvalidSchedule(
-                    "wrong_rank",
-                    f"rank {rank} runs {action}, but stage {action.stage} is placed on rank {inst.rank[idx]}",
-                    rank=rank,
-                    action=str(action),
-                    expected_rank=inst.rank[idx],
-                )
-            if idx in seen:
-                raise InvalidSchedule(
-                    "duplicate_action",
-                    f"{action} appears twice modulo {m} microbatches (rank {rank})",
-                    rank=rank,
-                    action=str(action),
-                )
-            seen.add(idx)
+            check_placement(
+                inst,
+                rank,
+                action,
+                idx,
+                seen,
+                unknown=(
+                    f"a pattern of this problem cannot hold (microbatch ids 0 … {m - 1} for this step, {m} … "
+                    f"{2 * m - 1} for the next)"
+                ),
+                twice=f" modulo {m} microbatches",
+            )
         if row and row[-1].microbatch >= m:
             raise InvalidSchedule(
                 "weight_versions",
