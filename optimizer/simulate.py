@@ -90,6 +90,22 @@ class SimulationResult:
         return (value - self.ideal) / value if value > 0 else 0.0
 
 
+def _over_limit(
+    inst: Instance, rank: int, idx: int, time_ms: float, current: float, limit: float, at: str = ""
+) -> InvalidSchedule:
+    """The ``memory_limit`` error: ``rank`` holds ``current`` bytes at ``time_ms`` from action ``idx``."""
+    return InvalidSchedule(
+        "memory_limit",
+        f"rank {rank} holds {current:.0f} bytes at {time_ms:.3f} ms (from {at}{inst.actions[idx]}), over its "
+        f"limit of {limit:.0f} bytes by {current - limit:.0f}",
+        rank=rank,
+        time_ms=time_ms,
+        bytes=current,
+        limit=limit,
+        action=str(inst.actions[idx]),
+    )
+
+
 def check_placement(
     inst: Instance, rank: int, action: Action, idx: int | None, seen: set[int], *, unknown: str, twice: str = ""
 ) -> None:
@@ -256,16 +272,7 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
                 peak = current
             if current > limit * (1 + 1e-12) + 1e-9:
                 if fits and check_memory:
-                    raise InvalidSchedule(
-                        "memory_limit",
-                        f"rank {rank} holds {current:.0f} bytes at {start[idx]:.3f} ms (from the start of "
-                        f"{inst.actions[idx]}), over its limit of {limit:.0f} bytes by {current - limit:.0f}",
-                        rank=rank,
-                        time_ms=start[idx],
-                        bytes=current,
-                        limit=limit,
-                        action=str(inst.actions[idx]),
-                    )
+                    raise _over_limit(inst, rank, idx, start[idx], current, limit, "the start of ")
                 fits = False
         peaks.append(peak)
         timelines.append(timeline)
@@ -423,16 +430,7 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
             peak = max(peak, current)
             if current > limit * (1 + 1e-12) + 1e-9:
                 if fits and check_memory:
-                    raise InvalidSchedule(
-                        "memory_limit",
-                        f"rank {rank} holds {current:.0f} bytes at {time:.3f} ms (from {inst.actions[idx]}), "
-                        f"over its limit of {limit:.0f} bytes by {current - limit:.0f}",
-                        rank=rank,
-                        time_ms=time,
-                        bytes=current,
-                        limit=limit,
-                        action=str(inst.actions[idx]),
-                    )
+                    raise _over_limit(inst, rank, idx, time, current, limit)
                 fits = False
         peaks.append(peak)
         timelines.append(timeline)
