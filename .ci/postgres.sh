@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A throwaway PostgreSQL server for tests/test_api_postgres.py.
+# A throwaway PostgreSQL server for tests/api/test_api_postgres.py.
 #
 #   source .ci/postgres.sh        # install if missing, start, export PIPESCHED_TEST_POSTGRES_URL
 #   bash .ci/postgres.sh stop     # stop it

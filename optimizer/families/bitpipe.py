@@ -8,7 +8,7 @@ letting each rank hold the activations of at most p microbatches (1F1B's peak in
 BitPipe's eager gradient synchronisation is outside the model. Any microbatch count, split or
 fused backward. The authors' generator was not available to port (no public code found), so this
 remains our greedy; on uniform costs its bubble is below interleaved 1F1B's at equal microbatches
-(p=4, m=16: 0.010 against 0.059; ``tests/test_v_families.py``). With a fused backward (B) the cap of
+(p=4, m=16: 0.010 against 0.059; ``tests/optimizer/test_v_families.py``). With a fused backward (B) the cap of
 p microbatches starves both V pipelines (p=4, m=16, p2p 0.05: bubble 0.31, 1F1B's is 0.17); ``auto``
 runs the same greedy at larger caps where the memory limit allows (1.5p: 0.08, 3p: 0.03).
 """

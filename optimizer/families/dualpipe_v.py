@@ -15,7 +15,7 @@ Steps 7's order (W before I) is DeepSeek's and PyTorch's (``ScheduleDualPipeV``,
 DualPipeV runs a fused B (steps 4–6), this family runs I and W back to back when ``split_backward``:
 in pipesched's model that is never slower (the gradient leaves after I, not after I + W) and frees
 memory no later. With each of DualPipeV's B written as I W, the orders equal PyTorch's
-(``tests/test_torch_peers.py``); PyTorch's own mixed order (fused B and split I/W) is timed by the
+(``tests/runtime/test_torch_peers.py``); PyTorch's own mixed order (fused B and split I/W) is timed by the
 same simulator through :func:`~pipesched.optimizer.instance.compile_for_orders`.
 
 Activation peak about p+1 microbatches (rank 0: 2p−1 chunk-0 plus one chunk-1 activation). The

@@ -18,7 +18,7 @@ The published algorithm, for p ranks, m microbatches, rank r:
 
 PyTorch inserts idle slots (``None``) for its lockstep view and communication actions around these
 passes; the compute order per rank is exactly the list above (checked against torch 2.13 in
-``tests/test_torch_peers.py``). For m not divisible by the round count (PyTorch raises), the order
+``tests/runtime/test_torch_peers.py``). For m not divisible by the round count (PyTorch raises), the order
 is built for the next microbatch count it accepts and the extra microbatches are dropped, which
 keeps it deadlock-free (:func:`~pipesched.optimizer.families._padding.drop_microbatches`).
 

@@ -9,7 +9,7 @@ as soon as its last backward ends. With stages_per_rank 1 it is GPipe.
 
 PyTorch's ``ScheduleLoopedBFS`` (torch 2.13) runs each stage's backwards from the last microbatch down
 (m−1 … 0), this family from 0 up; the forwards are equal and the two time alike in pipesched's model
-(``tests/test_torch_peers.py``).
+(``tests/runtime/test_torch_peers.py``).
 """
 
 from __future__ import annotations

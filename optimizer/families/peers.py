@@ -11,7 +11,7 @@ that times better in pipesched's model and the other comes here, so that ``auto`
 
 Other differences need no warm start: PyTorch's LoopedBFS runs each stage's backwards in reverse
 microbatch order and times exactly like ``looped-bfs``; PyTorch's DualPipeV runs some backwards fused,
-which is never faster in pipesched's model than ``dualpipe-v``'s I then W (``tests/test_torch_peers.py``).
+which is never faster in pipesched's model than ``dualpipe-v``'s I then W (``tests/runtime/test_torch_peers.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A user model for ``--model tests.user_pipeline_model:FUNCTION`` in the runtime tests (not a test module).
+"""A user model for ``--model tests.runtime.user_pipeline_model:FUNCTION`` in the runtime tests (not a test module).
 
 :func:`tiny_stages` returns what ``pipesched.runtime.models.load_model`` asks of a ``module:function`` model: one
 ``nn.Module`` per pipeline stage, the first taking token ids ``(2, 16)`` (it holds an ``nn.Embedding``),

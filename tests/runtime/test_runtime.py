@@ -24,7 +24,7 @@ NUM_RANKS = 4
 NUM_MICROBATCHES = 8
 
 
-USER_MODEL = "tests.user_pipeline_model:tiny_stages"
+USER_MODEL = "tests.runtime.user_pipeline_model:tiny_stages"
 
 
 def family_schedule(name: str, **problem_options) -> Schedule:
@@ -259,7 +259,7 @@ def test_a_rank_dying_mid_run_fails_the_run_naming_it(function, reason, says, en
     started = time.perf_counter()
     with pytest.raises(RunFailed) as error:
         run_schedule(
-            family_schedule("1f1b"), model=f"tests.user_pipeline_model:{function}", timeout_s=120, engine=engine
+            family_schedule("1f1b"), model=f"tests.runtime.user_pipeline_model:{function}", timeout_s=120, engine=engine
         )
     assert time.perf_counter() - started < 60
     assert error.value.reason == reason

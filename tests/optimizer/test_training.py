@@ -25,7 +25,7 @@ from pipesched.optimizer.steady_state import (
     step_period_lower_bound,
     unroll,
 )
-from tests.test_cli import pipesched
+from tests.api.test_cli import pipesched
 
 
 def problem(

@@ -23,11 +23,11 @@ from pipesched.api.settings import Settings
 from pipesched.api.storage import Base, Store, problem_key
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.solve import solve
-from tests.test_api_served import free_port, problem_body, wait_for_jobs
+from tests.api.test_api_served import free_port, problem_body, wait_for_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # starlette on its httpx TestClient
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / ".ci" / "postgres.sh"
 
 
@@ -139,7 +139,7 @@ def test_restart_recovery_on_postgres(clean_url: str) -> None:
 def test_pipesched_serve_on_postgres_by_environment(clean_url: str, tmp_path: Path) -> None:
     """A real `pipesched serve` given PIPESCHED_DATABASE_URL stores in PostgreSQL: a solve answered over
     HTTP is in the database, and asking again is a cache hit."""
-    from tests.test_api_served import ServedApi
+    from tests.api.test_api_served import ServedApi
 
     server = ServedApi(clean_url, tmp_path / "server.log", PIPESCHED_SOLVER_WORKERS="1")
     try:

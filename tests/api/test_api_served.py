@@ -22,7 +22,7 @@ import pytest
 from pipesched.api.storage import Store
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -62,7 +62,7 @@ def test_profile_with_a_function_of_the_wrong_signature_exits_2_without_a_traceb
 
 def test_module_function_models_import_from_the_current_directory(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "mystages.py")
+    shutil.copy(REPO / "tests" / "runtime" / "user_pipeline_model.py", tmp_path / "mystages.py")
     result = pipesched(
         "profile", "--model", "mystages:tiny_stages", "--num-ranks", "2", "--repeats", "1", "-o", "p.json", cwd=tmp_path
     )
@@ -132,14 +132,14 @@ def test_a_run_stopped_from_outside_says_so(tmp_path: Path, signum: signal.Signa
     pytest.importorskip("torch")
     if not CONSOLE_SCRIPT.exists():
         pytest.skip(f"no console script at {CONSOLE_SCRIPT}")
-    from tests.user_pipeline_model import SLOW_MARKER
+    from tests.runtime.user_pipeline_model import SLOW_MARKER
 
     problem = tmp_path / "problem.json"
     problem.write_text(json.dumps({**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 8}}))
     schedule = tmp_path / "schedule.json"
     solved = pipesched("solve", str(problem), "--method", "1f1b", "-o", str(schedule), cwd=tmp_path)
     assert solved.returncode == 0, solved.stderr
-    shutil.copy(REPO / "tests" / "user_pipeline_model.py", tmp_path / "slowmodel.py")
+    shutil.copy(REPO / "tests" / "runtime" / "user_pipeline_model.py", tmp_path / "slowmodel.py")
     process = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "run", str(schedule), "--model", "slowmodel:slow_stages", "--timeout", "120"],
         cwd=tmp_path,

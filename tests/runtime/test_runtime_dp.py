@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 NUM_RANKS = 2
 NUM_MICROBATCHES = 4
 DP = 2
-USER_MODEL = "tests.user_pipeline_model:tiny_stages"
+USER_MODEL = "tests.runtime.user_pipeline_model:tiny_stages"
 
 
 def family_schedule(name: str, **problem_options) -> Schedule:

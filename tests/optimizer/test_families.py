@@ -97,7 +97,7 @@ _DOMAINS: dict[str, tuple[str, tuple[int, ...], bool]] = {
 
 
 def test_every_contract_family_is_registered() -> None:
-    # pipedream-2bw (no flush, a repeating pattern) is tested in tests/test_training.py.
+    # pipedream-2bw (no flush, a repeating pattern) is tested in tests/optimizer/test_training.py.
     assert set(registry()) == set(_DOMAINS) | {"pipedream-2bw"}
 
 

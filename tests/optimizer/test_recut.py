@@ -10,7 +10,7 @@ import pytest
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.recut import recut_problem, recut_values
-from tests.test_cli import pipesched
+from tests.api.test_cli import pipesched
 
 MODEL_PROBLEM = {
     "pipeline": {"num_ranks": 4, "num_microbatches": 8},

@@ -18,7 +18,7 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.test_api_served import ServedApi, problem_body
+from tests.api.test_api_served import ServedApi, problem_body
 
 #: Generated requests per operation (eleven operations): keeps the module under a minute.
 MAX_EXAMPLES = 60

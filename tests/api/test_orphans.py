@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import paper_problem, paper_settings
-from tests.test_api_served import ServedApi, problem_body
+from tests.api.test_api_served import ServedApi, problem_body
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

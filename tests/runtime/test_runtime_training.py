@@ -21,7 +21,7 @@ NUM_RANKS = 2
 NUM_MICROBATCHES = 4
 #: AdamW normalises every element's gradient, so an element whose exact gradient is zero (gpt-tiny's
 #: attention key bias: softmax ignores it) moves by ±lr on rounding noise; the user model has none.
-ADAMW_MODEL = "tests.user_pipeline_model:tiny_stages"
+ADAMW_MODEL = "tests.runtime.user_pipeline_model:tiny_stages"
 
 
 def family_schedule(name: str, **problem_options) -> Schedule:

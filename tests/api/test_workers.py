@@ -25,12 +25,12 @@ from sqlalchemy import create_engine, text
 
 from pipesched.api.storage import Base, Store
 from tests.conftest import paper_problem, paper_settings
-from tests.test_api_postgres import SCRIPT, postgres_url  # noqa: F401  (the fixture)
-from tests.test_api_served import ServedApi, free_port, wait_for_jobs
+from tests.api.test_api_postgres import SCRIPT, postgres_url  # noqa: F401  (the fixture)
+from tests.api.test_api_served import ServedApi, free_port, wait_for_jobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: Short enough for a test, long enough for a loaded machine's heartbeats (sent every third of it).
 STALLED_AFTER_S = 5.0
 #: From a worker's death to its job running again: stale heartbeat + sweep (2 s) + fetch poll (1 s), with slack.
