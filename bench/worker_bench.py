@@ -33,9 +33,9 @@ from typing import Any
 from sqlalchemy import create_engine, text
 
 from pipesched.api.storage import Store
-from tests.conftest import paper_problem, paper_settings
 from tests.api.test_api_served import ServedApi, free_port
 from tests.api.test_workers import Worker, clean_database, long_problem
+from tests.conftest import paper_problem, paper_settings
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / ".ci" / "postgres.sh"

@@ -10,8 +10,8 @@ the forwards of step t+1 fill what would be step t's cool-down. The family retur
 for m = 8, p = 4: ``0F3 0B0 0F4 0B1 … 0F7 0B4 0F8 0B5 0F9 0B6 0F10 0B7`` (``0F8`` … ``0F10`` are step t+1's
 microbatches 0 … 2). With split backward each B is ``I`` then ``W`` of the same microbatch.
 
-**Steady state** (derived from the cycles of the timed run; checked by ``tests/optimizer/test_training.py``): with uniform
-costs F, I, W (B = I + W when fused; read W as 0 there), p2p latency c and no optimizer cost,
+**Steady state** (derived from the cycles of the timed run; checked by ``tests/optimizer/test_training.py``):
+with uniform costs F, I, W (B = I + W when fused; read W as 0 there), p2p latency c and no optimizer cost,
 
     step_period = m·(F + I + W) + m·(p − 1)/p · max(0, 2c − W).
 

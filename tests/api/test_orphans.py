@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import paper_problem, paper_settings
 from tests.api.test_api_served import ServedApi, problem_body
+from tests.conftest import paper_problem, paper_settings
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

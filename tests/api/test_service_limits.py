@@ -27,9 +27,9 @@ from pipesched.api.settings import Settings, exposure_problem
 from pipesched.api.storage import JobRow, Store, problem_key
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.solve import solve
-from tests.conftest import paper_problem, paper_settings, uniform_problem
 from tests.api.test_api import metric_value, wait_for_job
 from tests.api.test_api_served import free_port
+from tests.conftest import paper_problem, paper_settings, uniform_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

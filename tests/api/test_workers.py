@@ -24,9 +24,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from pipesched.api.storage import Base, Store
-from tests.conftest import paper_problem, paper_settings
 from tests.api.test_api_postgres import SCRIPT, postgres_url  # noqa: F401  (the fixture)
 from tests.api.test_api_served import ServedApi, free_port, wait_for_jobs
+from tests.conftest import paper_problem, paper_settings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
