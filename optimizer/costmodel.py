@@ -33,14 +33,19 @@ Sources and model:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
+from pipesched.optimizer.cost.context import ring_attention
+from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import (
+    PassFlops,
     embedding_parameters,
+    expert_parameters,
     head_flops,
     head_parameters,
     layer_flops,
@@ -80,13 +85,17 @@ _Errors = list[tuple[tuple[str | int, ...], str, Any]]
 
 @dataclass(frozen=True)
 class Hardware:
-    """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s)."""
+    """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s), the fraction of
+    the peak the matrix multiplies reach (``efficiency``) and the one FlashAttention's core reaches
+    (``attention_efficiency``; Shah et al. 2024, "FlashAttention-3", abstract and §4.1: FlashAttention-2 at about
+    35% of an H100's bf16 peak, FlashAttention-3 up to 75% in its forward)."""
 
     name: str
     memory_bytes: float
     flops_per_s: float
     memory_bandwidth_bytes_per_s: float
     efficiency: float
+    attention_efficiency: float = 0.5
 
     @property
     def effective_flops_per_s(self) -> float:
@@ -99,6 +108,8 @@ class Block:
     """Times (ms), memory (bytes) and parameters of one block (a layer, the embedding, the head) for one microbatch.
 
     ``activation_bytes`` is allocated by F; ``retained_bytes`` of it is still held after I until W.
+    ``parameters`` counts everything the rank holds, ``expert_parameters`` the routed experts among them (sharded
+    over the expert-data-parallel group rather than the data-parallel one).
     """
 
     forward_ms: float = 0.0
@@ -107,6 +118,7 @@ class Block:
     activation_bytes: float = 0.0
     retained_bytes: float = 0.0
     parameters: float = 0.0
+    expert_parameters: float = 0.0
 
     def times(self, count: int) -> Block:
         """``count`` copies of this block in sequence."""
@@ -117,6 +129,7 @@ class Block:
             self.activation_bytes * count,
             self.retained_bytes * count,
             self.parameters * count,
+            self.expert_parameters * count,
         )
 
     def __add__(self, other: Block) -> Block:
@@ -127,6 +140,7 @@ class Block:
             self.activation_bytes + other.activation_bytes,
             self.retained_bytes + other.retained_bytes,
             self.parameters + other.parameters,
+            self.expert_parameters + other.expert_parameters,
         )
 
     @property
@@ -188,10 +202,83 @@ def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
     return 1e3 * (flops / hardware.effective_flops_per_s + traffic_bytes / hardware.memory_bandwidth_bytes_per_s)
 
 
+def _attention_ms(flops: float, hardware: Hardware) -> float:
+    """FlashAttention's core at ``hardware.attention_efficiency`` of the peak, ms."""
+    return 1e3 * flops / (hardware.flops_per_s * hardware.attention_efficiency)
+
+
+def _pass_ms(flops: float, attention_flops: float, traffic_bytes: float, hardware: Hardware) -> float:
+    """A pass whose ``flops`` include ``attention_flops`` of FlashAttention core (timed by
+    :func:`_attention_ms`), the rest matrix multiplies, plus its elementwise traffic, ms."""
+    return _ms(flops - attention_flops, traffic_bytes, hardware) + _attention_ms(attention_flops, hardware)
+
+
 def _tp(tensor_parallel: TensorParallel | None) -> tuple[int, bool]:
     if tensor_parallel is None:
         return 1, True
     return tensor_parallel.size, tensor_parallel.sequence_parallel
+
+
+def _cp(context_parallel: ContextParallel | None) -> int:
+    return context_parallel.size if context_parallel is not None else 1
+
+
+def _ep(expert_parallel: ExpertParallel | None) -> tuple[int, bool]:
+    if expert_parallel is None:
+        return 1, False
+    return expert_parallel.size, expert_parallel.overlap
+
+
+def _layer_parameters(model: ModelConfig, t: int, ep: int, moe: bool) -> tuple[float, float]:
+    """(parameters on one rank, routed-expert parameters among them) of one layer: the matrices split t ways
+    (norms and the router replicated), the routed experts E/ep per rank, whole when ep > 1
+    (:mod:`pipesched.optimizer.cost.experts`)."""
+    norms = 2 * norm_parameters(model)
+    if not (moe and model.is_moe):
+        return (layer_parameters(model) - norms) / t + norms, 0.0
+    groups = expert_groups(model, t, ep)
+    router = (model.num_experts or 0) * model.hidden_size
+    routed = (model.num_experts or 0) * expert_parameters(model)
+    split = layer_parameters(model, moe=True) - norms - router - routed
+    local_experts = groups.experts_per_rank * expert_parameters(model) / groups.expert_tensor_parallel
+    return split / t + norms + router + local_experts, local_experts
+
+
+def _parallel_communication_ms(
+    model: ModelConfig,
+    cluster: ClusterConfig | None,
+    hardware: Hardware,
+    flops: PassFlops,
+    t: int,
+    c: int,
+    expert_parallel: ExpertParallel | None,
+    moe: bool,
+) -> tuple[float, float]:
+    """Exposed context- and expert-parallel communication of one layer's F and I, ms
+    (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`)."""
+    ep, overlap = _ep(expert_parallel)
+    if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
+        return 0.0, 0.0
+    forward = backward = 0.0
+    if c > 1:
+        ring = ring_attention(
+            model,
+            cluster,
+            t,
+            c,
+            attention_forward_ms=_attention_ms(flops.attention_forward, hardware),
+            attention_backward_ms=_attention_ms(flops.attention_backward, hardware),
+        )
+        forward, backward = ring.forward_exposed_ms, ring.backward_input_exposed_ms
+    if ep > 1 and moe and model.is_moe:
+        traffic = expert_traffic(model, cluster, expert_groups(model, t, ep), t, c)
+        if overlap:  # the other microbatch's pass hides up to its own length
+            forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
+            backward += max(0.0, traffic.backward_input_ms - _ms(flops.backward_input, 0.0, hardware))
+        else:
+            forward += traffic.forward_ms
+            backward += traffic.backward_input_ms
+    return forward, backward
 
 
 def transformer_layer(
@@ -199,6 +286,10 @@ def transformer_layer(
     hardware: Hardware,
     tensor_parallel: TensorParallel | None = None,
     cluster: ClusterConfig | None = None,
+    *,
+    moe: bool = False,
+    context_parallel: ContextParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
@@ -212,10 +303,18 @@ def transformer_layer(
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
     layer input until the backward, reruns the whole forward inside I and keeps that input until W
     (the transient memory of the recomputation itself is not modelled here).
+
+    ``moe``: a mixture-of-experts layer of ``model`` (its active experts' FLOPs, every expert's parameters);
+    ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
+    added to F and I); ``expert_parallel`` shards the routed experts and adds the exposed all-to-alls to F and I.
+    With expert parallelism the experts run whole on each rank, so tensor parallelism's collectives cover the
+    attention half only.
     """
     t, sequence_parallel = _tp(tensor_parallel)
-    flops = layer_flops(model, t)
-    memory = layer_activation(model, t, sequence_parallel)
+    c = _cp(context_parallel)
+    ep, _ = _ep(expert_parallel)
+    flops = layer_flops(model, t, moe=moe, context_parallel=c)
+    memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c)
     full_activation = memory.full
     forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
     backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
@@ -223,9 +322,23 @@ def transformer_layer(
     if t > 1:
         bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
         latency = cluster.collective_latency_ms if cluster is not None else 0.0
-        communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency)
-    forward_ms = _ms(flops.forward, forward_traffic, hardware) + communication_ms
-    backward_input_ms = _ms(flops.backward_input, backward_input_traffic, hardware) + communication_ms
+        communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency) / c
+        if moe and model.is_moe and ep > 1:
+            communication_ms /= 2  # the experts run whole: only attention's collectives remain
+    forward_extra, backward_extra = _parallel_communication_ms(
+        model, cluster, hardware, flops, t, c, expert_parallel, moe
+    )
+    flash = model.attention == "flash"
+    forward_ms = (
+        _pass_ms(flops.forward, flops.attention_forward if flash else 0.0, forward_traffic, hardware)
+        + communication_ms
+        + forward_extra
+    )
+    backward_input_ms = (
+        _pass_ms(flops.backward_input, flops.attention_backward if flash else 0.0, backward_input_traffic, hardware)
+        + communication_ms
+        + backward_extra
+    )
     if model.activation_recomputation == "selective" and model.attention == "flash":
         # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
         linear_forward = flops.forward - flops.attention_forward
@@ -242,8 +355,7 @@ def transformer_layer(
         )
     elif model.activation_recomputation == "full":
         backward_input_ms += forward_ms
-    norms = 2 * norm_parameters(model)
-    parameters = (layer_parameters(model) - norms) / t + norms
+    parameters, local_experts = _layer_parameters(model, t, ep, moe)
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
@@ -251,6 +363,7 @@ def transformer_layer(
         activation_bytes=memory.activation,
         retained_bytes=memory.retained,
         parameters=parameters,
+        expert_parameters=local_experts,
     )
 
 
@@ -259,17 +372,20 @@ def embedding_block(
     hardware: Hardware,
     tensor_parallel: TensorParallel | None = None,
     cluster: ClusterConfig | None = None,
+    *,
+    context_parallel: int = 1,
 ) -> Block:
     """Token (+ learned position) embedding on the first stage: memory-bound gather (F) and scatter-add (W).
 
     F writes s·b·h elements and adds positions (3 passes over s·b·h); I is empty (token ids need no gradient);
     W accumulates s·b·h gradient rows into the fp32 table (read + write, 8 bytes each). Activation: the embedding
     dropout mask, s·b·h bytes. Parameters V·h (+ s·h learned positions), split over the vocabulary by tensor
-    parallelism, whose partial outputs are all-reduced (one all-reduce of s·b·h in F).
+    parallelism, whose partial outputs are all-reduced (one all-reduce of s·b·h in F). ``context_parallel`` c:
+    each rank embeds s/c of the tokens.
     """
     t, _ = _tp(tensor_parallel)
     s, b, h, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.dtype_bytes
-    tokens = s * b * h
+    tokens = s * b * h / context_parallel
     communication_ms = 0.0
     if t > 1:
         bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
@@ -290,6 +406,7 @@ def head_block(
     tensor_parallel: TensorParallel | None = None,
     *,
     separate_copy: bool = True,
+    context_parallel: int = 1,
 ) -> Block:
     """Final norm, LM head and cross-entropy loss on the last stage.
 
@@ -298,12 +415,14 @@ def head_block(
     bytes), I reads the softmax and writes the logits' gradient. Activation: the norm's input and output
     (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head input and the
     logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a ``separate_copy`` (the
-    last stage of a pipeline keeps a copy, as Megatron does).
+    last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each rank computes the
+    logits of s/c tokens.
     """
     t, _ = _tp(tensor_parallel)
-    s, b, h, v, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
+    b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
+    s = model.seq_length / context_parallel
     logits = s * b * v / t
-    flops = head_flops(model, t)
+    flops = head_flops(model, t) / context_parallel
     norm = norm_parameters(model)
     return Block(
         forward_ms=_ms(flops, (2 * d + 4) * logits, hardware),
@@ -449,6 +568,23 @@ def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parall
     return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
 
 
+def _per_expert_parameter_bytes(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    data_parallel: DataParallel | None,
+    tensor_parallel: TensorParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> float:
+    """Static bytes per routed-expert parameter: sharded over the expert-data-parallel group
+    (:meth:`~pipesched.optimizer.cost.experts.ExpertGroups.data_parallel`) rather than the data-parallel one."""
+    ep, _ = _ep(expert_parallel)
+    if data_parallel is None or not model.is_moe:
+        return _per_parameter_bytes(model, cluster, data_parallel)
+    t, _ = _tp(tensor_parallel)
+    group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
+    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, group)
+
+
 def _transient_bytes(
     model: ModelConfig, data_parallel: DataParallel | None, parameters: float, largest_unit: float
 ) -> float:
@@ -465,6 +601,115 @@ def _transient_bytes(
     return held * (d - 1) / d
 
 
+@dataclass(frozen=True)
+class _StageBlocks:
+    """The blocks a stage is made of: dense and mixture-of-experts layers, the embedding and the head."""
+
+    dense: Block
+    moe: Block
+    embedding: Block
+    head: Block
+    first_dense_layers: int
+    num_stages: int
+
+    def layers(self, first_layer: int, count: int) -> Block:
+        """Layers ``first_layer`` … ``first_layer + count − 1`` (the first ``first_dense_layers`` dense)."""
+        dense = max(0, min(count, self.first_dense_layers - first_layer))
+        return self.dense.times(dense) + self.moe.times(count - dense)
+
+    def stage(self, stage: int, count: int, first_layer: int | None = None) -> Block:
+        """Stage ``stage`` with ``count`` layers from ``first_layer`` (unknown while partitioning: stage 0 starts
+        at layer 0, every other stage is taken to hold mixture-of-experts layers only, the heavier kind)."""
+        if first_layer is None:
+            first_layer = 0 if stage == 0 else self.first_dense_layers
+        block = self.layers(first_layer, count)
+        if stage == 0:
+            block = block + self.embedding
+        if stage == self.num_stages - 1:
+            block = block + self.head
+        return block
+
+    def largest_unit(self, stage: int, count: int) -> float:
+        """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
+        units = [max(self.dense.parameters, self.moe.parameters)] if count else []
+        if stage == 0:
+            units.append(self.embedding.parameters)
+        if stage == self.num_stages - 1:
+            units.append(self.head.parameters)
+        return max(units, default=0.0)
+
+
+def _stage_blocks(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    hardware: Hardware,
+    num_stages: int,
+    tensor_parallel: TensorParallel | None,
+    context_parallel: ContextParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> _StageBlocks:
+    def layer(moe: bool) -> Block:
+        return transformer_layer(
+            model,
+            hardware,
+            tensor_parallel,
+            cluster,
+            moe=moe,
+            context_parallel=context_parallel,
+            expert_parallel=expert_parallel,
+        )
+
+    c = _cp(context_parallel)
+    dense = layer(False)
+    return _StageBlocks(
+        dense=dense,
+        moe=layer(True) if model.is_moe else dense,
+        embedding=embedding_block(model, hardware, tensor_parallel, cluster, context_parallel=c),
+        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c),
+        first_dense_layers=model.first_dense_layers if model.is_moe else model.num_layers,
+        num_stages=num_stages,
+    )
+
+
+def _check_context_expert(
+    model: ModelConfig,
+    tensor_parallel: TensorParallel | None,
+    data_parallel: DataParallel | None,
+    context_parallel: ContextParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> _Errors:
+    """Context parallelism splits the sequence in 2c balanced chunks; expert parallelism needs experts that
+    divide and a stage's GPUs to carve its group from (:mod:`pipesched.optimizer.cost.experts`)."""
+    errors: _Errors = []
+    c = _cp(context_parallel)
+    if c > 1 and model.seq_length % (2 * c):
+        sizes = [d for d in (1, 2, 4, 8, 16, 32, 64) if model.seq_length % (2 * d) == 0]
+        errors.append(
+            (
+                ("context_parallel", "size"),
+                f"context_parallel {c} cannot split seq_length {model.seq_length} into {2 * c} equal chunks (head-tail "
+                f"load balancing): use {', '.join(map(str, sizes))}",
+                c,
+            )
+        )
+    ep, _ = _ep(expert_parallel)
+    if ep == 1:
+        return errors
+    t, _ = _tp(tensor_parallel)
+    d = data_parallel.size if data_parallel is not None else 1
+    try:
+        if not model.is_moe:
+            raise ValueError("a dense model has no experts to shard: drop expert_parallel or give num_experts")
+        expert_groups(model, t, ep).data_parallel(t, 1, d)
+    except ValueError as error:
+        errors.append((("expert_parallel", "size"), str(error), ep))
+    return errors
+
+
+def _static_bytes(block: Block, dense_bytes: float, expert_bytes: float) -> float:
+    return (block.parameters - block.expert_parameters) * dense_bytes + block.expert_parameters * expert_bytes
+
+
 def derive_problem(
     model: ModelConfig,
     cluster: ClusterConfig,
@@ -472,6 +717,8 @@ def derive_problem(
     *,
     tensor_parallel: TensorParallel | None = None,
     data_parallel: DataParallel | None = None,
+    context_parallel: ContextParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> DerivedProblem:
     """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
 
@@ -481,6 +728,10 @@ def derive_problem(
     ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
     gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
     :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
+    ``data_parallel.size`` counts every copy of a stage's weights: with ``context_parallel`` c that is d·c.
+    ``context_parallel`` shards each sequence (:class:`~pipesched.optimizer.configs.ContextParallel`);
+    ``expert_parallel`` shards the routed experts, their state sharded over the expert-data-parallel group
+    (:mod:`pipesched.optimizer.cost.experts`).
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -488,12 +739,14 @@ def derive_problem(
 
     Returns:
         A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
-        bandwidth, per-stage ``memory.activation``/``retained_for_weight`` (bytes), per-rank ``memory.static``
-        (bytes) and ``memory.limit`` = accelerator memory − ``cluster.memory_reserve_bytes``.
+        bandwidth (÷ t with sequence parallelism, ÷ c), per-stage ``memory.activation``/``retained_for_weight``
+        (bytes), per-rank ``memory.static`` (bytes) and ``memory.limit`` = accelerator memory −
+        ``cluster.memory_reserve_bytes``.
 
     Raises:
         pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
-            (``model.num_layers``), a bad ``model.layers_per_stage``, or weights/optimizer state alone
+            (``model.num_layers``), a bad ``model.layers_per_stage``, a context or expert degree that does not
+            divide (``context_parallel.size``, ``expert_parallel.size``), or weights/optimizer state alone
             exceeding a rank's memory (``cluster``), each with the numbers and the fix.
     """
 
@@ -501,111 +754,36 @@ def derive_problem(
     num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
     raise_field_errors(
         "Problem",
-        _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
+        _check_layers_per_stage(model, num_stages)
+        + _check_tensor_parallel(model, cluster, tensor_parallel)
+        + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
     )
     t, sequence_parallel = _tp(tensor_parallel)
-
-    layer = transformer_layer(model, hardware, tensor_parallel, cluster)
-    embedding = embedding_block(model, hardware, tensor_parallel, cluster)
-    head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
+    blocks = _stage_blocks(model, cluster, hardware, num_stages, tensor_parallel, context_parallel, expert_parallel)
     per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
+    per_expert_parameter = _per_expert_parameter_bytes(model, cluster, data_parallel, tensor_parallel, expert_parallel)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
     holders = stage_ranks(pipeline)
 
-    def stage_block(stage: int, count: int) -> Block:
-        block = layer.times(count)
-        if stage == 0:
-            block = block + embedding
-        if stage == num_stages - 1:
-            block = block + head
-        return block
-
-    def largest_unit(stage: int, count: int) -> float:
-        units = [layer.parameters] if count else []
-        if stage == 0:
-            units.append(embedding.parameters)
-        if stage == num_stages - 1:
-            units.append(head.parameters)
-        return max(units, default=0.0)
-
     def stage_memory(stage: int, count: int) -> float:
-        block = stage_block(stage, count)
-        transient = _transient_bytes(model, data_parallel, block.parameters, largest_unit(stage, count))
-        return block.parameters * per_parameter + transient + block.activation_bytes
+        block = blocks.stage(stage, count)
+        transient = _transient_bytes(model, data_parallel, block.parameters, blocks.largest_unit(stage, count))
+        return _static_bytes(block, per_parameter, per_expert_parameter) + transient + block.activation_bytes
 
-    total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
-    total_static += model.num_layers * layer.parameters * per_parameter
-    copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
-    if limit <= 0:
-        raise_field_errors(
-            "Problem",
-            [
-                (
-                    ("cluster", "memory_reserve_bytes"),
-                    f"the {format_bytes(cluster.memory_reserve_bytes)} reserve leaves nothing of the accelerator's "
-                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a reserve below "
-                    f"{format_bytes(hardware.memory_bytes)}",
-                    cluster.memory_reserve_bytes,
-                )
-            ],
-        )
-    if total_static * copies / num_ranks > limit:
-        needed = total_static * copies / num_ranks
-        ranks_needed = math.ceil(total_static * copies / limit)
-        loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
-        shard_hint = (
-            " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
-            if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
-            else ""
-        )
-        raise_field_errors(
-            "Problem",
-            [
-                (
-                    loc,
-                    f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
-                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
-                    f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
-                    f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
-                    f"{shard_hint}",
-                    cluster.accelerator or cluster.memory_bytes,
-                )
-            ],
-        )
-
-    if model.layers_per_stage is not None:
-        layers_per_stage = list(model.layers_per_stage)
-    else:
-        try:
-            layers_per_stage = partition_layers(
-                model.num_layers,
-                num_stages,
-                stage_time=lambda stage, count: stage_block(stage, count).compute_ms,
-                stage_memory=stage_memory,
-                stage_ranks=holders,
-                num_ranks=num_ranks,
-                limit=limit,
-            )
-        except PartitionError as error:
-            raise_field_errors(
-                "Problem",
-                [
-                    (
-                        ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
-                        f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
-                        "micro_batch_size, activation recomputation, or shard optimizer state",
-                        cluster.accelerator or cluster.memory_bytes,
-                    )
-                ],
-            )
-            raise
-
-    stages = [stage_block(stage, count) for stage, count in enumerate(layers_per_stage)]
+    total_static = sum(_static_bytes(blocks.stage(stage, 0), per_parameter, 0.0) for stage in range(num_stages))
+    total_static += _static_bytes(blocks.layers(0, model.num_layers), per_parameter, per_expert_parameter)
+    _check_static_fits(
+        cluster, hardware, total_static * max(len(ranks) for ranks in holders) / num_ranks, per_parameter, num_ranks
+    )
+    layers_per_stage = _partition(model, cluster, blocks, num_stages, stage_memory, holders, num_ranks, limit)
+    firsts = [sum(layers_per_stage[:stage]) for stage in range(num_stages)]
+    stages = [blocks.stage(stage, count, firsts[stage]) for stage, count in enumerate(layers_per_stage)]
     static = [0.0] * num_ranks
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
-            static[rank] += block.parameters * per_parameter
+            static[rank] += _static_bytes(block, per_parameter, per_expert_parameter)
     p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
+    p2p_bytes /= _cp(context_parallel)  # each context-parallel rank sends its part of the sequence
     if sequence_parallel:
         p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
     p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
@@ -621,8 +799,89 @@ def derive_problem(
         limit=float(round(limit)),
         static=[float(round(value)) for value in static],
     )
-    units = [largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
     return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+
+
+def _check_static_fits(
+    cluster: ClusterConfig, hardware: Hardware, needed: float, per_parameter: float, num_ranks: int
+) -> None:
+    """Raise when the reserve leaves nothing, or the weights and optimizer state alone exceed a rank."""
+    limit = hardware.memory_bytes - cluster.memory_reserve_bytes
+    if limit <= 0:
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("cluster", "memory_reserve_bytes"),
+                    f"the {format_bytes(cluster.memory_reserve_bytes)} reserve leaves nothing of the accelerator's "
+                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a reserve below "
+                    f"{format_bytes(hardware.memory_bytes)}",
+                    cluster.memory_reserve_bytes,
+                )
+            ],
+        )
+    if needed <= limit:
+        return
+    ranks_needed = math.ceil(needed * num_ranks / limit)
+    loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
+    shard_hint = (
+        " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
+        if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
+        else ""
+    )
+    raise_field_errors(
+        "Problem",
+        [
+            (
+                loc,
+                f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
+                f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
+                f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
+                f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
+                f"{shard_hint}",
+                cluster.accelerator or cluster.memory_bytes,
+            )
+        ],
+    )
+
+
+def _partition(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    blocks: _StageBlocks,
+    num_stages: int,
+    stage_memory: Callable[[int, int], float],
+    holders: list[list[int]],
+    num_ranks: int,
+    limit: float,
+) -> list[int]:
+    """``model.layers_per_stage``, or :func:`partition_layers`' split (a field error when none fits)."""
+    if model.layers_per_stage is not None:
+        return list(model.layers_per_stage)
+    try:
+        return partition_layers(
+            model.num_layers,
+            num_stages,
+            stage_time=lambda stage, count: blocks.stage(stage, count).compute_ms,
+            stage_memory=stage_memory,
+            stage_ranks=holders,
+            num_ranks=num_ranks,
+            limit=limit,
+        )
+    except PartitionError as error:
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                    f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
+                    "micro_batch_size, activation recomputation, or shard optimizer state",
+                    cluster.accelerator or cluster.memory_bytes,
+                )
+            ],
+        )
+        raise
 
 
 def derive_costs_and_memory(

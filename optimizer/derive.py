@@ -14,7 +14,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.collectives import data_parallel_costs
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
 from pipesched.optimizer.validation import StrictModel, raise_field_errors
@@ -32,6 +33,8 @@ class _DerivationInput(StrictModel):
     cluster: ClusterConfig
     tensor_parallel: TensorParallel | None = None
     data_parallel: DataParallel | None = None
+    context_parallel: ContextParallel | None = None
+    expert_parallel: ExpertParallel | None = None
 
 
 def load_problem(data: Mapping[str, Any]) -> Problem:
@@ -63,6 +66,8 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
                 parts.pipeline,
                 tensor_parallel=parts.tensor_parallel,
                 data_parallel=dp,
+                context_parallel=parts.context_parallel,
+                expert_parallel=parts.expert_parallel,
             )
         except ValidationError as error:
             _blame_inputs(error, parts.cluster, {"Costs": "costs", "Memory": "memory"}.get(error.title))
@@ -196,6 +201,7 @@ def _add_collectives(
         tensor_parallel=tp_size,
         stage_largest_unit=derived.largest_unit,
         reshard_after_forward=dp.reshard_after_forward,
+        **_expert_collectives(parts, derived, tp_size),
     )
     costs = dict(document["costs"])
     for name, value in (
@@ -212,6 +218,19 @@ def _add_collectives(
         memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]
         memory["static"] = collectives.static_bytes
         document["memory"] = memory
+
+
+def _expert_collectives(parts: _DerivationInput, derived: DerivedProblem, tensor_parallel: int) -> dict[str, Any]:
+    """The routed experts' own reduction group for :func:`data_parallel_costs` (none for a dense model)."""
+    if not parts.model.is_moe or parts.data_parallel is None:
+        return {}
+    ep = parts.expert_parallel.size if parts.expert_parallel is not None else 1
+    groups = expert_groups(parts.model, tensor_parallel, ep)
+    return {
+        "stage_expert_parameters": [block.expert_parameters for block in derived.stages],
+        "expert_data_parallel_size": groups.data_parallel(tensor_parallel, 1, parts.data_parallel.size),
+        "expert_group_stride": groups.expert_parallel * groups.expert_tensor_parallel,
+    }
 
 
 def _derive_missing(value: Any) -> Any:

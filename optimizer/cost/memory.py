@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.flops import attention_core_width
 
 __all__ = ["LayerActivation", "layer_activation", "static_bytes_per_parameter_sharded"]
 
@@ -58,24 +59,69 @@ class LayerActivation:
     full: float
 
 
-def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_parallel: bool = True) -> LayerActivation:
-    """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention)."""
-    s, b, h, a, f = (
-        model.seq_length,
-        model.micro_batch_size,
-        model.hidden_size,
-        model.num_attention_heads,
-        model.ffn_size,
-    )
+def _attention_widths(model: ModelConfig) -> tuple[float, float, float]:
+    """Per token, in 16-bit bytes: (attention activations split by t, those W still needs, the matrix-multiply
+    outputs torchtitan's selective policy keeps). Standard attention: Q 2q, K and V 2k each, the projection's
+    input 2q (4h + 4k at q = h); W needs the inputs and output gradients 8h + 4k. Multi-head latent
+    attention adds its latents (query 2·r_q, key/value 2·(r_kv + d_rope), each normalised: twice)."""
+    h = model.hidden_size
+    query_key, value = attention_core_width(model)
+    if model.is_mla:
+        latents = 4 * (model.q_lora_rank or 0) + 4 * (model.kv_lora_rank or 0) + 2 * (model.qk_rope_head_dim or 0)
+        stored = 2 * query_key + 2 * query_key + 2 * value + 2 * value + latents
+        retained = 4 * h + 2 * (2 * query_key + value) + 2 * value + latents
+        kept = 2 * query_key + value + h + latents / 2
+        return stored, retained, kept
     k = model.head_size * model.key_value_heads
+    stored = 2 * query_key + 4 * k + 2 * value
+    retained = 4 * h + 2 * (query_key + 2 * k) + 2 * value
+    return stored, retained, query_key + 2 * k + h
+
+
+def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
+    """Per token, in 16-bit bytes: (FFN activations split by t, those W still needs, the matrix-multiply
+    outputs the selective policy keeps). Dense GeLU 4f (W: 4h + 4f), SwiGLU 8f (W: 4h + 6f). A
+    mixture-of-experts layer stores for each of its k·imbalance routed copies the dispatched input and the
+    combined output (4h) and the expert's inner activations, for each shared expert the inner ones, and the
+    router's fp32 logits and probabilities (8·E bytes)."""
+    h, gelu = model.hidden_size, model.ffn_type == "gelu"
+    if not (moe and model.is_moe):
+        f = model.ffn_size
+        return (4 * f if gelu else 8 * f), 4 * h + (4 * f if gelu else 6 * f), (f if gelu else 2 * f) + h
+    f = model.expert_ffn_size
+    routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
+    shared = model.num_shared_experts
+    inner, inner_retained, inner_kept = (4 * f, 4 * f, f) if gelu else (8 * f, 6 * f, 2 * f)
+    router = 8 * (model.num_experts or 0)
+    stored = routed * (4 * h + inner) + shared * inner + router
+    retained = routed * (4 * h + inner_retained) + shared * (2 * h + inner_retained) + router
+    kept = routed * (2 * h + inner_kept) + shared * inner_kept + router
+    return stored, retained, kept
+
+
+def layer_activation(
+    model: ModelConfig,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = True,
+    *,
+    moe: bool = False,
+    context_parallel: int = 1,
+) -> LayerActivation:
+    """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention) on one
+    of ``tensor_parallel`` × ``context_parallel`` ranks (context parallelism shards the sequence, so every term
+    divides by it; Korthikanti et al.'s terms stay per tensor-parallel rank); ``moe``: a mixture-of-experts
+    layer (:func:`_mlp_widths`)."""
+    s, b, h, a = model.seq_length, model.micro_batch_size, model.hidden_size, model.num_attention_heads
     t = tensor_parallel
+    c = context_parallel
     scale = model.dtype_bytes / 2
-    tokens = s * b
-    mlp_inner = 4 * f if model.ffn_type == "gelu" else 8 * f
-    split = (4 * h + 4 * k + mlp_inner) * tokens  # Q, K, V, projection input, FFN inner activations
+    tokens = s * b / c
+    attention_stored, attention_retained, attention_kept = _attention_widths(model)
+    mlp_stored, mlp_retained, mlp_kept = _mlp_widths(model, moe)
+    split = (attention_stored + mlp_stored) * tokens  # Q, K, V, projection input, FFN inner activations
     whole = 10 * h * tokens  # norm inputs 4h, attention/MLP inputs 4h, dropout masks 2h
     if model.attention == "eager":
-        scores = 5.0 * a * s * s * b
+        scores = 5.0 * a * s * s * b / c
         statistics = 0.0
     else:
         scores = 0.0
@@ -85,15 +131,13 @@ def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_para
     else:
         full = whole + (split + scores + statistics) / t
     full *= scale
-    retained_elements = (12 * h + 4 * k + (4 * f if model.ffn_type == "gelu" else 6 * f)) * tokens
-    retained = retained_elements * scale / t
+    retained = (attention_retained + mlp_retained) * tokens * scale / t
     scores_bytes = scores * scale / t
     recompute = model.activation_recomputation
     if recompute == "none":
         activation = full
     elif recompute == "selective" and model.attention == "flash":
-        matmul_outputs = 3 * h + 2 * k + (2 * f if model.ffn_type == "swiglu" else f)
-        saved = (4 * h + matmul_outputs) * tokens * scale + statistics * scale
+        saved = (4 * h + attention_kept + mlp_kept) * tokens * scale + statistics * scale
         activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)
     elif recompute == "selective":
         activation = full - scores_bytes

@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipesched.optimizer.bounds import lower_bound
-from pipesched.optimizer.cost.flops import model_parameters
+from pipesched.optimizer.cost.flops import model_flops_per_token as flops_per_token
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError
 from pipesched.optimizer.instance import compile_problem
@@ -34,6 +34,7 @@ from pipesched.optimizer.solve import solve, solve_family
 from pipesched.optimizer.units import format_bytes
 
 __all__ = [
+    "OVERLAPPING_METHODS",
     "SECONDS_PER_THOUSAND_ACTIONS",
     "TORCH_SCHEDULE_NAMES",
     "Evaluation",
@@ -57,6 +58,10 @@ TORCH_SCHEDULE_NAMES = {
     "dualpipe-v": "DualPipeV",
 }
 
+
+#: Schedules that run one microbatch's forward beside another's backward, hiding one's expert-parallel
+#: all-to-alls behind the other's compute (DeepSeek-V3 report, §3.2.1: DualPipe).
+OVERLAPPING_METHODS = frozenset({"dualpipe-v"})
 
 #: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
 #: activation peak bytes, the schedule). Sharding changes only the static memory, not the schedule.
@@ -107,10 +112,9 @@ class Evaluation:
 
 
 def model_flops_per_token(estimator: Estimator) -> float:
-    """Training FLOPs per token: 6·(N − V·h) + 12·l·h·s (PaLM, Chowdhery et al. 2022, App. B; torchtitan's MFU)."""
-    model = estimator.model
-    non_embedding = model_parameters(model) - model.vocab_size * model.hidden_size
-    return 6 * non_embedding + 12 * model.num_layers * model.hidden_size * model.seq_length
+    """Training FLOPs per token: 6·N + 12·l·h·s with N the active matrices and the LM head (PaLM, Chowdhery et
+    al. 2022, App. B; torchtitan's MFU; :func:`pipesched.optimizer.cost.flops.model_flops_per_token`)."""
+    return flops_per_token(estimator.model)
 
 
 def build_problem(estimator: Estimator, config: Configuration, time_limit_s: float = 10.0) -> Problem:
@@ -134,12 +138,16 @@ def build_problem(estimator: Estimator, config: Configuration, time_limit_s: flo
     }
     if config.tensor_parallel > 1:
         document["tensor_parallel"] = {"size": config.tensor_parallel, "sequence_parallel": estimator.sequence_parallel}
-    if config.data_parallel_size > 1:
+    if config.weight_copies > 1:
         document["data_parallel"] = {
-            "size": config.data_parallel_size,
+            "size": config.weight_copies,
             "sharding": config.sharding,
             "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
         }
+    if config.context_parallel > 1:
+        document["context_parallel"] = {"size": config.context_parallel}
+    if config.expert_parallel > 1:
+        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": config.method in OVERLAPPING_METHODS}
     return load_problem(document)
 
 
@@ -209,6 +217,8 @@ def _plan(
         num_microbatches=config.num_microbatches,
         activation_recomputation=config.activation_recomputation,
         method=config.method,
+        context_parallel=config.context_parallel,
+        expert_parallel=config.expert_parallel,
         step_time_ms=round(step_ms, 4),
         tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
         mfu=round(mfu, 4),
@@ -253,6 +263,8 @@ def evaluate(
         config.num_microbatches,
         config.activation_recomputation,
         config.method,
+        config.context_parallel,
+        config.expert_parallel,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,

@@ -2,9 +2,13 @@
 
 Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.planner.space.Configuration`:
 
-- **Blocks**: a layer, the embedding and the head for the configuration's tensor degree, micro-batch size and
-  recomputation (:mod:`pipesched.optimizer.costmodel`), the layers split evenly over the chunks (Megatron's
-  default; the evaluation partitions them by time and memory).
+- **Blocks**: a layer, the embedding and the head for the configuration's tensor, context and expert degrees,
+  micro-batch size and recomputation (:mod:`pipesched.optimizer.costmodel`), the layers split evenly over the
+  chunks (Megatron's default; the evaluation partitions them by time and memory). For a mixture-of-experts
+  model the layer is the envelope of its dense and expert layers: the smaller compute (the bound stays a
+  bound), the larger memory and parameters; the routed experts' share of a rank's parameters is sharded over
+  the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c GPUs holding
+  the same weights.
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
@@ -19,8 +23,9 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
-  link when the group stays in a node (torchtitan's mesh order pp × dp × tp: a group spans t·d consecutive
-  GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights gathered in 16 bits.
+  link when the group stays in a node (torchtitan's mesh order pp × dp × cp × tp: the d·c weight copies span
+  t·c·d consecutive GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights
+  gathered in 16 bits.
   ``none``: one all-reduce; ``optimizer``/``gradients``: a reduce-scatter and an all-gather of the updated
   weights after the step; ``full``: a reduce-scatter and one all-gather per step (two per microbatch without a
   pipeline, resharded after forward). Exposed: without a pipeline, what a microbatch's collectives exceed of
@@ -39,8 +44,9 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.costmodel import (
     Block,
@@ -123,6 +129,7 @@ class _Layout:
     last_chunk_activation: float
     transient_bytes: float
     layer_parameters: float
+    expert_fraction: float = 0.0
 
 
 class Estimator:
@@ -135,8 +142,8 @@ class Estimator:
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.sequence_parallel = sequence_parallel
-        self._blocks: dict[tuple[int, int, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
-        self._layouts: dict[tuple[int, int, str, int, int, str], _Layout] = {}
+        self._blocks: dict[tuple[int | str, ...], tuple[Block, Block, Block, Block, ModelConfig]] = {}
+        self._layouts: dict[tuple[int | str, ...], _Layout] = {}
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -158,26 +165,46 @@ class Estimator:
             }
         )
 
-    def blocks(self, t: int, b: int, recompute: str) -> tuple[Block, Block, Block, Block, ModelConfig]:
-        """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b."""
-        key = (t, b, recompute)
+    def blocks(
+        self, t: int, b: int, recompute: str, c: int = 1, ep: int = 1
+    ) -> tuple[Block, Block, Block, Block, ModelConfig]:
+        """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
+        degree c and expert degree ep; a mixture-of-experts model's layer is the envelope of its two kinds."""
+        key = (t, b, recompute, c, ep)
         if key not in self._blocks:
             model = self.model_for(b, recompute)
             tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
-            layer = transformer_layer(model, self.hardware, tp, self.cluster)
-            plain = layer
-            if recompute != "none":
-                plain = transformer_layer(
-                    model.model_copy(update={"activation_recomputation": "none"}), self.hardware, tp, self.cluster
-                )
             self._blocks[key] = (
-                layer,
-                embedding_block(model, self.hardware, tp, self.cluster),
-                head_block(model, self.hardware, tp),
-                plain,
+                self._layer(model, tp, c, ep),
+                embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
+                head_block(model, self.hardware, tp, context_parallel=c),
+                self._layer(model.model_copy(update={"activation_recomputation": "none"}), tp, c, ep)
+                if recompute != "none"
+                else self._layer(model, tp, c, ep),
                 model,
             )
         return self._blocks[key]
+
+    def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int) -> Block:
+        cp = ContextParallel(size=c) if c > 1 else None
+        experts = ExpertParallel(size=ep) if ep > 1 else None
+        dense = transformer_layer(model, self.hardware, tp, self.cluster, context_parallel=cp, expert_parallel=experts)
+        if not model.is_moe:
+            return dense
+        moe = transformer_layer(
+            model, self.hardware, tp, self.cluster, moe=True, context_parallel=cp, expert_parallel=experts
+        )
+        if model.first_dense_layers == 0:
+            return moe
+        return Block(
+            forward_ms=min(dense.forward_ms, moe.forward_ms),
+            backward_input_ms=min(dense.backward_input_ms, moe.backward_input_ms),
+            backward_weight_ms=min(dense.backward_weight_ms, moe.backward_weight_ms),
+            activation_bytes=max(dense.activation_bytes, moe.activation_bytes),
+            retained_bytes=max(dense.retained_bytes, moe.retained_bytes),
+            parameters=max(dense.parameters, moe.parameters),
+            expert_parameters=moe.expert_parameters,
+        )
 
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks, summed per rank."""
@@ -185,19 +212,34 @@ class Estimator:
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
+            config.context_parallel,
+            config.expert_parallel,
             config.pipeline_parallel,
             config.stages_per_rank,
             config.placement,
         )
         if key in self._layouts:
             return self._layouts[key]
-        layer, embedding, head, plain, _ = self.blocks(*key[:3])
+        t, b, recompute, c, ep = (
+            config.tensor_parallel,
+            config.micro_batch_size,
+            config.activation_recomputation,
+            config.context_parallel,
+            config.expert_parallel,
+        )
+        layer, embedding, head, plain, _ = self.blocks(t, b, recompute, c, ep)
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
-            tp = TensorParallel(size=config.tensor_parallel, sequence_parallel=self.sequence_parallel)
-            head = head_block(self.model_for(*key[1:3]), self.hardware, tp if key[0] > 1 else None, separate_copy=False)
+            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel)
+            head = head_block(
+                self.model_for(b, recompute),
+                self.hardware,
+                tp if t > 1 else None,
+                separate_copy=False,
+                context_parallel=c,
+            )
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p
@@ -226,15 +268,24 @@ class Estimator:
             last_chunk_activation=activation[last_rank] if last_rank != 0 else activation[0],
             transient_bytes=transient,
             layer_parameters=layer.parameters,
+            expert_fraction=layer.expert_parameters / layer.parameters if layer.parameters else 0.0,
         )
         self._layouts[key] = figures
         return figures
 
-    def static_bytes(self, config: Configuration, parameters: float, layer_parameters: float) -> float:
-        """Weights, gradients and optimizer state of a rank holding ``parameters`` (module docstring)."""
-        per_parameter = static_bytes_per_parameter_sharded(self.model, config.sharding, config.data_parallel_size)
+    def static_bytes(
+        self, config: Configuration, parameters: float, layer_parameters: float, expert_fraction: float = 0.0
+    ) -> float:
+        """Weights, gradients and optimizer state of a rank holding ``parameters``, ``expert_fraction`` of them
+        routed experts (module docstring)."""
+        per_parameter = static_bytes_per_parameter_sharded(self.model, config.sharding, config.weight_copies)
+        if expert_fraction:
+            t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
+            group = expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
+            per_expert = static_bytes_per_parameter_sharded(self.model, config.sharding, group)
+            per_parameter = (1 - expert_fraction) * per_parameter + expert_fraction * per_expert
         static = parameters * per_parameter
-        if config.sharding == "full" and config.data_parallel_size > 1:
+        if config.sharding == "full" and config.weight_copies > 1:
             if config.pipeline_parallel > 1:
                 static += parameters * self.model.dtype_bytes
             else:
@@ -243,21 +294,21 @@ class Estimator:
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth of the data-parallel ring (intra-node when the group fits a node), B/s."""
-        span = config.tensor_parallel * config.data_parallel_size
+        span = config.tensor_parallel * config.weight_copies
         if span <= self.cluster.gpus_per_node:
             return self.cluster.intra_node_bandwidth_bytes_per_s
         return self.cluster.inter_node_bandwidth_bytes_per_s
 
     def pipeline_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth between neighbouring pipeline ranks, B/s."""
-        stride = config.tensor_parallel * config.data_parallel_size
+        stride = config.tensor_parallel * config.weight_copies
         if stride < self.cluster.gpus_per_node and config.pipeline_parallel * stride <= self.cluster.gpus_per_node:
             return self.cluster.intra_node_bandwidth_bytes_per_s
         return self.cluster.inter_node_bandwidth_bytes_per_s
 
     def data_parallel_ms(self, config: Configuration, layout: _Layout) -> float:
         """Data-parallel collectives not hidden behind compute, ms (module docstring)."""
-        d = config.data_parallel_size
+        d = config.weight_copies
         if d == 1:
             return 0.0
         beta = self.data_parallel_bandwidth(config)
@@ -290,7 +341,7 @@ class Estimator:
         """Adam's step on a rank's local parameters, ms (module docstring)."""
         local = layout.max_parameters
         if config.sharding != "none":
-            local /= config.data_parallel_size
+            local /= config.weight_copies
         return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
 
     def estimate(self, config: Configuration) -> Estimate:
@@ -298,8 +349,9 @@ class Estimator:
         layout = self.layout(config)
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
-        static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters)
-        static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters)
+        share = layout.expert_fraction
+        static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters, share)
+        static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters, share)
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
         peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
         peak = max(peak_first, peak_last)
@@ -307,10 +359,9 @@ class Estimator:
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
         bound = m * layout.rank_compute_ms + optimizer
-        _, _, _, _, model = self.blocks(
-            config.tensor_parallel, config.micro_batch_size, config.activation_recomputation
-        )
+        model = self.model
         p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        p2p_bytes /= config.context_parallel
         if self.sequence_parallel:
             p2p_bytes /= config.tensor_parallel
         p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)

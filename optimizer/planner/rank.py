@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 from pipesched.optimizer.bounds import lower_bound
-from pipesched.optimizer.cost.flops import model_parameters
+from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
@@ -340,6 +340,8 @@ def search(
         elapsed_s=round(time.perf_counter() - started, 3),
         first_answer_s=round(first_answer_s, 3) if first_answer_s is not None else None,
         error=None if plans else _no_plan_reason(rejected, searched),
+        parameters=float(model_parameters(request.model)),
+        active_parameters=float(active_parameters(request.model)),
     )
     report("done", total)
     return PlanOutcome(answer, schedules)

@@ -65,6 +65,12 @@ class PlanSearch(StrictModel):
     method: list[PlanMethod] | None = Field(
         None, description=f"Allowed schedules: auto or families ({', '.join(FAMILY_NAMES)})."
     )
+    context_parallel: list[int] | None = Field(
+        None, description="Allowed context-parallel degrees (GPUs sharing one sequence); null: powers of two."
+    )
+    expert_parallel: list[int] | None = Field(
+        None, description="Allowed expert-parallel degrees (mixture-of-experts models); null: divisors of the experts."
+    )
 
 
 class PlanRequest(StrictModel):
@@ -102,11 +108,15 @@ class Plan(StrictModel):
     num_microbatches: int
     activation_recomputation: str
     method: str
+    context_parallel: int = Field(1, description="GPUs sharing one sequence (ring attention).")
+    expert_parallel: int = Field(1, description="GPUs sharing one layer's routed experts.")
     step_time_ms: float = Field(
         description="Simulated pipeline makespan + exposed data-parallel time + optimizer step."
     )
     tokens_per_s_per_gpu: float
-    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' peak.")
+    mfu: float = Field(
+        description="Model FLOPs (6·N_active + 12·l·h·s per token, PaLM App. B) over the accelerators' peak."
+    )
     peak_memory_bytes: float = Field(description="Highest rank's static + activation peak, bytes.")
     lower_bound_ms: float = Field(description="A bound no schedule of this configuration beats, ms.")
     schedule_id: str | None = None
@@ -144,3 +154,7 @@ class PlanAnswer(StrictModel):
     elapsed_s: float = 0.0
     first_answer_s: float | None = Field(None, description="Seconds until the first ranked plan was known.")
     error: str | None = None
+    parameters: float | None = Field(None, description="The model's parameters, every expert counted.")
+    active_parameters: float | None = Field(
+        None, description="Parameters one token passes through (the routed top-k experts only)."
+    )

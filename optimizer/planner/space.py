@@ -1,9 +1,15 @@
 """The configurations a plan may choose, as data: every field a dimension, every value allowed by the request.
 
-A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
-data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
-sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop,
-or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m.
+A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × context (c) ×
+pipeline (p) × data-parallel (d) groups, ``t·c·p·d = num_gpus``, and the global batch B into d replicas × m
+microbatches of b sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank``
+chunks in a loop, or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m.
+A mixture-of-experts model also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a
+stage (:mod:`pipesched.optimizer.cost.experts`).
+
+Context-parallel degrees tried: powers of two whose 2c head-tail chunks divide the sequence and leave each
+rank at least ``MIN_CONTEXT_TOKENS`` tokens (Megatron's advice: context parallelism from 8K tokens); expert
+degrees: the divisors of the expert count that divide t·c·d, up to ``MAX_EXPERT_PARALLEL``.
 """
 
 from __future__ import annotations
@@ -19,9 +25,13 @@ from pipesched.optimizer.problem import Costs, Memory, Pipeline, Problem
 
 __all__ = [
     "DIMENSIONS",
+    "MAX_EXPERT_PARALLEL",
+    "MIN_CONTEXT_TOKENS",
     "Configuration",
+    "context_degrees",
     "divisors",
     "enumerate_space",
+    "expert_degrees",
     "layouts",
     "methods_for",
     "tensor_degrees",
@@ -35,6 +45,10 @@ _V = ("zb-v", "v-half", "v-min", "dualpipe-v")
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 #: Chunks per rank tried with the loop placement.
 _LOOP_STAGES = (1, 2, 4)
+#: Fewest tokens of a sequence a context-parallel rank holds (module docstring).
+MIN_CONTEXT_TOKENS = 4096
+#: Largest expert-parallel degree tried.
+MAX_EXPERT_PARALLEL = 256
 
 
 @dataclass(frozen=True, order=True)
@@ -51,6 +65,8 @@ class Configuration:
     num_microbatches: int
     activation_recomputation: str
     method: str
+    context_parallel: int = 1
+    expert_parallel: int = 1
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -60,6 +76,11 @@ class Configuration:
     def num_stages(self) -> int:
         """Model chunks: ``pipeline_parallel × stages_per_rank``."""
         return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def weight_copies(self) -> int:
+        """GPUs holding the same weights of a pipeline rank: d·c (the problem's ``data_parallel.size``)."""
+        return self.data_parallel_size * self.context_parallel
 
 
 #: The search dimensions, by field name.
@@ -75,6 +96,30 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
         and model.num_attention_heads % t == 0
         and model.key_value_heads % t == 0
         and model.ffn_size % t == 0
+    ]
+
+
+def context_degrees(model: ModelConfig, search: PlanSearch) -> list[int]:
+    """Context-parallel degrees worth trying (module docstring); every pinned value that splits the sequence."""
+    s = model.seq_length
+    if search.context_parallel is not None:
+        return [c for c in search.context_parallel if s % (2 * c) == 0 or c == 1]
+    degrees, c = [1], 2
+    while s % (2 * c) == 0 and s // c >= MIN_CONTEXT_TOKENS:
+        degrees.append(c)
+        c *= 2
+    return degrees
+
+
+def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> list[int]:
+    """Expert-parallel degrees for a stage of ``stage_gpus`` (t·c·d) GPUs: 1 for a dense model."""
+    if not model.is_moe:
+        return [1]
+    experts = model.num_experts or 1
+    return [
+        ep
+        for ep in divisors(experts)
+        if stage_gpus % ep == 0 and ep <= MAX_EXPERT_PARALLEL and _allowed(search.expert_parallel, ep)
     ]
 
 
@@ -150,49 +195,61 @@ def enumerate_space(
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
-    methods_pinned = search.method
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
-        rest = num_gpus // t
-        for p in divisors(rest):
-            if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
+        for c in context_degrees(model, search):
+            if num_gpus % (t * c):
                 continue
-            d = rest // p
-            if not _allowed(search.data_parallel_size, d):
-                continue
-            if not ignore_batch and global_batch_size % d:
-                continue
-            local = global_batch_size // d if not ignore_batch else None
-            for sharding in SHARDING if d > 1 else ("none",):
-                if not _allowed(search.sharding, sharding):
+            rest = num_gpus // (t * c)
+            for p in divisors(rest):
+                if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
                     continue
-                for v, placement in layouts(p, model.num_layers):
-                    if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
+                d = rest // p
+                if not _allowed(search.data_parallel_size, d):
+                    continue
+                if not ignore_batch and global_batch_size % d:
+                    continue
+                for ep in expert_degrees(model, t * c * d, search):
+                    yield from _pipelines(model, global_batch_size, search, (t, c, p, d, ep), ignore_batch)
+
+
+def _pipelines(
+    model: ModelConfig,
+    global_batch_size: int,
+    search: PlanSearch,
+    degrees: tuple[int, int, int, int, int],
+    ignore_batch: bool,
+) -> Iterator[Configuration]:
+    """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep split."""
+    t, c, p, d, ep = degrees
+    local = global_batch_size // d if not ignore_batch else None
+    for sharding in SHARDING if d * c > 1 else ("none",):
+        if not _allowed(search.sharding, sharding):
+            continue
+        for v, placement in layouts(p, model.num_layers):
+            if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
+                continue
+            for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
+                if local is not None and local % b:
+                    continue
+                m = local // b if local is not None else max(p, 1) * v
+                if not _allowed(search.num_microbatches, m) and local is not None:
+                    continue
+                if local is None and search.num_microbatches:
+                    m = search.num_microbatches[0]
+                for recompute in RECOMPUTATION:
+                    if not _allowed(search.activation_recomputation, recompute):
                         continue
-                    for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
-                        if local is not None and local % b:
-                            continue
-                        m = local // b if local is not None else max(p, 1) * v
-                        if not _allowed(search.num_microbatches, m) and local is not None:
-                            continue
-                        if local is None and search.num_microbatches:
-                            m = search.num_microbatches[0]
-                        for recompute in RECOMPUTATION:
-                            if not _allowed(search.activation_recomputation, recompute):
-                                continue
-                            if (
-                                recompute == "selective"
-                                and model.attention == "flash"
-                                and search.activation_recomputation is None
-                            ):
-                                continue  # FlashAttention stores no scores: selective equals none
-                            candidates = methods_for(v, placement, p)
-                            if methods_pinned is not None:
-                                candidates = tuple(
-                                    name for name in methods_pinned if name in candidates or name == "auto"
-                                )
-                            for method in candidates:
-                                if not _admits(method, p, v, placement, m):
-                                    continue
-                                yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)
+                    if (
+                        recompute == "selective"
+                        and model.attention == "flash"
+                        and search.activation_recomputation is None
+                    ):
+                        continue  # FlashAttention stores no scores: selective equals none
+                    candidates = methods_for(v, placement, p)
+                    if search.method is not None:
+                        candidates = tuple(name for name in search.method if name in candidates or name == "auto")
+                    for method in candidates:
+                        if _admits(method, p, v, placement, m):
+                            yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method, c, ep)

@@ -53,7 +53,7 @@ def test_plans_are_ranked_and_carry_the_contract_fields(small_answer: Any) -> No
     steps = [p.step_time_ms for p in plans]
     assert steps == sorted(steps)
     for p in plans:
-        assert p.pipeline_parallel * p.tensor_parallel * p.data_parallel.size == 8
+        assert p.pipeline_parallel * p.tensor_parallel * p.context_parallel * p.data_parallel.size == 8
         assert p.data_parallel.size * p.micro_batch_size * p.num_microbatches == 16
         assert p.lower_bound_ms <= p.step_time_ms
         assert p.peak_memory_bytes <= 80 * GIB - 2 * GIB
