@@ -35,6 +35,12 @@ are in ``PUBLISHED_PARAMETERS``), from each model's released ``config.json`` on 
   layers, 32 / 64 query heads and 4 key/value heads of 128, 128 experts with 8 per token and no shared expert,
   hidden 2048 / 4096, expert FFN 768 / 1536, vocabulary 151,936, untied; 30.5B / 235B total, 3.3B / 22B active.
   Sequence 4096 (pre-training stages 1–2 and the NeMo benchmarks).
+- GPT-OSS 120B and 20B: OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (arXiv 2508.10925), Table 1 and the
+  released ``config.json``: 36 / 24 layers, hidden 2880, 64 query heads and 8 key/value heads of 64, 128 / 32
+  experts of 2880 with 4 per token, biases in attention and experts, vocabulary 201,088; 116.8B / 20.9B total,
+  5.1B / 3.6B active as the card counts them, without the token embedding (0.58B: pipesched's
+  ``active_parameters``, which counts it as the other publishers do, gives 5.7B / 4.2B). Every other layer attends within a 128-token window and each head has a learned sink;
+  both are left out (at 4096 tokens the attention core is under 5% of the FLOPs).
 """
 
 from __future__ import annotations
@@ -165,6 +171,32 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "num_experts": 128,
         "num_experts_per_token": 8,
         "moe_ffn_hidden_size": 1536,
+    },
+    "gpt-oss-120b": {
+        **_LLAMA3,
+        "vocab_size": 201_088,
+        "seq_length": 4096,
+        "bias": True,
+        "head_dim": 64,
+        "num_layers": 36,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "ffn_hidden_size": 2880,
+        "num_experts": 128,
+        "num_experts_per_token": 4,
+    },
+    "gpt-oss-20b": {
+        **_LLAMA3,
+        "vocab_size": 201_088,
+        "seq_length": 4096,
+        "bias": True,
+        "head_dim": 64,
+        "num_layers": 24,
+        "hidden_size": 2880,
+        "num_attention_heads": 64,
+        "ffn_hidden_size": 2880,
+        "num_experts": 32,
+        "num_experts_per_token": 4,
     },
     "gpt3-175b": {**_GPT, "num_layers": 96, "hidden_size": 12_288, "num_attention_heads": 96, "seq_length": 2048},
     "gpt2": {**_GPT, "num_layers": 12, "hidden_size": 768, "num_attention_heads": 12, "seq_length": 1024},

@@ -19,7 +19,9 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   1F1B / ZB-H1 p (Narayanan et al. 2021, §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B
   2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's warm-up), looped BFS all m·v, ZB-V 2p half-size chunks,
   V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1 (Qi et al. 2024, "Pipeline Parallelism with Controllable
-  Memory", Table 1). An estimate: the simulator measures the real peak of every schedule it evaluates.
+  Memory", Table 1); the LM head's logits once on the last rank (each microbatch's backward follows its
+  forward there), all of them under GPipe and looped BFS. An estimate: the simulator measures the real peak
+  of every schedule it evaluates.
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
@@ -130,6 +132,7 @@ class _Layout:
     transient_bytes: float
     layer_parameters: float
     expert_fraction: float = 0.0
+    head_activation: float = 0.0
 
 
 class Estimator:
@@ -248,13 +251,13 @@ class Estimator:
             block = layer.times(count)
             if stage == 0:
                 block = block + embedding
-            if stage == num_stages - 1:
-                block = block + head
             rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
+            activation[rank] = max(activation[rank], block.activation_bytes)
+            if stage == num_stages - 1:
+                block = block + head  # its logits are held by one microbatch at a time (F then B)
             compute[rank] += block.compute_ms
             backward[rank] += block.backward_input_ms + block.backward_weight_ms
             parameters[rank] += block.parameters
-            activation[rank] = max(activation[rank], block.activation_bytes)
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
         last_rank = (num_stages - 1) % p if placement == "loop" else 0
@@ -269,6 +272,7 @@ class Estimator:
             transient_bytes=transient,
             layer_parameters=layer.parameters,
             expert_fraction=layer.expert_parameters / layer.parameters if layer.parameters else 0.0,
+            head_activation=head.activation_bytes,
         )
         self._layouts[key] = figures
         return figures
@@ -353,7 +357,13 @@ class Estimator:
         static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters, share)
         static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters, share)
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
-        peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
+        heads = last_count if config.method in ("gpipe", "looped-bfs") else 1
+        peak_last = (
+            static_last
+            + last_count * layout.last_chunk_activation
+            + heads * layout.head_activation
+            + layout.transient_bytes
+        )
         peak = max(peak_first, peak_last)
         static = max(static_first, static_last)
         exposed = self.data_parallel_ms(config, layout)

@@ -123,11 +123,15 @@ def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> l
     ]
 
 
-def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages."""
+def layouts(
+    pipeline_parallel: int, num_layers: int, stages_per_rank: Sequence[int] | None = None
+) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages: loops of
+    1, 2 or 4 chunks per rank (or of every pinned ``stages_per_rank``) and the V."""
     if pipeline_parallel == 1:
         return [(1, "loop")]
-    candidates = [(v, "loop") for v in _LOOP_STAGES] + [(2, "v")]
+    loops = _LOOP_STAGES if stages_per_rank is None else tuple(stages_per_rank)
+    candidates = [(v, "loop") for v in loops] + [(2, "v")]
     return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
 
 
@@ -227,7 +231,7 @@ def _pipelines(
     for sharding in SHARDING if d * c > 1 else ("none",):
         if not _allowed(search.sharding, sharding):
             continue
-        for v, placement in layouts(p, model.num_layers):
+        for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
             if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                 continue
             for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
