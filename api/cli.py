@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipesched.api.loading import InputError, load_problem
+from pipesched.api.loading import InputError, load_problem_file
 from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
@@ -40,17 +40,14 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def check_method(method: str) -> None:
-    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names (difflib)."""
-    import difflib
+def require_method(method: str) -> None:
+    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names."""
+    from pipesched.optimizer.families import UnknownMethodError, check_method
 
-    from pipesched.optimizer.problem import METHOD_NAMES
-
-    if method in METHOD_NAMES:
-        return
-    close = difflib.get_close_matches(method, METHOD_NAMES, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise fail(f"--method {method!r} is not a method: {hint}choose one of {', '.join(METHOD_NAMES)}")
+    try:
+        check_method(method)
+    except UnknownMethodError as error:
+        raise fail(f"--method {error}") from None
 
 
 def require_torch(command: str) -> None:
@@ -246,9 +243,9 @@ def solve(
     if output_format not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
     if method is not None:
-        check_method(method)
+        require_method(method)
     try:
-        problem = load_problem(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
+        problem = load_problem_file(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
     try:
@@ -298,7 +295,7 @@ def compare(
     from pipesched.optimizer.solve import solve_family
 
     try:
-        problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
+        problem = load_problem_file(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
     from pipesched.optimizer.families import FamilyDomainError
@@ -535,11 +532,11 @@ def run(
     parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
     """
     require_torch("run")
-    from pipesched.api.loading import load_schedule
+    from pipesched.api.loading import load_schedule_file
     from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
 
     try:
-        schedule = load_schedule(schedule_path)
+        schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
     training = None
@@ -856,7 +853,7 @@ def plot(
     ] = None,
 ) -> None:
     """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
-    from pipesched.api.loading import load_schedule
+    from pipesched.api.loading import load_schedule_file
     from pipesched.api.plots import plot_to_file
     from pipesched.optimizer.families import FamilyDomainError
     from pipesched.optimizer.solve import solve_family
@@ -864,7 +861,7 @@ def plot(
     if output.suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise fail(f"-o {output}: the file must end in .png, .svg or .html")
     try:
-        schedule = load_schedule(schedule_path)
+        schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
     other = None
@@ -897,10 +894,10 @@ def check(
 ) -> None:
     """Time and check a schedule written elsewhere: objective, bubble rate and peak memory per rank, or the first
     violation as a rank × step grid. Exit 1 for an invalid schedule, 2 for bad input."""
-    from pipesched.optimizer.checking import ScheduleInputError, check_schedule, read_schedule, render_grid
+    from pipesched.optimizer.check import ScheduleInputError, check_schedule, read_schedule, render_grid
 
     try:
-        problem = load_problem(problem_path)
+        problem = load_problem_file(problem_path)
     except InputError as error:
         raise fail(str(error)) from None
     try:
