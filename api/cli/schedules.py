@@ -386,7 +386,7 @@ def plot(
 ) -> None:
     """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
     from pipesched.api.loading import load_schedule
-    from pipesched.api.plots import plot_to_file
+    from pipesched.api.render import plot_to_file
     from pipesched.optimizer.families import FamilyDomainError
     from pipesched.optimizer.solve import solve_family
 
