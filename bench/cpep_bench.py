@@ -107,7 +107,9 @@ def request_for(row: dict[str, Any], time_limit_s: float, *, pinned: bool = True
 def describe(plan_: Plan) -> str:
     """A short description of a plan's layout."""
     pipeline = (
-        f"PP {plan_.pipeline_parallel} {plan_.method} v{plan_.stages_per_rank} × " if plan_.pipeline_parallel > 1 else ""
+        f"PP {plan_.pipeline_parallel} {plan_.method} v{plan_.stages_per_rank} × "
+        if plan_.pipeline_parallel > 1
+        else ""
     )
     return (
         f"{pipeline}TP {plan_.tensor_parallel} × CP {plan_.context_parallel} × EP {plan_.expert_parallel} × "
@@ -145,7 +147,6 @@ def predict(row: dict[str, Any], time_limit_s: float) -> dict[str, Any]:
 
 def free(row: dict[str, Any], time_limit_s: float) -> dict[str, Any]:
     """The planner's own best layout for the row's model, GPUs and batch."""
-    started = time.perf_counter()
     answer = plan(request_for(row, time_limit_s, pinned=False)).answer
     best = answer.plans[0] if answer.plans else None
     return {
@@ -163,9 +164,7 @@ def summary(predictions: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and spread of |log(published / predicted)|, and the share within 25%, by precision."""
     result: dict[str, Any] = {}
     for precision in ("all", "bf16", "fp8"):
-        ratios = [
-            p["ratio"] for p in predictions if p["ratio"] and (precision == "all" or p["precision"] == precision)
-        ]
+        ratios = [p["ratio"] for p in predictions if p["ratio"] and (precision == "all" or p["precision"] == precision)]
         if not ratios:
             continue
         errors = sorted(abs(r - 1) for r in ratios)

@@ -38,9 +38,10 @@ are in ``PUBLISHED_PARAMETERS``), from each model's released ``config.json`` on 
 - GPT-OSS 120B and 20B: OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (arXiv 2508.10925), Table 1 and the
   released ``config.json``: 36 / 24 layers, hidden 2880, 64 query heads and 8 key/value heads of 64, 128 / 32
   experts of 2880 with 4 per token, biases in attention and experts, vocabulary 201,088; 116.8B / 20.9B total,
-  5.1B / 3.6B active as the card counts them, without the token embedding (0.58B: pipesched's
-  ``active_parameters``, which counts it as the other publishers do, gives 5.7B / 4.2B). Every other layer attends within a 128-token window and each head has a learned sink;
-  both are left out (at 4096 tokens the attention core is under 5% of the FLOPs).
+  5.1B / 3.6B active as the card counts them, without the token embedding (0.58B; pipesched's
+  ``active_parameters`` counts it, as the other publishers do, and gives 5.7B / 4.2B). Every other layer
+  attends within a 128-token window and each head has a learned sink; both are left out (at 4096 tokens the
+  attention core is under 5% of the FLOPs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""The planner over context and expert parallelism: long sequences choose context parallelism, mixture-of-experts
+models state their parameters and shard their experts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from pipesched.optimizer.planner.rank import plan, prepare
+from pipesched.optimizer.planner.request import PlanRequest
+from pipesched.optimizer.presets import PUBLISHED_PARAMETERS
+
+
+def request(model: dict[str, Any], nodes: int, batch: int, time_limit_s: float, **search: Any) -> PlanRequest:
+    return PlanRequest.model_validate(
+        {
+            "model": model,
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": nodes, "gpus_per_node": 8},
+            "training": {"global_batch_size": batch},
+            "search": {"time_limit_s": time_limit_s, "top": 3, **search},
+        }
+    )
+
+
+def test_llama3_405b_at_131k_tokens_on_16384_gpus_chooses_context_parallelism_in_time() -> None:
+    # Llama 3's long-context stage: 16M tokens per step (128 sequences of 131,072) on 16,384 H100s
+    limit = 10.0
+    started = time.perf_counter()
+    answer = plan(request({"preset": "llama3.1-405b", "seq_length": 131072}, 2048, 128, limit)).answer
+    elapsed = time.perf_counter() - started
+    assert elapsed <= limit + 2.0
+    assert answer.plans, answer.error
+    best = answer.plans[0]
+    assert best.context_parallel > 1
+    gpus = best.pipeline_parallel * best.tensor_parallel * best.context_parallel * best.data_parallel.size
+    assert gpus == 16384
+    assert best.data_parallel.size * best.micro_batch_size * best.num_microbatches == 128
+    assert best.lower_bound_ms <= best.step_time_ms
+
+
+def test_context_parallel_degrees_split_the_sequence_in_balanced_chunks() -> None:
+    prepared = prepare(request({"preset": "llama3.1-8b", "seq_length": 65536}, 1, 8, 5.0, tensor_parallel=[1]))
+    degrees = {config.context_parallel for config, _ in prepared.candidates}
+    assert degrees <= {1, 2, 4, 8, 16} and max(degrees) > 1
+    assert all(65536 % (2 * c) == 0 for c in degrees)
+    pinned = prepare(request({"preset": "llama3.1-8b", "seq_length": 65536}, 1, 8, 5.0, context_parallel=[4]))
+    assert {config.context_parallel for config, _ in pinned.candidates} == {4}
+
+
+def test_a_mixture_of_experts_plan_states_its_parameters_and_shards_its_experts() -> None:
+    answer = plan(
+        request({"preset": "mixtral-8x7b"}, 4, 64, 8.0, expert_parallel=[8], pipeline_parallel=[2], tensor_parallel=[1])
+    ).answer
+    total, active = PUBLISHED_PARAMETERS["mixtral-8x7b"]
+    assert answer.parameters == pytest.approx(total, rel=0.03)
+    assert answer.active_parameters == pytest.approx(active, rel=0.03)
+    assert answer.plans, answer.error
+    for candidate in answer.plans:
+        assert candidate.expert_parallel == 8 and candidate.pipeline_parallel == 2
+        assert candidate.peak_memory_bytes <= 78 * 1024**3
+        # MFU counts the active parameters: a 12.9B-active model cannot beat the peak
+        assert 0 < candidate.mfu < 1
+
+
+def test_expert_degrees_divide_the_experts_and_the_stage_gpus() -> None:
+    prepared = prepare(request({"preset": "qwen3-30b-a3b"}, 2, 64, 5.0, pipeline_parallel=[1]))
+    degrees = {config.expert_parallel for config, _ in prepared.candidates}
+    assert max(degrees) > 1
+    for config, _ in prepared.candidates:
+        assert 128 % config.expert_parallel == 0
+        stage_gpus = config.tensor_parallel * config.context_parallel * config.data_parallel_size
+        assert stage_gpus % config.expert_parallel == 0
+    dense = prepare(request({"preset": "llama3.1-8b"}, 1, 16, 5.0))
+    assert {config.expert_parallel for config, _ in dense.candidates} == {1}
