@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from bench.cpep_bench import SOURCES
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.context import key_value_block_bytes, ring_attention
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
@@ -212,18 +213,8 @@ def test_deepseek_dense_layers_lead_the_first_stage() -> None:
 
 def test_published_layout_rows_follow_the_calibration_row_format() -> None:
     folder = REPO / "optimizer" / "cost" / "calibration" / "data"
-    names = [
-        "megatron_bridge_cp_ep",
-        "nemo_2407_h100_cp",
-        "nemo_long_sequence",
-        "torchtitan_h100_202412_cp",
-        "llama3_herd_table4",
-        "megatron_moe_model_zoo",
-        "nemo_automodel_h100",
-        "deepseek_v3_report",
-    ]
     seen = 0
-    for name in names:
+    for name in SOURCES:
         document = json.loads((folder / f"{name}.json").read_text())
         assert document["source"]["id"] == name and document["source"]["url"].startswith("https://")
         for row in document["rows"]:
