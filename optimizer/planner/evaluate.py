@@ -39,6 +39,7 @@ __all__ = [
     "TORCH_SCHEDULE_NAMES",
     "Evaluation",
     "SimulationCache",
+    "accumulation_steps",
     "build_problem",
     "evaluate",
     "evaluation_seconds",
@@ -117,6 +118,15 @@ def model_flops_per_token(estimator: Estimator) -> float:
     return flops_per_token(estimator.model)
 
 
+def accumulation_steps(config: Configuration) -> int:
+    """Microbatches a fully sharded configuration without a pipeline runs as separate FSDP passes: each gathers
+    the weights for its forward and again for its backward and reduce-scatters its gradients (torchtitan's and
+    NeMo AutoModel's gradient accumulation under FSDP2 with ``reshard_after_forward``), so the problem holds one
+    microbatch and the step repeats it (:func:`evaluate`); 1 otherwise."""
+    sharded = config.sharding == "full" and config.weight_copies > 1
+    return config.num_microbatches if config.pipeline_parallel == 1 and sharded else 1
+
+
 def build_problem(estimator: Estimator, config: Configuration, time_limit_s: float = 10.0) -> Problem:
     """The scheduling problem of ``config`` (costs and memory derived).
 
@@ -128,7 +138,7 @@ def build_problem(estimator: Estimator, config: Configuration, time_limit_s: flo
     document: dict[str, Any] = {
         "pipeline": {
             "num_ranks": config.pipeline_parallel,
-            "num_microbatches": config.num_microbatches,
+            "num_microbatches": 1 if accumulation_steps(config) > 1 else config.num_microbatches,
             "stages_per_rank": config.stages_per_rank,
             "placement": config.placement,
         },
@@ -307,6 +317,10 @@ def evaluate(
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
         estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
         makespan = float(simulated_step)
+        steps = accumulation_steps(config)
+        if steps > 1 and problem.costs is not None:  # the one-microbatch step repeated, one optimizer step
+            optimizer_ms = max(problem.rank_values(problem.costs.optimizer_step, 0.0))
+            makespan = steps * (makespan - optimizer_ms) + optimizer_ms
     plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None

@@ -4,11 +4,10 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 
 - **Blocks**: a layer, the embedding and the head for the configuration's tensor, context and expert degrees,
   micro-batch size and recomputation (:mod:`pipesched.optimizer.cost.stages`), the layers split evenly over the
-  chunks (Megatron's default; the evaluation partitions them by time and memory). For a mixture-of-experts
-  model the layer is the envelope of its dense and expert layers: the smaller compute (the bound stays a
-  bound), the larger memory and parameters; the routed experts' share of a rank's parameters is sharded over
-  the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c GPUs holding
-  the same weights.
+  chunks (Megatron's default; the evaluation partitions them by time and memory). A mixture-of-experts
+  model's ``first_dense_layers`` lead the first chunks; the routed experts among a rank's parameters are
+  sharded over the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c
+  GPUs holding the same weights.
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
@@ -131,8 +130,10 @@ class _Layout:
     last_chunk_activation: float
     transient_bytes: float
     layer_parameters: float
-    expert_fraction: float = 0.0
     head_activation: float = 0.0
+    first_expert_parameters: float = 0.0
+    last_expert_parameters: float = 0.0
+    max_expert_parameters: float = 0.0
 
 
 class Estimator:
@@ -172,45 +173,43 @@ class Estimator:
         self, t: int, b: int, recompute: str, c: int = 1, ep: int = 1
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
-        degree c and expert degree ep; a mixture-of-experts model's layer is the envelope of its two kinds."""
+        degree c and expert degree ep; a mixture-of-experts model's layer is its expert layer."""
         key = (t, b, recompute, c, ep)
         if key not in self._blocks:
             model = self.model_for(b, recompute)
             tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
+            plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                self._layer(model, tp, c, ep),
+                self._layer(model, tp, c, ep, moe=model.is_moe),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
                 head_block(model, self.hardware, tp, context_parallel=c),
-                self._layer(model.model_copy(update={"activation_recomputation": "none"}), tp, c, ep)
-                if recompute != "none"
-                else self._layer(model, tp, c, ep),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe),
                 model,
             )
         return self._blocks[key]
 
-    def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int) -> Block:
-        cp = ContextParallel(size=c) if c > 1 else None
-        experts = ExpertParallel(size=ep) if ep > 1 else None
-        dense = transformer_layer(model, self.hardware, tp, self.cluster, context_parallel=cp, expert_parallel=experts)
-        if not model.is_moe:
-            return dense
-        moe = transformer_layer(
-            model, self.hardware, tp, self.cluster, moe=True, context_parallel=cp, expert_parallel=experts
-        )
-        if model.first_dense_layers == 0:
-            return moe
-        return Block(
-            forward_ms=min(dense.forward_ms, moe.forward_ms),
-            backward_input_ms=min(dense.backward_input_ms, moe.backward_input_ms),
-            backward_weight_ms=min(dense.backward_weight_ms, moe.backward_weight_ms),
-            activation_bytes=max(dense.activation_bytes, moe.activation_bytes),
-            retained_bytes=max(dense.retained_bytes, moe.retained_bytes),
-            parameters=max(dense.parameters, moe.parameters),
-            expert_parameters=moe.expert_parameters,
+    def dense_layer(self, t: int, b: int, recompute: str, c: int = 1, ep: int = 1) -> Block:
+        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
+        key = (t, b, recompute, c, ep, "dense")
+        if key not in self._blocks:
+            model = self.model_for(b, recompute)
+            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
+            self._blocks[key] = (self._layer(model, tp, c, ep, moe=False), *self.blocks(t, b, recompute, c, ep)[1:])
+        return self._blocks[key][0]
+
+    def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int, *, moe: bool) -> Block:
+        return transformer_layer(
+            model,
+            self.hardware,
+            tp,
+            self.cluster,
+            moe=moe,
+            context_parallel=ContextParallel(size=c) if c > 1 else None,
+            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
         )
 
     def layout(self, config: Configuration) -> _Layout:
-        """Even split of the layers over the chunks, summed per rank."""
+        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
         key = (
             config.tensor_parallel,
             config.micro_batch_size,
@@ -223,32 +222,36 @@ class Estimator:
         )
         if key in self._layouts:
             return self._layouts[key]
-        t, b, recompute, c, ep = (
+        degrees = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
             config.context_parallel,
             config.expert_parallel,
         )
-        layer, embedding, head, plain, _ = self.blocks(t, b, recompute, c, ep)
+        layer, embedding, head, plain, _ = self.blocks(*degrees)
+        dense = self.dense_layer(*degrees)
+        first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
-            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel)
+            tp = TensorParallel(size=degrees[0], sequence_parallel=self.sequence_parallel)
             head = head_block(
-                self.model_for(b, recompute),
+                self.model_for(degrees[1], degrees[2]),
                 self.hardware,
-                tp if t > 1 else None,
+                tp if degrees[0] > 1 else None,
                 separate_copy=False,
-                context_parallel=c,
+                context_parallel=degrees[3],
             )
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p
+        experts = [0.0] * p
         activation = [0.0] * p
         for stage, count in enumerate(counts):
-            block = layer.times(count)
+            dense_count = max(0, min(count, first_dense - sum(counts[:stage])))
+            block = dense.times(dense_count) + layer.times(count - dense_count)
             if stage == 0:
                 block = block + embedding
             rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
@@ -258,42 +261,47 @@ class Estimator:
             compute[rank] += block.compute_ms
             backward[rank] += block.backward_input_ms + block.backward_weight_ms
             parameters[rank] += block.parameters
+            experts[rank] += block.expert_parameters
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
         last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        heaviest = max(range(p), key=lambda rank: parameters[rank])
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],
             first_parameters=parameters[0],
             last_parameters=parameters[last_rank],
-            max_parameters=max(parameters),
+            max_parameters=parameters[heaviest],
             first_chunk_activation=activation[0],
             last_chunk_activation=activation[last_rank] if last_rank != 0 else activation[0],
             transient_bytes=transient,
-            layer_parameters=layer.parameters,
-            expert_fraction=layer.expert_parameters / layer.parameters if layer.parameters else 0.0,
+            layer_parameters=max(layer.parameters, dense.parameters),
             head_activation=head.activation_bytes,
+            first_expert_parameters=experts[0],
+            last_expert_parameters=experts[last_rank],
+            max_expert_parameters=experts[heaviest],
         )
         self._layouts[key] = figures
         return figures
 
     def static_bytes(
-        self, config: Configuration, parameters: float, layer_parameters: float, expert_fraction: float = 0.0
+        self, config: Configuration, parameters: float, layer_parameters: float, expert_parameters: float = 0.0
     ) -> float:
-        """Weights, gradients and optimizer state of a rank holding ``parameters``, ``expert_fraction`` of them
-        routed experts (module docstring)."""
-        per_parameter = static_bytes_per_parameter_sharded(self.model, config.sharding, config.weight_copies)
-        if expert_fraction:
+        """Weights, gradients and optimizer state of a rank holding ``parameters``, ``expert_parameters`` of them
+        routed experts sharded over their own group (module docstring)."""
+        copies = config.weight_copies
+        groups = [(parameters - expert_parameters, copies)]
+        if expert_parameters:
             t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
             group = expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
-            per_expert = static_bytes_per_parameter_sharded(self.model, config.sharding, group)
-            per_parameter = (1 - expert_fraction) * per_parameter + expert_fraction * per_expert
-        static = parameters * per_parameter
-        if config.sharding == "full" and config.weight_copies > 1:
-            if config.pipeline_parallel > 1:
-                static += parameters * self.model.dtype_bytes
-            else:
-                static += 2 * layer_parameters * self.model.dtype_bytes
+            groups.append((expert_parameters, group))
+        static = 0.0
+        for count, group in groups:
+            static += count * static_bytes_per_parameter_sharded(self.model, config.sharding, group)
+            if config.sharding == "full" and group > 1 and config.pipeline_parallel > 1:
+                static += count * self.model.dtype_bytes  # gathered for the whole step
+        if config.sharding == "full" and copies > 1 and config.pipeline_parallel == 1:
+            static += 2 * layer_parameters * self.model.dtype_bytes
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
@@ -345,7 +353,11 @@ class Estimator:
         """Adam's step on a rank's local parameters, ms (module docstring)."""
         local = layout.max_parameters
         if config.sharding != "none":
-            local /= config.weight_copies
+            experts = layout.max_expert_parameters
+            local = (local - experts) / config.weight_copies
+            if experts:
+                t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
+                local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
         return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
 
     def estimate(self, config: Configuration) -> Estimate:
@@ -353,9 +365,12 @@ class Estimator:
         layout = self.layout(config)
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
-        share = layout.expert_fraction
-        static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters, share)
-        static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters, share)
+        static_first = self.static_bytes(
+            config, layout.first_parameters, layout.layer_parameters, layout.first_expert_parameters
+        )
+        static_last = self.static_bytes(
+            config, layout.last_parameters, layout.layer_parameters, layout.last_expert_parameters
+        )
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
         heads = last_count if config.method in ("gpipe", "looped-bfs") else 1
         peak_last = (
