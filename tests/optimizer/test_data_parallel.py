@@ -343,7 +343,7 @@ def test_bitpipe_reduces_each_chunk_when_both_replicas_finished_it() -> None:
 
 
 def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> None:
-    from pipesched.api.plots import render_svg, render_view_html
+    from pipesched.api.render import render_svg, render_view_html
     from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 
     schedule = solve(load_problem(dp_body(method="looped-bfs", stages_per_rank=2)))

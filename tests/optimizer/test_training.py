@@ -338,7 +338,7 @@ def test_bad_training_exits_2_on_the_cli(tmp_path: Path) -> None:
 def test_a_pattern_draws_and_traces_with_its_memory() -> None:
     """Plots and the Chrome trace cannot re-simulate a pattern on the one-step problem: its memory comes from
     the pattern (in flight when the shown copy starts, then each action), peaking where the run peaks."""
-    from pipesched.api.plots import render_svg
+    from pipesched.api.render import render_svg
     from pipesched.optimizer.export import schedule_to_chrome_trace
     from pipesched.optimizer.pattern import pattern_memory_timelines
 

@@ -1,12 +1,9 @@
-"""The ``pipesched`` command line (typer + rich).
-
-Bad input exits with code 2 and a message naming the field and the fix.
-"""
+"""``pipesched solve``, ``compare``, ``plot`` and ``check``: a problem file in, a schedule (or a table, a picture,
+a verdict) out."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -15,50 +12,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pipesched.api.cli.common import FORMATS, console, err_console, fail, require_method, write_output
 from pipesched.api.loading import InputError, load_problem_file
-from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
-
-app = typer.Typer(
-    name="pipesched",
-    help="Pipeline-parallel training schedule optimizer: the best schedule your memory allows.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console()
-err_console = Console(stderr=True)
-
-FORMATS = ("json", "csv", "chrome-trace")
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` to stderr and return the Exit to raise."""
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def require_method(method: str) -> None:
-    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names."""
-    from pipesched.optimizer.families import UnknownMethodError, check_method
-
-    try:
-        check_method(method)
-    except UnknownMethodError as error:
-        raise fail(f"--method {error}") from None
-
-
-def require_torch(command: str) -> None:
-    """Exit 2 with the install step when torch (the ``runtime`` extra) is missing."""
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        raise fail(
-            f"`pipesched {command}` needs torch, which this installation lacks: "
-            "pip install 'pipesched[runtime]' (or pip install torch==2.13.0)"
-        )
 
 
 def render_schedule(schedule: Schedule, *, output_format: str) -> str:
@@ -229,7 +187,6 @@ def solve_with_progress(problem: Problem) -> Schedule:
     return schedule
 
 
-@app.command()
 def solve(
     problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
     method: Annotated[str | None, typer.Option("--method", "-m", help="auto or a family name.")] = None,
@@ -264,18 +221,6 @@ def solve(
         console.print(f"wrote {output}", highlight=False)
 
 
-def write_output(path: Path | None, text: str) -> None:
-    """Write ``text`` to ``path`` (stdout when ``None``); an unwritable path exits 2 naming it."""
-    if path is None:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
-        return
-    try:
-        path.write_text(text)
-    except OSError as error:
-        raise fail(f"cannot write {path}: {error.strerror or error}: give -o a path in an existing folder") from None
-
-
-@app.command()
 def compare(
     problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="Time limit for auto, s.")] = None,
@@ -432,419 +377,6 @@ def pipeline_variants(
     return variants
 
 
-@app.command()
-def demo(
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder for the results.")] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="A short plan search (2 s instead of 10 s).")] = False,
-    time_limit: Annotated[
-        float | None, typer.Option("--time-limit", help="Time limit for the plan search, s (overrides --quick).")
-    ] = None,
-    run: Annotated[
-        bool, typer.Option("--run/--no-run", help="Train the schedule on 4 gloo processes (pp 2 × dp 2, FSDP).")
-    ] = True,
-) -> None:
-    """The main job end to end: plan a layout, schedule it with its communication, train 3 steps on 4 processes
-    (pipeline 2 × data-parallel 2, FSDP) and verify them against a single-process reference."""
-    import httpx
-
-    from pipesched.api.demo import run_demo
-
-    if run:
-        require_torch("demo")
-    try:
-        run_demo(output, quick=quick, time_limit_s=time_limit, run=run, console=console)
-    except httpx.HTTPStatusError as error:
-        raise fail(f"the service answered {error.response.status_code}: {error.response.text[:500]}", 1) from None
-    except (httpx.HTTPError, RuntimeError, ValueError, OSError) as error:
-        raise fail(f"{type(error).__name__}: {error}", code=1) from None
-
-
-# --- further commands register here (serve, run, profile, plot, demo) ---------------------------
-
-
-@app.command()
-def run(
-    schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")],
-    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")] = "gloo",
-    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")] = (
-        "gpt-tiny"
-    ),
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")] = None,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            help="auto (torch where it can follow the schedule: loop or V placement), torch "
-            "(PyTorch's _PipelineScheduleRuntime) or pipesched (own executor, every placement).",
-        ),
-    ] = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")] = 0,
-    timeout: Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")] = 300.0,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")] = "127.0.0.1",
-    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")] = None,
-    trace: Annotated[
-        Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
-    ] = None,
-    data_parallel: Annotated[
-        int | None,
-        typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
-    ] = None,
-    sharding: Annotated[
-        str | None,
-        typer.Option(
-            "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
-        ),
-    ] = None,
-    reshard_after_forward: Annotated[
-        bool | None,
-        typer.Option(
-            "--reshard-after-forward/--no-reshard-after-forward",
-            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
-        ),
-    ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
-    post_validation: Annotated[
-        bool | None,
-        typer.Option(
-            "--post-validation/--no-post-validation",
-            help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
-        ),
-    ] = None,
-    weight_update: Annotated[
-        str | None,
-        typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
-    ] = None,
-    max_grad_norm: Annotated[
-        float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
-    ] = None,
-    inject_nan: Annotated[
-        str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")
-    ] = None,
-) -> None:
-    """Execute a schedule with torch.distributed and verify it against a single-process reference.
-
-    With --steps, --data-parallel, --post-validation or --weight-update (or a problem that asks for data
-    parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
-    """
-    require_torch("run")
-    from pipesched.api.loading import load_schedule_file
-    from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
-
-    try:
-        schedule = load_schedule_file(schedule_path)
-    except InputError as error:
-        raise fail(str(error)) from None
-    training = None
-    problem = schedule.problem
-    given = {
-        "data_parallel": data_parallel,
-        "sharding": sharding,
-        "reshard_after_forward": reshard_after_forward,
-        "steps": steps,
-        "optimizer": optimizer,
-        "lr": lr,
-        "post_validation": post_validation,
-        "weight_update": weight_update,
-        "max_grad_norm": max_grad_norm,
-    }
-    wants_training = (
-        any(value is not None for value in given.values())
-        or inject_nan is not None
-        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
-        or problem.training.post_validation
-        or not problem.training.flush
-    )
-    if wants_training:
-        from pipesched.runtime.training import TrainingError, training_options
-
-        nan_at = None
-        if inject_nan is not None:
-            try:
-                step_text, _, microbatch_text = inject_nan.partition(":")
-                nan_at = (int(step_text), int(microbatch_text))
-            except ValueError:
-                raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
-        try:
-            training = training_options(problem, **given, inject_nan=nan_at)
-        except TrainingError as error:
-            raise fail(str(error)) from None
-    try:
-        report = run_schedule(
-            schedule,
-            nproc_per_node=nproc_per_node,
-            backend=backend,
-            model=model,
-            seed=seed,
-            timeout_s=timeout,
-            output=output,
-            engine=engine,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            training=training,
-        )
-    except (ScheduleError, ValueError) as error:
-        raise fail(str(error)) from None
-    except RunFailed as error:
-        raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
-    if "verified" not in report:
-        console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
-        return
-    print_run_summary(report)
-    if training is not None:
-        from pipesched.runtime.training import print_training_summary
-
-        print_training_summary(report, console)
-    if output is not None:
-        console.print(f"wrote {output}", highlight=False)
-    if trace is not None:
-        from pipesched.optimizer.export import run_report_to_chrome_trace
-
-        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
-        console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
-    if not report["verified"]:
-        raise typer.Exit(1)
-
-
-@app.command()
-def profile(
-    num_ranks: Annotated[int, typer.Option("--num-ranks", help="Pipeline ranks p.")] = 4,
-    num_microbatches: Annotated[int, typer.Option("--num-microbatches", help="Microbatches m.")] = 8,
-    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", help="Stages per rank.")] = 1,
-    placement: Annotated[str, typer.Option("--placement", help="loop, v or bidirectional.")] = "loop",
-    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, module:function.")] = "gpt-tiny",
-    repeats: Annotated[int, typer.Option("--repeats", help="Timed microbatches per stage.")] = 5,
-    p2p_ms: Annotated[float, typer.Option("--p2p-ms", help="p2p latency to record, ms.")] = 0.0,
-    memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
-) -> None:
-    """Measure each stage's F, I, W times and activation memory; write a PROBLEM.json for `pipesched solve`."""
-    require_torch("profile")
-    from pydantic import ValidationError
-
-    from pipesched.api.loading import format_validation_error
-    from pipesched.runtime.profile import SPREAD_WARNING, measure_model
-
-    try:
-        measured = measure_model(
-            num_ranks=num_ranks,
-            num_microbatches=num_microbatches,
-            stages_per_rank=stages_per_rank,
-            placement=placement,
-            model=model,
-            repeats=repeats,
-            p2p_ms=p2p_ms,
-            memory_limit_bytes=memory_limit,
-            device=device,
-        )
-    except ValidationError as error:
-        raise fail(format_validation_error(error)) from None
-    except ValueError as error:
-        raise fail(str(error)) from None
-    problem = measured.problem
-    write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
-    assert problem.costs is not None and problem.memory is not None
-    table = Table(
-        title=f"{model}: measured per stage (median ms, and min–max over {repeats} runs)", header_style="bold"
-    )
-    for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):
-        table.add_column(column, justify="right", no_wrap=column.endswith("ms"))
-    spread = {(x.kind, x.stage): x for x in measured.spreads}
-
-    def timed(kind: str, stage: int, median: float) -> str:
-        x = spread[(kind, stage)]
-        return f"{median:.3f} ({x.low:.3g}–{x.high:.3g})"
-
-    values = [
-        problem.stage_values(v)
-        for v in (
-            problem.costs.forward,
-            problem.costs.backward_input,
-            problem.costs.backward_weight,
-            problem.memory.activation,
-            problem.memory.retained_for_weight,
-        )
-    ]
-    for stage, (f, i, w, act, ret) in enumerate(zip(*values, strict=True)):
-        table.add_row(
-            str(stage),
-            timed("F", stage, f),
-            timed("I", stage, i),
-            timed("W", stage, w),
-            format_bytes(act),
-            format_bytes(ret),
-        )
-    console.print(table)
-    unsteady = measured.unsteady()
-    if unsteady:
-        worst = ", ".join(
-            f"{x.kind} of stage {x.stage} (interquartile range {100 * x.relative_iqr:.0f}% of its median)"
-            for x in unsteady[:3]
-        )
-        err_console.print(
-            f"[bold yellow]warning:[/bold yellow] {len(unsteady)} pass(es) spread by more than "
-            f"{100 * SPREAD_WARNING:.0f}% between runs: {worst}. The machine is busy or the passes are too short: "
-            "profile on an idle machine, or raise --repeats",
-            highlight=False,
-            soft_wrap=True,
-        )
-    console.print(f"wrote {output}", highlight=False)
-
-
-def settings_epilog() -> str:
-    """The ``PIPESCHED_*`` environment variables ``pipesched serve`` reads, from the service's settings."""
-    from pipesched.api.settings import Settings
-
-    lines = ["Environment variables (each overrides its default; --host/--port override those two):", ""]
-    for name, field in Settings.model_fields.items():
-        default = "a SQLite file in ~/.local/share/pipesched" if name == "database_url" else repr(field.default)
-        lines.append(f"PIPESCHED_{name.upper()}: {field.description} Default: {default}.")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def database_description(url: str) -> str:
-    """What ``pipesched serve`` says it stores into: the SQLite file's absolute path, or the URL without password."""
-    from sqlalchemy.engine import make_url
-
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        database = parsed.database or ""
-        if database in ("", ":memory:"):
-            return "SQLite in memory (nothing kept after exit)"
-        return f"SQLite file {Path(database).expanduser().resolve()}"
-    return parsed.render_as_string(hide_password=True)
-
-
-@app.command(epilog=settings_epilog())
-def serve(
-    host: Annotated[str | None, typer.Option(help="Interface to bind (default: PIPESCHED_HOST or 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help="TCP port (default: PIPESCHED_PORT or 8000).")] = None,
-) -> None:
-    """Run the HTTP service (settings from PIPESCHED_* environment variables; OpenAPI at /docs)."""
-    import uvicorn
-    from pydantic import ValidationError
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, OperationalError
-
-    from pipesched.api.app import create_app
-    from pipesched.api.settings import Settings, exposure_problem
-
-    updates = {key: value for key, value in (("host", host), ("port", port)) if value is not None}
-    try:
-        settings = Settings(**updates)  # the options override the environment, validated alike
-    except ValidationError as error:
-        lines = []
-        for item in error.errors():
-            name = str(item["loc"][0]) if item["loc"] else "?"
-            option = f" (or --{name})" if name in updates else ""
-            shown = "" if name == "api_token" else f" (got {item.get('input')!r})"
-            described = Settings.model_fields[name].description if name in Settings.model_fields else None
-            lines.append(
-                f"PIPESCHED_{name.upper()}{option}: {item['msg']}{shown}; set a valid value"
-                + (f" ({described})" if described else "")
-            )
-        raise fail("\n".join(lines)) from None
-    exposed = exposure_problem(settings)
-    if exposed is not None:
-        raise fail(exposed)
-    database_fix = "set PIPESCHED_DATABASE_URL to sqlite:///FILE or postgresql+psycopg://USER:PASSWORD@HOST/DATABASE"
-    from pipesched.api.queue import QueueSettingsError
-
-    try:
-        service = create_app(settings)
-    except QueueSettingsError as error:
-        raise fail(str(error)) from None
-    except ArgumentError as error:
-        raise fail(f"PIPESCHED_DATABASE_URL is not a usable database URL ({error}): {database_fix}") from None
-    except OperationalError as error:
-        where = make_url(settings.database_url).render_as_string(hide_password=True)
-        reason = str(error.orig or error).strip().splitlines()[0]
-        raise fail(
-            f"PIPESCHED_DATABASE_URL: cannot open the database {where} ({reason}): check that it exists and is "
-            f"reachable, or {database_fix}"
-        ) from None
-    err_console.print(
-        f"pipesched serve: database {database_description(settings.database_url)} (set PIPESCHED_DATABASE_URL to "
-        "change it)",
-        highlight=False,
-        soft_wrap=True,
-    )
-    uvicorn.run(
-        service,
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-    )
-
-
-@app.command()
-def worker(
-    processes: Annotated[
-        int | None, typer.Option("--processes", help="Solver processes (default: PIPESCHED_SOLVER_WORKERS).", min=1)
-    ] = None,
-    metrics_port: Annotated[
-        int | None,
-        typer.Option(
-            "--metrics-port", help="Prometheus /metrics port (default: PIPESCHED_WORKER_METRICS_PORT; 0: none)."
-        ),
-    ] = None,
-) -> None:
-    """Solve jobs from the PostgreSQL queue (run any number, on any machines, beside `pipesched serve` replicas
-    started with PIPESCHED_QUEUE=postgres on the same PIPESCHED_DATABASE_URL)."""
-    from pydantic import ValidationError
-    from sqlalchemy.engine import make_url
-
-    from pipesched.api.queue import QueueSettingsError, check_queue_settings
-    from pipesched.api.settings import Settings
-
-    try:
-        settings = Settings()
-    except ValidationError as error:
-        lines = []
-        for item in error.errors():
-            name = str(item["loc"][0]) if item["loc"] else "?"
-            described = Settings.model_fields[name].description if name in Settings.model_fields else None
-            shown = "" if name == "api_token" else f" (got {item.get('input')!r})"
-            lines.append(
-                f"PIPESCHED_{name.upper()}: {item['msg']}{shown}; set a valid value"
-                + (f" ({described})" if described else "")
-            )
-        raise fail("\n".join(lines)) from None
-    try:
-        check_queue_settings(settings, role="worker")
-    except QueueSettingsError as error:
-        raise fail(str(error)) from None
-    from pipesched.api.worker import run_worker
-
-    try:
-        run_worker(
-            settings,
-            processes=processes or settings.solver_workers,
-            metrics_port=settings.worker_metrics_port if metrics_port is None else metrics_port,
-        )
-    except Exception as error:
-        from pipesched.api.queue import DATABASE_FIX
-
-        if type(error).__name__ not in ("OperationalError", "PoolTimeout", "ArgumentError"):
-            raise
-        where = make_url(settings.database_url).render_as_string(hide_password=True)
-        reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0]
-        raise fail(
-            f"PIPESCHED_DATABASE_URL: cannot reach the database {where} ({reason}): check that the server runs and "
-            f"this machine may connect, or {DATABASE_FIX}"
-        ) from None
-
-
-@app.command()
 def plot(
     schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule file (pipesched solve).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="FILE.png, FILE.svg or FILE.html.")],
@@ -854,7 +386,7 @@ def plot(
 ) -> None:
     """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
     from pipesched.api.loading import load_schedule_file
-    from pipesched.api.plots import plot_to_file
+    from pipesched.api.render import plot_to_file
     from pipesched.optimizer.families import FamilyDomainError
     from pipesched.optimizer.solve import solve_family
 
@@ -878,7 +410,6 @@ def plot(
     console.print(f"wrote {output}", highlight=False)
 
 
-@app.command()
 def check(
     problem_path: Annotated[Path, typer.Argument(metavar="PROBLEM.json", help="Problem file (contract).")],
     schedule_path: Annotated[
@@ -936,15 +467,3 @@ def check(
                 err_console.print(render_grid(result.orders, violation.marks), highlight=False, soft_wrap=True)
     if not result.valid:
         raise typer.Exit(1)
-
-
-app.command(name="plan")(plan_command)
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":
-    main()
