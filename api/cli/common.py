@@ -20,17 +20,14 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def check_method(method: str) -> None:
-    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names (difflib)."""
-    import difflib
+def require_method(method: str) -> None:
+    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names."""
+    from pipesched.optimizer.families import UnknownMethodError, check_method
 
-    from pipesched.optimizer.problem import METHOD_NAMES
-
-    if method in METHOD_NAMES:
-        return
-    close = difflib.get_close_matches(method, METHOD_NAMES, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(close)}? " if close else ""
-    raise fail(f"--method {method!r} is not a method: {hint}choose one of {', '.join(METHOD_NAMES)}")
+    try:
+        check_method(method)
+    except UnknownMethodError as error:
+        raise fail(f"--method {error}") from None
 
 
 def require_torch(command: str) -> None:

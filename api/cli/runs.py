@@ -83,11 +83,11 @@ def run(
     parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
     """
     require_torch("run")
-    from pipesched.api.loading import load_schedule
+    from pipesched.api.loading import load_schedule_file
     from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
 
     try:
-        schedule = load_schedule(schedule_path)
+        schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
     training = None

@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipesched.api.cli.common import FORMATS, check_method, console, err_console, fail, write_output
-from pipesched.api.loading import InputError, load_problem
+from pipesched.api.cli.common import FORMATS, console, err_console, fail, require_method, write_output
+from pipesched.api.loading import InputError, load_problem_file
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit, decimals_against_limit, format_bytes
@@ -200,9 +200,9 @@ def solve(
     if output_format not in FORMATS:
         raise fail(f"--format must be one of {', '.join(FORMATS)}, got {output_format!r}")
     if method is not None:
-        check_method(method)
+        require_method(method)
     try:
-        problem = load_problem(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
+        problem = load_problem_file(problem_path, **{"solver.method": method, "solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
     try:
@@ -240,7 +240,7 @@ def compare(
     from pipesched.optimizer.solve import solve_family
 
     try:
-        problem = load_problem(problem_path, **{"solver.time_limit_s": time_limit})
+        problem = load_problem_file(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
     from pipesched.optimizer.families import FamilyDomainError
@@ -385,7 +385,7 @@ def plot(
     ] = None,
 ) -> None:
     """Gantt chart per rank with each rank's memory over time; the suffix of -o picks the format."""
-    from pipesched.api.loading import load_schedule
+    from pipesched.api.loading import load_schedule_file
     from pipesched.api.render import plot_to_file
     from pipesched.optimizer.families import FamilyDomainError
     from pipesched.optimizer.solve import solve_family
@@ -393,7 +393,7 @@ def plot(
     if output.suffix.lower() not in (".png", ".svg", ".html", ".htm"):
         raise fail(f"-o {output}: the file must end in .png, .svg or .html")
     try:
-        schedule = load_schedule(schedule_path)
+        schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
     other = None
@@ -425,10 +425,10 @@ def check(
 ) -> None:
     """Time and check a schedule written elsewhere: objective, bubble rate and peak memory per rank, or the first
     violation as a rank × step grid. Exit 1 for an invalid schedule, 2 for bad input."""
-    from pipesched.optimizer.checking import ScheduleInputError, check_schedule, read_schedule, render_grid
+    from pipesched.optimizer.check import ScheduleInputError, check_schedule, read_schedule, render_grid
 
     try:
-        problem = load_problem(problem_path)
+        problem = load_problem_file(problem_path)
     except InputError as error:
         raise fail(str(error)) from None
     try:

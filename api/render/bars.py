@@ -111,7 +111,7 @@ def _prepare(schedule: Schedule) -> _View:
         )
     inst = compile_for_orders(schedule.problem, schedule.orders())
     if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
-        from pipesched.optimizer.steady_state import pattern_memory_timelines
+        from pipesched.optimizer.pattern import pattern_memory_timelines
 
         memory_timeline, peak_memory = pattern_memory_timelines(schedule), schedule.peak_memory
     else:
