@@ -161,13 +161,15 @@ class Instance:
 
 def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     """Per (stage, microbatch) pair that ``orders`` runs a backward for: True when split (I or W), False when
-    fused (B). A pair with both forms counts as split; the simulator then rejects its B as unknown."""
+    fused (B). A pair with both forms counts as split; the simulator then rejects its B as unknown.
+    Communication actions and optimizer steps say nothing about the form (their ``microbatch`` is an
+    occurrence, their ``stage`` a rank for OPTIMIZER_STEP) and are ignored."""
     forms: dict[tuple[int, int], bool] = {}
     for row in orders:
         for action in row:
             if action.kind == ActionKind.BACKWARD:
                 forms.setdefault((action.stage, action.microbatch), False)
-            elif action.kind != ActionKind.FORWARD:
+            elif action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
                 forms[action.stage, action.microbatch] = True
     return forms
 

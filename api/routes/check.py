@@ -22,7 +22,8 @@ class CheckRequest(StrictModel):
     problem: ProblemDocument
     schedule: list[list[str]] | str = Field(
         description='One list of action strings per rank ([["0F0", "0I0", …], …]), or PyTorch\'s compute-only '
-        "CSV text (one row per rank; SEND_*/RECV_*/UNSHARD/RESHARD/REDUCE_GRAD skipped with a note)."
+        "CSV text (one row per rank; SEND_*/RECV_* skipped with a note; UNSHARD/RESHARD/REDUCE_GRAD/OPTIMIZER_STEP "
+        "read as optimizer/check.py says)."
     )
 
 
