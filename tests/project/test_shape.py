@@ -99,7 +99,6 @@ def test_every_family_is_named_in_its_own_module() -> None:
     assert all(files for files in named.values()), [name for name, files in named.items() if not files]
 
 
-@pytest.mark.xfail(reason="lands with the optimizer/runtime reshape (family registry)", strict=False)
 def test_each_family_name_is_a_literal_in_at_most_two_source_files() -> None:
     named = files_naming(family_names(), python_files(PACKAGES))
     spread = {
