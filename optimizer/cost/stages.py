@@ -52,7 +52,7 @@ from pipesched.optimizer.cost.flops import (
     layer_parameters,
     norm_parameters,
 )
-from pipesched.optimizer.cost.memory import layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.memory import LayerActivation, layer_activation, static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.partition import PartitionError, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
@@ -281,6 +281,34 @@ def _parallel_communication_ms(
     return forward, backward
 
 
+def _recomputation_ms(
+    model: ModelConfig,
+    hardware: Hardware,
+    flops: PassFlops,
+    memory: LayerActivation,
+    forward_ms: float,
+    communication_ms: float,
+) -> float:
+    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`)."""
+    if model.activation_recomputation == "selective" and model.attention == "flash":
+        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
+        linear_forward = flops.forward - flops.attention_forward
+        recomputed_bytes = memory.full - memory.activation
+        return (
+            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
+            + communication_ms / 2
+        )
+    if model.activation_recomputation == "selective":
+        return _ms(
+            flops.attention_forward if memory.scores else 0.0,
+            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,
+            hardware,
+        )
+    if model.activation_recomputation == "full":
+        return forward_ms
+    return 0.0
+
+
 def transformer_layer(
     model: ModelConfig,
     hardware: Hardware,
@@ -339,22 +367,7 @@ def transformer_layer(
         + communication_ms
         + backward_extra
     )
-    if model.activation_recomputation == "selective" and model.attention == "flash":
-        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        linear_forward = flops.forward - flops.attention_forward
-        recomputed_bytes = full_activation - memory.activation
-        backward_input_ms += (
-            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
-            + communication_ms / 2
-        )
-    elif model.activation_recomputation == "selective":
-        backward_input_ms += _ms(
-            flops.attention_forward if memory.scores else 0.0,
-            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,
-            hardware,
-        )
-    elif model.activation_recomputation == "full":
-        backward_input_ms += forward_ms
+    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, communication_ms)
     parameters, local_experts = _layer_parameters(model, t, ep, moe)
     return Block(
         forward_ms=forward_ms,
@@ -782,11 +795,7 @@ def derive_problem(
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
             static[rank] += _static_bytes(block, per_parameter, per_expert_parameter)
-    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
-    p2p_bytes /= _cp(context_parallel)  # each context-parallel rank sends its part of the sequence
-    if sequence_parallel:
-        p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
-    p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
+    p2p_ms = _p2p_ms(model, cluster, t if sequence_parallel else 1, _cp(context_parallel))
     costs = Costs(
         forward=[round(block.forward_ms, 6) for block in stages],
         backward_input=[round(block.backward_input_ms, 6) for block in stages],
@@ -801,6 +810,15 @@ def derive_problem(
     )
     units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
     return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+
+
+def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, sequence_shards: int, context_parallel: int) -> float:
+    """One activation (or gradient) transfer between stages: latency + s·b·h·dtype bytes over the link, each
+    tensor-parallel rank sending its sequence shard (sequence parallelism) and each context-parallel rank its
+    part of the sequence, ms."""
+    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
+    p2p_bytes /= sequence_shards * context_parallel
+    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 
 def _check_static_fits(
