@@ -57,13 +57,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PassFlops:
-    """Matrix-multiply FLOPs of F, I and W for one microbatch, and of the attention core inside F and I."""
+    """Matrix-multiply FLOPs of F, I and W for one microbatch, of the attention core inside F and I, and of a
+    mixture-of-experts layer's routed and shared experts inside F."""
 
     forward: float
     backward_input: float
     backward_weight: float
     attention_forward: float
     attention_backward: float = 0.0
+    experts_forward: float = 0.0
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -214,9 +216,12 @@ def layer_flops(
     s, b = model.seq_length, model.micro_batch_size
     tokens = s * b
     linear = 2.0 * tokens * layer_linear_parameters(model, moe=moe)
-    if moe and model.is_moe and model.moe_load_imbalance != 1.0:
-        routed = (model.num_experts_per_token or 1) * _matrices(model) * model.hidden_size * model.expert_ffn_size
-        linear += 2 * tokens * routed * (model.moe_load_imbalance - 1.0)
+    experts = 0.0
+    if moe and model.is_moe:
+        expert = _matrices(model) * model.hidden_size * model.expert_ffn_size
+        routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
+        linear += 2 * tokens * (model.num_experts_per_token or 1) * expert * (model.moe_load_imbalance - 1.0)
+        experts = 2.0 * tokens * (routed + model.num_shared_experts) * expert
     query_key, value = attention_core_width(model)
     attention = 2 * s * s * b * (query_key + value)
     if model.attention == "flash":
@@ -230,6 +235,7 @@ def layer_flops(
         backward_weight=linear / t,
         attention_forward=attention_forward / t,
         attention_backward=attention_backward / t,
+        experts_forward=experts / t,
     )
 
 

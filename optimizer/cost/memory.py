@@ -83,7 +83,9 @@ def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
     outputs the selective policy keeps). Dense GeLU 4f (W: 4h + 4f), SwiGLU 8f (W: 4h + 6f). A
     mixture-of-experts layer stores for each of its k·imbalance routed copies the dispatched input and the
     combined output (4h) and the expert's inner activations, for each shared expert the inner ones, and the
-    router's fp32 logits and probabilities (8·E bytes)."""
+    router's fp32 logits and probabilities (8·E bytes); under selective recomputation it keeps only the MoE
+    block's input and reruns the block (dispatch, experts, combine) in the backward, as Megatron-LM's
+    ``--recompute-modules moe`` (the Megatron MoE Model Zoo's long-context recipe)."""
     h, gelu = model.hidden_size, model.ffn_type == "gelu"
     if not (moe and model.is_moe):
         f = model.ffn_size
@@ -91,12 +93,11 @@ def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
     f = model.expert_ffn_size
     routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
     shared = model.num_shared_experts
-    inner, inner_retained, inner_kept = (4 * f, 4 * f, f) if gelu else (8 * f, 6 * f, 2 * f)
+    inner, inner_retained = (4 * f, 4 * f) if gelu else (8 * f, 6 * f)
     router = 8 * (model.num_experts or 0)
     stored = routed * (4 * h + inner) + shared * inner + router
     retained = routed * (4 * h + inner_retained) + shared * (2 * h + inner_retained) + router
-    kept = routed * (2 * h + inner_kept) + shared * inner_kept + router
-    return stored, retained, kept
+    return stored, retained, 2 * h  # selective: the MoE block's input only (Megatron's --recompute-modules moe)
 
 
 def layer_activation(

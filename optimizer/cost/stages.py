@@ -88,14 +88,17 @@ class Hardware:
     """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s), the fraction of
     the peak the matrix multiplies reach (``efficiency``) and the one FlashAttention's core reaches
     (``attention_efficiency``; Shah et al. 2024, "FlashAttention-3", abstract and §4.1: FlashAttention-2 at about
-    35% of an H100's bf16 peak, FlashAttention-3 up to 75% in its forward)."""
+    35% of an H100's bf16 peak, FlashAttention-3 up to 75% in its forward). Its default, 0.3, is read off the
+    published long-sequence runs of ``optimizer/cost/calibration/data`` where the attention core is most of the
+    work: NeMo's Llama 2 7B at 128K–1M tokens (cuDNN attention) fit 0.35 within 8%, torchtitan's context-parallel
+    Llama 3.1 runs (PyTorch SDPA) 0.2–0.3 (``bench/cpep_bench.py``)."""
 
     name: str
     memory_bytes: float
     flops_per_s: float
     memory_bandwidth_bytes_per_s: float
     efficiency: float
-    attention_efficiency: float = 0.5
+    attention_efficiency: float = 0.3
 
     @property
     def effective_flops_per_s(self) -> float:
@@ -253,13 +256,13 @@ def _parallel_communication_ms(
     c: int,
     expert_parallel: ExpertParallel | None,
     moe: bool,
-) -> tuple[float, float]:
-    """Exposed context- and expert-parallel communication of one layer's F and I, ms
-    (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`)."""
+) -> tuple[float, float, float]:
+    """Exposed context- and expert-parallel communication of one layer's F and I, and the expert all-to-alls
+    among F's, ms (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`)."""
     ep, overlap = _ep(expert_parallel)
     if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
-        return 0.0, 0.0
-    forward = backward = 0.0
+        return 0.0, 0.0, 0.0
+    forward = backward = experts = 0.0
     if c > 1:
         ring = ring_attention(
             model,
@@ -273,12 +276,13 @@ def _parallel_communication_ms(
     if ep > 1 and moe and model.is_moe:
         traffic = expert_traffic(model, cluster, expert_groups(model, t, ep), t, c)
         if overlap:  # the other microbatch's pass hides up to its own length
-            forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
+            experts = max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
             backward += max(0.0, traffic.backward_input_ms - _ms(flops.backward_input, 0.0, hardware))
         else:
-            forward += traffic.forward_ms
+            experts = traffic.forward_ms
             backward += traffic.backward_input_ms
-    return forward, backward
+        forward += experts
+    return forward, backward, experts
 
 
 def _recomputation_ms(
@@ -288,15 +292,23 @@ def _recomputation_ms(
     memory: LayerActivation,
     forward_ms: float,
     communication_ms: float,
+    experts_communication_ms: float = 0.0,
 ) -> float:
-    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`)."""
+    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`). Selective on a
+    mixture-of-experts layer reruns its whole expert block (:func:`pipesched.optimizer.cost.memory.layer_activation`):
+    the experts' forward and its dispatch and combine (``experts_communication_ms``)."""
     if model.activation_recomputation == "selective" and model.attention == "flash":
         # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        linear_forward = flops.forward - flops.attention_forward
+        linear_forward = flops.forward - flops.attention_forward - flops.experts_forward
         recomputed_bytes = memory.full - memory.activation
         return (
-            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
+            _ms(
+                0.5 * linear_forward + flops.experts_forward,
+                FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes,
+                hardware,
+            )
             + communication_ms / 2
+            + experts_communication_ms
         )
     if model.activation_recomputation == "selective":
         return _ms(
@@ -353,7 +365,7 @@ def transformer_layer(
         communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency) / c
         if moe and model.is_moe and ep > 1:
             communication_ms /= 2  # the experts run whole: only attention's collectives remain
-    forward_extra, backward_extra = _parallel_communication_ms(
+    forward_extra, backward_extra, experts_forward = _parallel_communication_ms(
         model, cluster, hardware, flops, t, c, expert_parallel, moe
     )
     flash = model.attention == "flash"
@@ -367,7 +379,9 @@ def transformer_layer(
         + communication_ms
         + backward_extra
     )
-    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, communication_ms)
+    backward_input_ms += _recomputation_ms(
+        model, hardware, flops, memory, forward_ms, communication_ms, experts_forward
+    )
     parameters, local_experts = _layer_parameters(model, t, ep, moe)
     return Block(
         forward_ms=forward_ms,
