@@ -43,7 +43,7 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
@@ -75,6 +75,7 @@ def _bubble(method: str) -> float:
     return AUTO_BUBBLE if method == "auto" else _estimate_of(method).bubble
 
 
+@cache
 def _estimate_of(method: str) -> PlannerEstimate:
     estimate = get_family(method).planner
     if estimate is None:

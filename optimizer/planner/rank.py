@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
@@ -40,6 +41,11 @@ __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search
 
 #: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
 MAX_CONFIGURATIONS = 100_000
+#: Share of ``search.time_limit_s`` the estimates of the enumerated configurations may take (the rest is for
+#: simulating them); a space larger than that is sampled (:func:`_estimate_within`).
+ESTIMATE_SHARE = 0.4
+#: Spaces larger than this are estimated in a seeded random order.
+SHUFFLE_ABOVE = 20_000
 #: The most rejected configurations ``search.explain`` lists.
 MAX_EXPLAINED = 200
 #: Problems larger than this (stages × microbatches) are not given to the auto search.
@@ -192,18 +198,38 @@ def prepare(request: PlanRequest) -> Prepared:
         )
     if not configurations:
         raise_field_errors("PlanRequest", _empty_space_errors(request))
-    estimates = [(config, estimator.estimate(config)) for config in configurations]
+    estimates = _estimate_within(estimator, configurations, started + ESTIMATE_SHARE * request.search.time_limit_s)
     fitting = [(config, estimate) for config, estimate in estimates if estimate.fits]
+    over = [(config, estimate) for config, estimate in estimates if not estimate.fits]
     rejected = [
         Rejected(configuration=config.as_dict(), reason=estimate.reason or "over memory")
-        for config, estimate in estimates
-        if not estimate.fits
+        for config, estimate in over[:MAX_EXPLAINED]
     ]
     if not fitting:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
-    searched = Searched(enumerated=len(configurations), pruned_memory=len(rejected))
+    searched = Searched(
+        enumerated=len(configurations),
+        pruned_memory=len(over),
+        unexplored=len(configurations) - len(estimates),
+    )
     return Prepared(request, estimator, fitting, rejected, searched, started)
+
+
+def _estimate_within(
+    estimator: Estimator, configurations: list[Configuration], deadline: float
+) -> list[tuple[Configuration, Estimate]]:
+    """Every configuration's estimate, or, when the deadline comes first, those of a seeded random sample (so a
+    large space cut short is not biased to the dimensions enumerated first). At least one is estimated."""
+    order = list(configurations)
+    if len(order) > SHUFFLE_ABOVE:
+        random.Random(0).shuffle(order)
+    estimates = []
+    for index, config in enumerate(order):
+        if index and index % 256 == 0 and time.perf_counter() >= deadline:
+            break
+        estimates.append((config, estimator.estimate(config)))
+    return estimates
 
 
 def _kth(steps: list[float], k: int) -> float:
@@ -292,7 +318,7 @@ def search(
             if first_answer_s is None:
                 first_answer_s = time.perf_counter() - started
         report("search", processed)
-    searched.unexplored = total - processed + too_slow
+    searched.unexplored += total - processed + too_slow
 
     # The auto schedule search on the best pipelined configurations, with the time left.
     auto_allowed = request.search.method is None or "auto" in request.search.method

@@ -16,7 +16,7 @@ degrees: the divisors of the expert count that divide t·c·d, up to ``MAX_EXPER
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
@@ -66,8 +66,8 @@ class Configuration:
     expert_parallel: int = 1
 
     def as_dict(self) -> dict[str, int | str]:
-        """The fields by name."""
-        return asdict(self)
+        """The fields by name (flat: every field is an int or a string)."""
+        return dict(self.__dict__)
 
     @property
     def num_stages(self) -> int:
