@@ -74,3 +74,16 @@ def test_expert_degrees_divide_the_experts_and_the_stage_gpus() -> None:
         assert stage_gpus % config.expert_parallel == 0
     dense = prepare(request({"preset": "llama3.1-8b"}, 1, 16, 5.0))
     assert {config.expert_parallel for config, _ in dense.candidates} == {1}
+
+
+def test_a_mixture_of_experts_search_on_16384_gpus_keeps_a_short_time_limit() -> None:
+    # DeepSeek-V3 on 16,384 H100s: some 64,000 configurations, more than 3 s can estimate; the estimates are
+    # sampled and the answer comes within the limit
+    limit = 4.0
+    started = time.perf_counter()
+    answer = plan(request({"preset": "deepseek-v3"}, 2048, 16384, limit)).answer
+    assert time.perf_counter() - started <= limit + 2.0
+    assert answer.searched.enumerated > 50_000
+    assert answer.searched.unexplored > 0
+    assert answer.plans, answer.error
+    assert answer.plans[0].expert_parallel > 1
