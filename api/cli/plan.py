@@ -63,7 +63,21 @@ def load_plan_request(path: Path, top: int | None = None, time_limit: float | No
 def print_plans(answer: PlanAnswer, out: Console) -> None:
     """The ranked plans as a table, then the search counts."""
     table = Table(title="plans, best first", title_justify="left")
-    for column in ("#", "pp", "tp", "dp", "chunks", "mb×m", "recompute", "method", "step ms", "tok/s/GPU", "MFU"):
+    for column in (
+        "#",
+        "pp",
+        "tp",
+        "cp",
+        "ep",
+        "dp",
+        "chunks",
+        "mb×m",
+        "recompute",
+        "method",
+        "step ms",
+        "tok/s/GPU",
+        "MFU",
+    ):
         table.add_column(column, justify="right" if column not in ("dp", "chunks", "recompute", "method") else "left")
     table.add_column("peak", justify="right")
     table.add_column("bound ms", justify="right")
@@ -72,6 +86,8 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             str(rank),
             str(plan.pipeline_parallel),
             str(plan.tensor_parallel),
+            str(plan.context_parallel),
+            str(plan.expert_parallel),
             f"{plan.data_parallel.size} {plan.data_parallel.sharding}",
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",
@@ -84,6 +100,11 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f"{plan.lower_bound_ms:.1f}",
         )
     out.print(table)
+    if answer.parameters is not None and answer.active_parameters is not None:
+        active = (
+            f", {answer.active_parameters / 1e9:.1f}B active" if answer.active_parameters < answer.parameters else ""
+        )
+        out.print(f"model: {answer.parameters / 1e9:.1f}B parameters{active}", highlight=False)
     searched = answer.searched
     out.print(
         f"searched: {searched.enumerated} enumerated, {searched.pruned_memory} pruned by memory, "
