@@ -273,8 +273,8 @@ class SolverOptions(_Strict):
         description='"auto" searches; a family name generates that schedule (GET /v1/methods lists them).',
     )
     time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
-    backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
-        None, description="Backends the auto portfolio may use; null for all."
+    backends: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None, description="Backends the auto portfolio may use (heuristic, cpsat, milp); null for all."
     )
     seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
 
