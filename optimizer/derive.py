@@ -15,7 +15,7 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
-from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
 from pipesched.optimizer.families import method_field_errors, registry
 from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
@@ -218,7 +218,7 @@ def _add_collectives(
         model=parts.model,
         cluster=parts.cluster,
         stage_parameters=[block.parameters for block in derived.stages],
-        stage_holders=stage_ranks(parts.pipeline),
+        stage_holders=parts.pipeline.stage_holders(),
         num_ranks=parts.pipeline.num_ranks,
         data_parallel_size=dp.size,
         sharding=dp.sharding,

@@ -202,7 +202,5 @@ def measure_model(
 
 
 def skeleton_stage_ranks(problem: Problem) -> list[int]:
-    """Rank of each stage id of ``problem`` (:func:`pipesched.optimizer.instance.stage_to_rank`)."""
-    from pipesched.optimizer.instance import stage_to_rank
-
-    return stage_to_rank(problem)
+    """Rank of each stage id of ``problem`` (:attr:`pipesched.optimizer.problem.Pipeline.stage_to_rank`)."""
+    return problem.pipeline.stage_to_rank

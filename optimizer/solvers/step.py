@@ -30,7 +30,7 @@ import time
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.communication import ReshardOrderError, add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem, compute_instance, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_problem, compute_instance
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
@@ -70,7 +70,7 @@ def _static_adjustment(problem: Problem, *, gathered: bool) -> list[float]:
         values, sign = problem.stage_values(problem.memory.gradients), -1.0
     else:
         return adjustment
-    for stage, rank in enumerate(stage_to_rank(problem)):
+    for stage, rank in enumerate(problem.pipeline.stage_to_rank):
         adjustment[rank] += sign * values[stage % num_stages] * fraction
     return adjustment
 
