@@ -596,7 +596,7 @@ def run(
         raise fail(str(error)) from None
     except RunFailed as error:
         raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
-    if "verified" not in report:
+    if report is None:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
     print_run_summary(report)
@@ -609,9 +609,9 @@ def run(
     if trace is not None:
         from pipesched.optimizer.export import run_report_to_chrome_trace
 
-        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report.model_dump(), predicted=schedule)))
         console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
-    if not report["verified"]:
+    if not report.verified:
         raise typer.Exit(1)
 
 

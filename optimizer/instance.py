@@ -167,7 +167,7 @@ def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
         for action in row:
             if action.kind == ActionKind.BACKWARD:
                 forms.setdefault((action.stage, action.microbatch), False)
-            elif action.kind != ActionKind.FORWARD:
+            elif action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
                 forms[action.stage, action.microbatch] = True
     return forms
 

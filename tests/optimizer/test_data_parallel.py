@@ -483,3 +483,19 @@ def test_ring_formulas_have_one_home() -> None:
     assert cost_collectives.all_reduce_ms is all_reduce_ms
     assert cost_collectives.reduce_scatter_ms is reduce_scatter_ms
     assert cost_collectives.all_gather_ms is all_gather_ms
+
+
+def test_a_fused_backward_schedule_with_collectives_is_read_back_as_fused() -> None:
+    """A stage's UNSHARD/REDUCE_GRAD carry no microbatch: reading a schedule's backward forms (B or I + W) ignores
+    them, so a fused-backward schedule with collectives re-times as itself (the runtime compiles every schedule
+    it runs this way)."""
+    from pipesched.optimizer.instance import backward_forms_of, compile_for_orders
+    from tests.conftest import uniform_problem
+
+    problem = uniform_problem(2, 4, split_backward=False).with_changes(
+        **{"data_parallel": {"size": 2, "sharding": "full"}, "costs.unshard": 0.5, "costs.reduce_grad": 0.5}
+    )
+    schedule = solve_family(problem, "1f1b")
+    assert set(backward_forms_of(schedule.orders()).values()) == {False}
+    simulated = simulate(compile_for_orders(schedule.problem, schedule.orders()), schedule.orders())
+    assert simulated.step_time == pytest.approx(schedule.step_time)
