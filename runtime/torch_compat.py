@@ -1,4 +1,4 @@
-"""The one module touching private ``torch.distributed.pipelining`` APIs (``docs/RUNTIME.md``).
+"""The one module touching private ``torch.distributed.pipelining`` APIs (``docs/RUNTIME.md``, "PyTorch facts").
 
 Supported torch: 2.13.x (the ``runtime`` extra pins ``torch==2.13.0``). Private names used here:
 ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight`` (the
