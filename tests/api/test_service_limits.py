@@ -234,7 +234,7 @@ def test_the_405_on_a_job_allows_get_and_delete(client: TestClient) -> None:
 
 
 def test_the_api_token_guards_every_v1_route(tmp_path: Path) -> None:
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", api_token="s3cret")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", api_token="s3cret-0123456789abcdef")
     app = create_app(settings)
     with TestClient(app) as client:
         checked = 0
@@ -282,7 +282,7 @@ def test_a_stored_schedule_that_does_not_read_back_is_a_failed_job_not_a_500(
 def test_exposure_needs_a_token_or_the_explicit_opt_out() -> None:
     assert exposure_problem(Settings(host="127.0.0.1")) is None
     assert exposure_problem(Settings(host="::1")) is None
-    assert exposure_problem(Settings(host="0.0.0.0", api_token="t")) is None
+    assert exposure_problem(Settings(host="0.0.0.0", api_token="t" * 16)) is None
     assert exposure_problem(Settings(host="0.0.0.0", allow_no_token=True)) is None
     message = exposure_problem(Settings(host="0.0.0.0"))
     assert message and "PIPESCHED_API_TOKEN" in message and "PIPESCHED_ALLOW_NO_TOKEN=1" in message
