@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Float, ForeignKey, Integer, String, Text, create_engine, event, func, select, update
+from sqlalchemy import Float, ForeignKey, Integer, String, Text, create_engine, event, func, select, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -44,6 +44,8 @@ __all__ = [
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 #: Longest wait for a PostgreSQL server to accept a connection, s.
 CONNECT_TIMEOUT_S = 5
+#: The advisory lock under which a process creates the tables ("tabl").
+_TABLES_LOCK_KEY = 0x7461626C
 ACTIVE_JOB_STATUSES = ("queued", "running")
 
 
@@ -184,7 +186,10 @@ class Store:
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
         self.engine = _make_engine(database_url)
-        Base.metadata.create_all(self.engine)
+        with self.engine.begin() as connection:
+            if connection.dialect.name == "postgresql":  # processes starting together create the tables once
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TABLES_LOCK_KEY})
+            Base.metadata.create_all(connection)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager

@@ -260,6 +260,23 @@ def test_a_body_that_is_not_sent_as_json_is_told_so(client: TestClient) -> None:
         assert detail["type"] == "content_type"
 
 
+def test_a_plan_on_impossible_links_or_memory_is_a_422_naming_the_field(client: TestClient) -> None:
+    """A 1e-300 B/s link (every estimate infinite: once answered as "0 plans, all over memory") and a GPU of 1 byte
+    (once blamed on cluster.accelerator as "a GPU's -2 GiB") are refused at once, each naming its own field."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 2, "gpus_per_node": 8},
+        "training": {"global_batch_size": 16},
+        "search": {"time_limit_s": 2},
+    }
+    for field, value in (("inter_node_bandwidth_bytes_per_s", 1e-300), ("memory_bytes", 1)):
+        answer = client.post("/v1/plans", json={**request, "cluster": {**request["cluster"], field: value}})
+        assert answer.status_code == 422, answer.text
+        (detail,) = answer.json()["detail"]
+        assert detail["loc"] == ["body", "cluster", field], detail
+    assert "memory_reserve_bytes" in detail["msg"] and "-2" not in detail["msg"]
+
+
 def test_an_unforeseen_error_is_a_json_500_naming_it(settings: Settings) -> None:
     app = create_app(settings)
 
