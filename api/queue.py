@@ -33,6 +33,7 @@ import contextlib
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -346,24 +347,32 @@ class QueueRunner:
         self.settings = settings
         self.poll_interval_s = poll_interval_s
         self.solves = Admission("solve", settings.sync_solver_workers + settings.max_queued_solves)
+        self._admitting = threading.Lock()
+        self._reserved = 0
         ensure_queue_schema(settings.database_url)
         self.app = build_queue_app(settings, asynchronous=False)
         self.app.open()
 
     def reserve_job(self) -> None:
-        """Admission for a job: refused while ``max_queued_jobs`` jobs wait in the database (any front end's).
+        """Admission for a job: refused while ``max_queued_jobs`` jobs wait in the database (any front end's),
+        counting this front end's jobs being stored (exact within a front end; front ends side by side may
+        overshoot by the requests they admit at the same moment).
 
         Raises:
             LaneFull: the queue is full (429); ``retry_after_s`` from the running jobs' time left.
         """
-        queued = self.store.count_jobs_by_status()["queued"]
-        if queued >= self.settings.max_queued_jobs:
-            left = self.store.running_jobs_time_left_s(DEADLINE_GRACE_S)
-            retry_after = max(1, min(3600, math.ceil(min(left, default=DEADLINE_GRACE_S))))
-            raise LaneFull("job", queued, self.settings.max_queued_jobs, retry_after)
+        with self._admitting:
+            queued = self.store.count_jobs_by_status()["queued"] + self._reserved
+            if queued >= self.settings.max_queued_jobs:
+                left = self.store.running_jobs_time_left_s(DEADLINE_GRACE_S)
+                retry_after = max(1, min(3600, math.ceil(min(left, default=DEADLINE_GRACE_S))))
+                raise LaneFull("job", queued, self.settings.max_queued_jobs, retry_after)
+            self._reserved += 1
 
     def release_job(self) -> None:
-        """Give back a reservation the job did not use (nothing to give back here)."""
+        """Give back a reservation: the job was deferred (its row counts now) or not stored."""
+        with self._admitting:
+            self._reserved = max(0, self._reserved - 1)
 
     def submit_job(self, job_id: str, attempt: int, time_limit_s: float, *, reserved: bool = False) -> None:
         """Defer the stored job to the workers (``attempt`` and ``time_limit_s`` are read from its row there).
@@ -372,13 +381,16 @@ class QueueRunner:
             DatabaseUnavailable: the task could not be deferred (the job is marked failed when the database
                 allows; else the workers' orphan sweep defers it once the database answers).
         """
-        del attempt, time_limit_s, reserved
+        del attempt, time_limit_s
         try:
             defer_job(self.app, job_id)
         except _queue_errors() as error:
             with contextlib.suppress(Exception):
                 self.store.fail_job(job_id, "the queue could not be reached to start this job: submit it again")
             raise DatabaseUnavailable(f"the queue cannot be reached ({type(error).__name__})") from error
+        finally:
+            if reserved:
+                self.release_job()
 
     def solve(self, problem: Problem, timeout_s: float) -> Schedule:
         """Have a worker solve ``problem`` and wait at most ``timeout_s`` for its stored schedule.
@@ -390,7 +402,7 @@ class QueueRunner:
             SolverDied: the task failed on the worker (its error is in the worker's log).
         """
         deadline_s = problem.solver.time_limit_s + DEADLINE_GRACE_S
-        with self.solves.place(timeout_s):
+        with self.solves.place(deadline_s):
             key = problem_key(problem)
             try:
                 task_id = self.app.configure_task(SOLVE_SYNC_TASK, queue=QUEUE_NAME, priority=SYNC_PRIORITY).defer(

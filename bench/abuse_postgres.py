@@ -55,9 +55,10 @@ class Setup:
         pattern = rf"job {job_id} attempt \d+: solving on"
         return sum(len(re.findall(pattern, worker.log())) for worker in self.workers)
 
-    def stalled_retries(self) -> float:
+    def stalled_retries(self, workers: list[Worker] | None = None) -> float:
+        """Stalled tasks the (live) workers handed back so far."""
         total = 0.0
-        for worker in self.workers:
+        for worker in self.workers if workers is None else workers:
             found = re.search(r"^pipesched_worker_stalled_tasks_retried_total (\S+)", worker.metrics(), re.M)
             total += float(found.group(1)) if found else 0.0
         return total
@@ -204,7 +205,6 @@ def _heartbeat_ages(setup: Setup) -> str:
 
 def worker_kill(setup: Setup, result: Case) -> None:
     client = setup.bench.client
-    retried_before = setup.stalled_retries()
     job_id = client.post("/v1/jobs", json=long_problem(2600, 6.0)).json()["id"]
     victim = None
     deadline = time.monotonic() + 60
@@ -214,6 +214,8 @@ def worker_kill(setup: Setup, result: Case) -> None:
     if victim is None:
         result.note = "no worker took the job within 60 s"
         return
+    survivors = [worker for worker in setup.workers if worker is not victim]
+    retried_before = setup.stalled_retries(survivors)
     time.sleep(1.0)
     os.kill(victim.process.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -223,7 +225,7 @@ def worker_kill(setup: Setup, result: Case) -> None:
     result.note = (
         f"the killed worker's job: {job['status']} as attempt {job['attempt']} {took:.1f} s after the kill, solved "
         f"{setup.solves(job_id)} times (killed + retry); stalled-task retries: "
-        f"{setup.stalled_retries() - retried_before:.0f}"
+        f"{setup.stalled_retries(survivors) - retried_before:.0f}"
     )
     index = setup.workers.index(victim)
     victim.stop()
