@@ -150,9 +150,10 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _make_engine(database_url: str) -> Engine:
+def _make_engine(database_url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
     if database_url.startswith("sqlite"):
-        engine = create_engine(database_url, connect_args={"timeout": 30, "check_same_thread": False})
+        pooling = {} if ":memory:" in database_url else {"pool_size": pool_size, "max_overflow": max_overflow}
+        engine = create_engine(database_url, connect_args={"timeout": 30, "check_same_thread": False}, **pooling)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -168,8 +169,8 @@ def _make_engine(database_url: str) -> Engine:
     return create_engine(
         database_url,
         pool_pre_ping=True,
-        pool_size=10,
-        max_overflow=20,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
         pool_timeout=10,
         connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
     )
@@ -191,6 +192,12 @@ class Store:
                 connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TABLES_LOCK_KEY})
             Base.metadata.create_all(connection)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # Health probes and counts on connections of their own: requests holding every pooled connection (a
+        # flood of submissions) never hold up /healthz or /metrics. (One in-memory SQLite database: one engine.)
+        self._monitor = (
+            self.engine if ":memory:" in database_url else _make_engine(database_url, pool_size=1, max_overflow=2)
+        )
+        self._monitor_sessions = sessionmaker(self._monitor, expire_on_commit=False)
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -199,13 +206,14 @@ class Store:
             yield session
 
     def ping(self) -> None:
-        """Raise when the database cannot be reached."""
-        with self._sessions() as session:
+        """Raise when the database cannot be reached (on the monitoring connections)."""
+        with self._monitor_sessions() as session:
             session.execute(select(1))
 
     def dispose(self) -> None:
-        """Close the engine's pooled connections (the app's shutdown; tests that open their own store)."""
+        """Close the engines' pooled connections (the app's shutdown; tests that open their own store)."""
         self.engine.dispose()
+        self._monitor.dispose()
 
     # --- schedules -------------------------------------------------------------------------------
 
@@ -463,9 +471,9 @@ class Store:
         return left
 
     def count_jobs_by_status(self) -> dict[str, int]:
-        """Jobs per status (every status present, zero when none)."""
+        """Jobs per status (every status present, zero when none; on the monitoring connections)."""
         counts = dict.fromkeys(JOB_STATUSES, 0)
-        with self._sessions() as session:
+        with self._monitor_sessions() as session:
             for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
                 counts[status] = int(count)
         return counts
