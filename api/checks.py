@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipesched.optimizer.checking import ScheduleInputError, check_schedule, read_schedule
+from pipesched.optimizer.check import ScheduleInputError, check_schedule, read_schedule
 from pipesched.optimizer.problem import Problem
 
 __all__ = ["ScheduleInputError", "run_check"]
@@ -18,7 +18,7 @@ def run_check(problem: Problem, schedule: list[list[str]] | str, max_actions: in
     """Time and check ``schedule`` (action lists per rank, or PyTorch's CSV text) on ``problem``.
 
     Returns:
-        :meth:`pipesched.optimizer.checking.CheckResult.to_dict` (valid with objective in ms, bubble rate, peak
+        :meth:`pipesched.optimizer.check.CheckResult.to_dict` (valid with objective in ms, bubble rate, peak
         memory per rank in bytes; or the first violation).
 
     Raises:

@@ -1,4 +1,4 @@
-"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.checking`).
+"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.check`).
 
 The check runs in the check lane (:func:`pipesched.api.checks.run_check`), and a request is admitted before its
 body is read (:class:`AdmittedCheck`): at most ``check_workers + max_queued_checks`` checks are read, queued or
@@ -19,7 +19,7 @@ from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
 from pipesched.api.routes._common import Services, field_error, prepare_problem, require_token, services, too_busy
 from pipesched.api.schemas import error_responses
 from pipesched.optimizer.derive import ProblemDocument
-from pipesched.optimizer.validation import StrictModel
+from pipesched.optimizer.field_errors import StrictModel
 
 
 class AdmittedCheck(APIRoute):
@@ -51,7 +51,8 @@ class CheckRequest(StrictModel):
     problem: ProblemDocument
     schedule: list[list[str]] | str = Field(
         description='One list of action strings per rank ([["0F0", "0I0", …], …]), or PyTorch\'s compute-only '
-        "CSV text (one row per rank; SEND_*/RECV_*/UNSHARD/RESHARD/REDUCE_GRAD skipped with a note)."
+        "CSV text (one row per rank; SEND_*/RECV_* skipped with a note; UNSHARD/RESHARD/REDUCE_GRAD/OPTIMIZER_STEP "
+        "read as optimizer/check.py says)."
     )
 
 
