@@ -60,6 +60,7 @@ from pipesched.optimizer.cost.stages import (
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.problem import stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -228,6 +229,7 @@ class Estimator:
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
+        ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
             tp = TensorParallel(size=degrees[0], sequence_parallel=self.sequence_parallel)
             head = head_block(
@@ -247,7 +249,7 @@ class Estimator:
             block = dense.times(dense_count) + layer.times(count - dense_count)
             if stage == 0:
                 block = block + embedding
-            rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
+            rank = ranks[stage]
             activation[rank] = max(activation[rank], block.activation_bytes)
             if stage == num_stages - 1:
                 block = block + head  # its logits are held by one microbatch at a time (F then B)
@@ -257,7 +259,7 @@ class Estimator:
             experts[rank] += block.expert_parameters
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
-        last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        last_rank = ranks[num_stages - 1]
         heaviest = max(range(p), key=lambda rank: parameters[rank])
         figures = _Layout(
             rank_compute_ms=compute[busiest],
