@@ -13,10 +13,13 @@ while the attention, norms, router and shared experts are reduced over the d·c 
 sends each token to its k experts and brings the results back: two all-to-alls in F (dispatch, combine) and
 two in the input-gradient backward I (the gradients, in reverse); W sends nothing. A GPU holds s·b/(c·t)
 tokens (sequence parallelism splits them over the tensor-parallel ranks, which dispatch their own), so one
-all-to-all moves s·b·k·h·dtype/(c·t) bytes from it, the busiest GPU ``moe_load_imbalance`` times that, of
-which the share bound to each peer goes over the link to that peer: with the expert mesh innermost after
-e_t, min(ep, gpus_per_node/e_t) of the ep GPUs share a node. Intra- and inter-node shares move at once, so
-an all-to-all takes the longer of the two, plus one latency per peer group.
+all-to-all moves s·b·k·h·dtype/(c·t) bytes from it, the busiest GPU ``moe_load_imbalance`` times that. With
+the expert mesh innermost after e_t, min(ep, gpus_per_node/e_t) of the ep GPUs share a node; inside one node
+the (ep − 1)/ep share bound for peers crosses NVLink. An expert group over N nodes dispatches hierarchically,
+as DeepEP (DeepSeek-V3 report §3.2.2) and Megatron's flex dispatcher do: a token crosses the network once per
+other node holding one of its k experts — (N − 1)·(1 − (1 − 1/N)^k) nodes on average for uniformly spread
+experts — and fans out to its experts there over NVLink; combine is the mirror image. Network and NVLink legs
+run at once, so an all-to-all takes the longer of the two, plus one latency per peer group.
 
 **Overlap** (DeepSeek-V3 §3.2.1, DualPipe; Megatron's ``--overlap-moe-expert-parallel-comm``): a schedule that
 runs one microbatch's forward beside another's backward can hide the all-to-alls of one behind the compute
@@ -117,10 +120,17 @@ def expert_traffic(
     inter = inter_bandwidth_bytes_per_s or cluster.inter_node_bandwidth_bytes_per_s
     tokens = model.seq_length * model.micro_batch_size / (context_parallel * tensor_parallel)
     top_k = model.num_experts_per_token or 1
-    sent = tokens * top_k * model.hidden_size * model.dtype_bytes * model.moe_load_imbalance
+    row = tokens * model.hidden_size * model.dtype_bytes * model.moe_load_imbalance
+    sent = row * top_k
     in_node = max(1, min(ep, cluster.gpus_per_node // groups.expert_tensor_parallel))
-    intra_ms = 1e3 * sent * (in_node - 1) / ep / intra
-    inter_ms = 1e3 * sent * (ep - in_node) / ep / inter
+    nodes = ep / in_node
+    if nodes > 1:
+        # each token crosses the network once per other node holding one of its experts, then fans out over NVLink
+        remote_nodes = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+        inter_ms = 1e3 * row * remote_nodes / inter
+        intra_ms = 1e3 * sent * in_node / ep / intra
+    else:
+        inter_ms, intra_ms = 0.0, 1e3 * sent * (ep - 1) / ep / intra
     peer_groups = 1 if in_node == ep else 2
     one = max(intra_ms, inter_ms) + peer_groups * cluster.collective_latency_ms
     link = "intra-node" if in_node == ep else "inter-node"

@@ -40,8 +40,11 @@ from pipesched.optimizer.units import format_bytes
 
 __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
 
-#: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
+#: The most configurations one request estimates (a 512-GPU 405B request has about 17,000; Qwen3-235B at 131K
+#: tokens on 256 GPUs, with context and expert parallelism, about 200,000): a larger space is sampled.
 MAX_CONFIGURATIONS = 100_000
+#: The most one request may enumerate before it must pin dimensions.
+MAX_ENUMERATED = 1_000_000
 #: Share of ``search.time_limit_s`` the estimates of the enumerated configurations may take (the rest is for
 #: simulating them); a space larger than that is sampled (:func:`_estimate_within`).
 ESTIMATE_SHARE = 0.4
@@ -204,16 +207,16 @@ def prepare(request: PlanRequest) -> Prepared:
     configurations = list(
         itertools.islice(
             enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
-            MAX_CONFIGURATIONS + 1,
+            MAX_ENUMERATED + 1,
         )
     )
-    if len(configurations) > MAX_CONFIGURATIONS:
+    if len(configurations) > MAX_ENUMERATED:
         raise_field_errors(
             "PlanRequest",
             [
                 (
                     ("search",),
-                    f"more than {MAX_CONFIGURATIONS:,} configurations on {request.cluster.num_gpus:,} GPUs: pin some "
+                    f"more than {MAX_ENUMERATED:,} configurations on {request.cluster.num_gpus:,} GPUs: pin some "
                     "dimensions in search (tensor_parallel, pipeline_parallel, micro_batch_size, method)",
                     None,
                 )
@@ -221,6 +224,9 @@ def prepare(request: PlanRequest) -> Prepared:
         )
     if not configurations:
         raise_field_errors("PlanRequest", _empty_space_errors(request))
+    enumerated = len(configurations)
+    if enumerated > MAX_CONFIGURATIONS:
+        configurations = random.Random(0).sample(configurations, MAX_CONFIGURATIONS)
     estimates = _estimate_within(estimator, configurations, started + ESTIMATE_SHARE * request.search.time_limit_s)
     fitting = [(config, estimate) for config, estimate in estimates if estimate.fits]
     over = [(config, estimate) for config, estimate in estimates if not estimate.fits]
@@ -231,11 +237,7 @@ def prepare(request: PlanRequest) -> Prepared:
     if not fitting:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
-    searched = Searched(
-        enumerated=len(configurations),
-        pruned_memory=len(over),
-        unexplored=len(configurations) - len(estimates),
-    )
+    searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     return Prepared(request, estimator, fitting, rejected, searched, started)
 
 
