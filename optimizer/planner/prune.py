@@ -11,7 +11,9 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.cost.collectives`)
+  time (the one computing and the prefetched next); with ``gradients``/``full`` one layer's unsharded fp32
+  gradients as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert parallelism is a unit
+  of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
   estimate stays at or under the simulated peak and prunes no configuration that fits.
 - **Activations in flight** on the first and the last rank at their peak, as each family declares them
@@ -42,6 +44,7 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache, cached_property
 
@@ -128,6 +131,8 @@ class _Layout:
     first_expert_parameters: float = 0.0
     last_expert_parameters: float = 0.0
     max_expert_parameters: float = 0.0
+    heaviest_position: float = 0.0
+    max_chunk_activation: float = 0.0
 
 
 class Estimator:
@@ -275,6 +280,8 @@ class Estimator:
             first_expert_parameters=experts[0],
             last_expert_parameters=experts[last_rank],
             max_expert_parameters=experts[heaviest],
+            heaviest_position=heaviest / (p - 1) if p > 1 else 0.0,
+            max_chunk_activation=max(activation),
         )
         self._layouts[key] = figures
         return figures
@@ -297,6 +304,8 @@ class Estimator:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
         if config.sharding == "full" and copies > 1 and config.pipeline_parallel == 1:
             static += 2 * layer_parameters * self.model.dtype_bytes
+        if config.sharding in ("gradients", "full") and copies > 1:
+            static += 4.0 * layer_parameters * (copies - 1) / copies  # one FSDP unit's unsharded fp32 gradients
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
@@ -374,8 +383,16 @@ class Estimator:
             + heads * layout.head_activation
             + layout.transient_bytes
         )
-        peak = max(peak_first, peak_last)
-        static = max(static_first, static_last)
+        # the rank holding the most parameters (a middle one when the first layers are dense: DeepSeek-V3), its
+        # activations in flight between the first rank's and the last's by its position (loop placements)
+        static_heaviest = self.static_bytes(
+            config, layout.max_parameters, layout.layer_parameters, layout.max_expert_parameters
+        )
+        position = 0.0 if config.placement == "v" else layout.heaviest_position  # a V holds as much on every rank
+        heaviest_count = math.floor(first_count + (last_count - first_count) * position)
+        peak_heaviest = static_heaviest + heaviest_count * layout.max_chunk_activation
+        peak = max(peak_first, peak_last, peak_heaviest)
+        static = max(static_first, static_last, static_heaviest)
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
         bound = m * layout.rank_compute_ms + optimizer
@@ -390,7 +407,12 @@ class Estimator:
         limit = self.limit_bytes
         fits = peak <= limit
         reason = None
-        if not fits:
+        if not fits and peak_heaviest > max(peak_first, peak_last):
+            reason = (
+                f"needs about {format_bytes(peak)} on its heaviest pipeline rank (static {format_bytes(static)}) over "
+                f"the {format_bytes(limit)} a GPU offers"
+            )
+        elif not fits:
             which = "first" if peak_first >= peak_last else "last"
             reason = (
                 f"needs about {format_bytes(peak)} on the {which} pipeline rank (static {format_bytes(static)}, "
