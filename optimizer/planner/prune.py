@@ -12,7 +12,7 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
   time (the one computing and the prefetched next); with ``gradients``/``full`` one layer's unsharded fp32
-  gradients as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert parallelism is a unit
+  gradients per local stage as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert parallelism is a unit
   of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
   estimate stays at or under the simulated peak and prunes no configuration that fits.
@@ -304,8 +304,9 @@ class Estimator:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
         if config.sharding == "full" and copies > 1 and config.pipeline_parallel == 1:
             static += 2 * layer_parameters * self.model.dtype_bytes
-        if config.sharding in ("gradients", "full") and copies > 1:
-            static += 4.0 * layer_parameters * (copies - 1) / copies  # one FSDP unit's unsharded fp32 gradients
+        if config.sharding in ("gradients", "full") and copies > 1:  # each local stage's largest FSDP unit's
+            units = config.stages_per_rank  # unsharded fp32 gradients (the step model's memory.gradients)
+            static += units * 4.0 * layer_parameters * (copies - 1) / copies
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:

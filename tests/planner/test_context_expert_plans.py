@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pipesched.optimizer.planner.evaluate import build_problem
 from pipesched.optimizer.planner.rank import plan, prepare
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.presets import PUBLISHED_PARAMETERS
@@ -87,3 +88,38 @@ def test_a_mixture_of_experts_search_on_16384_gpus_keeps_a_short_time_limit() ->
     assert answer.searched.unexplored > 0
     assert answer.plans, answer.error
     assert answer.plans[0].expert_parallel > 1
+
+
+def test_the_memory_estimate_sees_deepseeks_heaviest_rank() -> None:
+    # DeepSeek-V3's three dense first layers make the first pipeline rank light and the next ones heavy: the
+    # estimate must count the heaviest rank's weights, state and one FSDP unit's gradients, as the derivation does
+    prepared = prepare(
+        request(
+            {"preset": "deepseek-v3"},
+            128,
+            8192,
+            10.0,
+            pipeline_parallel=[16],
+            tensor_parallel=[4],
+            data_parallel_size=[16],
+            sharding=["full"],
+            stages_per_rank=[2],
+            placement=["v"],
+            micro_batch_size=[1],
+            activation_recomputation=["full"],
+            method=["zb-v"],
+            expert_parallel=[1],
+        )
+    )
+    config, estimate = prepared.candidates[0]
+    problem = build_problem(prepared.estimator, config)
+    assert problem.memory is not None and problem.memory.weights is not None
+    holders = problem.pipeline.stage_holders()
+    weights = problem.stage_values(problem.memory.weights)
+    held = [
+        static + sum(weights[stage] for stage, ranks in enumerate(holders) if rank in ranks)
+        for rank, static in enumerate(problem.static_memory)
+    ]
+    heaviest = max(range(len(held)), key=held.__getitem__)
+    assert heaviest > 0  # not the first rank
+    assert estimate.static_bytes >= 0.9 * held[heaviest]
