@@ -12,8 +12,8 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
   time (the one computing and the prefetched next); with ``gradients``/``full`` one layer's unsharded fp32
-  gradients per local stage as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert parallelism is a unit
-  of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
+  gradients per local stage as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert
+  parallelism is a unit of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
   estimate stays at or under the simulated peak and prunes no configuration that fits.
 - **Activations in flight** on the first and the last rank at their peak, as each family declares them
