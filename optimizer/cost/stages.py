@@ -24,8 +24,8 @@ Sources and model:
   T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
 - Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
   main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
-  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). ``shard_optimizer_state`` divides the master weights
-  and moments by ``data_parallel_size`` (ZeRO stage 1).
+  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). The problem's ``data_parallel`` sharding divides them by
+  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`).
 - Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
   V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
 """
@@ -64,7 +64,6 @@ __all__ = [
     "embedding_block",
     "head_block",
     "resolve_hardware",
-    "static_bytes_per_parameter",
     "transformer_layer",
 ]
 
@@ -314,21 +313,6 @@ def head_block(
     )
 
 
-def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> float:
-    """Bytes per parameter for weights, gradients and Adam state (ZeRO paper, Sec. 3.1; module docstring).
-
-    Mixed precision (fp16/bf16): 2 weights + 4 fp32 gradients + 12 optimizer (fp32 master, m, v) = 18.
-    fp32: 4 + 4 + 8 = 16. With ``shard_optimizer_state`` the optimizer part is divided by ``data_parallel_size``.
-    """
-    if model.dtype == "fp32":
-        weights, gradients, optimizer = 4.0, 4.0, 8.0
-    else:
-        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
-    if cluster.shard_optimizer_state:
-        optimizer /= cluster.data_parallel_size
-    return weights + gradients + optimizer
-
-
 @dataclass
 class DerivedProblem:
     """What :func:`derive_problem` derived.
@@ -425,10 +409,10 @@ def _check_tensor_parallel(
     ]
 
 
-def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
-    if data_parallel is None:
-        return static_bytes_per_parameter(model, cluster)
-    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
+    """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
+    group = data_parallel or DataParallel()
+    return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
 
 
 def _transient_bytes(
@@ -459,10 +443,10 @@ def derive_problem(
 
     ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
     :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only), in place of
-    ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
-    gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
-    :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
+    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
+    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
+    held while a stage computes.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -490,7 +474,7 @@ def derive_problem(
     layer = transformer_layer(model, hardware, tensor_parallel, cluster)
     embedding = embedding_block(model, hardware, tensor_parallel, cluster)
     head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
-    per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
+    per_parameter = _per_parameter_bytes(model, data_parallel)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
     holders = pipeline.stage_holders()
 
@@ -536,8 +520,9 @@ def derive_problem(
         ranks_needed = math.ceil(total_static * copies / limit)
         loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
         shard_hint = (
-            " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
-            if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
+            ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": '
+            '"optimizer"})'
+            if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
             else ""
         )
         raise_field_errors(

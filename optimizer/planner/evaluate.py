@@ -26,7 +26,7 @@ from pipesched.optimizer.families import FamilyDomainError, get_family, registry
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.planner.prune import Estimate, Estimator
-from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
+from pipesched.optimizer.planner.request import Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule, build_schedule
@@ -120,11 +120,7 @@ def build_problem(estimator: Estimator, config: Configuration, time_limit_s: flo
     if config.tensor_parallel > 1:
         document["tensor_parallel"] = {"size": config.tensor_parallel, "sequence_parallel": estimator.sequence_parallel}
     if config.data_parallel_size > 1:
-        document["data_parallel"] = {
-            "size": config.data_parallel_size,
-            "sharding": config.sharding,
-            "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
-        }
+        document["data_parallel"] = config.data_parallel.model_dump(mode="json")
     return load_problem(document)
 
 
@@ -187,7 +183,7 @@ def _plan(
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,
-        data_parallel=DataParallelPlan(size=config.data_parallel_size, sharding=config.sharding),
+        data_parallel=config.data_parallel,
         stages_per_rank=config.stages_per_rank,
         placement=config.placement,
         micro_batch_size=config.micro_batch_size,

@@ -15,8 +15,8 @@ from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import get_family, registry
-from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
-from pipesched.optimizer.problem import Pipeline
+from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
+from pipesched.optimizer.problem import SHARDINGS, DataParallel, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
@@ -41,7 +41,7 @@ class Configuration:
     pipeline_parallel: int
     tensor_parallel: int
     data_parallel_size: int
-    sharding: str
+    sharding: Sharding
     stages_per_rank: int
     placement: str
     micro_batch_size: int
@@ -57,6 +57,13 @@ class Configuration:
     def num_stages(self) -> int:
         """Model chunks: ``pipeline_parallel × stages_per_rank``."""
         return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """The configuration's data-parallel group; without a pipeline, fully sharded weights are freed after
+        each forward (FSDP's default), with one they stay gathered (torchtitan under pipeline parallelism)."""
+        reshard = self.sharding == "full" and self.pipeline_parallel == 1
+        return DataParallel(size=self.data_parallel_size, sharding=self.sharding, reshard_after_forward=reshard)
 
 
 #: The search dimensions, by field name.
@@ -162,7 +169,7 @@ def enumerate_space(
             if not ignore_batch and global_batch_size % d:
                 continue
             local = global_batch_size // d if not ignore_batch else None
-            for sharding in SHARDING if d > 1 else ("none",):
+            for sharding in SHARDINGS if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
                 for v, placement in layouts(p, model.num_layers):
