@@ -143,7 +143,7 @@ def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Est
     state = parameters * static_bytes_per_parameter_sharded(request.model, "full", 1)
     gpus = math.ceil(state / max(limit, 1.0))
     nodes = math.ceil(gpus / request.cluster.gpus_per_node)
-    loc = ("cluster", "accelerator" if request.cluster.accelerator else "memory_bytes")
+    loc = _memory_field(request)
     return (
         loc,
         f"no configuration fits a GPU's {format_bytes(limit)}: the least any needs is "
@@ -153,7 +153,27 @@ def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Est
         f"alone need {format_bytes(state)} of weights, gradients and Adam state, at least {gpus} GPUs "
         f"({nodes} nodes) fully sharded: use GPUs with ≥ {format_bytes(least.peak_memory_bytes)}, more nodes, "
         "or a smaller global batch or sequence",
-        request.cluster.accelerator or request.cluster.memory_bytes,
+        request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
+    )
+
+
+def _memory_field(request: PlanRequest) -> tuple[str, str]:
+    """The field that sets a GPU's memory: ``cluster.memory_bytes`` when given (it overrides the catalogue's
+    figure), else ``cluster.accelerator``."""
+    explicit = request.cluster.memory_bytes is not None or not request.cluster.accelerator
+    return ("cluster", "memory_bytes" if explicit else "accelerator")
+
+
+def _no_room_error(request: PlanRequest, memory_bytes: float) -> FieldError:
+    """A GPU whose memory the reserve takes whole (the schedule's cost model refuses the same)."""
+    reserve = request.cluster.memory_reserve_bytes
+    loc = _memory_field(request)
+    return (
+        loc,
+        f"a GPU's {format_bytes(memory_bytes)} leaves nothing once cluster.memory_reserve_bytes = "
+        f"{format_bytes(reserve)} is kept free: give cluster.memory_bytes in bytes (an H100 has 80e9), or a reserve "
+        f"below {format_bytes(memory_bytes)}",
+        request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
     )
 
 
@@ -172,7 +192,9 @@ def prepare(request: PlanRequest) -> Prepared:
         request.training.global_batch_size,
         sequence_parallel=request.search.sequence_parallel,
     )
-    estimator.hardware  # noqa: B018 - resolve the accelerator now: an unknown one is a field error
+    hardware = estimator.hardware  # resolve the accelerator now: an unknown one is a field error
+    if estimator.limit_bytes <= 0:
+        raise_field_errors("PlanRequest", [_no_room_error(request, hardware.memory_bytes)])
     configurations = list(
         itertools.islice(
             enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
