@@ -520,8 +520,7 @@ def derive_problem(
         ranks_needed = math.ceil(total_static * copies / limit)
         loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
         shard_hint = (
-            ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": '
-            '"optimizer"})'
+            ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
             if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
             else ""
         )

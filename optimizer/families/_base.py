@@ -32,6 +32,7 @@ __all__ = [
     "applicable_families",
     "backward",
     "check_method",
+    "default_family",
     "discover_families",
     "family_names",
     "get_family",
@@ -82,8 +83,6 @@ class PlannerEstimate:
         last_rank_like_first: the last rank holds as many activations as the first (every forward runs before
             any backward); otherwise it holds at most one microbatch per local stage.
         min_stages_per_rank: the fewest stages per rank the planner tries the family with.
-        single_rank: the family the planner runs when a configuration has no pipeline (p = 1): plain
-            gradient accumulation.
     """
 
     in_flight: Callable[[int, int, int], int]
@@ -91,7 +90,6 @@ class PlannerEstimate:
     seconds_per_thousand_actions: float
     last_rank_like_first: bool = False
     min_stages_per_rank: int = 1
-    single_rank: bool = False
 
 
 #: How each named placement lays stages on ranks, for the domain errors (contract, Terms: placement).
@@ -125,6 +123,8 @@ class FamilySpec:
         check_problem: further conditions on the problem (e.g. the model); raises :class:`FamilyDomainError`.
         torch: the PyTorch schedule class it mirrors, if any.
         planner: what the planner assumes of it; ``None``: the planner does not try it.
+        default: the schedule people start from (Megatron-LM's and torchtitan's default); the planner runs it
+            when a configuration has no pipeline (plain gradient accumulation). Exactly one family is.
     """
 
     name: str
@@ -142,6 +142,7 @@ class FamilySpec:
     check_problem: Callable[[Problem], None] | None = None
     torch: TorchClass | None = None
     planner: PlannerEstimate | None = None
+    default: bool = False
 
     @property
     def domain(self) -> str:
@@ -320,6 +321,18 @@ def method_names() -> tuple[str, ...]:
 def no_flush_methods() -> tuple[str, ...]:
     """Methods that run without a pipeline flush (``training.flush: false``): ``auto`` and the families so declared."""
     return ("auto", *(spec.name for spec in _declared() if not spec.flush))
+
+
+def default_family() -> FamilySpec:
+    """The family declared ``default`` (:attr:`FamilySpec.default`).
+
+    Raises:
+        RuntimeError: unless exactly one family is.
+    """
+    defaults = [spec for spec in _declared() if spec.default]
+    if len(defaults) != 1:
+        raise RuntimeError(f"exactly one family declares default=True, found {[spec.name for spec in defaults]}")
+    return defaults[0]
 
 
 def get_family(name: str) -> FamilySpec:

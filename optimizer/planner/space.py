@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.families import get_family, registry
+from pipesched.optimizer.families import default_family, get_family, registry
 from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
 from pipesched.optimizer.problem import SHARDINGS, DataParallel, Pipeline, Sharding
 
@@ -93,10 +93,10 @@ def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
 @cache
 def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the family declared for plain gradient accumulation)."""
-    tried = [family for family in registry().values() if family.planner is not None]
+    (one rank: the default family, plain gradient accumulation)."""
     if pipeline_parallel == 1:
-        return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
+        return (default_family().name,)
+    tried = [family for family in registry().values() if family.planner is not None]
     return tuple(
         family.name
         for family in tried

@@ -121,7 +121,7 @@ def test_the_literal_count_sees_whole_literals_only(tmp_path: Path) -> None:
 def test_the_room_graph_sees_the_rooms(rooms: dict[str, set[str]]) -> None:
     assert {"pipesched.api.cli", "pipesched.api.render", "pipesched.optimizer.families"} <= set(rooms)
     assert "pipesched.api.render" in rooms["pipesched.api.cli"]
-    assert "pipesched.optimizer.simulate" in rooms["pipesched.api.render"]
+    assert "pipesched.optimizer.pattern" in rooms["pipesched.api.render"]
 
 
 def test_no_two_rooms_import_each_other(rooms: dict[str, set[str]]) -> None:
