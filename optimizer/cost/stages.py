@@ -469,39 +469,89 @@ def derive_problem(
         "Problem",
         _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
     )
-    t, sequence_parallel = _tp(tensor_parallel)
-
-    layer = transformer_layer(model, hardware, tensor_parallel, cluster)
-    embedding = embedding_block(model, hardware, tensor_parallel, cluster)
-    head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
-    per_parameter = _per_parameter_bytes(model, data_parallel)
+    blocks = _StageBlocks(
+        model,
+        data_parallel,
+        num_stages,
+        layer=transformer_layer(model, hardware, tensor_parallel, cluster),
+        embedding=embedding_block(model, hardware, tensor_parallel, cluster),
+        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1),
+        per_parameter=_per_parameter_bytes(model, data_parallel),
+    )
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
     holders = pipeline.stage_holders()
+    _check_room(blocks, cluster, hardware, limit, num_ranks, copies=max(len(ranks) for ranks in holders))
+    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
+    stages = [blocks.block(stage, count) for stage, count in enumerate(layers_per_stage)]
+    static = [0.0] * num_ranks
+    for stage, block in enumerate(stages):
+        for rank in holders[stage]:
+            static[rank] += block.parameters * blocks.per_parameter
+    costs = Costs(
+        forward=[round(block.forward_ms, 6) for block in stages],
+        backward_input=[round(block.backward_input_ms, 6) for block in stages],
+        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
+        p2p=round(_p2p_ms(model, cluster, tensor_parallel), 6),
+    )
+    memory = Memory(
+        activation=[float(round(block.activation_bytes)) for block in stages],
+        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
+        limit=float(round(limit)),
+        static=[float(round(value)) for value in static],
+    )
+    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
 
-    def stage_block(stage: int, count: int) -> Block:
-        block = layer.times(count)
+
+@dataclass(frozen=True)
+class _StageBlocks:
+    """A stage of ``count`` layers as one block: the layers, plus the embedding on stage 0 and the head on the
+    last; with its memory while it computes (static state, transient gathered weights, one microbatch)."""
+
+    model: ModelConfig
+    data_parallel: DataParallel | None
+    num_stages: int
+    layer: Block
+    embedding: Block
+    head: Block
+    per_parameter: float
+
+    def block(self, stage: int, count: int) -> Block:
+        """Times, activations and parameters of the stage."""
+        block = self.layer.times(count)
         if stage == 0:
-            block = block + embedding
-        if stage == num_stages - 1:
-            block = block + head
+            block = block + self.embedding
+        if stage == self.num_stages - 1:
+            block = block + self.head
         return block
 
-    def largest_unit(stage: int, count: int) -> float:
-        units = [layer.parameters] if count else []
+    def largest_unit(self, stage: int, count: int) -> float:
+        """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
+        units = [self.layer.parameters] if count else []
         if stage == 0:
-            units.append(embedding.parameters)
-        if stage == num_stages - 1:
-            units.append(head.parameters)
+            units.append(self.embedding.parameters)
+        if stage == self.num_stages - 1:
+            units.append(self.head.parameters)
         return max(units, default=0.0)
 
-    def stage_memory(stage: int, count: int) -> float:
-        block = stage_block(stage, count)
-        transient = _transient_bytes(model, data_parallel, block.parameters, largest_unit(stage, count))
-        return block.parameters * per_parameter + transient + block.activation_bytes
+    def memory(self, stage: int, count: int) -> float:
+        """Bytes the stage holds while it computes one microbatch."""
+        block = self.block(stage, count)
+        transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
+        return block.parameters * self.per_parameter + transient + block.activation_bytes
 
-    total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
-    total_static += model.num_layers * layer.parameters * per_parameter
-    copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
+
+def _check_room(
+    blocks: _StageBlocks, cluster: ClusterConfig, hardware: Hardware, limit: float, num_ranks: int, *, copies: int
+) -> None:
+    """The reserve leaves memory, and the weights, gradients and optimizer state fit the ranks at all.
+
+    Raises:
+        pydantic.ValidationError: on ``cluster.memory_reserve_bytes`` or the accelerator, with the ranks needed.
+    """
+    per_parameter, model = blocks.per_parameter, blocks.model
+    total_static = sum(blocks.block(stage, 0).parameters for stage in range(blocks.num_stages)) * per_parameter
+    total_static += model.num_layers * blocks.layer.parameters * per_parameter
     if limit <= 0:
         raise_field_errors(
             "Problem",
@@ -515,80 +565,76 @@ def derive_problem(
                 )
             ],
         )
-    if total_static * copies / num_ranks > limit:
-        needed = total_static * copies / num_ranks
-        ranks_needed = math.ceil(total_static * copies / limit)
-        loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
-        shard_hint = (
-            ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
-            if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
-            else ""
+    if total_static * copies / num_ranks <= limit:
+        return
+    needed = total_static * copies / num_ranks
+    ranks_needed = math.ceil(total_static * copies / limit)
+    data_parallel = blocks.data_parallel
+    shard_hint = (
+        ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
+        if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
+        else ""
+    )
+    raise_field_errors(
+        "Problem",
+        [
+            (
+                ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
+                f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
+                f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
+                f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks{shard_hint}",
+                cluster.accelerator or cluster.memory_bytes,
+            )
+        ],
+    )
+
+
+def _layers_per_stage(
+    blocks: _StageBlocks, cluster: ClusterConfig, holders: list[list[int]], num_ranks: int, limit: float
+) -> list[int]:
+    """``model.layers_per_stage`` when given, else :func:`partition_layers` (slowest stage least, every rank
+    within its limit).
+
+    Raises:
+        pydantic.ValidationError: no partition fits (on the accelerator, with the fixes).
+    """
+    model = blocks.model
+    if model.layers_per_stage is not None:
+        return list(model.layers_per_stage)
+    try:
+        return partition_layers(
+            model.num_layers,
+            blocks.num_stages,
+            stage_time=lambda stage, count: blocks.block(stage, count).compute_ms,
+            stage_memory=blocks.memory,
+            stage_ranks=holders,
+            num_ranks=num_ranks,
+            limit=limit,
         )
+    except PartitionError as error:
         raise_field_errors(
             "Problem",
             [
                 (
-                    loc,
-                    f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
-                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
-                    f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
-                    f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
-                    f"{shard_hint}",
+                    ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                    f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
+                    "micro_batch_size, activation recomputation, or shard optimizer state",
                     cluster.accelerator or cluster.memory_bytes,
                 )
             ],
         )
+        raise
 
-    if model.layers_per_stage is not None:
-        layers_per_stage = list(model.layers_per_stage)
-    else:
-        try:
-            layers_per_stage = partition_layers(
-                model.num_layers,
-                num_stages,
-                stage_time=lambda stage, count: stage_block(stage, count).compute_ms,
-                stage_memory=stage_memory,
-                stage_ranks=holders,
-                num_ranks=num_ranks,
-                limit=limit,
-            )
-        except PartitionError as error:
-            raise_field_errors(
-                "Problem",
-                [
-                    (
-                        ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
-                        f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
-                        "micro_batch_size, activation recomputation, or shard optimizer state",
-                        cluster.accelerator or cluster.memory_bytes,
-                    )
-                ],
-            )
-            raise
 
-    stages = [stage_block(stage, count) for stage, count in enumerate(layers_per_stage)]
-    static = [0.0] * num_ranks
-    for stage, block in enumerate(stages):
-        for rank in holders[stage]:
-            static[rank] += block.parameters * per_parameter
+def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None) -> float:
+    """One activation (or its gradient) between pipeline ranks: latency + s·b·h·dtype bytes / bandwidth, ms;
+    with sequence parallelism each tensor-parallel rank sends its sequence shard."""
+    t, sequence_parallel = _tp(tensor_parallel)
     p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
     if sequence_parallel:
-        p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
-    p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
-    costs = Costs(
-        forward=[round(block.forward_ms, 6) for block in stages],
-        backward_input=[round(block.backward_input_ms, 6) for block in stages],
-        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
-        p2p=round(p2p_ms, 6),
-    )
-    memory = Memory(
-        activation=[float(round(block.activation_bytes)) for block in stages],
-        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
-        limit=float(round(limit)),
-        static=[float(round(value)) for value in static],
-    )
-    units = [largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+        p2p_bytes /= t
+    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 
 def derive_costs_and_memory(
