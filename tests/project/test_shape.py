@@ -142,14 +142,12 @@ def test_the_packages_import_one_way(rooms: dict[str, set[str]]) -> None:
 # (c) --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason="lands with the optimizer/runtime reshape (typed runtime)", strict=False)
 def test_no_function_over_150_lines() -> None:
     lengths = function_lengths(python_files(PACKAGES))
     too_long = {where: lines for where, lines in lengths.items() if lines > MAX_FUNCTION_LINES}
     assert not too_long, too_long
 
 
-@pytest.mark.xfail(reason="lands with the optimizer/runtime reshape (typed runtime, search context)", strict=False)
 def test_at_most_8_functions_over_80_lines() -> None:
     lengths = function_lengths(python_files(PACKAGES))
     long = {where: lines for where, lines in lengths.items() if lines > LONG_FUNCTION_LINES}
