@@ -61,7 +61,7 @@ DEMO_CLUSTER: dict[str, Any] = {
     "flops_per_s": 2.0e10,
     "memory_bandwidth_bytes_per_s": 1.0e10,
     "memory_bytes": 64e6,
-    "memory_reserve_bytes": 0,
+    "memory_headroom_bytes": 0,
     "efficiency": 0.5,
     "intra_node_bandwidth_bytes_per_s": 1.0e9,
     "inter_node_bandwidth_bytes_per_s": 1.0e9,

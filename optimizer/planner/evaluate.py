@@ -14,6 +14,7 @@ added to the makespan only where the problem has no collectives (d = 1: the opti
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,14 +114,22 @@ def model_flops_per_token(estimator: Estimator) -> float:
     return 6 * non_embedding + 12 * model.num_layers * model.hidden_size * model.seq_length
 
 
-def build_problem(estimator: Estimator, config: Configuration, time_limit_s: float = 10.0) -> Problem:
+def build_problem(
+    estimator: Estimator, config: Configuration, time_limit_s: float = 10.0, *, enforce_memory: bool = True
+) -> Problem:
     """The scheduling problem of ``config`` (costs and memory derived).
+
+    Args:
+        enforce_memory: False derives the problem as if memory were unbounded (a published run to time: it ran).
 
     Raises:
         pydantic.ValidationError: the model does not fit the configuration (no partition fits memory).
     """
-    model = estimator.model_for(config.micro_batch_size, config.activation_recomputation)
-    cluster = estimator.cluster.model_copy(update={"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)})
+    model = estimator.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
+    update: dict[str, Any] = {"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)}
+    if not enforce_memory:
+        update.update(memory_bytes=1e18, memory_headroom_bytes=0.0)
+    cluster = estimator.cluster.model_copy(update=update)
     document: dict[str, Any] = {
         "pipeline": {
             "num_ranks": config.pipeline_parallel,
@@ -132,13 +141,15 @@ def build_problem(estimator: Estimator, config: Configuration, time_limit_s: flo
         "cluster": cluster.model_dump(mode="json", exclude_none=True),
         "solver": {"method": config.method, "time_limit_s": time_limit_s},
     }
-    if config.tensor_parallel > 1:
-        document["tensor_parallel"] = {"size": config.tensor_parallel, "sequence_parallel": estimator.sequence_parallel}
+    tensor_parallel = estimator.tensor_parallel(config.tensor_parallel)
+    if tensor_parallel is not None:
+        document["tensor_parallel"] = tensor_parallel.model_dump(mode="json")
     if config.data_parallel_size > 1:
         document["data_parallel"] = {
             "size": config.data_parallel_size,
             "sharding": config.sharding,
             "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
+            "reduce_dtype": estimator.reduce_dtype,
         }
     return load_problem(document)
 
@@ -166,6 +177,10 @@ def launch_for(estimator: Estimator, config: Configuration, schedule_id: str | N
             )
             lines.append(f'pipeline_parallel_schedule_csv = "schedule.csv"  # {config.method}: from {where}')
         lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")
+    if config.precision == "fp8":
+        lines += ["", "[float8]", "enable_fsdp_float8_all_gather = false  # torchao Float8Linear, tensorwise"]
+    if estimator.model.kernels == "compiled":
+        lines += ["", "[compile]", "enable = true"]
     lines += [
         "",
         "[training]",
@@ -199,6 +214,7 @@ def _plan(
     tokens = estimator.global_batch_size * estimator.model.seq_length
     tokens_per_s_per_gpu = tokens / (step_ms / 1e3) / num_gpus
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
+    low, high = estimator.hardware.profile.held_out_log_error
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,
@@ -209,8 +225,13 @@ def _plan(
         num_microbatches=config.num_microbatches,
         activation_recomputation=config.activation_recomputation,
         method=config.method,
+        precision=config.precision,
         step_time_ms=round(step_ms, 4),
         tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
+        tokens_per_s_per_gpu_interval=(
+            round(tokens_per_s_per_gpu * math.exp(low), 2),
+            round(tokens_per_s_per_gpu * math.exp(high), 2),
+        ),
         mfu=round(mfu, 4),
         peak_memory_bytes=float(round(peak_memory_bytes)),
         lower_bound_ms=round(bound_ms, 4),
@@ -230,14 +251,16 @@ def evaluate(
     time_limit_s: float = 10.0,
     with_bound: bool = False,
     cache: SimulationCache | None = None,
+    enforce_memory: bool = True,
 ) -> Evaluation:
     """Derive, schedule and simulate ``config``; a plan when it fits, else the reason.
 
     ``with_bound`` adds the scheduling lower bound of :mod:`pipesched.optimizer.bounds` (on the makespan)
     to the configuration's bound; otherwise the plan's bound is the estimator's (busiest rank's compute).
+    ``enforce_memory=False`` times a configuration whatever its memory (calibration: a published run ran).
     """
     try:
-        problem = build_problem(estimator, config, time_limit_s)
+        problem = build_problem(estimator, config, time_limit_s, enforce_memory=enforce_memory)
     except ValidationError as error:
         message = "; ".join(str(item["msg"]).removeprefix("Value error, ") for item in error.errors())
         return Evaluation(config, None, None, None, f"does not fit: {message}", over_memory=True)
@@ -253,6 +276,7 @@ def evaluate(
         config.num_microbatches,
         config.activation_recomputation,
         config.method,
+        config.precision,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,
@@ -277,7 +301,7 @@ def evaluate(
             cache[key] = (makespan, [peak - base for peak, base in zip(peaks, static, strict=True)], schedule)
     peak = max(peaks) if peaks else 0.0
     limit = estimator.limit_bytes
-    if peak > limit:
+    if peak > limit and enforce_memory:
         return Evaluation(
             config,
             None,

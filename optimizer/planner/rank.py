@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 from pipesched.optimizer.bounds import lower_bound
+from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.instance import compile_problem
@@ -36,7 +37,7 @@ from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 from pipesched.optimizer.validation import FieldError, raise_field_errors
 
-__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
+__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "plan_notes", "prepare", "search"]
 
 #: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
 MAX_CONFIGURATIONS = 100_000
@@ -156,6 +157,56 @@ def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Est
     )
 
 
+def _execution(request: PlanRequest) -> ModelConfig:
+    """The model with the training's precision and kernels mode (``training.*`` over ``model.*``)."""
+    update = {
+        name: value
+        for name, value in (("precision", request.training.precision), ("kernels", request.training.kernels))
+        if value is not None
+    }
+    return request.model.model_copy(update=update) if update else request.model
+
+
+def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldError]:
+    """FP8 asked of an accelerator without FP8 tensor cores."""
+    if estimator.hardware.fp8_flops_per_s is not None:
+        return []
+    asked = [("training", "precision")] if estimator.model.precision == "fp8" else []
+    if request.search.precision and "fp8" in request.search.precision:
+        asked.append(("search", "precision"))
+    return [
+        (
+            loc,
+            f"{estimator.hardware.name} has no FP8 tensor cores: use bf16, or an accelerator with FP8 (H100-SXM, "
+            "H100-PCIe, H200, B200, MI300X, L40S)",
+            "fp8",
+        )
+        for loc in asked
+    ]
+
+
+def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
+    """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
+    calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
+    profile = estimator.hardware.profile
+    notes = []
+    if profile.fitted_rows == 0:
+        notes.append(
+            f"{estimator.hardware.name}: no calibrated profile (its efficiencies are datasheet-level guesses, "
+            f"{profile.source}); the interval is wide"
+        )
+    if answer_plans:
+        best = answer_plans[0]
+        measured = profile.max_measured_mfu.get(best.precision)
+        if measured is not None and best.mfu > measured:
+            notes.append(
+                f"the best plan's predicted MFU {best.mfu:.1%} is above the highest MFU measured on "
+                f"{estimator.hardware.name} in {best.precision} in the calibration data ({measured:.1%}): treat "
+                "it as optimistic"
+            )
+    return notes
+
+
 def prepare(request: PlanRequest) -> Prepared:
     """Enumerate, estimate and prune ``request``'s space; the fitting configurations best estimate first.
 
@@ -165,16 +216,20 @@ def prepare(request: PlanRequest) -> Prepared:
             GPUs that would do).
     """
     started = time.perf_counter()
+    model = _execution(request)
     estimator = Estimator(
-        request.model,
+        model,
         request.cluster,
         request.training.global_batch_size,
         sequence_parallel=request.search.sequence_parallel,
     )
     estimator.hardware  # noqa: B018 - resolve the accelerator now: an unknown one is a field error
+    raise_field_errors("PlanRequest", _precision_errors(request, estimator))
     configurations = list(
         itertools.islice(
-            enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
+            enumerate_space(
+                model, request.cluster, request.training.global_batch_size, request.search, precision=model.precision
+            ),
             MAX_CONFIGURATIONS + 1,
         )
     )
@@ -332,9 +387,13 @@ def search(
         schedules.append(schedule_for(item))  # simulation only: the orders are kept
     if not plans and not rejected:
         rejected.append(Rejected(configuration={}, reason="the time limit ended the search before any evaluation"))
+    hardware = estimator.hardware
     answer = PlanAnswer(
         status="done",
         plans=plans,
+        memory_headroom_bytes=float(round(estimator.headroom_bytes)),
+        profile=f"{hardware.profile.name} ({hardware.profile.source or 'unfitted'})",
+        notes=plan_notes(plans, estimator),
         searched=searched,
         explain=rejected[:MAX_EXPLAINED] if request.search.explain else None,
         elapsed_s=round(time.perf_counter() - started, 3),

@@ -32,10 +32,20 @@ PlanMethod = Literal[
 
 
 class PlanTraining(StrictModel):
-    """What the job fixes: the global batch."""
+    """What the job fixes: the global batch, the precision of the matrix multiplies, how kernels run."""
 
     global_batch_size: int = Field(
         ge=1, le=10_000_000, description="Sequences of model.seq_length tokens per optimizer step."
+    )
+    precision: Literal["bf16", "fp8"] | None = Field(
+        None,
+        description='"bf16" or "fp8" (FP8 matrix multiplies, bf16 elsewhere: torchtitan\'s Float8, Transformer '
+        "Engine's current scaling); null: model.precision (bf16). search.precision may list both.",
+    )
+    kernels: Literal["eager", "compiled", "fused"] | None = Field(
+        None,
+        description='"eager" (torchtitan\'s default), "compiled" (torch.compile), "fused" (Megatron-LM / '
+        "Transformer Engine kernels); null: model.kernels (eager).",
     )
 
 
@@ -64,6 +74,9 @@ class PlanSearch(StrictModel):
     )
     method: list[PlanMethod] | None = Field(
         None, description=f"Allowed schedules: auto or families ({', '.join(FAMILY_NAMES)})."
+    )
+    precision: list[Literal["bf16", "fp8"]] | None = Field(
+        None, description="Allowed matrix-multiply precisions; null: training.precision only."
     )
 
 
@@ -102,11 +115,15 @@ class Plan(StrictModel):
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
     step_time_ms: float = Field(
         description="Simulated pipeline makespan + exposed data-parallel time + optimizer step."
     )
     tokens_per_s_per_gpu: float
-    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' peak.")
+    tokens_per_s_per_gpu_interval: tuple[float, float] = Field(
+        description="80% prediction interval: the calibration's held-out 10th and 90th percentile errors applied."
+    )
+    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' dense bf16 peak.")
     peak_memory_bytes: float = Field(description="Highest rank's static + activation peak, bytes.")
     lower_bound_ms: float = Field(description="A bound no schedule of this configuration beats, ms.")
     schedule_id: str | None = None
@@ -144,3 +161,11 @@ class PlanAnswer(StrictModel):
     elapsed_s: float = 0.0
     first_answer_s: float | None = Field(None, description="Seconds until the first ranked plan was known.")
     error: str | None = None
+    memory_headroom_bytes: float | None = Field(
+        None, description="Bytes kept free on every GPU (cluster.memory_headroom_bytes or the profile's default)."
+    )
+    profile: str | None = Field(None, description="The accelerator profile the predictions used, and its source.")
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What to know before acting on the plans, e.g. a predicted MFU above any measured.",
+    )

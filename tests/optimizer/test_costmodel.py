@@ -237,8 +237,8 @@ def test_errors_name_the_field_and_give_numbers() -> None:
     # A reserve as large as the memory: say so, not "use ≥ N ranks".
     explicit = {"flops_per_s": 1e12, "memory_bytes": GIB, "memory_bandwidth_bytes_per_s": 1e11}
     with pytest.raises(ValidationError) as excinfo:
-        model_problem(SMALL_MODEL, {**explicit, "memory_reserve_bytes": 2 * GIB})
-    message = field_errors(excinfo)[("cluster", "memory_reserve_bytes")]
+        model_problem(SMALL_MODEL, {**explicit, "memory_headroom_bytes": 2 * GIB})
+    message = field_errors(excinfo)[("cluster", "memory_headroom_bytes")]
     assert "2 GiB reserve leaves nothing of the accelerator's 1 GiB" in message and "below 1 GiB" in message
 
 

@@ -78,6 +78,7 @@ class Software(StrictModel):
     fused_kernels: bool = False
     async_tensor_parallel: bool = False
     gradient_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    attention_kernel: Literal["current", "flash-attn-2023"] = "current"
     mixed_precision: str | None = None
     assumed: list[str] = Field(default_factory=list)
     notes: str | None = None
