@@ -1,7 +1,7 @@
 """Load a problem document, deriving ``costs`` and ``memory`` from ``model`` and ``cluster`` when it has them.
 
 This is the step before :class:`~pipesched.optimizer.problem.Problem`: the problem model knows nothing of
-the cost model; :func:`load_problem` asks the cost model (:func:`~pipesched.optimizer.costmodel.derive_problem`)
+the cost model; :func:`load_problem` asks the cost model (:func:`~pipesched.optimizer.cost.stages.derive_problem`)
 for the missing sections, records the layer partition in ``model.layers_per_stage`` (the runtime builds its
 chunks from the same split), and validates the whole document.
 """
@@ -13,12 +13,13 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
-from pipesched.optimizer.collectives import data_parallel_costs
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.collectives import data_parallel_costs
 from pipesched.optimizer.cost.overlap import stage_overlap
-from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.families import method_field_errors, registry
+from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
-from pipesched.optimizer.validation import StrictModel, raise_field_errors
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -47,9 +48,27 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
 
     Raises:
         pydantic.ValidationError: every invalid field with its path (``model.hidden_size``,
-            ``cluster.accelerator``, ``costs.forward``…) and the fix.
+            ``cluster.accelerator``, ``costs.forward``…, ``solver.method`` against the families) and the fix.
     """
-    document = dict(data)
+    problem = _derive_and_validate(_with_method_training(dict(data)))
+    raise_field_errors("Problem", method_field_errors(problem))
+    return problem
+
+
+def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
+    """A family without a flush (PipeDream-2BW) and no ``training`` given: ``{"flush": false}`` (two weight
+    versions follow from it)."""
+    solver = document.get("solver")
+    method = solver.get("method") if isinstance(solver, Mapping) else None
+    if isinstance(method, str) and not document.get("training"):
+        family = registry().get(method)
+        if family is not None and not family.flush:
+            document["training"] = {"flush": False, "weight_versions": 2}
+    return document
+
+
+def _derive_and_validate(document: dict[str, Any]) -> Problem:
+    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing."""
     if (
         (document.get("costs") is None or document.get("memory") is None or _lacks_collectives(document))
         and document.get("model") is not None
@@ -179,7 +198,7 @@ def _add_collectives(
     document: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, *, costs_given: bool, memory_given: bool
 ) -> None:
     """Fill ``costs.unshard``/``reduce_grad``/``optimizer_step`` (those not given) and, for derived memory,
-    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.collectives`)."""
+    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`)."""
     dp = parts.data_parallel
     assert dp is not None and derived.hardware is not None
     tensor_parallel = document.get("tensor_parallel")

@@ -13,8 +13,8 @@ from pipesched.api.routes._common import require_token
 from pipesched.api.schemas import error_responses
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.cost.profile import AcceleratorProfile, builtin_catalogue
-from pipesched.optimizer.costmodel import register_profile, registered_profiles
-from pipesched.optimizer.validation import raise_field_errors
+from pipesched.optimizer.cost.stages import register_profile, registered_profiles
+from pipesched.optimizer.field_errors import raise_field_errors
 
 router = APIRouter(prefix="/v1/profiles", tags=["profiles"], dependencies=[Depends(require_token)])
 

@@ -24,7 +24,7 @@ from pipesched.optimizer.calibration.catalogue import fit_memory_factor, measure
 from pipesched.optimizer.calibration.fit import Parameter, fit, quantile
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, active_catalogue, default_profile
-from pipesched.optimizer.validation import FieldError, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 
 __all__ = ["FEW_ROWS", "calibrate"]
 

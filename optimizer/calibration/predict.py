@@ -14,7 +14,7 @@ from typing import Any
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import active_catalogue
-from pipesched.optimizer.costmodel import resolve_hardware
+from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
 from pipesched.optimizer.planner.space import Configuration

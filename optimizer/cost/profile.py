@@ -47,7 +47,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipesched.optimizer.validation import StrictModel
+from pipesched.optimizer.field_errors import StrictModel
 
 __all__ = [
     "KERNELS",

@@ -18,7 +18,7 @@
 - **Kernel launches**: a pass takes at least kernels × CPU µs per kernel (eager dispatch can starve the GPU on
   small layers; ``kernels_per_layer`` and ``cpu_us_per_kernel`` by kernels mode).
 - **Collectives**: the cluster's nominal per-GPU links times the profile's ``collective_efficiency_*`` are the
-  achieved NCCL bus bandwidths the ring formulas of :mod:`pipesched.optimizer.collectives` use.
+  achieved NCCL bus bandwidths the ring formulas of :mod:`pipesched.optimizer.cost.collectives` use.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ PipeDream-Flush is the same 1F1B order with a flush at every step: that is the `
 
 Rank r of p runs ``p − r`` forwards before its first backward, then one backward and one forward for ever;
 the forwards of step t+1 fill what would be step t's cool-down. The family returns the repeating pattern of
-:mod:`pipesched.optimizer.steady_state` (ids ``m + j`` are the next step's microbatches). Rank 0 then reads,
+:mod:`pipesched.optimizer.pattern` (ids ``m + j`` are the next step's microbatches). Rank 0 then reads,
 for m = 8, p = 4: ``0F3 0B0 0F4 0B1 … 0F7 0B4 0F8 0B5 0F9 0B6 0F10 0B7`` (``0F8`` … ``0F10`` are step t+1's
 microbatches 0 … 2). With split backward each B is ``I`` then ``W`` of the same microbatch.
 
@@ -32,17 +32,16 @@ next-step forwards must fit before its step ends: two versions, §3.1's "at leas
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require, require_loop_single_stage
+from pipesched.optimizer.families._base import FamilySpec, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
-from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.steady_state import pattern_from_sequence
+from pipesched.optimizer.pattern import pattern_from_sequence
+from pipesched.optimizer.problem import Pipeline, Problem
 
 __all__ = ["FAMILIES", "one_f_one_b_pattern"]
 
 
-def _check(problem: Problem) -> None:
-    require_loop_single_stage(problem, "pipedream-2bw")
-    p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
+def _check(pipeline: Pipeline) -> None:
+    p, m = pipeline.num_ranks, pipeline.num_microbatches
     require(
         m >= p - 1,
         "pipedream-2bw",
@@ -77,15 +76,16 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="pipedream-2bw",
         description=(
             "PipeDream-2BW: 1F1B without a flush, two weight versions, delayed update; peak p·M_B + one more "
             "weight copy on rank 0."
         ),
-        domain='placement "loop", stages_per_rank 1, training.flush false, num_microbatches ≥ num_ranks − 1',
-        check=_check,
         build=_build,
+        listing_order=140,
         flush=False,
+        domain_note="num_microbatches ≥ num_ranks − 1",
+        check_pipeline=_check,
     )
 ]

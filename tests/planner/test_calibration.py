@@ -17,7 +17,7 @@ from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.predict import predict
 from pipesched.optimizer.cost.calibration.measurements import builtin_measurements, parse_measurements
 from pipesched.optimizer.cost.profile import builtin_catalogue, load_catalogue
-from pipesched.optimizer.costmodel import register_profile
+from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
 

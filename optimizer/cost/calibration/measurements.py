@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from pipesched.optimizer.configs import ModelConfig
-from pipesched.optimizer.validation import StrictModel
+from pipesched.optimizer.field_errors import StrictModel
 
 __all__ = [
     "Layout",

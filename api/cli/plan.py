@@ -18,7 +18,7 @@ from rich.table import Table
 
 from pipesched.api.loading import format_validation_error
 from pipesched.optimizer.cost.profile import load_catalogue
-from pipesched.optimizer.costmodel import register_profile
+from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 from pipesched.optimizer.units import format_bytes
