@@ -6,7 +6,7 @@ torchtitan or Megatron log or from ``pipesched profile --device cuda``. The buil
 is the starting point and the prior (:mod:`.fit`):
 
 - with fewer than :data:`FEW_ROWS` rows, one number is fitted: a common scale of its matrix-multiply and
-  attention efficiencies (a few runs cannot tell them apart);
+  attention efficiencies (a few runs cannot tell them apart), under a weak prior (the measurement decides);
 - with more, the bf16 and fp8 matrix-multiply and the attention efficiencies separately (those the rows
   exercise), each pulled toward the built-in value;
 - rows with a peak memory refit ``activation_memory_factor``;
@@ -30,6 +30,8 @@ __all__ = ["FEW_ROWS", "calibrate"]
 
 #: Below this many rows one common scale is fitted, and the built-in interval is kept.
 FEW_ROWS = 5
+#: The prior's width (log) on the common scale: the user's measurement outweighs the built-in profile.
+WEAK_PRIOR = 5.0
 
 
 def _check(rows: Sequence[Measurement]) -> str:
@@ -52,23 +54,23 @@ def _check(rows: Sequence[Measurement]) -> str:
 def _parameters(rows: Sequence[Measurement], accelerator: str, start: AcceleratorProfile) -> list[Parameter]:
     on = (accelerator,)
     if len(rows) < FEW_ROWS:
-        return [Parameter("scale", on, 1.0, 1.0, 0.2, 5.0)]
+        return [Parameter("scale", on, 1.0, WEAK_PRIOR, 0.2, 5.0)]
     chosen = []
     if any(row.training.precision == "bf16" for row in rows):
-        chosen.append(Parameter("gemm_efficiency", on, start.gemm_efficiency, 0.3, 0.1, 1.0))
+        chosen.append(Parameter("gemm_efficiency", on, start.gemm_efficiency, 0.5, 0.1, 1.0))
     if any(row.training.precision == "fp8" for row in rows):
         chosen.append(
             Parameter(
                 "fp8_gemm_efficiency",
                 on,
                 start.fp8_gemm_efficiency,
-                0.3,
+                0.5,
                 0.1,
                 1.0,
                 lambda row: row.training.precision == "fp8",
             )
         )
-    chosen.append(Parameter("attention_efficiency", on, start.attention_efficiency, 0.3, 0.05, 1.0))
+    chosen.append(Parameter("attention_efficiency", on, start.attention_efficiency, 0.5, 0.05, 1.0))
     return chosen
 
 
@@ -85,7 +87,7 @@ def calibrate(rows: Sequence[Measurement], *, name: str | None = None, source: s
     start = default_profile(accelerator)
     if base.get(accelerator) is None:
         base = base.model_copy(update={"profiles": {**base.profiles, accelerator: start}})
-    result = fit(rows, base, _parameters(rows, accelerator, start), iterations=8)
+    result = fit(rows, base, _parameters(rows, accelerator, start), iterations=8, robust=False)
     fitted = result.catalogue.get(accelerator) or start
     factor, _ = fit_memory_factor(rows, ProfileCatalogue(software=base.software, profiles={accelerator: fitted}))
     interval = start.held_out_log_error

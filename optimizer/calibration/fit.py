@@ -91,6 +91,15 @@ PARAMETERS: tuple[Parameter, ...] = (
         "attention.flash-attn-2023", (), 1.0, 0.7, 0.2, 2.0, lambda row: row.software.attention_kernel != "current"
     ),
     Parameter("software.eager", (), 1.5, 0.7, 0.3, 8.0, _kernels("eager")),
+    Parameter(
+        "unfused_traffic",
+        (),
+        1.0,
+        0.5,
+        0.1,
+        5.0,
+        lambda row: kernels_mode(row) == "eager" and row.model.norm == "rmsnorm",
+    ),
     Parameter("software.compiled", (), 1.0, 0.7, 0.2, 8.0, _kernels("compiled")),
     Parameter("shape", (), 1.0, 1.0, 0.01, 20.0),
     Parameter("overlap_slowdown", (), 0.1, 1.0, 0.001, 0.9),
@@ -111,6 +120,8 @@ def apply_parameters(
     for parameter, value in zip(parameters, values, strict=True):
         if parameter.name.startswith("software."):
             software.elementwise_traffic[parameter.name.split(".", 1)[1]] = value
+        elif parameter.name == "unfused_traffic":
+            software.unfused_traffic = value
         elif parameter.name.startswith("attention."):
             software.attention_kernel_speed[parameter.name.split(".", 1)[1]] = value
         elif parameter.name == "scale":
@@ -286,19 +297,22 @@ def fit(
     parameters: Sequence[Parameter] = PARAMETERS,
     *,
     iterations: int = 6,
+    robust: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> FitResult:
     """Fit ``parameters`` to ``rows`` starting from ``base`` (module docstring).
 
-    Parameters that touch no row are left at their prior. Raises ValueError when a row cannot be predicted.
+    Parameters that touch no row are left at their prior; ``robust=False`` fits plain least squares (a user's
+    few rows: none of them is an outlier to discount). Raises ValueError when a row cannot be predicted.
     """
     used = [p for p in parameters if any(p.touches(row) for row in rows)]
     problem = _Problem(rows, base, used)
     phi = [math.log(p.prior) for p in used]
     predicted = problem.predict(phi)
     done = 0
-    for _ in range(ROBUST_ROUNDS):
-        problem.reweight(predicted)
+    for _ in range(ROBUST_ROUNDS if robust else 1):
+        if robust:
+            problem.reweight(predicted)
         phi, predicted, jac, rounds = _descend(problem, phi, predicted, iterations, progress)
         done += rounds
     res = problem.residuals(predicted)

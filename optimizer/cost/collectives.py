@@ -51,7 +51,11 @@ gathered weights: without ``reshard_after_forward`` every unit of the stage stay
 to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 frees each unit after its
 forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
 units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole fp32 gradient buffer
-(static). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
+(static). Under pipelining the unit-by-unit reduction waits: a ``torch.distributed.pipelining`` stage runs
+every backward but its last with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
+torch 2.5–2.13), so FSDP accumulates the stage's unsharded gradients over the microbatches and reduces them
+once: a pipelined stage holds its whole fp32 gradient until REDUCE_GRAD (``memory.gradients`` = 4 B × the
+stage's parameters). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
 buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
 compute: an upper bound by one unit.
 
@@ -215,7 +219,7 @@ def data_parallel_costs(
         group = d * len(holders)
         gathered = min(params, 2 * unit) if reshard_after_forward else params
         weights.append(gathered * weight_bytes)
-        gradients.append((unit if per_block else params) * GRADIENT_REDUCE_BYTES)
+        gradients.append((unit if per_block and num_ranks == 1 else params) * GRADIENT_REDUCE_BYTES)
         unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
         g_bytes = params * reduce_bytes
         if per_block:

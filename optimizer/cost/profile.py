@@ -89,6 +89,19 @@ class SoftwareProfile(StrictModel):
         description="FlashAttention's speed relative to today's kernels (FlashAttention-2/3, cuDNN) by the "
         "kernel a calibration row ran: 'flash-attn-2023' for MosaicML's 2023 runs.",
     )
+    unfused_traffic: float = Field(
+        1.0,
+        gt=0,
+        description="Scale of the extra bytes eager PyTorch moves for RMSNorm, RoPE and SwiGLU "
+        "(pipesched.optimizer.cost.stages.UNFUSED_BYTES_PER_ELEMENT).",
+    )
+    attention_backward_speed: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="FlashAttention's backward FLOP/s relative to its forward's: FlashAttention-2 (Dao 2023, §4) "
+        "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward.",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: {"eager": 5.0, "compiled": 3.0, "fused": 3.0},
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

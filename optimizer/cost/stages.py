@@ -222,7 +222,9 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
 
 #: The software factors of an uncalibrated accelerator: the cost model as fitted to the Zero Bubble paper's
 #: Megatron profiles (module docstring), no launch bound.
-_UNFITTED_SOFTWARE = SoftwareProfile(cpu_us_per_kernel={"eager": 0.0, "compiled": 0.0, "fused": 0.0})
+_UNFITTED_SOFTWARE = SoftwareProfile(
+    cpu_us_per_kernel={"eager": 0.0, "compiled": 0.0, "fused": 0.0}, attention_backward_speed=1.0
+)
 
 
 def headroom_bytes(cluster: ClusterConfig, hardware: Hardware) -> float:
@@ -264,10 +266,39 @@ def _tensor_parallel_ms(
     return total, total
 
 
-def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware) -> float:
+def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
+    """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that), eager
+    attention's products at the matrix-multiply rate, ms."""
     if model.attention == "flash":
-        return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency)
+        speed = hardware.software.attention_backward_speed if backward else 1.0
+        return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
     return 1e3 * flops / hardware.effective_flops_per_s
+
+
+#: Extra bytes per element eager PyTorch moves over a fused kernel: RMSNorm written as float casts, a square, a
+#: mean, a reciprocal square root and two products (torchtitan's ``RMSNorm``: about 34 bytes per element against
+#: a fused kernel's 4); RoPE as complex products with casts (about 20 against 8); SwiGLU's SiLU and product as two
+#: kernels (10 against 6).
+UNFUSED_BYTES_PER_ELEMENT = {"rmsnorm": 30.0, "rope": 12.0, "swiglu": 4.0}
+
+
+def _unfused_traffic(model: ModelConfig, tensor_parallel: int, hardware: Hardware) -> float:
+    """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
+    operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
+    ``unfused_traffic``); none when compiled or fused."""
+    if model.kernels != "eager":
+        return 0.0
+    tokens = model.seq_length * model.micro_batch_size
+    h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+    k = model.head_size * model.key_value_heads
+    elements = 0.0
+    if model.norm == "rmsnorm":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rmsnorm"] * 2 * h / t
+    if model.position_embedding == "rope":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rope"] * (h + k) / t
+    if model.ffn_type == "swiglu":
+        elements += UNFUSED_BYTES_PER_ELEMENT["swiglu"] * f / t
+    return tokens * elements * hardware.software.unfused_traffic
 
 
 def transformer_layer(
@@ -303,12 +334,15 @@ def transformer_layer(
     attention_forward = flops.attention_forward
     attention_backward = flops.backward_input - (flops.forward - attention_forward)
     exposed, communication = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
-    forward_elementwise = elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation, hardware)
+    unfused = _unfused_traffic(model, t, hardware)
+    forward_elementwise = elementwise_ms(
+        FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + unfused, hardware
+    )
     forward = PassTimes(gemm, _attention_ms(attention_forward, model, hardware), forward_elementwise, cast, kernels)
     backward_input = PassTimes(
         gemm,
-        _attention_ms(attention_backward, model, hardware),
-        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation, hardware),
+        _attention_ms(attention_backward, model, hardware, backward=True),
+        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + 2 * unfused, hardware),
         cast,
         1.5 * kernels,
     )

@@ -39,9 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from pipesched.optimizer.cost.collectives import group_link
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, group_link, reduce_scatter_ms
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.stages import (
     Block,

@@ -155,7 +155,7 @@ def enumerate_space(
     """
     num_gpus = cluster.num_gpus
     methods_pinned = search.method
-    precisions = search.precision or [precision]
+    precisions: list[str] = list(search.precision) if search.precision else [precision]
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
