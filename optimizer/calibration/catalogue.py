@@ -82,6 +82,12 @@ def _with_factor(catalogue: ProfileCatalogue, factor: float) -> ProfileCatalogue
     return catalogue.model_copy(update={"profiles": profiles})
 
 
+def _ridge(accelerator: str, scale: float) -> float:
+    """The roofline's ridge point (peak · scale / bandwidth, FLOP per byte): d½ scales with it (:mod:`.fit`)."""
+    entry = CATALOGUE[accelerator]
+    return entry.flops_per_s * scale / entry.memory_bandwidth_bytes_per_s
+
+
 def build_catalogue(
     rows: Sequence[Measurement], result: FitResult, memory_factor: float, *, fitted: str
 ) -> ProfileCatalogue:
@@ -114,6 +120,7 @@ def build_catalogue(
             update={
                 "name": name,
                 "accelerator": name,
+                "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(sibling, 1.0),
                 "gemm_efficiency": base.gemm_efficiency * scale,
                 "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
                 "attention_efficiency": base.attention_efficiency * scale,

@@ -15,9 +15,10 @@ from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import active_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
+from pipesched.optimizer.families import get_family
 from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
-from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.planner.space import Configuration, methods_for
 
 __all__ = ["Prediction", "configuration", "estimator", "kernels_mode", "predict"]
 
@@ -32,8 +33,11 @@ def kernels_mode(row: Measurement) -> str:
 def configuration(row: Measurement) -> Configuration:
     """The planner's configuration of the row's layout."""
     layout, run = row.layout, row.training
-    method = layout.schedule if layout.pipeline_parallel > 1 else "1f1b"
-    placement = "v" if method in ("zb-v", "v-half", "v-min", "dualpipe-v") else "loop"
+    if layout.pipeline_parallel > 1 and layout.schedule is not None:
+        method = layout.schedule
+    else:  # no pipeline: the family the planner runs for plain gradient accumulation
+        method = methods_for(1, "loop", 1)[0]
+    placement = get_family(method).placements[0]
     return Configuration(
         pipeline_parallel=layout.pipeline_parallel,
         tensor_parallel=layout.tensor_parallel,

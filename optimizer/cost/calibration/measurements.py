@@ -55,7 +55,9 @@ class Layout(StrictModel):
     sequence_parallel: bool = True
     pipeline_parallel: int = Field(1, ge=1)
     stages_per_rank: int = Field(1, ge=1)
-    schedule: str = "1f1b"
+    schedule: str | None = Field(
+        None, description="The pipeline's schedule family (a method name); needed with pipeline_parallel > 1."
+    )
     context_parallel: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)
 
@@ -111,6 +113,11 @@ class Measurement(StrictModel):
     @model_validator(mode="after")
     def _check_batch(self) -> Measurement:
         layout, run = self.layout, self.training
+        if layout.pipeline_parallel > 1 and layout.schedule is None:
+            raise ValueError(
+                f"row {self.id}: pipeline_parallel {layout.pipeline_parallel} needs layout.schedule, the schedule "
+                "family the run used (a method name of GET /v1/methods)"
+            )
         if layout.data_parallel * run.num_microbatches * run.micro_batch_size != run.global_batch_size:
             raise ValueError(
                 f"row {self.id}: data_parallel {layout.data_parallel} × num_microbatches {run.num_microbatches} × "
