@@ -24,7 +24,7 @@ from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Lane
 from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.queue import make_runner
-from pipesched.api.routes import check, health, jobs, methods, plans, schedules
+from pipesched.api.routes import check, health, jobs, launch, methods, plans, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
@@ -199,11 +199,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
-    for module in (check, schedules, jobs, methods, plans, health):
+    for module in (check, schedules, jobs, methods, plans, launch, health):
         app.include_router(module.router)
     routes = [
         (route.path_regex, frozenset(route.methods))
-        for module in (check, schedules, jobs, methods, plans, health)
+        for module in (check, schedules, jobs, methods, plans, launch, health)
         for route in module.router.routes
         if isinstance(route, APIRoute)
     ]

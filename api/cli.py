@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from pipesched.api.launch.command import launch_command
 from pipesched.api.loading import InputError, load_problem
 from pipesched.api.plan_cli import plan_command
 from pipesched.optimizer.problem import Problem
@@ -942,6 +943,7 @@ def check(
 
 
 app.command(name="plan")(plan_command)
+app.command(name="launch")(launch_command)
 
 
 def main() -> None:

@@ -340,6 +340,7 @@ def search(
         elapsed_s=round(time.perf_counter() - started, 3),
         first_answer_s=round(first_answer_s, 3) if first_answer_s is not None else None,
         error=None if plans else _no_plan_reason(rejected, searched),
+        request=request,
     )
     report("done", total)
     return PlanOutcome(answer, schedules)

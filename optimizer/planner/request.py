@@ -144,3 +144,6 @@ class PlanAnswer(StrictModel):
     elapsed_s: float = 0.0
     first_answer_s: float | None = Field(None, description="Seconds until the first ranked plan was known.")
     error: str | None = None
+    request: PlanRequest | None = Field(
+        None, description="The request as searched; `pipesched launch` rebuilds a plan's schedule from it."
+    )
