@@ -3,7 +3,7 @@
 Everything that needs the dependency rule (the simulator, the solvers, the families' checks, the
 runtime's p2p plan) reads it from :class:`Instance`; nobody writes it again.
 
-Dependencies (Zero Bubble paper, Sec. 2; ``shared/NOTES.md`` §1), for microbatch j passing the
+Dependencies (Zero Bubble paper, arXiv 2401.10241, Sec. 2), for microbatch j passing the
 chain of stages ``c_0 … c_{S-1}``:
 
 * ``F(c_k, j)`` after ``F(c_{k-1}, j)``, plus p2p latency when the two stages sit on different ranks;
@@ -161,13 +161,15 @@ class Instance:
 
 def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     """Per (stage, microbatch) pair that ``orders`` runs a backward for: True when split (I or W), False when
-    fused (B). A pair with both forms counts as split; the simulator then rejects its B as unknown."""
+    fused (B). A pair with both forms counts as split; the simulator then rejects its B as unknown.
+    Communication actions and optimizer steps say nothing about the form (their ``microbatch`` is an
+    occurrence, their ``stage`` a rank for OPTIMIZER_STEP) and are ignored."""
     forms: dict[tuple[int, int], bool] = {}
     for row in orders:
         for action in row:
             if action.kind == ActionKind.BACKWARD:
                 forms.setdefault((action.stage, action.microbatch), False)
-            elif action.kind != ActionKind.FORWARD:
+            elif action.kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT):
                 forms[action.stage, action.microbatch] = True
     return forms
 

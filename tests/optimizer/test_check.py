@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 
 from pipesched.api.app import create_app
 from pipesched.api.settings import Settings
-from pipesched.optimizer.checking import check_schedule, read_schedule
+from pipesched.optimizer.check import check_schedule, read_schedule
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import simulate
-from tests.conftest import REPO
+from tests.conftest import REPO, data_parallel_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -114,12 +114,18 @@ def test_broken_schedules_name_the_first_violation_and_mark_it(
         assert result.violation.marks == [(3, 0), (3, 5)]
 
 
-def test_unknown_cells_are_bad_input_and_comms_are_skipped_with_a_note() -> None:
+def test_unknown_cells_are_bad_input_and_p2p_is_skipped_with_a_note() -> None:
+    """SEND/RECV are skipped (the problem's p2p latency times them); the contract's communication actions are
+    read, and set aside with a note by the check when the problem has no data parallelism."""
     with pytest.raises(ValueError, match="rank 1, step 2"):
         read_schedule("0F0,0B0\n1F0,1B0,1X0\n")
     orders, notes = read_schedule("0F0,1SEND_F0,,0B0\n1RECV_F0,1F0,1B0,1REDUCE_GRAD\n")
-    assert [[str(a) for a in row] for row in orders] == [["0F0", "0B0"], ["1F0", "1B0"]]
-    assert len(notes) == 1 and all(f"1 {kind}" in notes[0] for kind in ("SEND_F", "RECV_F", "REDUCE_GRAD"))
+    assert [[str(a) for a in row] for row in orders] == [["0F0", "0B0"], ["1F0", "1B0", "1REDUCE_GRAD"]]
+    assert len(notes) == 1 and all(f"1 {kind}" in notes[0] for kind in ("SEND_F", "RECV_F"))
+    fused = {**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 1}, "split_backward": False}
+    result = check_schedule(Problem.model_validate(fused), orders, notes)
+    assert result.valid, result.violation
+    assert any("set aside 1 communication action(s) (REDUCE_GRAD)" in note for note in result.notes)
 
 
 # -- PyTorch's own CSV files ---------------------------------------------------------------------
@@ -239,3 +245,27 @@ def test_a_mixed_backward_schedule_on_a_data_parallel_problem() -> None:
     result = check_schedule(problem, orders, notes)
     assert result.valid, result.violation
     assert sum(a.endswith("REDUCE_GRAD") for row in result.orders for a in row) == 2 * P
+
+
+def test_a_solved_fused_data_parallel_schedule_checks_as_written() -> None:
+    """The bug of issue 27: a solved fused 1F1B pp2 × dp2 schedule's own rows (UNSHARD … B … REDUCE_GRAD,
+    RESHARD, OPTIMIZER_STEP) were rejected (its communication actions were read as split backward). They check
+    valid now, timed as written: the same step_time; a REDUCE_GRAD moved to the wrong rank is refused."""
+    from pipesched.optimizer.instance import backward_forms_of
+    from pipesched.optimizer.solve import solve
+
+    problem = data_parallel_problem(split_backward=False, method="1f1b")
+    schedule = solve(problem)
+    rows = [[action.action for action in rank.actions] for rank in schedule.ranks]
+    assert rows[0][0] == "0UNSHARD" and rows[0][-1] == "OPTIMIZER_STEP" and "0B0" in rows[0]
+    assert set(backward_forms_of(schedule.orders()).values()) == {False}
+    orders, notes = read_schedule(json.dumps(rows))
+    result = check_schedule(problem, orders, notes)
+    assert result.valid, result.violation
+    assert result.notes == [] and result.orders == rows
+    assert result.objective_value == pytest.approx(schedule.step_time)
+    moved = [list(row) for row in rows]
+    moved[1].remove("1REDUCE_GRAD")
+    moved[0].insert(-1, "1REDUCE_GRAD")
+    result = check_schedule(problem, read_schedule(json.dumps(moved))[0])
+    assert not result.valid and result.violation is not None and result.violation.reason == "wrong_rank"

@@ -15,7 +15,7 @@ import pytest
 
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.result import Schedule, build_schedule
-from tests.conftest import uniform_problem
+from tests.conftest import data_parallel_problem, uniform_problem
 
 torch = pytest.importorskip("torch")
 
@@ -66,27 +66,9 @@ CASES = {
 def communicating_schedule() -> Schedule:
     """ZB-H1 from the optimizer side with data parallelism: UNSHARD, REDUCE_GRAD, RESHARD per stage and
     OPTIMIZER_STEP per rank in its rows, and a step_time."""
-    from pipesched.optimizer.problem import Problem
     from pipesched.optimizer.solve import solve_family
 
-    problem = Problem.model_validate(
-        {
-            "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
-            "costs": {
-                "forward": 1,
-                "backward_input": 1,
-                "backward_weight": 1,
-                "p2p": 0.1,
-                "unshard": 0.5,
-                "reduce_grad": 0.8,
-                "optimizer_step": 0.2,
-            },
-            "memory": {"activation": 100},
-            "data_parallel": {"size": DP, "sharding": "full"},
-            "objective": "step_time",
-        }
-    )
-    return solve_family(problem, "zb-h1")
+    return solve_family(data_parallel_problem(NUM_RANKS, NUM_MICROBATCHES), "zb-h1")
 
 
 #: The optimizer side's schedule with communication actions, on both engines (torch lowers its own).

@@ -3,10 +3,18 @@
 Input (contract, ``pipesched check PROBLEM.json SCHEDULE``):
 
 * PyTorch's compute-only CSV (one row per rank, one action per cell, the format
-  ``_PipelineScheduleRuntime._load_csv(path, "compute_only")`` reads; blank cells ignored). Actions
-  pipesched does not time — ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B``, ``UNSHARD``, ``RESHARD``,
-  ``REDUCE_GRAD`` — are skipped with a note; ``(a;b)OVERLAP_F_B`` cells are read as their two passes.
+  ``_PipelineScheduleRuntime._load_csv(path, "compute_only")`` reads; blank cells ignored). The p2p actions
+  pipesched does not time — ``SEND_F``, ``RECV_F``, ``SEND_B``, ``RECV_B`` — are skipped with a note (it adds
+  the p2p latency itself); ``(a;b)OVERLAP_F_B`` cells are read as their two passes.
 * JSON: a list of lists of action strings, one list per rank, or a schedule document with ``ranks``.
+
+Every action the contract names is read: ``{s}UNSHARD``, ``{s}RESHARD``, ``{s}REDUCE_GRAD`` and
+``OPTIMIZER_STEP`` too. A schedule that ends its rows with ``OPTIMIZER_STEP`` (pipesched's own, e.g. a solved
+data-parallel schedule) is timed with its communication actions as written. PyTorch never writes
+``OPTIMIZER_STEP`` and lowers its collectives its own way (several UNSHARDs of a stage per step): such rows'
+UNSHARD/RESHARD/REDUCE_GRAD, and any communication action of a problem without data parallelism or optimizer
+cost, are set aside with a note, and the problem's own are placed by the communication pass
+(:mod:`pipesched.optimizer.communication`).
 
 Each (stage, microbatch) pair's backward may be fused (B) or split (I + W) independently
 (:func:`~pipesched.optimizer.instance.compile_for_orders`). The simulator
@@ -29,8 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipesched.optimizer.communication import ReshardOrderError, with_communication
-from pipesched.optimizer.instance import compile_for_orders
-from pipesched.optimizer.ir import Action, Orders, parse_action
+from pipesched.optimizer.instance import Instance, compile_for_orders
+from pipesched.optimizer.ir import ActionKind, Orders, parse_action, parse_orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
@@ -43,8 +51,8 @@ __all__ = [
     "render_grid",
 ]
 
-SKIPPED_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUCE_GRAD")
-"""PyTorch action kinds that move data or manage memory; pipesched's check does not time them."""
+SKIPPED_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+"""PyTorch's p2p action kinds; pipesched's check does not time them (the problem's ``costs.p2p`` does)."""
 
 _SKIPPED_RE = re.compile(r"(0|[1-9][0-9]*)(" + "|".join(SKIPPED_KINDS) + r")([0-9]*)")
 _OVERLAP_RE = re.compile(r"\((.*)\)OVERLAP_F_B")
@@ -161,16 +169,19 @@ def _cells_from_json(data: Any) -> list[list[str]]:
 
 
 def read_schedule(data: str | list[Any] | dict[str, Any]) -> tuple[Orders, list[str]]:
-    """Per-rank compute actions from CSV or JSON text (or already-parsed JSON), and notes on what was skipped.
+    """Per-rank actions from CSV or JSON text (or already-parsed JSON), and notes on what was skipped.
+
+    Communication actions get their identity as :func:`~pipesched.optimizer.ir.parse_orders` gives it (a
+    stage's n-th UNSHARD has occurrence n; OPTIMIZER_STEP the rank).
 
     Raises:
         ScheduleInputError: naming the rank and step of the first cell that is no action.
     """
     rows = _cells_from_text(data) if isinstance(data, str) else _cells_from_json(data)
-    orders: Orders = []
+    kept: list[list[str]] = []
     skipped: dict[str, int] = {}
     for rank, row in enumerate(rows):
-        parsed: list[Action] = []
+        parsed: list[str] = []
         for step, cell in enumerate(row):
             if not cell:
                 continue
@@ -182,16 +193,18 @@ def read_schedule(data: str | list[Any] | dict[str, Any]) -> tuple[Orders, list[
                     skipped[skip.group(2)] = skipped.get(skip.group(2), 0) + 1
                     continue
                 try:
-                    parsed.append(parse_action(part))
+                    parse_action(part)
                 except ValueError as error:
                     raise ScheduleInputError(f"rank {rank}, step {step}: {error}") from None
-        orders.append(parsed)
+                parsed.append(part)
+        kept.append(parsed)
+    orders = parse_orders(kept)
     notes = []
     if skipped:
         counts = ", ".join(f"{count} {kind}" for kind, count in skipped.items())
         notes.append(
-            f"skipped {sum(skipped.values())} action(s) pipesched does not time ({counts}): it times compute "
-            "(F, I, W, B) and adds the p2p latency between ranks itself"
+            f"skipped {sum(skipped.values())} action(s) pipesched does not time ({counts}): it adds the p2p "
+            "latency between ranks itself"
         )
     return orders, notes
 
@@ -223,6 +236,25 @@ def _marks(error: InvalidSchedule, rows: list[list[str]]) -> list[tuple[int, int
     return [(rank, _position(rows[rank], action))]
 
 
+def _own_communication(inst: Instance, orders: Orders, notes: list[str]) -> Orders:
+    """``orders`` with their communication actions as written when they are pipesched's (rows that hold
+    OPTIMIZER_STEP, for a problem with step actions); else without them, noted (module docstring)."""
+    written = [action for row in orders for action in row if not action.is_compute]
+    if not written:
+        return orders
+    ours = any(action.kind == ActionKind.OPTIMIZER_STEP for action in written)
+    if inst.has_step_actions and ours:
+        return orders
+    kinds = sorted({str(action.kind) for action in written})
+    why = (
+        "the problem has no data parallelism nor optimizer cost"
+        if not inst.has_step_actions
+        else "the rows hold no OPTIMIZER_STEP (PyTorch's lowering, not pipesched's): pipesched places the problem's own"
+    )
+    notes.append(f"set aside {len(written)} communication action(s) ({', '.join(kinds)}): {why}")
+    return [[action for action in row if action.is_compute] for row in orders]
+
+
 def check_schedule(problem: Problem, orders: Orders, notes: list[str] | None = None) -> CheckResult:
     """Time and check ``orders`` on ``problem`` with the simulator (module docstring).
 
@@ -232,6 +264,7 @@ def check_schedule(problem: Problem, orders: Orders, notes: list[str] | None = N
     """
     notes = list(notes or [])
     inst = compile_for_orders(problem, orders)
+    orders = _own_communication(inst, orders, notes)
     if inst.has_step_actions and all(action.is_compute for row in orders for action in row):
         try:
             orders = with_communication(inst, orders)

@@ -15,6 +15,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from pipesched.api.cli.common import fail
 from pipesched.api.launch.bundle import SCHEDULERS, TARGETS, LaunchBundle, LaunchOptions, build_bundle, pick_plan
 from pipesched.api.loading import format_validation_error
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
@@ -24,18 +25,13 @@ __all__ = ["launch_command", "load_plan_answer", "write_bundle"]
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
 def _read_json(path: Path, what: str) -> object:
     try:
         return json.loads(path.read_text())
     except OSError as error:
-        raise _fail(f"cannot read {path}: {error.strerror or error}") from None
+        raise fail(f"cannot read {path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise _fail(f"{path} is not valid JSON ({what}): {error.msg} at line {error.lineno}") from None
+        raise fail(f"{path} is not valid JSON ({what}): {error.msg} at line {error.lineno}") from None
 
 
 def load_plan_answer(path: Path, request_path: Path | None) -> tuple[PlanAnswer, PlanRequest]:
@@ -48,15 +44,15 @@ def load_plan_answer(path: Path, request_path: Path | None) -> tuple[PlanAnswer,
     try:
         answer = PlanAnswer.model_validate(data)
     except ValidationError as error:
-        raise _fail(f"{path} is not a plan answer:\n{format_validation_error(error, '  ')}") from None
+        raise fail(f"{path} is not a plan answer:\n{format_validation_error(error, '  ')}") from None
     request = answer.request
     if request_path is not None:
         try:
             request = PlanRequest.model_validate(_read_json(request_path, "a plan request"))
         except ValidationError as error:
-            raise _fail(f"{request_path}:\n{format_validation_error(error, '  ')}") from None
+            raise fail(f"{request_path}:\n{format_validation_error(error, '  ')}") from None
     if request is None:
-        raise _fail(
+        raise fail(
             f"{path} does not carry the request it answers: give it with --request CONFIG.json, or write the plan "
             "with `pipesched plan CONFIG.json -o PLAN.json`"
         )
@@ -77,7 +73,7 @@ def write_bundle(bundle: LaunchBundle, folder: Path) -> None:
             if name.endswith((".sh", ".sbatch")):
                 target.chmod(0o755)
     except OSError as error:
-        raise _fail(f"cannot write into {folder}: {error.strerror or error}: give -o a folder you can write") from None
+        raise fail(f"cannot write into {folder}: {error.strerror or error}: give -o a folder you can write") from None
 
 
 def launch_command(
@@ -101,7 +97,7 @@ def launch_command(
         plan = pick_plan(answer, number)
         bundle = build_bundle(request, plan, number, None, options)
     except ValueError as error:  # LaunchError included
-        raise _fail(str(error)) from None
+        raise fail(str(error)) from None
     write_bundle(bundle, output)
     for note in bundle.notes:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
