@@ -17,9 +17,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Lane
 from pipesched.api.metrics import Metrics, method_label, status_label
@@ -162,6 +164,19 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": details}, status_code=status)
 
 
+def _finished_body(svc: Services, kind: str, target_id: str) -> tuple[str, bytes] | None:
+    """A job's or plan's status and JSON as its GET answers it (its callback left out), for the callbacks."""
+    if kind == "job":
+        job = svc.store.job(target_id)
+        view: BaseModel | None = jobs.job_status(svc, job) if job is not None else None
+    else:
+        plan = svc.store.plan(target_id)
+        view = plans.plan_status(svc, plan) if plan is not None else None
+    if view is None:
+        return None
+    return str(getattr(view, "status", "")), view.model_dump_json(exclude={"callback"}).encode()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service for ``settings`` (default: from ``PIPESCHED_*`` environment variables).
 
@@ -181,12 +196,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool = runner(store, on_job_done=job_done)
         # A render process is replaced after a few drawings: what a large one left behind is returned.
         renders = Lane("render", settings.render_workers, settings.max_queued_renders, max_tasks_per_child=8)
-        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics, renders=renders)
+        svc = Services(settings=settings, store=store, pool=pool, metrics=metrics, renders=renders)
+        app.state.services = svc
         pool.recover()
         store.fail_unfinished_plans()
+        callbacks = CallbackSender(store, settings, lambda kind, target_id: _finished_body(svc, kind, target_id))
+        callbacks.start()
         try:
             yield
         finally:
+            callbacks.stop()
             renders.close()
             pool.shutdown()
             store.dispose()

@@ -86,6 +86,14 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(
         9464, ge=0, le=65535, description="Port of a `pipesched worker`'s Prometheus /metrics (0: none)."
     )
+    webhook_secret: str | None = Field(
+        None,
+        description="Key of the callbacks' X-Pipesched-Signature (HMAC-SHA256); without it callback_url is refused.",
+    )
+    callback_max_attempts: int = Field(
+        8, ge=1, le=100, description="Deliveries tried per callback (1, 2, 4 … s apart)."
+    )
+    callback_timeout_s: float = Field(10.0, gt=0, le=300, description="Longest wait for a callback's receiver, s.")
     worker_stalled_after_s: float = Field(
         10.0,
         ge=2.0,
