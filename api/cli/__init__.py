@@ -11,11 +11,18 @@ Bad input exits with code 2 and a message naming the field and the fix.
 
 from __future__ import annotations
 
+import sys
+
 import typer
+import typer.rich_utils
 
 from pipesched.api.cli import demo, launch, plan, runs, schedules, service
+from pipesched.api.cli.common import output_width
 
 __all__ = ["app", "main"]
+
+if typer.rich_utils.MAX_WIDTH is None:  # help piped to a file or `| cat` is not cut at 80 columns
+    typer.rich_utils.MAX_WIDTH = output_width(sys.stdout)
 
 app = typer.Typer(
     name="pipesched",

@@ -7,22 +7,18 @@ the fix.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 
-from pipesched.api.cli.common import fail
+from pipesched.api.cli.common import err_console, fail
 from pipesched.api.launch.bundle import SCHEDULERS, TARGETS, LaunchBundle, LaunchOptions, build_bundle, pick_plan
 from pipesched.api.loading import format_validation_error
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
 __all__ = ["launch_command", "load_plan_answer", "write_bundle"]
-
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 120)
 
 
 def _read_json(path: Path, what: str) -> object:

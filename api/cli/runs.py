@@ -11,7 +11,24 @@ from rich.table import Table
 
 from pipesched.api.cli.common import console, err_console, fail, require_torch, write_output
 from pipesched.api.loading import InputError
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.units import format_bytes
+
+
+def prediction_note(problem: Problem, model: str) -> str:
+    """Where the run summary's predictions come from when the ranks ran another model than the problem's."""
+    spec = problem.model
+    source = (
+        f"the problem's model ({spec.preset or f'{spec.num_layers} layers, hidden {spec.hidden_size}'}, "
+        f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size})"
+        if spec is not None
+        else "the problem's costs and memory as given"
+    )
+    alternative = " or with --model problem" if spec is not None else ""
+    return (
+        f"note: predicted times and memory are for {source}; the ranks ran --model {model}. They compare with the "
+        f"measured ones only for a problem profiled from {model} (pipesched profile --model {model}){alternative}."
+    )
 
 
 def run(
@@ -148,6 +165,8 @@ def run(
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
     print_run_summary(report)
+    if model != "problem":
+        console.print(prediction_note(problem, model), highlight=False, soft_wrap=True)
     if training is not None:
         from pipesched.runtime.training import print_training_summary
 
