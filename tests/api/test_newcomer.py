@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipesched.api.settings import Settings
-from tests.conftest import REPO
+from tests.conftest import REPO, data_parallel_problem
 
 PROBLEM = {
     "pipeline": {"num_ranks": 4, "num_microbatches": 8},
@@ -333,25 +333,10 @@ def test_the_gantt_legend_fits_the_figure() -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     from pipesched.api.render.figure import _figure
-    from pipesched.optimizer.derive import load_problem
     from pipesched.optimizer.solve import solve_family
 
-    problem = load_problem(
-        {
-            "pipeline": {"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2, "placement": "v"},
-            "costs": {
-                "forward": 1,
-                "backward_input": 1,
-                "backward_weight": 1,
-                "p2p": 0.1,
-                "unshard": 0.5,
-                "reduce_grad": 0.5,
-                "optimizer_step": 0.3,
-            },
-            "memory": {"activation": 100, "retained_for_weight": 40},
-            "data_parallel": {"size": 2, "sharding": "full"},
-        }
-    )
+    v_pipeline = {"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2, "placement": "v"}
+    problem = data_parallel_problem(pipeline=v_pipeline, memory={"activation": 100, "retained_for_weight": 40})
     figure = _figure(solve_family(problem, "zb-v"), None, 100)
     FigureCanvasAgg(figure).draw()
     (legend,) = figure.legends
