@@ -15,9 +15,11 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
-from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
-from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
+from pipesched.optimizer.families import method_field_errors, registry
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
+from pipesched.optimizer.solvers.base import backend_names
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -46,9 +48,37 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
 
     Raises:
         pydantic.ValidationError: every invalid field with its path (``model.hidden_size``,
-            ``cluster.accelerator``, ``costs.forward``…) and the fix.
+            ``cluster.accelerator``, ``costs.forward``…, ``solver.method`` against the families) and the fix.
     """
-    document = dict(data)
+    problem = _derive_and_validate(_with_method_training(dict(data)))
+    raise_field_errors("Problem", [*method_field_errors(problem), *_backend_errors(problem)])
+    return problem
+
+
+def _backend_errors(problem: Problem) -> list[FieldError]:
+    """``solver.backends`` against the backends' registry (:data:`pipesched.optimizer.solvers.base.BACKENDS`)."""
+    known = backend_names()
+    return [
+        (("solver", "backends", index), f"{name!r} is not a backend: choose among {', '.join(known)}", name)
+        for index, name in enumerate(problem.solver.backends or [])
+        if name not in known
+    ]
+
+
+def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
+    """A family without a flush (PipeDream-2BW) and no ``training`` given: ``{"flush": false}`` (two weight
+    versions follow from it)."""
+    solver = document.get("solver")
+    method = solver.get("method") if isinstance(solver, Mapping) else None
+    if isinstance(method, str) and not document.get("training"):
+        family = registry().get(method)
+        if family is not None and not family.flush:
+            document["training"] = {"flush": False, "weight_versions": 2}
+    return document
+
+
+def _derive_and_validate(document: dict[str, Any]) -> Problem:
+    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing."""
     if (
         (document.get("costs") is None or document.get("memory") is None or _lacks_collectives(document))
         and document.get("model") is not None
@@ -188,7 +218,7 @@ def _add_collectives(
         model=parts.model,
         cluster=parts.cluster,
         stage_parameters=[block.parameters for block in derived.stages],
-        stage_holders=stage_ranks(parts.pipeline),
+        stage_holders=parts.pipeline.stage_holders(),
         num_ranks=parts.pipeline.num_ranks,
         data_parallel_size=dp.size,
         sharding=dp.sharding,

@@ -3,7 +3,7 @@
 Every schedule class of ``torch.distributed.pipelining.schedules`` computes its whole
 ``pipeline_order`` (one list of actions per rank, ``None`` for an idle lockstep slot) in its
 constructor from the stages' ``stage_index``, ``num_stages``, ``group_size``, ``group_rank``,
-``is_first``, ``is_last`` and ``submod`` alone.
+``is_first``, ``is_last`` and ``submod`` alone (``docs/RUNTIME.md``, "PyTorch facts").
 :func:`torch_compute_orders` builds a schedule on such stand-in stages and keeps the compute actions
 (F, I, W, B) in order: idle slots and bookkeeping actions (REDUCE_GRAD, UNSHARD, RESHARD, sends and
 receives) are dropped, and DualPipeV's ``OVERLAP_F_B`` pairs are flattened into their two passes, forward
@@ -18,6 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
+
+from pipesched.optimizer.families import FamilySpec, registry
+from pipesched.optimizer.problem import stage_to_rank
 
 __all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedule", "torch_schedules_for"]
 
@@ -43,16 +46,31 @@ class TorchSchedule:
     family: str
 
 
-TORCH_SCHEDULES: tuple[TorchSchedule, ...] = (
-    TorchSchedule("GPipe", "loop", 1, 1, False, "gpipe"),
-    TorchSchedule("1F1B", "loop", 1, 1, False, "1f1b"),
-    TorchSchedule("Interleaved1F1B", "loop", None, 2, False, "interleaved-1f1b"),
-    TorchSchedule("LoopedBFS", "loop", None, 1, False, "looped-bfs"),
-    TorchSchedule("InterleavedZeroBubble", "loop", None, 1, True, "interleaved-zb"),
-    TorchSchedule("ZBVZeroBubble", "v", 2, 2, True, "zb-v"),
-    TorchSchedule("DualPipeV", "v", 2, 2, "mixed", "dualpipe-v"),
+_SPLIT_BACKWARD: dict[str, bool | Literal["mixed"]] = {"fused": False, "split": True, "mixed": "mixed"}
+
+
+def _torch_schedule_of(family: FamilySpec) -> TorchSchedule:
+    """The PyTorch schedule a family declares it mirrors (its ``torch``), with the family's layouts."""
+    assert family.torch is not None
+    layouts = family.stages_per_rank
+    backward = _SPLIT_BACKWARD[family.torch.backward]
+    placement = family.placements[0]
+    assert placement in ("loop", "v")
+    return TorchSchedule(
+        name=family.torch.name,
+        placement=placement,
+        stages_per_rank=layouts.start if len(layouts) == 1 else None,
+        min_stages_per_rank=layouts.start,
+        split_backward=backward,
+        family=family.name,
+    )
+
+
+TORCH_SCHEDULES: tuple[TorchSchedule, ...] = tuple(
+    _torch_schedule_of(family) for family in registry().values() if family.torch is not None
 )
-"""PyTorch 2.13's schedules with a static order, with the pipesched family that builds the same schedule."""
+"""PyTorch 2.13's schedules with a static order, with the pipesched family that builds the same schedule (from
+the families' declarations: :class:`~pipesched.optimizer.families.TorchClass`)."""
 
 
 def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSchedule]:
@@ -68,10 +86,7 @@ def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSched
 
 def _stand_in_stages(num_ranks: int, stages_per_rank: int, placement: str, rank: int) -> list[SimpleNamespace]:
     num_stages = num_ranks * stages_per_rank
-    if placement == "loop":
-        ids = [chunk * num_ranks + rank for chunk in range(stages_per_rank)]
-    else:
-        ids = [rank, 2 * num_ranks - 1 - rank]
+    ids = [s for s, holder in enumerate(stage_to_rank(num_ranks, stages_per_rank, placement)) if holder == rank]
     return [
         SimpleNamespace(
             stage_index=s,

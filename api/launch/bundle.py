@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pipesched.api.launch.schedulers import SCHEDULER_FILES, Job, render_scheduler_file
 from pipesched.optimizer.export import orders_to_torch_csv
-from pipesched.optimizer.planner.evaluate import build_problem
+from pipesched.optimizer.planner.evaluate import build_problem, launch_spec
 from pipesched.optimizer.planner.launch import (
     CONFIG_MODULE_NAME,
     LaunchError,
@@ -21,7 +21,7 @@ from pipesched.optimizer.planner.launch import (
     plan_configuration,
     torchtitan_launch,
 )
-from pipesched.optimizer.planner.prune import Estimator
+from pipesched.optimizer.planner.rank import estimator_for
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve, solve_family
@@ -87,14 +87,8 @@ def pick_plan(answer: PlanAnswer, number: int) -> Plan:
 def plan_schedule(request: PlanRequest, plan: Plan) -> Schedule:
     """The plan's schedule rebuilt from its request and configuration (simulated, memory not enforced: the
     planner judged the plan's memory against the GPU's with its headroom)."""
-    estimator = Estimator(
-        request.model,
-        request.cluster,
-        request.training.global_batch_size,
-        sequence_parallel=request.search.sequence_parallel,
-    )
     config = plan_configuration(plan)
-    problem = build_problem(estimator, config, time_limit_s=request.search.time_limit_s)
+    problem = build_problem(estimator_for(request), config, time_limit_s=request.search.time_limit_s)
     if config.method == "auto":
         return solve(problem)
     return solve_family(problem, config.method, enforce_memory=False)
@@ -161,7 +155,7 @@ def build_bundle(
     if schedule is not None and plan.pipeline_parallel > 1:
         files["schedule.csv"] = orders_to_torch_csv(schedule.orders())
     layers = schedule.problem.model.layers_per_stage if schedule is not None and schedule.problem.model else None
-    spec = LaunchSpec.from_plan(request, plan, layers)
+    spec = launch_spec(estimator_for(request), plan_configuration(plan), layers)
     target_files, args, entry, target_notes = _target_files(spec, options)
     files.update(target_files)
     notes += target_notes

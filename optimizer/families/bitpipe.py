@@ -15,27 +15,16 @@ runs the same greedy at larger caps where the memory limit allows (1.5p: 0.08, 3
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._base import FamilySpec
 from pipesched.optimizer.families.v_shape import capped_v_orders
-from pipesched.optimizer.problem import Problem
-
-
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "bidirectional",
-        "bitpipe",
-        'needs placement "bidirectional" with stages_per_rank 2 (two V-shaped replicas in opposite '
-        f"directions), got placement {pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
-    )
-
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="bitpipe",
         description="BitPipe: two V-shaped replicas in opposite directions filling each other's bubbles.",
-        domain='placement "bidirectional" (stages_per_rank 2), any microbatch count',
-        check=_check,
         build=lambda problem: capped_v_orders(problem, lambda p: p),
+        listing_order=110,
+        placements=("bidirectional",),
+        stages_per_rank=range(2, 3),
     )
 ]

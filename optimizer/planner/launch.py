@@ -31,7 +31,7 @@ from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
 
 if TYPE_CHECKING:
-    from pipesched.optimizer.planner.request import Plan, PlanRequest
+    from pipesched.optimizer.planner.request import Plan
 
 __all__ = [
     "CONFIG_MODULE_NAME",
@@ -92,8 +92,9 @@ def plan_configuration(plan: Plan) -> Configuration:
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """Everything a launcher needs from one plan: its configuration (``layout``) on the request's model,
-    cluster and batch.
+    """Everything a launcher needs from one plan: its configuration (``layout``) on the request's model (as
+    trained: precision and kernels), cluster and batch
+    (:func:`pipesched.optimizer.planner.evaluate.launch_spec` builds it as the planner does).
 
     ``layers_per_stage`` is the transformer-layer partition the plan's schedule was simulated with (stage 0
     also holds the embedding, the last stage the norm and output head); ``None`` leaves the split to the
@@ -108,19 +109,6 @@ class LaunchSpec:
     layout: Configuration
     sequence_parallel: bool = True
     layers_per_stage: tuple[int, ...] | None = field(default=None)
-
-    @classmethod
-    def from_plan(cls, request: PlanRequest, plan: Plan, layers_per_stage: list[int] | None = None) -> LaunchSpec:
-        """The spec of ``plan``, one of the answers to ``request``."""
-        return cls(
-            model=request.model,
-            num_nodes=request.cluster.num_nodes,
-            gpus_per_node=request.cluster.gpus_per_node,
-            global_batch_size=request.training.global_batch_size,
-            layout=plan_configuration(plan),
-            sequence_parallel=request.search.sequence_parallel,
-            layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
-        )
 
     @property
     def context_parallel(self) -> int:
@@ -292,6 +280,8 @@ def torchtitan_launch(
     ]
     if spec.layout.pipeline_parallel > 1:
         args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
+    if getattr(spec.model, "kernels", "eager") == "compiled":
+        args.append("--compile.enable")
     args.append(f"activation-checkpoint:{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)
 

@@ -24,6 +24,7 @@ from pipesched.client import AsyncClient, Client, InvalidRequest, RetryPolicy, U
 from pipesched.optimizer.result import Schedule
 from tests.api.test_api_served import ServedApi, problem_body
 
+TOKEN = "a-token-for-the-flood-test"
 PLAN_REQUEST = {
     "model": {"preset": "llama3.1-8b"},
     "cluster": {"accelerator": "H100-SXM", "num_nodes": 2, "gpus_per_node": 8},
@@ -111,12 +112,12 @@ def test_a_flood_meets_429_and_every_job_lands_after_retry_after(tmp_path: Path)
         tmp_path / "server.log",
         PIPESCHED_SOLVER_WORKERS="1",
         PIPESCHED_MAX_QUEUED_JOBS="0",
-        PIPESCHED_API_TOKEN="secret",
+        PIPESCHED_API_TOKEN=TOKEN,
     )
     try:
         with Client(server.base_url) as anonymous, pytest.raises(Unauthorized):
             anonymous.submit(problem_body())
-        with Client(server.base_url, token="secret", retry=RetryPolicy(max_retries=30), poll_s=0.1) as client:
+        with Client(server.base_url, token=TOKEN, retry=RetryPolicy(max_retries=30), poll_s=0.1) as client:
             with ThreadPoolExecutor(4) as pool:
                 ids = list(pool.map(client.submit, [problem_body(m, "auto", 1.0) for m in range(20, 24)]))
             assert len(set(ids)) == 4 and client.retries[429] > 0
