@@ -336,6 +336,8 @@ def test_fan_out_gathers_n_searches_within_the_limit(cluster: Cluster) -> None:
         # the same problems again: answered from the store at once
         again = solve_many(store, runner, problems, time_limit_s=5.0)
         assert [s.id for s in again.schedules if s] == [s.id for s in result.schedules if s]
+        # a synchronous solve's task that succeeded is deleted: its waiter looks for the schedule, no 500
+        assert runner._task_failed(10**12) is False
     finally:
         runner.shutdown()
         store.dispose()
