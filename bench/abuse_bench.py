@@ -117,8 +117,9 @@ def tree(root: int) -> list[int]:
     return sorted(found)
 
 
-def probe_health(base_url: str, stop: Any, answers: Any) -> None:
-    """GET /healthz every 0.25 s until ``stop`` is set, then put ``[(code, seconds), …]`` on ``answers``.
+def probe_health(base_url: str, ready: Any, stop: Any, answers: Any) -> None:
+    """GET /healthz every 0.25 s until ``stop`` is set (``ready`` set once the first answered), then put
+    ``[(code, seconds), …]`` on ``answers``.
 
     Runs in a process of its own, so the latency measured is the server's, not the bench's threads' wait for
     the GIL (a keep-alive connection a starved client left idle would also be closed under it)."""
@@ -131,6 +132,7 @@ def probe_health(base_url: str, stop: Any, answers: Any) -> None:
             except httpx.HTTPError as error:
                 code = type(error).__name__
             measured.append((code, time.perf_counter() - started))
+            ready.set()
             stop.wait(0.25)
     answers.put(measured)
 
@@ -154,9 +156,10 @@ class Watch:
     @contextmanager
     def running(self) -> Iterator[Watch]:
         context = multiprocessing.get_context("spawn")
-        stop, answers = context.Event(), context.Queue()
-        prober = context.Process(target=probe_health, args=(self.base_url, stop, answers), daemon=True)
+        ready, stop, answers = context.Event(), context.Event(), context.Queue()
+        prober = context.Process(target=probe_health, args=(self.base_url, ready, stop, answers), daemon=True)
         prober.start()
+        ready.wait(60)  # the case starts once the probe runs
         sampler = threading.Thread(target=self._sample)
         sampler.start()
         try:
