@@ -32,6 +32,7 @@ from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import DatabaseUnavailable, Store, is_unreachable
 from pipesched.optimizer.families import method_names
+from pipesched.optimizer.solvers.base import backend_names
 
 __all__ = ["DATABASE_RETRY_AFTER_S", "create_app"]
 
@@ -292,14 +293,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _openapi_with_methods(default: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    """The OpenAPI schema with ``solver.method``'s choices from the family registry (the problem model, below
-    the families, types it as a string)."""
+    """The OpenAPI schema with the choices of ``solver.method`` and ``solver.backends`` from the families' and the
+    backends' registries (the problem model, below both, types them as strings)."""
 
     def openapi() -> dict[str, Any]:
         schema = default()
         for name, component in schema.get("components", {}).get("schemas", {}).items():
-            if name.startswith("SolverOptions") and "method" in component.get("properties", {}):
-                component["properties"]["method"]["enum"] = list(method_names())
+            properties = component.get("properties", {})
+            if name.startswith("SolverOptions") and "method" in properties:
+                properties["method"]["enum"] = list(method_names())
+                for option in properties["backends"].get("anyOf", []):
+                    if option.get("type") == "array":
+                        option["items"]["enum"] = list(backend_names())
         return schema
 
     return openapi
