@@ -52,24 +52,7 @@ __all__ = [
     "compile_for_orders",
     "compile_problem",
     "compute_instance",
-    "stage_to_rank",
 ]
-
-
-def stage_to_rank(problem: Problem) -> list[int]:
-    """Rank of every stage id (length ``num_stages``, or ``2 * num_stages`` for bidirectional)."""
-    pipeline = problem.pipeline
-    p, num_stages = pipeline.num_ranks, pipeline.num_stages
-    placement = pipeline.placement
-    if isinstance(placement, list):
-        return list(placement)
-    if placement == "loop":
-        return [s % p for s in range(num_stages)]
-    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    if placement == "v":
-        return v
-    # bidirectional: replica 0 in V placement, replica 1 mirrored.
-    return v + [p - 1 - r for r in v]
 
 
 @dataclass
@@ -199,7 +182,7 @@ def compile_problem(
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
-    ranks_of = stage_to_rank(problem)
+    ranks_of = pipeline.stage_to_rank
     model_stage = [s % num_stages for s in range(len(ranks_of))]
     if pipeline.placement == "bidirectional":
         replica0 = (m + 1) // 2

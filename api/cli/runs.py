@@ -11,13 +11,15 @@ from rich.table import Table
 
 from pipesched.api.cli.common import console, err_console, fail, require_torch, write_output
 from pipesched.api.loading import InputError
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.units import format_bytes
 
 if TYPE_CHECKING:
     from pipesched.optimizer.problem import Problem
     from pipesched.optimizer.result import Schedule
+    from pipesched.runtime.options import TrainingOptions
     from pipesched.runtime.profile import Profile
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.report import RunReport
 
 # The options of `pipesched run`, one alias each, so that the command reads as the list of its options.
 ScheduleArgument = Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")]
@@ -75,6 +77,22 @@ MaxGradNormOption = Annotated[
     float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
 ]
 InjectNanOption = Annotated[str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")]
+
+
+def prediction_note(problem: Problem, model: str) -> str:
+    """Where the run summary's predictions come from when the ranks ran another model than the problem's."""
+    spec = problem.model
+    source = (
+        f"the problem's model ({spec.preset or f'{spec.num_layers} layers, hidden {spec.hidden_size}'}, "
+        f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size})"
+        if spec is not None
+        else "the problem's costs and memory as given"
+    )
+    alternative = " or with --model problem" if spec is not None else ""
+    return (
+        f"note: predicted times and memory are for {source}; the ranks ran --model {model}. They compare with the "
+        f"measured ones only for a problem profiled from {model} (pipesched profile --model {model}){alternative}."
+    )
 
 
 def run(
@@ -147,10 +165,10 @@ def run(
         raise fail(str(error)) from None
     except RunFailed as error:
         raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
-    if "verified" not in report:
+    if report is None:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
-    _print_run(report, schedule, training, output, trace)
+    _print_run(report, schedule, training, output, trace, model)
 
 
 def _training_options(problem: Problem, given: dict[str, Any], inject_nan: str | None) -> TrainingOptions | None:
@@ -181,16 +199,20 @@ def _training_options(problem: Problem, given: dict[str, Any], inject_nan: str |
 
 
 def _print_run(
-    report: dict[str, Any],
+    report: RunReport,
     schedule: Schedule,
     training: TrainingOptions | None,
     output: Path | None,
     trace: Path | None,
+    model: str,
 ) -> None:
-    """The verified run's summary (and training's), the files written; exit 1 when it did not verify."""
+    """The verified run's summary (and training's, and whose predictions it shows when ``model`` is not the
+    problem's), the files written; exit 1 when it did not verify."""
     from pipesched.runtime.launch import print_run_summary
 
     print_run_summary(report)
+    if model != "problem":
+        console.print(prediction_note(schedule.problem, model), highlight=False, soft_wrap=True)
     if training is not None:
         from pipesched.runtime.training import print_training_summary
 
@@ -200,9 +222,9 @@ def _print_run(
     if trace is not None:
         from pipesched.optimizer.export import run_report_to_chrome_trace
 
-        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report.model_dump(), predicted=schedule)))
         console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
-    if not report["verified"]:
+    if not report.verified:
         raise typer.Exit(1)
 
 

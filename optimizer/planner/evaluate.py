@@ -23,9 +23,10 @@ from pydantic import ValidationError
 from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.families import FamilyDomainError, get_family, registry
+from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, torchrun_command, torchtitan_launch
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
@@ -36,21 +37,16 @@ from pipesched.optimizer.units import format_bytes
 
 __all__ = [
     "AUTO_SECONDS_PER_THOUSAND_ACTIONS",
-    "TORCH_SCHEDULE_NAMES",
     "Evaluation",
     "SimulationCache",
     "build_problem",
     "evaluate",
     "evaluation_seconds",
     "launch_for",
+    "launch_spec",
     "model_flops_per_token",
     "schedule_for",
 ]
-
-#: Families PyTorch has a schedule class for (torchtitan's ``pipeline_parallel_schedule``), from the families'
-#: declarations; the others run from the schedule's CSV (``pipeline_parallel_schedule_csv``).
-TORCH_SCHEDULE_NAMES = {name: family.torch.name for name, family in registry().items() if family.torch is not None}
-
 
 #: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
 #: activation peak bytes, the schedule). Sharding changes only the static memory, not the schedule.
@@ -139,50 +135,30 @@ def build_problem(
     return load_problem(document)
 
 
-def launch_for(estimator: Estimator, config: Configuration, schedule_id: str | None) -> Launch:
-    """torchtitan's TOML fragment (NOTES §6 names) and the torchrun line for ``config``."""
-    model, cluster = estimator.model, estimator.cluster
-    d = config.data_parallel_size
-    replicate, shard = (d, 1) if config.sharding == "none" else (1, d)
-    lines = ["[parallelism]"]
-    lines.append(f"data_parallel_replicate_degree = {replicate}")
-    lines.append(f"data_parallel_shard_degree = {shard}")
-    if config.sharding in ("optimizer", "gradients"):
-        lines.append('fsdp_reshard_after_forward = "never"  # closest to ZeRO-1/2: weights stay gathered')
-    lines.append(f"tensor_parallel_degree = {config.tensor_parallel}")
-    lines.append(f"pipeline_parallel_degree = {config.pipeline_parallel}")
-    if config.pipeline_parallel > 1:
-        torch_name = TORCH_SCHEDULE_NAMES.get(config.method)
-        if torch_name is not None:
-            lines.append(f'pipeline_parallel_schedule = "{torch_name}"')
-        else:
-            where = f"GET /v1/schedules/{schedule_id}?format=csv" if schedule_id else "pipesched solve --format csv"
-            lines.append(
-                f'pipeline_parallel_schedule = "{"ZBVZeroBubble" if config.placement == "v" else "Interleaved1F1B"}"'
-            )
-            lines.append(f'pipeline_parallel_schedule_csv = "schedule.csv"  # {config.method}: from {where}')
-        lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")
-    if config.precision == "fp8":
-        lines += ["", "[float8]", "enable_fsdp_float8_all_gather = false  # torchao Float8Linear, tensorwise"]
-    if estimator.model.kernels == "compiled":
-        lines += ["", "[compile]", "enable = true"]
-    lines += [
-        "",
-        "[training]",
-        f"local_batch_size = {estimator.global_batch_size // d}",
-        f"global_batch_size = {estimator.global_batch_size}",
-        f"seq_len = {model.seq_length}",
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{config.activation_recomputation}"',
-        "",
-    ]
-    torchrun = (
-        f"torchrun --nnodes {cluster.num_nodes} --nproc_per_node {cluster.gpus_per_node} "
-        "--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500 "
-        "-m torchtitan.train --job.config_file plan.toml"
+def launch_spec(estimator: Estimator, config: Configuration, layers_per_stage: list[int] | None = None) -> LaunchSpec:
+    """The launch spec of ``config`` on the estimator's model, cluster and batch."""
+    return LaunchSpec(
+        model=estimator.model,
+        num_nodes=estimator.cluster.num_nodes,
+        gpus_per_node=estimator.cluster.gpus_per_node,
+        global_batch_size=estimator.global_batch_size,
+        sequence_parallel=estimator.sequence_parallel,
+        layout=config,
+        layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
     )
-    return Launch(torchtitan="\n".join(lines), torchrun=torchrun)
+
+
+def launch_for(estimator: Estimator, config: Configuration, layers_per_stage: list[int] | None = None) -> Launch:
+    """torchtitan ≥ 0.3's argv for ``config`` (one argument a line, the CSV at ``schedule.csv``) and the torchrun
+    line that runs it (:mod:`pipesched.optimizer.planner.launch`); ``pipesched launch`` writes both with the
+    CSV and a job scheduler's file."""
+    spec = launch_spec(estimator, config, layers_per_stage)
+    try:
+        args = torchtitan_launch(spec).args
+    except LaunchError as error:
+        return Launch(torchtitan=f"# {error}", torchrun="")
+    torchrun = torchrun_command(spec, ["-m", "torchtitan.train"]) + " $(cat torchtitan.args)"
+    return Launch(torchtitan="\n".join(args), torchrun=torchrun)
 
 
 def _plan(
@@ -193,6 +169,7 @@ def _plan(
     peak_memory_bytes: float,
     bound_ms: float,
     schedule_id: str | None = None,
+    layers_per_stage: list[int] | None = None,
 ) -> Plan:
     step_ms = makespan_ms + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms
     num_gpus = estimator.cluster.num_gpus
@@ -221,7 +198,7 @@ def _plan(
         peak_memory_bytes=float(round(peak_memory_bytes)),
         lower_bound_ms=round(bound_ms, 4),
         schedule_id=schedule_id,
-        launch=launch_for(estimator, config, schedule_id),
+        launch=launch_for(estimator, config, layers_per_stage),
         pipeline_makespan_ms=round(makespan_ms, 4),
         data_parallel_exposed_ms=round(estimate.data_parallel_exposed_ms, 4),
         optimizer_step_ms=round(estimate.optimizer_step_ms, 4),
@@ -304,7 +281,7 @@ def evaluate(
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
         estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
         makespan = float(simulated_step)
-    plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
+    plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id, problem.model.layers_per_stage)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None
     return Evaluation(config, plan, own, problem, None, source=schedule)

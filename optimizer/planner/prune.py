@@ -54,6 +54,7 @@ from pipesched.optimizer.cost.stages import (
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.problem import stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -214,6 +215,7 @@ class Estimator:
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
+        ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
             tp = self.tensor_parallel(config.tensor_parallel)
             head = head_block(self.model_for(*key[1:4]), self.hardware, tp, separate_copy=False)
@@ -227,14 +229,14 @@ class Estimator:
                 block = block + embedding
             if stage == num_stages - 1:
                 block = block + head
-            rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
+            rank = ranks[stage]
             compute[rank] += block.compute_ms
             backward[rank] += block.backward_input_ms + block.backward_weight_ms
             parameters[rank] += block.parameters
             activation[rank] = max(activation[rank], block.activation_bytes)
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
-        last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        last_rank = ranks[num_stages - 1]
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
     from pipesched.api.render import render_png, render_view_html
     from pipesched.runtime.launch import run_schedule
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.options import TrainingOptions
 
     problem = data_parallel_problem(split_backward=False, method="1f1b")
     schedule = solve(problem)
@@ -40,13 +40,14 @@ def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
     report = run_schedule(
         schedule, engine="pipesched", training=TrainingOptions(data_parallel=2, sharding="full"), timeout_s=180
     )
-    assert report["verified"] is True, {k: report[k] for k in ("max_rel_grad_error", "max_rel_param_error")}
-    assert report["executed_order_matches"]
-    assert report["predicted_step_time_ms"] == schedule.step_time
-    assert report["data_parallel"] == {"size": 2, "sharding": "full", "world_size": 4}
-    for rank in report["ranks"]:
-        stage = rank["pp_rank"]
-        assert [c["action"] for c in rank["communication"]] == [
+    assert report is not None
+    assert report.verified is True, report.model_dump(include={"max_rel_grad_error", "max_rel_param_error"})
+    assert report.executed_order_matches
+    assert report.predicted_step_time_ms == schedule.step_time
+    assert report.data_parallel.model_dump() == {"size": 2, "sharding": "full", "world_size": 4}
+    for rank in report.ranks:
+        stage = rank.pp_rank
+        assert [c.action for c in rank.communication] == [
             f"{stage}UNSHARD",
             f"{stage}REDUCE_GRAD",
             f"{stage}RESHARD",
