@@ -257,6 +257,11 @@ class DataParallel(_Strict):
     reshard_after_forward: bool = Field(
         False, description="With sharding full: free gathered weights after F and gather again before backward."
     )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Gradients reduced in \"fp32\" (torchtitan's FSDP reduce_dtype, Megatron's grad_reduce_in_fp32) "
+        "or \"bf16\" (Megatron-LM's and NeMo's default, FSDP's pure bf16).",
+    )
 
     @model_validator(mode="after")
     def _check_reshard(self) -> DataParallel:

@@ -16,7 +16,7 @@ from functools import cache
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import default_family, get_family, registry
 from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
-from pipesched.optimizer.problem import SHARDINGS, DataParallel, Pipeline, Sharding
+from pipesched.optimizer.problem import SHARDINGS, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
@@ -48,6 +48,7 @@ class Configuration:
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -57,13 +58,6 @@ class Configuration:
     def num_stages(self) -> int:
         """Model chunks: ``pipeline_parallel × stages_per_rank``."""
         return self.pipeline_parallel * self.stages_per_rank
-
-    @property
-    def data_parallel(self) -> DataParallel:
-        """The configuration's data-parallel group; without a pipeline, fully sharded weights are freed after
-        each forward (FSDP's default), with one they stay gathered (torchtitan under pipeline parallelism)."""
-        reshard = self.sharding == "full" and self.pipeline_parallel == 1
-        return DataParallel(size=self.data_parallel_size, sharding=self.sharding, reshard_after_forward=reshard)
 
 
 #: The search dimensions, by field name.
@@ -82,11 +76,13 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
     ]
 
 
-def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages."""
+def layouts(pipeline_parallel: int, num_layers: int, pinned: Sequence[int] | None = None) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (loop
+    placements of 1, 2 or 4 chunks per rank, or every pinned ``search.stages_per_rank``)."""
     if pipeline_parallel == 1:
         return [(1, "loop")]
-    candidates = [(v, "loop") for v in _LOOP_STAGES] + [(2, "v")]
+    loops = sorted(set(_LOOP_STAGES) | set(pinned or ()))
+    candidates = [(v, "loop") for v in loops] + [(2, "v")]
     return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
 
 
@@ -147,15 +143,19 @@ def enumerate_space(
     search: PlanSearch,
     *,
     ignore_batch: bool = False,
+    precision: str = "bf16",
 ) -> Iterator[Configuration]:
     """Every configuration the request allows, in no particular order.
 
     Args:
+        precision: the precision searched when ``search.precision`` does not list several
+            (``training.precision``).
         ignore_batch: enumerate as if every micro-batch size divided the batch (used to tell a batch no
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
     methods_pinned = search.method
+    precisions: list[str] = list(search.precision) if search.precision else [precision]
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
@@ -172,7 +172,7 @@ def enumerate_space(
             for sharding in SHARDINGS if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
-                for v, placement in layouts(p, model.num_layers):
+                for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
                     if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                         continue
                     for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
@@ -200,4 +200,7 @@ def enumerate_space(
                             for method in candidates:
                                 if not _admits(method, p, v, placement, m):
                                     continue
-                                yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)
+                                for precision in precisions:
+                                    yield Configuration(
+                                        p, t, d, sharding, v, placement, b, m, recompute, method, precision
+                                    )
