@@ -4,10 +4,11 @@ Every row of the context/expert-parallel calibration data (``optimizer/cost/cali
 Bridge, NeMo, NeMo AutoModel, the Megatron MoE Model Zoo, torchtitan, the Llama 3 and DeepSeek-V3 reports;
 each file's ``source`` says where and how its figures were read) is planned with every dimension of its
 published layout pinned in ``search`` (pipeline, tensor, context, expert and data-parallel degrees, sharding,
-chunks per rank, schedule, micro-batch size, and the recomputation where the source states it), and the
-planner's tokens/s per GPU is set beside the published one: the ratio published / predicted, and its median
-and spread over the rows. A free search of the same model, GPUs and batch then gives the planner's own best
-layout for the cases of ``FREE_CASES`` (with its 80% interval where the plan carries one).
+chunks per rank, schedule, micro-batch size, and the recomputation where the source states it; the precision
+and how kernels ran as ``training``), and the planner's tokens/s per GPU is set beside the published one: the
+ratio published / predicted, and its median and spread over the rows. A free search of the same model, GPUs
+and batch then gives the planner's own best layout for the cases of ``FREE_CASES`` (with its 80% interval where
+the plan carries one).
 
 Run: ``python -m bench.cpep_bench [--time-limit S] [--free-time-limit S] [--only SUBSTRING] [--output FILE]``.
 """
@@ -88,6 +89,14 @@ def pins(row: dict[str, Any]) -> dict[str, list[Any]]:
     return pinned
 
 
+def kernels(row: dict[str, Any]) -> str:
+    """How the row's elementwise work ran: ``fused`` (hand-fused kernels), ``compiled`` or ``eager``."""
+    software = row.get("software", {})
+    if software.get("fused_kernels"):
+        return "fused"
+    return "compiled" if software.get("compile") else "eager"
+
+
 def request_for(row: dict[str, Any], time_limit_s: float, *, pinned: bool = True) -> PlanRequest:
     """The plan request of a row: its model, cluster and batch, its layout pinned (or free)."""
     cluster = {"accelerator": row["accelerator"], **row.get("cluster", {})}
@@ -98,7 +107,11 @@ def request_for(row: dict[str, Any], time_limit_s: float, *, pinned: bool = True
         {
             "model": row["model"],
             "cluster": cluster,
-            "training": {"global_batch_size": row["training"]["global_batch_size"]},
+            "training": {
+                "global_batch_size": row["training"]["global_batch_size"],
+                "precision": row["training"].get("precision", "bf16"),
+                "kernels": kernels(row),
+            },
             "search": search,
         }
     )

@@ -24,8 +24,8 @@ Sources and model:
   T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
 - Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
   main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
-  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). ``shard_optimizer_state`` divides the master weights
-  and moments by ``data_parallel_size`` (ZeRO stage 1).
+  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). The problem's ``data_parallel`` sharding divides them by
+  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`).
 - Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
   V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
 """
@@ -33,7 +33,6 @@ Sources and model:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,13 +45,22 @@ from pipesched.optimizer.cost.flops import (
     PassFlops,
     embedding_parameters,
     expert_parameters,
-    head_flops,
     head_parameters,
     layer_flops,
     layer_parameters,
     norm_parameters,
 )
 from pipesched.optimizer.cost.memory import LayerActivation, layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile, active_catalogue, default_profile
+from pipesched.optimizer.cost.timing import (
+    Hardware,
+    PassTimes,
+    elementwise_ms,
+    expert_gemms,
+    gemm_ms,
+    gemms_ms,
+    layer_gemm_times,
+)
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.partition import PartitionError, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
@@ -68,8 +76,10 @@ __all__ = [
     "derive_problem",
     "embedding_block",
     "head_block",
+    "headroom_bytes",
+    "register_profile",
+    "registered_profiles",
     "resolve_hardware",
-    "static_bytes_per_parameter",
     "transformer_layer",
 ]
 
@@ -80,29 +90,6 @@ FORWARD_TRAFFIC_PER_ACTIVATION_BYTE = 4.73
 BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE = 4.10
 
 _Errors = list[tuple[tuple[str | int, ...], str, Any]]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s), the fraction of
-    the peak the matrix multiplies reach (``efficiency``) and the one FlashAttention's core reaches
-    (``attention_efficiency``; Shah et al. 2024, "FlashAttention-3", abstract and §4.1: FlashAttention-2 at about
-    35% of an H100's bf16 peak, FlashAttention-3 up to 75% in its forward). Its default, 0.3, is read off the
-    published long-sequence runs of ``optimizer/cost/calibration/data`` where the attention core is most of the
-    work: NeMo's Llama 2 7B at 128K–1M tokens (cuDNN attention) fit 0.35 within 8%, torchtitan's context-parallel
-    Llama 3.1 runs (PyTorch SDPA) 0.2–0.3 (``bench/cpep_bench.py``)."""
-
-    name: str
-    memory_bytes: float
-    flops_per_s: float
-    memory_bandwidth_bytes_per_s: float
-    efficiency: float
-    attention_efficiency: float = 0.3
-
-    @property
-    def effective_flops_per_s(self) -> float:
-        """FLOP/s the matrix multiplies achieve: peak × efficiency."""
-        return self.flops_per_s * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -151,37 +138,79 @@ class Block:
         return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
 
 
+#: Profiles registered by name for this process (``pipesched calibrate`` output given to ``--profile`` or
+#: ``POST /v1/profiles``), looked up before the built-in ones by ``cluster.profile``.
+_REGISTERED: dict[str, AcceleratorProfile] = {}
+
+
+def register_profile(profile: AcceleratorProfile) -> None:
+    """Make ``profile`` selectable by ``cluster.profile`` (its ``name``, case-insensitive) in this process."""
+    _REGISTERED[profile.name.lower()] = profile
+
+
+def registered_profiles() -> list[AcceleratorProfile]:
+    """The profiles :func:`register_profile` made selectable, in registration order."""
+    return list(_REGISTERED.values())
+
+
+def _profile_errors(cluster: ClusterConfig) -> tuple[AcceleratorProfile | None, _Errors]:
+    name = cluster.profile
+    if name is None:
+        return None, []
+    profile = _REGISTERED.get(name.lower()) or active_catalogue().get(name)
+    if profile is not None:
+        return profile, []
+    known = sorted({*active_catalogue().profiles, *(p.name for p in _REGISTERED.values())})
+    message = (
+        f"unknown profile {name!r}: use one of {', '.join(known)}, or register one made by `pipesched calibrate` "
+        "(POST /v1/profiles, or --profile FILE on the command line)"
+    )
+    return None, [(("cluster", "profile"), message, name)]
+
+
+def _unknown_accelerator(cluster: ClusterConfig) -> None:
+    raise_field_errors(
+        "ClusterConfig",
+        [
+            (
+                ("cluster", "accelerator"),
+                f"unknown accelerator {cluster.accelerator!r}: use one of {', '.join(accelerator_names())}, "
+                "or give memory_bytes, flops_per_s and memory_bandwidth_bytes_per_s instead",
+                cluster.accelerator,
+            )
+        ],
+    )
+
+
 def resolve_hardware(cluster: ClusterConfig) -> Hardware:
-    """The accelerator's figures: the catalogue entry, overridden by explicit numbers.
+    """The accelerator's figures and profile: the catalogue entry and its calibrated profile (or
+    ``cluster.profile``), overridden by explicit numbers (``cluster.efficiency`` overrides the profile's
+    bf16 matrix-multiply efficiency).
 
     Raises:
-        pydantic.ValidationError: ``cluster.accelerator`` unknown (the message lists the catalogue), or no
-            accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s missing.
+        pydantic.ValidationError: ``cluster.accelerator`` or ``cluster.profile`` unknown (the message lists the
+            known ones), or no accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s
+            missing.
     """
 
     memory, flops, bandwidth = cluster.memory_bytes, cluster.flops_per_s, cluster.memory_bandwidth_bytes_per_s
-    name = cluster.accelerator or "explicit"
-    if cluster.accelerator is not None:
+    named, errors = _profile_errors(cluster)
+    raise_field_errors("ClusterConfig", errors)
+    accelerator = cluster.accelerator or (named.accelerator if named is not None else None)
+    name = accelerator or "explicit"
+    fp8: float | None = None
+    if accelerator is not None:
         try:
-            entry = get_accelerator(cluster.accelerator)
+            entry = get_accelerator(accelerator)
         except KeyError:
-            raise_field_errors(
-                "ClusterConfig",
-                [
-                    (
-                        ("cluster", "accelerator"),
-                        f"unknown accelerator {cluster.accelerator!r}: use one of {', '.join(accelerator_names())}, "
-                        "or give memory_bytes, flops_per_s and memory_bandwidth_bytes_per_s instead",
-                        cluster.accelerator,
-                    )
-                ],
-            )
+            _unknown_accelerator(cluster)
             raise  # unreachable: raise_field_errors raised
         name = entry.name
         memory = memory if memory is not None else entry.memory_bytes
         flops = flops if flops is not None else entry.flops_per_s
         bandwidth = bandwidth if bandwidth is not None else entry.memory_bandwidth_bytes_per_s
-    errors: _Errors = [
+        fp8 = entry.fp8_flops_per_s * (flops / entry.flops_per_s) if entry.fp8_flops_per_s is not None else None
+    errors = [
         (
             ("cluster", field_name),
             f"cluster.{field_name} is needed when no catalogue accelerator is named: give it, or set "
@@ -197,28 +226,68 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
     ]
     raise_field_errors("ClusterConfig", errors)
     assert memory is not None and flops is not None and bandwidth is not None
-    return Hardware(name, float(memory), float(flops), float(bandwidth), cluster.efficiency)
+    profile = named if named is not None else default_profile(accelerator)
+    calibrated = named is not None or (accelerator is not None and active_catalogue().get(accelerator) is not None)
+    software = active_catalogue().software if calibrated else _UNFITTED_SOFTWARE
+    efficiency = cluster.efficiency if cluster.efficiency is not None else profile.gemm_efficiency
+    if cluster.attention_efficiency is not None:
+        profile = profile.model_copy(update={"attention_efficiency": cluster.attention_efficiency})
+    return Hardware(name, float(memory), float(flops), float(bandwidth), efficiency, fp8, profile, software)
+
+
+#: The software factors of an uncalibrated accelerator: the cost model as fitted to the Zero Bubble paper's
+#: Megatron profiles (module docstring), no launch bound.
+_UNFITTED_SOFTWARE = SoftwareProfile(
+    cpu_us_per_kernel={"eager": 0.0, "compiled": 0.0, "fused": 0.0}, attention_backward_speed=1.0
+)
+
+
+def headroom_bytes(cluster: ClusterConfig, hardware: Hardware) -> float:
+    """Bytes kept free per GPU: ``cluster.memory_headroom_bytes``, else the profile's default (5% of the
+    memory + the CUDA context for calibrated accelerators, 2 GiB otherwise)."""
+    if cluster.memory_headroom_bytes is not None:
+        return float(cluster.memory_headroom_bytes)
+    return hardware.profile.headroom_bytes(hardware.memory_bytes)
 
 
 def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
-    return 1e3 * (flops / hardware.effective_flops_per_s + traffic_bytes / hardware.memory_bandwidth_bytes_per_s)
-
-
-def _attention_ms(flops: float, hardware: Hardware) -> float:
-    """FlashAttention's core at ``hardware.attention_efficiency`` of the peak, ms."""
-    return 1e3 * flops / (hardware.flops_per_s * hardware.attention_efficiency)
-
-
-def _pass_ms(flops: float, attention_flops: float, traffic_bytes: float, hardware: Hardware) -> float:
-    """A pass whose ``flops`` include ``attention_flops`` of FlashAttention core (timed by
-    :func:`_attention_ms`), the rest matrix multiplies, plus its elementwise traffic, ms."""
-    return _ms(flops - attention_flops, traffic_bytes, hardware) + _attention_ms(attention_flops, hardware)
+    """Legacy helper: ``flops`` at the bf16 matrix-multiply rate plus ``traffic_bytes`` at memory speed, ms."""
+    return 1e3 * flops / hardware.effective_flops_per_s + elementwise_ms(traffic_bytes, hardware)
 
 
 def _tp(tensor_parallel: TensorParallel | None) -> tuple[int, bool]:
     if tensor_parallel is None:
         return 1, True
     return tensor_parallel.size, tensor_parallel.sequence_parallel
+
+
+def _tensor_parallel_ms(
+    model: ModelConfig, hardware: Hardware, tensor_parallel: TensorParallel | None, cluster: ClusterConfig | None
+) -> tuple[float, float]:
+    """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
+
+    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` it runs beside
+    the matrix multiplies and only slows them (``overlap_slowdown``).
+    """
+    t, _ = _tp(tensor_parallel)
+    if t <= 1:
+        return 0.0, 0.0
+    bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
+    latency = cluster.collective_latency_ms if cluster is not None else 0.0
+    achieved = bandwidth * hardware.profile.collective_efficiency_intra
+    total = tensor_parallel_layer_ms(model, t, achieved, latency)
+    if tensor_parallel is not None and tensor_parallel.async_communication:
+        return hardware.profile.overlap_slowdown * total, total
+    return total, total
+
+
+def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
+    """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that), eager
+    attention's products at the matrix-multiply rate, ms."""
+    if model.attention == "flash":
+        speed = hardware.software.attention_backward_speed if backward else 1.0
+        return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
+    return 1e3 * flops / hardware.effective_flops_per_s
 
 
 def _cp(context_parallel: ContextParallel | None) -> int:
@@ -257,10 +326,14 @@ def _parallel_communication_ms(
     moe: bool,
 ) -> tuple[float, float, float]:
     """Exposed context- and expert-parallel communication of one layer's F and I, and the expert all-to-alls
-    among F's, ms (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`)."""
+    among F's, ms (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`), on the
+    links at the profile's achieved fractions."""
     ep, overlap = _ep(expert_parallel)
     if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
         return 0.0, 0.0, 0.0
+    profile = hardware.profile
+    intra = cluster.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
+    inter = cluster.inter_node_bandwidth_bytes_per_s * profile.collective_efficiency_inter
     forward = backward = experts = 0.0
     if c > 1:
         ring = ring_attention(
@@ -268,12 +341,16 @@ def _parallel_communication_ms(
             cluster,
             t,
             c,
-            attention_forward_ms=_attention_ms(flops.attention_forward, hardware),
-            attention_backward_ms=_attention_ms(flops.attention_backward, hardware),
+            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
+            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware),
+            bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
         )
         forward, backward = ring.forward_exposed_ms, ring.backward_input_exposed_ms
     if ep > 1 and moe and model.is_moe:
-        traffic = expert_traffic(model, cluster, expert_groups(model, t, ep), t, c)
+        groups = expert_groups(model, t, ep)
+        traffic = expert_traffic(
+            model, cluster, groups, t, c, intra_bandwidth_bytes_per_s=intra, inter_bandwidth_bytes_per_s=inter
+        )
         if overlap:  # the other microbatch's pass hides up to its own length
             experts = max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
             backward += max(0.0, traffic.backward_input_ms - _ms(flops.backward_input, 0.0, hardware))
@@ -290,34 +367,83 @@ def _recomputation_ms(
     flops: PassFlops,
     memory: LayerActivation,
     forward_ms: float,
-    communication_ms: float,
-    experts_communication_ms: float = 0.0,
+    exposed_ms: float,
+    gemm: tuple[float, float, float],
+    experts_communication_ms: float,
 ) -> float:
-    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`). Selective on a
+    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`). ``gemm``: the forward's matrix
+    multiplies (ms), their FP8 casts (ms) and the routed and shared experts' share of them (ms). Selective on a
     mixture-of-experts layer reruns its whole expert block (:func:`pipesched.optimizer.cost.memory.layer_activation`):
     the experts' forward and its dispatch and combine (``experts_communication_ms``)."""
+    software, mode = hardware.software, model.kernels
+    traffic = software.elementwise_traffic[mode]
+    kernels = software.kernels_per_layer[mode]
     if model.activation_recomputation == "selective" and model.attention == "flash":
         # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        linear_forward = flops.forward - flops.attention_forward - flops.experts_forward
+        total, cast, experts = gemm
         recomputed_bytes = memory.full - memory.activation
-        return (
-            _ms(
-                0.5 * linear_forward + flops.experts_forward,
-                FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes,
-                hardware,
-            )
-            + communication_ms / 2
-            + experts_communication_ms
+        rerun = PassTimes(
+            0.5 * (total - experts) + experts,
+            0.0,
+            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
+            0.5 * cast,
+            0.5 * kernels,
         )
+        return rerun.total_ms(hardware, mode) + exposed_ms / 2 + experts_communication_ms
     if model.activation_recomputation == "selective":
         return _ms(
             flops.attention_forward if memory.scores else 0.0,
-            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,
+            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.scores,
             hardware,
         )
     if model.activation_recomputation == "full":
         return forward_ms
     return 0.0
+
+
+def _layer_gemm(
+    model: ModelConfig, hardware: Hardware, t: int, c: int, ep: int, moe: bool
+) -> tuple[float, float, float]:
+    """(forward matrix multiplies ms, their FP8 casts ms, the experts' share ms) of one layer
+    (:func:`pipesched.optimizer.cost.timing.layer_gemms`)."""
+    gemm, cast_bytes = layer_gemm_times(model, hardware, t, moe=moe, context_parallel=c, expert_parallel=ep)
+    experts = 0.0
+    if moe and model.is_moe:
+        tokens = model.seq_length * model.micro_batch_size / c
+        experts, _ = gemms_ms(expert_gemms(model, tokens, t, ep), model, hardware)
+    return gemm, elementwise_ms(cast_bytes, hardware), experts
+
+
+#: Extra bytes per element eager PyTorch moves over a fused kernel: RMSNorm written as float casts, a square, a
+#: mean, a reciprocal square root and two products (torchtitan's ``RMSNorm``: about 34 bytes per element against
+#: a fused kernel's 4); RoPE as complex products with casts (about 20 against 8); SwiGLU's SiLU and product as two
+#: kernels (10 against 6).
+UNFUSED_BYTES_PER_ELEMENT = {"rmsnorm": 30.0, "rope": 12.0, "swiglu": 4.0}
+
+
+def _unfused_traffic(
+    model: ModelConfig, tensor_parallel: int, hardware: Hardware, *, context_parallel: int = 1, moe: bool = False
+) -> float:
+    """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
+    operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
+    ``unfused_traffic``); none when compiled or fused. A rank holds s·b/c tokens; a mixture-of-experts layer's
+    SwiGLU runs over its active experts' width (k·imbalance routed plus the shared)."""
+    if model.kernels != "eager":
+        return 0.0
+    tokens = model.seq_length * model.micro_batch_size / context_parallel
+    h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+    if moe and model.is_moe:
+        active = (model.num_experts_per_token or 1) * model.moe_load_imbalance + model.num_shared_experts
+        f = int(active * model.expert_ffn_size)
+    k = model.head_size * model.key_value_heads
+    elements = 0.0
+    if model.norm == "rmsnorm":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rmsnorm"] * 2 * h / t
+    if model.position_embedding == "rope":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rope"] * (h + k) / t
+    if model.ffn_type == "swiglu":
+        elements += UNFUSED_BYTES_PER_ELEMENT["swiglu"] * f / t
+    return tokens * elements * hardware.software.unfused_traffic
 
 
 def transformer_layer(
@@ -332,16 +458,18 @@ def transformer_layer(
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
-    FLOPs from :func:`pipesched.optimizer.cost.flops.layer_flops`, activation bytes from
-    :func:`pipesched.optimizer.cost.memory.layer_activation`, tensor-parallel communication from
-    :func:`pipesched.optimizer.cost.collectives.tensor_parallel_layer_ms` over ``cluster``'s intra-node link
-    (added to F and I: Megatron does not overlap it).
+    Times from :mod:`pipesched.optimizer.cost.timing` (matrix multiplies by shape and precision, FlashAttention,
+    elementwise traffic by kernels mode, FP8 casts, the launch bound), FLOPs from
+    :func:`pipesched.optimizer.cost.flops.layer_flops`, activation bytes from
+    :func:`pipesched.optimizer.cost.memory.layer_activation`, tensor-parallel communication over ``cluster``'s
+    intra-node link (added to F and I: Megatron does not overlap it; AsyncTP does, ``async_communication``).
 
     Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
     inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
     layer input until the backward, reruns the whole forward inside I and keeps that input until W
-    (the transient memory of the recomputation itself is not modelled here).
+    (the transient memory of the recomputation itself is not modelled here). Activation bytes are scaled by the
+    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks).
 
     ``moe``: a mixture-of-experts layer of ``model`` (its active experts' FLOPs, every expert's parameters);
     ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
@@ -354,40 +482,42 @@ def transformer_layer(
     ep, _ = _ep(expert_parallel)
     flops = layer_flops(model, t, moe=moe, context_parallel=c)
     memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c)
-    full_activation = memory.full
-    forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
-    backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
-    communication_ms = 0.0
-    if t > 1:
-        bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
-        latency = cluster.collective_latency_ms if cluster is not None else 0.0
-        communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency) / c
-        if moe and model.is_moe and ep > 1:
-            communication_ms /= 2  # the experts run whole: only attention's collectives remain
+    software, mode = hardware.software, model.kernels
+    traffic = software.elementwise_traffic[mode]
+    gemm = _layer_gemm(model, hardware, t, c, ep, moe)
+    kernels = software.kernels_per_layer[mode]
+    exposed, _ = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
+    exposed /= c
+    if moe and model.is_moe and ep > 1:
+        exposed /= 2  # the experts run whole: only attention's collectives remain
     forward_extra, backward_extra, experts_forward = _parallel_communication_ms(
         model, cluster, hardware, flops, t, c, expert_parallel, moe
     )
-    flash = model.attention == "flash"
-    forward_ms = (
-        _pass_ms(flops.forward, flops.attention_forward if flash else 0.0, forward_traffic, hardware)
-        + communication_ms
-        + forward_extra
+    unfused = _unfused_traffic(model, t, hardware, context_parallel=c, moe=moe)
+    forward_elementwise = elementwise_ms(
+        FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + unfused, hardware
     )
-    backward_input_ms = (
-        _pass_ms(flops.backward_input, flops.attention_backward if flash else 0.0, backward_input_traffic, hardware)
-        + communication_ms
-        + backward_extra
+    forward = PassTimes(
+        gemm[0], _attention_ms(flops.attention_forward, model, hardware), forward_elementwise, gemm[1], kernels
     )
-    backward_input_ms += _recomputation_ms(
-        model, hardware, flops, memory, forward_ms, communication_ms, experts_forward
+    backward_input = PassTimes(
+        gemm[0],
+        _attention_ms(flops.attention_backward, model, hardware, backward=True),
+        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + 2 * unfused, hardware),
+        gemm[1],
+        1.5 * kernels,
     )
+    forward_ms = forward.total_ms(hardware, mode) + exposed + forward_extra
+    backward_input_ms = backward_input.total_ms(hardware, mode) + exposed + backward_extra
+    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm, experts_forward)
     parameters, local_experts = _layer_parameters(model, t, ep, moe)
+    reserve = hardware.profile.activation_memory_factor
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
-        backward_weight_ms=_ms(flops.backward_weight, 0.0, hardware),
-        activation_bytes=memory.activation,
-        retained_bytes=memory.retained,
+        backward_weight_ms=PassTimes(gemm[0], 0.0, 0.0, gemm[1], 0.5 * kernels).total_ms(hardware, mode),
+        activation_bytes=memory.activation * reserve,
+        retained_bytes=memory.retained * reserve,
         parameters=parameters,
         expert_parameters=local_experts,
     )
@@ -415,11 +545,11 @@ def embedding_block(
     communication_ms = 0.0
     if t > 1:
         bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
-        communication_ms = all_reduce_ms(tokens * d, t, bandwidth)
+        communication_ms = all_reduce_ms(tokens * d, t, bandwidth * hardware.profile.collective_efficiency_intra)
     return Block(
-        forward_ms=_ms(0.0, 3 * tokens * d / t, hardware) + communication_ms,
+        forward_ms=elementwise_ms(3 * tokens * d / t, hardware) + communication_ms,
         backward_input_ms=0.0,
-        backward_weight_ms=_ms(0.0, (8 * tokens + tokens * d) / t, hardware),
+        backward_weight_ms=elementwise_ms((8 * tokens + tokens * d) / t, hardware),
         activation_bytes=tokens / t,
         retained_bytes=0.0,
         parameters=embedding_parameters(model) / t,
@@ -437,42 +567,30 @@ def head_block(
     """Final norm, LM head and cross-entropy loss on the last stage.
 
     FLOPs: F = 2·s·b·h·V (the logits), I = 2·s·b·h·V (gradient of the head input), W = 2·s·b·h·V, each split by
-    tensor parallelism over the vocabulary. Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V
-    bytes), I reads the softmax and writes the logits' gradient. Activation: the norm's input and output
-    (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head input and the
-    logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a ``separate_copy`` (the
-    last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each rank computes the
-    logits of s/c tokens.
+    tensor parallelism over the vocabulary, one (s·b, V/t, h) matrix multiply each, in bf16 (FP8 recipes keep the
+    output layer in bf16). Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V bytes), I reads the
+    softmax and writes the logits' gradient, scaled like the layers' by the kernels mode. Activation: the norm's
+    input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head
+    input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
+    ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
+    rank computes the logits of s/c tokens.
     """
     t, _ = _tp(tensor_parallel)
     b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
     s = model.seq_length / context_parallel
     logits = s * b * v / t
-    flops = head_flops(model, t) / context_parallel
+    gemm = gemm_ms(s * b, v / t, h, hardware)
+    traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
+    reserve = hardware.profile.activation_memory_factor
     return Block(
-        forward_ms=_ms(flops, (2 * d + 4) * logits, hardware),
-        backward_input_ms=_ms(flops, (4 + d) * logits, hardware),
-        backward_weight_ms=_ms(flops, 0.0, hardware),
-        activation_bytes=2 * s * b * h * d + 4 * logits,
-        retained_bytes=s * b * h * d + logits * d,
+        forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
+        backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
+        backward_weight_ms=gemm,
+        activation_bytes=(2 * s * b * h * d + 4 * logits) * reserve,
+        retained_bytes=(s * b * h * d + logits * d) * reserve,
         parameters=(head_parameters(model, separate_copy=separate_copy) - norm) / t + norm,
     )
-
-
-def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> float:
-    """Bytes per parameter for weights, gradients and Adam state (ZeRO paper, Sec. 3.1; module docstring).
-
-    Mixed precision (fp16/bf16): 2 weights + 4 fp32 gradients + 12 optimizer (fp32 master, m, v) = 18.
-    fp32: 4 + 4 + 8 = 16. With ``shard_optimizer_state`` the optimizer part is divided by ``data_parallel_size``.
-    """
-    if model.dtype == "fp32":
-        weights, gradients, optimizer = 4.0, 4.0, 8.0
-    else:
-        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
-    if cluster.shard_optimizer_state:
-        optimizer /= cluster.data_parallel_size
-    return weights + gradients + optimizer
 
 
 @dataclass
@@ -484,7 +602,7 @@ class DerivedProblem:
         layers_per_stage: transformer layers per model stage.
         stages: per model stage, the summed :class:`Block` (times ms, bytes, parameters).
         static_bytes: per rank, weights + gradients + optimizer state.
-        limit_bytes: per rank, accelerator memory minus the reserve.
+        limit_bytes: per rank, accelerator memory minus the headroom.
         hardware: the resolved accelerator.
         largest_unit: per model stage, parameters of its largest FSDP unit (a transformer block, the token
             embedding, or the final norm with the head: torchtitan's ``fully_shard`` units).
@@ -571,15 +689,14 @@ def _check_tensor_parallel(
     ]
 
 
-def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
-    if data_parallel is None:
-        return static_bytes_per_parameter(model, cluster)
-    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
+    """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
+    group = data_parallel or DataParallel()
+    return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
 
 
 def _per_expert_parameter_bytes(
     model: ModelConfig,
-    cluster: ClusterConfig,
     data_parallel: DataParallel | None,
     tensor_parallel: TensorParallel | None,
     expert_parallel: ExpertParallel | None,
@@ -588,7 +705,7 @@ def _per_expert_parameter_bytes(
     (:meth:`~pipesched.optimizer.cost.experts.ExpertGroups.data_parallel`) rather than the data-parallel one."""
     ep, _ = _ep(expert_parallel)
     if data_parallel is None or not model.is_moe:
-        return _per_parameter_bytes(model, cluster, data_parallel)
+        return _per_parameter_bytes(model, data_parallel)
     t, _ = _tp(tensor_parallel)
     group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
     return static_bytes_per_parameter_sharded(model, data_parallel.sharding, group)
@@ -612,23 +729,30 @@ def _transient_bytes(
 
 @dataclass(frozen=True)
 class _StageBlocks:
-    """The blocks a stage is made of: dense and mixture-of-experts layers, the embedding and the head."""
+    """A stage of ``count`` layers as one block: the layers (the first ``first_dense_layers`` dense, the rest
+    mixture-of-experts), plus the embedding on stage 0 and the head on the last; with its memory while it
+    computes (static state, transient gathered weights, one microbatch)."""
 
+    model: ModelConfig
+    data_parallel: DataParallel | None
+    num_stages: int
     dense: Block
     moe: Block
     embedding: Block
     head: Block
+    per_parameter: float
+    per_expert_parameter: float
     first_dense_layers: int
-    num_stages: int
 
     def layers(self, first_layer: int, count: int) -> Block:
-        """Layers ``first_layer`` … ``first_layer + count − 1`` (the first ``first_dense_layers`` dense)."""
+        """Layers ``first_layer`` … ``first_layer + count − 1``."""
         dense = max(0, min(count, self.first_dense_layers - first_layer))
         return self.dense.times(dense) + self.moe.times(count - dense)
 
-    def stage(self, stage: int, count: int, first_layer: int | None = None) -> Block:
-        """Stage ``stage`` with ``count`` layers from ``first_layer`` (unknown while partitioning: stage 0 starts
-        at layer 0, every other stage is taken to hold mixture-of-experts layers only, the heavier kind)."""
+    def block(self, stage: int, count: int, first_layer: int | None = None) -> Block:
+        """Times, activations and parameters of the stage, its ``count`` layers from ``first_layer`` (unknown
+        while partitioning: stage 0 starts at layer 0, every other stage is taken to hold mixture-of-experts
+        layers only, the heavier kind)."""
         if first_layer is None:
             first_layer = 0 if stage == 0 else self.first_dense_layers
         block = self.layers(first_layer, count)
@@ -637,6 +761,11 @@ class _StageBlocks:
         if stage == self.num_stages - 1:
             block = block + self.head
         return block
+
+    def static_bytes(self, block: Block) -> float:
+        """Weights, gradients and optimizer state of ``block``: routed experts at their own sharding."""
+        experts = block.expert_parameters
+        return (block.parameters - experts) * self.per_parameter + experts * self.per_expert_parameter
 
     def largest_unit(self, stage: int, count: int) -> float:
         """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
@@ -647,6 +776,12 @@ class _StageBlocks:
             units.append(self.head.parameters)
         return max(units, default=0.0)
 
+    def memory(self, stage: int, count: int) -> float:
+        """Bytes the stage holds while it computes one microbatch."""
+        block = self.block(stage, count)
+        transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
+        return self.static_bytes(block) + transient + block.activation_bytes
+
 
 def _stage_blocks(
     model: ModelConfig,
@@ -654,6 +789,7 @@ def _stage_blocks(
     hardware: Hardware,
     num_stages: int,
     tensor_parallel: TensorParallel | None,
+    data_parallel: DataParallel | None,
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
 ) -> _StageBlocks:
@@ -671,12 +807,16 @@ def _stage_blocks(
     c = _cp(context_parallel)
     dense = layer(False)
     return _StageBlocks(
+        model,
+        data_parallel,
+        num_stages,
         dense=dense,
         moe=layer(True) if model.is_moe else dense,
         embedding=embedding_block(model, hardware, tensor_parallel, cluster, context_parallel=c),
         head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c),
+        per_parameter=_per_parameter_bytes(model, data_parallel),
+        per_expert_parameter=_per_expert_parameter_bytes(model, data_parallel, tensor_parallel, expert_parallel),
         first_dense_layers=model.first_dense_layers if model.is_moe else model.num_layers,
-        num_stages=num_stages,
     )
 
 
@@ -715,10 +855,6 @@ def _check_context_expert(
     return errors
 
 
-def _static_bytes(block: Block, dense_bytes: float, expert_bytes: float) -> float:
-    return (block.parameters - block.expert_parameters) * dense_bytes + block.expert_parameters * expert_bytes
-
-
 def derive_problem(
     model: ModelConfig,
     cluster: ClusterConfig,
@@ -733,10 +869,10 @@ def derive_problem(
 
     ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
     :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only), in place of
-    ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
-    gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
-    :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
+    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
+    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
+    held while a stage computes.
     ``data_parallel.size`` counts every copy of a stage's weights: with ``context_parallel`` c that is d·c.
     ``context_parallel`` shards each sequence (:class:`~pipesched.optimizer.configs.ContextParallel`);
     ``expert_parallel`` shards the routed experts, their state sharded over the expert-data-parallel group
@@ -749,8 +885,8 @@ def derive_problem(
     Returns:
         A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
         bandwidth (÷ t with sequence parallelism, ÷ c), per-stage ``memory.activation``/``retained_for_weight``
-        (bytes), per-rank ``memory.static`` (bytes) and ``memory.limit`` = accelerator memory −
-        ``cluster.memory_reserve_bytes``.
+        (bytes), per-rank ``memory.static`` (bytes) and ``memory.limit`` = accelerator memory − the headroom
+        (:func:`headroom_bytes`).
 
     Raises:
         pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
@@ -767,36 +903,25 @@ def derive_problem(
         + _check_tensor_parallel(model, cluster, tensor_parallel)
         + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
     )
-    t, sequence_parallel = _tp(tensor_parallel)
-    blocks = _stage_blocks(model, cluster, hardware, num_stages, tensor_parallel, context_parallel, expert_parallel)
-    per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
-    per_expert_parameter = _per_expert_parameter_bytes(model, cluster, data_parallel, tensor_parallel, expert_parallel)
-    limit = hardware.memory_bytes - cluster.memory_reserve_bytes
-    holders = pipeline.stage_holders()
-
-    def stage_memory(stage: int, count: int) -> float:
-        block = blocks.stage(stage, count)
-        transient = _transient_bytes(model, data_parallel, block.parameters, blocks.largest_unit(stage, count))
-        return _static_bytes(block, per_parameter, per_expert_parameter) + transient + block.activation_bytes
-
-    total_static = sum(_static_bytes(blocks.stage(stage, 0), per_parameter, 0.0) for stage in range(num_stages))
-    total_static += _static_bytes(blocks.layers(0, model.num_layers), per_parameter, per_expert_parameter)
-    _check_static_fits(
-        cluster, hardware, total_static * max(len(ranks) for ranks in holders) / num_ranks, per_parameter, num_ranks
+    blocks = _stage_blocks(
+        model, cluster, hardware, num_stages, tensor_parallel, data_parallel, context_parallel, expert_parallel
     )
-    layers_per_stage = _partition(model, cluster, blocks, num_stages, stage_memory, holders, num_ranks, limit)
+    headroom = headroom_bytes(cluster, hardware)
+    limit = hardware.memory_bytes - headroom
+    holders = pipeline.stage_holders()
+    _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
+    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
     firsts = [sum(layers_per_stage[:stage]) for stage in range(num_stages)]
-    stages = [blocks.stage(stage, count, firsts[stage]) for stage, count in enumerate(layers_per_stage)]
+    stages = [blocks.block(stage, count, firsts[stage]) for stage, count in enumerate(layers_per_stage)]
     static = [0.0] * num_ranks
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
-            static[rank] += _static_bytes(block, per_parameter, per_expert_parameter)
-    p2p_ms = _p2p_ms(model, cluster, t if sequence_parallel else 1, _cp(context_parallel))
+            static[rank] += blocks.static_bytes(block)
     costs = Costs(
         forward=[round(block.forward_ms, 6) for block in stages],
         backward_input=[round(block.backward_input_ms, 6) for block in stages],
         backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
-        p2p=round(p2p_ms, 6),
+        p2p=round(_p2p_ms(model, cluster, tensor_parallel, _cp(context_parallel)), 6),
     )
     memory = Memory(
         activation=[float(round(block.activation_bytes)) for block in stages],
@@ -808,77 +933,74 @@ def derive_problem(
     return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
 
 
-def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, sequence_shards: int, context_parallel: int) -> float:
-    """One activation (or gradient) transfer between stages: latency + s·b·h·dtype bytes over the link, each
-    tensor-parallel rank sending its sequence shard (sequence parallelism) and each context-parallel rank its
-    part of the sequence, ms."""
-    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
-    p2p_bytes /= sequence_shards * context_parallel
-    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
-
-
-def _check_static_fits(
-    cluster: ClusterConfig, hardware: Hardware, needed: float, per_parameter: float, num_ranks: int
+def _check_room(
+    blocks: _StageBlocks, cluster: ClusterConfig, hardware: Hardware, headroom: float, num_ranks: int, *, copies: int
 ) -> None:
-    """Raise when the reserve leaves nothing, or the weights and optimizer state alone exceed a rank."""
-    limit = hardware.memory_bytes - cluster.memory_reserve_bytes
+    """The headroom leaves memory, and the weights, gradients and optimizer state fit the ranks at all.
+
+    Raises:
+        pydantic.ValidationError: on ``cluster.memory_headroom_bytes`` or the accelerator, with the ranks needed.
+    """
+    per_parameter, model = blocks.per_parameter, blocks.model
+    limit = hardware.memory_bytes - headroom
+    total_static = sum(blocks.static_bytes(blocks.block(stage, 0)) for stage in range(blocks.num_stages))
+    total_static += blocks.static_bytes(blocks.layers(0, model.num_layers))
     if limit <= 0:
         raise_field_errors(
             "Problem",
             [
                 (
-                    ("cluster", "memory_reserve_bytes"),
-                    f"the {format_bytes(cluster.memory_reserve_bytes)} reserve leaves nothing of the accelerator's "
-                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a reserve below "
+                    ("cluster", "memory_headroom_bytes"),
+                    f"the {format_bytes(headroom)} headroom leaves nothing of the accelerator's "
+                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a headroom below "
                     f"{format_bytes(hardware.memory_bytes)}",
-                    cluster.memory_reserve_bytes,
+                    headroom,
                 )
             ],
         )
-    if needed <= limit:
+    if total_static * copies / num_ranks <= limit:
         return
-    ranks_needed = math.ceil(needed * num_ranks / limit)
-    loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
+    needed = total_static * copies / num_ranks
+    ranks_needed = math.ceil(total_static * copies / limit)
+    data_parallel = blocks.data_parallel
     shard_hint = (
-        " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
-        if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
+        ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
+        if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
         else ""
     )
     raise_field_errors(
         "Problem",
         [
             (
-                loc,
+                ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
                 f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
                 f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
                 f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
-                f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
-                f"{shard_hint}",
+                f"{format_bytes(headroom)} headroom): use ≥ {ranks_needed} ranks{shard_hint}",
                 cluster.accelerator or cluster.memory_bytes,
             )
         ],
     )
 
 
-def _partition(
-    model: ModelConfig,
-    cluster: ClusterConfig,
-    blocks: _StageBlocks,
-    num_stages: int,
-    stage_memory: Callable[[int, int], float],
-    holders: list[list[int]],
-    num_ranks: int,
-    limit: float,
+def _layers_per_stage(
+    blocks: _StageBlocks, cluster: ClusterConfig, holders: list[list[int]], num_ranks: int, limit: float
 ) -> list[int]:
-    """``model.layers_per_stage``, or :func:`partition_layers`' split (a field error when none fits)."""
+    """``model.layers_per_stage`` when given, else :func:`partition_layers` (slowest stage least, every rank
+    within its limit).
+
+    Raises:
+        pydantic.ValidationError: no partition fits (on the accelerator, with the fixes).
+    """
+    model = blocks.model
     if model.layers_per_stage is not None:
         return list(model.layers_per_stage)
     try:
         return partition_layers(
             model.num_layers,
-            num_stages,
-            stage_time=lambda stage, count: blocks.stage(stage, count).compute_ms,
-            stage_memory=stage_memory,
+            blocks.num_stages,
+            stage_time=lambda stage, count: blocks.block(stage, count).compute_ms,
+            stage_memory=blocks.memory,
             stage_ranks=holders,
             num_ranks=num_ranks,
             limit=limit,
@@ -896,6 +1018,20 @@ def _partition(
             ],
         )
         raise
+
+
+def _p2p_ms(
+    model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None, context_parallel: int = 1
+) -> float:
+    """One activation (or its gradient) between pipeline ranks: latency + s·b·h·dtype bytes / bandwidth, ms;
+    with sequence parallelism each tensor-parallel rank sends its sequence shard, and each context-parallel rank
+    its part of the sequence."""
+    t, sequence_parallel = _tp(tensor_parallel)
+    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
+    if sequence_parallel:
+        p2p_bytes /= t
+    p2p_bytes /= context_parallel
+    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 
 def derive_costs_and_memory(

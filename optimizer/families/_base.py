@@ -32,6 +32,7 @@ __all__ = [
     "applicable_families",
     "backward",
     "check_method",
+    "default_family",
     "discover_families",
     "family_names",
     "get_family",
@@ -129,6 +130,8 @@ class FamilySpec:
         check_problem: further conditions on the problem (e.g. the model); raises :class:`FamilyDomainError`.
         torch: the PyTorch schedule class it mirrors, if any.
         planner: what the planner assumes of it; ``None``: the planner does not try it.
+        default: the schedule people start from (Megatron-LM's and torchtitan's default); the planner runs it
+            when a configuration has no pipeline (plain gradient accumulation). Exactly one family is.
     """
 
     name: str
@@ -146,6 +149,7 @@ class FamilySpec:
     check_problem: Callable[[Problem], None] | None = None
     torch: TorchClass | None = None
     planner: PlannerEstimate | None = None
+    default: bool = False
 
     @property
     def domain(self) -> str:
@@ -324,6 +328,18 @@ def method_names() -> tuple[str, ...]:
 def no_flush_methods() -> tuple[str, ...]:
     """Methods that run without a pipeline flush (``training.flush: false``): ``auto`` and the families so declared."""
     return ("auto", *(spec.name for spec in _declared() if not spec.flush))
+
+
+def default_family() -> FamilySpec:
+    """The family declared ``default`` (:attr:`FamilySpec.default`).
+
+    Raises:
+        RuntimeError: unless exactly one family is.
+    """
+    defaults = [spec for spec in _declared() if spec.default]
+    if len(defaults) != 1:
+        raise RuntimeError(f"exactly one family declares default=True, found {[spec.name for spec in defaults]}")
+    return defaults[0]
 
 
 def get_family(name: str) -> FamilySpec:

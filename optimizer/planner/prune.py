@@ -11,11 +11,12 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next); with ``gradients``/``full`` one layer's unsharded fp32
-  gradients per local stage as well (FSDP reduces unit by unit: a mixture-of-experts layer without expert
+  time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded fp32 gradients,
+  (d−1)/d of them: a pipelined stage's whole, accumulated over the microbatches until the last one's reduction,
+  without a pipeline one layer's (FSDP reduces unit by unit: a mixture-of-experts layer without expert
   parallelism is a unit of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
-  counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
-  estimate stays at or under the simulated peak and prunes no configuration that fits.
+  counts the same gathered weights in ``memory.weights`` and the same gradients, so this estimate stays near
+  the simulated peak.
 - **Activations in flight** on the first and the last rank at their peak, as each family declares them
   (:class:`~pipesched.optimizer.families.PlannerEstimate`): GPipe m, 1F1B / ZB-H1 p (Narayanan et al. 2021,
   §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B 2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's
@@ -47,9 +48,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache, cached_property
+from typing import Literal
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.collectives import (
+    GRADIENT_REDUCE_BYTES,
+    all_gather_ms,
+    all_reduce_ms,
+    group_link,
+    reduce_scatter_ms,
+)
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.stages import (
@@ -57,13 +65,14 @@ from pipesched.optimizer.cost.stages import (
     Hardware,
     embedding_block,
     head_block,
+    headroom_bytes,
     resolve_hardware,
     transformer_layer,
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
-from pipesched.optimizer.problem import stage_to_rank
+from pipesched.optimizer.problem import DataParallel, stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -139,14 +148,34 @@ class Estimator:
     """Cheap figures for the configurations of one request (blocks cached per degree, size and recomputation)."""
 
     def __init__(
-        self, model: ModelConfig, cluster: ClusterConfig, global_batch_size: int, *, sequence_parallel: bool = True
+        self,
+        model: ModelConfig,
+        cluster: ClusterConfig,
+        global_batch_size: int,
+        *,
+        sequence_parallel: bool = True,
+        async_tensor_parallel: bool = False,
+        reduce_dtype: Literal["fp32", "bf16"] = "fp32",
     ) -> None:
         self.model = model
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.sequence_parallel = sequence_parallel
+        self.async_tensor_parallel = async_tensor_parallel
+        self.reduce_dtype = reduce_dtype
         self._blocks: dict[tuple[int | str, ...], tuple[Block, Block, Block, Block, ModelConfig]] = {}
         self._layouts: dict[tuple[int | str, ...], _Layout] = {}
+
+    def data_parallel(self, config: Configuration) -> DataParallel:
+        """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
+        request's gradient reduce dtype; without a pipeline fully sharded weights are freed after each forward
+        (FSDP's default), with one they stay gathered (torchtitan under pipeline parallelism)."""
+        return DataParallel(
+            size=config.weight_copies,
+            sharding=config.sharding,
+            reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -154,29 +183,35 @@ class Estimator:
         return resolve_hardware(self.cluster)
 
     @property
-    def limit_bytes(self) -> float:
-        """Per-GPU memory a plan may use: the accelerator's minus the reserve."""
-        return self.hardware.memory_bytes - self.cluster.memory_reserve_bytes
+    def headroom_bytes(self) -> float:
+        """Bytes kept free per GPU (:func:`pipesched.optimizer.cost.stages.headroom_bytes`)."""
+        return headroom_bytes(self.cluster, self.hardware)
 
-    def model_for(self, micro_batch_size: int, recompute: str) -> ModelConfig:
-        """The model with the configuration's micro-batch size and recomputation."""
+    @property
+    def limit_bytes(self) -> float:
+        """Per-GPU memory a plan may use: the accelerator's minus the headroom."""
+        return self.hardware.memory_bytes - self.headroom_bytes
+
+    def model_for(self, micro_batch_size: int, recompute: str, precision: str | None = None) -> ModelConfig:
+        """The model with the configuration's micro-batch size, recomputation and precision."""
         return self.model.model_copy(
             update={
                 "micro_batch_size": micro_batch_size,
                 "activation_recomputation": recompute,
+                "precision": precision or self.model.precision,
                 "layers_per_stage": None,
             }
         )
 
     def blocks(
-        self, t: int, b: int, recompute: str, c: int = 1, ep: int = 1
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
         degree c and expert degree ep; a mixture-of-experts model's layer is its expert layer."""
-        key = (t, b, recompute, c, ep)
+        key = (t, b, recompute, precision or self.model.precision, c, ep)
         if key not in self._blocks:
-            model = self.model_for(b, recompute)
-            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
+            model = self.model_for(b, recompute, str(key[3]))
+            tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
                 self._layer(model, tp, c, ep, moe=model.is_moe),
@@ -187,13 +222,15 @@ class Estimator:
             )
         return self._blocks[key]
 
-    def dense_layer(self, t: int, b: int, recompute: str, c: int = 1, ep: int = 1) -> Block:
+    def dense_layer(
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
+    ) -> Block:
         """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
-        key = (t, b, recompute, c, ep, "dense")
+        key = (t, b, recompute, precision or self.model.precision, c, ep, "dense")
         if key not in self._blocks:
-            model = self.model_for(b, recompute)
-            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
-            self._blocks[key] = (self._layer(model, tp, c, ep, moe=False), *self.blocks(t, b, recompute, c, ep)[1:])
+            model = self.model_for(b, recompute, str(key[3]))
+            layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False)
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep)[1:])
         return self._blocks[key][0]
 
     def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int, *, moe: bool) -> Block:
@@ -207,12 +244,21 @@ class Estimator:
             expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
         )
 
+    def tensor_parallel(self, size: int) -> TensorParallel | None:
+        """The tensor-parallel settings of degree ``size`` (None for 1)."""
+        if size <= 1:
+            return None
+        return TensorParallel(
+            size=size, sequence_parallel=self.sequence_parallel, async_communication=self.async_tensor_parallel
+        )
+
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks (the dense ones first), summed per rank."""
         key = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
+            config.precision,
             config.context_parallel,
             config.expert_parallel,
             config.pipeline_parallel,
@@ -225,6 +271,7 @@ class Estimator:
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
+            config.precision,
             config.context_parallel,
             config.expert_parallel,
         )
@@ -236,14 +283,9 @@ class Estimator:
         counts = even_partition(self.model.num_layers, num_stages)
         ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
-            tp = TensorParallel(size=degrees[0], sequence_parallel=self.sequence_parallel)
-            head = head_block(
-                self.model_for(degrees[1], degrees[2]),
-                self.hardware,
-                tp if degrees[0] > 1 else None,
-                separate_copy=False,
-                context_parallel=degrees[3],
-            )
+            tp = self.tensor_parallel(config.tensor_parallel)
+            model = self.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
+            head = head_block(model, self.hardware, tp, separate_copy=False, context_parallel=config.context_parallel)
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p
@@ -298,23 +340,28 @@ class Estimator:
             group = expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
             groups.append((expert_parameters, group))
         static = 0.0
+        pipelined = config.pipeline_parallel > 1
+        per_unit = config.sharding in ("gradients", "full")
         for count, group in groups:
             static += count * static_bytes_per_parameter_sharded(self.model, config.sharding, group)
-            if config.sharding == "full" and group > 1 and config.pipeline_parallel > 1:
+            if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
-        if config.sharding == "full" and copies > 1 and config.pipeline_parallel == 1:
+            if per_unit and group > 1 and pipelined:  # a pipelined stage accumulates its unsharded fp32
+                static += count * GRADIENT_REDUCE_BYTES * (group - 1) / group  # gradients over the microbatches
+        if config.sharding == "full" and copies > 1 and not pipelined:
             static += 2 * layer_parameters * self.model.dtype_bytes
-        if config.sharding in ("gradients", "full") and copies > 1:  # each local stage's largest FSDP unit's
-            units = config.stages_per_rank  # unsharded fp32 gradients (the step model's memory.gradients)
-            static += units * 4.0 * layer_parameters * (copies - 1) / copies
+        if per_unit and copies > 1 and not pipelined:  # one FSDP unit's unsharded fp32 gradients
+            static += GRADIENT_REDUCE_BYTES * layer_parameters * (copies - 1) / copies
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth of the data-parallel ring (intra-node when the group fits a node), B/s."""
-        span = config.tensor_parallel * config.weight_copies
-        if span <= self.cluster.gpus_per_node:
-            return self.cluster.intra_node_bandwidth_bytes_per_s
-        return self.cluster.inter_node_bandwidth_bytes_per_s
+        bandwidth, where = group_link(self.cluster, config.weight_copies, config.tensor_parallel)
+        profile = self.hardware.profile
+        efficiency = (
+            profile.collective_efficiency_intra if where == "intra-node" else profile.collective_efficiency_inter
+        )
+        return bandwidth * efficiency
 
     def pipeline_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth between neighbouring pipeline ranks, B/s."""
@@ -331,7 +378,7 @@ class Estimator:
         beta = self.data_parallel_bandwidth(config)
         latency = self.cluster.collective_latency_ms
         parameters = layout.max_parameters
-        gradient_bytes = 4.0 * parameters
+        gradient_bytes = (4.0 if self.reduce_dtype == "fp32" else 2.0) * parameters
         weight_bytes = float(self.model.dtype_bytes) * parameters
         reduce = (
             all_reduce_ms(gradient_bytes, d, beta, latency)

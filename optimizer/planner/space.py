@@ -20,9 +20,9 @@ from dataclasses import dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.families import get_family, registry
-from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
-from pipesched.optimizer.problem import Pipeline
+from pipesched.optimizer.families import default_family, get_family, registry
+from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
+from pipesched.optimizer.problem import SHARDINGS, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
@@ -55,18 +55,19 @@ class Configuration:
     pipeline_parallel: int
     tensor_parallel: int
     data_parallel_size: int
-    sharding: str
+    sharding: Sharding
     stages_per_rank: int
     placement: str
     micro_batch_size: int
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
     context_parallel: int = 1
     expert_parallel: int = 1
 
     def as_dict(self) -> dict[str, int | str]:
-        """The fields by name (flat: every field is an int or a string)."""
+        """The fields by name."""
         return dict(self.__dict__)
 
     @property
@@ -120,14 +121,12 @@ def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> l
     ]
 
 
-def layouts(
-    pipeline_parallel: int, num_layers: int, stages_per_rank: Sequence[int] | None = None
-) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages: loops of
-    1, 2 or 4 chunks per rank (or of every pinned ``stages_per_rank``) and the V."""
+def layouts(pipeline_parallel: int, num_layers: int, pinned: Sequence[int] | None = None) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (loop
+    placements of 1, 2 or 4 chunks per rank, or every pinned ``search.stages_per_rank``)."""
     if pipeline_parallel == 1:
         return [(1, "loop")]
-    loops = _LOOP_STAGES if stages_per_rank is None else tuple(stages_per_rank)
+    loops = sorted(set(_LOOP_STAGES) | set(pinned or ()))
     candidates = [(v, "loop") for v in loops] + [(2, "v")]
     return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
 
@@ -135,10 +134,10 @@ def layouts(
 @cache
 def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the family declared for plain gradient accumulation)."""
-    tried = [family for family in registry().values() if family.planner is not None]
+    (one rank: the default family, plain gradient accumulation)."""
     if pipeline_parallel == 1:
-        return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
+        return (default_family().name,)
+    tried = [family for family in registry().values() if family.planner is not None]
     return tuple(
         family.name
         for family in tried
@@ -189,14 +188,18 @@ def enumerate_space(
     search: PlanSearch,
     *,
     ignore_batch: bool = False,
+    precision: str = "bf16",
 ) -> Iterator[Configuration]:
     """Every configuration the request allows, in no particular order.
 
     Args:
+        precision: the precision searched when ``search.precision`` does not list several
+            (``training.precision``).
         ignore_batch: enumerate as if every micro-batch size divided the batch (used to tell a batch no
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
+    precisions = tuple(search.precision) if search.precision else (precision,)
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
@@ -213,7 +216,8 @@ def enumerate_space(
                 if not ignore_batch and global_batch_size % d:
                     continue
                 for ep in expert_degrees(model, t * c * d, search):
-                    yield from _pipelines(model, global_batch_size, search, (t, c, p, d, ep), ignore_batch)
+                    degrees = (t, c, p, d, ep)
+                    yield from _pipelines(model, global_batch_size, search, degrees, precisions, ignore_batch)
 
 
 def _pipelines(
@@ -221,12 +225,13 @@ def _pipelines(
     global_batch_size: int,
     search: PlanSearch,
     degrees: tuple[int, int, int, int, int],
+    precisions: tuple[str, ...],
     ignore_batch: bool,
 ) -> Iterator[Configuration]:
     """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep split."""
     t, c, p, d, ep = degrees
     local = global_batch_size // d if not ignore_batch else None
-    for sharding in SHARDING if d * c > 1 else ("none",):
+    for sharding in SHARDINGS if d * c > 1 else ("none",):
         if not _allowed(search.sharding, sharding):
             continue
         for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
@@ -253,5 +258,21 @@ def _pipelines(
                     if search.method is not None:
                         candidates = tuple(name for name in search.method if name in candidates or name == "auto")
                     for method in candidates:
-                        if _admits(method, p, v, placement, m):
-                            yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method, c, ep)
+                        if not _admits(method, p, v, placement, m):
+                            continue
+                        for precision in precisions:
+                            yield Configuration(
+                                p,
+                                t,
+                                d,
+                                sharding,
+                                v,
+                                placement,
+                                b,
+                                m,
+                                recompute,
+                                method,
+                                precision=precision,
+                                context_parallel=c,
+                                expert_parallel=ep,
+                            )

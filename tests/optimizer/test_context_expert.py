@@ -107,7 +107,8 @@ def test_context_parallelism_divides_activations_and_flops_but_not_weights() -> 
     whole = transformer_layer(model, hardware, cluster=H100)
     split = transformer_layer(model, hardware, cluster=H100, context_parallel=ContextParallel(size=4))
     assert split.activation_bytes == pytest.approx(whole.activation_bytes / 4)
-    assert split.backward_weight_ms == pytest.approx(whole.backward_weight_ms / 4)
+    # a quarter of the matrix-multiply work, in products a quarter as tall (a little less efficient)
+    assert whole.backward_weight_ms / 4 <= split.backward_weight_ms <= 1.02 * whole.backward_weight_ms / 4
     assert split.parameters == whole.parameters
     flops = layer_flops(model, context_parallel=4)
     assert flops.attention_forward == pytest.approx(layer_flops(model).attention_forward / 4)

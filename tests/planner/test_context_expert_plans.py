@@ -92,15 +92,15 @@ def test_a_mixture_of_experts_search_on_16384_gpus_keeps_a_short_time_limit() ->
 
 def test_the_memory_estimate_sees_deepseeks_heaviest_rank() -> None:
     # DeepSeek-V3's three dense first layers make the first pipeline rank light and the next ones heavy: the
-    # estimate must count the heaviest rank's weights, state and one FSDP unit's gradients, as the derivation does
+    # estimate must count the heaviest rank's weights, state and unsharded gradients, as the derivation does
     prepared = prepare(
         request(
             {"preset": "deepseek-v3"},
-            128,
+            256,
             8192,
             10.0,
             pipeline_parallel=[16],
-            tensor_parallel=[4],
+            tensor_parallel=[8],
             data_parallel_size=[16],
             sharding=["full"],
             stages_per_rank=[2],
