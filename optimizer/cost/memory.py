@@ -20,7 +20,9 @@ stores no scores, ``selective`` is torchtitan's op-level policy instead (``activ
 "selective"``, ``selective_ac_option = "op"``: keep the attention output and every other matrix-multiply
 output, recompute the rest): per token the layer input 2h, the attention output 2h and half of the seven
 matrix-multiply outputs Q h, K k, V k, output h, FFN f (and f for SwiGLU's up), down h: 2h + 2h + (3h + 2k +
-f·(1 or 2)) bytes, split by t like the rest.
+f·(1 or 2)) bytes, split by t like the rest. On a mixture-of-experts model ``selective`` is Megatron-Core's
+fine-grained recipe (norms, activation functions and MLA's up-projections recomputed:
+:func:`megatron_selective_bytes`), the one its MoE configurations run.
 
 Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1, M_W = 32·sbh at f = 4h):
 the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
@@ -39,7 +41,13 @@ from dataclasses import dataclass
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import attention_core_width
 
-__all__ = ["LayerActivation", "layer_activation", "static_bytes_per_parameter_sharded"]
+__all__ = [
+    "LayerActivation",
+    "SelectiveBytes",
+    "layer_activation",
+    "megatron_selective_bytes",
+    "static_bytes_per_parameter_sharded",
+]
 
 
 @dataclass(frozen=True)
@@ -81,11 +89,13 @@ def _attention_widths(model: ModelConfig) -> tuple[float, float, float]:
 def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
     """Per token, in 16-bit bytes: (FFN activations split by t, those W still needs, the matrix-multiply
     outputs the selective policy keeps). Dense GeLU 4f (W: 4h + 4f), SwiGLU 8f (W: 4h + 6f). A
-    mixture-of-experts layer stores for each of its k·imbalance routed copies the dispatched input and the
-    combined output (4h) and the expert's inner activations, for each shared expert the inner ones, and the
-    router's fp32 logits and probabilities (8·E bytes); under selective recomputation it keeps only the MoE
-    block's input and reruns the block (dispatch, experts, combine) in the backward, as Megatron-LM's
-    ``--recompute-modules moe`` (the Megatron MoE Model Zoo's long-context recipe)."""
+    mixture-of-experts layer stores what Megatron-Core's grouped MLP keeps (the router's probabilities folded
+    into the activation function, so unpermuting the outputs keeps nothing; SwiGLU fused, its gate and up
+    outputs kept and SiLU rerun in the backward): for each of its k·imbalance routed copies the permuted input
+    2h, the first matrix's output (SwiGLU 4f, GeLU 2f) and the activation's output 2f; for each shared expert
+    the inner ones; the router's fp32 logits and probabilities (8·E bytes). W needs each expert matrix's input
+    and output gradient (2h + 2f per copy). Selective recomputation on a mixture-of-experts model is
+    Megatron's recipe (:func:`megatron_selective_bytes`)."""
     h, gelu = model.hidden_size, model.ffn_type == "gelu"
     if not (moe and model.is_moe):
         f = model.ffn_size
@@ -93,11 +103,45 @@ def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
     f = model.expert_ffn_size
     routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
     shared = model.num_shared_experts
-    inner, inner_retained = (4 * f, 4 * f) if gelu else (8 * f, 6 * f)
+    inner = 4 * f if gelu else 6 * f
     router = 8 * (model.num_experts or 0)
-    stored = routed * (4 * h + inner) + shared * inner + router
-    retained = routed * (4 * h + inner_retained) + shared * (2 * h + inner_retained) + router
-    return stored, retained, 2 * h  # selective: the MoE block's input only (Megatron's --recompute-modules moe)
+    stored = routed * (2 * h + inner) + shared * inner + router
+    retained = routed * (2 * h + 2 * f) + shared * (2 * h + 2 * f) + router
+    return stored, retained, stored
+
+
+@dataclass(frozen=True)
+class SelectiveBytes:
+    """Per token, 16-bit bytes Megatron's MoE recipe recomputes (:func:`megatron_selective_bytes`).
+
+    Attributes:
+        norm_outputs: the two norms' outputs (the attention's and the MLP's inputs), whole without sequence
+            parallelism.
+        inner: the activation functions' outputs and multi-head latent attention's up-projected queries, keys
+            and values, split by t.
+    """
+
+    norm_outputs: float
+    inner: float
+
+
+def megatron_selective_bytes(model: ModelConfig, moe: bool) -> SelectiveBytes:
+    """What ``selective`` drops on a mixture-of-experts model, Megatron-Core's fine-grained recipe
+    (``--recompute-granularity selective --recompute-modules layernorm moe_act`` plus ``mla_up_proj`` with
+    multi-head latent attention; the Megatron MoE Model Zoo's and Megatron Bridge's MoE configurations): the
+    norms' outputs 4h, the activation's output 2f of each of the k·imbalance routed and the shared experts (a
+    dense layer: SiLU's output and the product 4f, GeLU's output 2f), and MLA's up-projected Q, K and V
+    (4·a·(d_nope + d_rope) + 2·a·d_v)."""
+    h = model.hidden_size
+    if moe:  # the activation's output of each expert (its first matrix's output stays: _mlp_widths)
+        copies = (model.num_experts_per_token or 1) * model.moe_load_imbalance + model.num_shared_experts
+        inner = 2 * copies * model.expert_ffn_size
+    else:  # a dense layer's FFN: SiLU's output and the product (SwiGLU), GeLU's output
+        inner = (4 if model.ffn_type == "swiglu" else 2) * model.ffn_size
+    if model.is_mla:
+        query_key, value = attention_core_width(model)
+        inner += 4 * query_key + 2 * value
+    return SelectiveBytes(norm_outputs=4.0 * h, inner=float(inner))
 
 
 def layer_activation(
@@ -137,6 +181,12 @@ def layer_activation(
     recompute = model.activation_recomputation
     if recompute == "none":
         activation = full
+    elif recompute == "selective" and model.is_moe:
+        dropped = megatron_selective_bytes(model, moe)
+        norms = dropped.norm_outputs * tokens
+        inner = dropped.inner * tokens
+        dropped_bytes = (norms + inner) / t if (sequence_parallel or t == 1) else norms + inner / t
+        activation = full - dropped_bytes * scale
     elif recompute == "selective" and model.attention == "flash":
         saved = (4 * h + attention_kept + mlp_kept) * tokens * scale + statistics * scale
         activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)

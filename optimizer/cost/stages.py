@@ -56,7 +56,6 @@ from pipesched.optimizer.cost.timing import (
     Hardware,
     PassTimes,
     elementwise_ms,
-    expert_gemms,
     gemm_ms,
     gemms_ms,
     layer_gemm_times,
@@ -72,6 +71,7 @@ __all__ = [
     "Block",
     "DerivedProblem",
     "Hardware",
+    "activation_reserve",
     "derive_costs_and_memory",
     "derive_problem",
     "embedding_block",
@@ -290,6 +290,15 @@ def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backw
     return 1e3 * flops / hardware.effective_flops_per_s
 
 
+def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
+    """What the allocator holds per modelled activation byte: the profile's ``activation_memory_factor``,
+    fitted to torchtitan's reserved peaks (eager and compiled PyTorch), or 1 with ``fused`` kernels:
+    Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published
+    Megatron layouts run where the fitted factor would not fit them (Megatron Bridge's Qwen3-235B-A22B
+    recipe on 256 H100s: TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation)."""
+    return 1.0 if model.kernels == "fused" else hardware.profile.activation_memory_factor
+
+
 def _cp(context_parallel: ContextParallel | None) -> int:
     return context_parallel.size if context_parallel is not None else 1
 
@@ -324,17 +333,17 @@ def _parallel_communication_ms(
     c: int,
     expert_parallel: ExpertParallel | None,
     moe: bool,
-) -> tuple[float, float, float]:
-    """Exposed context- and expert-parallel communication of one layer's F and I, and the expert all-to-alls
-    among F's, ms (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`), on the
-    links at the profile's achieved fractions."""
+) -> tuple[float, float]:
+    """Exposed context- and expert-parallel communication of one layer's F and I, ms
+    (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`), on the links at the
+    profile's achieved fractions."""
     ep, overlap = _ep(expert_parallel)
     if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     profile = hardware.profile
     intra = cluster.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
     inter = cluster.inter_node_bandwidth_bytes_per_s * profile.collective_efficiency_inter
-    forward = backward = experts = 0.0
+    forward = backward = 0.0
     if c > 1:
         ring = ring_attention(
             model,
@@ -342,7 +351,7 @@ def _parallel_communication_ms(
             t,
             c,
             attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
-            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware),
+            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware, backward=True),
             bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
         )
         forward, backward = ring.forward_exposed_ms, ring.backward_input_exposed_ms
@@ -352,13 +361,12 @@ def _parallel_communication_ms(
             model, cluster, groups, t, c, intra_bandwidth_bytes_per_s=intra, inter_bandwidth_bytes_per_s=inter
         )
         if overlap:  # the other microbatch's pass hides up to its own length
-            experts = max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
+            forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
             backward += max(0.0, traffic.backward_input_ms - _ms(flops.backward_input, 0.0, hardware))
         else:
-            experts = traffic.forward_ms
+            forward += traffic.forward_ms
             backward += traffic.backward_input_ms
-        forward += experts
-    return forward, backward, experts
+    return forward, backward
 
 
 def _recomputation_ms(
@@ -369,27 +377,36 @@ def _recomputation_ms(
     forward_ms: float,
     exposed_ms: float,
     gemm: tuple[float, float, float],
-    experts_communication_ms: float,
 ) -> float:
     """What recomputation adds to a layer's I, ms (:func:`transformer_layer`). ``gemm``: the forward's matrix
-    multiplies (ms), their FP8 casts (ms) and the routed and shared experts' share of them (ms). Selective on a
-    mixture-of-experts layer reruns its whole expert block (:func:`pipesched.optimizer.cost.memory.layer_activation`):
-    the experts' forward and its dispatch and combine (``experts_communication_ms``)."""
+    multiplies (ms), their FP8 casts (ms) and multi-head latent attention's up-projections among them (ms).
+    Selective on a mixture-of-experts model is Megatron's recipe
+    (:func:`pipesched.optimizer.cost.memory.megatron_selective_bytes`): the norms and activation functions
+    rerun over the bytes they dropped, and MLA's up-projections."""
     software, mode = hardware.software, model.kernels
     traffic = software.elementwise_traffic[mode]
     kernels = software.kernels_per_layer[mode]
+    recomputed_bytes = memory.full - memory.activation
+    if model.activation_recomputation == "selective" and model.is_moe:
+        rerun = PassTimes(
+            gemm[2],
+            0.0,
+            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
+            0.0,
+            0.25 * kernels,
+        )
+        return rerun.total_ms(hardware, mode)
     if model.activation_recomputation == "selective" and model.attention == "flash":
         # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        total, cast, experts = gemm
-        recomputed_bytes = memory.full - memory.activation
+        total, cast, _ = gemm
         rerun = PassTimes(
-            0.5 * (total - experts) + experts,
+            0.5 * total,
             0.0,
             elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
             0.5 * cast,
             0.5 * kernels,
         )
-        return rerun.total_ms(hardware, mode) + exposed_ms / 2 + experts_communication_ms
+        return rerun.total_ms(hardware, mode) + exposed_ms / 2
     if model.activation_recomputation == "selective":
         return _ms(
             flops.attention_forward if memory.scores else 0.0,
@@ -404,14 +421,19 @@ def _recomputation_ms(
 def _layer_gemm(
     model: ModelConfig, hardware: Hardware, t: int, c: int, ep: int, moe: bool
 ) -> tuple[float, float, float]:
-    """(forward matrix multiplies ms, their FP8 casts ms, the experts' share ms) of one layer
-    (:func:`pipesched.optimizer.cost.timing.layer_gemms`)."""
+    """(forward matrix multiplies ms, their FP8 casts ms, multi-head latent attention's up-projections ms) of
+    one layer (:func:`pipesched.optimizer.cost.timing.layer_gemms`)."""
     gemm, cast_bytes = layer_gemm_times(model, hardware, t, moe=moe, context_parallel=c, expert_parallel=ep)
-    experts = 0.0
-    if moe and model.is_moe:
+    up_projections = 0.0
+    if model.is_mla:
         tokens = model.seq_length * model.micro_batch_size / c
-        experts, _ = gemms_ms(expert_gemms(model, tokens, t, ep), model, hardware)
-    return gemm, elementwise_ms(cast_bytes, hardware), experts
+        a, nope = model.num_attention_heads, model.qk_nope_head_dim or 0
+        rope, value = model.qk_rope_head_dim or 0, model.v_head_dim or 0
+        shapes = [(tokens, a * (nope + value) / t, float(model.kv_lora_rank or 0))]
+        if model.q_lora_rank is not None:
+            shapes.append((tokens, a * (nope + rope) / t, float(model.q_lora_rank)))
+        up_projections, _ = gemms_ms(shapes, model, hardware)
+    return gemm, elementwise_ms(cast_bytes, hardware), up_projections
 
 
 #: Extra bytes per element eager PyTorch moves over a fused kernel: RMSNorm written as float casts, a square, a
@@ -469,7 +491,8 @@ def transformer_layer(
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
     layer input until the backward, reruns the whole forward inside I and keeps that input until W
     (the transient memory of the recomputation itself is not modelled here). Activation bytes are scaled by the
-    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks).
+    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks) with
+    eager or compiled kernels (:func:`activation_reserve`).
 
     ``moe``: a mixture-of-experts layer of ``model`` (its active experts' FLOPs, every expert's parameters);
     ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
@@ -490,7 +513,7 @@ def transformer_layer(
     exposed /= c
     if moe and model.is_moe and ep > 1:
         exposed /= 2  # the experts run whole: only attention's collectives remain
-    forward_extra, backward_extra, experts_forward = _parallel_communication_ms(
+    forward_extra, backward_extra = _parallel_communication_ms(
         model, cluster, hardware, flops, t, c, expert_parallel, moe
     )
     unfused = _unfused_traffic(model, t, hardware, context_parallel=c, moe=moe)
@@ -509,9 +532,9 @@ def transformer_layer(
     )
     forward_ms = forward.total_ms(hardware, mode) + exposed + forward_extra
     backward_input_ms = backward_input.total_ms(hardware, mode) + exposed + backward_extra
-    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm, experts_forward)
+    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm)
     parameters, local_experts = _layer_parameters(model, t, ep, moe)
-    reserve = hardware.profile.activation_memory_factor
+    reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
@@ -582,7 +605,7 @@ def head_block(
     gemm = gemm_ms(s * b, v / t, h, hardware)
     traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
-    reserve = hardware.profile.activation_memory_factor
+    reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
         backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),

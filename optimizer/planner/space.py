@@ -248,12 +248,6 @@ def _pipelines(
                 for recompute in RECOMPUTATION:
                     if not _allowed(search.activation_recomputation, recompute):
                         continue
-                    if (
-                        recompute == "selective"
-                        and model.attention == "flash"
-                        and search.activation_recomputation is None
-                    ):
-                        continue  # FlashAttention stores no scores: selective equals none
                     candidates = methods_for(v, placement, p)
                     if search.method is not None:
                         candidates = tuple(name for name in search.method if name in candidates or name == "auto")
