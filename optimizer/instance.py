@@ -20,15 +20,18 @@ Memory (contract, Problem): F allocates ``activation``; I frees ``activation −
 W frees ``retained_for_weight``; B frees ``activation``.
 
 The training step (contract, Terms: data-parallel group, communication actions, step_time), when the
-problem has d > 1 or an optimizer cost (:attr:`Problem.has_step_actions`), adds per stage id s:
+problem has d > 1, an optimizer cost or synchronising replicas (:attr:`Problem.has_step_actions`), adds per
+stage id s:
 
 * sharding ``full``: ``UNSHARD(s)`` (all-gather, ``costs.unshard``; holds ``memory.weights``·(d−1)/d) before
   every F of s, and ``RESHARD(s)`` (no time; frees them) after every backward of s. With
   ``reshard_after_forward`` a first pair frames the forwards (RESHARD after every F) and a second pair the
   backwards (UNSHARD before every I/B, after the first RESHARD);
-* d > 1: ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
-  placement also after those of the mirror replica's stage (both replicas' gradients are reduced together,
-  BitPipe §3.3); with sharding ``gradients``/``full`` it frees ``memory.gradients``·(d−1)/d;
+* d > 1, or a bidirectional placement (:attr:`Problem.replicas_synchronise`, also with d = 1):
+  ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
+  placement also after those of the mirror replica's stage (both replicas' gradients are all-reduced
+  together, BitPipe §3.3: the eager synchronisation); with sharding ``gradients``/``full`` it frees
+  ``memory.gradients``·(d−1)/d;
 * per rank ``OPTIMIZER_STEP`` (``costs.optimizer_step``) after the rank's REDUCE_GRADs and, unless
   ``training.post_validation``, after every other action of every rank (the global synchronisation: the
   simulator enforces it, see :attr:`Instance.sync_before_step`).
@@ -386,12 +389,12 @@ def _add_step_actions(inst: Instance, problem: Problem) -> None:
             else:
                 for idx in finals:
                     link(idx, free)
-        if d > 1:
+        if d > 1 or problem.replicas_synchronise:
             freed = -gradients[ms] * fraction if sharding in ("gradients", "full") else 0.0
             reduce_ids[s] = add(Action(s, ActionKind.REDUCE_GRAD, 0), rank, reduce_grad[ms], freed, 1)
             for idx in finals:
                 link(idx, reduce_ids[s])
-    if problem.pipeline.placement == "bidirectional" and d > 1:
+    if problem.pipeline.placement == "bidirectional" and reduce_ids:
         for s in stage_ids:
             mirror = s + inst.num_stages if s < inst.num_stages else s - inst.num_stages
             for j in microbatches[mirror]:

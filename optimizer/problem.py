@@ -588,6 +588,17 @@ class Problem(_Strict):
         """With d > 1 the collective costs must be given (derived from model/cluster by load_problem)."""
         assert self.costs is not None
         dp = self.data_parallel
+        if self.pipeline.placement == "bidirectional" and self.costs.reduce_grad is None:
+            return [
+                (
+                    ("costs", "reduce_grad"),
+                    'placement "bidirectional" keeps two model replicas whose copies of a stage all-reduce their '
+                    "gradients between mirrored ranks (BitPipe's eager synchronisation, over 2·d ranks): give "
+                    "costs.reduce_grad (ms per stage; 0 leaves it out of the model), or give model and cluster "
+                    "instead of costs so pipesched derives it",
+                    None,
+                )
+            ]
         if dp is None or dp.size == 1:
             if dp is not None and dp.sharding != "none":
                 return [
@@ -670,10 +681,23 @@ class Problem(_Strict):
         return 1 if self.data_parallel is None else self.data_parallel.size
 
     @property
-    def has_step_actions(self) -> bool:
-        """Whether the step has communication actions or optimizer steps (d > 1 or an optimizer cost)."""
+    def replicas_synchronise(self) -> bool:
+        """Whether the two replicas of a bidirectional placement all-reduce their gradients with a cost
+        (BitPipe's eager gradient synchronisation, Wu et al. 2024, Sec. 3.3): ``costs.reduce_grad`` > 0."""
         assert self.costs is not None
-        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None
+        reduce_grad = self.costs.reduce_grad
+        return (
+            self.pipeline.placement == "bidirectional"
+            and reduce_grad is not None
+            and max(self.stage_values(reduce_grad)) > 0
+        )
+
+    @property
+    def has_step_actions(self) -> bool:
+        """Whether the step has communication actions or optimizer steps (d > 1, an optimizer cost, or the
+        replicas' gradient synchronisation of a bidirectional placement)."""
+        assert self.costs is not None
+        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None or self.replicas_synchronise
 
     @property
     def memory_limits(self) -> list[float]:

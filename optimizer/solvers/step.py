@@ -1,6 +1,7 @@
 """``auto`` for the whole training step: the compute order and when each collective runs.
 
-Used when the problem has communication actions or optimizer steps (d > 1, or ``costs.optimizer_step``), or
+Used when the problem has communication actions or optimizer steps (d > 1, ``costs.optimizer_step``, or a
+bidirectional placement's replica synchronisation), or
 asks for ``objective: step_time``. Within ``solver.time_limit_s``:
 
 1. **Candidates from the families.** Every applicable family, its collectives placed by the communication
@@ -90,6 +91,8 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     data["memory"]["gradients"] = None
     for name in ("unshard", "reduce_grad", "optimizer_step"):
         data["costs"][name] = None
+    if problem.pipeline.placement == "bidirectional":
+        data["costs"]["reduce_grad"] = 0.0  # the replicas' synchronisation left out (Problem.replicas_synchronise)
     data["data_parallel"] = None
     data["objective"] = _compute_objective(problem)
     data["solver"]["method"] = "auto"
@@ -104,8 +107,8 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
       (stage_span under post-validation; for objective stage_span itself);
     * + the least ``unshard`` (sharding ``full``): a rank's first pass waits for a gather on its own rank that
       started no earlier than the step (the rank's span);
-    * + the least ``reduce_grad`` (d > 1): the step's (each rank's) last pass is a last backward (W, or B when
-      fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
+    * + the least ``reduce_grad`` (d > 1, or synchronising replicas): the step's (each rank's) last pass is a
+      last backward (W, or B when fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
     * + for ``step_time``, the optimizer step: after the synchronisation every rank's, so the largest; under
       post-validation the rank's own, so the least.
     """
@@ -119,7 +122,7 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     dp = problem.data_parallel
     if dp is not None and dp.sharding == "full" and problem.costs.unshard is not None:
         bound += min(problem.stage_values(problem.costs.unshard))
-    if problem.data_parallel_size > 1 and problem.costs.reduce_grad is not None:
+    if (problem.data_parallel_size > 1 or problem.replicas_synchronise) and problem.costs.reduce_grad is not None:
         bound += min(problem.stage_values(problem.costs.reduce_grad))
     if problem.objective == "step_time":
         steps = problem.rank_values(problem.costs.optimizer_step, 0.0)

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pipesched.optimizer.communication import with_communication
 from pipesched.optimizer.families import FamilyDomainError, get_family, registry
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind
@@ -15,7 +16,9 @@ from tests.conftest import uniform_problem
 
 
 def _run(problem: Problem, name: str) -> SimulationResult:
-    return simulate(compile_problem(problem), get_family(name).generate(problem))
+    """The family's orders with the step's communication (a bidirectional placement's replica sync) placed."""
+    inst = compile_problem(problem)
+    return simulate(inst, with_communication(inst, get_family(name).generate(problem)))
 
 
 # -- known formulas (uniform costs, zero p2p) ---------------------------------------------------
@@ -119,9 +122,13 @@ def _draw_problem(data: st.DataObject, name: str, *, min_ranks: int, max_microba
     placement, stages, needs_split = _DOMAINS[name]
     p = data.draw(st.integers(min_ranks, 5), label="num_ranks")
     m = data.draw(st.integers(1, max_microbatches), label="num_microbatches")
+    if name == "bitpipe":  # the authors' order: an even p, m a multiple of it (their fork's own check)
+        p = 2 * max(1, p // 2)
+        m = p * max(1, m // p)
     v = data.draw(st.sampled_from(stages), label="stages_per_rank")
     split = True if needs_split else data.draw(st.booleans(), label="split_backward")
-    return uniform_problem(p, m, stages_per_rank=v, placement=placement, split_backward=split, **costs)
+    sync = {"reduce_grad": 0.4} if placement == "bidirectional" else {}
+    return uniform_problem(p, m, stages_per_rank=v, placement=placement, split_backward=split, **sync, **costs)
 
 
 _OUTSIDE = [
@@ -131,7 +138,12 @@ _OUTSIDE = [
     ("zb-h2", {"stages_per_rank": 2}, "stages_per_rank 1"),
     ("zb-v", {"stages_per_rank": 2, "placement": "v", "split_backward": False}, "split_backward true"),
     ("zb-v", {"stages_per_rank": 2}, 'placement "v" with stages_per_rank 2'),
-    ("v-half", {"stages_per_rank": 2, "placement": "bidirectional"}, 'placement "v"'),
+    ("v-half", {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.4}, 'placement "v"'),
+    (
+        "bitpipe",
+        {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.4, "num_microbatches": 6},
+        "num_microbatches a multiple of num_ranks",
+    ),
     ("v-min", {}, 'placement "v"'),
     ("bitpipe", {"stages_per_rank": 2, "placement": "v"}, '"bidirectional"'),
     ("dualpipe-v", {"stages_per_rank": 2}, 'placement "v"'),
@@ -141,7 +153,7 @@ _OUTSIDE = [
 
 @pytest.mark.parametrize(("name", "changes", "needle"), _OUTSIDE)
 def test_outside_the_domain_is_a_clear_error(name: str, changes: dict, needle: str) -> None:  # type: ignore[type-arg]
-    problem = uniform_problem(4, 8, **changes)
+    problem = uniform_problem(**{"num_ranks": 4, "num_microbatches": 8, **changes})
     with pytest.raises(FamilyDomainError, match=name) as error:
         get_family(name).generate(problem)
     assert needle in str(error.value)
@@ -217,7 +229,7 @@ def test_memory_limit_one_byte_below_peak(name: str) -> None:
 def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, data: st.DataObject) -> None:
     problem = _draw_problem(data, name, min_ranks=2, max_microbatches=9, p2p=0.25)
     inst = compile_problem(problem)
-    orders = get_family(name).generate(problem)
+    orders = with_communication(inst, get_family(name).generate(problem))
     rank = data.draw(st.sampled_from([r for r, row in enumerate(orders) if row]), label="rank")
 
     # A dropped action.
@@ -260,7 +272,7 @@ def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, da
 def test_capped_greedy_stops_when_asked() -> None:
     from pipesched.optimizer.families._greedy import SearchStopped, capped_greedy_orders
 
-    inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional"))
+    inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional", reduce_grad=0.4))
     calls = []
 
     def stop_after_ten() -> bool:

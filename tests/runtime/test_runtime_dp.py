@@ -83,7 +83,7 @@ def runs() -> dict[str, tuple[Schedule, dict]]:
     schedules = [
         family_schedule("1f1b", split_backward=False)
         if name == "1f1b-fused"
-        else family_schedule(name, stages_per_rank=2, placement="bidirectional")
+        else family_schedule(name, stages_per_rank=2, placement="bidirectional", reduce_grad=0.0)
         if name == "bitpipe"
         else family_schedule(name)
         for name, *_ in CASES.values()
