@@ -12,7 +12,7 @@ from pipesched.optimizer.derive import load_problem as derive_and_validate
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 
-__all__ = ["InputError", "format_validation_error", "load_problem", "load_schedule"]
+__all__ = ["InputError", "format_validation_error", "load_problem_file", "load_schedule_file"]
 
 
 class InputError(Exception):
@@ -42,7 +42,7 @@ def _read_json(path: Path) -> Any:
         ) from None
 
 
-def load_problem(path: Path, **overrides: Any) -> Problem:
+def load_problem_file(path: Path, **overrides: Any) -> Problem:
     """Read and validate a problem file; ``overrides`` set dotted fields (``"solver.method"``).
 
     A schedule file is accepted too: its ``problem`` is used.
@@ -71,7 +71,7 @@ def load_problem(path: Path, **overrides: Any) -> Problem:
         raise InputError(f"{path} is not a valid problem:\n{format_validation_error(error, '  ')}") from None
 
 
-def load_schedule(path: Path) -> Schedule:
+def load_schedule_file(path: Path) -> Schedule:
     """Read and validate a schedule file (as written by ``pipesched solve``).
 
     Raises:

@@ -8,7 +8,7 @@ schedules at a small batch per GPU (up to 43% over Megatron-LM on a 52B model).
 Setting: a 52B-class GPT (64 layers, hidden 8192, 64 heads, sequence 2048, vocabulary 51200, bf16,
 microbatch 1), pipeline p = 8, FSDP (sharding ``full``) over d data-parallel copies on an inter-node network
 (25 GB/s per GPU, or 6.25 GB/s, 20 µs per ring step), A100-80GB. Costs, collectives
-(:mod:`pipesched.optimizer.collectives`) and memory are derived from the model. Two pipeline shapes: one
+(:mod:`pipesched.optimizer.cost.collectives`) and memory are derived from the model. Two pipeline shapes: one
 layer per stage (stages_per_rank 8, loop placement) for ``looped-bfs``, ``lga`` and ``interleaved-1f1b``;
 eight layers per stage (stages_per_rank 1) for ``1f1b`` and ``zb-h1``; ``auto`` (objective step_time) on
 both, the better one reported. The x axis is microbatches per GPU, m / p. Depth-first interleaving is shown

@@ -1,6 +1,6 @@
 """Model and cluster descriptions a problem may give instead of ``costs`` and ``memory``.
 
-:mod:`pipesched.optimizer.costmodel` derives per-stage times and memory from them, and
+:mod:`pipesched.optimizer.cost.stages` derives per-stage times and memory from them, and
 :mod:`pipesched.optimizer.partition` splits the layers into stages.
 """
 
@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.presets import MODEL_PRESETS
-from pipesched.optimizer.validation import raise_field_errors
 
 __all__ = ["DTYPE_BYTES", "ClusterConfig", "ModelConfig", "TensorParallel"]
 

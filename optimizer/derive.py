@@ -1,7 +1,7 @@
 """Load a problem document, deriving ``costs`` and ``memory`` from ``model`` and ``cluster`` when it has them.
 
 This is the step before :class:`~pipesched.optimizer.problem.Problem`: the problem model knows nothing of
-the cost model; :func:`load_problem` asks the cost model (:func:`~pipesched.optimizer.costmodel.derive_problem`)
+the cost model; :func:`load_problem` asks the cost model (:func:`~pipesched.optimizer.cost.stages.derive_problem`)
 for the missing sections, records the layer partition in ``model.layers_per_stage`` (the runtime builds its
 chunks from the same split), and validates the whole document.
 """
@@ -13,11 +13,11 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
-from pipesched.optimizer.collectives import data_parallel_costs
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
-from pipesched.optimizer.costmodel import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.cost.collectives import data_parallel_costs
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
-from pipesched.optimizer.validation import StrictModel, raise_field_errors
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -181,7 +181,7 @@ def _add_collectives(
     document: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, *, costs_given: bool, memory_given: bool
 ) -> None:
     """Fill ``costs.unshard``/``reduce_grad``/``optimizer_step`` (those not given) and, for derived memory,
-    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.collectives`).
+    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`).
     Without data parallelism (a bidirectional placement) only ``reduce_grad``: the all-reduce between the two
     replicas' copies of each stage (BitPipe's eager synchronisation, a group of 2 ranks)."""
     dp = parts.data_parallel or DataParallel()

@@ -18,9 +18,10 @@ def orders_to_torch_csv(orders: Orders) -> str:
     """PyTorch's compute-only schedule CSV: one row per rank, one action string per cell.
 
     Loadable by ``_PipelineScheduleRuntime._load_csv(path, "compute_only")`` and torchtitan's
-    ``--parallelism.pipeline_parallel_schedule_csv`` (``shared/NOTES.md`` §3). Communication actions and
-    optimizer steps are left out (the format is compute-only; torch's lowering inserts its own UNSHARD,
-    RESHARD and REDUCE_GRAD).
+    ``--parallelism.pipeline_parallel_schedule_csv`` (torchtitan ``build_pipeline_schedule`` in
+    ``torchtitan/distributed/pipeline_parallel.py``). Communication actions and optimizer steps
+    are left out (the format is compute-only; torch's lowering inserts its own UNSHARD, RESHARD and
+    REDUCE_GRAD).
     """
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -88,7 +89,7 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ValueError(f"schedule is infeasible ({schedule.reason}): there is no timeline to trace")
     if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
-        from pipesched.optimizer.steady_state import pattern_memory_timelines
+        from pipesched.optimizer.pattern import pattern_memory_timelines
 
         memory_timeline = pattern_memory_timelines(schedule)
     else:
@@ -124,7 +125,7 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
 def run_report_to_chrome_trace(
     report: dict[str, Any], *, pid_offset: int = 0, predicted: Schedule | None = None
 ) -> dict[str, Any]:
-    """A run report's measured timeline (``shared/CONTRACT.md``, Run report) as a Chrome trace.
+    """A run report's measured timeline (``docs/CONTRACT.md``, Run report) as a Chrome trace.
 
     Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
     named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted

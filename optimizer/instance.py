@@ -3,7 +3,7 @@
 Everything that needs the dependency rule (the simulator, the solvers, the families' checks, the
 runtime's p2p plan) reads it from :class:`Instance`; nobody writes it again.
 
-Dependencies (Zero Bubble paper, Sec. 2; ``shared/NOTES.md`` §1), for microbatch j passing the
+Dependencies (Zero Bubble paper, arXiv 2401.10241, Sec. 2), for microbatch j passing the
 chain of stages ``c_0 … c_{S-1}``:
 
 * ``F(c_k, j)`` after ``F(c_{k-1}, j)``, plus p2p latency when the two stages sit on different ranks;

@@ -1,4 +1,4 @@
-"""The scheduling problem of ``shared/CONTRACT.md`` as pydantic models.
+"""The scheduling problem of ``docs/CONTRACT.md`` as pydantic models.
 
 A :class:`Problem` describes one pipeline-parallel training step: how many ranks and
 microbatches, which rank holds which stage (the placement), what every pass costs in
@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, get_args
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
-from pipesched.optimizer.validation import StrictModel as _Strict
-from pipesched.optimizer.validation import raise_field_errors
+from pipesched.optimizer.field_errors import StrictModel as _Strict
+from pipesched.optimizer.field_errors import raise_field_errors
 
 __all__ = [
     "FAMILY_NAMES",

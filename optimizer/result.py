@@ -1,4 +1,4 @@
-"""The schedule answer of ``shared/CONTRACT.md`` (Schedule) and its construction from a simulation."""
+"""The schedule answer of ``docs/CONTRACT.md`` (Schedule) and its construction from a simulation."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``solver.method`` names a family (generate it, simulate it, check the memory limit) or ``"auto"``
 (the search portfolio of :mod:`pipesched.optimizer.solvers.portfolio`; with ``training.flush: false`` the
-pattern search of :mod:`pipesched.optimizer.solvers.steady_search`).
+pattern search of :mod:`pipesched.optimizer.solvers.no_flush`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 from pipesched.optimizer.communication import ReshardOrderError, add_communication
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.pattern import repeating_schedule
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck, active_deadline
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.solvers.no_flush import solve_steady_state
 from pipesched.optimizer.solvers.portfolio import solve_auto
-from pipesched.optimizer.solvers.steady_search import solve_steady_state
-from pipesched.optimizer.steady_state import repeating_schedule
 
 __all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
 

@@ -14,7 +14,7 @@ CSV) runs every loop and V schedule, and is the default engine there (``engine="
 The backward split uses PyTorch's own ``stage_backward_input`` / ``stage_backward_weight`` (through
 :mod:`pipesched.runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a
 stage whose input needs no gradient (the first model stage) I has nothing to compute and W runs the
-whole backward, as PyTorch does (``shared/NOTES.md`` §3).
+whole backward, as PyTorch does (``torch/distributed/pipelining/_backward.py``).
 
 Point-to-point messages use ``isend``/``irecv`` with one tag per (stage, pass, microbatch), so
 transfers between the same two ranks cannot be mismatched (gloo matches by tag). Every receive waits

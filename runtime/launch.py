@@ -210,12 +210,12 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
 def executable_step(schedule: Schedule) -> Schedule:
     """The one step the ranks run for ``schedule``: itself, or, for a schedule without a flush (a repeating
     pattern whose ids run to 2m − 1), the pattern's first step unrolled with its warm-up and drain
-    (:func:`pipesched.optimizer.steady_state.unroll`), re-timed as a flushed step. Steps then follow each
+    (:func:`pipesched.optimizer.pattern.unroll`), re-timed as a flushed step. Steps then follow each
     other with a barrier: the run checks PipeDream-2BW's update rule, not the overlap of steps.
     """
     if schedule.step_period is None or schedule.status == "infeasible":
         return schedule
-    from pipesched.optimizer.steady_state import unroll
+    from pipesched.optimizer.pattern import unroll
 
     problem = schedule.problem
     step = problem.with_changes(

@@ -1,4 +1,4 @@
-"""The one module touching private ``torch.distributed.pipelining`` APIs (``shared/NOTES.md`` §3).
+"""The one module touching private ``torch.distributed.pipelining`` APIs.
 
 Supported torch: 2.13.x (the ``runtime`` extra pins ``torch==2.13.0``). Private names used here:
 ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight`` (the

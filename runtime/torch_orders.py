@@ -3,7 +3,7 @@
 Every schedule class of ``torch.distributed.pipelining.schedules`` computes its whole
 ``pipeline_order`` (one list of actions per rank, ``None`` for an idle lockstep slot) in its
 constructor from the stages' ``stage_index``, ``num_stages``, ``group_size``, ``group_rank``,
-``is_first``, ``is_last`` and ``submod`` alone (``shared/NOTES.md`` §6, "Torch's own schedules as data").
+``is_first``, ``is_last`` and ``submod`` alone.
 :func:`torch_compute_orders` builds a schedule on such stand-in stages and keeps the compute actions
 (F, I, W, B) in order: idle slots and bookkeeping actions (REDUCE_GRAD, UNSHARD, RESHARD, sends and
 receives) are dropped, and DualPipeV's ``OVERLAP_F_B`` pairs are flattened into their two passes, forward

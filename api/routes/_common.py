@@ -15,7 +15,7 @@ from pipesched.api.lanes import Lane, LaneFull
 from pipesched.api.metrics import Metrics
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
-from pipesched.optimizer.families import FamilyDomainError, get_family
+from pipesched.optimizer.families import FamilyDomainError, UnknownMethodError, check_method
 from pipesched.optimizer.problem import Problem
 
 
@@ -102,18 +102,16 @@ def prepare_problem(problem: Problem, settings: Settings, loc_prefix: tuple[str,
     if time_limit_s != problem.solver.time_limit_s:
         solver = problem.solver.model_copy(update={"time_limit_s": time_limit_s})
         problem = problem.model_copy(update={"solver": solver})
-    check_method(problem, problem.solver.method, (*loc_prefix, "solver", "method"))
+    require_method(problem, (*loc_prefix, "solver", "method"))
     return problem
 
 
-def check_method(problem: Problem, method: str, loc: tuple[str | int, ...]) -> None:
-    """Raise a 422 at ``loc`` when family ``method`` is not implemented or does not admit ``problem``."""
-    if method == "auto":
-        return
+def require_method(problem: Problem, loc: tuple[str | int, ...]) -> None:
+    """Raise a 422 at ``loc`` when ``solver.method`` is not implemented or does not admit ``problem``."""
     try:
-        get_family(method).check_domain(problem)
-    except KeyError as error:
-        raise field_error(loc, str(error.args[0]), "unknown_method") from None
+        check_method(problem.solver.method, problem)
+    except UnknownMethodError as error:
+        raise field_error(loc, str(error), "unknown_method") from None
     except FamilyDomainError as error:
         raise field_error(loc, f"{error}; choose another method or auto", "family_domain") from None
 

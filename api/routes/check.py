@@ -1,4 +1,4 @@
-"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.checking`)."""
+"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.check`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pydantic import BaseModel, Field
 
 from pipesched.api.routes._common import Services, field_error, prepare_problem, require_token, services
 from pipesched.api.schemas import error_responses
-from pipesched.optimizer.checking import ScheduleInputError, check_schedule, read_schedule
+from pipesched.optimizer.check import ScheduleInputError, check_schedule, read_schedule
 from pipesched.optimizer.derive import ProblemDocument
-from pipesched.optimizer.validation import StrictModel
+from pipesched.optimizer.field_errors import StrictModel
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
 
@@ -23,7 +23,7 @@ class CheckRequest(StrictModel):
     schedule: list[list[str]] | str = Field(
         description='One list of action strings per rank ([["0F0", "0I0", …], …]), or PyTorch\'s compute-only '
         "CSV text (one row per rank; SEND_*/RECV_* skipped with a note; UNSHARD/RESHARD/REDUCE_GRAD/OPTIMIZER_STEP "
-        "read as optimizer/checking.py says)."
+        "read as optimizer/check.py says)."
     )
 
 

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 
 from pipesched.api.jobs import SolverDied, SolveTimeout, UnstorableSchedule
 from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
-from pipesched.api.render import Drawing, draw
+from pipesched.api.render.worker import Drawing, draw
 from pipesched.api.routes._common import (
     Services,
     cache_headers,
@@ -136,7 +136,7 @@ def get_schedule(
 
 
 def drawn(svc: Services, schedule_id: str, kind: str, compare: str | None) -> Response:
-    """``kind`` (png, svg, view) of a stored schedule, drawn by :func:`pipesched.api.render.draw` in the
+    """``kind`` (png, svg, view) of a stored schedule, drawn by :func:`pipesched.api.render.worker.draw` in the
     render lane, waiting at most ``render_timeout_s``.
 
     Raises:

@@ -1,8 +1,59 @@
-"""Ring collective times (ms) and the tensor-parallel communication of one layer.
+"""Collective times (ms): the ring formulas, the data-parallel step's collectives and memory, and the
+tensor-parallel communication of one layer.
 
-The ring formulas have one home, :mod:`pipesched.optimizer.collectives` (Thakur et al. 2005, "Optimization
-of Collective Communication Operations in MPICH", §4; Patarasuk and Yuan 2009), re-exported here for the
-cost model and the planner: all-reduce 2(d−1)·(α + B/(d·β)); reduce-scatter and all-gather (d−1)·(α + B/(d·β)).
+Data parallelism: what ``costs.unshard``/``reduce_grad``/``optimizer_step`` and
+``memory.weights``/``gradients``/``static`` are for a model on a cluster (contract, Problem: data_parallel).
+
+Ring collectives over a group of d ranks moving B bytes, link bandwidth β per rank (bytes/s) and latency α
+per step (Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH",
+2005, Sec. 4; Patarasuk and Yuan 2009):
+
+* all-reduce: 2(d−1)·α + 2(d−1)/d · B/β
+* reduce-scatter and all-gather: (d−1)·α + (d−1)/d · B/β each
+
+What each sharding level moves per stage and step (ZeRO, Rajbhandari et al. 2020, Sec. 5; FSDP, Zhao et
+al. 2023, Sec. 3):
+
+* ``none`` (DDP) and ``optimizer`` (ZeRO-1): REDUCE_GRAD all-reduces the gradients (ZeRO-1's
+  reduce-scatter + all-gather of the updated weights costs the same as the all-reduce, so it is counted
+  there).
+* ``gradients`` (ZeRO-2): REDUCE_GRAD reduce-scatters the gradients; the all-gather of the updated
+  weights after the optimizer step is part of ``optimizer_step``.
+* ``full`` (ZeRO-3 / FSDP): UNSHARD all-gathers the weights (in the model dtype), REDUCE_GRAD
+  reduce-scatters the gradients.
+
+Gradients are reduced in fp32 (4 B per parameter), as torchtitan's FSDP mixed-precision policy
+(``reduce_dtype = float32``) and Megatron-LM's default ``grad_reduce_in_fp32`` do. The data-parallel
+group of a pipeline rank is its d copies; with the usual mesh order (tensor parallel innermost, then data
+parallel, pipeline outermost: Megatron-LM's ``tp-dp-pp``, torchtitan's ``["pp", "dp", "tp"]``) it lies
+inside one node when ``tensor_parallel · d ≤ gpus_per_node``, and uses the inter-node bandwidth otherwise.
+
+The optimizer step (Adam, mixed precision) is bound by memory traffic: per parameter it reads the fp32
+master weight, gradient and both moments (16 B) and writes master, moments (12 B) and the model-dtype
+copy (2 B with bf16): 30 B at the accelerator's memory bandwidth (``ADAM_BYTES_PER_PARAMETER``), over the
+rank's shard of the parameters when the optimizer state is sharded.
+
+Static bytes per parameter by sharding have one home,
+:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded` (ZeRO paper, Sec. 5.1, K = 12 for
+mixed-precision Adam): weights w (2 B bf16), gradients 4 B (fp32), optimizer state 12 B, each divided by d
+from the sharding level that shards it. Gathered weights and unsharded gradients are not static: they live
+in the step model's ``memory.weights`` (held from UNSHARD to RESHARD) and ``memory.gradients`` (freed but
+for the shard at REDUCE_GRAD), each byte counted once.
+
+Granularity (``gradients`` and ``full``, which torchtitan runs as FSDP2): torchtitan applies ``fully_shard``
+to every transformer block, to the token embedding, and to the final norm with the output head (PyTorch
+FSDP2, ``torch.distributed.fsdp.fully_shard``; torchtitan ``parallelize`` ``apply_fsdp``). Each such unit's
+gradients are produced unsharded by its backward, reduce-scattered as one bucket right after it, and freed
+but for the rank's fp32 shard. So a stage holds the unsharded gradients of one unit at a time, the largest
+of its units counted: ``memory.gradients`` is 4 B × the parameters of the stage's largest unit, ``static``
+holds the sharded state plus (d−1)/d of that buffer, and REDUCE_GRAD frees that (d−1)/d. Likewise the
+gathered weights: without ``reshard_after_forward`` every unit of the stage stays gathered from its forward
+to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 frees each unit after its
+forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
+units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole fp32 gradient buffer
+(static). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
+buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
+compute: an upper bound by one unit.
 
 Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, §3; Korthikanti et al. 2022, §4.2.2): each layer's
 forward all-reduces its s·b·h activation twice (after attention and after the MLP), and its input-gradient
@@ -12,10 +63,191 @@ same total volume. Megatron runs these on the compute stream (not overlapped), s
 
 from __future__ import annotations
 
-from pipesched.optimizer.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
-from pipesched.optimizer.configs import ModelConfig
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["all_gather_ms", "all_reduce_ms", "reduce_scatter_ms", "tensor_parallel_layer_ms"]
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+
+__all__ = [
+    "ADAM_BYTES_PER_PARAMETER",
+    "GRADIENT_REDUCE_BYTES",
+    "DataParallelCosts",
+    "all_gather_ms",
+    "all_reduce_ms",
+    "data_parallel_costs",
+    "group_link",
+    "reduce_scatter_ms",
+    "tensor_parallel_layer_ms",
+]
+
+#: Bytes of memory traffic per parameter in one mixed-precision Adam step (module docstring).
+ADAM_BYTES_PER_PARAMETER = 30.0
+#: Bytes per gradient element reduced over the data-parallel group (fp32).
+GRADIENT_REDUCE_BYTES = 4.0
+
+
+def all_reduce_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float:
+    """Ring all-reduce of ``num_bytes`` over ``group_size`` ranks, ms: 2(d−1)·α + 2(d−1)/d · B/β (Thakur et al.
+    2005, Sec. 4.4). Zero for a group of one."""
+    d = group_size
+    if d <= 1:
+        return 0.0
+    return 2 * (d - 1) * latency_ms + 1e3 * 2 * (d - 1) / d * num_bytes / bandwidth_bytes_per_s
+
+
+def reduce_scatter_ms(
+    num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+) -> float:
+    """Ring reduce-scatter of ``num_bytes`` (the whole buffer) over ``group_size`` ranks, ms:
+    (d−1)·α + (d−1)/d · B/β (Thakur et al. 2005, Sec. 4.5)."""
+    d = group_size
+    if d <= 1:
+        return 0.0
+    return (d - 1) * latency_ms + 1e3 * (d - 1) / d * num_bytes / bandwidth_bytes_per_s
+
+
+def all_gather_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0) -> float:
+    """Ring all-gather producing ``num_bytes`` on every rank, ms: (d−1)·α + (d−1)/d · B/β (Thakur et al. 2005,
+    Sec. 4.1)."""
+    return reduce_scatter_ms(num_bytes, group_size, bandwidth_bytes_per_s, latency_ms)
+
+
+def group_link(cluster: ClusterConfig, group_size: int, tensor_parallel: int = 1) -> tuple[float, str]:
+    """Bandwidth (bytes/s per rank) of a data-parallel group of ``group_size`` and where it lies.
+
+    Inside a node when ``tensor_parallel · group_size ≤ gpus_per_node`` (module docstring), using
+    ``intra_node_bandwidth_bytes_per_s``; across nodes otherwise, using ``inter_node_bandwidth_bytes_per_s``.
+    A cluster without these fields (or without ``gpus_per_node``) uses ``p2p_bandwidth_bytes_per_s``.
+
+    Returns:
+        ``(bandwidth_bytes_per_s, "intra-node" | "inter-node" | "p2p link")``.
+    """
+    gpus_per_node = getattr(cluster, "gpus_per_node", None)
+    intra = getattr(cluster, "intra_node_bandwidth_bytes_per_s", None)
+    inter = getattr(cluster, "inter_node_bandwidth_bytes_per_s", None)
+    if gpus_per_node:
+        if tensor_parallel * group_size <= gpus_per_node and intra:
+            return float(intra), "intra-node"
+        if tensor_parallel * group_size > gpus_per_node and inter:
+            return float(inter), "inter-node"
+    return float(cluster.p2p_bandwidth_bytes_per_s), "p2p link"
+
+
+@dataclass(frozen=True)
+class DataParallelCosts:
+    """What :func:`data_parallel_costs` derived.
+
+    Attributes:
+        unshard_ms: per model stage, the weights' all-gather (0 unless sharding is ``full``).
+        reduce_grad_ms: per model stage, the gradients' all-reduce or reduce-scatter.
+        optimizer_step_ms: per rank, the Adam step over the rank's (shard of the) parameters.
+        weights_bytes: per model stage, the gathered weights in the model dtype (the whole stage, or with
+            ``reshard_after_forward`` two of its largest FSDP units; module docstring).
+        gradients_bytes: per model stage, the unsharded fp32 gradient buffer it holds before REDUCE_GRAD (with
+            ``gradients``/``full``: its largest FSDP unit's; otherwise the whole stage's).
+        static_bytes: per rank, the sharded weights, gradients and optimizer state plus (d−1)/d of each of its
+            stages' ``gradients_bytes`` with ``gradients``/``full`` (REDUCE_GRAD frees them).
+        link: where the group lies (:func:`group_link`).
+    """
+
+    unshard_ms: list[float]
+    reduce_grad_ms: list[float]
+    optimizer_step_ms: list[float]
+    weights_bytes: list[float]
+    gradients_bytes: list[float]
+    static_bytes: list[float]
+    link: str
+
+
+def data_parallel_costs(
+    *,
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    stage_parameters: list[float],
+    stage_holders: list[list[int]],
+    num_ranks: int,
+    data_parallel_size: int,
+    sharding: str,
+    memory_bandwidth_bytes_per_s: float,
+    tensor_parallel: int = 1,
+    stage_largest_unit: list[float] | None = None,
+    reshard_after_forward: bool = False,
+) -> DataParallelCosts:
+    """Collective times (ms), optimizer step (ms) and memory (bytes) of a pipeline with d data-parallel copies.
+
+    Args:
+        model: the model (its ``dtype`` sets the weights' bytes per parameter).
+        cluster: links (``group_link``) and ``collective_latency_ms`` as the per-step latency α.
+        stage_parameters: parameters of each model stage (on one tensor-parallel rank).
+        stage_holders: ranks holding each model stage (two for bidirectional placement: both replicas
+            take part in the stage's gradient reduction, so its group has 2·d ranks).
+        num_ranks: pipeline ranks.
+        data_parallel_size: d.
+        sharding: ``none``, ``optimizer``, ``gradients`` or ``full``.
+        memory_bandwidth_bytes_per_s: the accelerator's memory bandwidth (optimizer step).
+        tensor_parallel: tensor-parallel degree (where the group lies).
+        stage_largest_unit: parameters of each stage's largest FSDP unit (a transformer block, the embedding,
+            or the final norm with the head); ``None``: the whole stage is one unit.
+        reshard_after_forward: with ``full``, units are freed after their forward (module docstring).
+
+    Formulas and sources: module docstring.
+    """
+    d = data_parallel_size
+    weight_bytes = float(model.dtype_bytes)
+    bandwidth, link = group_link(cluster, d, tensor_parallel)
+    latency = cluster.collective_latency_ms
+    adam_bytes = ADAM_BYTES_PER_PARAMETER if model.dtype != "fp32" else 28.0
+    per_block = sharding in ("gradients", "full")
+    units = stage_largest_unit if stage_largest_unit is not None else list(stage_parameters)
+    unshard, reduce, weights, gradients = [], [], [], []
+    for params, unit, holders in zip(stage_parameters, units, stage_holders, strict=True):
+        group = d * len(holders)
+        gathered = min(params, 2 * unit) if reshard_after_forward else params
+        weights.append(gathered * weight_bytes)
+        gradients.append((unit if per_block else params) * GRADIENT_REDUCE_BYTES)
+        unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
+        g_bytes = params * GRADIENT_REDUCE_BYTES
+        if per_block:
+            reduce.append(reduce_scatter_ms(g_bytes, group, bandwidth, latency))
+        else:
+            reduce.append(all_reduce_ms(g_bytes, group, bandwidth, latency))
+    rank_params = [0.0] * num_ranks
+    rank_buffers = [0.0] * num_ranks
+    for params, buffer, holders in zip(stage_parameters, gradients, stage_holders, strict=True):
+        for rank in holders:
+            rank_params[rank] += params
+            rank_buffers[rank] += buffer * (d - 1) / d if per_block else 0.0
+    shard = d if sharding != "none" else 1
+    per_parameter = static_bytes_per_parameter_sharded(model, sharding, d)
+    optimizer_step = []
+    static = []
+    for params, buffers in zip(rank_params, rank_buffers, strict=True):
+        step_ms = 1e3 * params / shard * adam_bytes / memory_bandwidth_bytes_per_s
+        if sharding == "gradients":
+            # ZeRO-2 gathers the updated weights after the step (ZeRO-1's gather is inside its all-reduce cost).
+            step_ms += all_gather_ms(params * weight_bytes, d, bandwidth, latency)
+        optimizer_step.append(step_ms)
+        static.append(params * per_parameter + buffers)
+    return DataParallelCosts(
+        unshard_ms=[round(x, 6) for x in unshard],
+        reduce_grad_ms=[round(x, 6) for x in reduce],
+        optimizer_step_ms=[round(x, 6) for x in optimizer_step],
+        weights_bytes=weights,
+        gradients_bytes=gradients,
+        static_bytes=[float(round(x)) for x in static],
+        link=link,
+    )
+
+
+def describe(costs: DataParallelCosts) -> dict[str, Any]:
+    """A JSON-able summary (for logs and the bench)."""
+    return {
+        "link": costs.link,
+        "unshard_ms": costs.unshard_ms,
+        "reduce_grad_ms": costs.reduce_grad_ms,
+        "optimizer_step_ms": costs.optimizer_step_ms,
+    }
 
 
 def tensor_parallel_layer_ms(

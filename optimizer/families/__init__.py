@@ -7,6 +7,22 @@ simulator accepts (memory limits aside: a family does not look at the limit).
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, FamilyDomainError, applicable_families, get_family, registry
+from pipesched.optimizer.families._base import (
+    Family,
+    FamilyDomainError,
+    UnknownMethodError,
+    applicable_families,
+    check_method,
+    get_family,
+    registry,
+)
 
-__all__ = ["Family", "FamilyDomainError", "applicable_families", "get_family", "registry"]
+__all__ = [
+    "Family",
+    "FamilyDomainError",
+    "UnknownMethodError",
+    "applicable_families",
+    "check_method",
+    "get_family",
+    "registry",
+]

@@ -2,18 +2,35 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipesched.optimizer.ir import Action, ActionKind, Orders
-from pipesched.optimizer.problem import FAMILY_NAMES, Problem
+from pipesched.optimizer.problem import FAMILY_NAMES, METHOD_NAMES, Problem
 
-__all__ = ["Family", "FamilyDomainError", "applicable_families", "backward", "get_family", "registry"]
+__all__ = [
+    "Family",
+    "FamilyDomainError",
+    "UnknownMethodError",
+    "applicable_families",
+    "backward",
+    "check_method",
+    "get_family",
+    "registry",
+]
 
 
 class FamilyDomainError(ValueError):
     """The problem lies outside a family's domain; the message says what the family needs."""
+
+
+class UnknownMethodError(KeyError):
+    """A method name that is neither ``auto`` nor a family; the message names the closest ones and every choice."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)
@@ -28,7 +45,7 @@ class Family:
         build: per-rank orders for a problem inside the domain.
         flush: whether every step ends with a pipeline flush (``training.flush`` must match). A family
             without one (PipeDream-2BW) builds the repeating per-rank pattern of
-            :mod:`pipesched.optimizer.steady_state` instead of one step.
+            :mod:`pipesched.optimizer.pattern` instead of one step.
     """
 
     name: str
@@ -114,8 +131,30 @@ def get_family(name: str) -> Family:
     """
     families = registry()
     if name not in families:
-        raise KeyError(f"unknown method {name!r}: choose one of {', '.join(families)}")
+        raise UnknownMethodError(_unknown(name, tuple(families)))
     return families[name]
+
+
+def check_method(method: str, problem: Problem | None = None) -> None:
+    """``method`` is ``auto`` or a family, and with ``problem`` that family admits it.
+
+    Raises:
+        UnknownMethodError: naming the closest method names (difflib) and every choice.
+        FamilyDomainError: the family does not admit ``problem`` (what it needs).
+    """
+    if method == "auto":
+        return
+    if method not in METHOD_NAMES:
+        raise UnknownMethodError(_unknown(method, METHOD_NAMES))
+    family = get_family(method)
+    if problem is not None:
+        family.check_domain(problem)
+
+
+def _unknown(name: str, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.5)
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    return f"{name!r} is not a method: {hint}choose one of {', '.join(choices)}"
 
 
 def applicable_families(problem: Problem) -> list[Family]:

@@ -6,7 +6,7 @@ PipeDream-Flush is the same 1F1B order with a flush at every step: that is the `
 
 Rank r of p runs ``p − r`` forwards before its first backward, then one backward and one forward for ever;
 the forwards of step t+1 fill what would be step t's cool-down. The family returns the repeating pattern of
-:mod:`pipesched.optimizer.steady_state` (ids ``m + j`` are the next step's microbatches). Rank 0 then reads,
+:mod:`pipesched.optimizer.pattern` (ids ``m + j`` are the next step's microbatches). Rank 0 then reads,
 for m = 8, p = 4: ``0F3 0B0 0F4 0B1 … 0F7 0B4 0F8 0B5 0F9 0B6 0F10 0B7`` (``0F8`` … ``0F10`` are step t+1's
 microbatches 0 … 2). With split backward each B is ``I`` then ``W`` of the same microbatch.
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from pipesched.optimizer.families._base import Family, backward, require, require_loop_single_stage
 from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.pattern import pattern_from_sequence
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.steady_state import pattern_from_sequence
 
 __all__ = ["FAMILIES", "one_f_one_b_pattern"]
 

@@ -5,7 +5,7 @@ The problem is derived from the model and cluster by :func:`pipesched.optimizer.
 inter-node one by where neighbouring pipeline ranks sit), the schedule is the configuration's family generated
 and simulated by :func:`pipesched.optimizer.solve.solve_family` (or the ``auto`` search). With data parallelism
 (d > 1) the problem carries the step model's collectives (``costs.unshard``/``reduce_grad``/``optimizer_step``,
-``memory.weights``/``gradients`` by :mod:`pipesched.optimizer.collectives`), so the plan's step and peak memory
+``memory.weights``/``gradients`` by :mod:`pipesched.optimizer.cost.collectives`), so the plan's step and peak memory
 are the simulator's ``step_time`` and ``peak_memory``; the planner's own data-parallel and optimizer estimates
 (:mod:`pipesched.optimizer.planner.prune`) only order and prune configurations before simulation, and are
 added to the makespan only where the problem has no collectives (d = 1: the optimizer step).

@@ -3,12 +3,12 @@
 Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.planner.space.Configuration`:
 
 - **Blocks**: a layer, the embedding and the head for the configuration's tensor degree, micro-batch size and
-  recomputation (:mod:`pipesched.optimizer.costmodel`), the layers split evenly over the chunks (Megatron's
+  recomputation (:mod:`pipesched.optimizer.cost.stages`), the layers split evenly over the chunks (Megatron's
   default; the evaluation partitions them by time and memory).
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.collectives`)
+  time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
   estimate stays at or under the simulated peak and prunes no configuration that fits.
 - **Activations in flight** on the first and the last rank at their peak, by schedule family: GPipe m,
@@ -42,7 +42,7 @@ from functools import cached_property
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.costmodel import (
+from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
     embedding_block,

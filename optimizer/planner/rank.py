@@ -21,6 +21,7 @@ from dataclasses import astuple, dataclass, field
 from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
@@ -34,7 +35,6 @@ from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, R
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration, enumerate_space
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
-from pipesched.optimizer.validation import FieldError, raise_field_errors
 
 __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
 

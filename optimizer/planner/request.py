@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.field_errors import StrictModel
 from pipesched.optimizer.problem import FAMILY_NAMES
-from pipesched.optimizer.validation import StrictModel
 
 __all__ = [
     "RECOMPUTATION",

@@ -1,6 +1,6 @@
 """Greedy list scheduling in the spirit of the Zero Bubble heuristic, plus a local search.
 
-The greedy (Zero Bubble paper, arXiv 2401.10241, Sec. 3 and ``shared/NOTES.md`` §1) simulates the
+The greedy (Zero Bubble paper, arXiv 2401.10241, Sec. 3) simulates the
 pipeline in time. Whenever a rank is free it picks, from the actions whose inputs are known:
 
 * during warm-up (fewer microbatches in flight on the rank than its target), a forward if one is ready;

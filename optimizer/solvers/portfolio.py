@@ -1,6 +1,6 @@
 """The ``auto`` search: a portfolio of families, the greedy heuristic and the exact backends.
 
-Order of work within ``solver.time_limit_s`` (``shared/CONTRACT.md``, Problem):
+Order of work within ``solver.time_limit_s`` (``docs/CONTRACT.md``, Problem):
 
 1. Feasibility: if some rank's limit is below the least peak any schedule has
    (:mod:`pipesched.optimizer.solvers.infeasible`), answer ``infeasible`` with ``min_memory_limit``.

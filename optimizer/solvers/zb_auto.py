@@ -6,7 +6,7 @@ later ``zerobubble/scheduler/zb.py``; the ILP next to it is switched off). This 
 same decisions on an :class:`~pipesched.optimizer.instance.Instance`, so that on the paper's own inputs the
 ``auto`` search starts from the paper's schedule and can never end worse than it.
 
-The greedy, per microbatch ``i`` (``shared/NOTES.md`` §1):
+The greedy, per microbatch ``i`` (Zero Bubble paper, arXiv 2401.10241, Sec. 3):
 
 * ``i = 0`` (warm-up): one F of microbatch 0 on every rank, then, from the last rank backwards, as
   many extra F per rank as memory allows and as fit before the first I (input-gradient backward)

@@ -119,7 +119,7 @@ def test_serve_says_which_database_it_uses(tmp_path: Path) -> None:
 
 
 def test_database_description_resolves_relative_sqlite_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipesched.api.cli import database_description
+    from pipesched.api.cli.service import database_description
 
     monkeypatch.chdir(tmp_path)
     assert database_description("sqlite:///rel.sqlite3") == f"SQLite file {tmp_path / 'rel.sqlite3'}"
@@ -231,7 +231,7 @@ def test_a_fitting_peak_never_reads_over_its_limit() -> None:
 def test_the_demo_table_prints_peak_and_limit_alike() -> None:
     from rich.console import Console
 
-    from pipesched.api.demo import _plans_table
+    from pipesched.api.cli.demo import _plans_table
 
     # A peak of 5.95521 MiB under a limit of 5.95540 MiB (printed "5.96" against "5.955 MiB" before).
     mib = 2**20

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from pipesched.api import plots
+from pipesched.api import render
 from pipesched.api.cli import app
+from pipesched.api.render import bars, figure
 from pipesched.optimizer.export import run_report_to_chrome_trace, schedule_to_chrome_trace
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
@@ -70,20 +71,22 @@ def _has_color(pixels: np.ndarray, hex_color: str, tolerance: int = 6) -> int:
 
 
 def test_png_decodes_with_the_expected_size_and_kind_colours(one_f_one_b: Schedule) -> None:
-    png = plots.render_png(one_f_one_b, dpi=100)
+    png = render.render_png(one_f_one_b, dpi=100)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = _pixels(png)
     height, width = pixels.shape[:2]
     assert width == 1500  # 15 in at 100 dpi
     assert 400 <= height <= 800
     for kind in ("F", "I", "W"):
-        assert _has_color(pixels, plots.KIND_COLORS[kind]) > 500, f"no {kind} bars in the picture"
-    assert _has_color(pixels, plots.KIND_COLORS["B"]) == 0  # split backward: no fused B
-    assert _has_color(pixels, plots.IDLE_COLOR) > 1000  # warm-up and cool-down bubbles are drawn
-    assert _has_color(pixels, plots.LIMIT_COLOR, tolerance=30) > 100  # the 450 B limit line
+        assert _has_color(pixels, render.KIND_COLORS[kind]) > 500, f"no {kind} bars in the picture"
+    assert _has_color(pixels, render.KIND_COLORS["B"]) == 0  # split backward: no fused B
+    assert _has_color(pixels, render.IDLE_COLOR) > 1000  # warm-up and cool-down bubbles are drawn
+    assert _has_color(pixels, render.LIMIT_COLOR, tolerance=30) > 100  # the 450 B limit line
 
     with_compare = _pixels(
-        plots.render_png(one_f_one_b, compare=solve_family(one_f_one_b.problem, "gpipe", enforce_memory=False), dpi=100)
+        render.render_png(
+            one_f_one_b, compare=solve_family(one_f_one_b.problem, "gpipe", enforce_memory=False), dpi=100
+        )
     )
     assert with_compare.shape[1] == width
     assert with_compare.shape[0] > 1.8 * height  # a second chart beneath
@@ -91,9 +94,9 @@ def test_png_decodes_with_the_expected_size_and_kind_colours(one_f_one_b: Schedu
 
 def test_png_of_a_fused_backward_schedule_uses_the_b_colour() -> None:
     schedule = solve_family(uniform_problem(4, 8, split_backward=False, backward_input=2.0), "1f1b")
-    pixels = _pixels(plots.render_png(schedule, dpi=60))
-    assert _has_color(pixels, plots.KIND_COLORS["B"]) > 200
-    assert _has_color(pixels, plots.KIND_COLORS["I"]) == 0
+    pixels = _pixels(render.render_png(schedule, dpi=60))
+    assert _has_color(pixels, render.KIND_COLORS["B"]) > 200
+    assert _has_color(pixels, render.KIND_COLORS["I"]) == 0
 
 
 def _svg_rank_groups(svg: str, prefix: str = "") -> dict[int, ET.Element]:
@@ -107,7 +110,7 @@ def _svg_rank_groups(svg: str, prefix: str = "") -> dict[int, ET.Element]:
 
 
 def test_svg_parses_with_one_group_per_rank_holding_its_actions(zb_h1: Schedule) -> None:
-    svg = plots.render_svg(zb_h1, compare=solve_family(zb_h1.problem, "1f1b", enforce_memory=False))
+    svg = render.render_svg(zb_h1, compare=solve_family(zb_h1.problem, "1f1b", enforce_memory=False))
     groups = _svg_rank_groups(svg)
     assert sorted(groups) == list(range(8))
     for rank in zb_h1.ranks:
@@ -121,7 +124,7 @@ def test_svg_parses_with_one_group_per_rank_holding_its_actions(zb_h1: Schedule)
 
 
 def test_svg_names_both_stages_of_a_v_placement_rank(v_schedule: Schedule) -> None:
-    svg = plots.render_svg(v_schedule)
+    svg = render.render_svg(v_schedule)
     root = ET.fromstring(svg)
     texts = [t.text or "" for t in root.iter(f"{SVG_NS}text")]
     assert "rank 0 (s0, s7)" in texts and "rank 3 (s3, s4)" in texts
@@ -130,14 +133,14 @@ def test_svg_names_both_stages_of_a_v_placement_rank(v_schedule: Schedule) -> No
 
 def test_labels_thin_out_when_actions_are_too_narrow() -> None:
     schedule = solve_family(uniform_problem(16, 128, p2p=0.0), "1f1b")
-    root = ET.fromstring(plots.render_svg(schedule))
+    root = ET.fromstring(render.render_svg(schedule))
     labels = [t for t in root.iter(f"{SVG_NS}text") if re.fullmatch(r"\d+", (t.text or "").strip())]
     actions = sum(len(r.actions) for r in schedule.ranks)
     assert len(labels) < actions / 4
 
 
 def test_html_view_is_self_contained_with_the_schedules_times_and_memory(v_schedule: Schedule) -> None:
-    page = plots.render_view_html(v_schedule, compare=v_schedule)
+    page = render.render_view_html(v_schedule, compare=v_schedule)
     assert page.startswith("<!DOCTYPE html>")
     assert not re.search(r"""(src|href)\s*=|@import|url\(|https?://(?!www\.w3\.org/2000/svg)""", page)
     assert page.count('class="rank"') == 2 * 4
@@ -158,16 +161,16 @@ def test_html_view_is_self_contained_with_the_schedules_times_and_memory(v_sched
 def test_infeasible_schedules_have_nothing_to_draw() -> None:
     problem = uniform_problem(4, 8, limit=50.0)
     schedule = infeasible_schedule(problem, method="1f1b", backend="family", reason="over the limit")
-    for render in (plots.render_png, plots.render_svg, plots.render_view_html):
+    for draw in (render.render_png, render.render_svg, render.render_view_html):
         with pytest.raises(ValueError, match="infeasible"):
-            render(schedule)  # type: ignore[operator]
+            draw(schedule)  # type: ignore[operator]
     with pytest.raises(ValueError, match="infeasible"):
         schedule_to_chrome_trace(schedule)
 
 
 def test_plot_to_file_rejects_unknown_suffixes(tmp_path: Path, one_f_one_b: Schedule) -> None:
     with pytest.raises(ValueError, match=r"\.png, \.svg or \.html"):
-        plots.plot_to_file(one_f_one_b, tmp_path / "gantt.pdf")
+        render.plot_to_file(one_f_one_b, tmp_path / "gantt.pdf")
 
 
 def _events(trace: dict, phase: str, pid: int | None = None) -> list[dict]:
@@ -285,14 +288,14 @@ def test_pipesched_solve_writes_a_chrome_trace(tmp_path: Path) -> None:
 
 def test_w_actions_carry_their_microbatch_label(zb_h1: Schedule) -> None:
     # W runs about half as long as F (9.3 against 18.5 ms): too narrow for a level label, so it stands upright.
-    fig = plots._figure(zb_h1, None, 110)
+    fig = figure._figure(zb_h1, None, 110)
     labelled = {(round(t.get_position()[0], 6), round(t.get_position()[1])): t for t in fig.axes[0].texts}
-    view = plots._prepare(zb_h1)
+    view = bars._prepare(zb_h1)
     weights = [(r.rank, b) for r in view.ranks for b in r.bars if b.kind == "W"]
     found = [labelled.get((round((b.start + b.end) / 2, 6), rank)) for rank, b in weights]
     assert all(t is not None and t.get_text() == str(b.microbatch) for t, (_, b) in zip(found, weights, strict=True))
     # The HTML view's own SVG labels every action too, the narrowest upright.
-    page = plots.render_view_html(zb_h1)
+    page = render.render_view_html(zb_h1)
     assert page.count('<text class="lab"') == 3 * len(weights)
     assert re.search(r'<text class="lab"[^>]*transform="rotate\(-90[^>]*>\d+</text>', page)
 
@@ -300,19 +303,19 @@ def test_w_actions_carry_their_microbatch_label(zb_h1: Schedule) -> None:
 def test_memory_curves_have_one_hue_per_rank(zb_h1: Schedule) -> None:
     from matplotlib.colors import to_hex
 
-    fig = plots._figure(zb_h1, None, 110)
+    fig = figure._figure(zb_h1, None, 110)
     colors = [to_hex(line.get_color()) for line in fig.axes[1].lines if str(line.get_label()).startswith("rank")]
     assert len(colors) == 8 and len(set(colors)) == 8
     from matplotlib import colormaps
 
     assert colors == [to_hex(colormaps["tab10"](r)) for r in range(8)]  # qualitative, not a one-hue ramp
-    html = plots.render_view_html(zb_h1)
+    html = render.render_view_html(zb_h1)
     assert all(color in html for color in colors)
 
 
 def test_the_v_legend_explains_the_labels_without_a_format_string(v_schedule: Schedule) -> None:
-    fig = plots._figure(v_schedule, None, 110)
+    fig = figure._figure(v_schedule, None, 110)
     texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
     assert any("s5·3 is stage 5, microbatch 3" in text for text in texts), texts
     assert not any("{" in text for text in texts)
-    assert "{stage}" not in plots.render_view_html(v_schedule)
+    assert "{stage}" not in render.render_view_html(v_schedule)

@@ -20,7 +20,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from pipesched.api.plots import KIND_COLORS
+from pipesched.api.render import KIND_COLORS
 from tests.conftest import REPO, paper_problem, paper_settings
 
 CHROMIUM = Path("/usr/bin/chromium")

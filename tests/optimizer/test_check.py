@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from pipesched.api.app import create_app
 from pipesched.api.settings import Settings
-from pipesched.optimizer.checking import check_schedule, read_schedule
+from pipesched.optimizer.check import check_schedule, read_schedule
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem

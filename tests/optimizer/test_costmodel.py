@@ -1,4 +1,4 @@
-"""Costs and memory derived from model/cluster configs (optimizer/costmodel.py) against the Zero Bubble paper."""
+"""Costs and memory derived from model/cluster configs (optimizer/cost/stages.py) against the Zero Bubble paper."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from pipesched.optimizer.accelerators import CATALOGUE, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.costmodel import derive_problem, static_bytes_per_parameter
+from pipesched.optimizer.cost.stages import derive_problem, static_bytes_per_parameter
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.problem import Pipeline, Problem
 from tests.conftest import paper_settings
@@ -290,9 +290,9 @@ def test_cli_solve_shows_the_derived_problem(tmp_path: Path) -> None:
 @pytest.mark.parametrize("held_out", list(PAPER_MODELS))
 def test_time_model_predicts_a_model_it_was_not_fitted_to(held_out: str) -> None:
     """Leave one model out: fit the time model's three constants (1 / effective FLOP/s and the forward and
-    input-gradient traffic per activation byte, see optimizer/costmodel.py) to the other three models'
+    input-gradient traffic per activation byte, see optimizer/cost/stages.py) to the other three models'
     profiled per-layer times by least squares, then predict the held-out model's T_I/T_F and T_W/T_F
-    within the same 15%. The constants shipped in costmodel.py are the fit to all four; this checks that
+    within the same 15%. The constants shipped in cost/stages.py are the fit to all four; this checks that
     the model's form, not the fit, carries to a model it has not seen."""
     import numpy as np
 

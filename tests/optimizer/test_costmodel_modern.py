@@ -11,7 +11,7 @@ from pipesched.optimizer.configs import ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from pipesched.optimizer.cost.flops import layer_flops, model_parameters
 from pipesched.optimizer.cost.memory import layer_activation
-from pipesched.optimizer.costmodel import derive_problem, resolve_hardware, transformer_layer
+from pipesched.optimizer.cost.stages import derive_problem, resolve_hardware, transformer_layer
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.presets import MODEL_PRESETS
 from pipesched.optimizer.problem import Pipeline

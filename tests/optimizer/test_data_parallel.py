@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from pipesched.api.app import create_app
 from pipesched.api.settings import Settings
-from pipesched.optimizer.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, applicable_families
 from pipesched.optimizer.instance import compile_problem
@@ -343,7 +343,7 @@ def test_bitpipe_reduces_each_chunk_when_both_replicas_finished_it() -> None:
 
 
 def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> None:
-    from pipesched.api.plots import render_svg, render_view_html
+    from pipesched.api.render import render_svg, render_view_html
     from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 
     schedule = solve(load_problem(dp_body(method="looped-bfs", stages_per_rank=2)))
@@ -374,7 +374,7 @@ def test_cluster_data_parallel_size_must_agree() -> None:
 def test_group_link_picks_intra_or_inter_node_bandwidth() -> None:
     from types import SimpleNamespace
 
-    from pipesched.optimizer.collectives import group_link
+    from pipesched.optimizer.cost.collectives import group_link
 
     cluster = SimpleNamespace(
         gpus_per_node=8,
@@ -475,11 +475,3 @@ def test_fsdp_memory_counts_each_byte_once_with_one_units_unsharded_gradients() 
     # the peak holds static + the gathered 7/8 of the weights + activations, each once: under 80 GB
     assert schedule.peak_memory[0] >= problem.static_memory[0] + 7 / 8 * problem.memory.weights[0]
     assert schedule.peak_memory[0] < 80e9
-
-
-def test_ring_formulas_have_one_home() -> None:
-    from pipesched.optimizer.cost import collectives as cost_collectives
-
-    assert cost_collectives.all_reduce_ms is all_reduce_ms
-    assert cost_collectives.reduce_scatter_ms is reduce_scatter_ms
-    assert cost_collectives.all_gather_ms is all_gather_ms

@@ -14,17 +14,17 @@ from pydantic import ValidationError
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind
-from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.simulate import InvalidSchedule, simulate
-from pipesched.optimizer.solve import solve
-from pipesched.optimizer.solvers.steady_search import canonical_pattern, no_flush_patterns
-from pipesched.optimizer.steady_state import (
+from pipesched.optimizer.pattern import (
     SteadyStateEvaluator,
     check_pattern,
     steady_state,
     step_period_lower_bound,
     unroll,
 )
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import InvalidSchedule, simulate
+from pipesched.optimizer.solve import solve
+from pipesched.optimizer.solvers.no_flush import canonical_pattern, no_flush_patterns
 from tests.api.test_cli import pipesched
 
 
@@ -337,9 +337,9 @@ def test_bad_training_exits_2_on_the_cli(tmp_path: Path) -> None:
 def test_a_pattern_draws_and_traces_with_its_memory() -> None:
     """Plots and the Chrome trace cannot re-simulate a pattern on the one-step problem: its memory comes from
     the pattern (in flight when the shown copy starts, then each action), peaking where the run peaks."""
-    from pipesched.api.plots import render_svg
+    from pipesched.api.render import render_svg
     from pipesched.optimizer.export import schedule_to_chrome_trace
-    from pipesched.optimizer.steady_state import pattern_memory_timelines
+    from pipesched.optimizer.pattern import pattern_memory_timelines
 
     schedule = solve(problem(4, 8, p2p=0.1, static=50.0, weights=20.0))
     timelines = pattern_memory_timelines(schedule)

@@ -59,7 +59,7 @@ def test_the_wheel_holds_only_the_pipesched_package(tmp_path: Path) -> None:
     for module in (
         "pipesched/__init__.py",
         "pipesched/optimizer/solve.py",
-        "pipesched/api/cli.py",
+        "pipesched/api/cli/__init__.py",
         "pipesched/runtime/launch.py",
         "pipesched/optimizer/families/gpipe.py",
     ):

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from pipesched.optimizer.checking import check_schedule, read_schedule
+from pipesched.optimizer.check import check_schedule, read_schedule
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.solve import solve
 from tests.conftest import data_parallel_problem, uniform_problem
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 @pytest.mark.slow  # 4 torch processes over gloo (about 15 s on an idle 2-core machine, more when it is shared)
 def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
-    from pipesched.api.plots import render_png, render_view_html
+    from pipesched.api.render import render_png, render_view_html
     from pipesched.runtime.launch import run_schedule
     from pipesched.runtime.training import TrainingOptions
 

@@ -4,7 +4,7 @@ The web process never parses or draws a schedule for a picture: it sends the sch
 :func:`draw`, which runs in the render lane's worker process (:class:`pipesched.api.lanes.Lane`, a few
 processes and a short queue), reads the schedule from the database itself, refuses one with more than
 ``max_actions`` actions (413, naming ``PIPESCHED_MAX_RENDER_ACTIONS`` and ``format=json``) and draws it
-with :mod:`pipesched.api.plots`. So parallel drawings of large schedules cost one bounded process, not
+with :mod:`pipesched.api.render`. So parallel drawings of large schedules cost one bounded process, not
 the web process's memory, and ``/healthz`` stays fast.
 """
 
@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipesched.api import plots
+from pipesched.api.render import render_png, render_svg, render_view_html
 from pipesched.api.storage import Store
 from pipesched.optimizer.export import orders_to_torch_csv, schedule_to_chrome_trace
 from pipesched.optimizer.families import FamilyDomainError, get_family
@@ -108,9 +108,9 @@ def draw(database_url: str, schedule_id: str, kind: str, compare: str | None, ma
     elif kind == "chrome-trace":
         body = json.dumps(schedule_to_chrome_trace(schedule)).encode()
     elif kind == "png":
-        body = plots.render_png(schedule)
+        body = render_png(schedule)
     elif kind == "svg":
-        body = plots.render_svg(schedule).encode()
+        body = render_svg(schedule).encode()
     else:
-        body = plots.render_view_html(schedule, compare=other).encode()
+        body = render_view_html(schedule, compare=other).encode()
     return Drawing(200, body, DRAWING_MEDIA[kind])

@@ -24,17 +24,20 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipesched.api.cli import common
+from pipesched.api.cli.common import fail, require_torch
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["DEMO_DATA_PARALLEL", "DEMO_PIPELINE", "demo_plan_request", "run_demo"]
+__all__ = ["DEMO_DATA_PARALLEL", "DEMO_PIPELINE", "demo", "demo_plan_request", "run_demo"]
 
 DEMO_PIPELINE = 2
 DEMO_DATA_PARALLEL = 2
@@ -356,3 +359,25 @@ def run_demo(
         highlight=False,
     )
     return summary
+
+
+def demo(
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Folder for the results.")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A short plan search (2 s instead of 10 s).")] = False,
+    time_limit: Annotated[
+        float | None, typer.Option("--time-limit", help="Time limit for the plan search, s (overrides --quick).")
+    ] = None,
+    run: Annotated[
+        bool, typer.Option("--run/--no-run", help="Train the schedule on 4 gloo processes (pp 2 × dp 2, FSDP).")
+    ] = True,
+) -> None:
+    """The main job end to end: plan a layout, schedule it with its communication, train 3 steps on 4 processes
+    (pipeline 2 × data-parallel 2, FSDP) and verify them against a single-process reference."""
+    if run:
+        require_torch("demo")
+    try:
+        run_demo(output, quick=quick, time_limit_s=time_limit, run=run, console=common.console)
+    except httpx.HTTPStatusError as error:
+        raise fail(f"the service answered {error.response.status_code}: {error.response.text[:500]}", 1) from None
+    except (httpx.HTTPError, RuntimeError, ValueError, OSError) as error:
+        raise fail(f"{type(error).__name__}: {error}", code=1) from None

@@ -13,7 +13,7 @@ With split backward a microbatch's I and W use the version of its F; the version
 the last W that uses it, which is the step's last action at the latest, so the pattern shape above already
 keeps the count at two.
 
-**Timing** (``shared/STYLE.md``, "Steady state as a pattern"; no second simulator): :func:`unroll` lays K
+**Timing** (no second simulator): :func:`unroll` lays K
 copies of the pattern end to end — copy c (c = −1 … K−1) shifts microbatch ids by c·m and keeps the ids in
 ``[0, K·m)`` — into one instance of K·m microbatches (dependencies stay within a microbatch), and
 :func:`pipesched.optimizer.simulate.simulate_indexed` times it. Copy −1 keeps only step 0's early passes

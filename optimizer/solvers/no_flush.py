@@ -1,6 +1,6 @@
 """``auto`` for schedules without a flush (``training.flush: false``, objective ``step_period``).
 
-The search works on the repeating per-rank pattern of :mod:`pipesched.optimizer.steady_state`, and every
+The search works on the repeating per-rank pattern of :mod:`pipesched.optimizer.pattern`, and every
 pattern is judged by the steady-state timing there (the one simulator on the unrolled steps, the extra
 weight version and the activations in flight counted against the memory limit).
 
@@ -9,7 +9,7 @@ Order of work within ``solver.time_limit_s``:
 1. Feasibility: a rank whose limit is below static + the extra weight versions + one microbatch's
    activations (:mod:`pipesched.optimizer.solvers.infeasible`) admits no schedule: ``infeasible`` with the
    least limit.
-2. Lower bound: :func:`pipesched.optimizer.steady_state.step_period_lower_bound` (the busiest rank's work
+2. Lower bound: :func:`pipesched.optimizer.pattern.step_period_lower_bound` (the busiest rank's work
    per step, and Little's law on the memory a microbatch holds while it is in flight).
 3. Warm starts, in this order: ``pipedream-2bw``; the best flushed schedule the ``auto`` portfolio finds in
    40% of the time left, 70% when 2BW does not fit (at the limit less the extra weight version, objective
@@ -39,14 +39,7 @@ from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.families._base import backward
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
-from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
-from pipesched.optimizer.result import Schedule, infeasible_schedule
-from pipesched.optimizer.simulate import InvalidSchedule, action_orders
-from pipesched.optimizer.solvers.heuristic import sequential_orders
-from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
-from pipesched.optimizer.solvers.portfolio import solve_auto
-from pipesched.optimizer.steady_state import (
+from pipesched.optimizer.pattern import (
     MIN_STEPS,
     SteadyState,
     SteadyStateEvaluator,
@@ -55,6 +48,13 @@ from pipesched.optimizer.steady_state import (
     step_period_lower_bound,
     weight_version_memory,
 )
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.result import Schedule, infeasible_schedule
+from pipesched.optimizer.simulate import InvalidSchedule, action_orders
+from pipesched.optimizer.solvers.heuristic import sequential_orders
+from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
+from pipesched.optimizer.solvers.portfolio import solve_auto
 
 __all__ = ["canonical_pattern", "no_flush_patterns", "sequential_pattern", "solve_steady_state"]
 

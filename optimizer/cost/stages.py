@@ -48,10 +48,10 @@ from pipesched.optimizer.cost.flops import (
     norm_parameters,
 )
 from pipesched.optimizer.cost.memory import layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.partition import PartitionError, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
 from pipesched.optimizer.units import format_bytes
-from pipesched.optimizer.validation import raise_field_errors
 
 __all__ = [
     "BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE",
@@ -454,7 +454,7 @@ def _transient_bytes(
 ) -> float:
     """Bytes a sharded stage holds beyond its static state while it computes: the gathered weights (whole
     stage, or two units with ``reshard_after_forward``) and one unit's unsharded fp32 gradients, each (d−1)/d
-    (the step model's ``memory.weights``/``memory.gradients``, :mod:`pipesched.optimizer.collectives`)."""
+    (the step model's ``memory.weights``/``memory.gradients``, :mod:`pipesched.optimizer.cost.collectives`)."""
     if data_parallel is None or data_parallel.size <= 1 or data_parallel.sharding not in ("gradients", "full"):
         return 0.0
     d = data_parallel.size

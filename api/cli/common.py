@@ -1,0 +1,52 @@
+"""What every command shares: the consoles, exit 2 with a message naming the field and the fix, output files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+console = Console()
+err_console = Console(stderr=True)
+
+FORMATS = ("json", "csv", "chrome-trace")
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``message`` to stderr and return the Exit to raise."""
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def require_method(method: str) -> None:
+    """Exit 2 blaming ``--method`` when it names no method, suggesting the closest names."""
+    from pipesched.optimizer.families import UnknownMethodError, check_method
+
+    try:
+        check_method(method)
+    except UnknownMethodError as error:
+        raise fail(f"--method {error}") from None
+
+
+def require_torch(command: str) -> None:
+    """Exit 2 with the install step when torch (the ``runtime`` extra) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise fail(
+            f"`pipesched {command}` needs torch, which this installation lacks: "
+            "pip install 'pipesched[runtime]' (or pip install torch==2.13.0)"
+        )
+
+
+def write_output(path: Path | None, text: str) -> None:
+    """Write ``text`` to ``path`` (stdout when ``None``); an unwritable path exits 2 naming it."""
+    if path is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        return
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise fail(f"cannot write {path}: {error.strerror or error}: give -o a path in an existing folder") from None

@@ -1,0 +1,248 @@
+"""``pipesched run`` and ``pipesched profile``: schedules on real ranks (torch.distributed), stages measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pipesched.api.cli.common import console, err_console, fail, require_torch, write_output
+from pipesched.api.loading import InputError
+from pipesched.optimizer.units import format_bytes
+
+
+def run(
+    schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")],
+    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")] = None,
+    backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")] = "gloo",
+    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")] = (
+        "gpt-tiny"
+    ),
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="auto (torch where it can follow the schedule: loop or V placement), torch "
+            "(PyTorch's _PipelineScheduleRuntime) or pipesched (own executor, every placement).",
+        ),
+    ] = "auto",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")] = 300.0,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")] = "127.0.0.1",
+    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
+    ] = None,
+    data_parallel: Annotated[
+        int | None,
+        typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
+    ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(
+            "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
+        ),
+    ] = None,
+    reshard_after_forward: Annotated[
+        bool | None,
+        typer.Option(
+            "--reshard-after-forward/--no-reshard-after-forward",
+            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
+    post_validation: Annotated[
+        bool | None,
+        typer.Option(
+            "--post-validation/--no-post-validation",
+            help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
+        ),
+    ] = None,
+    weight_update: Annotated[
+        str | None,
+        typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
+    ] = None,
+    max_grad_norm: Annotated[
+        float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
+    ] = None,
+    inject_nan: Annotated[
+        str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")
+    ] = None,
+) -> None:
+    """Execute a schedule with torch.distributed and verify it against a single-process reference.
+
+    With --steps, --data-parallel, --post-validation or --weight-update (or a problem that asks for data
+    parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
+    """
+    require_torch("run")
+    from pipesched.api.loading import load_schedule_file
+    from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
+
+    try:
+        schedule = load_schedule_file(schedule_path)
+    except InputError as error:
+        raise fail(str(error)) from None
+    training = None
+    problem = schedule.problem
+    given = {
+        "data_parallel": data_parallel,
+        "sharding": sharding,
+        "reshard_after_forward": reshard_after_forward,
+        "steps": steps,
+        "optimizer": optimizer,
+        "lr": lr,
+        "post_validation": post_validation,
+        "weight_update": weight_update,
+        "max_grad_norm": max_grad_norm,
+    }
+    wants_training = (
+        any(value is not None for value in given.values())
+        or inject_nan is not None
+        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
+        or problem.training.post_validation
+        or not problem.training.flush
+    )
+    if wants_training:
+        from pipesched.runtime.training import TrainingError, training_options
+
+        nan_at = None
+        if inject_nan is not None:
+            try:
+                step_text, _, microbatch_text = inject_nan.partition(":")
+                nan_at = (int(step_text), int(microbatch_text))
+            except ValueError:
+                raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
+        try:
+            training = training_options(problem, **given, inject_nan=nan_at)
+        except TrainingError as error:
+            raise fail(str(error)) from None
+    try:
+        report = run_schedule(
+            schedule,
+            nproc_per_node=nproc_per_node,
+            backend=backend,
+            model=model,
+            seed=seed,
+            timeout_s=timeout,
+            output=output,
+            engine=engine,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            training=training,
+        )
+    except (ScheduleError, ValueError) as error:
+        raise fail(str(error)) from None
+    except RunFailed as error:
+        raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
+    if "verified" not in report:
+        console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
+        return
+    print_run_summary(report)
+    if training is not None:
+        from pipesched.runtime.training import print_training_summary
+
+        print_training_summary(report, console)
+    if output is not None:
+        console.print(f"wrote {output}", highlight=False)
+    if trace is not None:
+        from pipesched.optimizer.export import run_report_to_chrome_trace
+
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
+        console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
+    if not report["verified"]:
+        raise typer.Exit(1)
+
+
+def profile(
+    num_ranks: Annotated[int, typer.Option("--num-ranks", help="Pipeline ranks p.")] = 4,
+    num_microbatches: Annotated[int, typer.Option("--num-microbatches", help="Microbatches m.")] = 8,
+    stages_per_rank: Annotated[int, typer.Option("--stages-per-rank", help="Stages per rank.")] = 1,
+    placement: Annotated[str, typer.Option("--placement", help="loop, v or bidirectional.")] = "loop",
+    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, module:function.")] = "gpt-tiny",
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed microbatches per stage.")] = 5,
+    p2p_ms: Annotated[float, typer.Option("--p2p-ms", help="p2p latency to record, ms.")] = 0.0,
+    memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
+) -> None:
+    """Measure each stage's F, I, W times and activation memory; write a PROBLEM.json for `pipesched solve`."""
+    require_torch("profile")
+    from pydantic import ValidationError
+
+    from pipesched.api.loading import format_validation_error
+    from pipesched.runtime.profile import SPREAD_WARNING, measure_model
+
+    try:
+        measured = measure_model(
+            num_ranks=num_ranks,
+            num_microbatches=num_microbatches,
+            stages_per_rank=stages_per_rank,
+            placement=placement,
+            model=model,
+            repeats=repeats,
+            p2p_ms=p2p_ms,
+            memory_limit_bytes=memory_limit,
+            device=device,
+        )
+    except ValidationError as error:
+        raise fail(format_validation_error(error)) from None
+    except ValueError as error:
+        raise fail(str(error)) from None
+    problem = measured.problem
+    write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
+    assert problem.costs is not None and problem.memory is not None
+    table = Table(
+        title=f"{model}: measured per stage (median ms, and min–max over {repeats} runs)", header_style="bold"
+    )
+    for column in ("stage", "F ms", "I ms", "W ms", "activation", "retained for W"):
+        table.add_column(column, justify="right", no_wrap=column.endswith("ms"))
+    spread = {(x.kind, x.stage): x for x in measured.spreads}
+
+    def timed(kind: str, stage: int, median: float) -> str:
+        x = spread[(kind, stage)]
+        return f"{median:.3f} ({x.low:.3g}–{x.high:.3g})"
+
+    values = [
+        problem.stage_values(v)
+        for v in (
+            problem.costs.forward,
+            problem.costs.backward_input,
+            problem.costs.backward_weight,
+            problem.memory.activation,
+            problem.memory.retained_for_weight,
+        )
+    ]
+    for stage, (f, i, w, act, ret) in enumerate(zip(*values, strict=True)):
+        table.add_row(
+            str(stage),
+            timed("F", stage, f),
+            timed("I", stage, i),
+            timed("W", stage, w),
+            format_bytes(act),
+            format_bytes(ret),
+        )
+    console.print(table)
+    unsteady = measured.unsteady()
+    if unsteady:
+        worst = ", ".join(
+            f"{x.kind} of stage {x.stage} (interquartile range {100 * x.relative_iqr:.0f}% of its median)"
+            for x in unsteady[:3]
+        )
+        err_console.print(
+            f"[bold yellow]warning:[/bold yellow] {len(unsteady)} pass(es) spread by more than "
+            f"{100 * SPREAD_WARNING:.0f}% between runs: {worst}. The machine is busy or the passes are too short: "
+            "profile on an idle machine, or raise --repeats",
+            highlight=False,
+            soft_wrap=True,
+        )
+    console.print(f"wrote {output}", highlight=False)
