@@ -23,10 +23,13 @@ The training step (contract, Terms: data-parallel group, communication actions, 
 problem has d > 1, an optimizer cost or synchronising replicas (:attr:`Problem.has_step_actions`), adds per
 stage id s:
 
-* sharding ``full``: ``UNSHARD(s)`` (all-gather, ``costs.unshard``; holds ``memory.weights``·(d−1)/d) before
-  every F of s, and ``RESHARD(s)`` (no time; frees them) after every backward of s. With
-  ``reshard_after_forward`` a first pair frames the forwards (RESHARD after every F) and a second pair the
-  backwards (UNSHARD before every I/B, after the first RESHARD);
+* sharding ``full``: per stage a sequence of *frames*, each an ``UNSHARD(s, n)`` (all-gather, ``costs.unshard``;
+  holds ``memory.weights``·(d−1)/d) before every pass of the frame and a ``RESHARD(s, n)`` (no time; frees them)
+  after it, frame n+1's gather after frame n's free. By default one frame holds all of s's passes (gathered
+  once per step), or with ``reshard_after_forward`` two: the forwards, then the backwards. A schedule's own
+  rows may frame the passes otherwise (:func:`frames_of`: the passes of s between its n-th UNSHARD and n-th
+  RESHARD on the rank; e.g. one frame per pass, FSDP2 re-gathering per microbatch), and
+  :func:`compile_for_orders` follows them. F, I and B need the weights (inside a frame); W may lie outside;
 * d > 1, or a bidirectional placement (:attr:`Problem.replicas_synchronise`, also with d = 1):
   ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
   placement also after those of the mirror replica's stage (both replicas' gradients are all-reduced
@@ -50,13 +53,22 @@ from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 
 __all__ = [
+    "FrameError",
     "Instance",
     "backward_forms_of",
     "compile_for_orders",
     "compile_problem",
     "compute_instance",
+    "frames_of",
     "stage_to_rank",
 ]
+
+Frames = dict[int, list[list[Action]]]
+"""Per stage id, its frames in order, each the passes that run on gathered weights (module docstring)."""
+
+
+class FrameError(ValueError):
+    """A schedule's rows run a pass that needs a stage's weights outside every UNSHARD … RESHARD of the stage."""
 
 
 def stage_to_rank(problem: Problem) -> list[int]:
@@ -104,6 +116,7 @@ class Instance:
         optimizer_steps: per rank, the index of its OPTIMIZER_STEP (empty without step actions).
         sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
         num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
+        frames: with sharding ``full``, per stage id the passes of each UNSHARD … RESHARD frame.
     """
 
     problem: Problem
@@ -130,6 +143,7 @@ class Instance:
     optimizer_steps: list[int] = field(default_factory=list)
     sync_before_step: bool = False
     num_passes: int = -1
+    frames: Frames = field(default_factory=dict)
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -177,14 +191,59 @@ def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     return forms
 
 
-def compile_for_orders(problem: Problem, orders: Orders) -> Instance:
-    """:func:`compile_problem` with each pair's backward form (B, or I + W) taken from ``orders``; pairs the
-    orders do not mention keep ``problem.split_backward``. Equal to ``compile_problem(problem)`` when the orders
-    use the problem's form throughout."""
+_WEIGHT_PASSES = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
+"""The passes that compute with a stage's weights (W needs only the activations and the output gradient)."""
+
+
+def frames_of(orders: Orders) -> Frames:
+    """Per stage id that ``orders`` gather (UNSHARD), the passes of each frame: those of the stage between its
+    n-th UNSHARD and n-th RESHARD on the rank's row (communication actions numbered per row as
+    :func:`pipesched.optimizer.ir.parse_orders` numbers them). Empty when the orders hold no UNSHARD.
+
+    Raises:
+        FrameError: an F, I or B of a gathered stage outside all of the stage's frames, naming it and the rank.
+    """
+    frames: Frames = {}
+    for rank, row in enumerate(orders):
+        gathered = {action.stage for action in row if action.kind == ActionKind.UNSHARD}
+        open_frame: dict[int, list[Action]] = {}
+        for action in row:
+            if action.kind == ActionKind.UNSHARD:
+                open_frame[action.stage] = []
+                frames.setdefault(action.stage, []).append(open_frame[action.stage])
+            elif action.kind == ActionKind.RESHARD:
+                open_frame.pop(action.stage, None)
+            elif action.is_compute and action.stage in gathered:
+                if action.stage in open_frame:
+                    open_frame[action.stage].append(action)
+                elif action.kind in _WEIGHT_PASSES:
+                    raise FrameError(
+                        f"rank {rank} runs {action} outside every {action.stage}UNSHARD … {action.stage}RESHARD: "
+                        f"stage {action.stage}'s weights are not gathered then; move the pass between a gather and "
+                        "its free, or add a gather before it"
+                    )
+    return frames
+
+
+def _membership(frames: Frames) -> dict[int, list[frozenset[Action]]]:
+    return {stage: [frozenset(frame) for frame in stage_frames] for stage, stage_frames in frames.items()}
+
+
+def compile_for_orders(problem: Problem, orders: Orders, *, base: Instance | None = None) -> Instance:
+    """:func:`compile_problem` with each pair's backward form (B, or I + W) and each stage's frames (sharding
+    ``full``) taken from ``orders``; pairs the orders do not mention keep ``problem.split_backward``, orders
+    without UNSHARD keep the default frames. ``base``, an instance of ``problem`` compiled before, is returned
+    as it is when the orders' forms and frames are its own (no second compile).
+
+    Raises:
+        FrameError: see :func:`frames_of`.
+    """
     forms = backward_forms_of(orders)
-    if all(split == problem.split_backward for split in forms.values()):
-        return compile_problem(problem)
-    return compile_problem(problem, backward_forms=forms)
+    frames = frames_of(orders) or None
+    mixed = not all(split == problem.split_backward for split in forms.values())
+    if base is not None and not mixed and (frames is None or _membership(frames) == _membership(base.frames)):
+        return base
+    return compile_problem(problem, backward_forms=forms if mixed else None, frames=frames)
 
 
 def compile_problem(
@@ -192,13 +251,15 @@ def compile_problem(
     *,
     step_actions: bool = True,
     backward_forms: Mapping[tuple[int, int], bool] | None = None,
+    frames: Frames | None = None,
 ) -> Instance:
     """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
 
     ``step_actions=False`` leaves out the communication actions and optimizer steps (the passes only, as the
     compute-only generators and searches see the problem). ``backward_forms`` maps (stage id, microbatch) to
     True (split: I + W) or False (fused: B); pairs it omits follow ``problem.split_backward``.
-    ``Instance.split_backward`` stays the problem's."""
+    ``Instance.split_backward`` stays the problem's. ``frames`` (sharding ``full``): each stage's UNSHARD …
+    RESHARD frames (:func:`frames_of`); ``None``: the default ones (module docstring)."""
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
@@ -287,7 +348,7 @@ def compile_problem(
             else:
                 link(fwd_ids[k], bwd_ids[stage], 0.0)
     if step_actions and problem.has_step_actions:
-        _add_step_actions(inst, problem)
+        _add_step_actions(inst, problem, frames)
     return inst
 
 
@@ -316,7 +377,17 @@ def compute_instance(inst: Instance) -> Instance:
     )
 
 
-def _add_step_actions(inst: Instance, problem: Problem) -> None:
+def _default_frames(inst: Instance, stage_ids: range, reshard_after_forward: bool) -> Frames:
+    """One frame of all of a stage's passes, or with ``reshard_after_forward`` its forwards then its backwards."""
+    frames: Frames = {}
+    for action in inst.actions:
+        frame = 1 if reshard_after_forward and action.kind != ActionKind.FORWARD else 0
+        stage_frames = frames.setdefault(action.stage, [[] for _ in range(2 if reshard_after_forward else 1)])
+        stage_frames[frame].append(action)
+    return {s: frames.get(s, [[]]) for s in stage_ids}
+
+
+def _add_step_actions(inst: Instance, problem: Problem, frames: Frames | None = None) -> None:
     """Communication actions and optimizer steps (module docstring), appended after the passes."""
     assert problem.costs is not None and problem.memory is not None
     dp = problem.data_parallel
@@ -362,33 +433,27 @@ def _add_step_actions(inst: Instance, problem: Problem) -> None:
                 return idx
         raise KeyError((stage, kinds, microbatch))
 
-    input_kinds = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
     final_kinds = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
+    if sharding == "full":
+        reshard_after_forward = dp is not None and dp.reshard_after_forward
+        # Stages the given frames leave out keep the default ones (their missing UNSHARD is then reported).
+        inst.frames = _default_frames(inst, stage_ids, reshard_after_forward) | (frames or {})
     reduce_ids: dict[int, int] = {}
     for s in stage_ids:
         rank, ms = inst.stage_ranks[s], inst.model_stage[s]
-        forwards = [inst.action_id(s, ActionKind.FORWARD, j) for j in microbatches[s]]
-        backwards = [pass_id(s, j, *input_kinds) for j in microbatches[s]]
         finals = [pass_id(s, j, *final_kinds) for j in microbatches[s]]
         if sharding == "full":
             held = weights[ms] * fraction
-            gather = add(Action(s, ActionKind.UNSHARD, 0), rank, unshard[ms], held, 1)
-            free = add(Action(s, ActionKind.RESHARD, 0), rank, 0.0, -held, 1)
-            for idx in forwards:
-                link(gather, idx)
-            if dp is not None and dp.reshard_after_forward:
-                for idx in forwards:
-                    link(idx, free)
-                regather = add(Action(s, ActionKind.UNSHARD, 1), rank, unshard[ms], held, 1)
-                refree = add(Action(s, ActionKind.RESHARD, 1), rank, 0.0, -held, 1)
-                link(free, regather)
-                for idx in backwards:
-                    link(regather, idx)
-                for idx in finals:
-                    link(idx, refree)
-            else:
-                for idx in finals:
-                    link(idx, free)
+            previous = -1
+            for n, frame in enumerate(inst.frames[s]):
+                gather = add(Action(s, ActionKind.UNSHARD, n), rank, unshard[ms], held, 1)
+                free = add(Action(s, ActionKind.RESHARD, n), rank, 0.0, -held, 1)
+                if previous >= 0:
+                    link(previous, gather)
+                for action in frame:
+                    link(gather, inst.index[action])
+                    link(inst.index[action], free)
+                previous = free
         if d > 1 or problem.replicas_synchronise:
             freed = -gradients[ms] * fraction if sharding in ("gradients", "full") else 0.0
             reduce_ids[s] = add(Action(s, ActionKind.REDUCE_GRAD, 0), rank, reduce_grad[ms], freed, 1)

@@ -234,7 +234,15 @@ class DataParallel(_Strict):
         "none", description="What is sharded over the data-parallel group."
     )
     reshard_after_forward: bool = Field(
-        False, description="With sharding full: free gathered weights after F and gather again before backward."
+        False,
+        description="With sharding full: free gathered weights after every F and gather them again before every "
+        "backward (FSDP2; breadth-first schedules keep them over a run of microbatches).",
+    )
+    overlap_grad_reduce: bool = Field(
+        True,
+        description="Each stage's REDUCE_GRAD right after its last backward, overlapping the rest of the step "
+        "(PyTorch, Megatron-LM's overlap_grad_reduce); false: every reduction after the rank's last pass "
+        "(Megatron-LM before overlap_grad_reduce, the breadth-first paper's baseline).",
     )
 
     @model_validator(mode="after")

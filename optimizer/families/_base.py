@@ -46,6 +46,9 @@ class Family:
         flush: whether every step ends with a pipeline flush (``training.flush`` must match). A family
             without one (PipeDream-2BW) builds the repeating per-rank pattern of
             :mod:`pipesched.optimizer.pattern` instead of one step.
+        gather_runs: with FSDP's ``reshard_after_forward``, whether the family keeps a stage's weights gathered
+            over a run of its passes (breadth-first: once for its forwards, once for its backwards) instead of
+            re-gathering them for every pass as FSDP2 does (:mod:`pipesched.optimizer.communication`).
     """
 
     name: str
@@ -54,6 +57,7 @@ class Family:
     check: Callable[[Problem], None]
     build: Callable[[Problem], Orders]
     flush: bool = True
+    gather_runs: bool = False
 
     def generate(self, problem: Problem) -> Orders:
         """Check the domain, then build the orders.

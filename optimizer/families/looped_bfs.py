@@ -52,5 +52,6 @@ FAMILIES = [
         domain='placement "loop", any stages_per_rank, any microbatch count',
         check=_check,
         build=_build,
+        gather_runs=True,  # a stage's weights gathered once per run of its microbatches (Sec. 4)
     )
 ]

@@ -30,9 +30,9 @@ import math
 import time
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
-from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem, compute_instance, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem, compute_instance, stage_to_rank
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
@@ -133,6 +133,7 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
 class _Best:
     def __init__(self) -> None:
         self.orders: Orders | None = None
+        self.instance: Instance | None = None
         self.simulation: SimulationResult | None = None
         self.value = math.inf
         self.backend = ""
@@ -174,15 +175,18 @@ def solve_step(
         """Whether another candidate would overrun the deadline (or the caller asks to stop)."""
         return elapsed() + best.eval_s >= deadline or (should_stop is not None and should_stop())
 
-    def offer(orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES) -> None:
+    def offer(
+        orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES, gather_runs: bool = False
+    ) -> None:
         for k, prefetch in enumerate(prefetches):
             if k > 0 and stop():
                 return
             began = time.perf_counter()
             try:
-                full = add_communication(inst, orders, prefetch=prefetch)
-                sim: SimulationResult = simulate(inst, full, check_memory=False)
-            except (ReshardOrderError, InvalidSchedule):
+                full = add_communication(inst, orders, prefetch=prefetch, gather_runs=gather_runs)
+                framed = compile_for_orders(problem, full, base=inst)
+                sim: SimulationResult = simulate(framed, full, check_memory=False)
+            except InvalidSchedule:
                 return
             finally:
                 best.eval_s = max(best.eval_s, time.perf_counter() - began)
@@ -191,6 +195,7 @@ def solve_step(
             value = sim.objective_value(objective)
             if value < best.value - 1e-9:
                 best.orders, best.simulation, best.value, best.backend = full, sim, value, backend
+                best.instance = framed
                 report(f"{backend} (prefetch {prefetch}): {value:.3f} ms")
 
     gathered = _static_adjustment(problem, gathered=True)
@@ -213,21 +218,21 @@ def solve_step(
         )
     # Every family at the default prefetch first (the guarantee: never worse than a family), then the other
     # prefetch distances while time is left.
-    generated: list[tuple[str, Orders]] = []
+    generated: list[tuple[str, Orders, bool]] = []
     for family in applicable_families(problem):
         if generated and stop():
             break
         try:
-            generated.append((f"family:{family.name}", family.generate(problem)))
+            generated.append((f"family:{family.name}", family.generate(problem), family.gather_runs))
         except ValueError:
             continue
-        offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1])
+        offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1], generated[-1][2])
     bound = step_lower_bound(problem, inst)
     report("lower bound")
-    for backend, orders in generated:
+    for backend, orders, gather_runs in generated:
         if stop():
             break
-        offer(orders, backend, PREFETCH_DISTANCES[1:])
+        offer(orders, backend, PREFETCH_DISTANCES[1:], gather_runs)
     remaining = deadline - elapsed() - best.eval_s  # leave room to place the collectives in its answer
     if remaining > 0.05 and not (should_stop is not None and should_stop()):
         proxy = compute_problem(problem, gathered_in_static=True)
@@ -244,10 +249,10 @@ def solve_step(
             min_memory_limit=need,
             solve_time_s=elapsed(),
         )
-    assert best.simulation is not None
+    assert best.simulation is not None and best.instance is not None
     return schedule_from_simulation(
         problem,
-        inst,
+        best.instance,
         best.simulation,
         method="auto",
         backend=best.backend,

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipesched.optimizer.communication import with_communication
+from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, get_family, registry
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind
@@ -282,3 +283,27 @@ def test_capped_greedy_stops_when_asked() -> None:
     with pytest.raises(SearchStopped):
         capped_greedy_orders(inst, [1e9] * 4, should_stop=stop_after_ten)
     assert len(calls) == 11  # polled once per placed action, and it stopped at the first True
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_lga_is_breadth_first_at_one_layer_per_stage(split_backward: bool) -> None:
+    """LGA (Lamy-Poirier 2021, Sec. 3) runs every microbatch through a layer before the next, forward up and
+    backward down, with layer l on rank l mod p: looped-bfs's order when a stage is one layer. The family is
+    kept for its domain (one stage per layer of the model) and documented as this same order."""
+    problem = uniform_problem(4, 6, stages_per_rank=4, split_backward=split_backward)
+    assert get_family("lga").generate(problem) == get_family("looped-bfs").generate(problem)
+    assert get_family("lga").gather_runs and get_family("looped-bfs").gather_runs
+    layered = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 6, "stages_per_rank": 2},
+        "model": {
+            "num_layers": 16,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "seq_length": 128,
+            "vocab_size": 1000,
+        },
+        "cluster": {"accelerator": "A100-80GB"},
+    }
+    with pytest.raises(FamilyDomainError, match="set stages_per_rank to 4"):
+        get_family("lga").generate(load_problem(layered))
+    get_family("looped-bfs").generate(load_problem(layered))  # breadth-first admits several layers per stage
