@@ -343,36 +343,21 @@ def test_http_and_cli_solve_data_parallel_problems(tmp_path: Path) -> None:
         answer = client.post("/v1/schedules", json=flushed)
         assert answer.status_code == 200, answer.text
         _assert_reductions_after_the_last_pass(answer.json())
-    path = tmp_path / "problem.json"
-    path.write_text(json.dumps(dp_body(method="zb-h1")))
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "120"}
-    run = subprocess.run(
-        [sys.executable, "-m", "pipesched.api.cli", "solve", str(path), "-o", str(tmp_path / "s.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+
+    def cli_solve(body: dict[str, Any], *output: str) -> subprocess.CompletedProcess[str]:
+        path = tmp_path / "problem.json"
+        path.write_text(json.dumps(body))
+        command = [sys.executable, "-m", "pipesched.api.cli", "solve", str(path), *output]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    run = cli_solve(dp_body(method="zb-h1"), "-o", str(tmp_path / "s.json"))
     assert run.returncode == 0, run.stderr
     assert json.loads((tmp_path / "s.json").read_text())["step_time"] > 0
-    path.write_text(json.dumps(flushed))
-    run = subprocess.run(
-        [sys.executable, "-m", "pipesched.api.cli", "solve", str(path), "-o", str(tmp_path / "f.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    run = cli_solve(flushed, "-o", str(tmp_path / "f.json"))
     assert run.returncode == 0, run.stderr
     _assert_reductions_after_the_last_pass(json.loads((tmp_path / "f.json").read_text()))
-    path.write_text(json.dumps(bad))
-    run = subprocess.run(
-        [sys.executable, "-m", "pipesched.api.cli", "solve", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    run = cli_solve(bad)
     assert run.returncode == 2 and "reduce_grad" in run.stdout + run.stderr
 
 
