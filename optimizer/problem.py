@@ -408,14 +408,16 @@ class Problem(_Strict):
                         False,
                     )
                 )
-            if self.data_parallel_size > 1:
+            dp = self.data_parallel
+            if dp is not None and dp.size > 1 and dp.sharding in ("gradients", "full"):
                 errors.append(
                     (
-                        ("data_parallel", "size"),
-                        "schedules without flushes are timed for the pipeline alone: data-parallel collectives in "
-                        "a repeating pattern are not planned yet; set data_parallel.size to 1 or training.flush "
-                        "to true",
-                        self.data_parallel_size,
+                        ("data_parallel", "sharding"),
+                        f"a schedule without flushes (PipeDream-2BW) all-reduces each stage's gradients every step "
+                        f"and keeps two whole weight versions; sharding {dp.sharding!r} (sharded gradients or "
+                        'weights) is not modelled with them: use sharding "none" or "optimizer", or set '
+                        "training.flush to true",
+                        dp.sharding,
                     )
                 )
             if self.pipeline.placement == "bidirectional":

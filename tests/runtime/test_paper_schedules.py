@@ -2,38 +2,72 @@
 
 * fused backward (B) with every communication action (issue 27, "Done when" 1): 1F1B as PipeDream-Flush and
   Megatron publish it (one fused backward per microbatch) on pipeline 2 × data-parallel 2 with FSDP solves,
-  checks as written, plots and runs verified on 4 processes;
+  checks as written, plots and runs verified;
+* PipeDream-2BW on pipeline 2 × data-parallel 2 (sharding none: gradients all-reduced every step), solved as a
+  repeating pattern with its reductions and update in its rows, runs 3 steps with the delayed update
+  W(t+1) = W(t) − ν∇f(W(t−1)) and matches the single-process reference of that rule;
 * BitPipe as its authors order it, with the replicas' eager gradient synchronisation (REDUCE_GRAD at d = 1)
   in its rows, runs verified on 2 processes (the own executor; the mirrored replicas' gradients are summed).
+
+The two data-parallel runs share one launch of 4 processes.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from pipesched.optimizer.check import check_schedule, read_schedule
 from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve
 from tests.conftest import data_parallel_problem, uniform_problem
 
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.slow  # 4 torch processes over gloo (about 15 s on an idle 2-core machine, more when it is shared)
-def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
-    from pipesched.api.render import render_png, render_view_html
-    from pipesched.runtime.launch import run_schedule
+def fused_1f1b() -> Schedule:
+    return solve(data_parallel_problem(split_backward=False, method="1f1b"))
+
+
+def two_bw() -> Schedule:
+    return solve(
+        data_parallel_problem(
+            split_backward=False,
+            method="pipedream-2bw",
+            data_parallel={"size": 2, "sharding": "none"},
+            training={"flush": False, "weight_versions": 2},
+            objective="step_period",
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def data_parallel_runs() -> dict[str, tuple[Schedule, dict[str, Any]]]:
+    from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.training import TrainingOptions
 
-    problem = data_parallel_problem(split_backward=False, method="1f1b")
-    schedule = solve(problem)
+    schedules = {"fused": fused_1f1b(), "2bw": two_bw()}
+    trainings = [
+        TrainingOptions(data_parallel=2, sharding="full"),
+        TrainingOptions(data_parallel=2, sharding="none", steps=3, lr=0.5, weight_update="2bw"),
+    ]
+    reports = run_schedules(list(schedules.values()), engine="pipesched", training=trainings, timeout_s=240)
+    return {name: (schedule, report) for (name, schedule), report in zip(schedules.items(), reports, strict=True)}
+
+
+@pytest.mark.slow  # 4 torch processes over gloo, two runs (about 30 s on an idle 2-core machine)
+def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs(data_parallel_runs) -> None:  # type: ignore[no-untyped-def]
+    from pipesched.api.render import render_png, render_view_html
+
+    schedule, report = data_parallel_runs["fused"]
     rows = [[action.action for action in rank.actions] for rank in schedule.ranks]
     kinds = {str(parse_action(cell).kind) for row in rows for cell in row}
     assert kinds == {"F", "B", "UNSHARD", "RESHARD", "REDUCE_GRAD", "OPTIMIZER_STEP"}
 
-    checked = check_schedule(problem, *read_schedule(json.dumps(rows)))
+    checked = check_schedule(schedule.problem, *read_schedule(json.dumps(rows)))
     assert checked.valid, checked.violation
     assert checked.objective_value == pytest.approx(schedule.step_time)
 
@@ -41,9 +75,6 @@ def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
     assert '"0REDUCE_GRAD"' in page and '"0B3"' in page
     assert render_png(schedule).startswith(b"\x89PNG")
 
-    report = run_schedule(
-        schedule, engine="pipesched", training=TrainingOptions(data_parallel=2, sharding="full"), timeout_s=180
-    )
     assert report["verified"] is True, {k: report[k] for k in ("max_rel_grad_error", "max_rel_param_error")}
     assert report["executed_order_matches"]
     assert report["predicted_step_time_ms"] == schedule.step_time
@@ -55,6 +86,18 @@ def test_fused_1f1b_pp2_dp2_fsdp_solves_checks_plots_and_runs() -> None:
             f"{stage}REDUCE_GRAD",
             f"{stage}RESHARD",
         ]
+
+
+@pytest.mark.slow  # shares the launch above
+def test_pipedream_2bw_with_data_parallelism_runs_verified(data_parallel_runs) -> None:  # type: ignore[no-untyped-def]
+    schedule, report = data_parallel_runs["2bw"]
+    assert schedule.step_period is not None
+    for rank in schedule.ranks:
+        kinds = [a.kind for a in rank.actions]
+        assert kinds.count("REDUCE_GRAD") == 1 and kinds.count("OPTIMIZER_STEP") == 1
+    assert report["verified"] is True, {k: report[k] for k in ("max_rel_grad_error", "max_rel_param_error")}
+    assert report["steps"] == 3
+    assert report["max_rel_param_error_vs_synchronous"] > 1e-3  # the delayed update is not the synchronous one
 
 
 @pytest.mark.slow  # 2 torch processes over gloo
