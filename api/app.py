@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ from pipesched.api.routes import check, health, jobs, methods, plans, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
+from pipesched.optimizer.families import method_names
 
 __all__ = ["create_app"]
 
@@ -209,4 +210,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ]
     app.add_middleware(GuardAndMeasure, max_body_bytes=settings.max_body_bytes, metrics=metrics, routes=routes)
     app.state.settings = settings
+    app.openapi = _openapi_with_methods(app.openapi)  # type: ignore[method-assign]
     return app
+
+
+def _openapi_with_methods(default: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """The OpenAPI schema with ``solver.method``'s choices from the family registry (the problem model, below
+    the families, types it as a string)."""
+
+    def openapi() -> dict[str, Any]:
+        schema = default()
+        for name, component in schema.get("components", {}).get("schemas", {}).items():
+            if name.startswith("SolverOptions") and "method" in component.get("properties", {}):
+                component["properties"]["method"]["enum"] = list(method_names())
+        return schema
+
+    return openapi

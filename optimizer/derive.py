@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.families import method_field_errors, registry
 from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
 
@@ -46,9 +47,27 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
 
     Raises:
         pydantic.ValidationError: every invalid field with its path (``model.hidden_size``,
-            ``cluster.accelerator``, ``costs.forward``…) and the fix.
+            ``cluster.accelerator``, ``costs.forward``…, ``solver.method`` against the families) and the fix.
     """
-    document = dict(data)
+    problem = _derive_and_validate(_with_method_training(dict(data)))
+    raise_field_errors("Problem", method_field_errors(problem))
+    return problem
+
+
+def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
+    """A family without a flush (PipeDream-2BW) and no ``training`` given: ``{"flush": false}`` (two weight
+    versions follow from it)."""
+    solver = document.get("solver")
+    method = solver.get("method") if isinstance(solver, Mapping) else None
+    if isinstance(method, str) and not document.get("training"):
+        family = registry().get(method)
+        if family is not None and not family.flush:
+            document["training"] = {"flush": False, "weight_versions": 2}
+    return document
+
+
+def _derive_and_validate(document: dict[str, Any]) -> Problem:
+    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing."""
     if (
         (document.get("costs") is None or document.get("memory") is None or _lacks_collectives(document))
         and document.get("model") is not None

@@ -10,7 +10,7 @@ Validation errors name the field path (``costs.forward``) and say what would be 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
@@ -19,14 +19,11 @@ from pipesched.optimizer.field_errors import StrictModel as _Strict
 from pipesched.optimizer.field_errors import raise_field_errors
 
 __all__ = [
-    "FAMILY_NAMES",
-    "METHOD_NAMES",
-    "NO_FLUSH_METHODS",
     "Costs",
     "DataParallel",
     "Memory",
-    "MethodName",
     "Pipeline",
+    "PlacementName",
     "Problem",
     "SolverOptions",
     "TensorParallel",
@@ -34,30 +31,8 @@ __all__ = [
     "raise_field_errors",
 ]
 
-#: ``solver.method``: ``auto`` or one of the contract's families, in the order `pipesched compare` lists them.
-MethodName = Literal[
-    "auto",
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "interleaved-zb",
-    "looped-bfs",
-    "zb-h1",
-    "zb-h2",
-    "zb-v",
-    "v-half",
-    "v-min",
-    "bitpipe",
-    "dualpipe-v",
-    "lga",
-    "pipedream-2bw",
-]
-METHOD_NAMES: tuple[str, ...] = get_args(MethodName)
-FAMILY_NAMES: tuple[str, ...] = METHOD_NAMES[1:]
-
-#: Methods that run without a pipeline flush (``training.flush: false``): every other family ends each step
-#: with a flush and needs ``training.flush: true``.
-NO_FLUSH_METHODS: tuple[str, ...] = ("auto", "pipedream-2bw")
+#: A named placement (contract, Terms): how stages lie on ranks; an explicit list is the alternative.
+PlacementName = Literal["loop", "v", "bidirectional"]
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -114,7 +89,7 @@ class Pipeline(_Strict):
     num_ranks: int = Field(ge=1, le=1024, description="Pipeline-parallel ranks (GPUs).")
     num_microbatches: int = Field(ge=1, le=100_000, description="Microbatches per training step.")
     stages_per_rank: int = Field(1, ge=1, le=64, description="Model stages (chunks) held by each rank.")
-    placement: Literal["loop", "v", "bidirectional"] | list[int] = Field(
+    placement: PlacementName | list[int] = Field(
         "loop", description='"loop", "v", "bidirectional", or an explicit stage→rank list.'
     )
 
@@ -299,7 +274,12 @@ class Training(_Strict):
 class SolverOptions(_Strict):
     """How to find the schedule."""
 
-    method: MethodName = Field("auto", description='"auto" searches; a family name generates that schedule.')
+    method: str = Field(
+        "auto",
+        min_length=1,
+        max_length=64,
+        description='"auto" searches; a family name generates that schedule (GET /v1/methods lists them).',
+    )
     time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
     backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
         None, description="Backends the auto portfolio may use; null for all."
@@ -365,30 +345,18 @@ class Problem(_Strict):
         return self
 
     def _check_training(self) -> None:
-        """Flush, weight versions, method and objective agree (contract, Problem: training).
+        """Flush, weight versions and objective agree (contract, Problem: training).
 
-        ``pipedream-2bw`` with no ``training`` given sets ``{"flush": false, "weight_versions": 2}``; a problem
-        with ``flush: false`` optimises ``step_period`` when its objective is left out or is the default
-        ``makespan``; ``stage_span`` is rejected there.
+        A problem with ``flush: false`` optimises ``step_period`` when its objective is left out or is the
+        default ``makespan``; ``stage_span`` is rejected there. Whether ``solver.method`` suits ``training.flush``
+        is the families' to say (:func:`pipesched.optimizer.families.method_field_errors`, added by
+        :func:`pipesched.optimizer.derive.load_problem`).
         """
-        method = self.solver.method
-        if method == "pipedream-2bw" and not self.training.model_fields_set:
-            self.training = Training(flush=False, weight_versions=2)
         if not self.training.flush and ("objective" not in self.model_fields_set or self.objective == "makespan"):
             # The default objective, makespan, has no meaning for an endless run: its time per step is read.
             self.objective = "step_period"
         errors: list[tuple[tuple[str | int, ...], str, Any]] = []
         if self.training.flush:
-            if method == "pipedream-2bw":
-                errors.append(
-                    (
-                        ("training", "flush"),
-                        "pipedream-2bw runs without a pipeline flush and keeps two weight versions: set "
-                        'training to {"flush": false, "weight_versions": 2} (or leave training out), or choose '
-                        "method 1f1b (PipeDream-Flush)",
-                        True,
-                    )
-                )
             if self.objective == "step_period":
                 errors.append(
                     (
@@ -399,15 +367,6 @@ class Problem(_Strict):
                     )
                 )
         else:
-            if method not in NO_FLUSH_METHODS:
-                errors.append(
-                    (
-                        ("training", "flush"),
-                        f"method {method} ends every step with a pipeline flush: set training.flush to true, or "
-                        f"use a method that runs without one ({', '.join(NO_FLUSH_METHODS)})",
-                        False,
-                    )
-                )
             dp = self.data_parallel
             if dp is not None and dp.size > 1 and dp.sharding in ("gradients", "full"):
                 errors.append(

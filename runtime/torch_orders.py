@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Literal
 
+from pipesched.optimizer.families import FamilySpec, registry
+
 __all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedule", "torch_schedules_for"]
 
 
@@ -43,16 +45,31 @@ class TorchSchedule:
     family: str
 
 
-TORCH_SCHEDULES: tuple[TorchSchedule, ...] = (
-    TorchSchedule("GPipe", "loop", 1, 1, False, "gpipe"),
-    TorchSchedule("1F1B", "loop", 1, 1, False, "1f1b"),
-    TorchSchedule("Interleaved1F1B", "loop", None, 2, False, "interleaved-1f1b"),
-    TorchSchedule("LoopedBFS", "loop", None, 1, False, "looped-bfs"),
-    TorchSchedule("InterleavedZeroBubble", "loop", None, 1, True, "interleaved-zb"),
-    TorchSchedule("ZBVZeroBubble", "v", 2, 2, True, "zb-v"),
-    TorchSchedule("DualPipeV", "v", 2, 2, "mixed", "dualpipe-v"),
+_SPLIT_BACKWARD: dict[str, bool | Literal["mixed"]] = {"fused": False, "split": True, "mixed": "mixed"}
+
+
+def _torch_schedule_of(family: FamilySpec) -> TorchSchedule:
+    """The PyTorch schedule a family declares it mirrors (its ``torch``), with the family's layouts."""
+    assert family.torch is not None
+    layouts = family.stages_per_rank
+    backward = _SPLIT_BACKWARD[family.torch.backward]
+    placement = family.placements[0]
+    assert placement in ("loop", "v")
+    return TorchSchedule(
+        name=family.torch.name,
+        placement=placement,
+        stages_per_rank=layouts.start if len(layouts) == 1 else None,
+        min_stages_per_rank=layouts.start,
+        split_backward=backward,
+        family=family.name,
+    )
+
+
+TORCH_SCHEDULES: tuple[TorchSchedule, ...] = tuple(
+    _torch_schedule_of(family) for family in registry().values() if family.torch is not None
 )
-"""PyTorch 2.13's schedules with a static order, with the pipesched family that builds the same schedule."""
+"""PyTorch 2.13's schedules with a static order, with the pipesched family that builds the same schedule (from
+the families' declarations: :class:`~pipesched.optimizer.families.TorchClass`)."""
 
 
 def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSchedule]:

@@ -277,6 +277,25 @@ def run_demo(
     limit = time_limit_s if time_limit_s is not None else (2.0 if quick else 10.0)
     summary: dict[str, Any] = {"folder": str(folder)}
     started = time.monotonic()
+    schedule = _plan_and_schedule(folder, limit, console, summary)
+    if run:
+        _train_and_verify(schedule, folder, console, summary)
+    console.rule("[bold]what next")
+    console.print(
+        "  pipesched serve                       the HTTP service (POST /v1/plans, /v1/schedules, /v1/jobs; /docs)\n"
+        "  pipesched plan my-model.json          ranked layouts for your model and cluster "
+        '(model: {"preset": "llama3.1-8b"}, …)\n'
+        "  pipesched solve problem.json          the best schedule for a fixed layout, with its lower bound\n"
+        "  pipesched run schedule.json --backend nccl --data-parallel 2 --steps 10   on GPUs\n"
+        f"results in {folder} ({time.monotonic() - started:.0f} s)",
+        highlight=False,
+    )
+    return summary
+
+
+def _plan_and_schedule(folder: Path, limit: float, console: Console, summary: dict[str, Any]) -> Schedule:
+    """Screens 1 and 2: plan on the service started here (beside the naive layout), then fetch the chosen plan's
+    schedule with its pictures and torchtitan settings into ``folder``."""
     console.rule("[bold]pipesched demo · 1/4 plan")
     console.print(
         f"GPT-2's architecture scaled down ({DEMO_MODEL['num_layers']} layers, hidden {DEMO_MODEL['hidden_size']}, "
@@ -315,50 +334,48 @@ def run_demo(
             f"{folder / 'view.html'} · torchtitan settings: {folder / 'torchtitan.toml'}",
             highlight=False,
         )
-    if run:
-        from pipesched.optimizer.export import run_report_to_chrome_trace
-        from pipesched.runtime.launch import print_run_summary, run_schedule
-        from pipesched.runtime.training import print_training_summary, training_options
+    return schedule
 
-        processes = DEMO_PIPELINE * DEMO_DATA_PARALLEL
-        console.rule(
-            f"[bold]3/4 training {DEMO_STEPS} steps on {processes} gloo processes "
-            f"(pipeline {DEMO_PIPELINE} × data-parallel {DEMO_DATA_PARALLEL}, FSDP)"
+
+def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summary: dict[str, Any]) -> None:
+    """Screens 3 and 4: train the schedule on gloo processes, verify it against the single-process reference,
+    print predicted against measured.
+
+    Raises:
+        RuntimeError: the run did not verify.
+    """
+    from pipesched.optimizer.export import run_report_to_chrome_trace
+    from pipesched.runtime.launch import print_run_summary, run_schedule
+    from pipesched.runtime.training import print_training_summary, training_options
+
+    processes = DEMO_PIPELINE * DEMO_DATA_PARALLEL
+    console.rule(
+        f"[bold]3/4 training {DEMO_STEPS} steps on {processes} gloo processes "
+        f"(pipeline {DEMO_PIPELINE} × data-parallel {DEMO_DATA_PARALLEL}, FSDP)"
+    )
+    options = training_options(schedule.problem, steps=DEMO_STEPS, optimizer=DEMO_OPTIMIZER, lr=DEMO_LR)
+    with console.status(
+        f"{processes} processes on a (pp {DEMO_PIPELINE}, dp {DEMO_DATA_PARALLEL}) device mesh, then the "
+        "single-process reference over the whole global batch …"
+    ):
+        report = run_schedule(
+            schedule, backend="gloo", model="problem", output=folder / "report.json", training=options
         )
-        options = training_options(schedule.problem, steps=DEMO_STEPS, optimizer=DEMO_OPTIMIZER, lr=DEMO_LR)
-        with console.status(
-            f"{processes} processes on a (pp {DEMO_PIPELINE}, dp {DEMO_DATA_PARALLEL}) device mesh, then the "
-            "single-process reference over the whole global batch …"
-        ):
-            report = run_schedule(
-                schedule, backend="gloo", model="problem", output=folder / "report.json", training=options
-            )
-        print_run_summary(report)
-        console.rule("[bold]4/4 predicted against measured")
-        print_training_summary(report, console)
-        (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report)))
-        summary["report"] = report
-        if not report.get("verified"):
-            raise RuntimeError(f"verification failed: see {folder / 'report.json'}")
-        console.print(
-            f"[bold green]verified[/bold green]: after {report['steps']} {DEMO_OPTIMIZER} steps every parameter on "
-            f"every rank equals the single-process reference within {report['max_rel_param_error']:.2g} "
-            f"(relative); loss {report['loss']:.6g} against {report['reference_loss']:.6g}. On a CPU shared by "
-            f"{processes} processes the measured times say little about a GPU cluster; what transfers is the "
-            "order, the memory and the verification.",
-            highlight=False,
-        )
-    console.rule("[bold]what next")
+    print_run_summary(report)
+    console.rule("[bold]4/4 predicted against measured")
+    print_training_summary(report, console)
+    (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report)))
+    summary["report"] = report
+    if not report.get("verified"):
+        raise RuntimeError(f"verification failed: see {folder / 'report.json'}")
     console.print(
-        "  pipesched serve                       the HTTP service (POST /v1/plans, /v1/schedules, /v1/jobs; /docs)\n"
-        "  pipesched plan my-model.json          ranked layouts for your model and cluster "
-        '(model: {"preset": "llama3.1-8b"}, …)\n'
-        "  pipesched solve problem.json          the best schedule for a fixed layout, with its lower bound\n"
-        "  pipesched run schedule.json --backend nccl --data-parallel 2 --steps 10   on GPUs\n"
-        f"results in {folder} ({time.monotonic() - started:.0f} s)",
+        f"[bold green]verified[/bold green]: after {report['steps']} {DEMO_OPTIMIZER} steps every parameter on "
+        f"every rank equals the single-process reference within {report['max_rel_param_error']:.2g} "
+        f"(relative); loss {report['loss']:.6g} against {report['reference_loss']:.6g}. On a CPU shared by "
+        f"{processes} processes the measured times say little about a GPU cluster; what transfers is the "
+        "order, the memory and the verification.",
         highlight=False,
     )
-    return summary
 
 
 def demo(

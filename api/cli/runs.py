@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -13,69 +13,94 @@ from pipesched.api.cli.common import console, err_console, fail, require_torch, 
 from pipesched.api.loading import InputError
 from pipesched.optimizer.units import format_bytes
 
+if TYPE_CHECKING:
+    from pipesched.optimizer.problem import Problem
+    from pipesched.optimizer.result import Schedule
+    from pipesched.runtime.profile import Profile
+    from pipesched.runtime.training import TrainingOptions
+
+# The options of `pipesched run`, one alias each, so that the command reads as the list of its options.
+ScheduleArgument = Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")]
+NprocOption = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")]
+BackendOption = Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")]
+ModelOption = Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")]
+ReportOption = Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")]
+EngineOption = Annotated[
+    str,
+    typer.Option(
+        "--engine",
+        help="auto (torch where it can follow the schedule: loop or V placement), torch "
+        "(PyTorch's _PipelineScheduleRuntime) or pipesched (own executor, every placement).",
+    ),
+]
+SeedOption = Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")]
+TimeoutOption = Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")]
+NnodesOption = Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")]
+NodeRankOption = Annotated[int, typer.Option("--node-rank", help="This node's index.")]
+MasterAddrOption = Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")]
+MasterPortOption = Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")]
+TraceOption = Annotated[
+    Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
+]
+DataParallelOption = Annotated[
+    int | None,
+    typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
+]
+ShardingOption = Annotated[
+    str | None,
+    typer.Option("--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."),
+]
+ReshardOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--reshard-after-forward/--no-reshard-after-forward",
+        help="FSDP2: free gathered weights after F (default: the problem's, else no).",
+    ),
+]
+StepsOption = Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")]
+OptimizerOption = Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")]
+LrOption = Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")]
+PostValidationOption = Annotated[
+    bool | None,
+    typer.Option(
+        "--post-validation/--no-post-validation",
+        help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
+    ),
+]
+WeightUpdateOption = Annotated[
+    str | None,
+    typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
+]
+MaxGradNormOption = Annotated[
+    float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
+]
+InjectNanOption = Annotated[str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")]
+
 
 def run(
-    schedule_path: Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")],
-    nproc_per_node: Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")] = None,
-    backend: Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")] = "gloo",
-    model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")] = (
-        "gpt-tiny"
-    ),
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")] = None,
-    engine: Annotated[
-        str,
-        typer.Option(
-            "--engine",
-            help="auto (torch where it can follow the schedule: loop or V placement), torch "
-            "(PyTorch's _PipelineScheduleRuntime) or pipesched (own executor, every placement).",
-        ),
-    ] = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of weights and batches.")] = 0,
-    timeout: Annotated[float, typer.Option("--timeout", help="Bound on every wait, s.")] = 300.0,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Nodes (multi-node runs).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This node's index.")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Rendezvous host.")] = "127.0.0.1",
-    master_port: Annotated[int | None, typer.Option("--master-port", help="Rendezvous port.")] = None,
-    trace: Annotated[
-        Path | None, typer.Option("--trace", help="Write predicted and measured timelines as one Chrome trace.")
-    ] = None,
-    data_parallel: Annotated[
-        int | None,
-        typer.Option("--data-parallel", help="D replicas of the pipeline (num_ranks × D processes, pp × dp mesh)."),
-    ] = None,
-    sharding: Annotated[
-        str | None,
-        typer.Option(
-            "--sharding", help="none (gradients all-reduced) or full (FSDP2); default: the problem's, else full."
-        ),
-    ] = None,
-    reshard_after_forward: Annotated[
-        bool | None,
-        typer.Option(
-            "--reshard-after-forward/--no-reshard-after-forward",
-            help="FSDP2: free gathered weights after F (default: the problem's, else no).",
-        ),
-    ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")] = None,
-    optimizer: Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")] = None,
-    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")] = None,
-    post_validation: Annotated[
-        bool | None,
-        typer.Option(
-            "--post-validation/--no-post-validation",
-            help="Speculative optimizer steps rolled back when the global check fails (default: the problem's).",
-        ),
-    ] = None,
-    weight_update: Annotated[
-        str | None,
-        typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW: W(t+1) = W(t) − ν·∇f(W(t−1)))."),
-    ] = None,
-    max_grad_norm: Annotated[
-        float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
-    ] = None,
-    inject_nan: Annotated[
-        str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")
-    ] = None,
+    schedule_path: ScheduleArgument,
+    nproc_per_node: NprocOption = None,
+    backend: BackendOption = "gloo",
+    model: ModelOption = "gpt-tiny",
+    output: ReportOption = None,
+    engine: EngineOption = "auto",
+    seed: SeedOption = 0,
+    timeout: TimeoutOption = 300.0,
+    nnodes: NnodesOption = 1,
+    node_rank: NodeRankOption = 0,
+    master_addr: MasterAddrOption = "127.0.0.1",
+    master_port: MasterPortOption = None,
+    trace: TraceOption = None,
+    data_parallel: DataParallelOption = None,
+    sharding: ShardingOption = None,
+    reshard_after_forward: ReshardOption = None,
+    steps: StepsOption = None,
+    optimizer: OptimizerOption = None,
+    lr: LrOption = None,
+    post_validation: PostValidationOption = None,
+    weight_update: WeightUpdateOption = None,
+    max_grad_norm: MaxGradNormOption = None,
+    inject_nan: InjectNanOption = None,
 ) -> None:
     """Execute a schedule with torch.distributed and verify it against a single-process reference.
 
@@ -84,14 +109,12 @@ def run(
     """
     require_torch("run")
     from pipesched.api.loading import load_schedule_file
-    from pipesched.runtime.launch import RunFailed, ScheduleError, print_run_summary, run_schedule
+    from pipesched.runtime.launch import RunFailed, ScheduleError, run_schedule
 
     try:
         schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
-    training = None
-    problem = schedule.problem
     given = {
         "data_parallel": data_parallel,
         "sharding": sharding,
@@ -103,27 +126,7 @@ def run(
         "weight_update": weight_update,
         "max_grad_norm": max_grad_norm,
     }
-    wants_training = (
-        any(value is not None for value in given.values())
-        or inject_nan is not None
-        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
-        or problem.training.post_validation
-        or not problem.training.flush
-    )
-    if wants_training:
-        from pipesched.runtime.training import TrainingError, training_options
-
-        nan_at = None
-        if inject_nan is not None:
-            try:
-                step_text, _, microbatch_text = inject_nan.partition(":")
-                nan_at = (int(step_text), int(microbatch_text))
-            except ValueError:
-                raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
-        try:
-            training = training_options(problem, **given, inject_nan=nan_at)
-        except TrainingError as error:
-            raise fail(str(error)) from None
+    training = _training_options(schedule.problem, given, inject_nan)
     try:
         report = run_schedule(
             schedule,
@@ -147,6 +150,46 @@ def run(
     if "verified" not in report:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
+    _print_run(report, schedule, training, output, trace)
+
+
+def _training_options(problem: Problem, given: dict[str, Any], inject_nan: str | None) -> TrainingOptions | None:
+    """The training the run does: ``None`` for one verified step, when no option and nothing in the problem asks
+    for training steps, data parallelism, post-validation or 2BW. Bad values exit 2."""
+    wants_training = (
+        any(value is not None for value in given.values())
+        or inject_nan is not None
+        or (problem.data_parallel is not None and problem.data_parallel.size > 1)
+        or problem.training.post_validation
+        or not problem.training.flush
+    )
+    if not wants_training:
+        return None
+    from pipesched.runtime.training import TrainingError, training_options
+
+    nan_at = None
+    if inject_nan is not None:
+        try:
+            step_text, _, microbatch_text = inject_nan.partition(":")
+            nan_at = (int(step_text), int(microbatch_text))
+        except ValueError:
+            raise fail(f"--inject-nan must be STEP:MICROBATCH (two integers), got {inject_nan!r}") from None
+    try:
+        return training_options(problem, **given, inject_nan=nan_at)
+    except TrainingError as error:
+        raise fail(str(error)) from None
+
+
+def _print_run(
+    report: dict[str, Any],
+    schedule: Schedule,
+    training: TrainingOptions | None,
+    output: Path | None,
+    trace: Path | None,
+) -> None:
+    """The verified run's summary (and training's), the files written; exit 1 when it did not verify."""
+    from pipesched.runtime.launch import print_run_summary
+
     print_run_summary(report)
     if training is not None:
         from pipesched.runtime.training import print_training_summary
@@ -180,7 +223,7 @@ def profile(
     from pydantic import ValidationError
 
     from pipesched.api.loading import format_validation_error
-    from pipesched.runtime.profile import SPREAD_WARNING, measure_model
+    from pipesched.runtime.profile import measure_model
 
     try:
         measured = measure_model(
@@ -198,8 +241,16 @@ def profile(
         raise fail(format_validation_error(error)) from None
     except ValueError as error:
         raise fail(str(error)) from None
+    write_output(output, measured.problem.model_dump_json(indent=1, exclude_none=True))
+    _print_profile(measured, model, repeats)
+    console.print(f"wrote {output}", highlight=False)
+
+
+def _print_profile(measured: Profile, model: str, repeats: int) -> None:
+    """Each stage's measured medians with their min–max, then a warning naming the passes that spread too much."""
+    from pipesched.runtime.profile import SPREAD_WARNING
+
     problem = measured.problem
-    write_output(output, problem.model_dump_json(indent=1, exclude_none=True))
     assert problem.costs is not None and problem.memory is not None
     table = Table(
         title=f"{model}: measured per stage (median ms, and min–max over {repeats} runs)", header_style="bold"
@@ -245,4 +296,3 @@ def profile(
             highlight=False,
             soft_wrap=True,
         )
-    console.print(f"wrote {output}", highlight=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -236,16 +236,22 @@ def compare(
     """Every applicable family (and auto) side by side: objective, bubble rate, peak memory, fits. With
     --placements / --stages-per-rank, the same model re-cut for each such pipeline shape too (from model and
     cluster when the problem has them, else its per-stage costs and activations split by layers)."""
-    from pipesched.optimizer.families import applicable_families
-    from pipesched.optimizer.solve import solve_family
-
     try:
         problem = load_problem_file(problem_path, **{"solver.time_limit_s": time_limit})
     except InputError as error:
         raise fail(str(error)) from None
-    from pipesched.optimizer.families import FamilyDomainError
-
     variants = pipeline_variants(problem, placements, stages_per_rank)
+    labels, rows = _solve_variants(variants, include_auto)
+    records = _print_comparison(problem, len(variants) > 1, labels, rows)
+    if output is not None:
+        write_output(output, json.dumps(records, indent=1))
+
+
+def _solve_variants(variants: list[tuple[str, Problem, str]], include_auto: bool) -> tuple[list[str], list[Schedule]]:
+    """Each pipeline shape's applicable families (and ``auto``): their labels and schedules, in order."""
+    from pipesched.optimizer.families import FamilyDomainError, applicable_families
+    from pipesched.optimizer.solve import solve_family
+
     rows = []
     labels: list[str] = []
     for label, variant, how in variants:
@@ -263,9 +269,17 @@ def compare(
             auto.solve_time_s = round(time.perf_counter() - started, 3)
             rows.append(auto)
             labels.append(label)
+    return labels, rows
+
+
+def _print_comparison(
+    problem: Problem, several_shapes: bool, labels: list[str], rows: list[Schedule]
+) -> list[dict[str, Any]]:
+    """The comparison table (a pipeline column with ``several_shapes``) and the memory limit; returns its rows as
+    the records ``-o`` writes."""
     limits = problem.memory_limits
     table = Table(title=f"{problem.pipeline.num_ranks} ranks · {problem.pipeline.num_microbatches} microbatches")
-    if len(variants) > 1:
+    if several_shapes:
         table.add_column("pipeline")
     per_rank = problem.pipeline.num_ranks <= 16
     finite_limits = [limit for limit in limits if limit != float("inf")]
@@ -288,15 +302,9 @@ def compare(
     table.caption = f"objective {problem.objective}; bubble rate on the objective"
     records = []
     for label, schedule in zip(labels, rows, strict=True):
-        shape = [label] if len(variants) > 1 else []
-        where = (
-            {
-                "placement": schedule.problem.pipeline.placement,
-                "stages_per_rank": schedule.problem.pipeline.stages_per_rank,
-            }
-            if len(variants) > 1
-            else {}
-        )
+        shape = [label] if several_shapes else []
+        pipeline = schedule.problem.pipeline
+        where = {"placement": pipeline.placement, "stages_per_rank": pipeline.stages_per_rank} if several_shapes else {}
         if schedule.status == "infeasible":
             table.add_row(*shape, schedule.method, *["—"] * (len(columns) + 1), f"no ({schedule.reason})")
             records.append({**where, "method": schedule.method, "status": "infeasible", "reason": schedule.reason})
@@ -317,25 +325,27 @@ def compare(
             ),
             "yes" if fits else "no",
         )
-        records.append(
-            {
-                **where,
-                "method": schedule.method,
-                "status": schedule.status,
-                "objective": schedule.objective_value,
-                "makespan": schedule.makespan,
-                "stage_span": schedule.stage_span,
-                "step_time": schedule.step_time,
-                "bubble_rate": schedule.bubble_rate,
-                "peak_memory": schedule.peak_memory,
-                "fits_limit": fits,
-            }
-        )
+        records.append(_comparison_record(schedule, where, fits))
     console.print(table)
     if finite_limits:
         console.print(f"memory limit per rank: {min(finite_limits) / unit:.{decimals}f} {unit_name}", highlight=False)
-    if output is not None:
-        write_output(output, json.dumps(records, indent=1))
+    return records
+
+
+def _comparison_record(schedule: Schedule, where: dict[str, Any], fits: bool) -> dict[str, Any]:
+    """One feasible row of ``pipesched compare -o``'s JSON."""
+    return {
+        **where,
+        "method": schedule.method,
+        "status": schedule.status,
+        "objective": schedule.objective_value,
+        "makespan": schedule.makespan,
+        "stage_span": schedule.stage_span,
+        "step_time": schedule.step_time,
+        "bubble_rate": schedule.bubble_rate,
+        "peak_memory": schedule.peak_memory,
+        "fits_limit": fits,
+    }
 
 
 def pipeline_variants(

@@ -95,7 +95,7 @@ def draw(database_url: str, schedule_id: str, kind: str, compare: str | None, ma
         if compare == "auto":
             return _compare_error("compare names one family (see GET /v1/methods), not auto", "unknown_method")
         try:
-            get_family(compare).check(schedule.problem)
+            get_family(compare).check_shape(schedule.problem)
             # Drawn as the family builds it, flagged over the limit when it does not fit (not stored: with
             # the memory limit enforced it would be an infeasible answer with nothing to draw).
             other = solve_family(schedule.problem, compare, enforce_memory=False)

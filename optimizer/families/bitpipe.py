@@ -37,9 +37,9 @@ a lower bound on theirs for the same compute order.
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require
+from pipesched.optimizer.families._base import FamilySpec, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Pipeline, Problem
 
 __all__ = ["bitpipe_orders", "chunk_stage"]
 
@@ -120,14 +120,7 @@ def bitpipe_orders(problem: Problem) -> Orders:
     return [_rank_order(problem, rank) for rank in range(problem.pipeline.num_ranks)]
 
 
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "bidirectional",
-        "bitpipe",
-        'needs placement "bidirectional" with stages_per_rank 2 (two V-shaped replicas in opposite '
-        f"directions), got placement {pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
-    )
+def _check(pipeline: Pipeline) -> None:
     p, m = pipeline.num_ranks, pipeline.num_microbatches
     require(
         p % 2 == 0 and m % p == 0,
@@ -139,11 +132,14 @@ def _check(problem: Problem) -> None:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="bitpipe",
         description="BitPipe (the authors' order): two V-shaped replicas in opposite directions, eager gradient sync.",
-        domain='placement "bidirectional" (stages_per_rank 2), even num_ranks, num_microbatches a multiple of it',
-        check=_check,
         build=bitpipe_orders,
+        listing_order=110,
+        placements=("bidirectional",),
+        stages_per_rank=range(2, 3),
+        domain_note="an even num_ranks, num_microbatches a multiple of it",
+        check_pipeline=_check,
     )
 ]

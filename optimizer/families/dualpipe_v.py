@@ -25,21 +25,11 @@ which keeps it deadlock-free. With split_backward false every backward is a fuse
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "v",
-        "dualpipe-v",
-        'needs placement "v" with stages_per_rank 2 (rank r holds stages r and 2·num_ranks−1−r), got '
-        f"placement {pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
-    )
 
 
 def _rank_order(problem: Problem, rank: int, num_microbatches: int) -> list[Action]:
@@ -114,12 +104,19 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="dualpipe-v",
         description="DeepSeek DualPipeV: V placement, forward/backward pairs of different microbatches; "
         "activations about p+1 microbatches.",
-        domain='placement "v" (stages_per_rank 2), any microbatch count (native order m ≥ 2·num_ranks−1)',
-        check=_check,
         build=_build,
+        listing_order=120,
+        placements=("v",),
+        stages_per_rank=range(2, 3),
+        domain_note="any microbatch count (native order m ≥ 2·num_ranks−1)",
+        torch=TorchClass("DualPipeV", backward="mixed"),
+        # Qi et al. 2024, Table 1: 2p + 1 half-size chunks on rank 0.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * m, 2 * p + 1), bubble=0.2, seconds_per_thousand_actions=0.4
+        ),
     )
 ]

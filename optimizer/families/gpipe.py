@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require_loop_single_stage
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass, backward
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(problem: Problem) -> None:
-    require_loop_single_stage(problem, "gpipe")
 
 
 def _build(problem: Problem) -> Orders:
@@ -25,11 +21,14 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="gpipe",
         description="All forwards, then all backwards (flush); peak activation memory m·M_B on every rank.",
-        domain='placement "loop", stages_per_rank 1, any microbatch count',
-        check=_check,
         build=_build,
+        listing_order=10,
+        torch=TorchClass("GPipe"),
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: m, bubble=1.0, seconds_per_thousand_actions=0.06, last_rank_like_first=True
+        ),
     )
 ]

@@ -14,21 +14,11 @@ deadlock-free; when p does not divide m the last group runs with idle slots.
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass, backward
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "loop" and pipeline.stages_per_rank >= 2,
-        "interleaved-1f1b",
-        'needs placement "loop" with stages_per_rank ≥ 2 (model chunks per rank), got placement '
-        f"{pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}: use 1f1b for one stage per rank",
-    )
 
 
 def _build(problem: Problem) -> Orders:
@@ -62,11 +52,20 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="interleaved-1f1b",
         description="Megatron interleaved 1F1B: v model chunks per rank in loop placement; bubble ÷ v.",
-        domain='placement "loop", stages_per_rank ≥ 2, any microbatch count (Megatron: m divisible by p)',
-        check=_check,
         build=_build,
+        listing_order=30,
+        stages_per_rank=range(2, 65),
+        domain_note="any microbatch count (Megatron: m divisible by p)",
+        layout_hint="use 1f1b for one stage per rank",
+        torch=TorchClass("Interleaved1F1B"),
+        # Megatron-LM's warm-up: 2(p − 1) + (v − 1)·p + 1 chunk activations on rank 0.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(m * v, 2 * (p - 1) + (v - 1) * p + 1),
+            bubble=1.0,
+            seconds_per_thousand_actions=0.07,
+        ),
     )
 ]

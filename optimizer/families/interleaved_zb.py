@@ -30,28 +30,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._base import FamilySpec, TorchClass
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 
 __all__ = ["FAMILIES", "interleaved_zb_orders", "torch_microbatch_count"]
-
-
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "loop",
-        "interleaved-zb",
-        'needs placement "loop" (stage c·num_ranks + r on rank r), got placement '
-        f"{pipeline.placement!r}: use zb-v or dualpipe-v for the V placement",
-    )
-    require(
-        problem.split_backward,
-        "interleaved-zb",
-        "needs split_backward true (it schedules I and W separately): set split_backward to true "
-        "or use interleaved-1f1b",
-    )
 
 
 def torch_microbatch_count(num_ranks: int, num_microbatches: int) -> int:
@@ -118,13 +102,17 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="interleaved-zb",
         description="PyTorch's interleaved zero bubble: interleaved 1F1B in loop placement with split backward, "
         "W passes deferred as in ZB-H1.",
-        domain='placement "loop", any stages_per_rank, split_backward true, any microbatch count '
-        "(PyTorch: m divisible by max(1, m // num_ranks))",
-        check=_check,
         build=_build,
+        listing_order=40,
+        stages_per_rank=range(1, 65),
+        backward="split",
+        domain_note="any microbatch count (PyTorch: m divisible by max(1, m // num_ranks))",
+        layout_hint="use zb-v or dualpipe-v for the V placement",
+        backward_hint="use interleaved-1f1b",
+        torch=TorchClass("InterleavedZeroBubble", backward="split"),
     )
 ]

@@ -17,18 +17,13 @@ given, the pipeline must have one stage per layer (``tests/optimizer/test_famili
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._base import FamilySpec, require
 from pipesched.optimizer.families.looped_bfs import _build as _breadth_first
 from pipesched.optimizer.problem import Problem
 
 
 def _check(problem: Problem) -> None:
     pipeline = problem.pipeline
-    require(
-        pipeline.placement == "loop",
-        "lga",
-        f'needs placement "loop" (layer l on rank l mod num_ranks), got placement {pipeline.placement!r}',
-    )
     if problem.model is not None:
         layers = problem.model.num_layers
         fix = (
@@ -45,13 +40,15 @@ def _check(problem: Problem) -> None:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="lga",
         description="Layered gradient accumulation + modular pipeline: one layer per stage, layer l on rank l mod p, "
         "all microbatches through a layer before the next, each layer's reduction right after its last backward.",
-        domain='placement "loop", one layer per stage (num_stages = model.num_layers when a model is given)',
-        check=_check,
         build=_breadth_first,
+        listing_order=130,
+        stages_per_rank=range(1, 65),
+        domain_note="one layer per stage (num_stages = model.num_layers when a model is given)",
+        check_problem=_check,
         gather_runs=True,  # a stage's weights gathered once per run of its microbatches (Sec. 4)
     )
 ]

@@ -14,19 +14,10 @@ PyTorch's ``ScheduleLoopedBFS`` (torch 2.13) runs each stage's backwards from th
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass, backward
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(problem: Problem) -> None:
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "loop",
-        "looped-bfs",
-        f'needs placement "loop" (stage c·num_ranks + r on rank r), got placement {pipeline.placement!r}',
-    )
 
 
 def _build(problem: Problem) -> Orders:
@@ -45,13 +36,22 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="looped-bfs",
         description="Breadth-first looped pipeline: all microbatches through one local stage before the next; "
         "holds all activations.",
-        domain='placement "loop", any stages_per_rank, any microbatch count',
-        check=_check,
         build=_build,
+        listing_order=50,
+        stages_per_rank=range(1, 65),
+        torch=TorchClass("LoopedBFS"),
+        # Every microbatch's activations of every local stage at the turn (module docstring).
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: m * v,
+            bubble=1.0,
+            seconds_per_thousand_actions=0.07,
+            last_rank_like_first=True,
+            min_stages_per_rank=2,
+        ),
         gather_runs=True,  # a stage's weights gathered once per run of its microbatches (Sec. 4)
     )
 ]

@@ -6,14 +6,10 @@ Rank r runs ``min(p − r − 1, m)`` warm-up forwards, so rank 0 holds at most 
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require_loop_single_stage
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass, backward
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(problem: Problem) -> None:
-    require_loop_single_stage(problem, "1f1b")
 
 
 def _build(problem: Problem) -> Orders:
@@ -33,11 +29,15 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="1f1b",
         description="One-forward-one-backward with a flush (PipeDream-Flush); peak p·M_B on rank 0.",
-        domain='placement "loop", stages_per_rank 1, any microbatch count',
-        check=_check,
         build=_build,
+        listing_order=20,
+        torch=TorchClass("1F1B"),
+        # Narayanan et al. 2021, §2.2: rank 0 holds p microbatches at its peak.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(p, m), bubble=1.0, seconds_per_thousand_actions=0.06, single_rank=True
+        ),
     )
 ]

@@ -32,17 +32,16 @@ next-step forwards must fit before its step ends: two versions, §3.1's "at leas
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import Family, backward, require, require_loop_single_stage
+from pipesched.optimizer.families._base import FamilySpec, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.pattern import pattern_from_sequence
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Pipeline, Problem
 
 __all__ = ["FAMILIES", "one_f_one_b_pattern"]
 
 
-def _check(problem: Problem) -> None:
-    require_loop_single_stage(problem, "pipedream-2bw")
-    p, m = problem.pipeline.num_ranks, problem.pipeline.num_microbatches
+def _check(pipeline: Pipeline) -> None:
+    p, m = pipeline.num_ranks, pipeline.num_microbatches
     require(
         m >= p - 1,
         "pipedream-2bw",
@@ -77,15 +76,16 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="pipedream-2bw",
         description=(
             "PipeDream-2BW: 1F1B without a flush, two weight versions, delayed update; peak p·M_B + one more "
             "weight copy on rank 0."
         ),
-        domain='placement "loop", stages_per_rank 1, training.flush false, num_microbatches ≥ num_ranks − 1',
-        check=_check,
         build=_build,
+        listing_order=140,
         flush=False,
+        domain_note="num_microbatches ≥ num_ranks − 1",
+        check_pipeline=_check,
     )
 ]

@@ -28,9 +28,10 @@ microbatches per rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
-from pipesched.optimizer.families._base import Family, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate
 from pipesched.optimizer.families._greedy import capped_greedy_orders, max_reservations
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
@@ -38,23 +39,12 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
 
-__all__ = ["block_pattern", "capped_v_orders", "mean_stage_costs", "require_v", "v_block_orders", "valid_or_none"]
+__all__ = ["block_pattern", "capped_v_orders", "mean_stage_costs", "v_block_orders", "valid_or_none"]
 
 # Pass types of one rank's building block, in the authors' order: chunk-0 F, chunk-1 F, chunk-1
 # backward (I or B), chunk-0 backward, and (when placed) the W of the chunk-1 and chunk-0 backwards.
 _NUM_BLOCK_TYPES = 4
 _MEMORY = (1, 1, 0, 0, -1)  # activation units per pass type, W frees the microbatch's stage
-
-
-def require_v(problem: Problem, family: str) -> None:
-    """The domain of the V-placed families: placement "v" (which implies stages_per_rank 2)."""
-    pipeline = problem.pipeline
-    require(
-        pipeline.placement == "v",
-        family,
-        'needs placement "v" with stages_per_rank 2 (rank r holds stages r and 2·num_ranks−1−r), got '
-        f"placement {pipeline.placement!r} with stages_per_rank {pipeline.stages_per_rank}",
-    )
 
 
 def mean_stage_costs(problem: Problem) -> tuple[float, float, float, float, float, float]:
@@ -316,27 +306,31 @@ def _builder(memory: str, in_flight: Callable[[int], int]) -> Callable[[Problem]
     return build
 
 
-def _check_half(problem: Problem) -> None:
-    require_v(problem, "v-half")
-
-
-def _check_min(problem: Problem) -> None:
-    require_v(problem, "v-min")
-
-
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="v-half",
         description="V-Half: V placement, building blocks holding about half of 1F1B's activation memory.",
-        domain='placement "v" (stages_per_rank 2), any microbatch count',
-        check=_check_half,
         build=_builder("half", lambda p: p // 2 + 1),
+        listing_order=90,
+        placements=("v",),
+        stages_per_rank=range(2, 3),
+        # Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1: p + 1 half-size chunks.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * m, p + 1), bubble=0.5, seconds_per_thousand_actions=0.9
+        ),
     ),
-    Family(
+    FamilySpec(
         name="v-min",
         description="V-Min: V placement, building blocks holding about a third of 1F1B's activation memory.",
-        domain='placement "v" (stages_per_rank 2), any microbatch count',
-        check=_check_min,
         build=_builder("min", lambda p: p // 3 + 1),
+        listing_order=100,
+        placements=("v",),
+        stages_per_rank=range(2, 3),
+        # Same Table 1: ⌈2p/3⌉ + 1 half-size chunks.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * m, math.ceil(2 * p / 3) + 1),
+            bubble=0.8,
+            seconds_per_thousand_actions=0.9,
+        ),
     ),
 ]

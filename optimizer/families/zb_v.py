@@ -34,7 +34,7 @@ authors never hit for m ≥ 2p but can for very few microbatches), or its order 
 
 PyTorch's ``ScheduleZBVZeroBubble`` (torch 2.13) is not this generator but a fixed pattern; it runs the
 same passes in another order, shorter at m = p (and with fewer activations), up to 1.5% longer at m ≥ 2p
-on random per-stage costs. ``auto`` starts from both (:func:`~pipesched.optimizer.families.peers.torch_zbv_orders`).
+on random per-stage costs. ``auto`` starts from both (:func:`~pipesched.optimizer.families._peers.torch_zbv_orders`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pipesched.optimizer.families._base import Family, require
-from pipesched.optimizer.families.v_shape import capped_v_orders, mean_stage_costs, require_v, valid_or_none
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass
+from pipesched.optimizer.families.v_shape import capped_v_orders, mean_stage_costs, valid_or_none
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
@@ -286,15 +286,6 @@ def zbv_orders(problem: Problem) -> Orders | None:
     return valid_or_none(problem, orders)
 
 
-def _check(problem: Problem) -> None:
-    require_v(problem, "zb-v")
-    require(
-        problem.split_backward,
-        "zb-v",
-        "needs split_backward true (it schedules I and W separately): set split_backward to true or use dualpipe-v",
-    )
-
-
 def _build(problem: Problem) -> Orders:
     orders = zbv_orders(problem)
     if orders is None:
@@ -303,11 +294,19 @@ def _build(problem: Problem) -> Orders:
 
 
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="zb-v",
         description="ZB-V: V placement, W fills the bubbles, at 1F1B's activation peak (p microbatches per rank).",
-        domain='placement "v" (stages_per_rank 2), split_backward true, any microbatch count',
-        check=_check,
         build=_build,
+        listing_order=80,
+        placements=("v",),
+        stages_per_rank=range(2, 3),
+        backward="split",
+        backward_hint="use dualpipe-v",
+        torch=TorchClass("ZBVZeroBubble", backward="split"),
+        # 2p half-size chunks on rank 0 (Qi et al. 2024, Table 1: 1F1B's peak).
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * m, 2 * p), bubble=0.15, seconds_per_thousand_actions=0.35
+        ),
     )
 ]

@@ -17,25 +17,10 @@ Any microbatch count works: warm-ups and deferrals are capped at m.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from pipesched.optimizer.families._base import Family, require, require_loop_single_stage
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import check_deadline
-
-
-def _check(name: str) -> Callable[[Problem], None]:
-    def check(problem: Problem) -> None:
-        require_loop_single_stage(problem, name)
-        require(
-            problem.split_backward,
-            name,
-            "needs split_backward true (it schedules I and W separately): set split_backward to true "
-            "or use method 1f1b",
-        )
-
-    return check
 
 
 def handcrafted_orders(problem: Problem, *, warmup: list[int], deferred: list[int]) -> Orders:
@@ -79,21 +64,25 @@ def _build_h2(problem: Problem) -> Orders:
     return handcrafted_orders(problem, warmup=[2 * p - 1 - 2 * r for r in range(p)], deferred=[2 * r for r in range(p)])
 
 
-_DOMAIN = 'placement "loop", stages_per_rank 1, split_backward true, any microbatch count'
-
 FAMILIES = [
-    Family(
+    FamilySpec(
         name="zb-h1",
         description="Zero Bubble ZB-H1: 1F1B with W deferred into the bubbles; bubble (p−1)(F+I−W), peak p·M_B.",
-        domain=_DOMAIN,
-        check=_check("zb-h1"),
         build=_build_h1,
+        listing_order=60,
+        backward="split",
+        backward_hint="use method 1f1b",
+        planner=PlannerEstimate(in_flight=lambda p, v, m: min(p, m), bubble=0.4, seconds_per_thousand_actions=0.06),
     ),
-    Family(
+    FamilySpec(
         name="zb-h2",
         description="Zero Bubble ZB-H2: 2p−1 warm-up forwards on rank 0; bubble (p−1)(F+I−2W), peak (2p−1)·M_B.",
-        domain=_DOMAIN,
-        check=_check("zb-h2"),
         build=_build_h2,
+        listing_order=70,
+        backward="split",
+        backward_hint="use method 1f1b",
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * p - 1, m), bubble=0.1, seconds_per_thousand_actions=0.08
+        ),
     ),
 ]

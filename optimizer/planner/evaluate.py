@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.families import FamilyDomainError
+from pipesched.optimizer.families import FamilyDomainError, get_family, registry
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.planner.prune import Estimate, Estimator
@@ -34,7 +34,7 @@ from pipesched.optimizer.solve import solve, solve_family
 from pipesched.optimizer.units import format_bytes
 
 __all__ = [
-    "SECONDS_PER_THOUSAND_ACTIONS",
+    "AUTO_SECONDS_PER_THOUSAND_ACTIONS",
     "TORCH_SCHEDULE_NAMES",
     "Evaluation",
     "SimulationCache",
@@ -46,38 +46,19 @@ __all__ = [
     "schedule_for",
 ]
 
-#: Families PyTorch has a schedule class for (torchtitan's ``pipeline_parallel_schedule``); the others run
-#: from the schedule's CSV (``pipeline_parallel_schedule_csv``).
-TORCH_SCHEDULE_NAMES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved-1f1b": "Interleaved1F1B",
-    "looped-bfs": "LoopedBFS",
-    "zb-v": "ZBVZeroBubble",
-    "dualpipe-v": "DualPipeV",
-}
+#: Families PyTorch has a schedule class for (torchtitan's ``pipeline_parallel_schedule``), from the families'
+#: declarations; the others run from the schedule's CSV (``pipeline_parallel_schedule_csv``).
+TORCH_SCHEDULE_NAMES = {name: family.torch.name for name, family in registry().items() if family.torch is not None}
 
 
 #: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
 #: activation peak bytes, the schedule). Sharding changes only the static memory, not the schedule.
 SimulationCache = dict[tuple[Any, ...], tuple[float, list[float], Schedule]]
 
-#: Seconds one family takes to generate and simulate per 1,000 actions on this project's 2-core machine
-#: (measured on a 405B configuration, p = 32, m = 128, under load): what the search uses to avoid starting an
-#: evaluation that cannot end before the deadline.
-SECONDS_PER_THOUSAND_ACTIONS = {
-    "gpipe": 0.06,
-    "1f1b": 0.06,
-    "zb-h1": 0.06,
-    "zb-h2": 0.08,
-    "interleaved-1f1b": 0.07,
-    "looped-bfs": 0.07,
-    "zb-v": 0.35,
-    "v-half": 0.9,
-    "v-min": 0.9,
-    "dualpipe-v": 0.4,
-    "auto": 1.0,
-}
+#: Seconds ``auto`` takes per 1,000 actions within the planner (a family declares its own in its
+#: :class:`~pipesched.optimizer.families.PlannerEstimate`): what the search uses to avoid starting an evaluation
+#: that cannot end before the deadline.
+AUTO_SECONDS_PER_THOUSAND_ACTIONS = 1.0
 
 
 def _simulates_collectives(problem: Problem) -> bool:
@@ -90,7 +71,11 @@ def _simulates_collectives(problem: Problem) -> bool:
 def evaluation_seconds(config: Configuration) -> float:
     """Predicted seconds to generate and simulate ``config``'s schedule."""
     actions = 3 * config.num_stages * config.num_microbatches
-    return SECONDS_PER_THOUSAND_ACTIONS[config.method] * actions / 1000
+    if config.method == "auto":
+        return AUTO_SECONDS_PER_THOUSAND_ACTIONS * actions / 1000
+    estimate = get_family(config.method).planner
+    per_thousand = estimate.seconds_per_thousand_actions if estimate is not None else AUTO_SECONDS_PER_THOUSAND_ACTIONS
+    return per_thousand * actions / 1000
 
 
 @dataclass

@@ -11,11 +11,12 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
   estimate stays at or under the simulated peak and prunes no configuration that fits.
-- **Activations in flight** on the first and the last rank at their peak, by schedule family: GPipe m,
-  1F1B / ZB-H1 p (Narayanan et al. 2021, §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B
-  2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's warm-up), looped BFS all m·v, ZB-V 2p half-size chunks,
-  V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1 (Qi et al. 2024, "Pipeline Parallelism with Controllable
-  Memory", Table 1). An estimate: the simulator measures the real peak of every schedule it evaluates.
+- **Activations in flight** on the first and the last rank at their peak, as each family declares them
+  (:class:`~pipesched.optimizer.families.PlannerEstimate`): GPipe m, 1F1B / ZB-H1 p (Narayanan et al. 2021,
+  §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B 2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's
+  warm-up), looped BFS all m·v, ZB-V 2p half-size chunks, V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1
+  (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1); ``auto`` as 1F1B. An estimate:
+  the simulator measures the real peak of every schedule it evaluates.
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
@@ -35,7 +36,6 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -50,6 +50,7 @@ from pipesched.optimizer.cost.stages import (
     resolve_hardware,
     transformer_layer,
 )
+from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.units import format_bytes
@@ -59,40 +60,31 @@ __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
 #: Bytes Adam's step moves per local parameter (module docstring).
 ADAM_BYTES_PER_PARAMETER = 30.0
 
-#: Bubble of each family as a fraction of 1F1B's (p − 1) chunk times, for ordering only.
-_BUBBLE = {
-    "gpipe": 1.0,
-    "1f1b": 1.0,
-    "interleaved-1f1b": 1.0,
-    "looped-bfs": 1.0,
-    "zb-h1": 0.4,
-    "zb-h2": 0.1,
-    "zb-v": 0.15,
-    "v-half": 0.5,
-    "v-min": 0.8,
-    "dualpipe-v": 0.2,
-    "auto": 0.1,
-}
+#: ``auto``'s bubble as a fraction of 1F1B's (p − 1) chunk times, for ordering only (a family declares its own).
+AUTO_BUBBLE = 0.1
+
+
+def _bubble(method: str) -> float:
+    return AUTO_BUBBLE if method == "auto" else _estimate_of(method).bubble
+
+
+def _estimate_of(method: str) -> PlannerEstimate:
+    estimate = get_family(method).planner
+    if estimate is None:
+        raise ValueError(f"the planner has no estimate for {method}: it declares no PlannerEstimate")
+    return estimate
 
 
 def in_flight(method: str, p: int, v: int, m: int) -> tuple[int, int]:
     """Chunk activations held at the peak on the first and on the last pipeline rank (module docstring)."""
     if p == 1:
         return 1, 1
-    first = {
-        "gpipe": m,
-        "1f1b": min(p, m),
-        "zb-h1": min(p, m),
-        "zb-h2": min(2 * p - 1, m),
-        "interleaved-1f1b": min(m * v, 2 * (p - 1) + (v - 1) * p + 1),
-        "looped-bfs": m * v,
-        "zb-v": min(2 * m, 2 * p),
-        "v-half": min(2 * m, p + 1),
-        "v-min": min(2 * m, math.ceil(2 * p / 3) + 1),
-        "dualpipe-v": min(2 * m, 2 * p + 1),
-        "auto": min(p, m),
-    }[method]
-    last = first if method in ("gpipe", "looped-bfs") else max(1, min(first, v))
+    if method == "auto":
+        first, like_first = min(p, m), False
+    else:
+        estimate = _estimate_of(method)
+        first, like_first = estimate.in_flight(p, v, m), estimate.last_rank_like_first
+    last = first if like_first else max(1, min(first, v))
     return first, last
 
 
@@ -314,7 +306,7 @@ class Estimator:
         if self.sequence_parallel:
             p2p_bytes /= config.tensor_parallel
         p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
-        bubble = _BUBBLE[config.method] * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
+        bubble = _bubble(config.method) * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
         estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer
         limit = self.limit_bytes
         fits = peak <= limit

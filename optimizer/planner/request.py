@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, WithJsonSchema
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.families import registry
 from pipesched.optimizer.field_errors import StrictModel
-from pipesched.optimizer.problem import FAMILY_NAMES
 
 __all__ = [
+    "PLAN_METHODS",
     "RECOMPUTATION",
     "SHARDING",
     "DataParallelPlan",
@@ -26,8 +27,18 @@ __all__ = [
 
 SHARDING = ("none", "optimizer", "gradients", "full")
 RECOMPUTATION = ("none", "selective", "full")
-PlanMethod = Literal[
-    "auto", "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2", "zb-v", "v-half", "v-min", "dualpipe-v"
+#: What ``search.method`` may name: ``auto`` and the families that declare a planner estimate.
+PLAN_METHODS: tuple[str, ...] = ("auto", *(name for name, family in registry().items() if family.planner is not None))
+
+
+def _plan_method(value: str) -> str:
+    if value not in PLAN_METHODS:
+        raise ValueError(f"{value!r} is not a method the planner tries: choose one of {', '.join(PLAN_METHODS)}")
+    return value
+
+
+PlanMethod = Annotated[
+    str, AfterValidator(_plan_method), WithJsonSchema({"type": "string", "enum": list(PLAN_METHODS)})
 ]
 
 
@@ -63,7 +74,7 @@ class PlanSearch(StrictModel):
         None, description="Allowed recomputation modes."
     )
     method: list[PlanMethod] | None = Field(
-        None, description=f"Allowed schedules: auto or families ({', '.join(FAMILY_NAMES)})."
+        None, description=f"Allowed schedules: auto or families ({', '.join(PLAN_METHODS[1:])})."
     )
 
 

@@ -3,7 +3,8 @@
 A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
 data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
 sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop,
-or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m.
+or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m: the families
+the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import asdict, dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.families import FamilyDomainError, get_family
+from pipesched.optimizer.families import get_family, registry
 from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
-from pipesched.optimizer.problem import Costs, Memory, Pipeline, Problem
+from pipesched.optimizer.problem import Pipeline
 
 __all__ = [
     "DIMENSIONS",
@@ -27,10 +28,6 @@ __all__ = [
     "tensor_degrees",
 ]
 
-#: Layout → schedule families tried on it (``auto`` only when ``search.method`` names it).
-_LOOP_ONE = ("1f1b", "zb-h1", "zb-h2", "gpipe")
-_LOOP_MANY = ("interleaved-1f1b", "looped-bfs")
-_V = ("zb-v", "v-half", "v-min", "dualpipe-v")
 #: Micro-batch sizes tried (each must divide the per-replica batch).
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 #: Chunks per rank tried with the loop placement.
@@ -86,18 +83,25 @@ def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
     return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
 
 
+@cache
 def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
-    """Families worth trying on a layout (one rank: plain gradient accumulation, ``1f1b``)."""
+    """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
+    (one rank: the family declared for plain gradient accumulation)."""
+    tried = [family for family in registry().values() if family.planner is not None]
     if pipeline_parallel == 1:
-        return ("1f1b",)
-    if placement == "v":
-        return _V
-    return _LOOP_ONE if stages_per_rank == 1 else _LOOP_MANY
+        return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
+    return tuple(
+        family.name
+        for family in tried
+        if family.planner is not None
+        and family.admits_layout(placement, stages_per_rank)
+        and stages_per_rank >= family.planner.min_stages_per_rank
+    )
 
 
 @cache
 def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement: str, num_microbatches: int) -> bool:
-    """Whether family ``method`` admits the layout and microbatch count (its own domain check)."""
+    """Whether family ``method`` admits the pipeline (its layout and microbatch count)."""
     if method == "auto":
         return True
     try:
@@ -107,15 +111,9 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
             stages_per_rank=stages_per_rank,
             placement=placement,
         )
-        problem = Problem(
-            pipeline=pipeline,
-            costs=Costs(forward=1.0, backward_input=1.0, backward_weight=1.0),
-            memory=Memory(activation=1.0),
-        )
-        get_family(method).check(problem)
-    except (FamilyDomainError, ValueError):
+    except ValueError:
         return False
-    return True
+    return get_family(method).admits_pipeline(pipeline)
 
 
 def divisors(n: int) -> list[int]:

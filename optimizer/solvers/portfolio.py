@@ -7,7 +7,7 @@ Order of work within ``solver.time_limit_s`` (``docs/CONTRACT.md``, Problem):
 2. Lower bound (:mod:`pipesched.optimizer.bounds`).
 3. The sequential schedule (always fits when anything fits: a first feasible answer at once), then
    every applicable family whose schedule fits memory (warm starts), and PyTorch's variants of them
-   (:mod:`pipesched.optimizer.families.peers`).
+   (:mod:`pipesched.optimizer.families._peers`).
 4. The Zero Bubble authors' automatic scheduler (:mod:`pipesched.optimizer.solvers.zb_auto`, the source of
    every published ZB-1p/ZB-2p figure) at the problem's limit and on a ladder of lower limits
    (k·p activations per rank, k = 1, 1.5, 2, 3): a schedule that fits less memory fits the limit too,
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.families._greedy import capped_greedy_orders, max_reservations
-from pipesched.optimizer.families.peers import peer_warm_starts
+from pipesched.optimizer.families._peers import peer_warm_starts
 from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import ActionKind
 from pipesched.optimizer.problem import Problem

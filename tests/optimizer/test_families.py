@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from pipesched.optimizer.communication import with_communication
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.families import FamilyDomainError, get_family, registry
+from pipesched.optimizer.families import FamilyDomainError, FamilySpec, discover_families, get_family, registry
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
-from tests.conftest import uniform_problem
+from tests.conftest import REPO, uniform_problem
 
 
 def _run(problem: Problem, name: str) -> SimulationResult:
@@ -82,27 +85,21 @@ def test_dualpipe_v_peak_about_p_plus_one_microbatches() -> None:
 
 # -- domains and property tests -----------------------------------------------------------------
 
-_DOMAINS: dict[str, tuple[str, tuple[int, ...], bool]] = {
-    # name: (placement, admitted stages_per_rank, needs split backward)
-    "gpipe": ("loop", (1,), False),
-    "1f1b": ("loop", (1,), False),
-    "interleaved-1f1b": ("loop", (2, 3, 4), False),
-    "interleaved-zb": ("loop", (1, 2, 3), True),
-    "looped-bfs": ("loop", (1, 2, 3), False),
-    "zb-h1": ("loop", (1,), True),
-    "zb-h2": ("loop", (1,), True),
-    "zb-v": ("v", (2,), True),
-    "v-half": ("v", (2,), False),
-    "v-min": ("v", (2,), False),
-    "bitpipe": ("bidirectional", (2,), False),
-    "dualpipe-v": ("v", (2,), False),
-    "lga": ("loop", (1, 2, 3), False),
-}
+
+def _domain(family: FamilySpec) -> tuple[str, tuple[int, ...], bool]:
+    """(placement, the first three admitted stages_per_rank, needs split backward), from the declaration."""
+    return family.placements[0], tuple(family.stages_per_rank[:3]), family.backward == "split"
+
+
+# pipedream-2bw (no flush, a repeating pattern) is tested in tests/optimizer/test_training.py.
+_DOMAINS = {name: _domain(family) for name, family in registry().items() if family.flush}
 
 
 def test_every_contract_family_is_registered() -> None:
-    # pipedream-2bw (no flush, a repeating pattern) is tested in tests/optimizer/test_training.py.
-    assert set(registry()) == set(_DOMAINS) | {"pipedream-2bw"}
+    contract = (REPO / "docs" / "CONTRACT.md").read_text()
+    line = next(line for line in contract.splitlines() if line.startswith("- `solver.method`"))
+    named = line.split("a named family:")[1].split(".")[0]
+    assert set(registry()) == {name.strip(" `") for name in named.split(",")}
 
 
 @pytest.mark.parametrize("name", sorted(_DOMAINS))
@@ -283,6 +280,53 @@ def test_capped_greedy_stops_when_asked() -> None:
     with pytest.raises(SearchStopped):
         capped_greedy_orders(inst, [1e9] * 4, should_stop=stop_after_ten)
     assert len(calls) == 11  # polled once per placed action, and it stopped at the first True
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+def _package(tmp_path: Path, name: str, modules: dict[str, str]) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    for module, text in modules.items():
+        (folder / f"{module}.py").write_text(text)
+    return folder
+
+
+_SPEC = (
+    "from pipesched.optimizer.families import FamilySpec\n"
+    "FAMILIES = [FamilySpec(name={name!r}, description='', build=lambda problem: [], listing_order={order})]\n"
+)
+
+
+def test_a_family_module_that_fails_to_import_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    good = _package(tmp_path, "fams_good", {"b": _SPEC.format(name="b", order=2), "a": _SPEC.format(name="a", order=1)})
+    assert [spec.name for spec in discover_families(good, "fams_good")] == ["a", "b"]
+    broken = _package(tmp_path, "fams_broken", {"a": _SPEC.format(name="a", order=1), "b": "import no_such_module\n"})
+    with pytest.raises(ImportError, match="no_such_module"):
+        discover_families(broken, "fams_broken")
+    bare = _package(tmp_path, "fams_bare", {"helper": "X = 1\n", "_private": "Y = 2\n"})
+    with pytest.raises(RuntimeError, match=r"fams_bare\.helper declares no FAMILIES"):
+        discover_families(bare, "fams_bare")
+    twice = _package(
+        tmp_path, "fams_twice", {"a": _SPEC.format(name="a", order=1), "b": _SPEC.format(name="a", order=2)}
+    )
+    with pytest.raises(RuntimeError, match="share the name 'a'"):
+        discover_families(twice, "fams_twice")
+
+
+def test_the_loader_checks_the_method_against_the_registry() -> None:
+    body = uniform_problem(4, 8).model_dump(mode="json")
+    body["solver"]["method"] = "zb-h3"
+    with pytest.raises(ValidationError) as error:
+        load_problem(body)
+    entry = error.value.errors()[0]
+    assert entry["loc"] == ("solver", "method") and "did you mean zb-h2" in entry["msg"]
+    body["solver"]["method"] = "pipedream-2bw"
+    del body["training"]
+    assert load_problem(body).training.flush is False  # a family without a flush sets its training
 
 
 @pytest.mark.parametrize("split_backward", [False, True])

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import Action, ActionKind
@@ -64,7 +65,7 @@ def problem(
         body["memory"]["weights"] = weights
     if training is not None:
         body["training"] = training
-    return Problem.model_validate(body)
+    return load_problem(body)
 
 
 # -- PipeDream-2BW's steady state ------------------------------------------------------------------

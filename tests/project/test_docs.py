@@ -1,4 +1,5 @@
-"""The docs stay true: the contract copy matches the shared contract; the README's commands exist."""
+"""The docs stay true: the contract copy matches the shared contract; the README's commands exist; every link
+between the README and docs/ lands on a file."""
 
 from __future__ import annotations
 
@@ -50,3 +51,14 @@ def test_a_command_in_the_not_built_list_is_not_there_yet() -> None:
 
     built = set(get_command(app).commands) & not_built_yet()  # type: ignore[attr-defined]
     assert not built, f"remove {sorted(built)} from the README's Not built yet list: it is built"
+
+
+def test_every_relative_link_of_the_readme_and_docs_lands_on_a_file() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(pages) > 2
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)} → {target}")
+    assert not broken, broken

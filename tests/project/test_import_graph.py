@@ -104,3 +104,19 @@ def test_no_import_circle_among_the_package_modules() -> None:
 
 def test_a_circle_is_caught() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def room_of(module: str) -> str:
+    """The room a module lives in: ``pipesched.<package>.<subfolder or top module>``; a package's ``__init__`` is a
+    room of its own (``pipesched``, ``pipesched.optimizer`` …)."""
+    parts = module.split(".")
+    return ".".join(parts[:3])
+
+
+def room_graph() -> dict[str, set[str]]:
+    """Room → the other rooms its modules import (module edges lifted to rooms, edges inside a room dropped)."""
+    rooms: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        room = room_of(module)
+        rooms.setdefault(room, set()).update(room_of(t) for t in targets if room_of(t) != room)
+    return rooms

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from pipesched.optimizer.families import get_family
-from pipesched.optimizer.families.peers import torch_zbv_orders
+from pipesched.optimizer.families._peers import torch_zbv_orders
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.ir import parse_orders
 from pipesched.optimizer.problem import Problem
