@@ -84,6 +84,10 @@ class PlannerEstimate:
         min_stages_per_rank: the fewest stages per rank the planner tries the family with.
         single_rank: the family the planner runs when a configuration has no pipeline (p = 1): plain
             gradient accumulation.
+        by_default: whether the planner tries the family without being asked; otherwise only when
+            ``search.method`` names it (a different update rule, as PipeDream-2BW's, or an order another
+            family already gives).
+        weight_versions: weight copies a rank keeps (2 without a flush: PipeDream-2BW's double buffering).
     """
 
     in_flight: Callable[[int, int, int], int]
@@ -92,6 +96,8 @@ class PlannerEstimate:
     last_rank_like_first: bool = False
     min_stages_per_rank: int = 1
     single_rank: bool = False
+    by_default: bool = True
+    weight_versions: int = 1
 
 
 #: How each named placement lays stages on ranks, for the domain errors (contract, Terms: placement).

@@ -37,7 +37,7 @@ a lower bound on theirs for the same compute order.
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import FamilySpec, backward, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Pipeline, Problem
 
@@ -141,5 +141,15 @@ FAMILIES = [
         stages_per_rank=range(2, 3),
         domain_note="an even num_ranks, num_microbatches a multiple of it",
         check_pipeline=_check,
+        # The warm-up's chunk forwards (module docstring): p + p/2 + r on rank r < p/2, up to 2p − 1 in the
+        # middle; both replicas' weights (the planner's layout counts each stage on its two ranks). Tried when
+        # search.method names it.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(2 * p - 1, 2 * m),
+            bubble=0.3,
+            seconds_per_thousand_actions=0.1,
+            last_rank_like_first=True,
+            by_default=False,
+        ),
     )
 ]

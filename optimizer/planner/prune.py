@@ -48,11 +48,13 @@ from pipesched.optimizer.cost.stages import (
     embedding_block,
     head_block,
     resolve_hardware,
+    stage_ranks,
     transformer_layer,
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.problem import Pipeline
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -194,20 +196,24 @@ class Estimator:
         backward = [0.0] * p
         parameters = [0.0] * p
         activation = [0.0] * p
-        for stage, count in enumerate(counts):
+        pipeline = Pipeline(
+            num_ranks=p, num_microbatches=max(1, config.num_microbatches), stages_per_rank=v, placement=placement
+        )
+        for stage, (count, holders) in enumerate(zip(counts, stage_ranks(pipeline), strict=True)):
             block = layer.times(count)
             if stage == 0:
                 block = block + embedding
             if stage == num_stages - 1:
                 block = block + head
-            rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
-            compute[rank] += block.compute_ms
-            backward[rank] += block.backward_input_ms + block.backward_weight_ms
-            parameters[rank] += block.parameters
-            activation[rank] = max(activation[rank], block.activation_bytes)
+            # Each holder keeps the stage's weights; a bidirectional placement's two replicas share the batch.
+            for rank in holders:
+                compute[rank] += block.compute_ms / len(holders)
+                backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders)
+                parameters[rank] += block.parameters
+                activation[rank] = max(activation[rank], block.activation_bytes)
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
-        last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        last_rank = (num_stages - 1) % p if placement == "loop" else 0  # V and bidirectional: back on rank 0
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],
@@ -290,8 +296,12 @@ class Estimator:
         layout = self.layout(config)
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
+        versions = 0.0 if config.method == "auto" else _estimate_of(config.method).weight_versions - 1.0
         static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters)
         static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters)
+        # PipeDream-2BW's second weight version: weights only (Narayanan et al. 2020, §3.1).
+        static_first += versions * layout.first_parameters * self.model.dtype_bytes
+        static_last += versions * layout.last_parameters * self.model.dtype_bytes
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
         peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
         peak = max(peak_first, peak_last)

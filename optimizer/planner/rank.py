@@ -18,17 +18,16 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
-from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
-from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
     evaluate,
     evaluation_seconds,
     schedule_for,
+    schedule_lower_bound,
 )
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected, Searched
@@ -231,8 +230,9 @@ def search(
     total = len(prepared.candidates)
 
     def ranked() -> list[Evaluation]:
-        done = [item for item in evaluations if item.plan is not None]
-        return sorted(done, key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
+        # One plan per configuration: the auto phase may reach a configuration the family phase evaluated.
+        done = {item.configuration: item for item in evaluations if item.plan is not None}
+        return sorted(done.values(), key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
 
     def report(phase: str, evaluated: int) -> None:
         if progress is None:
@@ -305,6 +305,8 @@ def search(
         if config.num_stages * config.num_microbatches > AUTO_MAX_STAGE_MICROBATCHES or config.method == "auto":
             continue
         auto_config = dataclasses.replace(config, method="auto")
+        if any(item.configuration == auto_config for item in evaluations):
+            continue  # evaluated already (auto was named, or two families of one layout led)
         estimate = estimator.estimate(auto_config)
         if evaluation_seconds(auto_config) > remaining / 2:
             continue
@@ -322,11 +324,8 @@ def search(
         assert item.plan is not None
         plan_bound = item.plan
         if item.problem is not None and time.perf_counter() + evaluation_seconds(item.configuration) < deadline:
-            makespan_bound = lower_bound(compile_problem(item.problem, step_actions=False), "makespan")
-            bound = max(
-                item.plan.lower_bound_ms,
-                makespan_bound + item.plan.data_parallel_exposed_ms + item.plan.optimizer_step_ms,
-            )
+            added = item.plan.data_parallel_exposed_ms + item.plan.optimizer_step_ms
+            bound = max(item.plan.lower_bound_ms, schedule_lower_bound(item.problem, added))
             plan_bound = item.plan.model_copy(update={"lower_bound_ms": round(min(bound, item.plan.step_time_ms), 4)})
         plans.append(plan_bound)
         schedules.append(schedule_for(item))  # simulation only: the orders are kept

@@ -67,7 +67,7 @@ class PlanSearch(StrictModel):
         None, description="Allowed data-parallel sharding levels."
     )
     stages_per_rank: list[int] | None = Field(None, description="Allowed model chunks per pipeline rank.")
-    placement: list[Literal["loop", "v"]] | None = Field(None, description="Allowed placements.")
+    placement: list[Literal["loop", "v", "bidirectional"]] | None = Field(None, description="Allowed placements.")
     micro_batch_size: list[int] | None = Field(None, description="Allowed sequences per microbatch.")
     num_microbatches: list[int] | None = Field(None, description="Allowed microbatches per step and pipeline.")
     activation_recomputation: list[Literal["none", "selective", "full"]] | None = Field(

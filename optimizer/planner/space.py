@@ -2,9 +2,13 @@
 
 A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
 data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
-sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop,
-or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m: the families
-the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate`.
+sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop
+(powers of two up to ``num_layers / p``, and one layer per stage when p divides the layers; any count up to
+``num_layers / p`` when ``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
+(``bidirectional``, even p); the schedule is a family (or ``auto``) whose domain admits the layout and m: the
+families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
+not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
+its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only.
 """
 
 from __future__ import annotations
@@ -30,8 +34,6 @@ __all__ = [
 
 #: Micro-batch sizes tried (each must divide the per-replica batch).
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-#: Chunks per rank tried with the loop placement.
-_LOOP_STAGES = (1, 2, 4)
 
 
 @dataclass(frozen=True, order=True)
@@ -75,19 +77,35 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
     ]
 
 
-def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages."""
-    if pipeline_parallel == 1:
+def layouts(
+    pipeline_parallel: int, num_layers: int, stages_per_rank: Sequence[int] | None = None
+) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (module
+    docstring); ``stages_per_rank``: the loop counts to try instead of the default ones."""
+    p = pipeline_parallel
+    if p == 1:
         return [(1, "loop")]
-    candidates = [(v, "loop") for v in _LOOP_STAGES] + [(2, "v")]
-    return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
+    most = num_layers // p
+    if stages_per_rank is not None:
+        loop = sorted({v for v in stages_per_rank if 1 <= v <= most})
+    else:
+        loop = sorted(
+            {2**k for k in range(most.bit_length()) if 2**k <= most} | ({most} if num_layers % p == 0 else set())
+        )
+    candidates = [(v, "loop") for v in loop] + [(2, "v")] + ([(2, "bidirectional")] if p % 2 == 0 else [])
+    return [(v, placement) for v, placement in candidates if p * v <= num_layers]
 
 
 @cache
-def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
+def methods_for(
+    stages_per_rank: int, placement: str, pipeline_parallel: int, *, named: bool = False
+) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the family declared for plain gradient accumulation)."""
-    tried = [family for family in registry().values() if family.planner is not None]
+    (one rank: the family declared for plain gradient accumulation); ``named``: also those tried only when
+    ``search.method`` names them."""
+    tried = [
+        family for family in registry().values() if family.planner is not None and (named or family.planner.by_default)
+    ]
     if pipeline_parallel == 1:
         return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
     return tuple(
@@ -114,6 +132,12 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     except ValueError:
         return False
     return get_family(method).admits_pipeline(pipeline)
+
+
+def _shards(method: str, sharding: str) -> bool:
+    """Whether ``method`` runs with ``sharding``: a family without a flush keeps two whole weight versions and
+    all-reduces its gradients every step (sharding ``none`` or ``optimizer``)."""
+    return method == "auto" or get_family(method).flush or sharding in ("none", "optimizer")
 
 
 def divisors(n: int) -> list[int]:
@@ -165,7 +189,7 @@ def enumerate_space(
             for sharding in SHARDING if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
-                for v, placement in layouts(p, model.num_layers):
+                for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
                     if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                         continue
                     for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
@@ -185,12 +209,12 @@ def enumerate_space(
                                 and search.activation_recomputation is None
                             ):
                                 continue  # FlashAttention stores no scores: selective equals none
-                            candidates = methods_for(v, placement, p)
+                            candidates = methods_for(v, placement, p, named=methods_pinned is not None)
                             if methods_pinned is not None:
                                 candidates = tuple(
                                     name for name in methods_pinned if name in candidates or name == "auto"
                                 )
                             for method in candidates:
-                                if not _admits(method, p, v, placement, m):
+                                if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
                                     continue
                                 yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)
