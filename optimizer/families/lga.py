@@ -17,7 +17,10 @@ given, the pipeline must have one stage per layer (``tests/optimizer/test_famili
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, require
+import dataclasses
+
+from pipesched.optimizer.families._base import FamilySpec, require
+from pipesched.optimizer.families.looped_bfs import BREADTH_FIRST_ESTIMATE
 from pipesched.optimizer.families.looped_bfs import _build as _breadth_first
 from pipesched.optimizer.problem import Problem
 
@@ -50,14 +53,7 @@ FAMILIES = [
         domain_note="one layer per stage (num_stages = model.num_layers when a model is given)",
         check_problem=_check,
         # looped-bfs's order (module docstring) at one layer per stage: tried when search.method names it.
-        planner=PlannerEstimate(
-            in_flight=lambda p, v, m: m * v,
-            bubble=1.0,
-            seconds_per_thousand_actions=0.07,
-            last_rank_like_first=True,
-            min_stages_per_rank=2,
-            by_default=False,
-        ),
+        planner=dataclasses.replace(BREADTH_FIRST_ESTIMATE, by_default=False),
         gather_runs=True,  # a stage's weights gathered once per run of its microbatches (Sec. 4)
     )
 ]
