@@ -6,7 +6,13 @@ Memory: ``VmHWM`` (peak resident set) of the server process from ``/proc/<pid>/s
 and the largest sum of ``VmRSS`` over the server and every descendant (forkserver, solver and render
 processes), sampled every 0.1 s during the case.
 
-Usage: ``python -m bench.abuse_bench [--output bench/results/abuse_bench.txt]``
+With ``--postgres``: PostgreSQL mode, 1 front end (``PIPESCHED_QUEUE=postgres``) and 2 ``pipesched worker``
+processes on a PostgreSQL server of the bench's own (``.ci/postgres.sh``, a free port): 45 concurrent
+synchronous solves while the workers are busy, a 200-job flood, 16 parallel 911 KiB checks, a 10 s database
+crash (``pg_ctl -m immediate``) under running jobs, and a worker killed mid-search — each job's attempts and
+how often the workers solved it are read from the job rows and the workers' logs.
+
+Usage: ``python -m bench.abuse_bench [--postgres] [--output bench/results/abuse_bench.txt]``
 """
 
 from __future__ import annotations
@@ -170,12 +176,13 @@ class Case:
 
 
 class Bench:
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+    def __init__(self, directory: Path, env: dict[str, str], database_url: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         script = Path(sys.executable).parent / "pipesched"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
-        environ = {**os.environ, "PIPESCHED_DATABASE_URL": f"sqlite:///{directory / 'abuse.sqlite3'}", **env}
+        database_url = database_url or f"sqlite:///{directory / 'abuse.sqlite3'}"
+        environ = {**os.environ, "PIPESCHED_DATABASE_URL": database_url, **env}
         self.log = directory / "server.log"
         self.process = subprocess.Popen(
             [*command, "serve", "--host", "127.0.0.1", "--port", str(self.port)],
@@ -354,8 +361,14 @@ def run(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, help="Also write the table here.")
+    parser.add_argument("--postgres", action="store_true", help="PostgreSQL mode: a front end and 2 workers.")
     args = parser.parse_args()
-    text = run(args)
+    if args.postgres:
+        from bench.abuse_postgres import run_postgres
+
+        text = run_postgres(args)
+    else:
+        text = run(args)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)

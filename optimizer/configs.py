@@ -151,6 +151,11 @@ class ModelConfig(BaseModel):
         return self
 
 
+#: The slowest link a cluster may name, B/s (1 MB/s): below it a collective's time overflows the estimates
+#: (1e-300 B/s made every configuration's time infinite, reported as "over memory").
+MIN_LINK_BYTES_PER_S = 1e6
+
+
 class ClusterConfig(BaseModel):
     """The accelerators and links: a catalogue name (:mod:`pipesched.optimizer.accelerators`) or explicit numbers.
 
@@ -183,10 +188,14 @@ class ClusterConfig(BaseModel):
         8, ge=1, le=1024, description="Accelerators per host (one tensor-parallel group at most)."
     )
     intra_node_bandwidth_bytes_per_s: float = Field(
-        450e9, gt=0, description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s."
+        450e9,
+        ge=MIN_LINK_BYTES_PER_S,
+        description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s.",
     )
     inter_node_bandwidth_bytes_per_s: float = Field(
-        50e9, gt=0, description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s."
+        50e9,
+        ge=MIN_LINK_BYTES_PER_S,
+        description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s.",
     )
     collective_latency_ms: float = Field(0.01, ge=0, description="Latency of one ring step of a collective, ms.")
 

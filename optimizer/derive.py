@@ -15,10 +15,11 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
-from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
 from pipesched.optimizer.families import method_field_errors, registry
-from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
+from pipesched.optimizer.solvers.base import backend_names
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -50,8 +51,18 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
             ``cluster.accelerator``, ``costs.forward``…, ``solver.method`` against the families) and the fix.
     """
     problem = _derive_and_validate(_with_method_training(dict(data)))
-    raise_field_errors("Problem", method_field_errors(problem))
+    raise_field_errors("Problem", [*method_field_errors(problem), *_backend_errors(problem)])
     return problem
+
+
+def _backend_errors(problem: Problem) -> list[FieldError]:
+    """``solver.backends`` against the backends' registry (:data:`pipesched.optimizer.solvers.base.BACKENDS`)."""
+    known = backend_names()
+    return [
+        (("solver", "backends", index), f"{name!r} is not a backend: choose among {', '.join(known)}", name)
+        for index, name in enumerate(problem.solver.backends or [])
+        if name not in known
+    ]
 
 
 def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +223,7 @@ def _add_collectives(
         model=parts.model,
         cluster=parts.cluster,
         stage_parameters=[block.parameters for block in derived.stages],
-        stage_holders=stage_ranks(parts.pipeline),
+        stage_holders=parts.pipeline.stage_holders(),
         num_ranks=parts.pipeline.num_ranks,
         data_parallel_size=dp.size,
         sharding=dp.sharding,

@@ -60,7 +60,6 @@ __all__ = [
     "compile_problem",
     "compute_instance",
     "frames_of",
-    "stage_to_rank",
 ]
 
 Frames = dict[int, list[list[Action]]]
@@ -69,22 +68,6 @@ Frames = dict[int, list[list[Action]]]
 
 class FrameError(ValueError):
     """A schedule's rows run a pass that needs a stage's weights outside every UNSHARD … RESHARD of the stage."""
-
-
-def stage_to_rank(problem: Problem) -> list[int]:
-    """Rank of every stage id (length ``num_stages``, or ``2 * num_stages`` for bidirectional)."""
-    pipeline = problem.pipeline
-    p, num_stages = pipeline.num_ranks, pipeline.num_stages
-    placement = pipeline.placement
-    if isinstance(placement, list):
-        return list(placement)
-    if placement == "loop":
-        return [s % p for s in range(num_stages)]
-    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    if placement == "v":
-        return v
-    # bidirectional: replica 0 in V placement, replica 1 mirrored.
-    return v + [p - 1 - r for r in v]
 
 
 @dataclass
@@ -263,7 +246,7 @@ def compile_problem(
     assert problem.costs is not None and problem.memory is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
-    ranks_of = stage_to_rank(problem)
+    ranks_of = pipeline.stage_to_rank
     model_stage = [s % num_stages for s in range(len(ranks_of))]
     if pipeline.placement == "bidirectional":
         replica0 = (m + 1) // 2

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, check_placement, simulate_indexed
@@ -151,7 +151,7 @@ def weight_version_memory(problem: Problem) -> list[float]:
     if problem.memory.weights is None:
         return [extra * s for s in problem.static_memory]
     weights = problem.stage_values(problem.memory.weights)
-    ranks = stage_to_rank(problem)
+    ranks = problem.pipeline.stage_to_rank
     shard = 1.0
     if problem.data_parallel is not None and problem.data_parallel.sharding == "full":
         shard = 1.0 / problem.data_parallel.size
@@ -679,7 +679,7 @@ def schedule_from_steady_state(
         bubble_rate=round((period - ideal) / period, 6) if period > 0 else 0.0,
         peak_memory=state.peak_memory,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=stage_to_rank(problem),
+        stage_to_rank=problem.pipeline.stage_to_rank,
         ranks=ranks,
         problem=problem,
         fits_memory=state.fits,

@@ -29,6 +29,7 @@ __all__ = [
     "TensorParallel",
     "Training",
     "raise_field_errors",
+    "stage_to_rank",
 ]
 
 #: A named placement (contract, Terms): how stages lie on ranks; an explicit list is the alternative.
@@ -74,6 +75,32 @@ PerStage = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 PerRank = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 
 
+def stage_to_rank(num_ranks: int, stages_per_rank: int, placement: str | list[int]) -> list[int]:
+    """The rank of every stage id: the one placement rule (contract, Terms: placement).
+
+    ``"loop"``: stage s on rank ``s % num_ranks``; ``"v"`` (two stages per rank): stages r and
+    ``2·num_ranks − 1 − r`` on rank r; ``"bidirectional"``: ids ``0 … S−1`` are replica 0 in the V placement and
+    ids ``S … 2S−1`` replica 1, mirrored (id ``S + s`` on rank ``num_ranks − 1 − rank(s)``); a list is the map.
+
+    Returns:
+        ``num_ranks · stages_per_rank`` ranks, twice that for ``"bidirectional"``.
+
+    Raises:
+        ValueError: a placement name that is none of these.
+    """
+    p, num_stages = num_ranks, num_ranks * stages_per_rank
+    if isinstance(placement, list):
+        return list(placement)
+    if placement == "loop":
+        return [s % p for s in range(num_stages)]
+    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+    if placement == "v":
+        return v
+    if placement == "bidirectional":
+        return v + [p - 1 - r for r in v]
+    raise ValueError(f'unknown placement {placement!r}: use "loop", "v", "bidirectional" or a list of ranks')
+
+
 class Pipeline(_Strict):
     """Ranks, microbatches and the placement of stages on ranks.
 
@@ -97,6 +124,19 @@ class Pipeline(_Strict):
     def num_stages(self) -> int:
         """Model stages: ``num_ranks * stages_per_rank``."""
         return self.num_ranks * self.stages_per_rank
+
+    @property
+    def stage_to_rank(self) -> list[int]:
+        """The rank of every stage id (:func:`stage_to_rank`; ``2 · num_stages`` ids for ``"bidirectional"``)."""
+        return stage_to_rank(self.num_ranks, self.stages_per_rank, self.placement)
+
+    def stage_holders(self) -> list[list[int]]:
+        """For every model stage, the ranks holding a copy: one, or two under ``"bidirectional"`` (one per
+        replica)."""
+        ranks, num_stages = self.stage_to_rank, self.num_stages
+        if len(ranks) == num_stages:
+            return [[rank] for rank in ranks]
+        return [sorted({ranks[s], ranks[num_stages + s]}) for s in range(num_stages)]
 
     @model_validator(mode="after")
     def _check_placement(self) -> Pipeline:
@@ -281,8 +321,8 @@ class SolverOptions(_Strict):
         description='"auto" searches; a family name generates that schedule (GET /v1/methods lists them).',
     )
     time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
-    backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
-        None, description="Backends the auto portfolio may use; null for all."
+    backends: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None, description="Backends the auto portfolio may use (heuristic, cpsat, milp); null for all."
     )
     seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
 
@@ -600,15 +640,7 @@ class Problem(_Strict):
             return []
         pipeline = self.pipeline
         p, num_stages = pipeline.num_ranks, pipeline.num_stages
-        placement = pipeline.placement
-        if isinstance(placement, list):
-            ranks = list(placement)
-        elif placement == "loop":
-            ranks = [s % p for s in range(num_stages)]
-        else:  # "v", and each replica of "bidirectional" (contract, Terms: placement)
-            ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-            if placement == "bidirectional":
-                ranks += [p - 1 - r for r in ranks]
+        ranks = pipeline.stage_to_rank
         gradients = self.stage_values(self.memory.gradients)
         freed = [0.0] * p
         for stage, rank in enumerate(ranks):

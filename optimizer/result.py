@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipesched.optimizer.instance import Instance, compile_for_orders, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
@@ -219,7 +219,7 @@ def infeasible_schedule(
         backend=backend,
         objective=problem.objective,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=stage_to_rank(problem),  # not compile_problem: an infeasible answer needs no actions
+        stage_to_rank=problem.pipeline.stage_to_rank,  # not compile_problem: an infeasible answer needs no actions
         problem=problem,
         reason=reason,
         min_memory_limit=min_memory_limit,

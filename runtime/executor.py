@@ -6,15 +6,19 @@ CSV) runs every loop and V schedule, and is the default engine there (``engine="
 
 * ``"bidirectional"`` placement (two model replicas whose stage ids ``S … 2S−1`` map back onto model
   stages ``0 … S−1``) and explicit placement lists: it reads the microbatch chains from
-  :func:`pipesched.optimizer.instance.compile_problem`, where ``_PipelineScheduleRuntime`` knows one chain
+  :func:`pipesched.optimizer.instance.compile_for_orders`, where ``_PipelineScheduleRuntime`` knows one chain
   ``0 … S−1`` placed loop- or V-wise;
 * runs that need the wait before each action apart from its compute (``wait_ms``), and a
   second, independent execution of the same order to compare with PyTorch's (``engine="pipesched"``).
 
+A rank's order is read with the optimizer's IR (:meth:`pipesched.optimizer.result.Schedule.orders`): passes
+(F, I, W, B) run here; the data-parallel communication actions (UNSHARD, RESHARD, REDUCE_GRAD) are handed to the
+rank's :class:`StageCommunication`; OPTIMIZER_STEP is the training loop's (:mod:`pipesched.runtime.training`).
+
 The backward split uses PyTorch's own ``stage_backward_input`` / ``stage_backward_weight`` (through
 :mod:`pipesched.runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a
 stage whose input needs no gradient (the first model stage) I has nothing to compute and W runs the
-whole backward, as PyTorch does (``torch/distributed/pipelining/_backward.py``).
+whole backward, as PyTorch does (``docs/RUNTIME.md``, "PyTorch facts").
 
 Point-to-point messages use ``isend``/``irecv`` with one tag per (stage, pass, microbatch), so
 transfers between the same two ranks cannot be mismatched (gloo matches by tag). Every receive waits
@@ -27,51 +31,32 @@ not exercised here.
 
 from __future__ import annotations
 
-import re
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.optimizer.instance import Instance, compile_for_orders
-from pipesched.optimizer.ir import Action, ActionKind, parse_action
+from pipesched.optimizer.instance import compile_for_orders
+from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime import torch_compat
-from pipesched.runtime.models import PipelineModel
+from pipesched.runtime.records import MeasuredAction, StepRecord
 
 __all__ = [
-    "COMMUNICATION_KINDS",
+    "PipelineExecutor",
     "PipelineRuntimeError",
-    "RankRun",
+    "RankProgram",
     "SavedActivationMeter",
-    "execute_rank",
-    "split_action",
+    "StageCommunication",
+    "StepInputs",
+    "synchronize",
 ]
-
-#: Data-parallel communication actions a schedule may hold beside F/I/W/B (contract, Terms), PyTorch's
-#: names: ``"{stage}UNSHARD"``, ``"{stage}RESHARD"``, ``"{stage}REDUCE_GRAD"``; and ``OPTIMIZER_STEP``,
-#: the end of a rank's step (with or without a stage prefix), which the training loop runs, not the executor.
-COMMUNICATION_KINDS = ("UNSHARD", "RESHARD", "REDUCE_GRAD", "OPTIMIZER_STEP")
-_COMMUNICATION_RE = re.compile(r"(0|[1-9][0-9]*)?(UNSHARD|RESHARD|REDUCE_GRAD|OPTIMIZER_STEP)")
-
-
-def split_action(text: str) -> Action | tuple[int | None, str]:
-    """A compute action (:class:`Action`), or a communication action as ``(stage or None, kind)``.
-
-    Raises:
-        ValueError: for anything else (the message of :func:`parse_action`).
-    """
-    match = _COMMUNICATION_RE.fullmatch(text) if isinstance(text, str) else None
-    if match is not None:
-        return (None if match.group(1) is None else int(match.group(1)), match.group(2))
-    return parse_action(text)
-
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _META_LEN = 10
@@ -142,27 +127,65 @@ class SavedActivationMeter:
         """The context manager that installs the meter."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
+    def restart_peak(self) -> None:
+        """Forget the peak so far (after untimed warm-up steps): the peak restarts from what is live now."""
+        self.peak_bytes = self.live_bytes
 
-@dataclass
-class RankRun:
-    """What one rank did: its actions with measured times (ms from the common start), memory, results.
 
-    ``actions[k]``: ``{"action", "start", "end", "wait_ms", "memory_bytes"}``; ``memory_bytes`` is the live
-    saved-activation bytes after the action (CPU) or ``torch.cuda.memory_allocated`` (GPU).
-    ``losses``: microbatch → loss, on the rank holding a chain's last stage. ``gradients``:
-    ``"{stage id}/{parameter name}"`` → gradient (CPU, fp32), summed over the step's microbatches.
-    """
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on CPU, where every op has ended when it returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one rank runs: its order (the optimizer's IR) and, per (stage id, microbatch), the stage before and
+    after it on the microbatch's chain (``None`` at a chain's ends)."""
 
     rank: int
-    actions: list[dict[str, Any]] = field(default_factory=list)
-    executed: list[str] = field(default_factory=list)
-    peak_memory_bytes: int = 0
-    memory_measure: str = "saved-activations"
-    losses: dict[int, float] = field(default_factory=dict)
-    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
-    device: str = "cpu"
-    communication: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    order: list[Action]
+    stage_ranks: list[int]
+    model_stage: list[int]
+    num_microbatches: int
+    previous: dict[tuple[int, int], int | None]
+    following: dict[tuple[int, int], int | None]
+
+    @classmethod
+    def compile(cls, schedule: Schedule, rank: int) -> RankProgram:
+        """The program of ``rank`` in ``schedule`` (chains from :func:`compile_for_orders`)."""
+        orders = schedule.orders()
+        inst = compile_for_orders(schedule.problem, orders)
+        previous: dict[tuple[int, int], int | None] = {}
+        following: dict[tuple[int, int], int | None] = {}
+        for j, chain in enumerate(inst.chains):
+            for k, stage in enumerate(chain):
+                previous[stage, j] = chain[k - 1] if k > 0 else None
+                following[stage, j] = chain[k + 1] if k + 1 < len(chain) else None
+        return cls(rank, orders[rank], inst.stage_ranks, inst.model_stage, inst.num_microbatches, previous, following)
+
+    @property
+    def stages(self) -> list[int]:
+        """The stage ids this rank holds."""
+        return sorted(s for s, owner in enumerate(self.stage_ranks) if owner == self.rank)
+
+    def remote(self, stage: int | None) -> bool:
+        """Whether ``stage`` (a neighbour on a chain) sits on another rank."""
+        return stage is not None and self.stage_ranks[stage] != self.rank
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's data: ``microbatch(j)`` → ``(input, target)`` of local microbatch j; ``loss_fn(output, target)``."""
+
+    microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageCommunication(Protocol):
+    """Runs a stage's data-parallel communication action (UNSHARD, RESHARD, REDUCE_GRAD) for the executor."""
+
+    def run(self, action: Action) -> None: ...
 
 
 @dataclass
@@ -179,8 +202,11 @@ def _tag(stage: int, microbatch: int, backward: bool, num_microbatches: int, met
     return (((stage * num_microbatches + microbatch) * 2 + int(backward)) * 2 + int(meta)) + 1
 
 
-class _P2P:
-    """Tagged point-to-point transfers with a bounded wait (shape travels in a small header)."""
+class PointToPoint:
+    """Tagged point-to-point transfers with a bounded wait (shape travels in a small header).
+
+    ``to_global`` maps a pipeline rank to the process of this replica's peer (p2p on a pp × dp mesh).
+    """
 
     def __init__(
         self,
@@ -224,234 +250,208 @@ class _P2P:
             )
 
     def recv(self, peer: int, stage: int, microbatch: int, backward: bool, what: str) -> torch.Tensor:
+        source = self.to_global(peer)
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
-        self._wait(
-            dist.irecv(meta, src=self.to_global(peer), tag=_tag(stage, microbatch, backward, self.m, True)), what, peer
-        )
-        ndim = int(meta[1])
-        shape = [int(x) for x in meta[2 : 2 + ndim]]
+        self._wait(dist.irecv(meta, src=source, tag=_tag(stage, microbatch, backward, self.m, True)), what, peer)
+        shape = [int(x) for x in meta[2 : 2 + int(meta[1])]]
         tensor = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
-        self._wait(
-            dist.irecv(tensor, src=self.to_global(peer), tag=_tag(stage, microbatch, backward, self.m, False)),
-            what,
-            peer,
-        )
+        self._wait(dist.irecv(tensor, src=source, tag=_tag(stage, microbatch, backward, self.m, False)), what, peer)
         return tensor
 
     def drain(self) -> None:
+        """Wait for every send of the step to complete."""
         for work, _ in self.pending:
             self._wait(work, "the completion of a send", -1)
         self.pending.clear()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class PipelineExecutor:
+    """The own engine: one rank's passes in the schedule's order, activations and gradients exchanged by p2p.
 
-
-def execute_rank(
-    schedule: Schedule,
-    model: PipelineModel,
-    *,
-    rank: int,
-    device: torch.device,
-    p2p_timeout_s: float,
-    warmup_steps: int = 1,
-    inst: Instance | None = None,
-    modules: dict[int, nn.Module] | None = None,
-    make_microbatch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-    to_global: Callable[[int], int] | None = None,
-    communicate: Callable[[int, str], None] | None = None,
-) -> RankRun:
-    """Run ``schedule``'s actions of ``rank`` in their order, exchanging activations and gradients.
-
-    ``warmup_steps`` untimed steps run first (their gradients discarded). The process group must be
-    initialised with one process per rank. Loss per microbatch is
-    ``model.loss_fn(...) / num_microbatches`` so the gradients are those of the mean loss.
-
-    For training (:mod:`pipesched.runtime.training`): ``modules`` (stage id → module, already on
-    ``device``, gradients left as they are: zero them between steps) replaces building them from ``model``;
-    ``make_microbatch``/``loss_fn`` replace the model's (a data-parallel replica's microbatches);
-    ``to_global`` maps a pipeline rank to the global rank of this replica's peer (p2p on a pp × dp mesh);
-    ``communicate(stage, kind)`` runs a communication action of the schedule (``UNSHARD``, ``RESHARD``,
-    ``REDUCE_GRAD``), timed into ``RankRun.communication``. Without it, or for ``OPTIMIZER_STEP``, such an
-    action is skipped with a note in ``RankRun.notes``.
-
-    Raises:
-        PipelineRuntimeError: a receive that does not complete within ``p2p_timeout_s`` (reason
-            ``p2p_timeout``), or an order this rank cannot run (reason ``schedule``: W before I, an
-            action of a stage it does not hold).
+    ``modules``: stage id → module on ``device`` (gradients accumulate: zero them between steps).
+    ``communication`` runs the rank's UNSHARD/RESHARD/REDUCE_GRAD where the order places them (without one,
+    they are skipped with a note). The loss per microbatch is ``loss_fn(...) / num_microbatches``, so the
+    gradients are those of the mean loss.
     """
-    inst = inst or compile_for_orders(schedule.problem, schedule.orders())
-    m = inst.num_microbatches
-    order = [split_action(a.action) for a in schedule.ranks[rank].actions]
-    my_stages = sorted({s for s, r in enumerate(inst.stage_ranks) if r == rank})
-    make_microbatch = make_microbatch or model.make_microbatch
-    loss_fn = loss_fn or model.loss_fn
-    if modules is None:
-        modules = {}
-        for stage in my_stages:
-            modules[stage] = model.build_stage(inst.model_stage[stage]).to(device)
-            modules[stage].zero_grad(set_to_none=True)
-    previous: dict[tuple[int, int], int | None] = {}
-    following: dict[tuple[int, int], int | None] = {}
-    for j, chain in enumerate(inst.chains):
-        for k, stage in enumerate(chain):
-            previous[stage, j] = chain[k - 1] if k > 0 else None
-            following[stage, j] = chain[k + 1] if k + 1 < len(chain) else None
 
-    meter = SavedActivationMeter([p for module in modules.values() for p in module.parameters()])
-    p2p = _P2P(rank, device, m, p2p_timeout_s, to_global)
-    state: dict[tuple[int, int], _Microbatch] = {}
-    run = RankRun(rank=rank, device=str(device))
-    run.memory_measure = "cuda-max-allocated" if device.type == "cuda" else "saved-activations"
+    def __init__(
+        self,
+        program: RankProgram,
+        modules: dict[int, nn.Module],
+        *,
+        device: torch.device,
+        p2p: PointToPoint,
+        meter: SavedActivationMeter,
+        communication: StageCommunication | None = None,
+    ) -> None:
+        self.program = program
+        self.modules = modules
+        self.device = device
+        self.p2p = p2p
+        self.meter = meter
+        self.communication = communication
+        self.notes: list[str] = []
+        self._state: dict[tuple[int, int], _Microbatch] = {}
+        self._record = StepRecord()
+        self._origin = 0.0
+        self._passes: dict[ActionKind, Callable[[int, int, StepInputs], float]] = {
+            ActionKind.FORWARD: self._forward,
+            ActionKind.BACKWARD_INPUT: self._backward_input,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.BACKWARD_WEIGHT: self._backward_weight,
+        }
 
-    def fail(action: Action, message: str) -> PipelineRuntimeError:
-        return PipelineRuntimeError("schedule", f"rank {rank}, action {action}: {message}")
+    def run_step(self, inputs: StepInputs, origin: float) -> StepRecord:
+        """Run the rank's order once; times in the record are ms from ``origin`` (``time.perf_counter`` s).
 
-    def step(record: bool) -> None:
-        state.clear()
-        dist.barrier()
-        origin = time.perf_counter()
-        for item in order:
-            if not isinstance(item, Action):
-                communication_stage, communication_kind = item
-                name = f"{'' if communication_stage is None else communication_stage}{communication_kind}"
-                if communicate is None or communication_kind == "OPTIMIZER_STEP" or communication_stage is None:
-                    if record:
-                        run.notes.append(f"{name}: skipped by the executor (run by the training loop)")
-                    continue
-                started = time.perf_counter()
-                communicate(communication_stage, communication_kind)
-                _synchronize(device)
-                ended = time.perf_counter()
-                if record:
-                    run.communication.append(
-                        {
-                            "action": name,
-                            "start": round((started - origin) * 1e3, 6),
-                            "end": round((ended - origin) * 1e3, 6),
-                        }
-                    )
-                continue
-            action = item
-            stage, kind, j = action
-            if stage not in modules:
-                raise fail(action, f"stage {stage} is held by rank {inst.stage_ranks[stage]}, not this rank")
-            module = modules[stage]
-            mb = state.setdefault((stage, j), _Microbatch())
-            waited = time.perf_counter()
-            if kind == ActionKind.FORWARD:
-                before = previous[stage, j]
-                if before is None:
-                    x, _ = make_microbatch(j)
-                    x = x.to(device)
-                elif inst.stage_ranks[before] == rank:
-                    produced = state.get((before, j))
-                    if produced is None or produced.output is None:
-                        raise fail(action, f"runs before {before}F{j} on the same rank")
-                    x = produced.output.detach().requires_grad_(produced.output.is_floating_point())
-                else:
-                    x = p2p.recv(inst.stage_ranks[before], before, j, False, f"the activation of {before}F{j}")
-                    x.requires_grad_(x.is_floating_point())
-                started = time.perf_counter()
-                with meter.hooks():
-                    out = module(x)
-                    if following[stage, j] is None:
-                        _, target = make_microbatch(j)
-                        loss = loss_fn(out, target.to(device))
-                        run.losses[j] = float(loss.detach())
-                        out = loss / m
-                mb.input, mb.output = x, out
-                after = following[stage, j]
-                if after is not None and inst.stage_ranks[after] != rank:
-                    p2p.send(out, inst.stage_ranks[after], stage, j, False)
-            elif kind in (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD):
-                if mb.output is None:
-                    raise fail(action, f"runs before {stage}F{j}")
-                if mb.backward_done:
-                    raise fail(action, "the backward of this microbatch ran already")
-                after = following[stage, j]
-                grad: torch.Tensor | None = None
-                if after is not None:
-                    if inst.stage_ranks[after] == rank:
-                        downstream = state.get((after, j))
-                        if downstream is None or downstream.input_grad is None:
-                            raise fail(action, f"runs before the backward of {after} for microbatch {j} on this rank")
-                        grad = downstream.input_grad
-                    else:
-                        grad = p2p.recv(inst.stage_ranks[after], after, j, True, f"the gradient from stage {after}")
-                started = time.perf_counter()
-                mb.output_grad = grad
-                needs_input_grad = isinstance(mb.input, torch.Tensor) and mb.input.requires_grad
-                with meter.hooks():
-                    if kind == ActionKind.BACKWARD:
-                        torch.autograd.backward([mb.output], None if grad is None else [grad])
-                        mb.param_groups = None
-                    elif needs_input_grad and mb.input is not None:
-                        mb.param_groups = torch_compat.backward_input(mb.output, grad, mb.input, module)
-                    else:
-                        mb.param_groups = "full"  # nothing to compute for I here: W runs the whole backward
-                if needs_input_grad:
-                    assert mb.input is not None
-                    mb.input_grad = mb.input.grad
-                    if mb.input_grad is None:
-                        mb.input_grad = torch.zeros_like(mb.input)
-                    before = previous[stage, j]
-                    if before is not None and inst.stage_ranks[before] != rank:
-                        p2p.send(mb.input_grad, inst.stage_ranks[before], stage, j, True)
-                mb.backward_done = kind == ActionKind.BACKWARD
-                if kind == ActionKind.BACKWARD:
-                    mb.output = mb.input = None
-            elif kind == ActionKind.BACKWARD_WEIGHT:
-                if mb.param_groups is None:
-                    raise fail(action, f"runs before {stage}I{j}")
-                started = time.perf_counter()
-                with meter.hooks():
-                    if isinstance(mb.param_groups, str):
-                        assert mb.output is not None
-                        torch.autograd.backward([mb.output], None if mb.output_grad is None else [mb.output_grad])
-                    else:
-                        torch_compat.backward_weight(mb.param_groups, module)
-                mb.param_groups = None
-                mb.output = mb.input = mb.output_grad = None
-                mb.backward_done = True
-            else:  # pragma: no cover - ActionKind has four members
-                raise fail(action, f"unknown kind {kind}")
-            _synchronize(device)
-            ended = time.perf_counter()
-            memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else meter.live_bytes
-            if mb.backward_done and mb.output is None:
-                # Keep the input gradient for a same-rank upstream stage; drop everything else.
-                state[stage, j] = _Microbatch(input_grad=mb.input_grad, backward_done=True)
-            if not record:
-                continue
-            run.actions.append(
-                {
-                    "action": str(action),
-                    "start": round((started - origin) * 1e3, 6),
-                    "end": round((ended - origin) * 1e3, 6),
-                    "wait_ms": round((started - waited) * 1e3, 6),
-                    "memory_bytes": int(memory),
-                }
+        Raises:
+            PipelineRuntimeError: a receive that does not complete within the p2p timeout (``p2p_timeout``), or
+                an order this rank cannot run (``schedule``: W before I, an action of a stage it does not hold).
+        """
+        self._state.clear()
+        self._record = StepRecord()
+        self._origin = origin
+        for action in self.program.order:
+            if action.is_compute:
+                self._compute(action, inputs)
+            else:
+                self._communicate(action)
+        self.p2p.drain()
+        return self._record
+
+    def _fail(self, action: Action, message: str) -> PipelineRuntimeError:
+        return PipelineRuntimeError("schedule", f"rank {self.program.rank}, action {action}: {message}")
+
+    def _compute(self, action: Action, inputs: StepInputs) -> None:
+        stage, kind, j = action
+        if stage not in self.modules:
+            raise self._fail(action, f"stage {stage} is held by rank {self.program.stage_ranks[stage]}, not this rank")
+        waited = time.perf_counter()
+        started = self._passes[kind](stage, j, inputs)
+        synchronize(self.device)
+        ended = time.perf_counter()
+        memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else self.meter.live_bytes
+        microbatch = self._state[stage, j]
+        if microbatch.backward_done and microbatch.output is None:
+            # Keep the input gradient for a same-rank upstream stage; drop everything else.
+            self._state[stage, j] = _Microbatch(input_grad=microbatch.input_grad, backward_done=True)
+        self._record.actions.append(
+            MeasuredAction.timed(
+                str(action),
+                self._origin,
+                started,
+                ended,
+                wait_ms=round((started - waited) * 1e3, 6),
+                memory_bytes=int(memory),
             )
-            run.executed.append(str(action))
-        p2p.drain()
+        )
 
-    for _ in range(warmup_steps):  # untimed: first calls pay for lazy initialisation
-        step(record=False)
-        for module in modules.values():
-            module.zero_grad(set_to_none=True)
-        meter.peak_bytes = meter.live_bytes
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    step(record=True)
-    run.peak_memory_bytes = (
-        int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else int(meter.peak_bytes)
-    )
-    for stage, module in modules.items():
-        for name, parameter in module.named_parameters():
-            if parameter.grad is not None:
-                run.gradients[f"{stage}/{name}"] = parameter.grad.detach().float().cpu()
-    return run
+    def _communicate(self, action: Action) -> None:
+        if self.communication is None or action.kind == ActionKind.OPTIMIZER_STEP:
+            self.notes.append(f"{action}: skipped by the executor (run by the training loop)")
+            return
+        started = time.perf_counter()
+        self.communication.run(action)
+        synchronize(self.device)
+        self._record.communication.append(MeasuredAction.timed(str(action), self._origin, started, time.perf_counter()))
+
+    # --- the passes: each returns the instant its compute started (after its input arrived) ---------------
+
+    def _forward(self, stage: int, j: int, inputs: StepInputs) -> float:
+        x = self._forward_input(stage, j, inputs)
+        started = time.perf_counter()
+        last = self.program.following[stage, j] is None
+        with self.meter.hooks():
+            out = self.modules[stage](x)
+            if last:
+                _, target = inputs.microbatch(j)
+                loss = inputs.loss_fn(out, target.to(self.device))
+                self._record.losses[j] = float(loss.detach())
+                out = loss / self.program.num_microbatches
+        microbatch = self._state.setdefault((stage, j), _Microbatch())
+        microbatch.input, microbatch.output = x, out
+        after = self.program.following[stage, j]
+        if after is not None and self.program.remote(after):
+            self.p2p.send(out, self.program.stage_ranks[after], stage, j, False)
+        return started
+
+    def _forward_input(self, stage: int, j: int, inputs: StepInputs) -> torch.Tensor:
+        before = self.program.previous[stage, j]
+        if before is None:
+            return inputs.microbatch(j)[0].to(self.device)
+        if not self.program.remote(before):
+            produced = self._state.get((before, j))
+            if produced is None or produced.output is None:
+                raise self._fail(Action(stage, ActionKind.FORWARD, j), f"runs before {before}F{j} on the same rank")
+            return produced.output.detach().requires_grad_(produced.output.is_floating_point())
+        x = self.p2p.recv(self.program.stage_ranks[before], before, j, False, f"the activation of {before}F{j}")
+        return x.requires_grad_(x.is_floating_point())
+
+    def _output_grad(self, action: Action) -> torch.Tensor | None:
+        """The gradient flowing into the stage's output: from the downstream stage (same rank or p2p)."""
+        stage, _, j = action
+        after = self.program.following[stage, j]
+        if after is None:
+            return None
+        if self.program.remote(after):
+            return self.p2p.recv(self.program.stage_ranks[after], after, j, True, f"the gradient from stage {after}")
+        downstream = self._state.get((after, j))
+        if downstream is None or downstream.input_grad is None:
+            raise self._fail(action, f"runs before the backward of {after} for microbatch {j} on this rank")
+        return downstream.input_grad
+
+    def _backward_input(self, stage: int, j: int, inputs: StepInputs, fused: bool = False) -> float:
+        action = Action(stage, ActionKind.BACKWARD if fused else ActionKind.BACKWARD_INPUT, j)
+        microbatch = self._state.setdefault((stage, j), _Microbatch())
+        if microbatch.output is None:
+            raise self._fail(action, f"runs before {stage}F{j}")
+        if microbatch.backward_done:
+            raise self._fail(action, "the backward of this microbatch ran already")
+        grad = self._output_grad(action)
+        started = time.perf_counter()
+        microbatch.output_grad = grad
+        needs_input_grad = isinstance(microbatch.input, torch.Tensor) and microbatch.input.requires_grad
+        with self.meter.hooks():
+            if fused:
+                torch.autograd.backward([microbatch.output], None if grad is None else [grad])
+            elif needs_input_grad:
+                assert microbatch.input is not None
+                microbatch.param_groups = torch_compat.backward_input(
+                    microbatch.output, grad, microbatch.input, self.modules[stage]
+                )
+            else:
+                microbatch.param_groups = "full"  # nothing to compute for I here: W runs the whole backward
+        if needs_input_grad:
+            self._send_input_grad(stage, j, microbatch)
+        if fused:
+            microbatch.backward_done = True
+            microbatch.param_groups = microbatch.output = microbatch.input = None
+        return started
+
+    def _send_input_grad(self, stage: int, j: int, microbatch: _Microbatch) -> None:
+        assert microbatch.input is not None
+        microbatch.input_grad = microbatch.input.grad
+        if microbatch.input_grad is None:
+            microbatch.input_grad = torch.zeros_like(microbatch.input)
+        before = self.program.previous[stage, j]
+        if before is not None and self.program.remote(before):
+            self.p2p.send(microbatch.input_grad, self.program.stage_ranks[before], stage, j, True)
+
+    def _backward(self, stage: int, j: int, inputs: StepInputs) -> float:
+        return self._backward_input(stage, j, inputs, fused=True)
+
+    def _backward_weight(self, stage: int, j: int, inputs: StepInputs) -> float:
+        microbatch = self._state.setdefault((stage, j), _Microbatch())
+        if microbatch.param_groups is None:
+            raise self._fail(Action(stage, ActionKind.BACKWARD_WEIGHT, j), f"runs before {stage}I{j}")
+        started = time.perf_counter()
+        with self.meter.hooks():
+            if isinstance(microbatch.param_groups, str):
+                assert microbatch.output is not None
+                grad = microbatch.output_grad
+                torch.autograd.backward([microbatch.output], None if grad is None else [grad])
+            else:
+                torch_compat.backward_weight(microbatch.param_groups, self.modules[stage])
+        microbatch.param_groups = microbatch.output = microbatch.input = microbatch.output_grad = None
+        microbatch.backward_done = True
+        return started

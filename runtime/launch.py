@@ -19,16 +19,30 @@ import signal
 import socket
 import tempfile
 import uuid
-from dataclasses import asdict, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.result import Schedule, build_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
+from pipesched.runtime.options import TrainingError, TrainingOptions, mismatch_with_schedule
+from pipesched.runtime.records import RankJob, RankResult
 
-__all__ = ["RunFailed", "ScheduleError", "print_run_summary", "run_schedule", "run_schedules"]
+if TYPE_CHECKING:
+    from pipesched.runtime.report import RunReport
+
+__all__ = [
+    "PlannedRun",
+    "RunFailed",
+    "ScheduleError",
+    "check_run",
+    "plan_runs",
+    "print_run_summary",
+    "run_schedule",
+    "run_schedules",
+]
 
 ENGINES = ("auto", "pipesched", "torch")
 """``torch``: PyTorch's ``_PipelineScheduleRuntime`` fed the schedule's compute-only CSV (loop and V
@@ -83,81 +97,13 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_job(job: dict[str, Any], rank: int, device: Any, p2p_timeout_s: float) -> dict[str, Any]:
-    import torch
-
-    from pipesched.optimizer.export import orders_to_torch_csv
-    from pipesched.runtime.executor import SavedActivationMeter, execute_rank
-    from pipesched.runtime.models import load_model
-
-    schedule = Schedule.model_validate_json(job["schedule"])
-    model = load_model(job["model"], schedule.problem, seed=job["seed"])
-    if job["engine"] == "pipesched":
-        run = execute_rank(schedule, model, rank=rank, device=device, p2p_timeout_s=p2p_timeout_s)
-        result = asdict(run)
-        result["gradients"] = run.gradients
-        return result
-    from pipesched.runtime.torch_compat import run_torch_runtime
-
-    inst = compile_for_orders(schedule.problem, schedule.orders())
-    m = inst.num_microbatches
-    modules = {
-        stage: model.build_stage(inst.model_stage[stage]).to(device)
-        for stage, owner in enumerate(inst.stage_ranks)
-        if owner == rank
-    }
-    batches = [model.make_microbatch(j) for j in range(m)]
-    inputs = torch.cat([b[0] for b in batches])
-    targets = torch.cat([b[1] for b in batches])
-    csv_path = Path(job["workdir"]) / f"schedule-{job['index']}.csv"
-    if rank == 0:
-        # Compute actions only: torch's lowering adds its own UNSHARD/RESHARD/REDUCE_GRAD and sends/receives.
-        from pipesched.runtime.executor import Action, split_action
-
-        compute = [
-            [a for a in map(split_action, (t.action for t in r.actions)) if isinstance(a, Action)]
-            for r in schedule.ranks
-        ]
-        csv_path.write_text(orders_to_torch_csv(compute))
-    import torch.distributed as dist
-
-    dist.barrier()
-    meter = SavedActivationMeter([p for module in modules.values() for p in module.parameters()])
-    on_gpu = device.type == "cuda"
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    with meter.hooks():
-        torch_run = run_torch_runtime(
-            csv_path,
-            modules,
-            num_stages=inst.num_stages,
-            num_microbatches=m,
-            inputs=inputs,
-            targets=targets,
-            loss_fn=model.loss_fn,
-            device=device,
-            memory_bytes=(lambda: torch.cuda.memory_allocated(device)) if on_gpu else (lambda: meter.live_bytes),
-        )
-    last = max(range(inst.num_stages))
-    losses = dict(enumerate(torch_run.losses)) if inst.stage_ranks[last] == rank else {}
-    return {
-        "rank": rank,
-        "actions": torch_run.actions,
-        "executed": [a["action"] for a in torch_run.actions],
-        "peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)) if on_gpu else meter.peak_bytes,
-        "memory_measure": "cuda-max-allocated" if on_gpu else "saved-activations",
-        "losses": losses,
-        "gradients": torch_run.gradients,
-        "device": str(device),
-    }
-
-
 #: How a transport error reads on a rank whose peer process ended (gloo over TCP).
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
-def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_dir: str) -> Any:
-    """One rank (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+def _worker(jobs: list[RankJob], backend: str, timeout_s: float, error_dir: str) -> list[list[RankResult]] | None:
+    """One process (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*): every job
+    in turn; process 0 gathers every process's result of each job."""
     import torch
     import torch.distributed as dist
 
@@ -173,14 +119,11 @@ def _worker(jobs: list[dict[str, Any]], backend: str, timeout_s: float, error_di
         else:
             device = torch.device("cpu")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
+        from pipesched.runtime.training import train_rank
+
         results = []
         for job in jobs:
-            if job.get("training") is not None:
-                from pipesched.runtime.training import train_rank
-
-                result = train_rank(job, rank, device, timeout_s)
-            else:
-                result = _rank_job(job, rank, device, timeout_s)
+            result = train_rank(job, rank, device, timeout_s)
             gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             results.append(gathered)
@@ -293,6 +236,176 @@ def _interrupted(signum: int) -> RunFailed:
     return failure
 
 
+@dataclass(frozen=True)
+class PlannedRun:
+    """One schedule of a launch, as it will run: the step the ranks execute, its model, engine and training."""
+
+    schedule: Schedule
+    model: str
+    engine: str
+    training: TrainingOptions | None
+
+
+def _per_schedule(value: Any, count: int) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value] * count
+
+
+def check_run(schedule: Schedule, options: TrainingOptions | None) -> None:
+    """Refuse options the schedule cannot run with: another data parallelism than the one the schedule was solved
+    (and its step time predicted) for, or FSDP2's known loss of weight gradients.
+
+    Raises:
+        ScheduleError: ``data_parallel`` or ``sharding`` (both values named), ``reshard_after_forward``, or the
+            option out of range (:class:`~pipesched.runtime.options.TrainingError`'s option as the reason).
+    """
+    if options is not None:
+        try:
+            options.check(schedule.problem.pipeline.num_microbatches)
+        except TrainingError as error:
+            raise ScheduleError(error.option, str(error)) from None
+    mismatch = mismatch_with_schedule(options, schedule.problem)
+    if mismatch is not None:
+        raise ScheduleError(mismatch[0].removeprefix("--").replace("-", "_"), mismatch[1])
+    if (
+        options is not None
+        and options.sharding == "full"
+        and options.data_parallel > 1
+        and options.reshard_after_forward
+        and schedule.problem.split_backward
+    ):
+        # Measured with torch 2.13: FSDP2's post-backward fires at I (the input gradient) and W's weight gradients
+        # of every stage whose input needs a gradient are lost (both engines).
+        raise ScheduleError(
+            "reshard_after_forward",
+            "--reshard-after-forward with split backward (I/W) loses weight gradients under FSDP2 (torch 2.13); run "
+            "with --no-reshard-after-forward (torchtitan's choice under pipelining) or a schedule with fused "
+            "backward (split_backward false)",
+        )
+
+
+def plan_runs(
+    schedules: list[Schedule], *, model: Any, engine: Any, training: Any, seed: int, validate: bool
+) -> list[PlannedRun]:
+    """Check every schedule of a launch before any process starts; what each runs.
+
+    Raises:
+        ScheduleError: see :func:`check_run`, :func:`resolve_engine`; schedules of one launch with different rank
+            counts or data parallelism; a model this machine cannot hold or build.
+    """
+    from pipesched.runtime.memory_check import check_run_memory
+    from pipesched.runtime.models import load_model
+
+    count = len(schedules)
+    runs = []
+    for schedule, name, asked, options in zip(
+        schedules,
+        _per_schedule(model, count),
+        _per_schedule(engine, count),
+        _per_schedule(training, count),
+        strict=True,
+    ):
+        engine_name = resolve_engine(asked, schedule)
+        check_run(schedule, options)
+        step = executable_step(schedule)
+        if validate:
+            _validate(step)
+        pipeline_model = load_model(name, step.problem, seed=seed)  # fail here, not in every rank
+        if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
+            check_run_memory(step, pipeline_model.config, name)
+        runs.append(PlannedRun(step, name, engine_name, options))
+    if len({run.schedule.problem.pipeline.num_ranks for run in runs}) > 1:
+        raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
+    if len({run.training.data_parallel if run.training else 1 for run in runs}) > 1:
+        raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")
+    return runs
+
+
+def _launch(
+    jobs: list[RankJob], *, world: int, nproc_per_node: int | None, backend: str, timeout_s: float, nodes: NodeConfig
+) -> list[list[RankResult]] | None:
+    """Start ``world`` processes with the elastic launcher and run every job; node 0 gets the results.
+
+    Raises:
+        ScheduleError: the process count does not divide into the nodes.
+        RunFailed: a process failed or was stopped (its reason and rank named).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = nproc_per_node or max(1, world // nodes.nnodes)
+    if nproc * nodes.nnodes != world:
+        raise ScheduleError(
+            "nproc_per_node",
+            f"the schedule's ranks × data-parallel size = {world} processes but nnodes {nodes.nnodes} × "
+            f"nproc_per_node {nproc} = {nproc * nodes.nnodes}: set --nproc-per-node {world // max(nodes.nnodes, 1)}",
+        )
+    error_dir = Path(jobs[0].workdir, "errors")
+    error_dir.mkdir()
+    config = LaunchConfig(
+        min_nodes=nodes.nnodes,
+        max_nodes=nodes.nnodes,
+        nproc_per_node=nproc,
+        run_id=f"pipesched-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port or _free_port()}",
+        rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+    except SignalException as error:
+        raise _interrupted(error.sigval) from None
+    except KeyboardInterrupt:
+        raise _interrupted(signal.SIGINT) from None
+    except (ChildFailedError, Exception) as error:
+        raise _failure(error_dir, error) from None
+    return returned.get(0) if nodes.node_rank == 0 else None
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Where this launcher sits among the nodes of a multi-node run (torchrun's ``--nnodes``, ``--node-rank``,
+    ``--master-addr``, ``--master-port``; ``None``: a free port here)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+
+def _report(run: PlannedRun, results: list[RankResult], *, backend: str, seed: int) -> RunReport:
+    """Verify one schedule's results against the single-process reference."""
+    import torch
+
+    from pipesched.runtime.models import load_model
+    from pipesched.runtime.report import build_report
+    from pipesched.runtime.verify import reference_training
+
+    problem = run.schedule.problem
+    m = problem.pipeline.num_microbatches
+    pipeline_model = load_model(run.model, problem, seed=seed)
+    reference = reference_training(pipeline_model, m, run.training)
+    synchronous = None
+    if run.training is not None and run.training.two_weight_versions:
+        # A fresh model: a user model's build_stage may hand out the same (now trained) modules.
+        fresh = load_model(run.model, problem, seed=seed)
+        synchronous = reference_training(fresh, m, replace(run.training, weight_update="sync"))
+    return build_report(
+        run.schedule,
+        results,
+        reference,
+        run.training,
+        backend=backend,
+        device=results[0].device if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})",
+        engine=run.engine,
+        model_name=pipeline_model.name,
+        synchronous_reference=synchronous,
+    )
+
+
 def run_schedules(
     schedules: list[Schedule],
     *,
@@ -307,31 +420,26 @@ def run_schedules(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
-    training: Any = None,
-) -> list[dict[str, Any]]:
+    training: TrainingOptions | list[TrainingOptions | None] | None = None,
+) -> list[RunReport | None]:
     """Run several schedules (same number of ranks) one after another in one launch; one report each.
 
-    ``training``: a :class:`pipesched.runtime.training.TrainingOptions` (or one per schedule, ``None`` for a
-    plain one-step run) runs K steps with an optimizer and/or data parallelism (``num_ranks × D``
-    processes on a pp × dp mesh; every training job of one launch has the same D) and reports with
-    :func:`pipesched.runtime.training.build_training_report`.
+    ``training``: :class:`~pipesched.runtime.options.TrainingOptions` (or one per schedule, ``None`` for one
+    verified step without an optimizer) runs K steps with an optimizer and/or data parallelism (``num_ranks × D``
+    processes on a pp × dp mesh; D must be the schedule's ``data_parallel.size``, every job of one launch the same).
 
     ``model`` and ``engine`` may be one value or one per schedule. ``engine``: one of :data:`ENGINES`
     (default ``"auto"``: PyTorch's ``_PipelineScheduleRuntime`` for loop and V placement, the own
     executor for the others; see :func:`resolve_engine`). ``validate``: reject a schedule the simulator rejects
     before starting any process (``False`` lets the runtime meet it, for testing the timeouts).
-    On a node other than ``node_rank`` 0 the reports are ``{"node_rank": …}`` only: node 0 verifies.
+    On a node other than ``node_rank`` 0 the reports are ``None``: node 0 verifies.
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and runs.
 
     Raises:
-        ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count mismatch).
+        ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count or data-parallel mismatch).
         RunFailed: a rank failed or a wait timed out; the message names the rank and the reason.
     """
     import torch
-
-    from pipesched.runtime.memory_check import check_run_memory
-    from pipesched.runtime.models import load_model
-    from pipesched.runtime.verify import build_report, reference_run
 
     if not schedules:
         return []
@@ -340,151 +448,27 @@ def run_schedules(
     warn_if_unsupported_torch()
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
-    models = [model] * len(schedules) if isinstance(model, str) else list(model)
-    asked = [engine] * len(schedules) if isinstance(engine, str) else list(engine)
-    engines = [resolve_engine(name, schedule) for name, schedule in zip(asked, schedules, strict=True)]
-    trainings = list(training) if isinstance(training, list | tuple) else [training] * len(schedules)
-    for options, schedule in zip(trainings, schedules, strict=True):
-        if options is not None:
-            options.check(schedule.problem.pipeline.num_microbatches)
-            if (
-                options.sharding == "full"
-                and options.data_parallel > 1
-                and options.reshard_after_forward
-                and schedule.problem.split_backward
-            ):
-                # Measured with torch 2.13: FSDP2's post-backward fires at I (the input gradient) and W's weight
-                # gradients of every stage whose input needs a gradient are lost (both engines).
-                raise ScheduleError(
-                    "reshard_after_forward",
-                    "--reshard-after-forward with split backward (I/W) loses weight gradients under FSDP2 (torch "
-                    "2.13); run with --no-reshard-after-forward (torchtitan's choice under pipelining) or a "
-                    "schedule with fused backward (split_backward false)",
-                )
-    schedules = [executable_step(schedule) for schedule in schedules]
-    sizes = {options.data_parallel if options is not None else 1 for options in trainings}
-    if len(sizes) > 1:
-        raise ScheduleError("data_parallel", "schedules launched together must have the same --data-parallel size")
-    data_parallel = sizes.pop()
-    num_ranks = schedules[0].problem.pipeline.num_ranks
-    for index, schedule in enumerate(schedules):
-        if schedule.problem.pipeline.num_ranks != num_ranks:
-            raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
-        if validate:
-            _validate(schedule)
-        pipeline_model = load_model(models[index], schedule.problem, seed=seed)  # fail here, not in every rank
-        if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
-            check_run_memory(schedule, pipeline_model.config, models[index])
+    runs = plan_runs(schedules, model=model, engine=engine, training=training, seed=seed, validate=validate)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
-    world = num_ranks * data_parallel
-    nproc = nproc_per_node or max(1, world // nnodes)
-    if nproc * nnodes != world:
-        raise ScheduleError(
-            "nproc_per_node",
-            f"the schedule has {num_ranks} ranks × data-parallel {data_parallel} = {world} processes but nnodes "
-            f"{nnodes} × nproc_per_node {nproc} = {nproc * nnodes}: set --nproc-per-node {world // max(nnodes, 1)}",
-        )
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+    options = runs[0].training
+    world = runs[0].schedule.problem.pipeline.num_ranks * (options.data_parallel if options else 1)
     with tempfile.TemporaryDirectory(prefix="pipesched-run-") as workdir:
-        error_dir = Path(workdir, "errors")
-        error_dir.mkdir()
         jobs = [
-            {
-                "schedule": schedule.model_dump_json(),
-                "model": models[index],
-                "seed": seed,
-                "engine": engines[index],
-                "workdir": workdir,
-                "index": index,
-                "training": None if trainings[index] is None else asdict(trainings[index]),
-            }
-            for index, schedule in enumerate(schedules)
+            RankJob(run.schedule, run.model, seed, run.engine, workdir, index, run.training)
+            for index, run in enumerate(runs)
         ]
-        port = master_port or _free_port()
-        config = LaunchConfig(
-            min_nodes=nnodes,
-            max_nodes=nnodes,
-            nproc_per_node=nproc,
-            run_id=f"pipesched-{uuid.uuid4().hex[:8]}",
-            rdzv_backend="static",
-            rdzv_endpoint=f"{master_addr}:{port}",
-            rdzv_configs={"rank": node_rank, "timeout": int(timeout_s)},
-            max_restarts=0,
-            monitor_interval=0.1,
-            start_method="spawn",
-        )
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
-        try:
-            returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
-        except SignalException as error:
-            raise _interrupted(error.sigval) from None
-        except KeyboardInterrupt:
-            raise _interrupted(signal.SIGINT) from None
-        except ChildFailedError as error:
-            raise _failure(error_dir, error) from None
-        except Exception as error:
-            raise _failure(error_dir, error) from None
-    per_job = returned.get(0) if node_rank == 0 else None
-    if per_job is None:
-        return [{"node_rank": node_rank} for _ in schedules]
-    reports = []
-    for index, schedule in enumerate(schedules):
-        ranks = per_job[index]
-        pipeline_model = load_model(models[index], schedule.problem, seed=seed)
-        device_name = ranks[0]["device"] if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})"
-        if trainings[index] is not None:
-            from pipesched.runtime.training import build_training_report, reference_training
-
-            options = trainings[index]
-            m = schedule.problem.pipeline.num_microbatches
-            reference = reference_training(pipeline_model, m, options)
-            synchronous = None
-            if options.weight_update == "2bw":
-                # A fresh model: a user model's build_stage may hand out the same (now trained) modules.
-                fresh = load_model(models[index], schedule.problem, seed=seed)
-                synchronous = reference_training(fresh, m, replace(options, weight_update="sync"))
-            reports.append(
-                build_training_report(
-                    schedule,
-                    ranks,
-                    reference,
-                    trainings[index],
-                    backend=backend,
-                    device=device_name,
-                    engine=engines[index],
-                    model_name=pipeline_model.name,
-                    synchronous_reference=synchronous,
-                )
-            )
-            continue
-        reference_loss, reference_gradients = reference_run(pipeline_model, schedule.problem.pipeline.num_microbatches)
-        losses: dict[int, float] = {}
-        gradients: dict[str, Any] = {}
-        for rank in ranks:
-            losses.update(rank["losses"])
-            gradients.update(rank["gradients"])
-        report = build_report(
-            schedule,
-            [
-                {key: rank[key] for key in ("rank", "actions", "executed", "peak_memory_bytes", "memory_measure")}
-                for rank in ranks
-            ],
-            losses,
-            gradients,
-            reference_loss,
-            reference_gradients,
+        per_job = _launch(
+            jobs,
+            world=world,
+            nproc_per_node=nproc_per_node,
             backend=backend,
-            device=ranks[0]["device"] if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})",
-            engine=engines[index],
-            model_name=pipeline_model.name,
+            timeout_s=timeout_s,
+            nodes=NodeConfig(nnodes, node_rank, master_addr, master_port),
         )
-        reports.append(report)
-    return reports
+    if per_job is None:
+        return [None for _ in runs]
+    return [_report(run, results, backend=backend, seed=seed) for run, results in zip(runs, per_job, strict=True)]
 
 
 def run_schedule(
@@ -501,9 +485,9 @@ def run_schedule(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
-    training: Any = None,
-) -> dict[str, Any]:
-    """Execute ``schedule`` on ``num_ranks`` processes with ``torch.distributed`` and verify it.
+    training: TrainingOptions | None = None,
+) -> RunReport | None:
+    """Execute ``schedule`` on ``num_ranks`` (× D) processes with ``torch.distributed`` and verify it.
 
     Returns the run report of the contract (``verified``, ``max_abs_grad_error``, ``max_rel_grad_error``,
     ``loss``, ``reference_loss``, ``executed_order_matches``, ``ranks`` with per-action start/end in ms
@@ -516,8 +500,6 @@ def run_schedule(
         ScheduleError: the schedule, model or options cannot run (``reason`` says which).
         RunFailed: a rank failed or a receive timed out after ``timeout_s`` (``reason``, rank named).
     """
-    import json
-
     report = run_schedules(
         [schedule],
         nproc_per_node=nproc_per_node,
@@ -532,13 +514,13 @@ def run_schedule(
         master_port=master_port,
         training=training,
     )[0]
-    if output is not None:
-        Path(output).write_text(json.dumps(report, indent=1))
+    if output is not None and report is not None:
+        Path(output).write_text(report.model_dump_json(indent=1))
     return report
 
 
-def print_run_summary(report: dict[str, Any]) -> None:
-    """Print a one-screen rich summary of a run report (see :func:`pipesched.runtime.verify.print_report`)."""
-    from pipesched.runtime.verify import print_report
+def print_run_summary(report: RunReport) -> None:
+    """Print a one-screen rich summary of a run report (see :func:`pipesched.runtime.report.print_report`)."""
+    from pipesched.runtime.report import print_report
 
     print_report(report)

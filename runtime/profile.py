@@ -90,6 +90,65 @@ def profile_model(**options: Any) -> Problem:
     return measure_model(**options).problem
 
 
+@dataclass
+class _Samples:
+    """Per stage: F, I, W times (ms) and the saved bytes after F and after I, one entry per timed microbatch."""
+
+    times: dict[str, list[list[float]]]
+    activation: list[list[int]]
+    retained: list[list[int]]
+
+    @classmethod
+    def empty(cls, num_stages: int) -> _Samples:
+        return cls(
+            {kind: [[] for _ in range(num_stages)] for kind in "FIW"},
+            [[] for _ in range(num_stages)],
+            [[] for _ in range(num_stages)],
+        )
+
+
+def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
+    """``run()``'s result and its duration in ms (the device synchronised after it)."""
+    started = time.perf_counter()
+    result = run()
+    _sync(device)
+    return result, (time.perf_counter() - started) * 1e3
+
+
+def _measure_stage(
+    module: torch.nn.Module, x: torch.Tensor, target: Any, loss_fn: Any, device: torch.device
+) -> tuple[torch.Tensor, dict[str, float], int, int]:
+    """F, I and W of one stage on one microbatch as the executor runs them: the stage's output (the next stage's
+    input), the three times (ms), and the saved bytes live after F and after I."""
+    meter = SavedActivationMeter(list(module.parameters()))
+    stage_input = x.detach().requires_grad_(x.is_floating_point())
+    _sync(device)
+
+    def forward() -> torch.Tensor:
+        with meter.hooks():
+            out = module(stage_input)
+            return out if target is None else loss_fn(out, target.to(device))
+
+    out, forward_ms = _timed(device, forward)
+    after_forward = meter.live_bytes
+    grad = None if target is not None else torch.randn_like(out)
+    param_groups, input_ms = _timed(
+        device,
+        lambda: torch_compat.backward_input(out, grad, stage_input, module) if stage_input.requires_grad else None,
+    )
+    after_input = meter.live_bytes
+
+    def weight() -> None:
+        if param_groups is None:
+            torch.autograd.backward([out], None if grad is None else [grad])
+        else:
+            torch_compat.backward_weight(param_groups, module)
+
+    _, weight_ms = _timed(device, weight)
+    module.zero_grad(set_to_none=True)
+    return out.detach(), {"F": forward_ms, "I": input_ms, "W": weight_ms}, after_forward, after_input
+
+
 def measure_model(
     *,
     num_ranks: int,
@@ -134,70 +193,36 @@ def measure_model(
     pipeline_model = load_model(model, skeleton, seed=seed)
     num_stages = skeleton.pipeline.num_stages
     modules = [pipeline_model.build_stage(stage).to(target_device) for stage in range(num_stages)]
-    times: dict[str, list[list[float]]] = {kind: [[] for _ in range(num_stages)] for kind in "FIW"}
-    activation: list[list[int]] = [[] for _ in range(num_stages)]
-    retained: list[list[int]] = [[] for _ in range(num_stages)]
+    samples = _Samples.empty(num_stages)
     for iteration in range(warmup + repeats):
         x, target = pipeline_model.make_microbatch(iteration)
         x = x.to(target_device)
         for stage, module in enumerate(modules):
-            meter = SavedActivationMeter(list(module.parameters()))
-            stage_input = x.detach().requires_grad_(x.is_floating_point())
-            _sync(target_device)
-            started = time.perf_counter()
-            with meter.hooks():
-                out = module(stage_input)
-                last = stage == num_stages - 1
-                if last:
-                    out = pipeline_model.loss_fn(out, target.to(target_device))
-            _sync(target_device)
-            forward_ms = (time.perf_counter() - started) * 1e3
-            after_forward = meter.live_bytes
-            next_input = out.detach()
-            grad = None if last else torch.randn_like(out)
-            started = time.perf_counter()
-            param_groups: Any = None
-            if stage_input.requires_grad:
-                param_groups = torch_compat.backward_input(out, grad, stage_input, module)
-            _sync(target_device)
-            input_ms = (time.perf_counter() - started) * 1e3
-            after_input = meter.live_bytes
-            started = time.perf_counter()
-            if param_groups is None:
-                torch.autograd.backward([out], None if grad is None else [grad])
-            else:
-                torch_compat.backward_weight(param_groups, module)
-            _sync(target_device)
-            weight_ms = (time.perf_counter() - started) * 1e3
-            module.zero_grad(set_to_none=True)
-            x = next_input
+            last = stage == num_stages - 1
+            x, times, after_forward, after_input = _measure_stage(
+                module, x, target if last else None, pipeline_model.loss_fn, target_device
+            )
             if iteration >= warmup:
-                times["F"][stage].append(forward_ms)
-                times["I"][stage].append(input_ms)
-                times["W"][stage].append(weight_ms)
-                activation[stage].append(after_forward)
-                retained[stage].append(after_input)
-    stage_ranks = skeleton_stage_ranks(skeleton)
-    static = [0.0] * num_ranks
-    for stage, module in enumerate(modules):
-        parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        static[stage_ranks[stage]] += 4 * parameter_bytes  # weights, gradients, Adam m and v
+                for kind, value in times.items():
+                    samples.times[kind][stage].append(value)
+                samples.activation[stage].append(after_forward)
+                samples.retained[stage].append(after_input)
     data = skeleton.model_dump(mode="json")
-    data["costs"] = {
-        "forward": [round(statistics.median(t), 6) for t in times["F"]],
-        "backward_input": [round(statistics.median(t), 6) for t in times["I"]],
-        "backward_weight": [round(statistics.median(t), 6) for t in times["W"]],
-        "p2p": p2p_ms,
-        **_replica_sync(placement),
-    }
+    data["costs"] = {kind: [round(statistics.median(t), 6) for t in samples.times[key]] for kind, key in _COSTS.items()}
+    data["costs"]["p2p"] = p2p_ms
+    data["costs"] |= _replica_sync(placement)
     data["memory"] = {
-        "activation": [float(max(a)) for a in activation],
-        "retained_for_weight": [float(min(max(r), max(a))) for r, a in zip(retained, activation, strict=True)],
+        "activation": [float(max(a)) for a in samples.activation],
+        "retained_for_weight": [
+            float(min(max(r), max(a))) for r, a in zip(samples.retained, samples.activation, strict=True)
+        ],
         "limit": memory_limit_bytes,
-        "static": static,
+        "static": _static_per_rank(skeleton, modules),
     }
     spreads = [
-        PassSpread(kind, stage, tuple(times[kind][stage])) for stage in range(num_stages) for kind in ("F", "I", "W")
+        PassSpread(kind, stage, tuple(samples.times[kind][stage]))
+        for stage in range(num_stages)
+        for kind in ("F", "I", "W")
     ]
     return Profile(load_problem(data), spreads)
 
@@ -208,8 +233,20 @@ def _replica_sync(placement: str) -> dict[str, float]:
     return {"reduce_grad": 0.0} if placement == "bidirectional" else {}
 
 
-def skeleton_stage_ranks(problem: Problem) -> list[int]:
-    """Rank of each stage id of ``problem`` (:func:`pipesched.optimizer.instance.stage_to_rank`)."""
-    from pipesched.optimizer.instance import stage_to_rank
+#: The problem's cost fields and the pass each one is measured from.
+_COSTS = {"forward": "F", "backward_input": "I", "backward_weight": "W"}
 
-    return stage_to_rank(problem)
+
+def _static_per_rank(skeleton: Problem, modules: list[torch.nn.Module]) -> list[float]:
+    """Bytes of weights, gradients and two Adam moments of each rank's stages."""
+    stage_ranks = skeleton_stage_ranks(skeleton)
+    static = [0.0] * skeleton.pipeline.num_ranks
+    for stage, module in enumerate(modules):
+        parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        static[stage_ranks[stage]] += 4 * parameter_bytes  # weights, gradients, Adam m and v
+    return static
+
+
+def skeleton_stage_ranks(problem: Problem) -> list[int]:
+    """Rank of each stage id of ``problem`` (:attr:`pipesched.optimizer.problem.Pipeline.stage_to_rank`)."""
+    return problem.pipeline.stage_to_rank

@@ -1,4 +1,4 @@
-"""The one module touching private ``torch.distributed.pipelining`` APIs.
+"""The one module touching private ``torch.distributed.pipelining`` APIs (``docs/RUNTIME.md``, "PyTorch facts").
 
 Supported torch: 2.13.x (the ``runtime`` extra pins ``torch==2.13.0``). Private names used here:
 ``torch.distributed.pipelining._backward.stage_backward_input`` / ``stage_backward_weight`` (the
@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipesched.runtime.records import MeasuredAction
+
 __all__ = [
     "SUPPORTED_TORCH",
     "TorchPipeline",
@@ -29,7 +31,6 @@ __all__ = [
     "fsdp_defer_reduction",
     "fsdp_modules",
     "fsdp_reduce_grad",
-    "run_torch_runtime",
     "warn_if_unsupported_torch",
 ]
 
@@ -84,16 +85,15 @@ def backward_weight(param_groups: Any, module: nn.Module) -> None:
 
 
 class TorchRuntimeRun:
-    """One rank's run under ``_PipelineScheduleRuntime``: the compute actions in executed order with
-    their start and end (ms from the step's start), losses of local last-stage microbatches, gradients,
-    and ``communication``: the data-parallel actions torch lowered and ran (``"{stage}UNSHARD"`` from
-    issue to completion, ``"{stage}REDUCE_GRAD"``), same fields."""
+    """One rank's step under ``_PipelineScheduleRuntime``: the compute actions in executed order with their start
+    and end (ms from the step's start), the losses of local last-stage microbatches, and ``communication``: the
+    data-parallel actions torch lowered and ran (``"{stage}UNSHARD"`` from issue to completion,
+    ``"{stage}REDUCE_GRAD"``), same fields."""
 
     def __init__(self) -> None:
-        self.actions: list[dict[str, Any]] = []
-        self.communication: list[dict[str, Any]] = []
+        self.actions: list[MeasuredAction] = []
+        self.communication: list[MeasuredAction] = []
         self.losses: list[float] = []
-        self.gradients: dict[str, torch.Tensor] = {}
 
 
 class _Clock:
@@ -102,9 +102,6 @@ class _Clock:
     def __init__(self) -> None:
         self.run = TorchRuntimeRun()
         self.origin = time.perf_counter()
-
-    def ms(self, instant: float) -> float:
-        return round((instant - self.origin) * 1e3, 6)
 
 
 def _record(
@@ -118,14 +115,15 @@ def _record(
         started = time.perf_counter()
         result = method(*args, **kwargs)
         ended = time.perf_counter()
-        action: dict[str, Any] = {
-            "action": f"{stage_index}{kind_of(*args, **kwargs)}{args[0]}",
-            "start": clock.ms(started),
-            "end": clock.ms(ended),
-        }
-        if memory_bytes is not None:
-            action["memory_bytes"] = int(memory_bytes())
-        clock.run.actions.append(action)
+        clock.run.actions.append(
+            MeasuredAction.timed(
+                f"{stage_index}{kind_of(*args, **kwargs)}{args[0]}",
+                clock.origin,
+                started,
+                ended,
+                memory_bytes=None if memory_bytes is None else int(memory_bytes()),
+            )
+        )
         return result
 
     return wrapped
@@ -228,9 +226,8 @@ class TorchPipeline:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             result = method(*args, **kwargs)
-            ended = time.perf_counter()
             self.clock.run.communication.append(
-                {"action": name, "start": self.clock.ms(started), "end": self.clock.ms(ended)}
+                MeasuredAction.timed(name, self.clock.origin, started, time.perf_counter())
             )
             return result
 
@@ -240,14 +237,16 @@ class TorchPipeline:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             handle = method(*args, **kwargs)
-            record = {"action": name, "start": self.clock.ms(started), "end": self.clock.ms(time.perf_counter())}
-            self.clock.run.communication.append(record)
+            run, position = self.clock.run, len(self.clock.run.communication)
+            run.communication.append(MeasuredAction.timed(name, self.clock.origin, started, time.perf_counter()))
             if handle is not None and hasattr(handle, "wait"):
                 wait = handle.wait
 
                 def timed_wait(*a: Any, **k: Any) -> Any:
                     out = wait(*a, **k)
-                    record["end"] = self.clock.ms(time.perf_counter())
+                    run.communication[position] = MeasuredAction.timed(
+                        name, self.clock.origin, started, time.perf_counter()
+                    )
                     return out
 
                 handle.wait = timed_wait
@@ -255,65 +254,23 @@ class TorchPipeline:
 
         return wrapped
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> TorchRuntimeRun:
-        """One step over the whole (per-replica) batch, split by torch into the microbatches on dim 0.
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, origin: float) -> TorchRuntimeRun:
+        """One step over the whole (per-replica) batch, split by torch into the microbatches on dim 0; times in
+        the records are ms from ``origin`` (``time.perf_counter`` s, the step's common start).
 
         Gradients accumulate into the modules' ``.grad`` (zero them between steps), scaled by
-        ``1/num_microbatches``. Returns the records of this step; ``gradients`` is left empty (read the
-        modules). Raises ``RuntimeError`` from torch ("Malformed compute schedule", a failed stage).
+        ``1/num_microbatches``. Returns the records of this step. Raises ``RuntimeError`` from torch ("Malformed
+        compute schedule", a failed stage).
         """
-        import torch.distributed as dist
-
         self.clock.run = run = TorchRuntimeRun()
+        self.clock.origin = origin
         has_first = any(stage.is_first for stage in self.stages)
         has_last = any(stage.is_last for stage in self.stages)
         losses: list[torch.Tensor] = []
         args = (inputs.to(self.device),) if has_first else ()
-        dist.barrier()
-        self.clock.origin = time.perf_counter()
         if has_last:
             self.schedule.step(*args, target=targets.to(self.device), losses=losses)
         else:
             self.schedule.step(*args)
         run.losses = [float(loss.detach()) for loss in losses]
         return run
-
-
-def run_torch_runtime(
-    csv_path: Path,
-    modules: dict[int, nn.Module],
-    *,
-    num_stages: int,
-    num_microbatches: int,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: torch.device,
-    memory_bytes: Callable[[], int] | None = None,
-) -> TorchRuntimeRun:
-    """Run one step of the compute-only CSV at ``csv_path`` with PyTorch's ``_PipelineScheduleRuntime``.
-
-    ``modules``: this rank's stage index → module (loop or V placement, inferred by torch from the CSV).
-    ``inputs``/``targets``: the whole batch, split by torch into ``num_microbatches`` equal chunks on dim 0.
-    Gradients are scaled by ``1/num_microbatches`` (``scale_grads``), i.e. those of the mean loss.
-    Executed compute actions are recorded (see :class:`TorchPipeline`); ``memory_bytes`` (bytes, e.g. live
-    saved activations or ``torch.cuda.memory_allocated``) is read after each one when given.
-
-    Raises:
-        RuntimeError: from torch, e.g. "Malformed compute schedule" for an order that deadlocks.
-    """
-    pipeline = TorchPipeline(
-        csv_path,
-        modules,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        loss_fn=loss_fn,
-        device=device,
-        memory_bytes=memory_bytes,
-    )
-    run = pipeline.step(inputs, targets)
-    for index, module in sorted(modules.items()):
-        for name, parameter in module.named_parameters():
-            if parameter.grad is not None:
-                run.gradients[f"{index}/{name}"] = parameter.grad.detach().float().cpu()
-    return run

@@ -3,7 +3,7 @@
 Every schedule class of ``torch.distributed.pipelining.schedules`` computes its whole
 ``pipeline_order`` (one list of actions per rank, ``None`` for an idle lockstep slot) in its
 constructor from the stages' ``stage_index``, ``num_stages``, ``group_size``, ``group_rank``,
-``is_first``, ``is_last`` and ``submod`` alone.
+``is_first``, ``is_last`` and ``submod`` alone (``docs/RUNTIME.md``, "PyTorch facts").
 :func:`torch_compute_orders` builds a schedule on such stand-in stages and keeps the compute actions
 (F, I, W, B) in order: idle slots and bookkeeping actions (REDUCE_GRAD, UNSHARD, RESHARD, sends and
 receives) are dropped, and DualPipeV's ``OVERLAP_F_B`` pairs are flattened into their two passes, forward
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from pipesched.optimizer.families import FamilySpec, registry
+from pipesched.optimizer.problem import stage_to_rank
 
 __all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedule", "torch_schedules_for"]
 
@@ -85,10 +86,7 @@ def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSched
 
 def _stand_in_stages(num_ranks: int, stages_per_rank: int, placement: str, rank: int) -> list[SimpleNamespace]:
     num_stages = num_ranks * stages_per_rank
-    if placement == "loop":
-        ids = [chunk * num_ranks + rank for chunk in range(stages_per_rank)]
-    else:
-        ids = [rank, 2 * num_ranks - 1 - rank]
+    ids = [s for s, holder in enumerate(stage_to_rank(num_ranks, stages_per_rank, placement)) if holder == rank]
     return [
         SimpleNamespace(
             stage_index=s,

@@ -1,106 +1,197 @@
 """Verify a pipelined run against a single-process, non-pipelined run of the same model and data.
 
-Checked (contract, Run report): the loss and every parameter's gradient against the reference (fp32 on
-CPU: max relative error ≤ 1e-5), each rank's executed order against the schedule, and reported: the
-measured start/end of every action, the peak memory per rank (GPU: ``torch.cuda.max_memory_allocated``;
-CPU: the peak bytes of live saved activations, via saved-tensor hooks) and the predicted vs measured
-makespan, plus the makespan the project's simulator predicts from the measured per-stage costs.
+The reference (:func:`reference_training`) runs every model stage in order on the whole global batch and follows
+the run's update rule (synchronous, post-validated ≡ synchronous with clipping, PipeDream-2BW's delayed update);
+without training options it is one step without an optimizer (gradients and loss only). Checked (contract, Run
+report): the loss and every parameter's gradient and value against the reference (fp32 on CPU: max relative
+error ≤ 1e-5), each rank's executed order against the schedule. :func:`measured_costs` and
+:func:`simulate_with_measured_costs` put the measured passes back into the simulator.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.simulate import simulate
-from pipesched.optimizer.units import common_unit
 from pipesched.runtime.models import PipelineModel
+from pipesched.runtime.options import TrainingOptions
+from pipesched.runtime.records import MeasuredAction, StepCheck
 
-__all__ = ["build_report", "compare_gradients", "measured_costs", "print_report", "reference_run"]
+__all__ = [
+    "TOLERANCE",
+    "Comparison",
+    "Reference",
+    "clip_coefficient",
+    "compare",
+    "make_optimizer",
+    "measured_costs",
+    "nan_hook",
+    "reference_training",
+    "simulate_with_measured_costs",
+]
 
-#: Max relative error of loss and gradients accepted per device type (fp32).
+#: Max relative error of loss, gradients and parameters accepted per device type (fp32).
 TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 
 
-def reference_run(model: PipelineModel, num_microbatches: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """The step without a pipeline: every microbatch through model stages 0 … S−1 in one process.
+def make_optimizer(name: str, params: list[Any], lr: float) -> torch.optim.Optimizer:
+    """``torch.optim.SGD`` or ``AdamW`` over ``params`` with learning rate ``lr`` (their defaults otherwise)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
 
-    Returns the mean loss over microbatches and ``"{model stage}/{parameter}"`` → gradient of that
-    mean loss (fp32, CPU).
-    """
-    modules = [model.build_stage(stage) for stage in range(model.num_model_stages)]
+
+def clip_coefficient(norm: float, clip: float | None) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s factor: ``max_norm / (norm + 1e-6)`` capped at 1 (1 without clipping)."""
+    return min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
+
+
+def nan_hook(output: torch.Tensor) -> None:
+    """Make the gradient flowing into ``output`` NaN (the loss value itself stays as it is)."""
+    if output.requires_grad:
+        output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+
+@dataclass
+class Reference:
+    """The single-process run: mean loss per step, the last step's gradients, the parameters after the last
+    step (``"{model stage}/{parameter}"``) and per step its check (the global norm, and whether it was skipped)."""
+
+    losses: list[float] = field(default_factory=list)
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
+    parameters: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: list[StepCheck] = field(default_factory=list)
+
+
+def _reference_step(modules: list[torch.nn.Module], model: PipelineModel, first: int, total: int, nan_at: int | None):
+    """Forward and backward of microbatches ``first … first + total − 1`` (mean loss); the losses."""
     losses = []
-    for microbatch in range(num_microbatches):
-        x, target = model.make_microbatch(microbatch)
+    for g in range(total):
+        x, target = model.make_microbatch(first + g)
         for module in modules:
             x = module(x)
+        if nan_at == g:
+            nan_hook(x)
         loss = model.loss_fn(x, target)
-        (loss / num_microbatches).backward()
+        (loss / total).backward()
         losses.append(float(loss.detach()))
-    gradients = {
-        f"{stage}/{name}": parameter.grad.detach().float().clone()
-        for stage, module in enumerate(modules)
-        for name, parameter in module.named_parameters()
-        if parameter.grad is not None
-    }
-    return sum(losses) / num_microbatches, gradients
+    return losses
 
 
-def compare_gradients(
-    gradients: dict[str, torch.Tensor], model_stage: list[int], reference: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    """Compare pipelined gradients with the reference.
-
-    ``gradients`` are keyed ``"{stage id}/{name}"``; stage ids map onto model stages by ``model_stage``
-    (bidirectional replicas' gradients of one model stage are summed, as the all-reduce between
-    mirrored ranks would). Relative error of a parameter: ``max|g − g_ref| / max|g_ref|``.
-
-    Returns ``{"max_abs_grad_error", "max_rel_grad_error", "worst_parameter", "missing", "unexpected"}``.
+def reference_training(model: PipelineModel, num_microbatches: int, options: TrainingOptions | None) -> Reference:
+    """The same K steps in one process, without a pipeline: every model stage in order, the global batch of
+    ``D · m`` microbatches per step (mean loss), the same optimizer, clipping, NaN check and update rule
+    (synchronous; post-validation ≡ synchronous with clipping; 2BW: W(t+1) = W(t) − ν·∇f(W(t−1))). Without
+    ``options``: one step of m microbatches, no optimizer step.
     """
-    summed: dict[str, torch.Tensor] = {}
-    for key, gradient in gradients.items():
+    modules = [model.build_stage(stage) for stage in range(model.num_model_stages)]
+    params = [p for module in modules for p in module.parameters()]
+    names = [f"{stage}/{name}" for stage, module in enumerate(modules) for name, _ in module.named_parameters()]
+    two_versions = options is not None and options.two_weight_versions
+    masters = [torch.nn.Parameter(p.detach().clone()) for p in params] if two_versions else []
+    optimizer = None if options is None else make_optimizer(options.optimizer, masters or params, options.lr)
+    total = num_microbatches * (options.data_parallel if options else 1)
+    steps = options.steps if options else 1
+    reference = Reference()
+    for step in range(steps):
+        for p in params:
+            p.grad = None
+        nan_at = options.inject_nan[1] if options and options.inject_nan and options.inject_nan[0] == step else None
+        losses = _reference_step(modules, model, step * total, total, nan_at)
+        reference.losses.append(sum(losses) / total)
+        norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)))
+        finite = math.isfinite(norm)
+        reference.steps.append(StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
+        if step == steps - 1:
+            reference.gradients = {
+                n: p.grad.detach().float().clone() for n, p in zip(names, params, strict=True) if p.grad is not None
+            }
+        if optimizer is None or options is None or not finite:
+            continue
+        coefficient = clip_coefficient(norm, options.clip_norm)
+        with torch.no_grad():
+            for p in params:
+                p.grad.mul_(coefficient)
+            for p, master in zip(params, masters, strict=False):
+                master.grad = p.grad.clone()
+                p.copy_(master)
+        optimizer.step()
+    final = masters or params
+    reference.parameters = {n: p.detach().float().clone() for n, p in zip(names, final, strict=True)}
+    return reference
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Measured tensors against the reference: max absolute and relative error, the worst key, and the reference
+    keys missing from / measured keys unknown to the reference."""
+
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    worst: str | None = None
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+
+
+def compare(measured: dict[str, Any], reference: dict[str, Any], model_stage: list[int]) -> Comparison:
+    """Relative error per tensor ``max|x − ref| / max|ref|`` (NaN where both are NaN counts as equal).
+
+    ``measured`` is keyed ``"{stage id}/{name}"``; stage ids map onto model stages by ``model_stage`` (mirrored
+    replicas of a bidirectional placement hold the same, summed gradients: the first copy is compared).
+    """
+    mapped: dict[str, Any] = {}
+    for key, value in measured.items():
         stage, name = key.split("/", 1)
-        model_key = f"{model_stage[int(stage)]}/{name}"
-        summed[model_key] = gradient.clone() if model_key not in summed else summed[model_key] + gradient
+        mapped.setdefault(f"{model_stage[int(stage)]}/{name}", value)
     max_abs = max_rel = 0.0
     worst = None
     for key, expected in reference.items():
-        if key not in summed:
+        if key not in mapped:
             continue
-        difference = float((summed[key] - expected).abs().max())
-        scale = float(expected.abs().max())
-        relative = difference / scale if scale > 0 else difference
-        max_abs = max(max_abs, difference)
+        got = mapped[key]
+        both_nan = torch.isnan(got) & torch.isnan(expected)
+        difference = torch.where(both_nan, torch.zeros_like(got), (got - expected).abs())
+        absolute = float(difference.max()) if difference.numel() else 0.0
+        finite = expected[~torch.isnan(expected)]
+        scale = float(finite.abs().max()) if finite.numel() else 0.0
+        relative = absolute / scale if scale > 0 else absolute
+        if math.isnan(relative):
+            relative = math.inf
+        max_abs = max(max_abs, absolute) if not math.isnan(absolute) else math.inf
         if relative >= max_rel:
             max_rel, worst = relative, key
-    return {
-        "max_abs_grad_error": max_abs,
-        "max_rel_grad_error": max_rel,
-        "worst_parameter": worst,
-        "missing": sorted(set(reference) - set(summed)),
-        "unexpected": sorted(set(summed) - set(reference)),
-    }
+    return Comparison(
+        max_abs,
+        max_rel,
+        worst,
+        tuple(sorted(set(reference) - set(mapped))),
+        tuple(sorted(set(mapped) - set(reference))),
+    )
 
 
-def measured_costs(schedule: Schedule, ranks: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Per-stage median measured duration (ms) of F, I, W and B, indexed by stage id (0.0 where unseen)."""
+def measured_costs(schedule: Schedule, actions: list[list[MeasuredAction]]) -> dict[str, list[float]]:
+    """Per-stage median measured duration (ms) of F, I, W and B, indexed by stage id (0.0 where unseen);
+    ``actions``: per rank, its measured compute actions."""
     num_ids = len(schedule.stage_to_rank)
     samples: dict[str, list[list[float]]] = {kind: [[] for _ in range(num_ids)] for kind in "FIWB"}
-    for rank in ranks:
-        for record in rank["actions"]:
-            action = parse_action(record["action"])
-            samples[action.kind.value][action.stage].append(record["end"] - record["start"])
+    for row in actions:
+        for record in row:
+            action = parse_action(record.action)
+            samples[action.kind.value][action.stage].append(record.duration_ms)
     return {kind: [statistics.median(s) if s else 0.0 for s in per_stage] for kind, per_stage in samples.items()}
 
 
-def _simulate_with_measured(schedule: Schedule, costs: dict[str, list[float]]) -> float | None:
+def simulate_with_measured_costs(schedule: Schedule, costs: dict[str, list[float]]) -> float | None:
+    """The simulator's makespan of the schedule's order with the measured per-stage costs (no p2p latency), ms;
+    ``None`` when the measured costs do not make a valid problem."""
     problem = schedule.problem
     inst = compile_problem(problem)
     num_model = problem.pipeline.num_stages
@@ -131,170 +222,3 @@ def _simulate_with_measured(schedule: Schedule, costs: dict[str, list[float]]) -
         return simulate(compile_problem(measured), schedule.orders(), check_memory=False).makespan
     except Exception:
         return None
-
-
-def build_report(
-    schedule: Schedule,
-    ranks: list[dict[str, Any]],
-    losses: dict[int, float],
-    gradients: dict[str, torch.Tensor],
-    reference_loss: float,
-    reference_gradients: dict[str, torch.Tensor],
-    *,
-    backend: str,
-    device: str,
-    engine: str,
-    model_name: str,
-) -> dict[str, Any]:
-    """The run report of the contract (plus diagnostics).
-
-    ``ranks``: per rank ``{"rank", "peak_memory_bytes", "actions": [{"action", "start", "end", …}], "executed"}``,
-    times in ms from the common start. ``losses``: microbatch → loss from the last-stage ranks.
-    """
-    inst = compile_problem(schedule.problem)
-    comparison = compare_gradients(gradients, inst.model_stage, reference_gradients)
-    # Without training the run executes the passes only (UNSHARD/RESHARD/REDUCE_GRAD/OPTIMIZER_STEP are skipped
-    # with a note: nothing to reduce or step), so the passes are what is compared.
-    passes = {"F", "I", "W", "B"}
-    expected_orders = [[a.action for a in rank.actions if a.kind in passes] for rank in schedule.ranks]
-    mismatches = []
-    for rank in ranks:
-        executed = [
-            action
-            for action in (rank.get("executed") or [a["action"] for a in rank["actions"]])
-            if parse_action(action).is_compute
-        ]
-        if executed != expected_orders[rank["rank"]]:
-            position = next(
-                (k for k, (a, b) in enumerate(zip(executed, expected_orders[rank["rank"]], strict=False)) if a != b),
-                min(len(executed), len(expected_orders[rank["rank"]])),
-            )
-            mismatches.append({"rank": rank["rank"], "position": position})
-    m = inst.num_microbatches
-    # Bidirectional schedules compute every microbatch's loss once, on the replica it passes.
-    # With a loss missing there is no step loss (None: JSON has no NaN) and the run is not verified.
-    missing_losses = sorted(set(range(m)) - set(losses))
-    loss = sum(losses.values()) / m if not missing_losses else None
-    tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
-    loss_error = None if loss is None else abs(loss - reference_loss) / max(abs(reference_loss), 1e-30)
-    starts = [a["start"] for rank in ranks for a in rank["actions"]]
-    ends = [a["end"] for rank in ranks for a in rank["actions"]]
-    measured_makespan = (max(ends) - min(starts)) if starts else 0.0
-    costs = measured_costs(schedule, ranks)
-    verified = (
-        not mismatches
-        and not comparison["missing"]
-        and not comparison["unexpected"]
-        and comparison["max_rel_grad_error"] <= tolerance
-        and loss_error is not None
-        and loss_error <= tolerance
-    )
-    return {
-        "verified": bool(verified),
-        "max_abs_grad_error": comparison["max_abs_grad_error"],
-        "max_rel_grad_error": comparison["max_rel_grad_error"],
-        "worst_parameter": comparison["worst_parameter"],
-        "missing_gradients": comparison["missing"],
-        "tolerance": tolerance,
-        "loss": loss,
-        "reference_loss": reference_loss,
-        "loss_rel_error": loss_error,
-        "missing_losses": missing_losses,
-        "executed_order_matches": not mismatches,
-        "order_mismatches": mismatches,
-        "ranks": [
-            {
-                "rank": rank["rank"],
-                "peak_memory_bytes": rank["peak_memory_bytes"],
-                "predicted_peak_memory_bytes": schedule.peak_memory[rank["rank"]] if schedule.peak_memory else None,
-                # Saved activations exclude weights, so they compare with the predicted peak less static.
-                "predicted_peak_activation_bytes": (
-                    schedule.peak_memory[rank["rank"]] - schedule.problem.static_memory[rank["rank"]]
-                    if schedule.peak_memory
-                    else None
-                ),
-                "memory_measure": rank.get("memory_measure", "saved-activations"),
-                "actions": rank["actions"],
-            }
-            for rank in sorted(ranks, key=lambda r: r["rank"])
-        ],
-        "predicted_makespan_ms": schedule.makespan,
-        "measured_makespan_ms": round(measured_makespan, 6),
-        "simulated_makespan_from_measured_costs_ms": _simulate_with_measured(schedule, costs),
-        "measured_costs_ms": costs,
-        "method": schedule.method,
-        "model": model_name,
-        "engine": engine,
-        "backend": backend,
-        "device": device,
-        "torch_version": torch.__version__,
-    }
-
-
-def print_report(report: dict[str, Any], console: Console | None = None) -> None:
-    """A one-screen summary of a run report."""
-    console = console or Console()
-    verdict = "[bold green]verified[/bold green]" if report["verified"] else "[bold red]NOT verified[/bold red]"
-    console.print(
-        f"{verdict} · {report.get('method', '?')} · {len(report['ranks'])} ranks · {report['backend']} on "
-        f"{report['device']} · engine {report.get('engine', '?')} · model {report.get('model', '?')}",
-        highlight=False,
-    )
-    loss = report["loss"]
-    loss_text = (
-        f"{loss:.8g}"
-        if loss is not None
-        else f"missing for microbatch(es) {', '.join(map(str, report.get('missing_losses', [])))}"
-    )
-    console.print(
-        f"loss {loss_text} (reference {report['reference_loss']:.8g}) · max gradient error "
-        f"{report['max_abs_grad_error']:.3g} abs, {report['max_rel_grad_error']:.3g} rel (tolerance "
-        f"{report['tolerance']:g}) · executed order {'matches' if report['executed_order_matches'] else 'DIFFERS'}",
-        highlight=False,
-    )
-    simulated = report.get("simulated_makespan_from_measured_costs_ms")
-    console.print(
-        f"makespan: predicted {report['predicted_makespan_ms']:.3f} ms · measured "
-        f"{report['measured_makespan_ms']:.3f} ms"
-        + ("" if simulated is None else f" · simulated from measured costs {simulated:.3f} ms"),
-        highlight=False,
-    )
-    activations_only = all(r.get("memory_measure", "saved-activations") == "saved-activations" for r in report["ranks"])
-    measured_title, predicted_key = (
-        ("peak activations", "predicted_peak_activation_bytes")
-        if activations_only
-        else ("peak memory", "predicted_peak_memory_bytes")
-    )
-    table = Table(show_header=True, header_style="bold", title=f"per rank · {measured_title}, measured and predicted")
-    shown = report["ranks"][:16]
-    unit_name, unit = common_unit(
-        [r["peak_memory_bytes"] for r in shown] + [r[predicted_key] for r in shown if r.get(predicted_key) is not None]
-    )
-    for column in (
-        "rank",
-        "actions",
-        "busy ms",
-        "first start ms",
-        "last end ms",
-        f"measured {unit_name}",
-        f"predicted {unit_name}",
-    ):
-        table.add_column(column, justify="right")
-    for rank in shown:
-        actions = rank["actions"]
-        busy = sum(a["end"] - a["start"] for a in actions)
-        predicted = rank.get(predicted_key)
-        table.add_row(
-            str(rank["rank"]),
-            str(len(actions)),
-            f"{busy:.3f}",
-            f"{actions[0]['start']:.3f}" if actions else "—",
-            f"{actions[-1]['end']:.3f}" if actions else "—",
-            f"{rank['peak_memory_bytes'] / unit:.3f}",
-            "—" if predicted is None else f"{predicted / unit:.3f}",
-        )
-    console.print(table)
-    if report.get("order_mismatches"):
-        console.print(f"order mismatches: {report['order_mismatches']}", highlight=False)
-    if report.get("missing_gradients"):
-        console.print(f"missing gradients: {report['missing_gradients'][:5]}", highlight=False)

@@ -361,17 +361,18 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
         report = run_schedule(
             schedule, backend="gloo", model="problem", output=folder / "report.json", training=options
         )
+    assert report is not None  # one node: node 0 reports
     print_run_summary(report)
     console.rule("[bold]4/4 predicted against measured")
     print_training_summary(report, console)
-    (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report)))
-    summary["report"] = report
-    if not report.get("verified"):
+    (folder / "measured-trace.json").write_text(json.dumps(run_report_to_chrome_trace(report.model_dump())))
+    summary["report"] = report.model_dump()
+    if not report.verified:
         raise RuntimeError(f"verification failed: see {folder / 'report.json'}")
     console.print(
-        f"[bold green]verified[/bold green]: after {report['steps']} {DEMO_OPTIMIZER} steps every parameter on "
-        f"every rank equals the single-process reference within {report['max_rel_param_error']:.2g} "
-        f"(relative); loss {report['loss']:.6g} against {report['reference_loss']:.6g}. On a CPU shared by "
+        f"[bold green]verified[/bold green]: after {report.steps} {DEMO_OPTIMIZER} steps every parameter on "
+        f"every rank equals the single-process reference within {report.max_rel_param_error:.2g} "
+        f"(relative); loss {report.loss:.6g} against {report.reference_loss:.6g}. On a CPU shared by "
         f"{processes} processes the measured times say little about a GPU cluster; what transfers is the "
         "order, the memory and the verification.",
         highlight=False,

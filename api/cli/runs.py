@@ -16,8 +16,9 @@ from pipesched.optimizer.units import format_bytes
 if TYPE_CHECKING:
     from pipesched.optimizer.problem import Problem
     from pipesched.optimizer.result import Schedule
+    from pipesched.runtime.options import TrainingOptions
     from pipesched.runtime.profile import Profile
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.report import RunReport
 
 # The options of `pipesched run`, one alias each, so that the command reads as the list of its options.
 ScheduleArgument = Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")]
@@ -147,7 +148,7 @@ def run(
         raise fail(str(error)) from None
     except RunFailed as error:
         raise fail(f"the run failed ({error.reason}): {error}", code=getattr(error, "exit_code", 1)) from None
-    if "verified" not in report:
+    if report is None:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
     _print_run(report, schedule, training, output, trace)
@@ -181,7 +182,7 @@ def _training_options(problem: Problem, given: dict[str, Any], inject_nan: str |
 
 
 def _print_run(
-    report: dict[str, Any],
+    report: RunReport,
     schedule: Schedule,
     training: TrainingOptions | None,
     output: Path | None,
@@ -200,9 +201,9 @@ def _print_run(
     if trace is not None:
         from pipesched.optimizer.export import run_report_to_chrome_trace
 
-        write_output(trace, json.dumps(run_report_to_chrome_trace(report, predicted=schedule)))
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report.model_dump(), predicted=schedule)))
         console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
-    if not report["verified"]:
+    if not report.verified:
         raise typer.Exit(1)
 
 

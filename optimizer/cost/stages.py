@@ -64,7 +64,6 @@ __all__ = [
     "embedding_block",
     "head_block",
     "resolve_hardware",
-    "stage_ranks",
     "static_bytes_per_parameter",
     "transformer_layer",
 ]
@@ -330,23 +329,6 @@ def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> fl
     return weights + gradients + optimizer
 
 
-def stage_ranks(pipeline: Pipeline) -> list[list[int]]:
-    """For every model stage, the ranks holding a copy (contract, Terms: placement).
-
-    One rank per stage, except ``"bidirectional"`` where each model stage sits on two ranks (one per replica).
-    """
-    p, num_stages = pipeline.num_ranks, pipeline.num_stages
-    placement = pipeline.placement
-    if isinstance(placement, list):
-        return [[rank] for rank in placement]
-    if placement == "loop":
-        return [[s % p] for s in range(num_stages)]
-    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    if placement == "v":
-        return [[rank] for rank in v]
-    return [sorted({rank, p - 1 - rank}) for rank in v]
-
-
 @dataclass
 class DerivedProblem:
     """What :func:`derive_problem` derived.
@@ -510,7 +492,7 @@ def derive_problem(
     head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
     per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
     limit = hardware.memory_bytes - cluster.memory_reserve_bytes
-    holders = stage_ranks(pipeline)
+    holders = pipeline.stage_holders()
 
     def stage_block(stage: int, count: int) -> Block:
         block = layer.times(count)

@@ -48,13 +48,12 @@ from pipesched.optimizer.cost.stages import (
     embedding_block,
     head_block,
     resolve_hardware,
-    stage_ranks,
     transformer_layer,
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
-from pipesched.optimizer.problem import Pipeline
+from pipesched.optimizer.problem import stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -189,6 +188,7 @@ class Estimator:
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
+        ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
             tp = TensorParallel(size=config.tensor_parallel, sequence_parallel=self.sequence_parallel)
             head = head_block(self.model_for(*key[1:3]), self.hardware, tp if key[0] > 1 else None, separate_copy=False)
@@ -196,24 +196,23 @@ class Estimator:
         backward = [0.0] * p
         parameters = [0.0] * p
         activation = [0.0] * p
-        pipeline = Pipeline(
-            num_ranks=p, num_microbatches=max(1, config.num_microbatches), stages_per_rank=v, placement=placement
-        )
-        for stage, (count, holders) in enumerate(zip(counts, stage_ranks(pipeline), strict=True)):
+        # The ranks holding each model stage: two under "bidirectional" (ids s and num_stages + s).
+        holders = [sorted({ranks[s], ranks[(s + num_stages) % len(ranks)]}) for s in range(num_stages)]
+        for stage, count in enumerate(counts):
             block = layer.times(count)
             if stage == 0:
                 block = block + embedding
             if stage == num_stages - 1:
                 block = block + head
             # Each holder keeps the stage's weights; a bidirectional placement's two replicas share the batch.
-            for rank in holders:
-                compute[rank] += block.compute_ms / len(holders)
-                backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders)
+            for rank in holders[stage]:
+                compute[rank] += block.compute_ms / len(holders[stage])
+                backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders[stage])
                 parameters[rank] += block.parameters
                 activation[rank] = max(activation[rank], block.activation_bytes)
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
-        last_rank = (num_stages - 1) % p if placement == "loop" else 0  # V and bidirectional: back on rank 0
+        last_rank = ranks[num_stages - 1]
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],

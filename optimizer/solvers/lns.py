@@ -28,7 +28,7 @@ from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simu
 from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
 from pipesched.optimizer.solvers.cpsat_model import OrderModel, run_model
 
-__all__ = ["large_neighbourhood_search", "window_segments"]
+__all__ = ["LnsBackend", "large_neighbourhood_search", "window_segments"]
 
 _IMPROVEMENT_MS = 1e-6
 
@@ -200,3 +200,47 @@ def large_neighbourhood_search(
             "wall_s": round(time.perf_counter() - started, 4),
         },
     )
+
+
+class LnsBackend:
+    """:func:`large_neighbourhood_search` as a :class:`~pipesched.optimizer.solvers.base.Backend`: it improves
+    ``hint`` (FIFO per-rank orders that fit memory) and finds nothing without one.
+
+    Args:
+        num_workers: CP-SAT search workers per window.
+    """
+
+    name = "cpsat-lns"
+
+    def __init__(self, *, num_workers: int = 2) -> None:
+        self.num_workers = num_workers
+
+    def solve(
+        self,
+        inst: Instance,
+        *,
+        objective: str,
+        time_limit_s: float,
+        hint: list[list[int]] | None = None,
+        upper_bound: float | None = None,
+        progress: ProgressCallback | None = None,
+        should_stop: StopCheck | None = None,
+        seed: int = 0,
+    ) -> BackendResult:
+        """Window re-optimisation of ``hint`` for ``time_limit_s`` (module docstring); ``UNKNOWN`` without a
+        hint that fits memory."""
+        unknown = BackendResult(BackendStatus.UNKNOWN, message="large-neighbourhood search needs a warm start")
+        if hint is None:
+            return unknown
+        try:
+            return large_neighbourhood_search(
+                inst,
+                objective=objective,
+                incumbent=hint,
+                time_limit_s=time_limit_s,
+                num_workers=self.num_workers,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        except InvalidSchedule:  # the hint deadlocks or breaks a memory limit
+            return unknown

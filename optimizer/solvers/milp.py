@@ -241,8 +241,9 @@ class MilpBackend:
         upper_bound: float | None = None,
         progress: ProgressCallback | None = None,
         should_stop: StopCheck | None = None,
+        seed: int = 0,
     ) -> BackendResult:
-        """Minimise ``objective`` (ms); see :class:`~pipesched.optimizer.solvers.base.Backend`.
+        """Minimise ``objective`` (ms); see :class:`~pipesched.optimizer.solvers.base.Backend` (``seed`` unused).
 
         The MILP cannot be interrupted: ``should_stop`` is polled only before it starts.
 

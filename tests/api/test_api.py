@@ -443,14 +443,16 @@ def test_health_and_metrics(client: TestClient) -> None:
 
 
 def test_the_api_token_guards_v1(tmp_path: Path) -> None:
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", solver_workers=1, api_token="s3cret")
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", solver_workers=1, api_token="s3cret-0123456789abcdef"
+    )
     app: FastAPI = create_app(settings)
     with TestClient(app) as client:
         assert client.get("/v1/methods").status_code == 401
         wrong = client.get("/v1/methods", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"] == "Bearer"
         assert client.post("/v1/jobs", json=problem_body()).status_code == 401
-        assert client.get("/v1/methods", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/v1/methods", headers={"Authorization": "Bearer s3cret-0123456789abcdef"}).status_code == 200
         assert client.get("/healthz").status_code == 200
 
 

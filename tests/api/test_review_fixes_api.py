@@ -111,34 +111,45 @@ def test_partition_memory_shared_by_a_ranks_stages_still_closes_the_full_rank() 
         )
 
 
-def _report_with_losses(losses: dict[int, float], reference_loss: float) -> dict[str, Any]:
+def _report_with_losses(losses: dict[int, float], reference_loss: float) -> Any:
     """A run report whose measured actions are the schedule's own times (no torch run needed)."""
     pytest.importorskip("torch")
-    from pipesched.runtime.verify import build_report
+    from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, StepRecord
+    from pipesched.runtime.report import build_report
+    from pipesched.runtime.verify import Reference
 
     schedule = solve(uniform_problem(2, 3, method="1f1b", split_backward=False))
-    ranks = [
-        {
-            "rank": rank.rank,
-            "actions": [{"action": a.action, "start": a.start, "end": a.end} for a in rank.actions],
-            "executed": [a.action for a in rank.actions],
-            "peak_memory_bytes": 0,
-        }
+    last = schedule.ranks[-1].rank
+    results = [
+        RankResult(
+            rank=rank.rank,
+            pp_rank=rank.rank,
+            dp_rank=0,
+            device="cpu",
+            memory_measure="saved-activations",
+            steps=[
+                StepRecord(
+                    actions=[MeasuredAction(action=a.action, start=a.start, end=a.end) for a in rank.actions],
+                    losses=losses if rank.rank == last else {},
+                )
+            ],
+        )
         for rank in schedule.ranks
     ]
+    reference = Reference(losses=[reference_loss], steps=[StepCheck(step=0, skipped=False)])
     return build_report(
-        schedule, ranks, losses, {}, reference_loss, {}, backend="gloo", device="cpu", engine="test", model_name="none"
+        schedule, results, reference, None, backend="gloo", device="cpu", engine="test", model_name="none"
     )
 
 
 def test_run_report_with_a_missing_loss_is_valid_json_and_not_verified() -> None:
     complete = _report_with_losses({0: 1.0, 1: 2.0, 2: 3.0}, reference_loss=2.0)
-    assert complete["verified"] and complete["loss"] == 2.0 and complete["missing_losses"] == []
+    assert complete.verified and complete.loss == 2.0 and complete.missing_losses == []
     report = _report_with_losses({0: 1.0, 2: 3.0}, reference_loss=2.0)
-    assert report["loss"] is None and report["loss_rel_error"] is None
-    assert report["missing_losses"] == [1] and report["verified"] is False
-    assert json.loads(json.dumps(report, allow_nan=False))["loss"] is None  # strict JSON: no NaN
-    from pipesched.runtime.verify import print_report
+    assert report.loss is None and report.loss_rel_error is None
+    assert report.missing_losses == [1] and report.verified is False
+    assert json.loads(report.model_dump_json())["loss"] is None  # strict JSON: no NaN
+    from pipesched.runtime.report import print_report
 
     console = Console(file=io.StringIO(), width=200)
     print_report(report, console)

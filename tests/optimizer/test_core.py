@@ -85,3 +85,21 @@ def test_a_problem_too_large_to_plan_names_num_microbatches() -> None:
         uniform_problem(1024, 100_000, stages_per_rank=2)
     error = raised.value.errors()[0]
     assert error["loc"] == ("pipeline", "num_microbatches") and "fewer microbatches" in error["msg"]
+
+
+def test_one_placement_rule_for_every_placement() -> None:
+    from pipesched.optimizer.problem import Pipeline, stage_to_rank
+
+    def pipeline(placement: object, v: int = 2) -> Pipeline:
+        return Pipeline.model_validate(
+            {"num_ranks": 3, "num_microbatches": 4, "stages_per_rank": v, "placement": placement}
+        )
+
+    assert pipeline("loop").stage_to_rank == [0, 1, 2, 0, 1, 2]
+    assert pipeline("v").stage_to_rank == [0, 1, 2, 2, 1, 0]
+    bidirectional = pipeline("bidirectional")
+    assert bidirectional.stage_to_rank == [0, 1, 2, 2, 1, 0, 2, 1, 0, 0, 1, 2]
+    assert bidirectional.stage_holders() == [[0, 2], [1], [0, 2], [0, 2], [1], [0, 2]]
+    assert pipeline([2, 1, 0], v=1).stage_holders() == [[2], [1], [0]]
+    with pytest.raises(ValueError, match="unknown placement 'w'"):
+        stage_to_rank(3, 2, "w")

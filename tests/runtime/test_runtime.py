@@ -101,23 +101,23 @@ def test_schedule_runs_and_matches_reference(family_runs, key):
     assert key in family_runs, f"required case {key} did not run"
     name, engine, _, model = key
     schedule, report = family_runs[key]
-    assert report["executed_order_matches"], report["order_mismatches"]
-    assert report["max_rel_grad_error"] <= 1e-5
-    assert report["missing_gradients"] == []
-    assert abs(report["loss"] - report["reference_loss"]) <= 1e-5 * abs(report["reference_loss"])
-    assert report["verified"] is True
-    assert report["engine"] == engine
+    assert report.executed_order_matches, report.order_mismatches
+    assert report.max_rel_grad_error <= 1e-5
+    assert report.missing_gradients == []
+    assert abs(report.loss - report.reference_loss) <= 1e-5 * abs(report.reference_loss)
+    assert report.verified is True
+    assert report.engine == engine
     # The report names the model that ran: the user's module:function, or the GPT preset.
-    assert (report["model"] == model) if ":" in model else report["model"].startswith("gpt(")
+    assert (report.model == model) if ":" in model else report.model.startswith("gpt(")
     # Every action of the schedule was measured, in order, with end ≥ start.
-    for rank, expected in zip(report["ranks"], schedule.ranks, strict=True):
-        assert [a["action"] for a in rank["actions"]] == [a.action for a in expected.actions]
-        assert all(a["end"] >= a["start"] >= 0 for a in rank["actions"])
-        starts = [a["start"] for a in rank["actions"]]
+    for rank, expected in zip(report.ranks, schedule.ranks, strict=True):
+        assert [a.action for a in rank.actions] == [a.action for a in expected.actions]
+        assert all(a.end >= a.start >= 0 for a in rank.actions)
+        starts = [a.start for a in rank.actions]
         assert starts == sorted(starts)
-        assert rank["peak_memory_bytes"] > 0
-    assert report["measured_makespan_ms"] > 0
-    assert report["predicted_makespan_ms"] == schedule.makespan
+        assert rank.peak_memory_bytes > 0
+    assert report.measured_makespan_ms > 0
+    assert report.predicted_makespan_ms == schedule.makespan
     if name == "auto":
         assert schedule.fits_memory
 
@@ -125,22 +125,23 @@ def test_schedule_runs_and_matches_reference(family_runs, key):
 def test_user_model_gradients_are_the_users_parameters(family_runs):
     """The user-model run compared the gradients of the user's own stage modules (not a GPT's)."""
     from pipesched.runtime.models import load_model
-    from pipesched.runtime.verify import reference_run
+    from pipesched.runtime.verify import reference_training
 
     schedule, report = family_runs["1f1b", "pipesched", True, USER_MODEL]
-    reference_loss, gradients = reference_run(load_model(USER_MODEL, schedule.problem), NUM_MICROBATCHES)
+    reference = reference_training(load_model(USER_MODEL, schedule.problem), NUM_MICROBATCHES, None)
+    reference_loss, gradients = reference.losses[-1], reference.gradients
     # tiny_stages: embedding + Linear, Linear, Linear, Linear + head (weight and bias per Linear).
     assert "0/embedding.weight" in gradients and "3/head.weight" in gradients
     assert len(gradients) == 3 + 2 + 2 + 4
     assert all(float(g.abs().max()) > 0 for g in gradients.values())
-    assert report["reference_loss"] == pytest.approx(reference_loss, rel=1e-12)
+    assert report.reference_loss == pytest.approx(reference_loss, rel=1e-12)
 
 
 def test_peak_memory_follows_the_schedule(family_runs):
     """1F1B holds p − r activations on rank r: measured saved-activation peaks fall from rank 0 to 3,
     while GPipe-like F-first orders would not. Compares measured bytes per rank (CPU, saved-tensor hooks)."""
     _, report = family_runs["1f1b", "pipesched", True, "gpt-tiny"]
-    peaks = [rank["peak_memory_bytes"] for rank in report["ranks"]]
+    peaks = [rank.peak_memory_bytes for rank in report.ranks]
     # Stage 0 and the last stage differ in size (embedding, head): compare the two middle stages, which
     # hold the same layers: rank 1 keeps 3 microbatches' activations, rank 2 keeps 2.
     assert peaks[1] == pytest.approx(peaks[2] * 3 / 2, rel=0.01)
@@ -334,7 +335,7 @@ def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
     from pipesched.optimizer.solve import solve_family
     from pipesched.runtime.launch import run_schedule
     from pipesched.runtime.models import load_model
-    from pipesched.runtime.verify import reference_run
+    from pipesched.runtime.verify import reference_training
 
     problem = load_problem(
         {
@@ -359,13 +360,13 @@ def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
     model = load_model("problem", problem)
     assert model.layers_per_stage == [0, 2, 2, 0]
     assert len(model.build_stage(0).blocks) == 0 and len(model.build_stage(3).blocks) == 0
-    _, gradients = reference_run(model, NUM_MICROBATCHES)
+    gradients = reference_training(model, NUM_MICROBATCHES, None).gradients
     assert any(name.startswith("0/token_embedding") for name in gradients)
     assert any(name.startswith("3/lm_head") for name in gradients)
     report = run_schedule(solve_family(problem, "zb-h1"), model="problem", timeout_s=120)
-    assert report["verified"] is True
-    assert report["max_rel_grad_error"] <= 1e-5
-    assert report["missing_gradients"] == []
+    assert report.verified is True
+    assert report.max_rel_grad_error <= 1e-5
+    assert report.missing_gradients == []
 
 
 def test_auto_engine_is_torch_wherever_torch_can_follow_the_schedule():

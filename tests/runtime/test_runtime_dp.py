@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipesched.optimizer.families import get_family
-from pipesched.optimizer.result import Schedule, build_schedule
+from pipesched.optimizer.result import Schedule
 from tests.conftest import data_parallel_problem, uniform_problem
 
 torch = pytest.importorskip("torch")
@@ -23,13 +22,18 @@ NUM_RANKS = 2
 NUM_MICROBATCHES = 4
 DP = 2
 USER_MODEL = "tests.runtime.user_pipeline_model:tiny_stages"
+BIDIRECTIONAL = {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.0}
 
 
-def family_schedule(name: str, **problem_options) -> Schedule:
-    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options)
-    return build_schedule(
-        problem, get_family(name).generate(problem), method=name, backend="family", check_memory=False
+def family_schedule(name: str, sharding: str = "full", **problem_options) -> Schedule:
+    """The family's schedule solved for data-parallel size DP (its UNSHARD/RESHARD/REDUCE_GRAD and OPTIMIZER_STEP
+    placed by the communication pass, at no cost: the prediction is not what these tests check)."""
+    from pipesched.optimizer.solve import solve_family
+
+    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES, **problem_options).with_changes(
+        **{"data_parallel": {"size": DP, "sharding": sharding}, "costs.unshard": 0.0, "costs.reduce_grad": 0.0}
     )
+    return solve_family(problem, name)
 
 
 CASES = {
@@ -78,15 +82,12 @@ COMMUNICATING = {"communicating-torch": "torch", "communicating-pipesched": "pip
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[Schedule, dict]]:
     from pipesched.runtime.launch import run_schedules
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.options import TrainingOptions
 
+    shapes = {"1f1b-fused": ("1f1b", {"split_backward": False}), "bitpipe": ("bitpipe", BIDIRECTIONAL)}
     schedules = [
-        family_schedule("1f1b", split_backward=False)
-        if name == "1f1b-fused"
-        else family_schedule(name, stages_per_rank=2, placement="bidirectional", reduce_grad=0.0)
-        if name == "bitpipe"
-        else family_schedule(name)
-        for name, *_ in CASES.values()
+        family_schedule(shapes.get(name, (name, {}))[0], options["sharding"], **shapes.get(name, (name, {}))[1])
+        for name, _, _, options in CASES.values()
     ]
     engines = [engine for _, engine, _, _ in CASES.values()]
     models = [model for _, _, model, _ in CASES.values()]
@@ -106,16 +107,16 @@ def test_a_schedule_with_communication_actions_runs_them(runs, case):
     runtime lowers its own UNSHARD/REDUCE_GRAD onto FSDP2); OPTIMIZER_STEP is the training loop's. Verified,
     with the measured communication beside the schedule's and the predicted step time its step_time."""
     schedule, report = runs[case]
-    assert report["verified"] is True
-    assert report["max_rel_param_error"] <= 1e-5 and report["max_rel_grad_error"] <= 1e-5
-    assert report["executed_order_matches"]
-    assert report["predicted_step_time_ms"] == schedule.step_time
-    assert report["predicted_step_time_from"] == "step_time"
-    for rank in report["ranks"]:
-        stage = rank["pp_rank"]
-        assert rank["predicted_communication_ms"] == pytest.approx(0.5 + 0.8)  # UNSHARD + REDUCE_GRAD (RESHARD 0)
-        assert rank["measured_communication_ms"] > 0
-        names = [c["action"] for c in rank["communication"]]
+    assert report.verified is True
+    assert report.max_rel_param_error <= 1e-5 and report.max_rel_grad_error <= 1e-5
+    assert report.executed_order_matches
+    assert report.predicted_step_time_ms == schedule.step_time
+    assert report.predicted_step_time_from == "step_time"
+    for rank in report.ranks:
+        stage = rank.pp_rank
+        assert rank.predicted_communication_ms == pytest.approx(0.5 + 0.8)  # UNSHARD + REDUCE_GRAD (RESHARD 0)
+        assert rank.measured_communication_ms > 0
+        names = [c.action for c in rank.communication]
         if COMMUNICATING[case] == "pipesched":
             assert names == [f"{stage}UNSHARD", f"{stage}REDUCE_GRAD", f"{stage}RESHARD"]
         else:
@@ -126,29 +127,33 @@ def test_a_schedule_with_communication_actions_runs_them(runs, case):
 def test_every_replica_matches_the_global_batch_reference(runs, case):
     schedule, report = runs[case]
     options = CASES[case][3]
-    assert report["verified"] is True, {k: report[k] for k in ("max_rel_param_error", "max_rel_grad_error", "losses")}
-    assert report["max_rel_grad_error"] <= 1e-5
-    assert report["max_rel_param_error"] <= 1e-5
-    assert report["missing_gradients"] == []
-    assert report["executed_order_matches"]
-    assert report["steps"] == options.get("steps", 1)
-    assert report["data_parallel"] == {"size": DP, "sharding": options["sharding"], "world_size": NUM_RANKS * DP}
-    assert sorted((r["pp_rank"], r["dp_rank"]) for r in report["ranks"]) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
-    for rank in report["ranks"]:
-        # Every rank reduced its gradients over the dp group, and the time it took was measured; these
-        # schedules carry no communication actions, so there is no prediction to put beside it.
-        assert rank["measured_communication_ms"] > 0
-        assert rank["predicted_communication_ms"] is None
-        assert any(c["action"].endswith("REDUCE_GRAD") for c in rank["communication"])
-    assert report["predicted_step_time_ms"] == schedule.makespan
-    assert report["measured_step_time_ms"] > 0
+    assert report.verified is True, report.model_dump(include={"max_rel_param_error", "max_rel_grad_error", "losses"})
+    assert report.max_rel_grad_error <= 1e-5
+    assert report.max_rel_param_error <= 1e-5
+    assert report.missing_gradients == []
+    assert report.executed_order_matches
+    assert report.steps == options.get("steps", 1)
+    assert report.data_parallel.model_dump() == {
+        "size": DP,
+        "sharding": options["sharding"],
+        "world_size": NUM_RANKS * DP,
+    }
+    assert sorted((r.pp_rank, r.dp_rank) for r in report.ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r.rank for r in report.ranks] == [0, 1, 2, 3]
+    for rank in report.ranks:
+        # Every rank reduced its gradients over the dp group, and the time it took was measured beside the
+        # schedule's prediction.
+        assert rank.measured_communication_ms > 0
+        assert rank.predicted_communication_ms is not None
+        assert any(c.action.endswith("REDUCE_GRAD") for c in rank.communication)
+    assert report.predicted_step_time_ms == schedule.step_time
+    assert report.measured_step_time_ms > 0
 
 
 def test_full_sharding_halves_the_static_memory(runs):
     """FSDP2 over dp 2 holds half of each stage's parameters and gradients on each rank."""
-    full = {r["rank"]: r["static_memory_bytes"] for r in runs["full-torch"][1]["ranks"]}
-    none = {r["rank"]: r["static_memory_bytes"] for r in runs["none-torch"][1]["ranks"]}
+    full = {r.rank: r.static_memory_bytes for r in runs["full-torch"][1].ranks}
+    none = {r.rank: r.static_memory_bytes for r in runs["none-torch"][1].ranks}
     for rank, replicated in none.items():
         assert full[rank] == pytest.approx(replicated / 2, rel=0.02)
 
@@ -157,17 +162,17 @@ def test_nan_in_one_replica_rolls_back_every_rank(runs):
     """Global microbatch 5 of step 1 is replica 1's microbatch 1: its NaN reaches every rank through the
     reduce-scatter, every speculative step is undone exactly, and the reference skipped that step."""
     _, report = runs["post-validation-nan"]
-    assert report["rolled_back_steps"] == [1] and report["reference_skipped_steps"] == [1]
-    for rank in report["ranks"]:
-        assert rank["steps"][1]["rolled_back"] is True
-        assert rank["steps"][1]["max_change_after_rollback"] == 0.0
-        assert rank["steps"][0]["norm"] is not None
+    assert report.rolled_back_steps == [1] and report.reference_skipped_steps == [1]
+    for rank in report.ranks:
+        assert rank.steps[1].rolled_back is True
+        assert rank.steps[1].max_change_after_rollback == 0.0
+        assert rank.steps[0].norm is not None
 
 
 def test_2bw_with_data_parallelism_differs_from_synchronous(runs):
     _, report = runs["2bw"]
-    assert report["max_rel_param_error"] <= 1e-5
-    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+    assert report.max_rel_param_error <= 1e-5
+    assert report.max_rel_param_error_vs_synchronous > 1e-3
 
 
 def test_cli_run_data_parallel_writes_the_contract_report(tmp_path: Path):
@@ -218,7 +223,7 @@ def test_cli_run_data_parallel_writes_the_contract_report(tmp_path: Path):
     ):
         assert field in report, field
     assert report["verified"] is True and report["steps"] == 2
-    assert report["data_parallel"]["sharding"] == "full"  # the default without a problem's data_parallel
+    assert report["data_parallel"]["sharding"] == "full"  # the schedule's
     assert len(report["ranks"]) == 4
     assert "data-parallel 2 (full) on 4 processes" in " ".join(result.output.split())
 
@@ -228,7 +233,7 @@ def test_reshard_after_forward_with_split_backward_is_refused_before_launch():
     resharded after F (measured on both engines: the last stage's gradients came back None); the run is
     refused with the option and the fix named, before any process starts."""
     from pipesched.runtime.launch import ScheduleError, run_schedule
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.options import TrainingOptions
 
     with pytest.raises(ScheduleError, match="--no-reshard-after-forward") as error:
         run_schedule(
@@ -236,3 +241,28 @@ def test_reshard_after_forward_with_split_backward_is_refused_before_launch():
             training=TrainingOptions(data_parallel=2, sharding="full", reshard_after_forward=True),
         )
     assert error.value.reason == "reshard_after_forward"
+
+
+@pytest.mark.parametrize(
+    "options,says",
+    [
+        (["--data-parallel", "1"], "--data-parallel 1 differs from the schedule's data_parallel.size 2"),
+        (["--sharding", "none"], "--sharding none differs from the schedule's sharding"),
+    ],
+)
+def test_cli_run_refuses_another_data_parallelism_than_the_schedules(tmp_path: Path, options, says):
+    """A schedule solved (and its step time predicted) for d = 2 is not run with d = 1 or other sharding: exit 2
+    naming both values, before any process starts."""
+    from typer.testing import CliRunner
+
+    from pipesched.api.cli import app
+    from pipesched.runtime.launch import ScheduleError, run_schedule
+
+    path = tmp_path / "schedule.json"
+    path.write_text(family_schedule("1f1b").model_dump_json())
+    result = CliRunner().invoke(app, ["run", str(path), *options])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split())
+    with pytest.raises(ScheduleError, match=r"differs from the schedule's data_parallel\.size 2") as error:
+        run_schedule(family_schedule("1f1b"))  # no training options: one replica
+    assert error.value.reason == "data_parallel"

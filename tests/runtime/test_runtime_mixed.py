@@ -33,9 +33,9 @@ def test_mixed_backward_and_interleaved_zb_run_and_verify() -> None:
     engines = ["pipesched", "torch", "pipesched", "torch"]
     reports = run_schedules(schedules, engine=engines, model=["gpt-tiny"] * 4, timeout_s=120)
     for schedule, engine, report in zip(schedules, engines, reports, strict=True):
-        assert report["verified"] is True, (schedule.method, engine, report)
-        assert report["executed_order_matches"], report["order_mismatches"]
-        assert report["max_rel_grad_error"] <= 1e-5
-        assert report["engine"] == engine
-        for rank, expected in zip(report["ranks"], schedule.ranks, strict=True):
-            assert [a["action"] for a in rank["actions"]] == [a.action for a in expected.actions]
+        assert report.verified is True, (schedule.method, engine, report)
+        assert report.executed_order_matches, report.order_mismatches
+        assert report.max_rel_grad_error <= 1e-5
+        assert report.engine == engine
+        for rank, expected in zip(report.ranks, schedule.ranks, strict=True):
+            assert [a.action for a in rank.actions] == [a.action for a in expected.actions]

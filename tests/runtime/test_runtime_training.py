@@ -69,7 +69,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def runs() -> dict[str, tuple[Schedule, dict]]:
     from pipesched.runtime.launch import run_schedules
-    from pipesched.runtime.training import TrainingOptions
+    from pipesched.runtime.options import TrainingOptions
 
     schedules = [family_schedule(name, **options) for name, _, options, _, _ in CASES.values()]
     reports = run_schedules(
@@ -88,29 +88,30 @@ def test_k_steps_match_the_reference(runs, case):
 
     schedule, report = runs[case]
     training = CASES[case][4]
-    assert report["steps"] == training["steps"]
-    assert report["verified"] is True, {k: report[k] for k in ("max_rel_param_error", "max_rel_grad_error", "losses")}
-    assert report["max_rel_param_error"] <= 1e-5
-    assert report["max_rel_grad_error"] <= 1e-5
-    assert report["executed_order_matches"]
-    assert report["missing_gradients"] == []
-    assert report["loss"] == pytest.approx(report["reference_loss"], rel=1e-5)
+    assert report.steps == training["steps"]
+    assert report.verified is True, report.model_dump(include={"max_rel_param_error", "max_rel_grad_error", "losses"})
+    assert report.max_rel_param_error <= 1e-5
+    assert report.max_rel_grad_error <= 1e-5
+    assert report.executed_order_matches
+    assert report.missing_gradients == []
+    assert report.loss == pytest.approx(report.reference_loss, rel=1e-5)
     # Training moved the loss: each step's loss is that of new parameters.
-    assert len(set(report["losses"])) == training["steps"]
+    assert len(set(report.losses)) == training["steps"]
     # one step as run (a no-flush pattern runs its first step unrolled): its step time, the makespan here
-    assert report["predicted_step_time_ms"] == executable_step(schedule).step_time
-    assert report["measured_step_time_ms"] > 0
-    assert len(report["measured_step_times_ms"]) == training["steps"]
-    for rank in report["ranks"]:
-        assert rank["peak_memory_bytes"] > 0 and rank["static_memory_bytes"] > 0
-        assert rank["measured_communication_ms"] == 0.0  # D = 1: nothing to reduce
-        assert rank["predicted_communication_ms"] is None  # no communication actions in the schedule
+    assert report.predicted_step_time_ms == executable_step(schedule).step_time
+    assert report.measured_step_time_ms > 0
+    assert len(report.measured_step_times_ms) == training["steps"]
+    for rank in report.ranks:
+        assert rank.peak_memory_bytes > 0 and rank.static_memory_bytes > 0
+        assert rank.measured_communication_ms == 0.0  # D = 1: nothing to reduce
+        assert rank.predicted_communication_ms is None  # no communication actions in the schedule
 
 
 def test_adamw_steps_change_the_parameters(runs):
     """The AdamW reference is not a no-op: the K-step parameters are far from the initial ones."""
     from pipesched.runtime.models import load_model
-    from pipesched.runtime.training import TrainingOptions, reference_training
+    from pipesched.runtime.options import TrainingOptions
+    from pipesched.runtime.verify import reference_training
 
     schedule, report = runs["adamw-torch"]
     # A fresh model per reference: the user model's build_stage hands out the same modules each call.
@@ -124,9 +125,9 @@ def test_adamw_steps_change_the_parameters(runs):
         NUM_MICROBATCHES,
         TrainingOptions(steps=3, optimizer="adamw", lr=1e-2),
     )
-    moved = max(float((three["parameters"][k] - one["parameters"][k]).abs().max()) for k in one["parameters"])
+    moved = max(float((three.parameters[k] - one.parameters[k]).abs().max()) for k in one.parameters)
     assert moved > 1e-3
-    assert report["reference_loss"] == pytest.approx(three["losses"][-1], rel=1e-12)
+    assert report.reference_loss == pytest.approx(three.losses[-1], rel=1e-12)
 
 
 def test_post_validation_equals_synchronous_with_clipping(runs):
@@ -134,25 +135,23 @@ def test_post_validation_equals_synchronous_with_clipping(runs):
     synchronous-with-clipping parameters (the verified reference); clipping was active, and without it the
     parameters would differ."""
     from pipesched.runtime.models import load_model
-    from pipesched.runtime.training import TrainingOptions, reference_training
+    from pipesched.runtime.options import TrainingOptions
+    from pipesched.runtime.verify import reference_training
 
     schedule, report = runs["post-validation"]
-    assert report["training"]["clip_norm"] == 0.8
-    redone = [info["step"] for info in report["ranks"][0]["steps"] if info.get("redone_with_clipping")]
-    kept = [info["step"] for info in report["ranks"][0]["steps"] if not info["rolled_back"]]
+    assert report.training["clip_norm"] == 0.8
+    redone = [info.step for info in report.ranks[0].steps if info.redone_with_clipping]
+    kept = [info.step for info in report.ranks[0].steps if not info.rolled_back]
     # gpt-tiny's global norms are ≈ 0.79, 0.83, 0.80: step 0 keeps its speculative step, the others clip.
-    assert redone == [1, 2] and kept == [0], report["ranks"][0]["steps"]
-    for rank in report["ranks"]:
-        assert all(info["speculative"] for info in rank["steps"])
-        assert [info["step"] for info in rank["steps"] if info.get("redone_with_clipping")] == redone
+    assert redone == [1, 2] and kept == [0], report.ranks[0].steps
+    for rank in report.ranks:
+        assert all(info.speculative for info in rank.steps)
+        assert [info.step for info in rank.steps if info.redone_with_clipping] == redone
     model = load_model("gpt-tiny", schedule.problem)
     unclipped = reference_training(model, NUM_MICROBATCHES, TrainingOptions(steps=3, lr=0.1))
     clipped = reference_training(model, NUM_MICROBATCHES, TrainingOptions(steps=3, lr=0.1, max_grad_norm=0.8))
-    assert (
-        max(float((unclipped["parameters"][k] - clipped["parameters"][k]).abs().max()) for k in clipped["parameters"])
-        > 1e-4
-    )
-    assert report["reference_loss"] == pytest.approx(clipped["losses"][-1], rel=1e-12)
+    assert max(float((unclipped.parameters[k] - clipped.parameters[k]).abs().max()) for k in clipped.parameters) > 1e-4
+    assert report.reference_loss == pytest.approx(clipped.losses[-1], rel=1e-12)
 
 
 def test_a_nan_in_one_microbatch_rolls_the_step_back_on_every_rank(runs):
@@ -160,18 +159,18 @@ def test_a_nan_in_one_microbatch_rolls_the_step_back_on_every_rank(runs):
     back bit for bit (nothing half-applied), and the parameters after 3 steps equal the reference that
     skipped step 1."""
     _, report = runs["nan-rollback"]
-    assert report["rolled_back_steps"] == [1]
-    assert report["reference_skipped_steps"] == [1]
-    for rank in report["ranks"]:
-        step = rank["steps"][1]
-        assert step["norm"] is None
-        assert step["speculative_step_finite"] is False  # the speculative step did write NaNs …
-        assert step["rolled_back"] is True
-        assert step["max_change_after_rollback"] == 0.0  # … and the rollback restored every parameter exactly
-        assert not step.get("redone_with_clipping")
-        assert all(info["norm"] is not None for info in (rank["steps"][0], rank["steps"][2]))
-    assert report["max_rel_param_error"] <= 1e-5
-    assert all(loss is not None for loss in report["losses"])  # the NaN is in the gradient, not the loss
+    assert report.rolled_back_steps == [1]
+    assert report.reference_skipped_steps == [1]
+    for rank in report.ranks:
+        step = rank.steps[1]
+        assert step.norm is None
+        assert step.speculative_step_finite is False  # the speculative step did write NaNs …
+        assert step.rolled_back is True
+        assert step.max_change_after_rollback == 0.0  # … and the rollback restored every parameter exactly
+        assert not step.redone_with_clipping
+        assert all(info.norm is not None for info in (rank.steps[0], rank.steps[2]))
+    assert report.max_rel_param_error <= 1e-5
+    assert all(loss is not None for loss in report.losses)  # the NaN is in the gradient, not the loss
 
 
 def test_the_pipedream_2bw_family_runs_its_pattern_with_the_delayed_update(runs):
@@ -180,22 +179,22 @@ def test_the_pipedream_2bw_family_runs_its_pattern_with_the_delayed_update(runs)
     schedule, report = runs["2bw-family"]
     assert schedule.step_period is not None
     assert max(a.microbatch for r in schedule.ranks for a in r.actions if a.microbatch is not None) >= NUM_MICROBATCHES
-    assert report["weight_versions"] == 2
-    assert report["max_rel_param_error"] <= 1e-5
-    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+    assert report.weight_versions == 2
+    assert report.max_rel_param_error <= 1e-5
+    assert report.max_rel_param_error_vs_synchronous > 1e-3
 
 
 def test_2bw_matches_the_delayed_update_and_differs_from_synchronous(runs):
     """PipeDream-2BW after K = 4 SGD steps: W(t+1) = W(t) − ν·∇f(W(t−1)) within 1e-5, and visibly away from
     the synchronous W(t+1) = W(t) − ν·∇f(W(t))."""
     _, report = runs["2bw"]
-    assert report["weight_versions"] == 2
-    assert report["max_rel_param_error"] <= 1e-5
-    assert report["max_rel_param_error_vs_synchronous"] > 1e-3
+    assert report.weight_versions == 2
+    assert report.max_rel_param_error <= 1e-5
+    assert report.max_rel_param_error_vs_synchronous > 1e-3
     # Two weight versions on every rank: its static memory holds the parameters twice (plus gradients).
     synchronous = runs["post-validation"][1]
-    for rank, other in zip(report["ranks"], synchronous["ranks"], strict=True):
-        assert rank["static_memory_bytes"] > other["static_memory_bytes"]
+    for rank, other in zip(report.ranks, synchronous.ranks, strict=True):
+        assert rank.static_memory_bytes > other.static_memory_bytes
 
 
 def test_cli_rejects_bad_training_options_with_exit_code_2(tmp_path: Path):
@@ -222,7 +221,7 @@ def test_cli_rejects_bad_training_options_with_exit_code_2(tmp_path: Path):
 
 
 def test_training_options_follow_the_problem():
-    from pipesched.runtime.training import training_options
+    from pipesched.runtime.options import training_options
 
     problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
         **{"data_parallel": {"size": 2, "sharding": "none"}, "costs.reduce_grad": 0.5}
@@ -242,16 +241,23 @@ def test_training_options_follow_the_problem():
     assert json.dumps(training_options(validated).__dict__)
 
 
-def test_communication_actions_are_told_apart_from_compute_actions():
-    """The runtime reads PyTorch's communication action names beside F/I/W/B, strictly."""
-    from pipesched.optimizer.ir import Action, ActionKind
-    from pipesched.runtime.executor import split_action
+def test_the_runtime_reads_orders_with_the_optimizers_ir():
+    """A rank's program is the schedule's row parsed by the optimizer's IR: PyTorch's communication action names
+    beside F/I/W/B, read strictly (no regex of the runtime's own)."""
+    from pipesched.optimizer.ir import Action, ActionKind, parse_action
+    from pipesched.optimizer.solve import solve_family
+    from pipesched.runtime.executor import RankProgram
 
-    assert split_action("3REDUCE_GRAD") == (3, "REDUCE_GRAD")
-    assert split_action("0UNSHARD") == (0, "UNSHARD") and split_action("12RESHARD") == (12, "RESHARD")
-    assert split_action("OPTIMIZER_STEP") == (None, "OPTIMIZER_STEP")
-    assert split_action("1OPTIMIZER_STEP") == (1, "OPTIMIZER_STEP")
-    assert split_action("3F12") == Action(3, ActionKind.FORWARD, 12)
+    problem = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(
+        **{"data_parallel": {"size": 2, "sharding": "full"}, "costs.unshard": 0.5, "costs.reduce_grad": 0.5}
+    )
+    schedule = solve_family(problem, "zb-h1")
+    program = RankProgram.compile(schedule, 1)
+    assert program.order[0] == Action(1, ActionKind.UNSHARD, 0)
+    assert program.order[-1].kind == ActionKind.OPTIMIZER_STEP
+    assert [str(a) for a in program.order] == [a.action for a in schedule.ranks[1].actions]
+    assert program.stages == [1] and program.previous[1, 0] == 0 and program.following[1, 0] is None
+    assert parse_action("3REDUCE_GRAD") == Action(3, ActionKind.REDUCE_GRAD, 0)
     for bad in ("0F1x", "0UNSHARD1", "01REDUCE_GRAD", "0SEND_F1", "REDUCE"):
         with pytest.raises(ValueError):
-            split_action(bad)
+            parse_action(bad)

@@ -1,0 +1,134 @@
+"""What travels between the launcher and the ranks: the job a rank runs and what it measured (no torch here).
+
+:class:`RankJob` goes to every rank; each returns a :class:`RankResult` (its steps as :class:`StepRecord`
+with :class:`MeasuredAction` per action, ms from the step's common start). The run report
+(:mod:`pipesched.runtime.report`) is built from them on node 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_serializer
+
+from pipesched.optimizer.result import Schedule
+from pipesched.runtime.options import TrainingOptions
+
+__all__ = ["MeasuredAction", "RankJob", "RankResult", "StepCheck", "StepRecord"]
+
+#: Digits kept of measured times (ms): nanoseconds.
+_DIGITS = 6
+
+
+class _WithoutNone(BaseModel):
+    """A record whose optional fields are left out of its JSON when they were not measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class MeasuredAction(_WithoutNone):
+    """One action as a rank ran it: ``start``/``end`` in ms from the step's common start (a barrier).
+
+    ``wait_ms``: the own executor's wait for the action's input before its compute (a receive, a collective).
+    ``memory_bytes``: live saved-activation bytes after the action (CPU) or ``torch.cuda.memory_allocated``.
+    """
+
+    action: str
+    start: float
+    end: float
+    wait_ms: float | None = None
+    memory_bytes: int | None = None
+
+    @classmethod
+    def timed(cls, action: str, origin: float, started: float, ended: float, **measured: Any) -> MeasuredAction:
+        """From ``time.perf_counter`` instants (s) and the step's origin (s)."""
+        return cls(
+            action=action,
+            start=round((started - origin) * 1e3, _DIGITS),
+            end=round((ended - origin) * 1e3, _DIGITS),
+            **measured,
+        )
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end - self.start
+
+
+class StepCheck(_WithoutNone):
+    """The global check and optimizer step of one training step on one rank.
+
+    ``norm``: the global gradient norm (``None`` when not finite); ``skipped``: a synchronous step left out for a
+    non-finite norm; ``clip_coefficient``: what the gradients were scaled by. Post-validation (Zero Bubble §4):
+    ``speculative`` steps, ``speculative_step_finite`` (the speculative parameters), ``rolled_back``,
+    ``max_change_after_rollback`` (0.0: restored bit for bit), ``redone_with_clipping``.
+    """
+
+    step: int
+    norm: float | None = None
+    skipped: bool | None = None
+    clip_coefficient: float | None = None
+    speculative: bool | None = None
+    speculative_step_finite: bool | None = None
+    rolled_back: bool | None = None
+    max_change_after_rollback: float | None = None
+    redone_with_clipping: bool | None = None
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """One schedule for every rank to run: the schedule as it runs, the model, the engine and the training.
+
+    ``engine``: ``pipesched`` (the own executor) or ``torch`` (``_PipelineScheduleRuntime``). ``workdir``: a folder
+    every rank sees (the torch engine's CSV). ``training``: ``None`` for one verified step without an optimizer.
+    """
+
+    schedule: Schedule
+    model: str
+    seed: int
+    engine: str
+    workdir: str
+    index: int
+    training: TrainingOptions | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step of one rank: its compute actions and communication, the losses of the microbatches whose last
+    stage it holds, its time (ms, from the common start to the end of its optimizer step) and its check."""
+
+    actions: list[MeasuredAction] = field(default_factory=list)
+    communication: list[MeasuredAction] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    time_ms: float = 0.0
+    check: StepCheck | None = None
+
+
+@dataclass
+class RankResult:
+    """What one process measured and holds at the end of a run.
+
+    ``gradients``: the last step's, reduced, ``"{stage id}/{parameter}"`` → fp32 CPU tensor; ``parameters``: after
+    the last step, same keys. ``peak_memory_bytes``: saved activations (CPU) or ``max_memory_allocated`` (GPU);
+    ``static_memory_bytes``: weights, gradients and optimizer state (and what a rollback keeps) at their peak.
+    """
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    device: str
+    memory_measure: str
+    steps: list[StepRecord] = field(default_factory=list)
+    peak_memory_bytes: int = 0
+    static_memory_bytes: int = 0
+    gradients: dict[str, Any] = field(default_factory=dict)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def last(self) -> StepRecord:
+        return self.steps[-1]

@@ -1,0 +1,409 @@
+"""The run report (contract, Run report): what the ranks measured against the schedule and the reference.
+
+:class:`RunReport` is the JSON of ``pipesched run -o REPORT.json``: the contract's keys (``verified``, gradient,
+parameter and loss errors, ``steps``, ``executed_order_matches``, ``ranks`` with measured actions and peak memory,
+predicted and measured makespan and step time, ``backend``, ``device``) and diagnostics. :func:`build_report`
+makes it from the ranks' :class:`~pipesched.runtime.records.RankResult` and the single-process
+:class:`~pipesched.runtime.verify.Reference`; :func:`print_report` and :func:`print_training_summary` show it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+
+from pipesched.optimizer.instance import compile_for_orders
+from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.units import common_unit
+from pipesched.runtime.options import TrainingOptions
+from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck
+from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, measured_costs
+from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
+
+__all__ = ["RankReport", "RunReport", "build_report", "print_report", "print_training_summary"]
+
+
+class RankReport(BaseModel):
+    """One process of the run: measured against predicted (the schedule of its pipeline rank)."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    peak_memory_bytes: int
+    static_memory_bytes: int
+    predicted_peak_memory_bytes: float | None
+    predicted_peak_activation_bytes: float | None
+    predicted_static_memory_bytes: float
+    memory_measure: str
+    measured_communication_ms: float
+    predicted_communication_ms: float | None
+    communication: list[MeasuredAction]
+    step_times_ms: list[float]
+    steps: list[StepCheck]
+    actions: list[MeasuredAction]
+
+
+class OrderMismatch(BaseModel):
+    """A process whose executed compute actions differ from its schedule's, from ``position`` on."""
+
+    rank: int
+    pp_rank: int
+    position: int
+
+
+class DataParallelReport(BaseModel):
+    size: int
+    sharding: str
+    world_size: int
+
+
+class RunReport(BaseModel):
+    """The run report (module docstring). ``training`` is ``None`` for one verified step without an optimizer."""
+
+    verified: bool
+    steps: int
+    max_abs_grad_error: float
+    max_rel_grad_error: float
+    worst_parameter: str | None
+    max_abs_param_error: float
+    max_rel_param_error: float
+    max_rel_param_error_vs_synchronous: float | None
+    worst_parameter_after_steps: str | None
+    missing_gradients: list[str]
+    tolerance: float
+    loss: float | None
+    reference_loss: float
+    losses: list[float | None]
+    reference_losses: list[float]
+    loss_rel_error: float | None
+    missing_losses: list[int]
+    rolled_back_steps: list[int]
+    reference_skipped_steps: list[int]
+    executed_order_matches: bool
+    order_mismatches: list[OrderMismatch]
+    ranks: list[RankReport]
+    predicted_makespan_ms: float | None
+    measured_makespan_ms: float
+    simulated_makespan_from_measured_costs_ms: float | None
+    measured_costs_ms: dict[str, list[float]]
+    predicted_step_time_ms: float | None
+    predicted_step_time_from: str
+    measured_step_time_ms: float
+    measured_step_times_ms: list[float]
+    training: dict[str, Any] | None
+    data_parallel: DataParallelReport
+    weight_versions: int
+    method: str
+    model: str
+    engine: str
+    backend: str
+    device: str
+    torch_version: str
+
+
+def _predicted_step_time(schedule: Schedule) -> tuple[float | None, str]:
+    """``schedule.step_time``, else ``step_period``, else the makespan (ms), and which one it was."""
+    for name in ("step_time", "step_period"):
+        value = getattr(schedule, name, None)
+        if value is not None:
+            return float(value), name
+    return schedule.makespan, "makespan"
+
+
+def _replica_errors(results: list[RankResult], reference: Reference, model_stage: list[int], kind: str) -> Comparison:
+    """The worst error of gradients (``kind`` ``"gradients"``) or parameters over the data-parallel replicas."""
+    found = [
+        compare(
+            {k: v for r in results if r.dp_rank == replica for k, v in getattr(r, kind).items()}, expected, model_stage
+        )
+        for replica in sorted({r.dp_rank for r in results})
+        for expected in [getattr(reference, kind)]
+    ]
+    worst = max(found, key=lambda c: c.max_rel)
+    return Comparison(
+        max(c.max_abs for c in found),
+        worst.max_rel,
+        worst.worst,
+        tuple(sorted({key for c in found for key in c.missing})),
+        tuple(sorted({key for c in found for key in c.unexpected})),
+    )
+
+
+def _step_losses(results: list[RankResult], steps: int, num_microbatches: int, size: int) -> list[float | None]:
+    """Mean loss of every step over the global batch (``None`` when a microbatch's loss is missing)."""
+    losses: list[float | None] = []
+    for step in range(steps):
+        seen = {r.dp_rank * num_microbatches + j: v for r in results for j, v in r.steps[step].losses.items()}
+        losses.append(sum(seen.values()) / (size * num_microbatches) if len(seen) == size * num_microbatches else None)
+    return losses
+
+
+def _order_mismatches(schedule: Schedule, results: list[RankResult]) -> list[OrderMismatch]:
+    expected = [[str(a) for a in row] for row in compute_only(schedule.orders())]
+    mismatches = []
+    for result in results:
+        executed = [a.action for a in result.last.actions]
+        want = expected[result.pp_rank]
+        if executed != want:
+            position = next(
+                (k for k, (a, b) in enumerate(zip(executed, want, strict=False)) if a != b),
+                min(len(executed), len(want)),
+            )
+            mismatches.append(OrderMismatch(rank=result.rank, pp_rank=result.pp_rank, position=position))
+    return mismatches
+
+
+def _rank_report(schedule: Schedule, result: RankResult) -> RankReport:
+    pp = result.pp_rank
+    communication_per_step = [sum(c.duration_ms for c in step.communication) for step in result.steps]
+    kinds = {kind.value for kind in COMMUNICATION_KINDS}
+    predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in kinds]
+    static = schedule.problem.static_memory[pp]
+    peak = schedule.peak_memory[pp] if schedule.peak_memory else None
+    return RankReport(
+        rank=result.rank,
+        pp_rank=pp,
+        dp_rank=result.dp_rank,
+        peak_memory_bytes=result.peak_memory_bytes,
+        static_memory_bytes=result.static_memory_bytes,
+        predicted_peak_memory_bytes=peak,
+        # Saved activations exclude weights, so they compare with the predicted peak less static.
+        predicted_peak_activation_bytes=None if peak is None else peak - static,
+        predicted_static_memory_bytes=static,
+        memory_measure=result.memory_measure,
+        measured_communication_ms=round(statistics.mean(communication_per_step), 6) if communication_per_step else 0.0,
+        predicted_communication_ms=round(sum(predicted_communication), 6) if predicted_communication else None,
+        communication=result.last.communication,
+        step_times_ms=[step.time_ms for step in result.steps],
+        steps=[step.check or StepCheck(step=k) for k, step in enumerate(result.steps)],
+        actions=result.last.actions,
+    )
+
+
+def _verification(
+    inst: Any, results: list[RankResult], reference: Reference, options: TrainingOptions | None, tolerance: float
+) -> dict[str, Any]:
+    """The report's checks: gradients, parameters and losses against the reference, per replica."""
+    size = options.data_parallel if options else 1
+    gradients = _replica_errors(results, reference, inst.model_stage, "gradients")
+    parameters = _replica_errors(results, reference, inst.model_stage, "parameters")
+    losses = _step_losses(results, options.steps if options else 1, inst.num_microbatches, size)
+    loss_errors = [
+        None if got is None else abs(got - want) / max(abs(want), 1e-30)
+        for got, want in zip(losses, reference.losses, strict=True)
+    ]
+    missing = sorted(set(gradients.missing) | set(parameters.missing))
+    last_losses = {r.dp_rank * inst.num_microbatches + j for r in results for j in r.last.losses}
+    checks = [check for r in results for check in _checks(r)]
+    return {
+        "max_abs_grad_error": gradients.max_abs,
+        "max_rel_grad_error": gradients.max_rel,
+        "worst_parameter": gradients.worst,
+        "max_abs_param_error": parameters.max_abs,
+        "max_rel_param_error": parameters.max_rel,
+        "worst_parameter_after_steps": parameters.worst,
+        "missing_gradients": missing,
+        "tolerance": tolerance,
+        "loss": losses[-1],
+        "reference_loss": reference.losses[-1],
+        "losses": losses,
+        "reference_losses": reference.losses,
+        "loss_rel_error": loss_errors[-1],
+        "missing_losses": sorted(set(range(size * inst.num_microbatches)) - last_losses),
+        "rolled_back_steps": sorted({c.step for c in checks if (c.rolled_back and c.norm is None) or c.skipped}),
+        "reference_skipped_steps": [s.step for s in reference.steps if s.skipped],
+        "verified": not missing
+        and not gradients.unexpected
+        and gradients.max_rel <= tolerance
+        and parameters.max_rel <= tolerance
+        and all(e is not None and e <= tolerance for e in loss_errors),
+    }
+
+
+def _timing(schedule: Schedule, results: list[RankResult], steps: int) -> dict[str, Any]:
+    """Predicted against measured: makespan, step time, and the simulator fed the measured passes."""
+    predicted_step, predicted_from = _predicted_step_time(schedule)
+    per_step = [max(r.steps[k].time_ms for r in results) for k in range(steps)]
+    costs = measured_costs(schedule, [r.last.actions for r in sorted(results, key=lambda r: r.rank) if r.dp_rank == 0])
+    starts = [a.start for r in results for a in r.last.actions]
+    ends = [a.end for r in results for a in r.last.actions]
+    return {
+        "predicted_makespan_ms": schedule.makespan,
+        "measured_makespan_ms": round(max(ends) - min(starts), 6) if starts else 0.0,
+        "simulated_makespan_from_measured_costs_ms": simulate_measured(schedule, costs),
+        "measured_costs_ms": costs,
+        "predicted_step_time_ms": predicted_step,
+        "predicted_step_time_from": predicted_from,
+        "measured_step_time_ms": round(statistics.median(per_step[1:] if len(per_step) > 1 else per_step), 6),
+        "measured_step_times_ms": per_step,
+    }
+
+
+def build_report(
+    schedule: Schedule,
+    results: list[RankResult],
+    reference: Reference,
+    options: TrainingOptions | None,
+    *,
+    backend: str,
+    device: str,
+    engine: str,
+    model_name: str,
+    synchronous_reference: Reference | None = None,
+) -> RunReport:
+    """The run report of ``results`` (every process of the run) for ``schedule`` (as it ran).
+
+    Verified when, on every rank of every replica, the last step's gathered gradients and the parameters after
+    the last step are within the tolerance of the reference (relative, per tensor), the loss of every step too,
+    and every rank ran its schedule's compute actions in order. ``synchronous_reference`` (2BW): the synchronous
+    rule's reference, reported as ``max_rel_param_error_vs_synchronous``.
+    """
+    inst = compile_for_orders(schedule.problem, schedule.orders())
+    size = options.data_parallel if options else 1
+    verification = _verification(
+        inst, results, reference, options, TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
+    )
+    mismatches = _order_mismatches(schedule, results)
+    verification["verified"] = bool(verification["verified"] and not mismatches)
+    versus_synchronous = None
+    if synchronous_reference is not None:
+        versus_synchronous = _replica_errors(results, synchronous_reference, inst.model_stage, "parameters").max_rel
+    return RunReport(
+        **verification,
+        **_timing(schedule, results, options.steps if options else 1),
+        steps=options.steps if options else 1,
+        max_rel_param_error_vs_synchronous=versus_synchronous,
+        executed_order_matches=not mismatches,
+        order_mismatches=mismatches,
+        ranks=[_rank_report(schedule, r) for r in sorted(results, key=lambda r: r.rank)],
+        training=None if options is None else _training_fields(options),
+        data_parallel=DataParallelReport(
+            size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)
+        ),
+        weight_versions=2 if options is not None and options.two_weight_versions else 1,
+        method=schedule.method,
+        model=model_name,
+        engine=engine,
+        backend=backend,
+        device=device,
+        torch_version=torch.__version__,
+    )
+
+
+def _checks(result: RankResult) -> list[StepCheck]:
+    return [step.check for step in result.steps if step.check is not None]
+
+
+def _training_fields(options: TrainingOptions) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(options).items()} | {
+        "clip_norm": options.clip_norm
+    }
+
+
+def print_report(report: RunReport, console: Console | None = None) -> None:
+    """A one-screen summary of a run report."""
+    console = console or Console()
+    verdict = "[bold green]verified[/bold green]" if report.verified else "[bold red]NOT verified[/bold red]"
+    console.print(
+        f"{verdict} · {report.method} · {len(report.ranks)} ranks · {report.backend} on "
+        f"{report.device} · engine {report.engine} · model {report.model}",
+        highlight=False,
+    )
+    loss_text = (
+        f"{report.loss:.8g}"
+        if report.loss is not None
+        else f"missing for microbatch(es) {', '.join(map(str, report.missing_losses))}"
+    )
+    console.print(
+        f"loss {loss_text} (reference {report.reference_loss:.8g}) · max gradient error "
+        f"{report.max_abs_grad_error:.3g} abs, {report.max_rel_grad_error:.3g} rel (tolerance "
+        f"{report.tolerance:g}) · executed order {'matches' if report.executed_order_matches else 'DIFFERS'}",
+        highlight=False,
+    )
+    simulated = report.simulated_makespan_from_measured_costs_ms
+    predicted = report.predicted_makespan_ms
+    console.print(
+        f"makespan: predicted {'—' if predicted is None else f'{predicted:.3f}'} ms · measured "
+        f"{report.measured_makespan_ms:.3f} ms"
+        + ("" if simulated is None else f" · simulated from measured costs {simulated:.3f} ms"),
+        highlight=False,
+    )
+    console.print(_memory_table(report))
+    if report.order_mismatches:
+        console.print(f"order mismatches: {[m.model_dump() for m in report.order_mismatches]}", highlight=False)
+    if report.missing_gradients:
+        console.print(f"missing gradients: {report.missing_gradients[:5]}", highlight=False)
+
+
+def _memory_table(report: RunReport) -> Table:
+    activations_only = all(r.memory_measure == "saved-activations" for r in report.ranks)
+    measured_title, predicted_key = (
+        ("peak activations", "predicted_peak_activation_bytes")
+        if activations_only
+        else ("peak memory", "predicted_peak_memory_bytes")
+    )
+    table = Table(show_header=True, header_style="bold", title=f"per rank · {measured_title}, measured and predicted")
+    shown = report.ranks[:16]
+    predicted = [getattr(r, predicted_key) for r in shown]
+    unit_name, unit = common_unit([r.peak_memory_bytes for r in shown] + [p for p in predicted if p is not None])
+    for column in ("rank", "actions", "busy ms", "first start ms", "last end ms"):
+        table.add_column(column, justify="right")
+    table.add_column(f"measured {unit_name}", justify="right")
+    table.add_column(f"predicted {unit_name}", justify="right")
+    for rank, expected in zip(shown, predicted, strict=True):
+        actions = rank.actions
+        table.add_row(
+            str(rank.rank),
+            str(len(actions)),
+            f"{sum(a.duration_ms for a in actions):.3f}",
+            f"{actions[0].start:.3f}" if actions else "—",
+            f"{actions[-1].end:.3f}" if actions else "—",
+            f"{rank.peak_memory_bytes / unit:.3f}",
+            "—" if expected is None else f"{expected / unit:.3f}",
+        )
+    return table
+
+
+def print_training_summary(report: RunReport, console: Any = None) -> None:
+    """Lines a person reads after :func:`print_report` for a training run."""
+    console = console or Console()
+    dp, training = report.data_parallel, report.training or {}
+    rule = "2bw (W(t+1) = W(t) − ν·∇f(W(t−1)))" if training.get("weight_update") == "2bw" else "synchronous"
+    if training.get("post_validation"):
+        rule = "post-validated (speculative steps, rollback)"
+    console.print(
+        f"{report.steps} step(s) · {training.get('optimizer', 'no optimizer')} lr {training.get('lr', 0):g} · {rule} · "
+        f"clip {training.get('clip_norm')} · data-parallel {dp.size} ({dp.sharding}) on {dp.world_size} "
+        f"processes · max parameter error {report.max_rel_param_error:.3g} rel",
+        highlight=False,
+    )
+    if report.max_rel_param_error_vs_synchronous is not None:
+        console.print(
+            f"differs from the synchronous rule by {report.max_rel_param_error_vs_synchronous:.3g} rel", highlight=False
+        )
+    if report.rolled_back_steps:
+        console.print(f"rolled back (or skipped): step(s) {report.rolled_back_steps}", highlight=False)
+    predicted = report.predicted_step_time_ms
+    console.print(
+        f"step time: predicted {'—' if predicted is None else f'{predicted:.3f}'} ms "
+        f"({report.predicted_step_time_from}) · measured {report.measured_step_time_ms:.3f} ms (median, first step "
+        "excluded when K > 1)",
+        highlight=False,
+    )
+    for rank in report.ranks[:16]:
+        expected = rank.predicted_communication_ms
+        console.print(
+            f"rank {rank.rank} (pp {rank.pp_rank}, dp {rank.dp_rank}): communication measured "
+            f"{rank.measured_communication_ms:.3f} ms/step"
+            + ("" if expected is None else f", predicted {expected:.3f} ms")
+            + f" · static {rank.static_memory_bytes} B measured, {rank.predicted_static_memory_bytes:.0f} B"
+            " predicted",
+            highlight=False,
+        )
