@@ -24,7 +24,9 @@ and to ``auto``'s orders; the simulator then times the result with the communica
   - with ``reshard_after_forward`` and ``gather_runs=True``: a group is a run of the stage's passes with no
     pass of another stage between them that needs its weights (W needs none): breadth-first and LGA keep a
     stage gathered over all its microbatches in a row, so it is gathered once for its forwards and once for
-    its backwards (Lamy-Poirier 2022, Sec. 4: "gather once per batch").
+    its backwards (Lamy-Poirier 2022, Sec. 4: "gather once per batch"). With a ``model``, only stages of one
+    transformer layer keep runs: the model counts two FSDP units gathered under ``reshard_after_forward``,
+    which is the whole stage there and not for longer stages (those are gathered per pass).
 
   A group's gather is issued ``prefetch`` groups ahead in the rank's order of groups (before the first pass of
   that earlier group; at the row's start for the first ones), never before the stage's previous free, which
@@ -52,9 +54,12 @@ _FINAL_KINDS = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
 _REDUCE, _FREE, _GATHER = 0, 1, 2
 
 
-def pass_groups(row: list[Action], *, reshard_after_forward: bool, gather_runs: bool) -> list[tuple[int, int, int]]:
+def pass_groups(
+    row: list[Action], *, reshard_after_forward: bool, gather_runs: bool | frozenset[int]
+) -> list[tuple[int, int, int]]:
     """The rank's groups of passes that share one gather (module docstring), ``(stage, first position, last
-    position)`` in ``row``, ordered by first position."""
+    position)`` in ``row``, ordered by first position. ``gather_runs`` may name the stages that keep runs (the
+    others are gathered per pass)."""
     groups: list[list[int]] = []  # [stage, first, last]
     if not reshard_after_forward:
         by_stage: dict[int, list[int]] = {}
@@ -71,6 +76,9 @@ def pass_groups(row: list[Action], *, reshard_after_forward: bool, gather_runs: 
             if action.kind not in _WEIGHT_PASSES:
                 if action.is_compute and action.stage in current:
                     current[action.stage][2] = position  # a W inside its stage's run
+                continue
+            if gather_runs is not True and action.stage not in gather_runs:
+                groups.append([action.stage, position, position])
                 continue
             for stage in [s for s in current if s != action.stage]:
                 del current[stage]  # another stage's pass that needs weights ends the run
@@ -104,6 +112,18 @@ def _frame_slots(
         slots.append((last, 1, _FREE, Action(stage, ActionKind.RESHARD, n)))
         previous_last[stage] = last
     return slots
+
+
+def _run_stages(inst: Instance) -> bool | frozenset[int]:
+    """The stages that may stay gathered over a run of passes: all without a model; with one, the stages of
+    one transformer layer (with the embedding or the head: at most two FSDP units), whose ``memory.weights``
+    under ``reshard_after_forward`` (two units) is the whole stage. A longer stage kept gathered would hold more
+    than the model counts, so it is gathered per pass."""
+    model = inst.problem.model
+    layers = model.layers_per_stage if model is not None else None
+    if layers is None:
+        return True
+    return frozenset(s for s, ms in enumerate(inst.model_stage) if layers[ms] <= 1)
 
 
 def add_communication(
@@ -143,7 +163,8 @@ def add_communication(
         slots: list[tuple[int, int, int, Action]] = []
         if gathers:
             assert dp is not None
-            groups = pass_groups(row, reshard_after_forward=dp.reshard_after_forward, gather_runs=gather_runs)
+            runs = _run_stages(inst) if gather_runs else False
+            groups = pass_groups(row, reshard_after_forward=dp.reshard_after_forward, gather_runs=runs)
             slots += _frame_slots(row, groups, prefetch)
         last_final: dict[int, int] = {}
         for position, action in enumerate(row):

@@ -219,6 +219,33 @@ def test_reshard_after_forward_regathers_per_microbatch_depth_first_and_per_run_
     assert step_times["1f1b"] > solve(once).step_time
 
 
+@pytest.mark.parametrize(("stages_per_rank", "most_gathers"), [(4, 2), (2, 2 * 4)])
+def test_breadth_first_keeps_runs_only_for_one_layer_stages(stages_per_rank: int, most_gathers: int) -> None:
+    """With a model, FSDP under reshard_after_forward holds two units (memory.weights): a one-layer stage whole,
+    so breadth-first gathers it once per run; a two-layer stage kept over a run would hold more than counted,
+    so it is gathered per pass (2m for m = 4)."""
+    problem = load_problem(
+        {
+            "pipeline": {"num_ranks": 4, "num_microbatches": 4, "stages_per_rank": stages_per_rank},
+            "model": {
+                "num_layers": 16,
+                "hidden_size": 512,
+                "num_attention_heads": 8,
+                "seq_length": 256,
+                "vocab_size": 1000,
+            },
+            "cluster": {"accelerator": "A100-80GB", "gpus_per_node": 8},
+            "data_parallel": {"size": 2, "sharding": "full", "reshard_after_forward": True},
+            "split_backward": False,
+            "objective": "step_time",
+            "solver": {"method": "looped-bfs"},
+        }
+    )
+    schedule = solve(problem)
+    counts = [sum(a.action == f"{s}UNSHARD" for a in r.actions) for r in schedule.ranks for s in range(16)]
+    assert max(counts) == most_gathers
+
+
 def test_a_pass_outside_its_stages_gathers_is_a_violation() -> None:
     body = dp_body(num_microbatches=4, method="1f1b")
     body["data_parallel"]["reshard_after_forward"] = True

@@ -3,13 +3,15 @@
 * fused backward (B) with every communication action (issue 27, "Done when" 1): 1F1B as PipeDream-Flush and
   Megatron publish it (one fused backward per microbatch) on pipeline 2 × data-parallel 2 with FSDP solves,
   checks as written, plots and runs verified;
+* breadth-first (looped-bfs, the order LGA shares) on pipeline 2 × data-parallel 2 with FSDP resharding after the
+  forward: each stage gathered once for its run of forwards and once for its backwards, as the rows say;
 * PipeDream-2BW on pipeline 2 × data-parallel 2 (sharding none: gradients all-reduced every step), solved as a
   repeating pattern with its reductions and update in its rows, runs 3 steps with the delayed update
   W(t+1) = W(t) − ν∇f(W(t−1)) and matches the single-process reference of that rule;
 * BitPipe as its authors order it, with the replicas' eager gradient synchronisation (REDUCE_GRAD at d = 1)
   in its rows, runs verified on 2 processes (the own executor; the mirrored replicas' gradients are summed).
 
-The two data-parallel runs share one launch of 4 processes.
+The three data-parallel runs share one launch of 4 processes.
 """
 
 from __future__ import annotations
@@ -44,15 +46,27 @@ def two_bw() -> Schedule:
     )
 
 
+def breadth_first() -> Schedule:
+    return solve(
+        data_parallel_problem(
+            split_backward=False,
+            method="looped-bfs",
+            pipeline={"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2},
+            data_parallel={"size": 2, "sharding": "full", "reshard_after_forward": True},
+        )
+    )
+
+
 @pytest.fixture(scope="module")
 def data_parallel_runs() -> dict[str, tuple[Schedule, Any]]:
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
 
-    schedules = {"fused": fused_1f1b(), "2bw": two_bw()}
+    schedules = {"fused": fused_1f1b(), "2bw": two_bw(), "breadth-first": breadth_first()}
     trainings = [
         TrainingOptions(data_parallel=2, sharding="full"),
         TrainingOptions(data_parallel=2, sharding="none", steps=3, lr=0.5, weight_update="2bw"),
+        TrainingOptions(data_parallel=2, sharding="full", reshard_after_forward=True, steps=2, lr=0.1),
     ]
     reports = run_schedules(list(schedules.values()), engine="pipesched", training=trainings, timeout_s=240)
     return {name: (schedule, report) for (name, schedule), report in zip(schedules.items(), reports, strict=True)}
@@ -99,6 +113,16 @@ def test_pipedream_2bw_with_data_parallelism_runs_verified(data_parallel_runs) -
     assert report.steps == 3
     assert report.max_rel_param_error_vs_synchronous is not None
     assert report.max_rel_param_error_vs_synchronous > 1e-3  # the delayed update is not the synchronous one
+
+
+@pytest.mark.slow  # shares the launch above
+def test_breadth_first_with_fsdp_resharding_runs_verified(data_parallel_runs) -> None:  # type: ignore[no-untyped-def]
+    schedule, report = data_parallel_runs["breadth-first"]
+    for rank in schedule.ranks:
+        gathers = [a.action for a in rank.actions if a.kind == "UNSHARD"]
+        assert len(gathers) == 3  # the rank's first stage twice (forwards, backwards), its last once
+    assert report.verified is True, report.model_dump(include={"max_rel_grad_error", "max_rel_param_error"})
+    assert report.executed_order_matches
 
 
 @pytest.mark.slow  # 2 torch processes over gloo
