@@ -316,6 +316,8 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
     pos = [[0, 0] for _ in range(num_ranks)]
     free = [[0.0, 0.0] for _ in range(num_ranks)]
     pending = n - len(inst.optimizer_steps)
+    scanned = [0] * n  # per action, how many of its predecessors are known to have ended
+    arrival = [-math.inf] * n  # their latest arrival, ms
     barrier = 0.0
     done = 0
     worklist = [(r, k) for r in range(num_ranks) for k in (0, 1)]
@@ -345,15 +347,23 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
                 if pending > 0:
                     break
                 ready = max(ready, barrier)
-            blocked = False
-            for pred, latency in preds[idx]:
+            # Resume the scan of the predecessors where it last stopped (an action with many, as a REDUCE_GRAD
+            # waiting for every backward of its stage and its mirror's, is woken many times before it runs).
+            row_preds = preds[idx]
+            scan = scanned[idx]
+            arrived = arrival[idx]
+            while scan < len(row_preds):
+                pred, latency = row_preds[scan]
                 t = end[pred]
                 if t != t:
-                    blocked = True
                     break
-                ready = max(ready, t + latency)
-            if blocked:
+                if t + latency > arrived:
+                    arrived = t + latency
+                scan += 1
+            scanned[idx], arrival[idx] = scan, arrived
+            if scan < len(row_preds):
                 break
+            ready = max(ready, arrived)
             start[idx] = ready
             end[idx] = ready + duration[idx]
             if not instant[idx]:

@@ -36,7 +36,8 @@ from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule, schedule_from_simulation
-from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, action_orders, simulate
+from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.infeasible import min_memory_limit
 from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.units import format_bytes
@@ -196,8 +197,11 @@ def solve_step(
             min_memory_limit=need,
             solve_time_s=search.elapsed(),
         )
-    # Every family at the default prefetch first (the guarantee: never worse than a family), then the other
-    # prefetch distances while time is left.
+    # The sequential schedule first, each gather right before its passes: the least memory any schedule holds,
+    # an answer whenever one fits (as the portfolio's first candidate). Then every family at the default prefetch
+    # (the guarantee: never worse than a family), then the other prefetch distances while time is left.
+    passes = compute_instance(inst)
+    search.offer(action_orders(passes, sequential_orders(passes)), "sequential", (0,))
     generated: list[tuple[str, Orders, bool]] = []
     for family in applicable_families(problem):
         if generated and search.should_stop():
