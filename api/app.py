@@ -20,14 +20,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Admission, Lane
 from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.queue import make_runner
-from pipesched.api.routes import check, health, jobs, methods, plans, schedules
+from pipesched.api.routes import check, health, jobs, launch, methods, plans, profiles, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
 from pipesched.api.storage import DatabaseUnavailable, Store, is_unreachable
@@ -228,6 +230,19 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": details}, status_code=status)
 
 
+def _finished_body(svc: Services, kind: str, target_id: str) -> tuple[str, bytes] | None:
+    """A job's or plan's status and JSON as its GET answers it (its callback left out), for the callbacks."""
+    if kind == "job":
+        job = svc.store.job(target_id)
+        view: BaseModel | None = jobs.job_status(svc, job) if job is not None else None
+    else:
+        plan = svc.store.plan(target_id)
+        view = plans.plan_status(svc, plan) if plan is not None else None
+    if view is None:
+        return None
+    return str(getattr(view, "status", "")), view.model_dump_json(exclude={"callback"}).encode()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service for ``settings`` (default: from ``PIPESCHED_*`` environment variables).
 
@@ -262,9 +277,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.services = services
         pool.recover()
         store.fail_unfinished_plans()
+        callbacks = CallbackSender(store, settings, lambda kind, target_id: _finished_body(services, kind, target_id))
+        callbacks.start()
         try:
             yield
         finally:
+            callbacks.stop()
             services.close()
 
     app = FastAPI(
@@ -278,11 +296,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for error_type in _unreachable_errors():
         app.add_exception_handler(error_type, _unreachable_response)
     app.add_exception_handler(Exception, _unexpected_response)
-    for module in (check, schedules, jobs, methods, plans, health):
+    for module in (check, schedules, jobs, methods, plans, launch, profiles, health):
         app.include_router(module.router)
     routes = [
         (route.path_regex, frozenset(route.methods), "{" not in route.path)
-        for module in (check, schedules, jobs, methods, plans, health)
+        for module in (check, schedules, jobs, methods, plans, launch, profiles, health)
         for route in module.router.routes
         if isinstance(route, APIRoute)
     ]

@@ -442,10 +442,10 @@ class QueueRunner:
     def _task_failed(self, task_id: int) -> bool:
         try:
             status = self.app.job_manager.get_job_status(task_id)
-        except _queue_errors():
-            raise
-        except Exception:  # deleted once it succeeded: the schedule is there
-            return False
+        except Exception as error:
+            if is_unreachable(error):
+                raise
+            return False  # no such task (procrastinate's NoResult): deleted once it succeeded, the schedule is there
         return str(getattr(status, "value", status)) in ("failed", "aborted", "cancelled")
 
     def _cancel_task(self, task_id: int) -> None:

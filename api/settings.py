@@ -111,6 +111,14 @@ class Settings(BaseSettings):
         description="Interface a `pipesched worker`'s /metrics binds (it has no token: open it to a scraper on "
         "purpose, e.g. 0.0.0.0 behind a firewall).",
     )
+    webhook_secret: str | None = Field(
+        None,
+        description="Key of the callbacks' X-Pipesched-Signature (HMAC-SHA256); without it callback_url is refused.",
+    )
+    callback_max_attempts: int = Field(
+        8, ge=1, le=100, description="Deliveries tried per callback (1, 2, 4 … s apart)."
+    )
+    callback_timeout_s: float = Field(10.0, gt=0, le=300, description="Longest wait for a callback's receiver, s.")
     worker_stalled_after_s: float = Field(
         10.0,
         ge=2.0,

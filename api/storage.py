@@ -32,6 +32,7 @@ from pipesched.optimizer.result import Schedule
 __all__ = [
     "ACTIVE_JOB_STATUSES",
     "JOB_STATUSES",
+    "CallbackRow",
     "DatabaseUnavailable",
     "JobRow",
     "PlanRow",
@@ -140,6 +141,23 @@ class PlanRow(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class CallbackRow(Base):
+    """A job's or plan's callback (:mod:`pipesched.api.callbacks`): where to POST it once it ends, and how the
+    deliveries went (``next_at``: Unix time, s, of the next attempt, or when a claimed one's lease ends)."""
+
+    __tablename__ = "callbacks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    target_id: Mapped[str] = mapped_column(String(32), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_at: Mapped[float] = mapped_column(Float, default=0.0)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class _NotThisAttempt(Exception):

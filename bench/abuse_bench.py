@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -116,8 +117,28 @@ def tree(root: int) -> list[int]:
     return sorted(found)
 
 
+def probe_health(base_url: str, ready: Any, stop: Any, answers: Any) -> None:
+    """GET /healthz every 0.25 s until ``stop`` is set (``ready`` set once the first answered), then put
+    ``[(code, seconds), …]`` on ``answers``.
+
+    Runs in a process of its own, so the latency measured is the server's, not the bench's threads' wait for
+    the GIL (a keep-alive connection a starved client left idle would also be closed under it)."""
+    measured: list[tuple[str, float]] = []
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                code = str(client.get("/healthz").status_code)
+            except httpx.HTTPError as error:
+                code = type(error).__name__
+            measured.append((code, time.perf_counter() - started))
+            ready.set()
+            stop.wait(0.25)
+    answers.put(measured)
+
+
 class Watch:
-    """Samples the tree's summed VmRSS and probes /healthz while a case runs."""
+    """Samples the tree's summed VmRSS and probes /healthz (from a process of its own) while a case runs."""
 
     def __init__(self, root: int, base_url: str) -> None:
         self.root = root
@@ -132,29 +153,25 @@ class Watch:
             self.peak_tree_kib = max(self.peak_tree_kib, sum(_status_kib(pid, "VmRSS") for pid in tree(self.root)))
             self._stop.wait(0.1)
 
-    def _probe(self) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=60) as client:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                try:
-                    code = str(client.get("/healthz").status_code)
-                except httpx.HTTPError as error:
-                    code = type(error).__name__
-                self.health_s.append(time.perf_counter() - started)
-                self.health_codes[code] += 1
-                self._stop.wait(0.25)
-
     @contextmanager
     def running(self) -> Iterator[Watch]:
-        threads = [threading.Thread(target=self._sample), threading.Thread(target=self._probe)]
-        for thread in threads:
-            thread.start()
+        context = multiprocessing.get_context("spawn")
+        ready, stop, answers = context.Event(), context.Event(), context.Queue()
+        prober = context.Process(target=probe_health, args=(self.base_url, ready, stop, answers), daemon=True)
+        prober.start()
+        ready.wait(60)  # the case starts once the probe runs
+        sampler = threading.Thread(target=self._sample)
+        sampler.start()
         try:
             yield self
         finally:
             self._stop.set()
-            for thread in threads:
-                thread.join()
+            stop.set()
+            sampler.join()
+            for code, seconds in answers.get(timeout=120):
+                self.health_codes[code] += 1
+                self.health_s.append(seconds)
+            prober.join(timeout=30)
 
 
 @dataclass
@@ -263,7 +280,7 @@ def run(args: argparse.Namespace) -> str:
 
     # Schedules to draw: 200,000 actions (8 ranks × 12,500 microbatches × F, B) and 20,000 (× compare: 40,000).
     fused = {"split_backward": False}
-    large = client.post("/v1/schedules", json={**problem_body(8, 12_500), **fused}).json()
+    large = client.post("/v1/schedules", json={**problem_body(8, 12_500, time_limit_s=40.0), **fused}).json()
     medium = client.post("/v1/schedules", json={**problem_body(8, 1_250), **fused}).json()
     assert "id" in large and "id" in medium, (large, medium)
     seeded = (

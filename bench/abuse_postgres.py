@@ -39,10 +39,17 @@ class Setup:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.database = PrivatePostgres()
-        self.workers = [self._worker(index, wait=False) for index in range(2)]
-        self.bench = Bench(directory, {"PIPESCHED_QUEUE": "postgres"}, self.database.url)
-        for worker in self.workers:
-            worker.wait_started()
+        self.workers: list[Worker] = []
+        try:
+            self.workers = [self._worker(index, wait=False) for index in range(2)]
+            self.bench = Bench(directory, {"PIPESCHED_QUEUE": "postgres"}, self.database.url)
+            for worker in self.workers:
+                worker.wait_started()
+        except BaseException:  # nothing of the bench's left running
+            for worker in self.workers:
+                worker.stop()
+            self.database.remove()
+            raise
 
     def _worker(self, index: int, *, wait: bool = True) -> Worker:
         return Worker(

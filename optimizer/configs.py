@@ -74,6 +74,16 @@ class ModelConfig(BaseModel):
         description='"none"; "selective" recomputes the attention core (drops 5as per token); "full" keeps '
         "only each layer's input and reruns its forward in the backward.",
     )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description='Matrix multiplies of the decoder layers: "bf16", or "fp8" (FP8 inputs and weights with bf16 '
+        "elsewhere, as torchao's Float8Linear and Transformer Engine's current scaling).",
+    )
+    kernels: Literal["eager", "compiled", "fused"] = Field(
+        "eager",
+        description='How elementwise work runs: "eager" PyTorch (torchtitan\'s default), "compiled" '
+        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine).',
+    )
     layers_per_stage: list[int] | None = Field(
         None,
         description="Layers per model stage (one entry per stage, summing to num_layers); null lets pipesched "
@@ -171,8 +181,23 @@ class ClusterConfig(BaseModel):
     memory_bandwidth_bytes_per_s: float | None = Field(
         None, gt=0, description="Device memory bandwidth, bytes/s (elementwise kernels are bound by it)."
     )
-    efficiency: float = Field(
-        0.75, gt=0, le=1, description="Achieved fraction of peak FLOP/s in the matrix multiplies."
+    efficiency: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Achieved fraction of the bf16 peak in large matrix multiplies; null: the accelerator "
+        "profile's (0.75 without one).",
+    )
+    attention_efficiency: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="FlashAttention's achieved fraction of the bf16 peak; null: the accelerator profile's.",
+    )
+    profile: str | None = Field(
+        None,
+        description="A calibrated accelerator profile by name (built in: the accelerator's own; or one made by "
+        "`pipesched calibrate` and registered with POST /v1/profiles or `--profile`); null: the accelerator's.",
     )
     p2p_bandwidth_bytes_per_s: float = Field(50e9, gt=0, description="Link bandwidth between ranks, B/s.")
     p2p_latency_ms: float = Field(0.01, ge=0, description="Link latency per transfer, ms.")
@@ -180,8 +205,11 @@ class ClusterConfig(BaseModel):
     shard_optimizer_state: bool = Field(
         False, description="ZeRO-1: shard the fp32 master weights and Adam state over data_parallel_size."
     )
-    memory_reserve_bytes: float = Field(
-        2 * 1024**3, ge=0, description="Bytes kept free per rank (CUDA context, allocator fragmentation)."
+    memory_headroom_bytes: float | None = Field(
+        None,
+        ge=0,
+        description="Bytes kept free per GPU (CUDA context, NCCL buffers, allocator fragmentation); null: the "
+        "profile's default (5% of the memory + 1 GiB for calibrated accelerators, 2 GiB otherwise).",
     )
     num_nodes: int = Field(1, ge=1, le=100_000, description="Hosts in the cluster.")
     gpus_per_node: int = Field(
@@ -217,3 +245,8 @@ class TensorParallel(BaseModel):
 
     size: int = Field(1, ge=1, le=1024, description="Tensor-parallel degree t (GPUs per layer, within a node).")
     sequence_parallel: bool = Field(True, description="Split norms and dropouts along the sequence too.")
+    async_communication: bool = Field(
+        False,
+        description="Overlap the tensor-parallel collectives with the matrix multiplies (torchtitan's AsyncTP, "
+        "Transformer Engine's communication overlap) instead of running them between them.",
+    )

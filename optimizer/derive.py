@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
+from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
 from pipesched.optimizer.families import method_field_errors, registry
 from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
@@ -219,9 +220,18 @@ def _add_collectives(
     tensor_parallel = document.get("tensor_parallel")
     tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
     raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
+    profile = derived.hardware.profile
+    achieved = parts.cluster.model_copy(
+        update={
+            "intra_node_bandwidth_bytes_per_s": parts.cluster.intra_node_bandwidth_bytes_per_s
+            * profile.collective_efficiency_intra,
+            "inter_node_bandwidth_bytes_per_s": parts.cluster.inter_node_bandwidth_bytes_per_s
+            * profile.collective_efficiency_inter,
+        }
+    )
     collectives = data_parallel_costs(
         model=parts.model,
-        cluster=parts.cluster,
+        cluster=achieved,
         stage_parameters=[block.parameters for block in derived.stages],
         stage_holders=parts.pipeline.stage_holders(),
         num_ranks=parts.pipeline.num_ranks,
@@ -231,11 +241,15 @@ def _add_collectives(
         tensor_parallel=tp_size,
         stage_largest_unit=derived.largest_unit,
         reshard_after_forward=dp.reshard_after_forward,
+        reduce_bytes=4.0 if dp.reduce_dtype == "fp32" else 2.0,
     )
     costs = dict(document["costs"])
-    derived_costs = [("reduce_grad", collectives.reduce_grad_ms)]
+    unshard, reduce_grad = collectives.unshard_ms, collectives.reduce_grad_ms
+    if not costs_given and dp.size > 1:
+        unshard, reduce_grad = _hide_behind_compute(document, costs, parts, derived, unshard, reduce_grad)
+    derived_costs = [("reduce_grad", reduce_grad)]
     if dp.size > 1:
-        derived_costs += [("unshard", collectives.unshard_ms), ("optimizer_step", collectives.optimizer_step_ms)]
+        derived_costs += [("unshard", unshard), ("optimizer_step", collectives.optimizer_step_ms)]
     for name, value in derived_costs:
         if costs.get(name) is None:
             costs[name] = value
@@ -246,6 +260,45 @@ def _add_collectives(
         memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]
         memory["static"] = collectives.static_bytes
         document["memory"] = memory
+
+
+def _hide_behind_compute(
+    document: dict[str, Any],
+    costs: dict[str, Any],
+    parts: _DerivationInput,
+    derived: DerivedProblem,
+    unshard: list[float],
+    reduce_grad: list[float],
+) -> tuple[list[float], list[float]]:
+    """The collectives' exposure unit by unit (:func:`pipesched.optimizer.cost.overlap.stage_overlap`): the
+    step model's UNSHARD/REDUCE_GRAD times, and the derived F and I (in ``costs``) plus their stalls and
+    slowdown. One stage per rank resharding after forward is FSDP's per-microbatch gathering, timed inside
+    F and I: the document then gathers once (``reshard_after_forward`` false) and keeps the resharded
+    footprint (two units gathered, ``memory.weights``)."""
+    dp, pipeline = parts.data_parallel, parts.pipeline
+    assert dp is not None and derived.hardware is not None
+    per_microbatch = pipeline.num_stages == 1 and dp.sharding == "full" and dp.reshard_after_forward
+    forward, backward_input = list(costs["forward"]), list(costs["backward_input"])
+    new_unshard, new_reduce = [], []
+    for stage, block in enumerate(derived.stages):
+        exposure = stage_overlap(
+            gather_ms=unshard[stage],
+            reduce_ms=reduce_grad[stage],
+            forward_ms=block.forward_ms,
+            backward_ms=block.backward_input_ms + block.backward_weight_ms,
+            unit_fraction=derived.largest_unit[stage] / block.parameters if block.parameters else 1.0,
+            num_microbatches=pipeline.num_microbatches,
+            per_microbatch=per_microbatch,
+            slowdown=derived.hardware.profile.overlap_slowdown,
+        )
+        new_unshard.append(round(exposure.unshard_ms, 6))
+        new_reduce.append(round(exposure.reduce_grad_ms, 6))
+        forward[stage] = round(forward[stage] + exposure.forward_extra_ms, 6)
+        backward_input[stage] = round(backward_input[stage] + exposure.backward_input_extra_ms, 6)
+    costs["forward"], costs["backward_input"] = forward, backward_input
+    if per_microbatch:
+        document["data_parallel"] = {**dict(document["data_parallel"]), "reshard_after_forward": False}
+    return new_unshard, new_reduce
 
 
 def _derive_missing(value: Any) -> Any:

@@ -259,6 +259,11 @@ class DataParallel(_Strict):
         "(PyTorch, Megatron-LM's overlap_grad_reduce); false: every reduction after the rank's last pass "
         "(Megatron-LM before overlap_grad_reduce, the breadth-first paper's baseline).",
     )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Gradients reduced in \"fp32\" (torchtitan's FSDP reduce_dtype, Megatron's grad_reduce_in_fp32) "
+        "or \"bf16\" (Megatron-LM's and NeMo's default, FSDP's pure bf16).",
+    )
 
     @model_validator(mode="after")
     def _check_reshard(self) -> DataParallel:

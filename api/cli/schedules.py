@@ -470,9 +470,8 @@ def check(
         else:
             assert result.violation is not None
             violation = result.violation
-            err_console.print(
-                f"[bold red]invalid ({violation.reason}):[/bold red] {violation.message}", highlight=False
-            )
+            message = violation.message.removeprefix(f"{violation.reason}: ")  # the reason is said once
+            err_console.print(f"[bold red]invalid ({violation.reason}):[/bold red] {message}", highlight=False)
             if violation.marks:
                 err_console.print(render_grid(result.orders, violation.marks), highlight=False, soft_wrap=True)
     if not result.valid:

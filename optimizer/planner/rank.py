@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
+from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
@@ -36,7 +37,7 @@ from pipesched.optimizer.progress import SearchContext
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
+__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "estimator_for", "plan", "plan_notes", "prepare", "search"]
 
 #: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
 MAX_CONFIGURATIONS = 100_000
@@ -163,17 +164,77 @@ def _memory_field(request: PlanRequest) -> tuple[str, str]:
     return ("cluster", "memory_bytes" if explicit else "accelerator")
 
 
-def _no_room_error(request: PlanRequest, memory_bytes: float) -> FieldError:
-    """A GPU whose memory the reserve takes whole (the schedule's cost model refuses the same)."""
-    reserve = request.cluster.memory_reserve_bytes
+def _no_room_error(request: PlanRequest, memory_bytes: float, headroom: float) -> FieldError:
+    """A GPU whose memory the headroom takes whole (the schedule's cost model refuses the same)."""
     loc = _memory_field(request)
     return (
         loc,
-        f"a GPU's {format_bytes(memory_bytes)} leaves nothing once cluster.memory_reserve_bytes = "
-        f"{format_bytes(reserve)} is kept free: give cluster.memory_bytes in bytes (an H100 has 80e9), or a reserve "
-        f"below {format_bytes(memory_bytes)}",
+        f"a GPU's {format_bytes(memory_bytes)} leaves nothing once the headroom (cluster.memory_headroom_bytes) of "
+        f"{format_bytes(headroom)} is kept free: give cluster.memory_bytes in bytes (an H100 has 80e9), or a "
+        f"headroom below {format_bytes(memory_bytes)}",
         request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
     )
+
+
+def estimator_for(request: PlanRequest) -> Estimator:
+    """The estimator of ``request``: its model, cluster and global batch (what ``prepare`` and a plan's launch
+    files rebuild the plan's problem with)."""
+    return Estimator(
+        _execution(request),
+        request.cluster,
+        request.training.global_batch_size,
+        sequence_parallel=request.search.sequence_parallel,
+    )
+
+
+def _execution(request: PlanRequest) -> ModelConfig:
+    """The model with the training's precision and kernels mode (``training.*`` over ``model.*``)."""
+    update = {
+        name: value
+        for name, value in (("precision", request.training.precision), ("kernels", request.training.kernels))
+        if value is not None
+    }
+    return request.model.model_copy(update=update) if update else request.model
+
+
+def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldError]:
+    """FP8 asked of an accelerator without FP8 tensor cores."""
+    if estimator.hardware.fp8_flops_per_s is not None:
+        return []
+    asked = [("training", "precision")] if estimator.model.precision == "fp8" else []
+    if request.search.precision and "fp8" in request.search.precision:
+        asked.append(("search", "precision"))
+    return [
+        (
+            loc,
+            f"{estimator.hardware.name} has no FP8 tensor cores: use bf16, or an accelerator with FP8 (H100-SXM, "
+            "H100-PCIe, H200, B200, MI300X, L40S)",
+            "fp8",
+        )
+        for loc in asked
+    ]
+
+
+def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
+    """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
+    calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
+    profile = estimator.hardware.profile
+    notes = []
+    if profile.fitted_rows == 0:
+        notes.append(
+            f"{estimator.hardware.name}: no calibrated profile (its efficiencies are datasheet-level guesses, "
+            f"{profile.source}); the interval is wide"
+        )
+    if answer_plans:
+        best = answer_plans[0]
+        measured = profile.max_measured_mfu.get(best.precision)
+        if measured is not None and best.mfu > measured:
+            notes.append(
+                f"the best plan's predicted MFU {best.mfu:.1%} is above the highest MFU measured on "
+                f"{estimator.hardware.name} in {best.precision} in the calibration data ({measured:.1%}): treat "
+                "it as optimistic"
+            )
+    return notes
 
 
 def prepare(request: PlanRequest) -> Prepared:
@@ -185,18 +246,20 @@ def prepare(request: PlanRequest) -> Prepared:
             GPUs that would do).
     """
     started = time.perf_counter()
-    estimator = Estimator(
-        request.model,
-        request.cluster,
-        request.training.global_batch_size,
-        sequence_parallel=request.search.sequence_parallel,
-    )
+    estimator = estimator_for(request)
     hardware = estimator.hardware  # resolve the accelerator now: an unknown one is a field error
     if estimator.limit_bytes <= 0:
-        raise_field_errors("PlanRequest", [_no_room_error(request, hardware.memory_bytes)])
+        raise_field_errors("PlanRequest", [_no_room_error(request, hardware.memory_bytes, estimator.headroom_bytes)])
+    raise_field_errors("PlanRequest", _precision_errors(request, estimator))
     configurations = list(
         itertools.islice(
-            enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
+            enumerate_space(
+                estimator.model,
+                request.cluster,
+                request.training.global_batch_size,
+                request.search,
+                precision=estimator.model.precision,
+            ),
             MAX_CONFIGURATIONS + 1,
         )
     )
@@ -375,6 +438,7 @@ class _PlanSearch(SearchContext[Evaluation]):
             self.rejected.append(
                 Rejected(configuration={}, reason="the time limit ended the search before any evaluation")
             )
+        estimator = self.prepared.estimator
         answer = PlanAnswer(
             status="done",
             plans=plans,
@@ -383,6 +447,10 @@ class _PlanSearch(SearchContext[Evaluation]):
             elapsed_s=round(self.elapsed(), 3),
             first_answer_s=round(self.first_answer_s, 3) if self.first_answer_s is not None else None,
             error=None if plans else _no_plan_reason(self.rejected, self.searched),
+            request=self.prepared.request,
+            memory_headroom_bytes=float(round(estimator.headroom_bytes)),
+            profile=f"{estimator.hardware.profile.name} ({estimator.hardware.profile.source or 'unfitted'})",
+            notes=plan_notes(plans, estimator),
         )
         self.report_plans("done", self.total)
         return PlanOutcome(answer, schedules)

@@ -50,6 +50,7 @@ class Configuration:
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -164,15 +165,19 @@ def enumerate_space(
     search: PlanSearch,
     *,
     ignore_batch: bool = False,
+    precision: str = "bf16",
 ) -> Iterator[Configuration]:
     """Every configuration the request allows, in no particular order.
 
     Args:
+        precision: the precision searched when ``search.precision`` does not list several
+            (``training.precision``).
         ignore_batch: enumerate as if every micro-batch size divided the batch (used to tell a batch no
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
     methods_pinned = search.method
+    precisions: list[str] = list(search.precision) if search.precision else [precision]
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
@@ -217,4 +222,7 @@ def enumerate_space(
                             for method in candidates:
                                 if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
                                     continue
-                                yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)
+                                for precision in precisions:
+                                    yield Configuration(
+                                        p, t, d, sharding, v, placement, b, m, recompute, method, precision
+                                    )

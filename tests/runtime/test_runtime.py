@@ -353,7 +353,7 @@ def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
                 "flops_per_s": 1e10,
                 "memory_bytes": 1e9,
                 "memory_bandwidth_bytes_per_s": 1e10,
-                "memory_reserve_bytes": 0,
+                "memory_headroom_bytes": 0,
             },
         }
     )
