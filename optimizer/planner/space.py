@@ -3,8 +3,8 @@
 A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
 data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
 sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop
-(powers of two up to ``num_layers / p``, and one layer per stage when p divides the layers; any count up to
-``num_layers / p`` when ``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
+(powers of two up to 8, and one layer per stage when ``lga`` is named; any count up to ``num_layers / p`` when
+``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
 (``bidirectional``, even p); the schedule is a family (or ``auto``) whose domain admits the layout and m: the
 families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
 not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
@@ -78,11 +78,22 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
     ]
 
 
+#: The most chunks per rank tried with the loop placement unless ``search.stages_per_rank`` names more (more chunks,
+#: more actions to simulate per configuration: beyond 8 the search reaches fewer configurations in its time).
+DEFAULT_MAX_LOOP_STAGES = 8
+
+
 def layouts(
-    pipeline_parallel: int, num_layers: int, stages_per_rank: Sequence[int] | None = None
+    pipeline_parallel: int,
+    num_layers: int,
+    stages_per_rank: Sequence[int] | None = None,
+    *,
+    one_layer_per_stage: bool = False,
 ) -> list[tuple[int, str]]:
     """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (module
-    docstring); ``stages_per_rank``: the loop counts to try instead of the default ones."""
+    docstring): loops of powers of two up to :data:`DEFAULT_MAX_LOOP_STAGES` chunks (and one layer per stage with
+    ``one_layer_per_stage``, for LGA), or the named ``stages_per_rank`` up to ``num_layers / p``; a V; two V-shaped
+    replicas on an even pipeline."""
     p = pipeline_parallel
     if p == 1:
         return [(1, "loop")]
@@ -90,9 +101,10 @@ def layouts(
     if stages_per_rank is not None:
         loop = sorted({v for v in stages_per_rank if 1 <= v <= most})
     else:
-        loop = sorted(
-            {2**k for k in range(most.bit_length()) if 2**k <= most} | ({most} if num_layers % p == 0 else set())
-        )
+        powers = {
+            2**k for k in range(DEFAULT_MAX_LOOP_STAGES.bit_length()) if 2**k <= min(most, DEFAULT_MAX_LOOP_STAGES)
+        }
+        loop = sorted(powers | ({most} if one_layer_per_stage and num_layers % p == 0 else set()))
     candidates = [(v, "loop") for v in loop] + [(2, "v")] + ([(2, "bidirectional")] if p % 2 == 0 else [])
     return [(v, placement) for v, placement in candidates if p * v <= num_layers]
 
@@ -194,7 +206,8 @@ def enumerate_space(
             for sharding in SHARDING if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
-                for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
+                lga = methods_pinned is not None and "lga" in methods_pinned
+                for v, placement in layouts(p, model.num_layers, search.stages_per_rank, one_layer_per_stage=lga):
                     if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                         continue
                     for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
