@@ -175,6 +175,26 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_fields(cls, data: Any) -> Any:
+        """The data-parallel group is the problem's ``data_parallel`` section, not a cluster field."""
+        if isinstance(data, dict):
+            raise_field_errors(
+                "ClusterConfig",
+                [
+                    (
+                        (name,),
+                        f"cluster.{name} is not a cluster field: the data-parallel group is the problem's "
+                        'data_parallel section, e.g. {"size": 8, "sharding": "optimizer"} for ZeRO-1 over 8 copies',
+                        data[name],
+                    )
+                    for name in ("data_parallel_size", "shard_optimizer_state")
+                    if name in data
+                ],
+            )
+        return data
+
     accelerator: str | None = Field(None, description='Catalogue name, e.g. "H100-SXM"; null for explicit.')
     memory_bytes: float | None = Field(None, gt=0, description="Accelerator memory, bytes.")
     flops_per_s: float | None = Field(None, gt=0, description="Dense bf16 peak, FLOP/s.")
@@ -201,10 +221,6 @@ class ClusterConfig(BaseModel):
     )
     p2p_bandwidth_bytes_per_s: float = Field(50e9, gt=0, description="Link bandwidth between ranks, B/s.")
     p2p_latency_ms: float = Field(0.01, ge=0, description="Link latency per transfer, ms.")
-    data_parallel_size: int = Field(1, ge=1, description="Data-parallel replicas sharding optimizer state.")
-    shard_optimizer_state: bool = Field(
-        False, description="ZeRO-1: shard the fp32 master weights and Adam state over data_parallel_size."
-    )
     memory_headroom_bytes: float | None = Field(
         None,
         ge=0,

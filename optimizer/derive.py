@@ -165,18 +165,8 @@ _DERIVED_FIELDS = ("forward", "backward_input", "backward_weight", "p2p", "activ
 def _group_errors(
     parts: _DerivationInput, size: int, tensor_parallel: int
 ) -> list[tuple[tuple[str | int, ...], str, Any]]:
-    """The data-parallel group must agree with ``cluster.data_parallel_size`` and tile the nodes evenly."""
+    """The data-parallel groups must tile the nodes evenly."""
     errors: list[tuple[tuple[str | int, ...], str, Any]] = []
-    cluster_size = parts.cluster.data_parallel_size
-    if cluster_size not in (1, size):
-        errors.append(
-            (
-                ("cluster", "data_parallel_size"),
-                f"cluster.data_parallel_size {cluster_size} disagrees with data_parallel.size {size}: drop "
-                "cluster.data_parallel_size (data_parallel.size sets it) or make them equal",
-                cluster_size,
-            )
-        )
     gpus_per_node = getattr(parts.cluster, "gpus_per_node", None)
     group = size * tensor_parallel
     if gpus_per_node and (gpus_per_node % group if group <= gpus_per_node else group % gpus_per_node):

@@ -61,6 +61,7 @@ __all__ = [
     "SteadyState",
     "SteadyStateEvaluator",
     "check_pattern",
+    "memory_timelines",
     "pattern_from_sequence",
     "pattern_memory_timelines",
     "pattern_with_communication",
@@ -713,6 +714,23 @@ def repeating_schedule(
         lower_bound=lower_bound,
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def memory_timelines(schedule: Schedule) -> tuple[list[list[tuple[float, float]]], list[float]]:
+    """Per rank, ``(time ms, bytes)`` steps of its memory and its peak (bytes), by the schedule's shape: a
+    repeating pattern's from :func:`pattern_memory_timelines`, a step's from the simulator.
+
+    Raises:
+        InvalidSchedule: when a step's orders do not run on its problem.
+    """
+    if schedule.shape == "pattern":
+        return pattern_memory_timelines(schedule), list(schedule.peak_memory)
+    from pipesched.optimizer.instance import compile_for_orders
+    from pipesched.optimizer.simulate import simulate
+
+    orders = schedule.orders()
+    sim = simulate(compile_for_orders(schedule.problem, orders), orders, check_memory=False)
+    return sim.memory_timeline, sim.peak_memory
 
 
 def pattern_memory_timelines(schedule: Schedule) -> list[list[tuple[float, float]]]:

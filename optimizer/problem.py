@@ -10,7 +10,7 @@ Validation errors name the field path (``costs.forward``) and say what would be 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
@@ -19,12 +19,14 @@ from pipesched.optimizer.field_errors import StrictModel as _Strict
 from pipesched.optimizer.field_errors import raise_field_errors
 
 __all__ = [
+    "SHARDINGS",
     "Costs",
     "DataParallel",
     "Memory",
     "Pipeline",
     "PlacementName",
     "Problem",
+    "Sharding",
     "SolverOptions",
     "TensorParallel",
     "Training",
@@ -34,6 +36,12 @@ __all__ = [
 
 #: A named placement (contract, Terms): how stages lie on ranks; an explicit list is the alternative.
 PlacementName = Literal["loop", "v", "bidirectional"]
+
+#: What is sharded over the data-parallel group (contract, Terms): ``none`` (DDP), ``optimizer`` (ZeRO-1),
+#: ``gradients`` (ZeRO-2), ``full`` (ZeRO-3 / FSDP).
+Sharding = Literal["none", "optimizer", "gradients", "full"]
+#: Every sharding level, least sharded first.
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -245,9 +253,7 @@ class DataParallel(_Strict):
     """
 
     size: int = Field(1, ge=1, le=1_000_000, description="Data-parallel degree d (copies of the pipeline).")
-    sharding: Literal["none", "optimizer", "gradients", "full"] = Field(
-        "none", description="What is sharded over the data-parallel group."
-    )
+    sharding: Sharding = Field("none", description="What is sharded over the data-parallel group.")
     reshard_after_forward: bool = Field(
         False,
         description="With sharding full: free gathered weights after every F and gather them again before every "
@@ -685,6 +691,11 @@ class Problem(_Strict):
     def data_parallel_size(self) -> int:
         """d: copies of the pipeline (1 without a data_parallel section)."""
         return 1 if self.data_parallel is None else self.data_parallel.size
+
+    @property
+    def data_parallel_group(self) -> DataParallel:
+        """The data-parallel group the problem is solved for (size 1, no sharding, without a section)."""
+        return self.data_parallel or DataParallel()
 
     @property
     def replicas_synchronise(self) -> bool:

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from pipesched.api.cli import common
 from pipesched.api.cli.common import fail, require_torch
+from pipesched.optimizer.families import default_family
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
@@ -89,7 +90,12 @@ def demo_plan_request(*, time_limit_s: float = 10.0, naive: bool = False) -> dic
     }
     if naive:
         search.update(
-            {"method": ["1f1b"], "stages_per_rank": [1], "placement": ["loop"], "activation_recomputation": ["none"]}
+            {
+                "method": [default_family().name],
+                "stages_per_rank": [1],
+                "placement": ["loop"],
+                "activation_recomputation": ["none"],
+            }
         )
         search["top"] = 1
     return {

@@ -117,7 +117,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
     out.print(table)
-    if schedule.step_period is not None:
+    if schedule.shape == "pattern" and schedule.step_period is not None:
         out.print(
             f"step_period {schedule.step_period:.3f} ms per step in steady state (no flush, "
             f"{problem.training.weight_versions} weight versions); the actions are one repeating step, microbatch "

@@ -24,8 +24,8 @@ Sources and model:
   T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
 - Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
   main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
-  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). ``shard_optimizer_state`` divides the master weights
-  and moments by ``data_parallel_size`` (ZeRO stage 1).
+  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). The problem's ``data_parallel`` sharding divides them by
+  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`).
 - Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
   V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
 """
@@ -68,7 +68,6 @@ __all__ = [
     "register_profile",
     "registered_profiles",
     "resolve_hardware",
-    "static_bytes_per_parameter",
     "transformer_layer",
 ]
 
@@ -444,21 +443,6 @@ def head_block(
     )
 
 
-def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> float:
-    """Bytes per parameter for weights, gradients and Adam state (ZeRO paper, Sec. 3.1; module docstring).
-
-    Mixed precision (fp16/bf16): 2 weights + 4 fp32 gradients + 12 optimizer (fp32 master, m, v) = 18.
-    fp32: 4 + 4 + 8 = 16. With ``shard_optimizer_state`` the optimizer part is divided by ``data_parallel_size``.
-    """
-    if model.dtype == "fp32":
-        weights, gradients, optimizer = 4.0, 4.0, 8.0
-    else:
-        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
-    if cluster.shard_optimizer_state:
-        optimizer /= cluster.data_parallel_size
-    return weights + gradients + optimizer
-
-
 @dataclass
 class DerivedProblem:
     """What :func:`derive_problem` derived.
@@ -555,10 +539,10 @@ def _check_tensor_parallel(
     ]
 
 
-def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
-    if data_parallel is None:
-        return static_bytes_per_parameter(model, cluster)
-    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
+    """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
+    group = data_parallel or DataParallel()
+    return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
 
 
 def _transient_bytes(
@@ -589,10 +573,10 @@ def derive_problem(
 
     ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
     :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only), in place of
-    ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
-    gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
-    :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
+    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
+    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
+    held while a stage computes.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -615,40 +599,91 @@ def derive_problem(
         "Problem",
         _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
     )
-    t, sequence_parallel = _tp(tensor_parallel)
-
-    layer = transformer_layer(model, hardware, tensor_parallel, cluster)
-    embedding = embedding_block(model, hardware, tensor_parallel, cluster)
-    head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
-    per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
+    blocks = _StageBlocks(
+        model,
+        data_parallel,
+        num_stages,
+        layer=transformer_layer(model, hardware, tensor_parallel, cluster),
+        embedding=embedding_block(model, hardware, tensor_parallel, cluster),
+        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1),
+        per_parameter=_per_parameter_bytes(model, data_parallel),
+    )
     headroom = headroom_bytes(cluster, hardware)
     limit = hardware.memory_bytes - headroom
     holders = pipeline.stage_holders()
+    _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
+    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
+    stages = [blocks.block(stage, count) for stage, count in enumerate(layers_per_stage)]
+    static = [0.0] * num_ranks
+    for stage, block in enumerate(stages):
+        for rank in holders[stage]:
+            static[rank] += block.parameters * blocks.per_parameter
+    costs = Costs(
+        forward=[round(block.forward_ms, 6) for block in stages],
+        backward_input=[round(block.backward_input_ms, 6) for block in stages],
+        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
+        p2p=round(_p2p_ms(model, cluster, tensor_parallel), 6),
+    )
+    memory = Memory(
+        activation=[float(round(block.activation_bytes)) for block in stages],
+        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
+        limit=float(round(limit)),
+        static=[float(round(value)) for value in static],
+    )
+    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
 
-    def stage_block(stage: int, count: int) -> Block:
-        block = layer.times(count)
+
+@dataclass(frozen=True)
+class _StageBlocks:
+    """A stage of ``count`` layers as one block: the layers, plus the embedding on stage 0 and the head on the
+    last; with its memory while it computes (static state, transient gathered weights, one microbatch)."""
+
+    model: ModelConfig
+    data_parallel: DataParallel | None
+    num_stages: int
+    layer: Block
+    embedding: Block
+    head: Block
+    per_parameter: float
+
+    def block(self, stage: int, count: int) -> Block:
+        """Times, activations and parameters of the stage."""
+        block = self.layer.times(count)
         if stage == 0:
-            block = block + embedding
-        if stage == num_stages - 1:
-            block = block + head
+            block = block + self.embedding
+        if stage == self.num_stages - 1:
+            block = block + self.head
         return block
 
-    def largest_unit(stage: int, count: int) -> float:
-        units = [layer.parameters] if count else []
+    def largest_unit(self, stage: int, count: int) -> float:
+        """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
+        units = [self.layer.parameters] if count else []
         if stage == 0:
-            units.append(embedding.parameters)
-        if stage == num_stages - 1:
-            units.append(head.parameters)
+            units.append(self.embedding.parameters)
+        if stage == self.num_stages - 1:
+            units.append(self.head.parameters)
         return max(units, default=0.0)
 
-    def stage_memory(stage: int, count: int) -> float:
-        block = stage_block(stage, count)
-        transient = _transient_bytes(model, data_parallel, block.parameters, largest_unit(stage, count))
-        return block.parameters * per_parameter + transient + block.activation_bytes
+    def memory(self, stage: int, count: int) -> float:
+        """Bytes the stage holds while it computes one microbatch."""
+        block = self.block(stage, count)
+        transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
+        return block.parameters * self.per_parameter + transient + block.activation_bytes
 
-    total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
-    total_static += model.num_layers * layer.parameters * per_parameter
-    copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
+
+def _check_room(
+    blocks: _StageBlocks, cluster: ClusterConfig, hardware: Hardware, headroom: float, num_ranks: int, *, copies: int
+) -> None:
+    """The headroom leaves memory, and the weights, gradients and optimizer state fit the ranks at all.
+
+    Raises:
+        pydantic.ValidationError: on ``cluster.memory_headroom_bytes`` or the accelerator, with the ranks needed.
+    """
+    per_parameter, model = blocks.per_parameter, blocks.model
+    limit = hardware.memory_bytes - headroom
+    total_static = sum(blocks.block(stage, 0).parameters for stage in range(blocks.num_stages)) * per_parameter
+    total_static += model.num_layers * blocks.layer.parameters * per_parameter
     if limit <= 0:
         raise_field_errors(
             "Problem",
@@ -662,80 +697,76 @@ def derive_problem(
                 )
             ],
         )
-    if total_static * copies / num_ranks > limit:
-        needed = total_static * copies / num_ranks
-        ranks_needed = math.ceil(total_static * copies / limit)
-        loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
-        shard_hint = (
-            " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
-            if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
-            else ""
+    if total_static * copies / num_ranks <= limit:
+        return
+    needed = total_static * copies / num_ranks
+    ranks_needed = math.ceil(total_static * copies / limit)
+    data_parallel = blocks.data_parallel
+    shard_hint = (
+        ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
+        if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
+        else ""
+    )
+    raise_field_errors(
+        "Problem",
+        [
+            (
+                ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
+                f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
+                f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
+                f"{format_bytes(headroom)} headroom): use ≥ {ranks_needed} ranks{shard_hint}",
+                cluster.accelerator or cluster.memory_bytes,
+            )
+        ],
+    )
+
+
+def _layers_per_stage(
+    blocks: _StageBlocks, cluster: ClusterConfig, holders: list[list[int]], num_ranks: int, limit: float
+) -> list[int]:
+    """``model.layers_per_stage`` when given, else :func:`partition_layers` (slowest stage least, every rank
+    within its limit).
+
+    Raises:
+        pydantic.ValidationError: no partition fits (on the accelerator, with the fixes).
+    """
+    model = blocks.model
+    if model.layers_per_stage is not None:
+        return list(model.layers_per_stage)
+    try:
+        return partition_layers(
+            model.num_layers,
+            blocks.num_stages,
+            stage_time=lambda stage, count: blocks.block(stage, count).compute_ms,
+            stage_memory=blocks.memory,
+            stage_ranks=holders,
+            num_ranks=num_ranks,
+            limit=limit,
         )
+    except PartitionError as error:
         raise_field_errors(
             "Problem",
             [
                 (
-                    loc,
-                    f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
-                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
-                    f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
-                    f"{format_bytes(headroom)} headroom): use ≥ {ranks_needed} ranks"
-                    f"{shard_hint}",
+                    ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                    f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
+                    "micro_batch_size, activation recomputation, or shard optimizer state",
                     cluster.accelerator or cluster.memory_bytes,
                 )
             ],
         )
+        raise
 
-    if model.layers_per_stage is not None:
-        layers_per_stage = list(model.layers_per_stage)
-    else:
-        try:
-            layers_per_stage = partition_layers(
-                model.num_layers,
-                num_stages,
-                stage_time=lambda stage, count: stage_block(stage, count).compute_ms,
-                stage_memory=stage_memory,
-                stage_ranks=holders,
-                num_ranks=num_ranks,
-                limit=limit,
-            )
-        except PartitionError as error:
-            raise_field_errors(
-                "Problem",
-                [
-                    (
-                        ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
-                        f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
-                        "micro_batch_size, activation recomputation, or shard optimizer state",
-                        cluster.accelerator or cluster.memory_bytes,
-                    )
-                ],
-            )
-            raise
 
-    stages = [stage_block(stage, count) for stage, count in enumerate(layers_per_stage)]
-    static = [0.0] * num_ranks
-    for stage, block in enumerate(stages):
-        for rank in holders[stage]:
-            static[rank] += block.parameters * per_parameter
+def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None) -> float:
+    """One activation (or its gradient) between pipeline ranks: latency + s·b·h·dtype bytes / bandwidth, ms;
+    with sequence parallelism each tensor-parallel rank sends its sequence shard."""
+    t, sequence_parallel = _tp(tensor_parallel)
     p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
     if sequence_parallel:
-        p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
-    p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
-    costs = Costs(
-        forward=[round(block.forward_ms, 6) for block in stages],
-        backward_input=[round(block.backward_input_ms, 6) for block in stages],
-        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
-        p2p=round(p2p_ms, 6),
-    )
-    memory = Memory(
-        activation=[float(round(block.activation_bytes)) for block in stages],
-        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
-        limit=float(round(limit)),
-        static=[float(round(value)) for value in static],
-    )
-    units = [largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+        p2p_bytes /= t
+    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 
 def derive_costs_and_memory(

@@ -29,7 +29,7 @@ from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.pattern import step_period_lower_bound
 from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, torchrun_command, torchtitan_launch
 from pipesched.optimizer.planner.prune import Estimate, Estimator
-from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
+from pipesched.optimizer.planner.request import Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule, build_schedule
@@ -132,12 +132,7 @@ def build_problem(
     if tensor_parallel is not None:
         document["tensor_parallel"] = tensor_parallel.model_dump(mode="json")
     if config.data_parallel_size > 1:
-        document["data_parallel"] = {
-            "size": config.data_parallel_size,
-            "sharding": config.sharding,
-            "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
-            "reduce_dtype": estimator.reduce_dtype,
-        }
+        document["data_parallel"] = estimator.data_parallel(config).model_dump(mode="json")
     return load_problem(document)
 
 
@@ -186,7 +181,7 @@ def _plan(
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,
-        data_parallel=DataParallelPlan(size=config.data_parallel_size, sharding=config.sharding),
+        data_parallel=estimator.data_parallel(config),
         stages_per_rank=config.stages_per_rank,
         placement=config.placement,
         micro_batch_size=config.micro_batch_size,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, group_link, reduce_scatter_ms
@@ -54,7 +55,7 @@ from pipesched.optimizer.cost.stages import (
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
-from pipesched.optimizer.problem import stage_to_rank
+from pipesched.optimizer.problem import DataParallel, stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -130,7 +131,7 @@ class Estimator:
         *,
         sequence_parallel: bool = True,
         async_tensor_parallel: bool = False,
-        reduce_dtype: str = "fp32",
+        reduce_dtype: Literal["fp32", "bf16"] = "fp32",
     ) -> None:
         self.model = model
         self.cluster = cluster
@@ -140,6 +141,17 @@ class Estimator:
         self.reduce_dtype = reduce_dtype
         self._blocks: dict[tuple[int, int, str, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
         self._layouts: dict[tuple[int, int, str, str, int, int, str], _Layout] = {}
+
+    def data_parallel(self, config: Configuration) -> DataParallel:
+        """The configuration's data-parallel group: its size and sharding, the request's gradient reduce dtype;
+        without a pipeline fully sharded weights are freed after each forward (FSDP's default), with one they stay
+        gathered (torchtitan under pipeline parallelism)."""
+        return DataParallel(
+            size=config.data_parallel_size,
+            sharding=config.sharding,
+            reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     @cached_property
     def hardware(self) -> Hardware:

@@ -9,12 +9,11 @@ from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, mod
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import registry
 from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.problem import DataParallel, Sharding
 
 __all__ = [
     "PLAN_METHODS",
     "RECOMPUTATION",
-    "SHARDING",
-    "DataParallelPlan",
     "Launch",
     "Plan",
     "PlanAnswer",
@@ -25,7 +24,6 @@ __all__ = [
     "Searched",
 ]
 
-SHARDING = ("none", "optimizer", "gradients", "full")
 RECOMPUTATION = ("none", "selective", "full")
 #: What ``search.method`` may name: ``auto`` and the families that declare a planner estimate.
 PLAN_METHODS: tuple[str, ...] = ("auto", *(name for name, family in registry().items() if family.planner is not None))
@@ -126,9 +124,7 @@ class PlanSearch(StrictModel):
     pipeline_parallel: list[int] | None = Field(None, description="Allowed pipeline degrees.")
     tensor_parallel: list[int] | None = Field(None, description="Allowed tensor degrees (within a node).")
     data_parallel_size: list[int] | None = Field(None, description="Allowed data-parallel sizes.")
-    sharding: list[Literal["none", "optimizer", "gradients", "full"]] | None = Field(
-        None, description="Allowed data-parallel sharding levels."
-    )
+    sharding: list[Sharding] | None = Field(None, description="Allowed data-parallel sharding levels.")
     stages_per_rank: list[int] | None = Field(None, description="Allowed model chunks per pipeline rank.")
     placement: list[Literal["loop", "v", "bidirectional"]] | None = Field(None, description="Allowed placements.")
     micro_batch_size: list[int] | None = Field(None, description="Allowed sequences per microbatch.")
@@ -158,13 +154,6 @@ class PlanRequest(StrictModel):
         return _batch_from_tokens(data)
 
 
-class DataParallelPlan(StrictModel):
-    """Data-parallel size and sharding level of a plan."""
-
-    size: int
-    sharding: str
-
-
 class Launch(StrictModel):
     """How to run the plan: a torchtitan TOML fragment and a torchrun command line."""
 
@@ -177,7 +166,7 @@ class Plan(StrictModel):
 
     pipeline_parallel: int
     tensor_parallel: int
-    data_parallel: DataParallelPlan
+    data_parallel: DataParallel = Field(description="The data-parallel group: size, sharding, reshard_after_forward.")
     stages_per_rank: int
     placement: str
     micro_batch_size: int

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.families import get_family, registry
-from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
-from pipesched.optimizer.problem import Pipeline
+from pipesched.optimizer.families import default_family, get_family, registry
+from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
+from pipesched.optimizer.problem import SHARDINGS, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
@@ -43,7 +43,7 @@ class Configuration:
     pipeline_parallel: int
     tensor_parallel: int
     data_parallel_size: int
-    sharding: str
+    sharding: Sharding
     stages_per_rank: int
     placement: str
     micro_batch_size: int
@@ -114,13 +114,13 @@ def methods_for(
     stages_per_rank: int, placement: str, pipeline_parallel: int, *, named: bool = False
 ) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the family declared for plain gradient accumulation); ``named``: also those tried only when
+    (one rank: the default family, plain gradient accumulation); ``named``: also those tried only when
     ``search.method`` names them."""
+    if pipeline_parallel == 1:
+        return (default_family().name,)
     tried = [
         family for family in registry().values() if family.planner is not None and (named or family.planner.by_default)
     ]
-    if pipeline_parallel == 1:
-        return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
     return tuple(
         family.name
         for family in tried
@@ -203,7 +203,7 @@ def enumerate_space(
             if not ignore_batch and global_batch_size % d:
                 continue
             local = global_batch_size // d if not ignore_batch else None
-            for sharding in SHARDING if d > 1 else ("none",):
+            for sharding in SHARDINGS if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
                 lga = methods_pinned is not None and "lga" in methods_pinned

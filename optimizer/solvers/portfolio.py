@@ -266,7 +266,6 @@ def solve_auto(
             min_memory_limit=min_memory_limit(inst),
             solve_time_s=search.elapsed(),
         )
-    bidirectional = problem.pipeline.placement == "bidirectional"
     allowed = problem.solver.backends
     heuristics = get_backend("heuristic").chosen(allowed, len(inst.actions))
     # The bound gets at most BOUND_SHARE of the time; past it, the weaker parts it reached count.
@@ -274,49 +273,14 @@ def solve_auto(
     search.raise_bound(compute_lower_bound(inst, problem.objective, bound_deadline), "bounds")
     search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
     _families(search)
-    if not bidirectional and heuristics:
-        _zero_bubble_auto(search)
-    if bidirectional:
-        # Two replicas pass different stages; the authors' scheduler follows one chain, so the warm starts
-        # are the families and the capped greedy at larger caps. Then CP-SAT's window search on large
-        # instances (measured at 10 s, limits 1–2·p microbatches: 1–7% shorter than local search alone from
-        # 512 actions up, up to 6% longer below), and local search with the time left.
-        if heuristics:
-            _capped_greedy(search)
-        cpsat = get_backend("cpsat")
-        chosen = len(inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else cpsat.name in allowed
-        if chosen and _can_start(search, cpsat):
-            _exact(search, cpsat, search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
-        if heuristics:
-            _local_search(search)
+    if problem.pipeline.placement == "bidirectional":
+        _bidirectional(search, heuristics)
         return _answer(search)
-
+    if heuristics:
+        _zero_bubble_auto(search)
     exact = [spec for spec in BACKENDS if spec.exact and spec.chosen(allowed, len(inst.actions))]
     if heuristics and search.can_afford(GREEDY_COMPILES):
-        share = 0.4 if exact else 1.0
-        budget = max(0.0, search.remaining() * share)
-
-        def heuristic_progress(update: Progress) -> None:
-            search.report("heuristic", update.message)
-
-        with active_deadline(search.as_deadline()):
-            result = (
-                get_backend("heuristic")
-                .load()
-                .solve(
-                    inst,
-                    objective=problem.objective,
-                    time_limit_s=budget,
-                    hint=search.best,
-                    upper_bound=search.best_value,
-                    progress=None if progress is None else heuristic_progress,
-                    should_stop=search.should_stop,
-                    seed=problem.solver.seed,
-                )
-            )
-        if result.orders is not None:
-            search.offer(result.orders, "heuristic", result.message)
-
+        _heuristic(search, share=0.4 if exact else 1.0)
     for k, spec in enumerate(exact):
         if not _can_start(search, spec):
             search.report(spec.name, f"{spec.name} skipped: not enough time left to start it")
@@ -329,6 +293,48 @@ def solve_auto(
         # Time the exact backends left over (or did not need) goes to more local search.
         _local_search(search)
     return _answer(search)
+
+
+def _bidirectional(search: _Search, heuristics: bool) -> None:
+    """Two replicas pass different stages; the authors' scheduler follows one chain, so the warm starts are the
+    families and the capped greedy at larger caps. Then CP-SAT's window search on large instances (measured at
+    10 s, limits 1–2·p microbatches: 1–7% shorter than local search alone from 512 actions up, up to 6% longer
+    below), and local search with the time left."""
+    if heuristics:
+        _capped_greedy(search)
+    cpsat, allowed = get_backend("cpsat"), search.problem.solver.backends
+    chosen = len(search.inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else cpsat.name in allowed
+    if chosen and _can_start(search, cpsat):
+        _exact(search, cpsat, search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
+    if heuristics:
+        _local_search(search)
+
+
+def _heuristic(search: _Search, share: float) -> None:
+    """The heuristic backend (greedy variants, then local search) from the incumbent, for ``share`` of the time
+    left; its progress reported as the search's."""
+    budget = max(0.0, search.remaining() * share)
+
+    def heuristic_progress(update: Progress) -> None:
+        search.report("heuristic", update.message)
+
+    with active_deadline(search.as_deadline()):
+        result = (
+            get_backend("heuristic")
+            .load()
+            .solve(
+                search.inst,
+                objective=search.objective,
+                time_limit_s=budget,
+                hint=search.best,
+                upper_bound=search.best_value,
+                progress=None if search.progress is None else heuristic_progress,
+                should_stop=search.should_stop,
+                seed=search.problem.solver.seed,
+            )
+        )
+    if result.orders is not None:
+        search.offer(result.orders, "heuristic", result.message)
 
 
 def _can_start(search: _Search, spec: BackendSpec) -> bool:

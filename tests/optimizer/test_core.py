@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipesched.optimizer.ir import Action, ActionKind, parse_action
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve_family
 from tests.conftest import uniform_problem
@@ -103,3 +104,18 @@ def test_one_placement_rule_for_every_placement() -> None:
     assert pipeline([2, 1, 0], v=1).stage_holders() == [[2], [1], [0]]
     with pytest.raises(ValueError, match="unknown placement 'w'"):
         stage_to_rank(3, 2, "w")
+
+
+def test_a_schedule_says_its_shape_and_its_data_parallel_group() -> None:
+    from pipesched.optimizer.pattern import memory_timelines
+
+    step = solve_family(uniform_problem(2, 4), "1f1b")
+    assert step.shape == "step" and step.data_parallel.size == 1 and step.data_parallel.sharding == "none"
+    body = uniform_problem(2, 4).model_dump(mode="json")
+    body["training"] = {"flush": False}
+    body["objective"] = "step_period"
+    pattern = solve_family(Problem.model_validate(body), "pipedream-2bw")
+    assert pattern.shape == "pattern" and pattern.step_period is not None
+    timelines, peaks = memory_timelines(pattern)
+    assert peaks == pattern.peak_memory and max(level for _, level in timelines[0]) == pytest.approx(peaks[0])
+    assert memory_timelines(step)[1] == pytest.approx(step.peak_memory)

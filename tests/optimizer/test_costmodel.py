@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from pipesched.optimizer.accelerators import CATALOGUE, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import builtin_catalogue
-from pipesched.optimizer.cost.stages import derive_problem, static_bytes_per_parameter
+from pipesched.optimizer.cost.stages import derive_problem
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.problem import Pipeline, Problem
 from pipesched.optimizer.units import format_bytes
@@ -165,10 +166,9 @@ def test_head_and_embedding_make_end_stages_uneven_and_p2p_and_static_follow() -
 
 def test_sharded_optimizer_state_divides_master_weights_and_moments() -> None:
     model = ModelConfig(**SMALL_MODEL)
-    assert static_bytes_per_parameter(model, ClusterConfig(accelerator="H100-SXM")) == 18
-    sharded = ClusterConfig(accelerator="H100-SXM", data_parallel_size=8, shard_optimizer_state=True)
-    assert static_bytes_per_parameter(model, sharded) == 2 + 4 + 12 / 8
-    assert static_bytes_per_parameter(ModelConfig(**SMALL_MODEL, dtype="fp32"), ClusterConfig(accelerator="L40S")) == 16
+    assert static_bytes_per_parameter_sharded(model, "none", 1) == 18
+    assert static_bytes_per_parameter_sharded(model, "optimizer", 8) == 2 + 4 + 12 / 8
+    assert static_bytes_per_parameter_sharded(ModelConfig(**SMALL_MODEL, dtype="fp32"), "none", 1) == 16
 
 
 def test_recomputation_trades_memory_for_backward_time() -> None:

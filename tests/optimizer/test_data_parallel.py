@@ -24,7 +24,7 @@ from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, applicable_families
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.ir import ActionKind, format_orders, parse_action, parse_orders
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import DataParallel, Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.simulate import simulate
 from pipesched.optimizer.solve import solve, solve_family
@@ -432,15 +432,20 @@ def test_trace_plots_and_csv_show_the_communication_stream(tmp_path: Path) -> No
     assert "UNSHARD" not in text and "OPTIMIZER_STEP" not in text and "0F0" in text
 
 
-def test_cluster_data_parallel_size_must_agree() -> None:
+def test_the_data_parallel_group_has_one_home() -> None:
     document = {
         "pipeline": {"num_ranks": 8, "num_microbatches": 8, "stages_per_rank": 8},
         "model": MODEL_52B,
         "cluster": {**CLUSTER, "data_parallel_size": 8, "shard_optimizer_state": True},
         "data_parallel": {"size": 16, "sharding": "full"},
     }
-    with pytest.raises(ValidationError, match=r"cluster\.data_parallel_size"):
+    with pytest.raises(ValidationError) as error:
         load_problem(document)
+    locs = {entry["loc"] for entry in error.value.errors()}
+    assert locs == {("cluster", "data_parallel_size"), ("cluster", "shard_optimizer_state")}
+    assert "data_parallel section" in error.value.errors()[0]["msg"]
+    del document["cluster"]["data_parallel_size"], document["cluster"]["shard_optimizer_state"]
+    assert load_problem(document).data_parallel_group == DataParallel(size=16, sharding="full")
 
 
 def test_group_link_picks_intra_or_inter_node_bandwidth() -> None:
