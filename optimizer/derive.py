@@ -109,7 +109,7 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
             document["costs"] = derived.costs.model_dump(mode="json")
         if not memory_given:
             document["memory"] = derived.memory.model_dump(mode="json")
-        if dp is not None and dp.size > 1:
+        if (dp is not None and dp.size > 1) or _bidirectional(document):
             _add_collectives(document, parts, derived, costs_given=costs_given, memory_given=memory_given)
         document["model"] = parts.model.model_copy(update={"layers_per_stage": derived.layers_per_stage}).model_dump(
             mode="json", exclude_none=True
@@ -188,25 +188,30 @@ def _group_errors(
     return errors
 
 
+def _bidirectional(document: Mapping[str, Any]) -> bool:
+    pipeline = document.get("pipeline")
+    return isinstance(pipeline, Mapping) and pipeline.get("placement") == "bidirectional"
+
+
 def _lacks_collectives(document: Mapping[str, Any]) -> bool:
-    """Whether a document with d > 1 gives costs without ``costs.reduce_grad``."""
+    """Whether a document with d > 1, or a bidirectional placement (its replicas' synchronisation), gives costs
+    without ``costs.reduce_grad``."""
     dp, costs = document.get("data_parallel"), document.get("costs")
-    return (
-        isinstance(dp, Mapping)
-        and isinstance(dp.get("size"), int)
-        and dp["size"] > 1
-        and isinstance(costs, Mapping)
-        and costs.get("reduce_grad") is None
+    reduced = (isinstance(dp, Mapping) and isinstance(dp.get("size"), int) and dp["size"] > 1) or _bidirectional(
+        document
     )
+    return reduced and isinstance(costs, Mapping) and costs.get("reduce_grad") is None
 
 
 def _add_collectives(
     document: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, *, costs_given: bool, memory_given: bool
 ) -> None:
     """Fill ``costs.unshard``/``reduce_grad``/``optimizer_step`` (those not given) and, for derived memory,
-    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`)."""
-    dp = parts.data_parallel
-    assert dp is not None and derived.hardware is not None
+    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`).
+    Without data parallelism (a bidirectional placement) only ``reduce_grad``: the all-reduce between the two
+    replicas' copies of each stage (BitPipe's eager synchronisation, a group of 2 ranks)."""
+    dp = parts.data_parallel or DataParallel()
+    assert derived.hardware is not None
     tensor_parallel = document.get("tensor_parallel")
     tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
     raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
@@ -236,17 +241,16 @@ def _add_collectives(
     )
     costs = dict(document["costs"])
     unshard, reduce_grad = collectives.unshard_ms, collectives.reduce_grad_ms
-    if not costs_given:
+    if not costs_given and dp.size > 1:
         unshard, reduce_grad = _hide_behind_compute(document, costs, parts, derived, unshard, reduce_grad)
-    for name, value in (
-        ("unshard", unshard),
-        ("reduce_grad", reduce_grad),
-        ("optimizer_step", collectives.optimizer_step_ms),
-    ):
+    derived_costs = [("reduce_grad", reduce_grad)]
+    if dp.size > 1:
+        derived_costs += [("unshard", unshard), ("optimizer_step", collectives.optimizer_step_ms)]
+    for name, value in derived_costs:
         if costs.get(name) is None:
             costs[name] = value
     document["costs"] = costs
-    if not memory_given:
+    if not memory_given and dp.size > 1:
         memory = dict(document["memory"])
         memory["weights"] = [float(round(x)) for x in collectives.weights_bytes]
         memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]

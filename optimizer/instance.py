@@ -20,15 +20,21 @@ Memory (contract, Problem): F allocates ``activation``; I frees ``activation −
 W frees ``retained_for_weight``; B frees ``activation``.
 
 The training step (contract, Terms: data-parallel group, communication actions, step_time), when the
-problem has d > 1 or an optimizer cost (:attr:`Problem.has_step_actions`), adds per stage id s:
+problem has d > 1, an optimizer cost or synchronising replicas (:attr:`Problem.has_step_actions`), adds per
+stage id s:
 
-* sharding ``full``: ``UNSHARD(s)`` (all-gather, ``costs.unshard``; holds ``memory.weights``·(d−1)/d) before
-  every F of s, and ``RESHARD(s)`` (no time; frees them) after every backward of s. With
-  ``reshard_after_forward`` a first pair frames the forwards (RESHARD after every F) and a second pair the
-  backwards (UNSHARD before every I/B, after the first RESHARD);
-* d > 1: ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
-  placement also after those of the mirror replica's stage (both replicas' gradients are reduced together,
-  BitPipe §3.3); with sharding ``gradients``/``full`` it frees ``memory.gradients``·(d−1)/d;
+* sharding ``full``: per stage a sequence of *frames*, each an ``UNSHARD(s, n)`` (all-gather, ``costs.unshard``;
+  holds ``memory.weights``·(d−1)/d) before every pass of the frame and a ``RESHARD(s, n)`` (no time; frees them)
+  after it, frame n+1's gather after frame n's free. By default one frame holds all of s's passes (gathered
+  once per step), or with ``reshard_after_forward`` two: the forwards, then the backwards. A schedule's own
+  rows may frame the passes otherwise (:func:`frames_of`: the passes of s between its n-th UNSHARD and n-th
+  RESHARD on the rank; e.g. one frame per pass, FSDP2 re-gathering per microbatch), and
+  :func:`compile_for_orders` follows them. F, I and B need the weights (inside a frame); W may lie outside;
+* d > 1, or a bidirectional placement (:attr:`Problem.replicas_synchronise`, also with d = 1):
+  ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
+  placement also after those of the mirror replica's stage (both replicas' gradients are all-reduced
+  together, BitPipe §3.3: the eager synchronisation); with sharding ``gradients``/``full`` it frees
+  ``memory.gradients``·(d−1)/d;
 * per rank ``OPTIMIZER_STEP`` (``costs.optimizer_step``) after the rank's REDUCE_GRADs and, unless
   ``training.post_validation``, after every other action of every rank (the global synchronisation: the
   simulator enforces it, see :attr:`Instance.sync_before_step`).
@@ -47,12 +53,21 @@ from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 
 __all__ = [
+    "FrameError",
     "Instance",
     "backward_forms_of",
     "compile_for_orders",
     "compile_problem",
     "compute_instance",
+    "frames_of",
 ]
+
+Frames = dict[int, list[list[Action]]]
+"""Per stage id, its frames in order, each the passes that run on gathered weights (module docstring)."""
+
+
+class FrameError(ValueError):
+    """A schedule's rows run a pass that needs a stage's weights outside every UNSHARD … RESHARD of the stage."""
 
 
 @dataclass
@@ -84,6 +99,7 @@ class Instance:
         optimizer_steps: per rank, the index of its OPTIMIZER_STEP (empty without step actions).
         sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
         num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
+        frames: with sharding ``full``, per stage id the passes of each UNSHARD … RESHARD frame.
     """
 
     problem: Problem
@@ -110,6 +126,7 @@ class Instance:
     optimizer_steps: list[int] = field(default_factory=list)
     sync_before_step: bool = False
     num_passes: int = -1
+    frames: Frames = field(default_factory=dict)
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -175,14 +192,59 @@ def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     return forms
 
 
-def compile_for_orders(problem: Problem, orders: Orders) -> Instance:
-    """:func:`compile_problem` with each pair's backward form (B, or I + W) taken from ``orders``; pairs the
-    orders do not mention keep ``problem.split_backward``. Equal to ``compile_problem(problem)`` when the orders
-    use the problem's form throughout."""
+_WEIGHT_PASSES = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
+"""The passes that compute with a stage's weights (W needs only the activations and the output gradient)."""
+
+
+def frames_of(orders: Orders) -> Frames:
+    """Per stage id that ``orders`` gather (UNSHARD), the passes of each frame: those of the stage between its
+    n-th UNSHARD and n-th RESHARD on the rank's row (communication actions numbered per row as
+    :func:`pipesched.optimizer.ir.parse_orders` numbers them). Empty when the orders hold no UNSHARD.
+
+    Raises:
+        FrameError: an F, I or B of a gathered stage outside all of the stage's frames, naming it and the rank.
+    """
+    frames: Frames = {}
+    for rank, row in enumerate(orders):
+        gathered = {action.stage for action in row if action.kind == ActionKind.UNSHARD}
+        open_frame: dict[int, list[Action]] = {}
+        for action in row:
+            if action.kind == ActionKind.UNSHARD:
+                open_frame[action.stage] = []
+                frames.setdefault(action.stage, []).append(open_frame[action.stage])
+            elif action.kind == ActionKind.RESHARD:
+                open_frame.pop(action.stage, None)
+            elif action.is_compute and action.stage in gathered:
+                if action.stage in open_frame:
+                    open_frame[action.stage].append(action)
+                elif action.kind in _WEIGHT_PASSES:
+                    raise FrameError(
+                        f"rank {rank} runs {action} outside every {action.stage}UNSHARD … {action.stage}RESHARD: "
+                        f"stage {action.stage}'s weights are not gathered then; move the pass between a gather and "
+                        "its free, or add a gather before it"
+                    )
+    return frames
+
+
+def _membership(frames: Frames) -> dict[int, list[frozenset[Action]]]:
+    return {stage: [frozenset(frame) for frame in stage_frames] for stage, stage_frames in frames.items()}
+
+
+def compile_for_orders(problem: Problem, orders: Orders, *, base: Instance | None = None) -> Instance:
+    """:func:`compile_problem` with each pair's backward form (B, or I + W) and each stage's frames (sharding
+    ``full``) taken from ``orders``; pairs the orders do not mention keep ``problem.split_backward``, orders
+    without UNSHARD keep the default frames. ``base``, an instance of ``problem`` compiled before, is returned
+    as it is when the orders' forms and frames are its own (no second compile).
+
+    Raises:
+        FrameError: see :func:`frames_of`.
+    """
     forms = backward_forms_of(orders)
-    if all(split == problem.split_backward for split in forms.values()):
-        return compile_problem(problem)
-    return compile_problem(problem, backward_forms=forms)
+    frames = frames_of(orders) or None
+    mixed = not all(split == problem.split_backward for split in forms.values())
+    if base is not None and not mixed and (frames is None or _membership(frames) == _membership(base.frames)):
+        return base
+    return compile_problem(problem, backward_forms=forms if mixed else None, frames=frames)
 
 
 def compile_problem(
@@ -190,13 +252,15 @@ def compile_problem(
     *,
     step_actions: bool = True,
     backward_forms: Mapping[tuple[int, int], bool] | None = None,
+    frames: Frames | None = None,
 ) -> Instance:
     """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
 
     ``step_actions=False`` leaves out the communication actions and optimizer steps (the passes only, as the
     compute-only generators and searches see the problem). ``backward_forms`` maps (stage id, microbatch) to
     True (split: I + W) or False (fused: B); pairs it omits follow ``problem.split_backward``.
-    ``Instance.split_backward`` stays the problem's."""
+    ``Instance.split_backward`` stays the problem's. ``frames`` (sharding ``full``): each stage's UNSHARD …
+    RESHARD frames (:func:`frames_of`); ``None``: the default ones (module docstring)."""
     assert problem.costs is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
@@ -226,7 +290,7 @@ def compile_problem(
     for j, chain in enumerate(chains):
         _add_microbatch(inst, passes, j, chain, backward_forms)
     if step_actions and problem.has_step_actions:
-        _add_step_actions(inst, problem)
+        _add_step_actions(inst, problem, frames)
     return inst
 
 
@@ -324,7 +388,17 @@ def compute_instance(inst: Instance) -> Instance:
     )
 
 
-def _add_step_actions(inst: Instance, problem: Problem) -> None:
+def _default_frames(inst: Instance, stage_ids: range, reshard_after_forward: bool) -> Frames:
+    """One frame of all of a stage's passes, or with ``reshard_after_forward`` its forwards then its backwards."""
+    frames: Frames = {}
+    for action in inst.actions:
+        frame = 1 if reshard_after_forward and action.kind != ActionKind.FORWARD else 0
+        stage_frames = frames.setdefault(action.stage, [[] for _ in range(2 if reshard_after_forward else 1)])
+        stage_frames[frame].append(action)
+    return {s: frames.get(s, [[]]) for s in stage_ids}
+
+
+def _add_step_actions(inst: Instance, problem: Problem, frames: Frames | None = None) -> None:
     """Communication actions and optimizer steps (module docstring), appended after the passes."""
     assert problem.costs is not None
     inst.stream = [0] * len(inst.actions)
@@ -334,12 +408,15 @@ def _add_step_actions(inst: Instance, problem: Problem) -> None:
     collectives = _Collectives.of(problem, inst.num_stages)
     stage_ids = range(len(inst.stage_ranks))
     microbatches = {s: [j for j, chain in enumerate(inst.chains) if s in chain] for s in stage_ids}
+    if collectives.sharding == "full":
+        # Stages the given frames leave out keep the default ones (their missing UNSHARD is then reported).
+        inst.frames = _default_frames(inst, stage_ids, collectives.reshard_after_forward) | (frames or {})
     reduce_ids: dict[int, int] = {}
     for s in stage_ids:
         reduce = _add_stage_collectives(inst, collectives, s, microbatches[s])
         if reduce is not None:
             reduce_ids[s] = reduce
-    if problem.pipeline.placement == "bidirectional" and collectives.size > 1:
+    if problem.pipeline.placement == "bidirectional" and reduce_ids:
         for s in stage_ids:
             mirror = s + inst.num_stages if s < inst.num_stages else s - inst.num_stages
             for j in microbatches[mirror]:
@@ -360,6 +437,7 @@ class _Collectives:
     size: int
     sharding: str
     reshard_after_forward: bool
+    reduces: bool
     unshard: list[float]
     reduce_grad: list[float]
     weights: list[float]
@@ -378,6 +456,7 @@ class _Collectives:
             size=group.size,
             sharding=group.sharding,
             reshard_after_forward=group.reshard_after_forward,
+            reduces=group.size > 1 or problem.replicas_synchronise,
             unshard=values(costs.unshard),
             reduce_grad=values(costs.reduce_grad),
             weights=values(memory.weights),
@@ -385,7 +464,6 @@ class _Collectives:
         )
 
 
-_INPUT_KINDS = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
 _FINAL_KINDS = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
 
 
@@ -406,33 +484,25 @@ def _add_step_action(inst: Instance, action: Action, rank: int, duration: float,
 
 
 def _add_stage_collectives(inst: Instance, group: _Collectives, s: int, microbatches: list[int]) -> int | None:
-    """Stage ``s``'s UNSHARD/RESHARD (sharding ``full``: gathered before its forwards, freed after its last
-    backward, or after its forwards and gathered again with ``reshard_after_forward``) and REDUCE_GRAD (after
-    its last backward, d > 1); the REDUCE_GRAD's index, or ``None``."""
+    """Stage ``s``'s UNSHARD/RESHARD frames (sharding ``full``: :attr:`Instance.frames`, each gathered before its
+    passes and freed after them, one after the other) and REDUCE_GRAD (after its last backward: d > 1, or the
+    replicas' synchronisation of a bidirectional placement); the REDUCE_GRAD's index, or ``None``."""
     rank, ms = inst.stage_ranks[s], inst.model_stage[s]
     fraction = (group.size - 1) / group.size
-    forwards = [inst.action_id(s, ActionKind.FORWARD, j) for j in microbatches]
     finals = [_pass_id(inst, s, j, *_FINAL_KINDS) for j in microbatches]
     if group.sharding == "full":
         held = group.weights[ms] * fraction
-        gather = _add_step_action(inst, Action(s, ActionKind.UNSHARD, 0), rank, group.unshard[ms], held, 1)
-        free = _add_step_action(inst, Action(s, ActionKind.RESHARD, 0), rank, 0.0, -held, 1)
-        for idx in forwards:
-            inst.link(gather, idx)
-        if group.reshard_after_forward:
-            for idx in forwards:
-                inst.link(idx, free)
-            regather = _add_step_action(inst, Action(s, ActionKind.UNSHARD, 1), rank, group.unshard[ms], held, 1)
-            refree = _add_step_action(inst, Action(s, ActionKind.RESHARD, 1), rank, 0.0, -held, 1)
-            inst.link(free, regather)
-            for j in microbatches:
-                inst.link(regather, _pass_id(inst, s, j, *_INPUT_KINDS))
-            for idx in finals:
-                inst.link(idx, refree)
-        else:
-            for idx in finals:
-                inst.link(idx, free)
-    if group.size <= 1:
+        previous = -1
+        for n, frame in enumerate(inst.frames[s]):
+            gather = _add_step_action(inst, Action(s, ActionKind.UNSHARD, n), rank, group.unshard[ms], held, 1)
+            free = _add_step_action(inst, Action(s, ActionKind.RESHARD, n), rank, 0.0, -held, 1)
+            if previous >= 0:
+                inst.link(previous, gather)
+            for action in frame:
+                inst.link(gather, inst.index[action])
+                inst.link(inst.index[action], free)
+            previous = free
+    if not group.reduces:
         return None
     freed = -group.gradients[ms] * fraction if group.sharding in ("gradients", "full") else 0.0
     reduce = _add_step_action(inst, Action(s, ActionKind.REDUCE_GRAD, 0), rank, group.reduce_grad[ms], freed, 1)

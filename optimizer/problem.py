@@ -255,7 +255,15 @@ class DataParallel(_Strict):
     size: int = Field(1, ge=1, le=1_000_000, description="Data-parallel degree d (copies of the pipeline).")
     sharding: Sharding = Field("none", description="What is sharded over the data-parallel group.")
     reshard_after_forward: bool = Field(
-        False, description="With sharding full: free gathered weights after F and gather again before backward."
+        False,
+        description="With sharding full: free gathered weights after every F and gather them again before every "
+        "backward (FSDP2; breadth-first schedules keep them over a run of microbatches).",
+    )
+    overlap_grad_reduce: bool = Field(
+        True,
+        description="Each stage's REDUCE_GRAD right after its last backward, overlapping the rest of the step "
+        "(PyTorch, Megatron-LM's overlap_grad_reduce); false: every reduction after the rank's last pass "
+        "(Megatron-LM before overlap_grad_reduce, the breadth-first paper's baseline).",
     )
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -418,14 +426,16 @@ class Problem(_Strict):
                     )
                 )
         else:
-            if self.data_parallel_size > 1:
+            dp = self.data_parallel
+            if dp is not None and dp.size > 1 and dp.sharding in ("gradients", "full"):
                 errors.append(
                     (
-                        ("data_parallel", "size"),
-                        "schedules without flushes are timed for the pipeline alone: data-parallel collectives in "
-                        "a repeating pattern are not planned yet; set data_parallel.size to 1 or training.flush "
-                        "to true",
-                        self.data_parallel_size,
+                        ("data_parallel", "sharding"),
+                        f"a schedule without flushes (PipeDream-2BW) all-reduces each stage's gradients every step "
+                        f"and keeps two whole weight versions; sharding {dp.sharding!r} (sharded gradients or "
+                        'weights) is not modelled with them: use sharding "none" or "optimizer", or set '
+                        "training.flush to true",
+                        dp.sharding,
                     )
                 )
             if self.pipeline.placement == "bidirectional":
@@ -606,6 +616,17 @@ class Problem(_Strict):
         """With d > 1 the collective costs must be given (derived from model/cluster by load_problem)."""
         assert self.costs is not None
         dp = self.data_parallel
+        if self.pipeline.placement == "bidirectional" and self.costs.reduce_grad is None:
+            return [
+                (
+                    ("costs", "reduce_grad"),
+                    'placement "bidirectional" keeps two model replicas whose copies of a stage all-reduce their '
+                    "gradients between mirrored ranks (BitPipe's eager synchronisation, over 2·d ranks): give "
+                    "costs.reduce_grad (ms per stage; 0 leaves it out of the model), or give model and cluster "
+                    "instead of costs so pipesched derives it",
+                    None,
+                )
+            ]
         if dp is None or dp.size == 1:
             if dp is not None and dp.sharding != "none":
                 return [
@@ -685,10 +706,23 @@ class Problem(_Strict):
         return self.data_parallel or DataParallel()
 
     @property
-    def has_step_actions(self) -> bool:
-        """Whether the step has communication actions or optimizer steps (d > 1 or an optimizer cost)."""
+    def replicas_synchronise(self) -> bool:
+        """Whether the two replicas of a bidirectional placement all-reduce their gradients with a cost
+        (BitPipe's eager gradient synchronisation, Wu et al. 2024, Sec. 3.3): ``costs.reduce_grad`` > 0."""
         assert self.costs is not None
-        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None
+        reduce_grad = self.costs.reduce_grad
+        return (
+            self.pipeline.placement == "bidirectional"
+            and reduce_grad is not None
+            and max(self.stage_values(reduce_grad)) > 0
+        )
+
+    @property
+    def has_step_actions(self) -> bool:
+        """Whether the step has communication actions or optimizer steps (d > 1, an optimizer cost, or the
+        replicas' gradient synchronisation of a bidirectional placement)."""
+        assert self.costs is not None
+        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None or self.replicas_synchronise
 
     @property
     def memory_limits(self) -> list[float]:

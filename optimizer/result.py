@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem
+from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
 from pipesched.optimizer.problem import DataParallel, Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
@@ -229,14 +229,13 @@ def infeasible_schedule(
     solve_time_s: float = 0.0,
 ) -> Schedule:
     """An answer saying no schedule exists (or the family cannot fit), with the reason."""
-    inst = compile_problem(problem)
     return Schedule(
         status="infeasible",
         method=method,
         backend=backend,
         objective=problem.objective,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=inst.stage_ranks,
+        stage_to_rank=problem.pipeline.stage_to_rank,  # not compile_problem: an infeasible answer needs no actions
         problem=problem,
         reason=reason,
         min_memory_limit=min_memory_limit,

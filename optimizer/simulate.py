@@ -383,6 +383,10 @@ def _time_streams(
     free = [[0.0, 0.0] for _ in range(num_ranks)]
     pending = n - len(inst.optimizer_steps)
     barrier = 0.0
+    # Per action, how many predecessors are known to have ended and their latest arrival (ms): an action with
+    # many, as a REDUCE_GRAD waiting for every backward of its stage and its mirror's, is woken many times.
+    scanned = [0] * n
+    arrival = [-math.inf] * n
     worklist = [(r, k) for r in range(num_ranks) for k in (0, 1)]
     queued = {item: True for item in worklist}
 
@@ -410,9 +414,9 @@ def _time_streams(
                 if pending > 0:
                     break
                 ready = max(ready, barrier)
-            ready = _ready_after(preds[idx], end, ready)
-            if ready != ready:
+            if not _scan_predecessors(preds[idx], end, idx, scanned, arrival):
                 break
+            ready = max(ready, arrival[idx])
             start[idx] = ready
             end[idx] = ready + duration[idx]
             if not instant[idx]:
@@ -434,14 +438,21 @@ def _time_streams(
     return start, end, issue
 
 
-def _ready_after(preds: list[tuple[int, float]], end: list[float], ready: float) -> float:
-    """The latest of ``ready`` and every predecessor's end plus latency; NaN while one has not ended."""
-    for pred, latency in preds:
+def _scan_predecessors(
+    preds: list[tuple[int, float]], end: list[float], idx: int, scanned: list[int], arrival: list[float]
+) -> bool:
+    """Whether every predecessor of ``idx`` has ended, resuming where the last scan stopped; ``arrival[idx]``
+    keeps the latest end plus latency seen."""
+    scan, arrived = scanned[idx], arrival[idx]
+    while scan < len(preds):
+        pred, latency = preds[scan]
         t = end[pred]
         if t != t:
-            return math.nan
-        ready = max(ready, t + latency)
-    return ready
+            break
+        arrived = max(arrived, t + latency)
+        scan += 1
+    scanned[idx], arrival[idx] = scan, arrived
+    return scan == len(preds)
 
 
 def _stream_deadlock(inst: Instance, orders: list[list[int]], end: list[float], issue: list[int]) -> InvalidSchedule:

@@ -158,13 +158,18 @@ def executable_step(schedule: Schedule) -> Schedule:
     """
     if schedule.step_period is None or schedule.status == "infeasible":
         return schedule
+    from pipesched.optimizer.communication import with_communication
+    from pipesched.optimizer.instance import compile_problem
+    from pipesched.optimizer.ir import compute_only
     from pipesched.optimizer.pattern import unroll
 
     problem = schedule.problem
     step = problem.with_changes(
         **{"training.flush": True, "training.weight_versions": 1, "objective": "makespan", "solver.method": "auto"}
     )
-    orders = unroll(schedule.orders(), problem.pipeline.num_microbatches, 1)
+    # The pattern's passes; a data-parallel one's reductions and optimizer step placed again for the one step.
+    orders = unroll(compute_only(schedule.orders()), problem.pipeline.num_microbatches, 1)
+    orders = with_communication(compile_problem(step), orders)
     return build_schedule(step, orders, method=schedule.method, backend=schedule.backend, check_memory=False)
 
 

@@ -83,11 +83,13 @@ class PlannerEstimate:
         last_rank_like_first: the last rank holds as many activations as the first (every forward runs before
             any backward); otherwise it holds at most one microbatch per local stage.
         min_stages_per_rank: the fewest stages per rank the planner tries the family with.
-        single_rank: the family the planner runs when a configuration has no pipeline (p = 1): plain
-            gradient accumulation.
         overlaps_microbatches: it runs one microbatch's forward beside another's backward on a rank, so the
             expert-parallel all-to-alls of one hide behind the other's compute
             (:class:`~pipesched.optimizer.configs.ExpertParallel` ``overlap``).
+        by_default: whether the planner tries the family without being asked; otherwise only when
+            ``search.method`` names it (a different update rule, as PipeDream-2BW's, or an order another
+            family already gives).
+        weight_versions: weight copies a rank keeps (2 without a flush: PipeDream-2BW's double buffering).
     """
 
     in_flight: Callable[[int, int, int], int]
@@ -95,8 +97,9 @@ class PlannerEstimate:
     seconds_per_thousand_actions: float
     last_rank_like_first: bool = False
     min_stages_per_rank: int = 1
-    single_rank: bool = False
     overlaps_microbatches: bool = False
+    by_default: bool = True
+    weight_versions: int = 1
 
 
 #: How each named placement lays stages on ranks, for the domain errors (contract, Terms: placement).
@@ -132,6 +135,9 @@ class FamilySpec:
         planner: what the planner assumes of it; ``None``: the planner does not try it.
         default: the schedule people start from (Megatron-LM's and torchtitan's default); the planner runs it
             when a configuration has no pipeline (plain gradient accumulation). Exactly one family is.
+        gather_runs: with FSDP's ``reshard_after_forward``, whether the family keeps a stage's weights gathered
+            over a run of its passes (breadth-first: once for its forwards, once for its backwards) instead of
+            re-gathering them for every pass as FSDP2 does (:mod:`pipesched.optimizer.communication`).
     """
 
     name: str
@@ -150,6 +156,7 @@ class FamilySpec:
     torch: TorchClass | None = None
     planner: PlannerEstimate | None = None
     default: bool = False
+    gather_runs: bool = False
 
     @property
     def domain(self) -> str:

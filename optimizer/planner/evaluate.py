@@ -26,6 +26,7 @@ from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.pattern import step_period_lower_bound
 from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, torchrun_command, torchtitan_launch
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import Launch, Plan
@@ -46,6 +47,7 @@ __all__ = [
     "launch_spec",
     "model_flops_per_token",
     "schedule_for",
+    "schedule_lower_bound",
 ]
 
 #: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
@@ -121,6 +123,10 @@ def build_problem(
         "cluster": cluster.model_dump(mode="json", exclude_none=True),
         "solver": {"method": config.method, "time_limit_s": time_limit_s},
     }
+    if config.method != "auto" and not get_family(config.method).flush:
+        # PipeDream-2BW: no flush, two weight versions; its time per step is the step_period.
+        document["training"] = {"flush": False, "weight_versions": 2}
+        document["objective"] = "step_period"
     tensor_parallel = estimator.tensor_parallel(config.tensor_parallel)
     if tensor_parallel is not None:
         document["tensor_parallel"] = tensor_parallel.model_dump(mode="json")
@@ -263,7 +269,9 @@ def evaluate(
         except FamilyDomainError as error:
             return Evaluation(config, None, None, problem, f"{config.method} does not apply: {error}")
         assert schedule.makespan is not None
-        makespan, peaks = schedule.makespan, list(schedule.peak_memory)
+        # Without a flush the time per step is the steady state's period, not one copy's span.
+        makespan = schedule.step_period if schedule.step_period is not None else schedule.makespan
+        peaks = list(schedule.peak_memory)
         if cache is not None:
             cache[key] = (makespan, [peak - base for peak, base in zip(peaks, static, strict=True)], schedule)
     peak = max(peaks) if peaks else 0.0
@@ -280,8 +288,9 @@ def evaluate(
         )
     bound = estimate.bound_ms
     if with_bound:
-        makespan_bound = lower_bound(compile_problem(problem, step_actions=False), "makespan")
-        bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+        bound = max(
+            bound, schedule_lower_bound(problem, estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+        )
     simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
         estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
@@ -290,6 +299,16 @@ def evaluate(
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None
     return Evaluation(config, plan, own, problem, None, source=schedule)
+
+
+def schedule_lower_bound(problem: Problem, added_ms: float = 0.0) -> float:
+    """The scheduling lower bound of ``problem``'s step, ms: on the makespan (:mod:`pipesched.optimizer.bounds`)
+    plus ``added_ms`` (the planner's data-parallel and optimizer estimates), or without a flush on the
+    step_period (:func:`pipesched.optimizer.pattern.step_period_lower_bound`: work, communication stream and
+    memory by Little's law; the collectives and optimizer step are in it)."""
+    if not problem.training.flush:
+        return step_period_lower_bound(problem)
+    return lower_bound(compile_problem(problem, step_actions=False), "makespan") + added_ms
 
 
 def schedule_for(evaluation: Evaluation) -> Schedule | None:

@@ -291,19 +291,23 @@ class Estimator:
         parameters = [0.0] * p
         experts = [0.0] * p
         activation = [0.0] * p
+        # The ranks holding each model stage: two under "bidirectional" (ids s and num_stages + s).
+        holders = [sorted({ranks[s], ranks[(s + num_stages) % len(ranks)]}) for s in range(num_stages)]
         for stage, count in enumerate(counts):
             dense_count = max(0, min(count, first_dense - sum(counts[:stage])))
             block = dense.times(dense_count) + layer.times(count - dense_count)
             if stage == 0:
                 block = block + embedding
-            rank = ranks[stage]
-            activation[rank] = max(activation[rank], block.activation_bytes)
+            for rank in holders[stage]:
+                activation[rank] = max(activation[rank], block.activation_bytes)
             if stage == num_stages - 1:
                 block = block + head  # its logits are held by one microbatch at a time (F then B)
-            compute[rank] += block.compute_ms
-            backward[rank] += block.backward_input_ms + block.backward_weight_ms
-            parameters[rank] += block.parameters
-            experts[rank] += block.expert_parameters
+            # Each holder keeps the stage's weights; a bidirectional placement's two replicas share the batch.
+            for rank in holders[stage]:
+                compute[rank] += block.compute_ms / len(holders[stage])
+                backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders[stage])
+                parameters[rank] += block.parameters
+                experts[rank] += block.expert_parameters
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
         last_rank = ranks[num_stages - 1]
@@ -417,12 +421,16 @@ class Estimator:
         layout = self.layout(config)
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
+        versions = 0.0 if config.method == "auto" else _estimate_of(config.method).weight_versions - 1.0
         static_first = self.static_bytes(
             config, layout.first_parameters, layout.layer_parameters, layout.first_expert_parameters
         )
         static_last = self.static_bytes(
             config, layout.last_parameters, layout.layer_parameters, layout.last_expert_parameters
         )
+        # PipeDream-2BW's second weight version: weights only (Narayanan et al. 2020, §3.1).
+        static_first += versions * layout.first_parameters * self.model.dtype_bytes
+        static_last += versions * layout.last_parameters * self.model.dtype_bytes
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
         heads = last_count if config.method != "auto" and _estimate_of(config.method).last_rank_like_first else 1
         peak_last = (
@@ -436,6 +444,7 @@ class Estimator:
         static_heaviest = self.static_bytes(
             config, layout.max_parameters, layout.layer_parameters, layout.max_expert_parameters
         )
+        static_heaviest += versions * layout.max_parameters * self.model.dtype_bytes
         position = 0.0 if config.placement == "v" else layout.heaviest_position  # a V holds as much on every rank
         heaviest_count = math.floor(first_count + (last_count - first_count) * position)
         peak_heaviest = static_heaviest + heaviest_count * layout.max_chunk_activation

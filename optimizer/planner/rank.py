@@ -19,18 +19,17 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
-from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
-from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
     evaluate,
     evaluation_seconds,
     schedule_for,
+    schedule_lower_bound,
 )
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected, Searched
@@ -349,9 +348,10 @@ class _PlanSearch(SearchContext[Evaluation]):
         self.simulated: set[tuple[object, ...]] = set()
 
     def ranked(self) -> list[Evaluation]:
-        """The evaluations with a plan, best step first (then least memory)."""
-        done = [item for item in self.evaluations if item.plan is not None]
-        return sorted(done, key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
+        """The evaluations with a plan, best step first (then least memory), one per configuration (the auto
+        phase may reach a configuration the family phase evaluated)."""
+        done = {item.configuration: item for item in self.evaluations if item.plan is not None}
+        return sorted(done.values(), key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
 
     def report_plans(self, phase: str, evaluated: int) -> None:
         """Send a :class:`PlanProgress` with the best plans so far."""
@@ -429,6 +429,8 @@ class _PlanSearch(SearchContext[Evaluation]):
             if config.num_stages * config.num_microbatches > AUTO_MAX_STAGE_MICROBATCHES or config.method == "auto":
                 continue
             auto_config = dataclasses.replace(config, method="auto")
+            if any(done.configuration == auto_config for done in self.evaluations):
+                continue  # evaluated already (auto was named, or two families of one layout led)
             estimate = estimator.estimate(auto_config)
             if evaluation_seconds(auto_config) > remaining / 2:
                 continue
@@ -450,10 +452,8 @@ class _PlanSearch(SearchContext[Evaluation]):
                 item.problem is not None
                 and time.perf_counter() + evaluation_seconds(item.configuration) < self.deadline
             ):
-                makespan_bound = lower_bound(compile_problem(item.problem, step_actions=False), "makespan")
-                bound = max(
-                    plan.lower_bound_ms, makespan_bound + plan.data_parallel_exposed_ms + plan.optimizer_step_ms
-                )
+                added = plan.data_parallel_exposed_ms + plan.optimizer_step_ms
+                bound = max(plan.lower_bound_ms, schedule_lower_bound(item.problem, added))
                 plan = plan.model_copy(update={"lower_bound_ms": round(min(bound, plan.step_time_ms), 4)})
             plans.append(plan)
             schedules.append(schedule_for(item))  # simulation only: the orders are kept

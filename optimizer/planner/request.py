@@ -8,7 +8,7 @@ from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, mod
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import registry
-from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Sharding
 
 __all__ = [
@@ -126,7 +126,7 @@ class PlanSearch(StrictModel):
     data_parallel_size: list[int] | None = Field(None, description="Allowed data-parallel sizes.")
     sharding: list[Sharding] | None = Field(None, description="Allowed data-parallel sharding levels.")
     stages_per_rank: list[int] | None = Field(None, description="Allowed model chunks per pipeline rank.")
-    placement: list[Literal["loop", "v"]] | None = Field(None, description="Allowed placements.")
+    placement: list[Literal["loop", "v", "bidirectional"]] | None = Field(None, description="Allowed placements.")
     micro_batch_size: list[int] | None = Field(None, description="Allowed sequences per microbatch.")
     num_microbatches: list[int] | None = Field(None, description="Allowed microbatches per step and pipeline.")
     activation_recomputation: list[Literal["none", "selective", "full"]] | None = Field(
@@ -138,11 +138,15 @@ class PlanSearch(StrictModel):
     precision: list[Literal["bf16", "fp8"]] | None = Field(
         None, description="Allowed matrix-multiply precisions; null: training.precision only."
     )
-    context_parallel: list[int] | None = Field(
-        None, description="Allowed context-parallel degrees (GPUs sharing one sequence); null: powers of two."
+    context_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="Allowed context-parallel degrees (GPUs sharing one sequence; each > 1 splits model.seq_length "
+        "into 2·c equal head-tail chunks); null: powers of two.",
     )
-    expert_parallel: list[int] | None = Field(
-        None, description="Allowed expert-parallel degrees (mixture-of-experts models); null: divisors of the experts."
+    expert_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="Allowed expert-parallel degrees (mixture-of-experts models: each divides model.num_experts; "
+        "a dense model takes 1 only); null: divisors of the experts.",
     )
 
 
@@ -158,6 +162,51 @@ class PlanRequest(StrictModel):
     @classmethod
     def _tokens_to_sequences(cls, data: Any) -> Any:
         return _batch_from_tokens(data)
+
+    @model_validator(mode="after")
+    def _context_and_expert_degrees_suit_the_model(self) -> PlanRequest:
+        raise_field_errors("PlanRequest", _degree_errors(self.model, self.search))
+        return self
+
+
+def _degree_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
+    """Pinned context- and expert-parallel degrees the model cannot take: a context-parallel degree c > 1 cuts
+    the sequence into 2·c equal chunks (head-tail load balancing of the causal mask, Megatron-LM's and PyTorch's
+    ring attention); an expert-parallel degree divides the routed experts (a dense model has none)."""
+    errors: list[FieldError] = []
+    s = model.seq_length
+    bad = [c for c in search.context_parallel or () if c > 1 and s % (2 * c)]
+    if bad:
+        fits = [c for c in (2, 4, 8, 16, 32, 64) if s % (2 * c) == 0]
+        errors.append(
+            (
+                ("search", "context_parallel"),
+                f"context-parallel degree {bad[0]} does not cut model.seq_length {s:,} into 2·{bad[0]} equal "
+                f"head-tail chunks: use 1 or one of {fits or 'none (the sequence is odd)'}",
+                search.context_parallel,
+            )
+        )
+    pinned = search.expert_parallel or ()
+    experts = model.num_experts if model.is_moe else None
+    if experts is None and any(ep != 1 for ep in pinned):
+        errors.append(
+            (
+                ("search", "expert_parallel"),
+                "the model is dense (no model.num_experts): expert parallelism takes 1 only; drop the pin or name a "
+                "mixture-of-experts model",
+                search.expert_parallel,
+            )
+        )
+    elif experts is not None and any(experts % ep for ep in pinned):
+        wrong = next(ep for ep in pinned if experts % ep)
+        errors.append(
+            (
+                ("search", "expert_parallel"),
+                f"expert-parallel degree {wrong} does not divide model.num_experts {experts}: use a divisor of it",
+                search.expert_parallel,
+            )
+        )
+    return errors
 
 
 class Launch(StrictModel):

@@ -3,10 +3,14 @@
 A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × context (c) ×
 pipeline (p) × data-parallel (d) groups, ``t·c·p·d = num_gpus``, and the global batch B into d replicas × m
 microbatches of b sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank``
-chunks in a loop, or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m:
-the families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate`.
-A mixture-of-experts model also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a
-stage (:mod:`pipesched.optimizer.cost.experts`).
+chunks in a loop (powers of two up to 8, and one layer per stage when ``lga`` is named; any count up to
+``num_layers / p`` when ``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
+(``bidirectional``, even p); the schedule is a family (or ``auto``) whose domain admits the layout and m: the
+families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
+not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
+its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only. A mixture-of-experts model
+also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a stage
+(:mod:`pipesched.optimizer.cost.experts`).
 
 Context-parallel degrees tried: powers of two whose 2c head-tail chunks divide the sequence and leave each
 rank at least ``MIN_CONTEXT_TOKENS`` tokens (Megatron's advice: context parallelism from 8K tokens); expert
@@ -16,7 +20,7 @@ degrees: the divisors of the expert count that divide t·c·d, up to ``MAX_EXPER
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
@@ -40,8 +44,6 @@ __all__ = [
 
 #: Micro-batch sizes tried (each must divide the per-replica batch).
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-#: Chunks per rank tried with the loop placement.
-_LOOP_STAGES = (1, 2, 4)
 #: Fewest tokens of a sequence a context-parallel rank holds (module docstring).
 MIN_CONTEXT_TOKENS = 4096
 #: Largest expert-parallel degree tried.
@@ -68,7 +70,7 @@ class Configuration:
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
-        return dict(self.__dict__)
+        return asdict(self)
 
     @property
     def num_stages(self) -> int:
@@ -121,23 +123,49 @@ def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> l
     ]
 
 
-def layouts(pipeline_parallel: int, num_layers: int, pinned: Sequence[int] | None = None) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (loop
-    placements of 1, 2 or 4 chunks per rank, or every pinned ``search.stages_per_rank``)."""
-    if pipeline_parallel == 1:
+#: The most chunks per rank tried with the loop placement unless ``search.stages_per_rank`` names more (more chunks,
+#: more actions to simulate per configuration: beyond 8 the search reaches fewer configurations in its time).
+DEFAULT_MAX_LOOP_STAGES = 8
+
+
+def layouts(
+    pipeline_parallel: int,
+    num_layers: int,
+    stages_per_rank: Sequence[int] | None = None,
+    *,
+    one_layer_per_stage: bool = False,
+) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (module
+    docstring): loops of powers of two up to :data:`DEFAULT_MAX_LOOP_STAGES` chunks (and one layer per stage with
+    ``one_layer_per_stage``, for LGA), or the named ``stages_per_rank`` up to ``num_layers / p``; a V; two V-shaped
+    replicas on an even pipeline."""
+    p = pipeline_parallel
+    if p == 1:
         return [(1, "loop")]
-    loops = sorted(set(_LOOP_STAGES) | set(pinned or ()))
-    candidates = [(v, "loop") for v in loops] + [(2, "v")]
-    return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
+    most = num_layers // p
+    if stages_per_rank is not None:
+        loop = sorted({v for v in stages_per_rank if 1 <= v <= most})
+    else:
+        powers = {
+            2**k for k in range(DEFAULT_MAX_LOOP_STAGES.bit_length()) if 2**k <= min(most, DEFAULT_MAX_LOOP_STAGES)
+        }
+        loop = sorted(powers | ({most} if one_layer_per_stage and num_layers % p == 0 else set()))
+    candidates = [(v, "loop") for v in loop] + [(2, "v")] + ([(2, "bidirectional")] if p % 2 == 0 else [])
+    return [(v, placement) for v, placement in candidates if p * v <= num_layers]
 
 
 @cache
-def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
+def methods_for(
+    stages_per_rank: int, placement: str, pipeline_parallel: int, *, named: bool = False
+) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the default family, plain gradient accumulation)."""
+    (one rank: the default family, plain gradient accumulation); ``named``: also those tried only when
+    ``search.method`` names them."""
     if pipeline_parallel == 1:
         return (default_family().name,)
-    tried = [family for family in registry().values() if family.planner is not None]
+    tried = [
+        family for family in registry().values() if family.planner is not None and (named or family.planner.by_default)
+    ]
     return tuple(
         family.name
         for family in tried
@@ -162,6 +190,12 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     except ValueError:
         return False
     return get_family(method).admits_pipeline(pipeline)
+
+
+def _shards(method: str, sharding: str) -> bool:
+    """Whether ``method`` runs with ``sharding``: a family without a flush keeps two whole weight versions and
+    all-reduces its gradients every step (sharding ``none`` or ``optimizer``)."""
+    return method == "auto" or get_family(method).flush or sharding in ("none", "optimizer")
 
 
 def divisors(n: int) -> list[int]:
@@ -231,10 +265,12 @@ def _pipelines(
     """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep split."""
     t, c, p, d, ep = degrees
     local = global_batch_size // d if not ignore_batch else None
+    methods_pinned = search.method
+    lga = methods_pinned is not None and "lga" in methods_pinned
     for sharding in SHARDINGS if d * c > 1 else ("none",):
         if not _allowed(search.sharding, sharding):
             continue
-        for v, placement in layouts(p, model.num_layers, search.stages_per_rank):
+        for v, placement in layouts(p, model.num_layers, search.stages_per_rank, one_layer_per_stage=lga):
             if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                 continue
             for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
@@ -248,11 +284,11 @@ def _pipelines(
                 for recompute in RECOMPUTATION:
                     if not _allowed(search.activation_recomputation, recompute):
                         continue
-                    candidates = methods_for(v, placement, p)
-                    if search.method is not None:
-                        candidates = tuple(name for name in search.method if name in candidates or name == "auto")
+                    candidates = methods_for(v, placement, p, named=methods_pinned is not None)
+                    if methods_pinned is not None:
+                        candidates = tuple(name for name in methods_pinned if name in candidates or name == "auto")
                     for method in candidates:
-                        if not _admits(method, p, v, placement, m):
+                        if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
                             continue
                         for precision in precisions:
                             yield Configuration(

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.families._base import backward
 from pipesched.optimizer.instance import compile_problem
-from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.ir import Action, ActionKind, Orders, compute_only
 from pipesched.optimizer.pattern import (
     MIN_STEPS,
     SteadyState,
@@ -307,13 +307,16 @@ def _flushed_search(search: _Search, share: float) -> None:
             "objective": "stage_span",
             "memory.static": static,
             "memory.weights": None,
-            "costs.optimizer_step": None,  # the pattern's timing adds it at each step boundary
+            "costs.optimizer_step": None,  # the pattern's timing adds it (and the reductions) at each step
+            "costs.reduce_grad": None,
+            "costs.unshard": None,
+            "data_parallel": None,
             "solver.time_limit_s": budget,
         }
     )
     schedule = solve_auto(flushed, should_stop=search.user_stop)
     if schedule.status != "infeasible":
-        search.offer(schedule.orders(), f"auto (flushed: {schedule.backend}) without its flush")
+        search.offer(compute_only(schedule.orders()), f"auto (flushed: {schedule.backend}) without its flush")
 
 
 def _local_search(search: _Search) -> None:

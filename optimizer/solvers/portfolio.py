@@ -188,9 +188,10 @@ def _ladder(inst: Instance) -> list[Instance]:
 
 
 def _capped_greedy(search: _Search) -> None:
-    """The memory-capped list scheduler (:mod:`pipesched.optimizer.families._greedy`, BitPipe's generator) at caps of
-    k·num_ranks microbatches per rank (k in :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory:
-    BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
+    """The memory-capped list scheduler (:mod:`pipesched.optimizer.families._greedy`, the ``bitpipe`` family's
+    generator before it followed the authors' order) at caps of k·num_ranks microbatches per rank (k in
+    :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory: a warm start beside the authors' order
+    (which holds at most 2p−1 stage activations per rank and needs an even p dividing m)."""
     inst = search.inst
     p = inst.num_ranks
     try:

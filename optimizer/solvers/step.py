@@ -1,6 +1,7 @@
 """``auto`` for the whole training step: the compute order and when each collective runs.
 
-Used when the problem has communication actions or optimizer steps (d > 1, or ``costs.optimizer_step``), or
+Used when the problem has communication actions or optimizer steps (d > 1, ``costs.optimizer_step``, or a
+bidirectional placement's replica synchronisation), or
 asks for ``objective: step_time``. Within ``solver.time_limit_s``:
 
 1. **Candidates from the families.** Every applicable family, its collectives placed by the communication
@@ -28,14 +29,15 @@ import dataclasses
 import time
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
-from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem, compute_instance
+from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem, compute_instance
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule, schedule_from_simulation
-from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, action_orders, simulate
+from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.infeasible import min_memory_limit
 from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.units import format_bytes
@@ -89,6 +91,8 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     data["memory"]["gradients"] = None
     for name in ("unshard", "reduce_grad", "optimizer_step"):
         data["costs"][name] = None
+    if problem.pipeline.placement == "bidirectional":
+        data["costs"]["reduce_grad"] = 0.0  # the replicas' synchronisation left out (Problem.replicas_synchronise)
     data["data_parallel"] = None
     data["objective"] = _compute_objective(problem)
     data["solver"]["method"] = "auto"
@@ -103,8 +107,8 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
       (stage_span under post-validation; for objective stage_span itself);
     * + the least ``unshard`` (sharding ``full``): a rank's first pass waits for a gather on its own rank that
       started no earlier than the step (the rank's span);
-    * + the least ``reduce_grad`` (d > 1): the step's (each rank's) last pass is a last backward (W, or B when
-      fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
+    * + the least ``reduce_grad`` (d > 1, or synchronising replicas): the step's (each rank's) last pass is a
+      last backward (W, or B when fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
     * + for ``step_time``, the optimizer step: after the synchronisation every rank's, so the largest; under
       post-validation the rank's own, so the least.
     """
@@ -118,7 +122,7 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     dp = problem.data_parallel
     if dp is not None and dp.sharding == "full" and problem.costs.unshard is not None:
         bound += min(problem.stage_values(problem.costs.unshard))
-    if problem.data_parallel_size > 1 and problem.costs.reduce_grad is not None:
+    if (problem.data_parallel_size > 1 or problem.replicas_synchronise) and problem.costs.reduce_grad is not None:
         bound += min(problem.stage_values(problem.costs.reduce_grad))
     if problem.objective == "step_time":
         steps = problem.rank_values(problem.costs.optimizer_step, 0.0)
@@ -126,9 +130,10 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     return bound
 
 
-class _StepSearch(SearchContext[tuple[Orders, SimulationResult]]):
+class _StepSearch(SearchContext[tuple[Orders, SimulationResult, Instance]]):
     """One step search: the shared :class:`~pipesched.optimizer.progress.SearchContext` over (orders with their
-    collectives, their simulation) on the real problem."""
+    collectives, their simulation, the instance their UNSHARD … RESHARD frames compile to) on the real
+    problem."""
 
     def __init__(self, problem: Problem, progress: ProgressCallback | None, should_stop: StopCheck | None) -> None:
         started = time.perf_counter()
@@ -139,7 +144,9 @@ class _StepSearch(SearchContext[tuple[Orders, SimulationResult]]):
         super().__init__(started, started + limit_s - margin, progress, should_stop)
         self.objective = problem.objective
 
-    def offer(self, orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES) -> None:
+    def offer(
+        self, orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES, gather_runs: bool = False
+    ) -> None:
         """Place the collectives at each prefetch distance (:mod:`pipesched.optimizer.communication`), simulate
         on the real problem, keep the best that fits; stop between distances when time runs out."""
         for k, prefetch in enumerate(prefetches):
@@ -147,13 +154,14 @@ class _StepSearch(SearchContext[tuple[Orders, SimulationResult]]):
                 return
             try:
                 with self.step():
-                    full = add_communication(self.inst, orders, prefetch=prefetch)
-                    sim: SimulationResult = simulate(self.inst, full, check_memory=False)
-            except (ReshardOrderError, InvalidSchedule):
+                    full = add_communication(self.inst, orders, prefetch=prefetch, gather_runs=gather_runs)
+                    framed = compile_for_orders(self.inst.problem, full, base=self.inst)
+                    sim: SimulationResult = simulate(framed, full, check_memory=False)
+            except InvalidSchedule:
                 return
             if sim.fits:
                 value = sim.objective_value(self.objective)
-                self.improve((full, sim), value, backend, f"{backend} (prefetch {prefetch}): {value:.3f} ms")
+                self.improve((full, sim, framed), value, backend, f"{backend} (prefetch {prefetch}): {value:.3f} ms")
 
 
 def solve_step(
@@ -189,22 +197,25 @@ def solve_step(
             min_memory_limit=need,
             solve_time_s=search.elapsed(),
         )
-    # Every family at the default prefetch first (the guarantee: never worse than a family), then the other
-    # prefetch distances while time is left.
-    generated: list[tuple[str, Orders]] = []
+    # The sequential schedule first, each gather right before its passes: the least memory any schedule holds,
+    # an answer whenever one fits (as the portfolio's first candidate). Then every family at the default prefetch
+    # (the guarantee: never worse than a family), then the other prefetch distances while time is left.
+    passes = compute_instance(inst)
+    search.offer(action_orders(passes, sequential_orders(passes)), "sequential", (0,))
+    generated: list[tuple[str, Orders, bool]] = []
     for family in applicable_families(problem):
         if generated and search.should_stop():
             break
         try:
-            generated.append((f"family:{family.name}", family.generate(problem)))
+            generated.append((f"family:{family.name}", family.generate(problem), family.gather_runs))
         except ValueError:
             continue
-        search.offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1])
+        search.offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1], generated[-1][2])
     search.raise_bound(step_lower_bound(problem, inst), "step")
-    for backend, orders in generated:
+    for backend, orders, gather_runs in generated:
         if search.should_stop():
             break
-        search.offer(orders, backend, PREFETCH_DISTANCES[1:])
+        search.offer(orders, backend, PREFETCH_DISTANCES[1:], gather_runs)
     remaining = search.remaining() - search.step_s  # leave room to place the collectives in its answer
     if remaining > 0.05 and not search.should_stop():
         proxy = compute_problem(problem, gathered_in_static=True)
@@ -223,7 +234,7 @@ def solve_step(
         )
     return schedule_from_simulation(
         problem,
-        inst,
+        search.best[2],
         search.best[1],
         method="auto",
         backend=search.best_backend,

@@ -47,6 +47,7 @@ def _problem(
         placement=placement,
         backward_weight=0.5,
         p2p=0.1,
+        reduce_grad=0.3 if placement == "bidirectional" else None,
         limit=None if limit is None else limit * 100.0 * stages_per_rank,
         time_limit_s=tl,
     )
@@ -100,7 +101,7 @@ FAMILY_SHAPES = [
     (512, 7, 2, "v", "v-half"),
     (512, 7, 2, "v", "zb-v"),
     (512, 7, 2, "v", "dualpipe-v"),
-    (512, 7, 2, "bidirectional", "bitpipe"),
+    (16, 64, 2, "bidirectional", "bitpipe"),  # the authors' order: an even p dividing m
     (8, 460, 2, "v", "v-min"),
 ]
 

@@ -15,7 +15,12 @@ from typer.testing import CliRunner
 from pipesched.api.cli import app as cli_app
 from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.predict import predict
-from pipesched.optimizer.cost.calibration.measurements import builtin_measurements, parse_measurements
+from pipesched.optimizer.cost.calibration.measurements import (
+    CONTEXT_EXPERT_SOURCES,
+    builtin_measurements,
+    fitting_measurements,
+    parse_measurements,
+)
 from pipesched.optimizer.cost.profile import builtin_catalogue, load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import plan
@@ -44,6 +49,15 @@ def test_every_row_names_its_source_and_keeps_its_batch_identity() -> None:
         assert row.source and row.key.startswith(row.source + "/")
         layout, run = row.layout, row.training
         assert layout.data_parallel * run.num_microbatches * run.micro_batch_size == run.global_batch_size
+
+
+def test_the_profile_fit_holds_out_every_context_and_expert_parallel_row() -> None:
+    fitted = fitting_measurements()
+    held_out = [row for row in builtin_measurements() if row.source in CONTEXT_EXPERT_SOURCES]
+    assert len(fitted) >= 250 and len(held_out) >= 50
+    for row in fitted:
+        assert row.layout.context_parallel == row.layout.expert_parallel == 1 and not row.model.is_moe, row.key
+    assert {row.source for row in held_out} == set(CONTEXT_EXPERT_SOURCES)
 
 
 def test_a_row_whose_batch_does_not_add_up_is_refused_with_the_fix() -> None:

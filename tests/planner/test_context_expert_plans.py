@@ -3,11 +3,18 @@ models state their parameters and shard their experts."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
 
+from pipesched.api.app import create_app
+from pipesched.api.cli import app as cli_app
+from pipesched.api.settings import Settings
 from pipesched.optimizer.planner.evaluate import build_problem
 from pipesched.optimizer.planner.rank import plan, prepare
 from pipesched.optimizer.planner.request import PlanRequest
@@ -123,3 +130,34 @@ def test_the_memory_estimate_sees_deepseeks_heaviest_rank() -> None:
     heaviest = max(range(len(held)), key=held.__getitem__)
     assert heaviest > 0  # not the first rank
     assert estimate.static_bytes >= 0.9 * held[heaviest]
+
+
+BAD_DEGREES = [
+    ({"preset": "llama3.1-8b"}, {"context_parallel": [0]}, "context_parallel", "greater than or equal to 1"),
+    ({"preset": "llama3.1-8b"}, {"context_parallel": [3]}, "context_parallel", "2·3 equal head-tail chunks"),
+    ({"preset": "llama3.1-8b"}, {"expert_parallel": [4]}, "expert_parallel", "the model is dense"),
+    ({"preset": "mixtral-8x7b"}, {"expert_parallel": [3]}, "expert_parallel", "does not divide model.num_experts 8"),
+]
+
+
+def _body(model: dict[str, Any], search: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": model,
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 16},
+        "search": {"time_limit_s": 2, **search},
+    }
+
+
+def test_bad_context_and_expert_degrees_are_422_and_exit_2_naming_the_field(tmp_path: Path) -> None:
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'pipesched.sqlite3'}", solver_workers=1)
+    with TestClient(create_app(settings)) as client:
+        for model, search, field, message in BAD_DEGREES:
+            answer = client.post("/v1/plans", json=_body(model, search))
+            assert answer.status_code == 422, answer.text
+            detail = answer.json()["detail"][0]
+            assert detail["loc"][1:3] == ["search", field] and message in detail["msg"]
+            config = tmp_path / "plan.json"
+            config.write_text(json.dumps(_body(model, search)))
+            result = CliRunner().invoke(cli_app, ["plan", str(config)])
+            assert result.exit_code == 2 and f"search.{field}" in result.output, result.output

@@ -268,3 +268,75 @@ def test_http_bad_plans_are_422_naming_the_field(client: TestClient) -> None:
     assert answer.status_code == 422
     assert "least any needs" in answer.json()["detail"][0]["msg"]
     assert client.get("/v1/plans/nope").status_code == 404
+
+
+# -- the papers' families and layouts (issue 27) --------------------------------------------------------
+
+
+def _papers_request(method: list[str], **search: Any) -> PlanRequest:
+    body = request("gpt2-medium", batch=16, time_limit_s=4.0, top=10, method=method, **search)
+    return PlanRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("method", ["pipedream-2bw", "bitpipe", "lga", "interleaved-zb"])
+def test_every_family_is_accepted_by_name(method: str) -> None:
+    """Named in search.method, each family is planned (not by default: 2BW's update rule differs, lga is
+    breadth-first's order, bitpipe doubles the weights, interleaved-zb is PyTorch's variant)."""
+    outcome = plan(_papers_request([method]))
+    plans = outcome.answer.plans
+    assert plans and all(p.method == method for p in plans), outcome.answer.error
+    for p, schedule in zip(plans, outcome.schedules, strict=True):
+        assert p.lower_bound_ms <= p.step_time_ms + 1e-6
+        if method == "pipedream-2bw":
+            # Width × depth × microbatches under the 2-version memory, its step the steady state's period.
+            assert p.data_parallel.sharding in ("none", "optimizer")
+            assert schedule is not None and schedule.step_period is not None
+        if method == "bitpipe":
+            assert p.placement == "bidirectional" and p.pipeline_parallel % 2 == 0
+        if method == "lga":
+            assert p.pipeline_parallel * p.stages_per_rank == 24  # one layer per stage
+
+
+def test_stages_per_rank_up_to_layers_over_the_pipeline_degree() -> None:
+    """gpt2-xl's 48 layers on a pipeline of 4: 12 stages per rank (one layer each) when asked."""
+    body = request("gpt2-xl", batch=16, time_limit_s=4.0, pipeline_parallel=[4], stages_per_rank=[12])
+    plans = plan(PlanRequest.model_validate(body)).answer.plans
+    assert plans and all(p.stages_per_rank == 12 for p in plans)
+
+
+def test_no_plan_is_returned_twice() -> None:
+    """The auto phase re-evaluates the best layouts with auto: a layout auto already had is not added again."""
+    plans = plan(_papers_request(["1f1b", "zb-h1", "interleaved-1f1b", "auto"])).answer.plans
+    keys = [
+        (
+            p.model_dump_json(
+                include={
+                    "pipeline_parallel",
+                    "tensor_parallel",
+                    "data_parallel",
+                    "stages_per_rank",
+                    "placement",
+                    "micro_batch_size",
+                    "num_microbatches",
+                    "activation_recomputation",
+                    "method",
+                }
+            )
+        )
+        for p in plans
+    ]
+    assert len(keys) == len(set(keys))
+
+
+def test_fsdp_gradient_accumulation_without_a_pipeline() -> None:
+    """torchtitan's default layout, pure FSDP with gradient accumulation (pp = 1, reshard after forward), is
+    planned (it was refused: 1F1B's weights were freed after the forward with no gather before the backward)."""
+    body = request(
+        batch=16, time_limit_s=4.0, pipeline_parallel=[1], sharding=["full"], tensor_parallel=[1], context_parallel=[1]
+    )
+    outcome = plan(PlanRequest.model_validate(body))
+    assert outcome.answer.plans, outcome.answer.error
+    best, schedule = outcome.answer.plans[0], outcome.schedules[0]
+    assert schedule is not None and best.method == "1f1b" and best.pipeline_parallel == 1
+    assert best.data_parallel.size == 8 and best.data_parallel.sharding == "full"
+    assert any(a.kind == "UNSHARD" for a in schedule.ranks[0].actions)
