@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from bench.cpep_bench import SOURCES
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES
 from pipesched.optimizer.cost.context import key_value_block_bytes, ring_attention
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import active_parameters, layer_flops, model_flops_per_token, model_parameters
@@ -219,7 +219,7 @@ def test_deepseek_dense_layers_lead_the_first_stage() -> None:
 def test_published_layout_rows_follow_the_calibration_row_format() -> None:
     folder = REPO / "optimizer" / "cost" / "calibration" / "data"
     seen = 0
-    for name in SOURCES:
+    for name in CONTEXT_EXPERT_SOURCES:
         document = json.loads((folder / f"{name}.json").read_text())
         assert document["source"]["id"] == name and document["source"]["url"].startswith("https://")
         for row in document["rows"]:
