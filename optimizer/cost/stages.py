@@ -249,8 +249,9 @@ def _tensor_parallel_ms(
 ) -> tuple[float, float]:
     """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
 
-    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` it runs beside
-    the matrix multiplies and only slows them (``overlap_slowdown``).
+    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
+    ``async_tensor_parallel_hidden`` share of it runs beside the matrix multiplies and only slows them
+    (``overlap_slowdown``), the rest stays exposed.
     """
     t, _ = _tp(tensor_parallel)
     if t <= 1:
@@ -260,7 +261,8 @@ def _tensor_parallel_ms(
     achieved = bandwidth * hardware.profile.collective_efficiency_intra
     total = tensor_parallel_layer_ms(model, t, achieved, latency)
     if tensor_parallel is not None and tensor_parallel.async_communication:
-        return hardware.profile.overlap_slowdown * total, total
+        hidden = hardware.software.async_tensor_parallel_hidden
+        return (1 - hidden + hidden * hardware.profile.overlap_slowdown) * total, total
     return total, total
 
 
@@ -283,7 +285,7 @@ UNFUSED_BYTES_PER_ELEMENT = {"rmsnorm": 30.0, "rope": 12.0, "swiglu": 4.0}
 def _unfused_traffic(model: ModelConfig, tensor_parallel: int, hardware: Hardware) -> float:
     """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
     operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
-    ``unfused_traffic``); none when compiled or fused."""
+    ``unfused_traffic``); none when compiled or fused, and none when unknown (its fitted factor covers it)."""
     if model.kernels != "eager":
         return 0.0
     tokens = model.seq_length * model.micro_batch_size
