@@ -13,8 +13,10 @@
 - **Unknown kernels**: the elementwise traffic of kernels mode ``unknown`` (the default: a layout given without
   its framework) is the one factor that best predicts every row with its own mode ignored (every
   source-and-accelerator group weighing the same, as in :mod:`.fit`; golden-section search on its logarithm);
-  the 10th and 90th percentile of those rows' log(published / predicted) become the least interval of a plan
-  in that mode (one parameter over hundreds of rows: its held-out error is its fit error within a percent).
+  the 10th and 90th percentile of those rows' log(published / predicted), each source-and-accelerator group
+  weighing the same (the spread between frameworks, not within MosaicML's many rows), become the least
+  interval of a plan in that mode (one parameter over hundreds of rows: its held-out error is its fit error
+  within a percent).
 - **MFU ceiling**: the highest MFU (the planner's definition, 6·N + 12·l·h·s per token over the bf16 peak) a row
   of the accelerator reached, by precision.
 """
@@ -26,7 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from pipesched.optimizer.accelerators import CATALOGUE
-from pipesched.optimizer.calibration.fit import FitResult, predict_rows, quantile
+from pipesched.optimizer.calibration.fit import FitResult, predict_rows, quantile, weighted_quantile
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, use_catalogue
@@ -117,7 +119,10 @@ def fit_unknown_kernels(
     best = (low + high) / 2
     fitted = errors(best)
     result = trial(best)
-    result.software.unknown_kernels_log_error = (round(quantile(fitted, 0.1), 4), round(quantile(fitted, 0.9), 4))
+    result.software.unknown_kernels_log_error = (
+        round(weighted_quantile(fitted, weights, 0.1), 4),
+        round(weighted_quantile(fitted, weights, 0.9), 4),
+    )
     return result, fitted
 
 

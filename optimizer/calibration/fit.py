@@ -4,8 +4,8 @@ The model of a run is the planner's own (:mod:`.predict`): each row's tokens/s p
 layout with a candidate catalogue of profiles in force (:func:`pipesched.optimizer.cost.profile.use_catalogue`).
 The fit minimises, over a handful of parameters (:data:`PARAMETERS`: per accelerator the bf16 and fp8
 matrix-multiply and FlashAttention efficiencies; shared by all, the elementwise traffic of eager and compiled
-kernels, the matrix-multiply shape term, the overlap slowdown, the 2023 flash-attn kernels' speed on Ampere and
-on Hopper, the bytes of a fused FP8 cast, and the share of tensor-parallel traffic AsyncTP hides),
+kernels, the matrix-multiply shape term, the overlap slowdown, the 2023 flash-attn kernels' speed on
+Hopper, the bytes of a fused FP8 cast, and the share of tensor-parallel traffic AsyncTP hides),
 
     Σ_rows (w · log(predicted / published))² + Σ_parameters ((φ − φ₀) / τ)²
 
@@ -51,6 +51,7 @@ __all__ = [
     "group_of",
     "predict_rows",
     "quantile",
+    "weighted_quantile",
 ]
 
 
@@ -79,11 +80,6 @@ def _kernels(mode: str) -> Callable[[Measurement], bool]:
     return lambda row: kernels_mode(row) == mode
 
 
-def _attention_kernel(kernel: str, hopper: bool) -> Callable[[Measurement], bool]:
-    """Rows that ran attention ``kernel`` on the H100 (``hopper``) or on any other accelerator."""
-    return lambda row: row.software.attention_kernel == kernel and (row.accelerator == "H100-SXM") == hopper
-
-
 #: The fitted parameters (module docstring). A100-40GB and A100-80GB are one chip: they share efficiencies.
 PARAMETERS: tuple[Parameter, ...] = (
     Parameter("gemm_efficiency", ("A100-40GB", "A100-80GB"), 0.75, 0.3, 0.2, 1.0, _on("A100-40GB", "A100-80GB")),
@@ -93,9 +89,17 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("attention_efficiency", ("H100-SXM",), 0.5, 0.5, 0.1, 1.0, _on("H100-SXM")),
     Parameter("fp8_gemm_efficiency", ("B200",), 0.6, 0.3, 0.2, 1.0, _fp8_on("B200")),
     Parameter("attention_efficiency", ("B200",), 0.5, 0.5, 0.1, 1.0, _on("B200")),
-    Parameter("attention.flash-attn-2023", (), 1.0, 0.7, 0.2, 2.0, _attention_kernel("flash-attn-2023", False)),
     # the 2023 kernels on Hopper: FlashAttention-3 (Shah et al. 2024, §4.1) measures them at about half its speed
-    Parameter("attention.flash-attn-2023/H100-SXM", (), 0.5, 0.5, 0.1, 2.0, _attention_kernel("flash-attn-2023", True)),
+    # (on Ampere they are today's kernels: the A100 rows run them as "current")
+    Parameter(
+        "attention.flash-attn-2023/H100-SXM",
+        (),
+        0.5,
+        0.5,
+        0.1,
+        2.0,
+        lambda row: row.software.attention_kernel == "flash-attn-2023" and row.accelerator == "H100-SXM",
+    ),
     Parameter("software.eager", (), 1.5, 0.7, 0.3, 8.0, _kernels("eager")),
     Parameter(
         "unfused_traffic",
@@ -212,6 +216,20 @@ def quantile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` each counted ``weights`` times (the smallest value whose cumulative
+    weight reaches q of the total)."""
+    pairs = sorted(zip(values, weights, strict=True))
+    if not pairs:
+        return 0.0
+    target, total = q * sum(weight for _, weight in pairs), 0.0
+    for value, weight in pairs:
+        total += weight
+        if total >= target:
+            return value
+    return pairs[-1][0]
 
 
 @dataclass

@@ -71,9 +71,10 @@ def test_a_sample_of_published_rows_is_predicted_within_the_bench_targets() -> N
 
 
 def test_fp8_is_faster_on_h100_and_refused_where_there_are_no_fp8_tensor_cores() -> None:
-    both = plan(plan_request(search={"precision": ["bf16", "fp8"], "pipeline_parallel": [1], "top": 10})).answer
-    by_precision = {p.precision: p.tokens_per_s_per_gpu for p in reversed(both.plans)}
-    assert by_precision["fp8"] > by_precision["bf16"]
+    both = plan(plan_request(search={"precision": ["bf16", "fp8"], "pipeline_parallel": [1]})).answer
+    bf16 = plan(plan_request(search={"precision": ["bf16"], "pipeline_parallel": [1]})).answer
+    assert both.plans[0].precision == "fp8"  # the search dimension picks FP8 on an H100
+    assert both.plans[0].tokens_per_s_per_gpu > bf16.plans[0].tokens_per_s_per_gpu
     with pytest.raises(ValidationError) as excinfo:
         plan(plan_request(cluster={"accelerator": "A100-80GB"}, training={"precision": "fp8"}))
     assert ("training", "precision") in {tuple(error["loc"]) for error in excinfo.value.errors()}
@@ -101,7 +102,8 @@ def test_the_answer_says_when_the_best_mfu_is_above_any_measured() -> None:
     register_profile(profile.model_copy(update={"name": "h100-low-ceiling", "max_measured_mfu": {"bf16": 0.05}}))
     answer = plan(plan_request(cluster={"profile": "h100-low-ceiling"}, search={"pipeline_parallel": [1]})).answer
     assert any("above the highest MFU measured" in note for note in answer.notes)
-    ordinary = plan(plan_request(search={"pipeline_parallel": [1]})).answer
+    # torchtitan's eager kernels as measured; kernels "unknown" may well predict above the measured ceiling
+    ordinary = plan(plan_request(search={"pipeline_parallel": [1]}, training={"kernels": "eager"})).answer
     assert not any("above the highest MFU measured" in note for note in ordinary.notes)
 
 
