@@ -116,6 +116,16 @@ class SoftwareProfile(StrictModel):
         "the last reduction chunk stay exposed and the smaller chunked multiplies run further from peak; "
         "torchtitan measures 1.06-1.16× end-to-end from it on Llama 3.1 70B (benchmarks/, Dec 2024 and June 2025).",
     )
+    fused_activation_memory_factor: float = Field(
+        1.0,
+        gt=0,
+        le=4,
+        description="Stored activations over the modelled ones with hand-fused kernels (Megatron-LM, NeMo, "
+        "Transformer Engine): Korthikanti et al. 2022 (§4) derived the modelled activations from Megatron's "
+        "fused implementation and measured them within a few percent. The fitted activation_memory_factor "
+        "(torchtitan's eager and compiled peaks) would put 18 of the 25 fused published runs above their GPU's "
+        "memory; at 1.0, 21 fit.",
+    )
     attention_backward_speed: float = Field(
         0.7,
         gt=0,

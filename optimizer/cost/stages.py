@@ -238,6 +238,18 @@ def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
     return 1e3 * flops / hardware.effective_flops_per_s + elementwise_ms(traffic_bytes, hardware)
 
 
+def _activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
+    """Stored activations over the modelled ones: the profile's ``activation_memory_factor`` (fitted to
+    torchtitan's eager and compiled peaks: PyTorch keeps unfused intermediates and the caching allocator
+    fragments), the software's ``fused_activation_memory_factor`` with hand-fused kernels; kernels "unknown"
+    take the larger (a plan that fits then fits whatever the framework)."""
+    fitted = hardware.profile.activation_memory_factor
+    fused = hardware.software.fused_activation_memory_factor
+    if model.kernels == "fused":
+        return fused
+    return max(fitted, fused) if model.kernels == "unknown" else fitted
+
+
 def _tp(tensor_parallel: TensorParallel | None) -> tuple[int, bool]:
     if tensor_parallel is None:
         return 1, True
@@ -370,7 +382,7 @@ def transformer_layer(
     del communication
     norms = 2 * norm_parameters(model)
     parameters = (layer_parameters(model) - norms) / t + norms
-    reserve = hardware.profile.activation_memory_factor
+    reserve = _activation_reserve(model, hardware)
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
@@ -434,7 +446,7 @@ def head_block(
     gemm = gemm_ms(s * b, v / t, h, hardware)
     traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
-    reserve = hardware.profile.activation_memory_factor
+    reserve = _activation_reserve(model, hardware)
     return Block(
         forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
         backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
