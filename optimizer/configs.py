@@ -123,10 +123,12 @@ class ModelConfig(BaseModel):
         description='Matrix multiplies of the decoder layers: "bf16", or "fp8" (FP8 inputs and weights with bf16 '
         "elsewhere, as torchao's Float8Linear and Transformer Engine's current scaling).",
     )
-    kernels: Literal["eager", "compiled", "fused"] = Field(
-        "eager",
+    kernels: Literal["unknown", "eager", "compiled", "fused"] = Field(
+        "unknown",
         description='How elementwise work runs: "eager" PyTorch (torchtitan\'s default), "compiled" '
-        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine).',
+        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine), or "unknown" (the '
+        "default: the framework is not said; its traffic is the one factor that best predicts every calibration "
+        "row, whatever its framework, and the interval widens to that fit's spread).",
     )
     layers_per_stage: list[int] | None = Field(
         None,

@@ -266,8 +266,9 @@ def _tensor_parallel_ms(
 ) -> tuple[float, float]:
     """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
 
-    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` it runs beside
-    the matrix multiplies and only slows them (``overlap_slowdown``).
+    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
+    ``async_tensor_parallel_hidden`` share of it runs beside the matrix multiplies and only slows them
+    (``overlap_slowdown``), the rest stays exposed.
     """
     t, _ = _tp(tensor_parallel)
     if t <= 1:
@@ -277,7 +278,8 @@ def _tensor_parallel_ms(
     achieved = bandwidth * hardware.profile.collective_efficiency_intra
     total = tensor_parallel_layer_ms(model, t, achieved, latency)
     if tensor_parallel is not None and tensor_parallel.async_communication:
-        return hardware.profile.overlap_slowdown * total, total
+        hidden = hardware.software.async_tensor_parallel_hidden
+        return (1 - hidden + hidden * hardware.profile.overlap_slowdown) * total, total
     return total, total
 
 
@@ -292,11 +294,17 @@ def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backw
 
 def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
     """What the allocator holds per modelled activation byte: the profile's ``activation_memory_factor``,
-    fitted to torchtitan's reserved peaks (eager and compiled PyTorch), or 1 with ``fused`` kernels:
-    Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published
-    Megatron layouts run where the fitted factor would not fit them (Megatron Bridge's Qwen3-235B-A22B
-    recipe on 256 H100s: TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation)."""
-    return 1.0 if model.kernels == "fused" else hardware.profile.activation_memory_factor
+    fitted to torchtitan's reserved peaks (eager and compiled PyTorch keep unfused intermediates and the caching
+    allocator fragments); the software's ``fused_activation_memory_factor`` with hand-fused kernels —
+    Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published Megatron
+    layouts run where the eager factor would not fit them (Megatron Bridge's Qwen3-235B-A22B recipe on 256 H100s:
+    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation); kernels "unknown" take the larger of the two (a
+    plan that fits then fits whatever the framework)."""
+    fitted = hardware.profile.activation_memory_factor
+    fused = hardware.software.fused_activation_memory_factor
+    if model.kernels == "fused":
+        return fused
+    return max(fitted, fused) if model.kernels == "unknown" else fitted
 
 
 def _cp(context_parallel: ContextParallel | None) -> int:
@@ -448,8 +456,9 @@ def _unfused_traffic(
 ) -> float:
     """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
     operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
-    ``unfused_traffic``); none when compiled or fused. A rank holds s·b/c tokens; a mixture-of-experts layer's
-    SwiGLU runs over its active experts' width (k·imbalance routed plus the shared)."""
+    ``unfused_traffic``); none when compiled or fused, and none when unknown (its fitted factor covers it).
+    A rank holds s·b/c tokens; a mixture-of-experts layer's SwiGLU runs over its active experts' width
+    (k·imbalance routed plus the shared)."""
     if model.kernels != "eager":
         return 0.0
     tokens = model.seq_length * model.micro_batch_size / context_parallel

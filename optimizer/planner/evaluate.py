@@ -183,6 +183,9 @@ def _plan(
     tokens_per_s_per_gpu = tokens / (step_ms / 1e3) / num_gpus
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
     low, high = estimator.hardware.profile.held_out_log_error
+    if estimator.model.kernels == "unknown":  # the framework's spread on top of the accelerator's
+        unknown_low, unknown_high = estimator.hardware.software.unknown_kernels_log_error
+        low, high = min(low, unknown_low), max(high, unknown_high)
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,

@@ -52,10 +52,10 @@ class PlanTraining(StrictModel):
         description='"bf16" or "fp8" (FP8 matrix multiplies, bf16 elsewhere: torchtitan\'s Float8, Transformer '
         "Engine's current scaling); null: model.precision (bf16). search.precision may list both.",
     )
-    kernels: Literal["eager", "compiled", "fused"] | None = Field(
+    kernels: Literal["unknown", "eager", "compiled", "fused"] | None = Field(
         None,
         description='"eager" (torchtitan\'s default), "compiled" (torch.compile), "fused" (Megatron-LM / '
-        "Transformer Engine kernels); null: model.kernels (eager).",
+        'Transformer Engine kernels), "unknown" (framework not said); null: model.kernels ("unknown").',
     )
     global_batch_tokens: int | None = Field(
         None,

@@ -75,12 +75,16 @@ def headroom(accelerator: str, memory_bytes: float) -> float:
     return profile.headroom_bytes(memory_bytes)
 
 
-def reserve(accelerator: str, kernels: str = "eager") -> float:
-    """The calibrated profile's allocator reserve over the modelled activation bytes (none with Megatron's
-    fused kernels, whose activations are Korthikanti et al.'s counts)."""
-    profile = builtin_catalogue().get(accelerator)
+def reserve(accelerator: str, kernels: str = "unknown") -> float:
+    """The calibrated allocator reserve over the modelled activation bytes: the profile's (fitted to eager and
+    compiled PyTorch), the software's for hand-fused kernels, the larger when the kernels are unknown."""
+    catalogue = builtin_catalogue()
+    profile = catalogue.get(accelerator)
     assert profile is not None
-    return 1.0 if kernels == "fused" else profile.activation_memory_factor
+    fused = catalogue.software.fused_activation_memory_factor
+    if kernels == "fused":
+        return fused
+    return max(profile.activation_memory_factor, fused)
 
 
 def field_errors(excinfo: pytest.ExceptionInfo[ValidationError]) -> dict[tuple[str | int, ...], str]:

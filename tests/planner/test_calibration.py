@@ -21,7 +21,7 @@ from pipesched.optimizer.cost.calibration.measurements import (
     fitting_measurements,
     parse_measurements,
 )
-from pipesched.optimizer.cost.profile import builtin_catalogue, load_catalogue
+from pipesched.optimizer.cost.profile import KERNELS, SoftwareProfile, builtin_catalogue, load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
@@ -73,7 +73,8 @@ def test_shipped_profiles_predict_torchtitans_8b_fsdp_on_8_h100s_within_15_perce
     # the planner itself, torchtitan's layout pinned, gives the same figure
     pins = {"pipeline_parallel": [1], "tensor_parallel": [1], "sharding": ["full"], "micro_batch_size": [2]}
     cluster = {"memory_bytes": 96 * GIB, "memory_bandwidth_bytes_per_s": 2.4e12}
-    answer = plan(plan_request(search={**pins, "activation_recomputation": ["selective"]}, cluster=cluster)).answer
+    search = {**pins, "activation_recomputation": ["selective"]}
+    answer = plan(plan_request(search=search, cluster=cluster, training={"kernels": "eager"})).answer
     assert answer.plans[0].tokens_per_s_per_gpu == pytest.approx(predicted, rel=0.02)
 
 
@@ -116,7 +117,8 @@ def test_the_answer_says_when_the_best_mfu_is_above_any_measured() -> None:
     register_profile(profile.model_copy(update={"name": "h100-low-ceiling", "max_measured_mfu": {"bf16": 0.05}}))
     answer = plan(plan_request(cluster={"profile": "h100-low-ceiling"}, search={"pipeline_parallel": [1]})).answer
     assert any("above the highest MFU measured" in note for note in answer.notes)
-    ordinary = plan(plan_request(search={"pipeline_parallel": [1]})).answer
+    # torchtitan's eager kernels as measured; kernels "unknown" may well predict above the measured ceiling
+    ordinary = plan(plan_request(search={"pipeline_parallel": [1]}, training={"kernels": "eager"})).answer
     assert not any("above the highest MFU measured" in note for note in ordinary.notes)
 
 
@@ -152,6 +154,46 @@ def test_calibrate_refuses_rows_of_two_accelerators(tmp_path: Path) -> None:
     measurements.write_text(json.dumps([{"id": "x"}]))
     result = CliRunner().invoke(cli_app, ["calibrate", str(measurements)])
     assert result.exit_code == 2 and "measured" in result.output
+
+
+def test_kernels_not_said_are_unknown_with_the_wider_interval_of_that_fit() -> None:
+    software = builtin_catalogue().software
+    low, high = software.unknown_kernels_log_error
+    assert low < 0 < high
+    said = plan(plan_request(training={"kernels": "eager"})).answer.plans[0]
+    unsaid = plan(plan_request()).answer.plans[0]
+    for chosen in (said, unsaid):
+        assert (
+            chosen.tokens_per_s_per_gpu_interval[0]
+            < chosen.tokens_per_s_per_gpu
+            < chosen.tokens_per_s_per_gpu_interval[1]
+        )
+    spread = unsaid.tokens_per_s_per_gpu_interval[1] / unsaid.tokens_per_s_per_gpu_interval[0]
+    assert spread >= math.exp(high - low) * 0.999
+    assert spread >= said.tokens_per_s_per_gpu_interval[1] / said.tokens_per_s_per_gpu_interval[0] * 0.999
+
+
+def test_a_catalogue_written_before_a_kernels_mode_existed_takes_its_defaults() -> None:
+    software = SoftwareProfile.model_validate({"elementwise_traffic": {"eager": 1.3}})
+    assert software.elementwise_traffic == {"eager": 1.3, "unknown": 1.0, "compiled": 1.0, "fused": 1.0}
+    assert set(software.kernels_per_layer) == set(KERNELS)
+
+
+def test_the_2023_attention_kernels_run_slower_on_hopper_than_on_ampere() -> None:
+    software = builtin_catalogue().software
+    hopper = software.attention_speed("flash-attn-2023", "H100-SXM")
+    assert hopper < software.attention_speed("flash-attn-2023", "A100-80GB") <= 1.0
+    assert software.attention_speed("current", "H100-SXM") == 1.0  # no entry: today's kernels
+
+
+def test_async_tensor_parallel_hides_part_of_the_tensor_parallel_traffic() -> None:
+    vanilla = ROWS["torchtitan-70b-256-2d"]
+    asynchronous = ROWS["torchtitan-70b-256-2d-asynctp"]
+    hidden = builtin_catalogue().software.async_tensor_parallel_hidden
+    assert 0 < hidden < 0.9
+    gain = predict(asynchronous).tokens_per_s_per_gpu / predict(vanilla).tokens_per_s_per_gpu  # type: ignore[operator]
+    published = asynchronous.measured.tokens_per_s_per_gpu / vanilla.measured.tokens_per_s_per_gpu
+    assert 1.0 < gain < 1.25 and published < 1.1
 
 
 def test_held_out_interval_is_the_calibrations_own() -> None:
