@@ -206,6 +206,7 @@ def executable_step(schedule: Schedule, steps: int = 1) -> Schedule:
             "objective": "makespan",
             "solver.method": "auto",
             "pipeline.num_microbatches": steps * m,
+            "costs.optimizer_step": None,  # a pattern's updates are inside its steps, not OPTIMIZER_STEP actions
         }
     )
     orders = unroll(schedule.orders(), m, steps)

@@ -35,9 +35,11 @@ import torch
 import torch.distributed as dist
 
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import simulate
 from pipesched.runtime import torch_compat
+from pipesched.runtime.calibration import calibration_orders, calibration_problem, fit_overhead, with_overhead
 from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
@@ -45,6 +47,7 @@ from pipesched.runtime.options import TrainingOptions
 
 __all__ = [
     "SPREAD_WARNING",
+    "Calibration",
     "LinearFit",
     "PassSpread",
     "Profile",
@@ -130,13 +133,15 @@ class LinearFit:
 
 @dataclass(frozen=True)
 class Profile:
-    """What :func:`measure_model` measured: the problem (medians), every pass's samples, and the fitted transfers
-    (``p2p``; ``collectives``: ``"unshard"``/``"reduce_grad"`` over the stages' sizes, with D > 1)."""
+    """What :func:`measure_model` measured: the problem (medians, plus the fitted per-pass overhead), every pass's
+    samples, the fitted transfers (``p2p``; ``collectives``: ``"unshard"``/``"reduce_grad"`` over the stages'
+    sizes, with D > 1) and the calibration run (:class:`Calibration`)."""
 
     problem: Problem
     spreads: list[PassSpread]
     p2p: LinearFit | None = None
     collectives: dict[str, LinearFit] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     def unsteady(self, threshold: float = SPREAD_WARNING) -> list[PassSpread]:
         """Passes whose IQR is above ``threshold`` × their median (at least 0.05 ms, below which timer noise
@@ -158,6 +163,8 @@ class ProfileSettings:
     options: TrainingOptions
     workdir: str
     measure_p2p: bool = True
+    engine: str = "pipesched"
+    calibrate: bool = True
 
 
 @dataclass
@@ -179,6 +186,7 @@ class RankProfile:
     optimizer_step: list[float] = field(default_factory=list)
     static_bytes: int = 0
     p2p: list[tuple[float, float]] = field(default_factory=list)
+    calibration_ms: list[float] = field(default_factory=list)
 
 
 def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
@@ -387,7 +395,46 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
     _measure_update(setup)
     if settings.measure_p2p and settings.skeleton.pipeline.num_ranks > 1:
         _measure_p2p(setup)
+    if settings.calibrate:
+        setup.result.calibration_ms = _calibration_run(settings, global_rank, device, timeout_s)
     return setup.result
+
+
+#: Training steps of the calibration run (the first is left out: lazy initialisation).
+CALIBRATION_STEPS = 3
+
+
+def _calibration_run(
+    settings: ProfileSettings, global_rank: int, device: torch.device, timeout_s: float
+) -> list[float]:
+    """The run's own training steps of the calibration order on these processes
+    (:mod:`pipesched.runtime.calibration`): this process's step times, ms."""
+    from dataclasses import replace
+
+    from pipesched.optimizer.result import build_schedule
+    from pipesched.runtime.launch import resolve_engine
+    from pipesched.runtime.records import RankJob
+    from pipesched.runtime.training import train_rank
+
+    problem = calibration_problem(settings.skeleton, _data_parallel_section(settings.options))
+    schedule = build_schedule(
+        problem, calibration_orders(problem), method="calibration", backend="profile", check_memory=False
+    )
+    options = replace(settings.options, steps=CALIBRATION_STEPS, inject_nan=None)
+    engine = resolve_engine(settings.engine, schedule)
+    job = RankJob(schedule, settings.model, settings.seed, engine, settings.workdir, 1, options)
+    return [step.time_ms for step in train_rank(job, global_rank, device, timeout_s).steps]
+
+
+def _data_parallel_section(options: TrainingOptions) -> dict[str, Any] | None:
+    """The problem's ``data_parallel`` for the run's options (``None`` with one replica)."""
+    if options.data_parallel == 1:
+        return None
+    return {
+        "size": options.data_parallel,
+        "sharding": options.sharding,
+        "reshard_after_forward": options.reshard_after_forward,
+    }
 
 
 def profile_model(**options: Any) -> Problem:
@@ -411,6 +458,8 @@ def measure_model(
     training: TrainingOptions | None = None,
     timeout_s: float = 600,
     like: Problem | None = None,
+    engine: str = "pipesched",
+    calibrate: bool = True,
 ) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
     the problem to solve (module docstring).
@@ -419,9 +468,11 @@ def measure_model(
     the profile measures what that run allocates and communicates, and the problem gets its ``data_parallel``
     section. ``like``: take the pipeline's shape and the ``model`` section (for ``model="problem"``) from this
     problem (``num_ranks``, ``num_microbatches``, ``stages_per_rank``, ``placement`` are then ignored).
-    ``p2p_ms``: record this p2p latency instead of the fitted one. ``device``: ``cpu`` (gloo) or ``cuda`` (NCCL,
-    one GPU per process). Returns a :class:`Profile`: its ``problem`` (``split_backward`` true,
-    ``memory.limit`` = ``memory_limit_bytes``), every pass's samples, and the fitted transfers.
+    ``p2p_ms``: record this p2p latency instead of the fitted one. ``calibrate``: end with the calibration run on
+    ``engine`` (the engine the runs will use) and add its per-pass overhead to the problem's passes. ``device``:
+    ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process). Returns a :class:`Profile`: its ``problem``
+    (``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes``), every pass's samples, the fitted
+    transfers and the calibration.
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
@@ -444,7 +495,9 @@ def measure_model(
     skeleton = _skeleton(num_ranks, num_microbatches, stages_per_rank, placement, options, like)
     load_model(model, skeleton, seed=seed)  # fail here, not in every process
     with tempfile.TemporaryDirectory(prefix="pipesched-profile-") as workdir:
-        settings = ProfileSettings(skeleton, model, seed, repeats, warmup, options, workdir, p2p_ms is None)
+        settings = ProfileSettings(
+            skeleton, model, seed, repeats, warmup, options, workdir, p2p_ms is None, engine, calibrate
+        )
         returned = launch_jobs(
             profile_rank,
             [settings],
@@ -553,7 +606,32 @@ def _assemble(
         "weights": weights,
     }
     collectives = _collectives(data, measured, weights, options)
-    return Profile(load_problem(data), spreads, p2p_fit, collectives)
+    problem = load_problem(data)
+    calibration = _calibrate(problem, results)
+    if calibration is not None:
+        problem = with_overhead(problem, calibration.overhead_ms)
+    return Profile(problem, spreads, p2p_fit, collectives, calibration)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration run (:mod:`pipesched.runtime.calibration`): its measured step (ms: the median over the steps
+    after the first of the slowest process), the simulator's step of the same order from the measured pieces
+    alone, and the overhead per pass fitted between them (added to every pass of the profile's problem)."""
+
+    measured_ms: float
+    predicted_ms: float
+    overhead_ms: float
+
+
+def _calibrate(problem: Problem, results: list[RankProfile]) -> Calibration | None:
+    if not all(r.calibration_ms for r in results):
+        return None
+    steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
+    measured = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    orders = calibration_orders(problem)
+    predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
+    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured))
 
 
 def _collectives(
@@ -563,11 +641,7 @@ def _collectives(
     collective fitted over the stages' sizes (their unsharded weight bytes)."""
     if options.data_parallel == 1:
         return {}
-    data["data_parallel"] = {
-        "size": options.data_parallel,
-        "sharding": options.sharding,
-        "reshard_after_forward": options.reshard_after_forward,
-    }
+    data["data_parallel"] = _data_parallel_section(options)
     fits = {}
     for name, samples_of in (("unshard", lambda r: r.unshard), ("reduce_grad", lambda r: r.reduce_grad)):
         per_stage = measured.pooled(samples_of)

@@ -396,6 +396,7 @@ def _this_machine(
             warmup=1,
             training=options,
             like=schedule.problem,
+            engine="auto",  # the engine the run above used: PyTorch's runtime for loop and V placement
         )
     (folder / "profile.json").write_text(profile.problem.model_dump_json(indent=1, exclude_none=True))
     here = build_schedule(

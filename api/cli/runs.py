@@ -335,6 +335,14 @@ def _print_transfers(measured: Profile) -> None:
             f"(fitted over {len(fit.samples)} samples)",
             highlight=False,
         )
+    calibration = measured.calibration
+    if calibration is not None:
+        console.print(
+            f"calibration run (every rank's forwards, then its backwards): measured {calibration.measured_ms:.3f} ms "
+            f"per step against {calibration.predicted_ms:.3f} ms from the pieces alone: "
+            f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above",
+            highlight=False,
+        )
     steps = problem.rank_values(problem.costs.optimizer_step, 0.0)
     console.print(
         "optimizer step "
