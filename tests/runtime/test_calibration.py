@@ -49,5 +49,5 @@ def test_the_fitted_overhead_meets_the_measured_step():
     assert fit_overhead(problem, orders, step(0.0)) == pytest.approx(0.0, abs=1e-5)
     # a run faster than the pieces: a negative overhead, bounded by half the smallest forward
     assert -1.0 <= fit_overhead(problem, orders, 0.5 * step(0.0)) < 0
-    shifted = with_overhead(problem, -5.0)
+    shifted = with_overhead(problem, -2.5)
     assert min(shifted.stage_values(shifted.costs.backward_input)) == 0.0  # never below 0
