@@ -357,7 +357,8 @@ def plan_runs(
         pipeline_model = load_model(name, step.problem, seed=seed)  # fail here, not in every rank
         if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
             check_run_memory(step, pipeline_model.config, name)
-        runs.append(PlannedRun(step, schedule, name, engine_name, options, steady))
+        # a steady run is compared with its pattern's step_period, steps one after another with the step they run
+        runs.append(PlannedRun(step, schedule if steady else step, name, engine_name, options, steady))
     if len({run.schedule.problem.pipeline.num_ranks for run in runs}) > 1:
         raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
     if len({run.training.data_parallel if run.training else 1 for run in runs}) > 1:

@@ -77,7 +77,7 @@ def communicating_schedule() -> Schedule:
     return solve_family(data_parallel_problem(NUM_RANKS, NUM_MICROBATCHES), "zb-h1")
 
 
-#: The optimizer side's schedule with communication actions, on both engines (torch lowers its own).
+#: The optimizer side's schedule with communication actions, on both engines (both follow the schedule's).
 COMMUNICATING = {"communicating-torch": "torch", "communicating-pipesched": "pipesched"}
 
 
@@ -109,9 +109,10 @@ def runs() -> dict[str, tuple[Schedule, dict]]:
 
 @pytest.mark.parametrize("case", list(COMMUNICATING))
 def test_a_schedule_with_communication_actions_runs_them(runs, case):
-    """The schedule's own UNSHARD/REDUCE_GRAD/RESHARD run where they stand on the own executor (PyTorch's
-    runtime lowers its own UNSHARD/REDUCE_GRAD onto FSDP2); OPTIMIZER_STEP is the training loop's. Verified,
-    with the measured communication beside the schedule's and the predicted step time its step_time."""
+    """The schedule's own UNSHARD/REDUCE_GRAD/RESHARD run where they stand, on the own executor's communication
+    stream and in PyTorch's runtime (fed them in place of its own lowering; its RESHARD is not timed); OPTIMIZER_STEP
+    is the training loop's. Verified, with the measured communication beside the schedule's and the predicted step
+    time its step_time."""
     schedule, report = runs[case]
     assert report.verified is True
     assert report.max_rel_param_error <= 1e-5 and report.max_rel_grad_error <= 1e-5
