@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve_family
 
@@ -90,7 +89,7 @@ SHAPES = (
 )
 
 
-def _profile(shape: Shape, model: str, repeats: int) -> Problem:
+def _profile(shape: Shape, model: str, repeats: int) -> Any:
     from pipesched.runtime.options import TrainingOptions
     from pipesched.runtime.profile import measure_model
 
@@ -104,7 +103,7 @@ def _profile(shape: Shape, model: str, repeats: int) -> Problem:
         repeats=repeats,
         training=options,
     )
-    return profile.problem
+    return profile
 
 
 def _median_after_first(values: list[float]) -> float:
@@ -155,7 +154,8 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int) -> list[dic
     from pipesched.runtime.options import TrainingOptions
 
     started = time.perf_counter()
-    problem = _profile(shape, model, repeats)
+    profile = _profile(shape, model, repeats)
+    problem = profile.problem
     profiled_s = time.perf_counter() - started
     schedules = [solve_family(problem.with_changes(**case.changes), case.family) for case in shape.cases]
     sharding = "full" if shape.data_parallel > 1 else "none"
@@ -171,8 +171,15 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int) -> list[dic
     ]
     reports = run_schedules(schedules, engine="pipesched", model=model, training=options, timeout_s=900)
     rows = [_row(case, s, r) for case, s, r in zip(shape.cases, schedules, reports, strict=True)]
+    calibration = profile.calibration
     for row in rows:
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
+        if calibration is not None:
+            row["calibration"] = {
+                "measured_ms": calibration.measured_ms,
+                "predicted_ms": calibration.predicted_ms,
+                "overhead_ms": calibration.overhead_ms,
+            }
     return rows
 
 
@@ -201,6 +208,15 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['case']:>8} {'yes' if row['verified'] else 'NO':>3} {row['predicted_ms']:10.1f} "
             f"{row['best_ms']:9.1f} {row['median_ms']:9.1f} {_percent(row['best_error']):>6}  {ranks}"
         )
+    shapes = {row["shape"]: row for row in rows}
+    for name, row in shapes.items():
+        calibration = row.get("calibration")
+        if calibration is not None:
+            lines.append(
+                f"  {name}: profiled in {row['profile_s']:.0f} s; calibration run {calibration['measured_ms']:.1f} ms "
+                f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
+                f"{calibration['overhead_ms']:+.2f} ms per pass"
+            )
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         predicted_gain = by_case["1F1B"]["predicted_ms"] - by_case["2BW"]["predicted_ms"]
