@@ -4,7 +4,8 @@
 #   source .ci/postgres.sh        # install if missing, start, export PIPESCHED_TEST_POSTGRES_URL
 #   bash .ci/postgres.sh stop     # stop it
 #
-# Settings: PIPESCHED_PG_DIR (data dir, default /tmp/pipesched-postgres), PIPESCHED_PG_PORT (default 54329).
+# Settings: PIPESCHED_PG_DIR (data dir, default /tmp/pipesched-postgres), PIPESCHED_PG_PORT (default 54329),
+# PIPESCHED_PG_STOP_MODE (pg_ctl's stop mode: fast by default; immediate crashes it, as an outage test wants).
 # Runs the server as the `postgres` user when started as root (initdb refuses root). Listens on 127.0.0.1 only,
 # trust authentication: for tests, never for data you keep.
 
@@ -31,7 +32,8 @@ _pg_main() {
     fi
 
     if [ "${1:-start}" = stop ]; then
-        [ -d "$dir/data" ] && "${run[@]}" "$pg_ctl" -D "$dir/data" -m fast -w stop >/dev/null 2>&1
+        [ -d "$dir/data" ] && "${run[@]}" "$pg_ctl" -D "$dir/data" -m "${PIPESCHED_PG_STOP_MODE:-fast}" -w stop \
+            >/dev/null 2>&1
         return 0
     fi
 

@@ -2,6 +2,9 @@
 
 Routes are in :mod:`pipesched.api.routes`; solving runs in worker processes (:mod:`pipesched.api.jobs`), never on the
 event loop; schedules and jobs are stored by :mod:`pipesched.api.storage`.
+
+Errors are JSON everywhere (``{"detail": …}``): a database that cannot be reached is a 503 with ``Retry-After``
+(:data:`DATABASE_RETRY_AFTER_S`), anything unforeseen a 500 that names the error, never a bare text page.
 """
 
 from __future__ import annotations
@@ -17,25 +20,31 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
-from pipesched.api.lanes import Lane
+from pipesched.api.lanes import Admission, Lane
 from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.queue import make_runner
-from pipesched.api.routes import check, health, jobs, methods, plans, schedules
+from pipesched.api.routes import check, health, jobs, launch, methods, plans, profiles, schedules
 from pipesched.api.routes._common import Services
 from pipesched.api.settings import Settings
-from pipesched.api.storage import Store
+from pipesched.api.storage import DatabaseUnavailable, Store, is_unreachable
 from pipesched.optimizer.families import method_names
+from pipesched.optimizer.solvers.base import backend_names
 
-__all__ = ["create_app"]
+__all__ = ["DATABASE_RETRY_AFTER_S", "create_app"]
 
 log = logging.getLogger("pipesched.api")
 
-#: (path regex, HTTP methods) of each route: the ``Allow`` of a 405.
-RouteMethods = Sequence[tuple[re.Pattern[str], frozenset[str]]]
+#: ``Retry-After`` of a 503 when the database cannot be reached, s.
+DATABASE_RETRY_AFTER_S = 5
+
+#: (path regex, HTTP methods, whether the path has no parameters) of each route: the ``Allow`` of a 405.
+RouteMethods = Sequence[tuple[re.Pattern[str], frozenset[str], bool]]
 
 
 def _too_large_message(limit: int) -> str:
@@ -112,9 +121,13 @@ class GuardAndMeasure:
 
 def _with_full_allow(scope: Scope, message: Message, routes: RouteMethods) -> Message:
     """A 405's start message with ``Allow`` listing every method of every route on the path (Starlette
-    names only the first route's, e.g. GET without DELETE on ``/v1/jobs/{id}``)."""
+    names only the first route's, e.g. GET without DELETE on ``/v1/jobs/{id}``); a route whose path has no
+    parameters shadows the parametric ones that also match (``/v1/schedules/check`` allows POST only)."""
     path = scope.get("path", "")
-    allowed = {method for pattern, methods in routes if pattern.match(path) for method in methods}
+    matching = [(methods, literal) for pattern, methods, literal in routes if pattern.match(path)]
+    if any(literal for _methods, literal in matching):  # /v1/schedules/check is not a /v1/schedules/{id}
+        matching = [(methods, literal) for methods, literal in matching if literal]
+    allowed = {method for methods, _literal in matching for method in methods}
     if not allowed:
         return message
     headers = [(key, value) for key, value in message.get("headers", []) if key.lower() != b"allow"]
@@ -142,6 +155,53 @@ def _http_error_response(request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=error.status_code, headers=headers)
 
 
+def _unreachable_response(request: Request, error: Exception) -> JSONResponse:
+    """503 with ``Retry-After`` for a database that cannot be reached (or a 500 for another database error)."""
+    if not is_unreachable(error):
+        return _unexpected_response(request, error)
+    reason = str(getattr(error, "orig", None) or error).strip().splitlines()[0][:200] if str(error) else ""
+    log.warning("%s %s: the database cannot be reached: %s: %s", request.method, request.url.path,
+                type(error).__name__, reason)  # fmt: skip
+    return JSONResponse(
+        {
+            "detail": f"the database cannot be reached ({type(error).__name__}): retry after "
+            f"{DATABASE_RETRY_AFTER_S} s; nothing was changed by this request unless it said so"
+        },
+        status_code=503,
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
+def _unexpected_response(request: Request, error: Exception) -> JSONResponse:
+    """500 as JSON naming the error (the traceback goes to the server's log), never a bare text page."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return JSONResponse(
+        {"detail": f"the service failed on this request ({type(error).__name__}); see its log, and retry"},
+        status_code=500,
+    )
+
+
+def _unreachable_errors() -> list[type[Exception]]:
+    """The error types that may mean an unreachable database (SQLAlchemy's and, when installed, psycopg's)."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+
+    types: list[type[Exception]] = [DatabaseUnavailable, OperationalError, InterfaceError, PoolTimeoutError]
+    try:
+        import psycopg
+
+        types.append(psycopg.OperationalError)
+    except ImportError:
+        pass
+    return types
+
+
+def _is_json(content_type: str | None) -> bool:
+    """True for ``application/json`` and ``application/*+json`` (parameters such as ``charset`` aside)."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _validation_response(request: Request, error: Exception) -> JSONResponse:
     """422 with ``{"detail": [{"loc", "msg", "type"}]}``; 400 when the body is not JSON at all."""
     assert isinstance(error, RequestValidationError)
@@ -159,8 +219,28 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
             loc = loc[:1]
         elif kind == "missing" and loc == ["body"]:
             msg = "the request has no body: send the problem as a JSON object (the contract's Problem)"
+        elif loc == ["body"] and not _is_json(request.headers.get("content-type")):
+            sent = request.headers.get("content-type") or "no Content-Type"
+            msg = (
+                f"the body was sent as {sent}, so it was not read as JSON: send the problem as a JSON object with "
+                "Content-Type: application/json"
+            )
+            kind = "content_type"
         details.append({"loc": loc, "msg": msg, "type": kind})
     return JSONResponse({"detail": details}, status_code=status)
+
+
+def _finished_body(svc: Services, kind: str, target_id: str) -> tuple[str, bytes] | None:
+    """A job's or plan's status and JSON as its GET answers it (its callback left out), for the callbacks."""
+    if kind == "job":
+        job = svc.store.job(target_id)
+        view: BaseModel | None = jobs.job_status(svc, job) if job is not None else None
+    else:
+        plan = svc.store.plan(target_id)
+        view = plans.plan_status(svc, plan) if plan is not None else None
+    if view is None:
+        return None
+    return str(getattr(view, "status", "")), view.model_dump_json(exclude={"callback"}).encode()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -182,15 +262,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool = runner(store, on_job_done=job_done)
         # A render process is replaced after a few drawings: what a large one left behind is returned.
         renders = Lane("render", settings.render_workers, settings.max_queued_renders, max_tasks_per_child=8)
-        app.state.services = Services(settings=settings, store=store, pool=pool, metrics=metrics, renders=renders)
+        # Checks are admitted before their body is read (the route's class), so the lane itself never refuses.
+        check_places = settings.check_workers + settings.max_queued_checks
+        checks = Lane("check", settings.check_workers, check_places, max_tasks_per_child=8)
+        services = Services(
+            settings=settings,
+            store=store,
+            pool=pool,
+            metrics=metrics,
+            renders=renders,
+            checks=checks,
+            check_admission=Admission("check", check_places),
+        )
+        app.state.services = services
         pool.recover()
         store.fail_unfinished_plans()
+        callbacks = CallbackSender(store, settings, lambda kind, target_id: _finished_body(services, kind, target_id))
+        callbacks.start()
         try:
             yield
         finally:
-            renders.close()
-            pool.shutdown()
-            store.dispose()
+            callbacks.stop()
+            services.close()
 
     app = FastAPI(
         title="pipesched",
@@ -200,11 +293,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_exception_handler(RequestValidationError, _validation_response)
     app.add_exception_handler(StarletteHTTPException, _http_error_response)
-    for module in (check, schedules, jobs, methods, plans, health):
+    for error_type in _unreachable_errors():
+        app.add_exception_handler(error_type, _unreachable_response)
+    app.add_exception_handler(Exception, _unexpected_response)
+    for module in (check, schedules, jobs, methods, plans, launch, profiles, health):
         app.include_router(module.router)
     routes = [
-        (route.path_regex, frozenset(route.methods))
-        for module in (check, schedules, jobs, methods, plans, health)
+        (route.path_regex, frozenset(route.methods), "{" not in route.path)
+        for module in (check, schedules, jobs, methods, plans, launch, profiles, health)
         for route in module.router.routes
         if isinstance(route, APIRoute)
     ]
@@ -215,14 +311,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def _openapi_with_methods(default: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    """The OpenAPI schema with ``solver.method``'s choices from the family registry (the problem model, below
-    the families, types it as a string)."""
+    """The OpenAPI schema with the choices of ``solver.method`` and ``solver.backends`` from the families' and the
+    backends' registries (the problem model, below both, types them as strings)."""
 
     def openapi() -> dict[str, Any]:
         schema = default()
         for name, component in schema.get("components", {}).get("schemas", {}).items():
-            if name.startswith("SolverOptions") and "method" in component.get("properties", {}):
-                component["properties"]["method"]["enum"] = list(method_names())
+            properties = component.get("properties", {})
+            if name.startswith("SolverOptions") and "method" in properties:
+                properties["method"]["enum"] = list(method_names())
+                for option in properties["backends"].get("anyOf", []):
+                    if option.get("type") == "array":
+                        option["items"]["enum"] = list(backend_names())
         return schema
 
     return openapi

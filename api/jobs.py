@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pipesched.api.lanes import Lane, LaneClosed, LaneFull, Ticket, WorkerDied
-from pipesched.api.storage import Store
+from pipesched.api.storage import Store, is_unreachable
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import Progress, solve
@@ -31,6 +32,7 @@ __all__ = [
     "SolveTimeout",
     "SolverDied",
     "SolverPool",
+    "retry_while_unreachable",
     "run_job",
     "run_solve",
     "unstorable_reason",
@@ -40,6 +42,12 @@ log = logging.getLogger("pipesched.jobs")
 
 #: Seconds between two progress writes or two cancellation polls of one job.
 POLL_INTERVAL_S = 0.25
+#: How long a finished job keeps trying to store its schedule while the database cannot be reached, s.
+RESULT_RETRY_S = 300.0
+#: Seconds between two such tries.
+RESULT_RETRY_WAIT_S = 1.0
+
+T = TypeVar("T")
 
 _STORES: dict[str, Store] = {}
 
@@ -115,9 +123,10 @@ def make_stop_check(store: Store, job_id: str, attempt: int, stop_at: float) -> 
     """``should_stop`` for a job: True once the job is no longer this attempt's ``running`` job
     (cancelled, or re-queued after a restart) or ``stop_at`` (monotonic s) has passed.
 
-    The job row is read at most every :data:`POLL_INTERVAL_S`.
+    The job row is read at most every :data:`POLL_INTERVAL_S`. While the database cannot be reached the
+    search goes on (a cancellation is seen once it answers again; the time limit still stops it).
     """
-    state = {"checked": 0.0, "stop": False}
+    state = {"checked": 0.0, "stop": False, "unreachable": False}
 
     def should_stop() -> bool:
         now = time.monotonic()
@@ -125,21 +134,54 @@ def make_stop_check(store: Store, job_id: str, attempt: int, stop_at: float) -> 
             return True
         if now - state["checked"] >= POLL_INTERVAL_S:
             state["checked"] = now
-            job = store.job(job_id)
+            try:
+                job = store.job(job_id)
+            except Exception as error:
+                if not is_unreachable(error):
+                    raise
+                if not state["unreachable"]:
+                    log.warning("job %s: cannot read its row (%s); solving on", job_id, type(error).__name__)
+                state["unreachable"] = True
+                return False
+            state["unreachable"] = False
             state["stop"] = job is None or job.status != "running" or job.attempt != attempt
         return bool(state["stop"])
 
     return should_stop
 
 
+def retry_while_unreachable(what: str, write: Callable[[], T], give_up_s: float) -> T:
+    """``write()``, tried again every :data:`RESULT_RETRY_WAIT_S` while the database cannot be reached, for at
+    most ``give_up_s`` s (a result computed during an outage is kept, not thrown away).
+
+    Raises:
+        The database error, once ``give_up_s`` has passed; any other error at once.
+    """
+    give_up = time.monotonic() + give_up_s
+    while True:
+        try:
+            return write()
+        except Exception as error:
+            if not is_unreachable(error) or time.monotonic() >= give_up:
+                raise
+            log.warning("%s: the database cannot be reached (%s); trying again", what, type(error).__name__)
+            time.sleep(RESULT_RETRY_WAIT_S)
+
+
 def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> JobOutcome:
     """Run one job in a worker process: mark it running, solve with progress and cancellation, store.
 
+    A database that cannot be reached while it solves costs progress writes only: the search goes on, and
+    its schedule is stored once the database answers again (tried for :data:`RESULT_RETRY_S`), so a job
+    lives through an outage shorter than that and is solved once.
+
     Returns:
-        The outcome; ``schedule_id`` None when the job was cancelled (before or while solving).
+        The outcome; ``schedule_id`` None when the job was cancelled (before or while solving) or another
+        attempt took it over (its result is then discarded).
 
     Raises:
-        Whatever the solver raises (the pool marks the job failed with it).
+        Whatever the solver raises (the pool marks the job failed with it); the database's error when it
+        stays unreachable for :data:`RESULT_RETRY_S`.
     """
     store = _store(database_url)
     job = store.job(job_id)
@@ -158,14 +200,18 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
         if update is None or now - last_write[0] < POLL_INTERVAL_S:
             return
         last_write[0] = now
-        store.record_progress(
-            job_id,
-            attempt,
-            best_objective=update.best_objective,
-            lower_bound=update.lower_bound,
-            elapsed_s=round(max(update.elapsed_s, now - started), 4),
-            message=update.message or update.backend,
-        )
+        try:
+            store.record_progress(
+                job_id,
+                attempt,
+                best_objective=update.best_objective,
+                lower_bound=update.lower_bound,
+                elapsed_s=round(max(update.elapsed_s, now - started), 4),
+                message=update.message or update.backend,
+            )
+        except Exception as error:  # the next write brings it up to date
+            if not is_unreachable(error):
+                raise
 
     def progress(update: Progress) -> None:
         latest[0] = update
@@ -179,10 +225,13 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
 
     schedule = solve(problem, progress=progress, should_stop=should_stop)
     reason = unstorable_reason(schedule)
+    what = f"job {job_id} attempt {attempt}"
     if reason is not None:
-        store.fail_job(job_id, reason, attempt)
+        retry_while_unreachable(what, lambda: store.fail_job(job_id, reason, attempt), RESULT_RETRY_S)
         return JobOutcome(job_id, None, "failed", schedule.method, schedule.solve_time_s)
-    stored = store.finish_job(job_id, attempt, job.problem_hash, schedule)
+    stored = retry_while_unreachable(
+        what, lambda: store.finish_job(job_id, attempt, job.problem_hash, schedule), RESULT_RETRY_S
+    )
     return JobOutcome(
         job_id,
         None if stored is None else stored.id,

@@ -29,13 +29,13 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Lane", "LaneClosed", "LaneFull", "Ticket", "WorkerDied", "guard_worker", "worker_context"]
+__all__ = ["Admission", "Lane", "LaneClosed", "LaneFull", "Ticket", "WorkerDied", "guard_worker", "worker_context"]
 
 log = logging.getLogger("pipesched.lanes")
 
@@ -54,13 +54,65 @@ class LaneClosed(RuntimeError):
 
 
 class LaneFull(RuntimeError):
-    """The lane's queue is full; ``retry_after_s`` estimates when a place frees up, s."""
+    """The lane's queue is full: ``taken`` of its ``places`` (running, waiting and held for a request that
+    is being read) are in use; ``retry_after_s`` estimates when one frees up, s."""
 
-    def __init__(self, lane: str, queued: int, retry_after_s: int) -> None:
-        super().__init__(f"the {lane} queue is full ({queued} waiting)")
+    def __init__(self, lane: str, taken: int, places: int, retry_after_s: int) -> None:
+        super().__init__(f"the {lane} queue is full ({taken} of {places} places taken)")
         self.lane = lane
-        self.queued = queued
+        self.taken = taken
+        self.places = places
         self.retry_after_s = retry_after_s
+
+
+def _retry_after(ends: list[float]) -> int:
+    """Whole seconds until the soonest of ``ends`` (monotonic s), between 1 and 3600."""
+    soonest = min((end - time.monotonic() for end in ends), default=0.0)
+    return max(1, min(3600, math.ceil(soonest)))
+
+
+class Admission:
+    """At most ``places`` holders at once, refused beyond (:class:`LaneFull`): the bound of work that waits
+    somewhere else — a PostgreSQL queue's workers, or a lane whose request bodies are read only once admitted.
+
+    Args:
+        name: the kind of work, in messages (``solve``, ``check``).
+        places: holders at once.
+    """
+
+    def __init__(self, name: str, places: int) -> None:
+        self.name = name
+        self.places = places
+        self._lock = threading.Lock()
+        self._ends: dict[object, float] = {}
+
+    def taken(self) -> int:
+        """Places held now."""
+        with self._lock:
+            return len(self._ends)
+
+    def retry_after_s(self) -> int:
+        """Seconds until the soonest holder is expected to leave (at least 1)."""
+        with self._lock:
+            return _retry_after(list(self._ends.values()))
+
+    @contextlib.contextmanager
+    def place(self, expected_s: float) -> Iterator[None]:
+        """Hold a place for the ``with`` block, expected to last ``expected_s`` s (for ``Retry-After``).
+
+        Raises:
+            LaneFull: every place is held.
+        """
+        key = object()
+        with self._lock:
+            if len(self._ends) >= self.places:
+                raise LaneFull(self.name, len(self._ends), self.places, _retry_after(list(self._ends.values())))
+            self._ends[key] = time.monotonic() + expected_s
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._ends[key]
 
 
 def _process_alive(pid: int) -> bool:
@@ -201,13 +253,13 @@ class Lane:
         """Seconds until a queued place frees up, estimated from the expected time of the tasks ahead."""
         with self._lock:
             now = time.monotonic()
-            running = [
-                max(0.0, slot.ticket.expected_s - (now - (slot.ticket.started_at or now)))
-                for slot in self._slots
-                if slot.ticket is not None
-            ]
-            soonest = min(running, default=0.0)
-            return max(1, min(3600, math.ceil(soonest)))
+            return _retry_after(
+                [
+                    (slot.ticket.started_at or now) + slot.ticket.expected_s
+                    for slot in self._slots
+                    if slot.ticket is not None
+                ]
+            )
 
     # --- work -------------------------------------------------------------------------------------
 
@@ -234,7 +286,7 @@ class Lane:
             if reserved:
                 self._reserved -= 1
             elif not force and self._in_use() >= self.workers + self.max_queued:
-                raise LaneFull(self.name, self.queued(), self.retry_after_s())
+                raise self._full()
             if free is not None:
                 ticket.future.set_running_or_notify_cancel()
                 self._start(free, ticket)
@@ -245,6 +297,9 @@ class Lane:
 
     def _in_use(self) -> int:
         return self.running() + self.queued() + self._reserved
+
+    def _full(self) -> LaneFull:
+        return LaneFull(self.name, self._in_use(), self.workers + self.max_queued, self.retry_after_s())
 
     def reserve(self) -> None:
         """Hold a place for a task submitted later with ``reserved=True`` (or given back by :meth:`release`).
@@ -257,7 +312,7 @@ class Lane:
             if self._closed:
                 raise LaneClosed(f"the service is shutting down: the {self.name} was not accepted")
             if self._in_use() >= self.workers + self.max_queued:
-                raise LaneFull(self.name, self.queued(), self.retry_after_s())
+                raise self._full()
             self._reserved += 1
 
     def release(self) -> None:

@@ -6,7 +6,9 @@
 - ``pipesched_http_request_duration_seconds{route}``: request latency, s.
 - ``pipesched_solve_seconds{method, mode}``: solve time (``mode``: sync or job), s.
 - ``pipesched_cache_lookups_total{result}``: stored-schedule lookups, ``hit`` or ``miss``.
-- ``pipesched_jobs{status}``: jobs in the database by status (read at scrape time).
+- ``pipesched_jobs{status}``: jobs in the database by status (read at scrape time; their last values while
+  the database cannot be reached).
+- ``pipesched_database_up``: 1 when the scrape reached the database, else 0.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pipesched.api.storage import is_unreachable
 
 __all__ = ["Metrics", "method_label", "status_label"]
 
@@ -65,10 +69,21 @@ class Metrics:
             registry=self.registry,
         )
         self.jobs = Gauge("pipesched_jobs", "Jobs in the database by status.", ("status",), registry=self.registry)
+        self.database_up = Gauge(
+            "pipesched_database_up", "1 when the last scrape reached the database, else 0.", registry=self.registry
+        )
         self._job_counts = job_counts
 
     def render(self) -> bytes:
-        """The Prometheus text exposition, job counts refreshed."""
-        for status, count in self._job_counts().items():
-            self.jobs.labels(status=status).set(count)
+        """The Prometheus text exposition, job counts refreshed when the database answers."""
+        try:
+            counts = self._job_counts()
+        except Exception as error:
+            if not is_unreachable(error):
+                raise
+            self.database_up.set(0)
+        else:
+            self.database_up.set(1)
+            for status, count in counts.items():
+                self.jobs.labels(status=status).set(count)
         return generate_latest(self.registry)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from pipesched.api.callbacks import CallbackView, without_callback_url
+from pipesched.optimizer.derive import ProblemDocument
+from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.result import Schedule
 
 __all__ = [
@@ -14,15 +17,22 @@ __all__ = [
     "HTTPError",
     "Health",
     "JobCreated",
+    "JobDocument",
     "JobProgress",
     "JobStatus",
     "MethodInfo",
     "Methods",
+    "PlanDocument",
     "ScheduleAnswer",
     "ValidationErrors",
 ]
 
 JobState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+#: A job's body: the contract's Problem, and optionally ``callback_url`` (read by the route's dependency).
+JobDocument = Annotated[ProblemDocument, BeforeValidator(without_callback_url)]
+#: A plan search's body: the contract's plan request, and optionally ``callback_url``.
+PlanDocument = Annotated[PlanRequest, BeforeValidator(without_callback_url)]
 
 
 class ScheduleAnswer(Schedule):
@@ -70,6 +80,7 @@ class JobStatus(BaseModel):
     attempt: int = Field(description="Restarts of the service this job lived through.")
     created_at: float = Field(description="Unix time, s.")
     updated_at: float = Field(description="Unix time, s.")
+    callback: CallbackView | None = Field(None, description="The signed POST of this job once it ends, if asked.")
 
 
 class MethodInfo(BaseModel):

@@ -9,10 +9,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "default_database_url", "exposure_problem"]
+__all__ = ["MIN_TOKEN_CHARS", "Settings", "default_database_url", "exposure_problem"]
+
+#: The shortest API token accepted: a guessable token guards nothing.
+MIN_TOKEN_CHARS = 16
 
 
 def default_database_url() -> str:
@@ -48,7 +51,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Largest problem accepted: num_stages × num_microbatches × actions per microbatch (422 above).",
     )
-    api_token: str | None = Field(None, description="When set, /v1 requests need `Authorization: Bearer <token>`.")
+    api_token: str | None = Field(
+        None,
+        description=f"When set, /v1 requests need `Authorization: Bearer <token>` (at least {MIN_TOKEN_CHARS} "
+        "characters).",
+    )
     sync_solver_workers: int = Field(
         1, ge=1, le=256, description="Solver processes for synchronous solves (POST /v1/schedules), apart from jobs."
     )
@@ -68,6 +75,19 @@ class Settings(BaseSettings):
         description="Largest schedule drawn as png, svg or view (actions, the compared family's included); 413 above.",
     )
     render_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a drawing, s (504 after).")
+    check_workers: int = Field(
+        1, ge=1, le=64, description="Processes timing and checking posted schedules (POST /v1/schedules/check)."
+    )
+    max_queued_checks: int = Field(
+        2, ge=0, description="Schedule checks that may wait for a check process; more are refused with 429."
+    )
+    check_timeout_s: float = Field(120.0, gt=0, description="Longest wait for a schedule check, s (504 after).")
+    max_sync_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a synchronous solve (POST /v1/schedules) may wait for a solver process on top of its "
+        "time limit, s (504 after).",
+    )
     allow_no_token: bool = Field(
         False,
         description="Let `pipesched serve` listen on a non-loopback interface without PIPESCHED_API_TOKEN.",
@@ -86,6 +106,19 @@ class Settings(BaseSettings):
     worker_metrics_port: int = Field(
         9464, ge=0, le=65535, description="Port of a `pipesched worker`'s Prometheus /metrics (0: none)."
     )
+    worker_metrics_host: str = Field(
+        "127.0.0.1",
+        description="Interface a `pipesched worker`'s /metrics binds (it has no token: open it to a scraper on "
+        "purpose, e.g. 0.0.0.0 behind a firewall).",
+    )
+    webhook_secret: str | None = Field(
+        None,
+        description="Key of the callbacks' X-Pipesched-Signature (HMAC-SHA256); without it callback_url is refused.",
+    )
+    callback_max_attempts: int = Field(
+        8, ge=1, le=100, description="Deliveries tried per callback (1, 2, 4 … s apart)."
+    )
+    callback_timeout_s: float = Field(10.0, gt=0, le=300, description="Longest wait for a callback's receiver, s.")
     worker_stalled_after_s: float = Field(
         10.0,
         ge=2.0,
@@ -93,6 +126,18 @@ class Settings(BaseSettings):
         description="A worker whose heartbeat is older than this, s, is taken for dead and its solve is retried "
         "on another worker (it sends one every third of it).",
     )
+
+    @field_validator("api_token")
+    @classmethod
+    def _long_enough(cls, token: str | None) -> str | None:
+        if not token:  # PIPESCHED_API_TOKEN= (empty): no token
+            return None
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"the API token has {len(token)} characters, fewer than {MIN_TOKEN_CHARS}: use a random secret, "
+                "e.g. the output of `python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        return token
 
 
 def exposure_problem(settings: Settings) -> str | None:

@@ -12,15 +12,17 @@ together or not at all.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Float, ForeignKey, Integer, String, Text, create_engine, event, func, select, update
+from sqlalchemy import Float, ForeignKey, Integer, String, Text, create_engine, event, func, select, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from pipesched.optimizer.planner.request import PlanAnswer
@@ -30,20 +32,55 @@ from pipesched.optimizer.result import Schedule
 __all__ = [
     "ACTIVE_JOB_STATUSES",
     "JOB_STATUSES",
+    "CallbackRow",
+    "DatabaseUnavailable",
     "JobRow",
     "PlanRow",
     "ScheduleRow",
     "Store",
+    "is_unreachable",
     "problem_key",
 ]
 
 JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
+#: Longest wait for a PostgreSQL server to accept a connection, s.
+CONNECT_TIMEOUT_S = 5
+#: The advisory lock under which a process creates the tables ("tabl").
+_TABLES_LOCK_KEY = 0x7461626C
 ACTIVE_JOB_STATUSES = ("queued", "running")
 
 
 def problem_key(problem: Problem) -> str:
     """The cache key: hex SHA-256 of ``problem.canonical_json()`` (the whole solver block included)."""
     return hashlib.sha256(problem.canonical_json().encode()).hexdigest()
+
+
+class DatabaseUnavailable(RuntimeError):
+    """The database cannot be reached now (the service answers 503 with ``Retry-After``)."""
+
+
+def is_unreachable(error: BaseException) -> bool:
+    """True when ``error`` says the database cannot be reached now — connection refused or lost, the pool
+    exhausted, the server shutting down, SQLite locked — rather than that a statement is wrong.
+
+    Looks through the ``__cause__`` chain, so a queue library's wrapper of a driver error counts too.
+    """
+    try:
+        import psycopg
+
+        driver: tuple[type[BaseException], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
+    except ImportError:  # SQLite only
+        driver = ()
+    seen: BaseException | None = error
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, (DatabaseUnavailable, OperationalError, InterfaceError, PoolTimeoutError, *driver)):
+            return True
+        if isinstance(seen, DBAPIError) and seen.connection_invalidated:
+            return True
+        seen = seen.__cause__
+    return False
 
 
 class Base(DeclarativeBase):
@@ -106,6 +143,23 @@ class PlanRow(Base):
     updated_at: Mapped[float] = mapped_column(Float)
 
 
+class CallbackRow(Base):
+    """A job's or plan's callback (:mod:`pipesched.api.callbacks`): where to POST it once it ends, and how the
+    deliveries went (``next_at``: Unix time, s, of the next attempt, or when a claimed one's lease ends)."""
+
+    __tablename__ = "callbacks"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    target_id: Mapped[str] = mapped_column(String(32), index=True)
+    url: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_at: Mapped[float] = mapped_column(Float, default=0.0)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class _NotThisAttempt(Exception):
     """Raised inside a transaction to roll it back: the job is no longer this attempt's."""
 
@@ -114,9 +168,10 @@ def _new_id() -> str:
     return uuid.uuid4().hex
 
 
-def _make_engine(database_url: str) -> Engine:
+def _make_engine(database_url: str, *, pool_size: int = 10, max_overflow: int = 20) -> Engine:
     if database_url.startswith("sqlite"):
-        engine = create_engine(database_url, connect_args={"timeout": 30, "check_same_thread": False})
+        pooling = {} if ":memory:" in database_url else {"pool_size": pool_size, "max_overflow": max_overflow}
+        engine = create_engine(database_url, connect_args={"timeout": 30, "check_same_thread": False}, **pooling)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -128,7 +183,15 @@ def _make_engine(database_url: str) -> Engine:
             cursor.close()
 
         return engine
-    return create_engine(database_url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # A server that does not answer fails a request within seconds (503), not after the OS's TCP timeout.
+    return create_engine(
+        database_url,
+        pool_pre_ping=True,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_timeout=10,
+        connect_args={"connect_timeout": CONNECT_TIMEOUT_S},
+    )
 
 
 class Store:
@@ -142,8 +205,17 @@ class Store:
     def __init__(self, database_url: str) -> None:
         self.database_url = database_url
         self.engine = _make_engine(database_url)
-        Base.metadata.create_all(self.engine)
+        with self.engine.begin() as connection:
+            if connection.dialect.name == "postgresql":  # processes starting together create the tables once
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _TABLES_LOCK_KEY})
+            Base.metadata.create_all(connection)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # Health probes and counts on connections of their own: requests holding every pooled connection (a
+        # flood of submissions) never hold up /healthz or /metrics. (One in-memory SQLite database: one engine.)
+        self._monitor = (
+            self.engine if ":memory:" in database_url else _make_engine(database_url, pool_size=1, max_overflow=2)
+        )
+        self._monitor_sessions = sessionmaker(self._monitor, expire_on_commit=False)
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
@@ -152,13 +224,14 @@ class Store:
             yield session
 
     def ping(self) -> None:
-        """Raise when the database cannot be reached."""
-        with self._sessions() as session:
+        """Raise when the database cannot be reached (on the monitoring connections)."""
+        with self._monitor_sessions() as session:
             session.execute(select(1))
 
     def dispose(self) -> None:
-        """Close the engine's pooled connections (the app's shutdown; tests that open their own store)."""
+        """Close the engines' pooled connections (the app's shutdown; tests that open their own store)."""
         self.engine.dispose()
+        self._monitor.dispose()
 
     # --- schedules -------------------------------------------------------------------------------
 
@@ -400,10 +473,25 @@ class Store:
             row.message = f"retried after its worker stopped (attempt {row.attempt})"
             return row.attempt
 
-    def count_jobs_by_status(self) -> dict[str, int]:
-        """Jobs per status (every status present, zero when none)."""
-        counts = dict.fromkeys(JOB_STATUSES, 0)
+    def running_jobs_time_left_s(self, grace_s: float) -> list[float]:
+        """For each running job: its time limit + ``grace_s`` less the time it has run (its last reported
+        ``elapsed_s``, else since it was queued), s, at least 0 (``Retry-After`` of a full job queue)."""
+        now = time.time()
         with self._sessions() as session:
+            rows = session.execute(
+                select(JobRow.problem_json, JobRow.elapsed_s, JobRow.created_at).where(JobRow.status == "running")
+            ).all()
+        left = []
+        for problem_json, elapsed_s, created_at in rows:
+            limit_s = float(json.loads(problem_json).get("solver", {}).get("time_limit_s", 0.0))
+            ran_s = elapsed_s if elapsed_s is not None else now - created_at
+            left.append(max(0.0, limit_s + grace_s - ran_s))
+        return left
+
+    def count_jobs_by_status(self) -> dict[str, int]:
+        """Jobs per status (every status present, zero when none; on the monitoring connections)."""
+        counts = dict.fromkeys(JOB_STATUSES, 0)
+        with self._monitor_sessions() as session:
             for status, count in session.execute(select(JobRow.status, func.count()).group_by(JobRow.status)):
                 counts[status] = int(count)
         return counts

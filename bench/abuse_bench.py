@@ -6,7 +6,13 @@ Memory: ``VmHWM`` (peak resident set) of the server process from ``/proc/<pid>/s
 and the largest sum of ``VmRSS`` over the server and every descendant (forkserver, solver and render
 processes), sampled every 0.1 s during the case.
 
-Usage: ``python -m bench.abuse_bench [--output bench/results/abuse_bench.txt]``
+With ``--postgres``: PostgreSQL mode, 1 front end (``PIPESCHED_QUEUE=postgres``) and 2 ``pipesched worker``
+processes on a PostgreSQL server of the bench's own (``.ci/postgres.sh``, a free port): 45 concurrent
+synchronous solves while the workers are busy, a 200-job flood, 16 parallel 911 KiB checks, a 10 s database
+crash (``pg_ctl -m immediate``) under running jobs, and a worker killed mid-search — each job's attempts and
+how often the workers solved it are read from the job rows and the workers' logs.
+
+Usage: ``python -m bench.abuse_bench [--postgres] [--output bench/results/abuse_bench.txt]``
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -110,8 +117,28 @@ def tree(root: int) -> list[int]:
     return sorted(found)
 
 
+def probe_health(base_url: str, ready: Any, stop: Any, answers: Any) -> None:
+    """GET /healthz every 0.25 s until ``stop`` is set (``ready`` set once the first answered), then put
+    ``[(code, seconds), …]`` on ``answers``.
+
+    Runs in a process of its own, so the latency measured is the server's, not the bench's threads' wait for
+    the GIL (a keep-alive connection a starved client left idle would also be closed under it)."""
+    measured: list[tuple[str, float]] = []
+    with httpx.Client(base_url=base_url, timeout=60) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                code = str(client.get("/healthz").status_code)
+            except httpx.HTTPError as error:
+                code = type(error).__name__
+            measured.append((code, time.perf_counter() - started))
+            ready.set()
+            stop.wait(0.25)
+    answers.put(measured)
+
+
 class Watch:
-    """Samples the tree's summed VmRSS and probes /healthz while a case runs."""
+    """Samples the tree's summed VmRSS and probes /healthz (from a process of its own) while a case runs."""
 
     def __init__(self, root: int, base_url: str) -> None:
         self.root = root
@@ -126,29 +153,25 @@ class Watch:
             self.peak_tree_kib = max(self.peak_tree_kib, sum(_status_kib(pid, "VmRSS") for pid in tree(self.root)))
             self._stop.wait(0.1)
 
-    def _probe(self) -> None:
-        with httpx.Client(base_url=self.base_url, timeout=60) as client:
-            while not self._stop.is_set():
-                started = time.perf_counter()
-                try:
-                    code = str(client.get("/healthz").status_code)
-                except httpx.HTTPError as error:
-                    code = type(error).__name__
-                self.health_s.append(time.perf_counter() - started)
-                self.health_codes[code] += 1
-                self._stop.wait(0.25)
-
     @contextmanager
     def running(self) -> Iterator[Watch]:
-        threads = [threading.Thread(target=self._sample), threading.Thread(target=self._probe)]
-        for thread in threads:
-            thread.start()
+        context = multiprocessing.get_context("spawn")
+        ready, stop, answers = context.Event(), context.Event(), context.Queue()
+        prober = context.Process(target=probe_health, args=(self.base_url, ready, stop, answers), daemon=True)
+        prober.start()
+        ready.wait(60)  # the case starts once the probe runs
+        sampler = threading.Thread(target=self._sample)
+        sampler.start()
         try:
             yield self
         finally:
             self._stop.set()
-            for thread in threads:
-                thread.join()
+            stop.set()
+            sampler.join()
+            for code, seconds in answers.get(timeout=120):
+                self.health_codes[code] += 1
+                self.health_s.append(seconds)
+            prober.join(timeout=30)
 
 
 @dataclass
@@ -170,12 +193,13 @@ class Case:
 
 
 class Bench:
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+    def __init__(self, directory: Path, env: dict[str, str], database_url: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         script = Path(sys.executable).parent / "pipesched"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
-        environ = {**os.environ, "PIPESCHED_DATABASE_URL": f"sqlite:///{directory / 'abuse.sqlite3'}", **env}
+        database_url = database_url or f"sqlite:///{directory / 'abuse.sqlite3'}"
+        environ = {**os.environ, "PIPESCHED_DATABASE_URL": database_url, **env}
         self.log = directory / "server.log"
         self.process = subprocess.Popen(
             [*command, "serve", "--host", "127.0.0.1", "--port", str(self.port)],
@@ -256,7 +280,7 @@ def run(args: argparse.Namespace) -> str:
 
     # Schedules to draw: 200,000 actions (8 ranks × 12,500 microbatches × F, B) and 20,000 (× compare: 40,000).
     fused = {"split_backward": False}
-    large = client.post("/v1/schedules", json={**problem_body(8, 12_500), **fused}).json()
+    large = client.post("/v1/schedules", json={**problem_body(8, 12_500, time_limit_s=40.0), **fused}).json()
     medium = client.post("/v1/schedules", json={**problem_body(8, 1_250), **fused}).json()
     assert "id" in large and "id" in medium, (large, medium)
     seeded = (
@@ -354,8 +378,14 @@ def run(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, help="Also write the table here.")
+    parser.add_argument("--postgres", action="store_true", help="PostgreSQL mode: a front end and 2 workers.")
     args = parser.parse_args()
-    text = run(args)
+    if args.postgres:
+        from bench.abuse_postgres import run_postgres
+
+        text = run_postgres(args)
+    else:
+        text = run(args)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text)

@@ -11,10 +11,14 @@ microbatch 1), pipeline p = 8, FSDP (sharding ``full``) over d data-parallel cop
 (:mod:`pipesched.optimizer.cost.collectives`) and memory are derived from the model. Two pipeline shapes: one
 layer per stage (stages_per_rank 8, loop placement) for ``looped-bfs``, ``lga`` and ``interleaved-1f1b``;
 eight layers per stage (stages_per_rank 1) for ``1f1b`` and ``zb-h1``; ``auto`` (objective step_time) on
-both, the better one reported. The x axis is microbatches per GPU, m / p. Depth-first interleaving is shown
-twice: with PyTorch's placement (each stage's REDUCE_GRAD right after its last backward; modern Megatron-LM's
-``overlap_grad_reduce`` does the same) and with every reduction after the flush (Megatron-LM as the
-breadth-first paper measured it).
+both, the better one reported. The x axis is microbatches per GPU, m / p.
+
+Each schedule runs with FSDP's weights either gathered for the whole step (``reshard_after_forward`` false:
+every stage's weights held at once) or resharded (``reshard_after_forward`` true, "rs"): depth-first
+schedules then re-gather a stage for every microbatch's forward and backward (FSDP2), breadth-first and LGA
+once per run of microbatches (once for the forwards, once for the backwards) — the papers' fair baselines
+(issue 27). Depth-first interleaving is also shown with every reduction after the flush
+(``data_parallel.overlap_grad_reduce`` false: Megatron-LM as the breadth-first paper measured it).
 
 Run: ``python -m bench.dp_bench [--quick] [--output bench/results/dp_bench]`` (writes .json, .md and .png).
 """
@@ -27,12 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.families import get_family
-from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.simulate import simulate
 from pipesched.optimizer.solve import solve, solve_family
 
 MODEL = {
@@ -46,11 +46,24 @@ MODEL = {
 }
 CLUSTER = {"accelerator": "A100-80GB", "p2p_bandwidth_bytes_per_s": 25e9, "p2p_latency_ms": 0.02}
 NUM_RANKS = 8
-LOOPED = ("looped-bfs", "lga", "interleaved-1f1b")
-SINGLE = ("1f1b", "zb-h1")
-#: interleaved-1f1b with every REDUCE_GRAD after the flush: Megatron-LM as the breadth-first paper measured it.
+#: label → (family, stages per rank, reshard_after_forward, overlap_grad_reduce); "auto" solves both shapes.
+VARIANTS: dict[str, tuple[str, int, bool, bool]] = {
+    "looped-bfs": ("looped-bfs", 8, False, True),
+    "looped-bfs rs": ("looped-bfs", 8, True, True),
+    "lga rs": ("lga", 8, True, True),
+    "interleaved-1f1b": ("interleaved-1f1b", 8, False, True),
+    "interleaved-1f1b rs": ("interleaved-1f1b", 8, True, True),
+    #: every REDUCE_GRAD after the flush: Megatron-LM as the breadth-first paper measured it.
+    "interleaved, reduce after flush": ("interleaved-1f1b", 8, False, False),
+    "1f1b": ("1f1b", 1, False, True),
+    "1f1b rs": ("1f1b", 1, True, True),
+    "zb-h1": ("zb-h1", 1, False, True),
+    "auto": ("auto", 0, False, True),
+    "auto rs": ("auto", 0, True, True),
+}
+METHODS = tuple(VARIANTS)
+BREADTH_FIRST = ("looped-bfs", "looped-bfs rs", "lga rs")
 MEGATRON_2022 = "interleaved, reduce after flush"
-METHODS = (*LOOPED, MEGATRON_2022, *SINGLE, "auto")
 
 
 def problem(
@@ -61,6 +74,8 @@ def problem(
     recomputation: str,
     time_limit_s: float,
     bandwidth: float = 25e9,
+    reshard_after_forward: bool = False,
+    overlap_grad_reduce: bool = True,
 ) -> Problem:
     """The derived step_time problem for one shape."""
     return load_problem(
@@ -79,7 +94,12 @@ def problem(
                 "inter_node_bandwidth_bytes_per_s": bandwidth,
                 "collective_latency_ms": CLUSTER["p2p_latency_ms"],
             },
-            "data_parallel": {"size": data_parallel, "sharding": "full"},
+            "data_parallel": {
+                "size": data_parallel,
+                "sharding": "full",
+                "reshard_after_forward": reshard_after_forward,
+                "overlap_grad_reduce": overlap_grad_reduce,
+            },
             "objective": "step_time",
             "solver": {"method": "auto", "time_limit_s": time_limit_s},
         }
@@ -89,66 +109,45 @@ def problem(
 def run_point(
     num_microbatches: int, *, data_parallel: int, recomputation: str, time_limit_s: float, bandwidth: float
 ) -> dict[str, Any]:
-    """Every method at one microbatch count: step time (ms), peak memory (GiB), feasibility."""
+    """Every variant at one microbatch count: step time (ms), peak memory (GiB), feasibility."""
     row: dict[str, Any] = {"num_microbatches": num_microbatches, "per_gpu": num_microbatches / NUM_RANKS}
-    shapes = {
-        spr: problem(
-            num_microbatches,
-            spr,
-            data_parallel=data_parallel,
-            recomputation=recomputation,
-            time_limit_s=time_limit_s,
-            bandwidth=bandwidth,
-        )
-        for spr in (8, 1)
-    }
-    for method in METHODS:
-        if method == MEGATRON_2022:
-            prob = shapes[8]
-            inst = compile_problem(prob)
-            orders = add_communication(inst, get_family("interleaved-1f1b").generate(prob), reduce_after_flush=True)
-            sim = simulate(inst, orders, check_memory=False)
-            row[method] = {
-                "step_time_ms": sim.step_time,
-                "peak_memory_gib": max(sim.peak_memory) / 2**30,
-                "fits": sim.fits,
+    for label, (method, stages_per_rank, reshard, overlap) in VARIANTS.items():
+        shapes = (8, 1) if method == "auto" else (stages_per_rank,)
+        best: dict[str, Any] | None = None
+        for spr in shapes:
+            prob = problem(
+                num_microbatches,
+                spr,
+                data_parallel=data_parallel,
+                recomputation=recomputation,
+                time_limit_s=time_limit_s,
+                bandwidth=bandwidth,
+                reshard_after_forward=reshard,
+                overlap_grad_reduce=overlap,
+            )
+            started = time.perf_counter()
+            schedule = solve(prob) if method == "auto" else solve_family(prob, method, enforce_memory=False)
+            if schedule.status == "infeasible":
+                continue
+            entry = {
+                "step_time_ms": schedule.step_time,
+                "peak_memory_gib": max(schedule.peak_memory) / 2**30,
+                "fits": bool(schedule.fits_memory),
+                "stages_per_rank": spr,
+                "gathers_per_rank": max(sum(a.kind == "UNSHARD" for a in rank.actions) for rank in schedule.ranks),
+                "wall_s": round(time.perf_counter() - started, 2),
             }
-            continue
-        if method == "auto":
-            best: dict[str, Any] | None = None
-            for spr, prob in shapes.items():
-                started = time.perf_counter()
-                schedule = solve(prob)
-                wall = time.perf_counter() - started
-                if schedule.status == "infeasible":
-                    continue
-                entry = {
-                    "step_time_ms": schedule.step_time,
-                    "lower_bound_ms": schedule.lower_bound,
-                    "peak_memory_gib": max(schedule.peak_memory) / 2**30,
-                    "stages_per_rank": spr,
-                    "backend": schedule.backend,
-                    "wall_s": round(wall, 2),
-                }
-                if best is None or entry["step_time_ms"] < best["step_time_ms"]:
-                    best = entry
-            row[method] = best
-            continue
-        prob = shapes[8 if method in LOOPED else 1]
-        schedule = solve_family(prob, method, enforce_memory=False)
-        compute_end = max(a.end for r in schedule.ranks for a in r.actions if a.kind in ("F", "I", "W", "B"))
-        row[method] = {
-            "step_time_ms": schedule.step_time,
-            "compute_end_ms": compute_end,
-            "peak_memory_gib": max(schedule.peak_memory) / 2**30,
-            "fits": bool(schedule.fits_memory),
-        }
+            if method == "auto":
+                entry |= {"lower_bound_ms": schedule.lower_bound, "backend": schedule.backend}
+            if best is None or entry["step_time_ms"] < best["step_time_ms"]:
+                best = entry
+        row[label] = best
     return row
 
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
-    """Markdown: step time per method (ms; ✗ = over the memory limit), breadth-first's gain over the best
-    depth-first schedule that fits."""
+    """Markdown: step time per variant (ms; ✗ = over the memory limit), the best breadth-first variant's gain
+    over the best depth-first one that fits."""
     head = "| m | m/p | " + " | ".join(METHODS) + " | bfs throughput vs best depth-first |"
     lines = [f"**{title}**", "", head, "|" + "---|" * (len(METHODS) + 3)]
     for row in rows:
@@ -160,13 +159,14 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
                 continue
             mark = "" if entry.get("fits", True) else " ✗"
             cells.append(f"{entry['step_time_ms']:.0f} ({entry['peak_memory_gib']:.0f} GiB){mark}")
-        bfs = row["looped-bfs"]
+        fitting = [row[m]["step_time_ms"] for m in BREADTH_FIRST if row.get(m) and row[m]["fits"]]
+        depth_first = [m for m in METHODS if m not in BREADTH_FIRST and not m.startswith("auto")]
         gains = []
-        for names, label in (((MEGATRON_2022,), "Megatron-2022"), (("interleaved-1f1b", *SINGLE), "eager")):
-            depth = [row[m]["step_time_ms"] for m in names if row[m]["fits"]]
-            if bfs["fits"] and depth:
-                gains.append(f"{100 * (min(depth) / bfs['step_time_ms'] - 1):+.1f}% vs {label}")
-        gain = ", ".join(gains) if gains else ("bfs over memory" if not bfs["fits"] else "—")
+        for names, label in (((MEGATRON_2022,), "Megatron-2022"), (depth_first, "best depth-first")):
+            depth = [row[m]["step_time_ms"] for m in names if row.get(m) and row[m]["fits"]]
+            if fitting and depth:
+                gains.append(f"{100 * (min(depth) / min(fitting) - 1):+.1f}% vs {label}")
+        gain = ", ".join(gains) if gains else ("bfs over memory" if not fitting else "—")
         lines.append(f"| {row['num_microbatches']} | {row['per_gpu']:g} | " + " | ".join(cells) + f" | {gain} |")
     return "\n".join(lines)
 

@@ -15,9 +15,13 @@ torch 1963fc8, torchtitan 9dec370): Grand Teton hosts of 8 H100s (96 GB HBM2e, 2
   torchtitan's default; two stages per rank assumed for the interleaved schedule).
 
 For each: the planner's prediction for torchtitan's own layout (every dimension pinned in ``search``), and
-the planner's best layout for the same model, GPUs and global batch. The cluster is the benchmark's: H100
-SXM peak (989.5 TFLOP/s dense bf16, the figure torchtitan's MFU uses), 96 GiB at 2.4 TB/s, NVLink 450 GB/s
-per direction inside a host, 50 GB/s per GPU between hosts; the default matrix-multiply efficiency 0.75.
+the planner's best layout for the same model, GPUs, global batch, precision and kernels (70B and 405B ran
+torch.compile with Float8: ``training.precision: fp8``, ``training.kernels: compiled``). The cluster is the
+benchmark's: H100 SXM peak (989.5 TFLOP/s dense bf16, the figure torchtitan's MFU uses), 96 GiB at 2.4 TB/s,
+NVLink 450 GB/s per direction inside a host, 50 GB/s per GPU between hosts; the H100-SXM profile calibrated by
+``bench/calibration_bench.py`` (its 80% interval with every prediction). The best layout's gain is its
+prediction over the prediction for torchtitan's layout, its interval the best plan's interval over that same
+prediction. Every search's wall time is reported beside its ``time_limit_s``.
 
 Run: ``python -m bench.planner_bench [--time-limit S] [--output FILE]`` (default 60 s per free search).
 """
@@ -136,13 +140,23 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
 ]
 
 
-def request(preset: str, nodes: int, batch: int, time_limit_s: float, pins: dict[str, Any]) -> PlanRequest:
+#: Precision and kernels of each case as torchtitan ran it (Tables 4 and 5: torch.compile + Float8).
+TRAINING: dict[str, dict[str, str]] = {
+    "70B, 256 GPUs": {"precision": "fp8", "kernels": "compiled"},
+    "405B, 512 GPUs, 1F1B": {"precision": "fp8", "kernels": "compiled"},
+    "405B, 512 GPUs, interleaved": {"precision": "fp8", "kernels": "compiled"},
+}
+
+
+def request(
+    preset: str, nodes: int, batch: int, time_limit_s: float, pins: dict[str, Any], training: dict[str, str]
+) -> PlanRequest:
     """The plan request of one case."""
     return PlanRequest.model_validate(
         {
             "model": {"preset": preset},
             "cluster": {**CLUSTER, "num_nodes": nodes},
-            "training": {"global_batch_size": batch},
+            "training": {"global_batch_size": batch, **training},
             "search": {"time_limit_s": time_limit_s, "top": 1, **pins},
         }
     )
@@ -165,14 +179,16 @@ def run(time_limit_s: float) -> list[dict[str, Any]]:
     """Every case: the pinned (torchtitan) and the free search."""
     rows = []
     for name, preset, nodes, batch, pins, published, memory_gib, note in CASES:
+        training = TRAINING.get(name, {})
         started = time.perf_counter()
-        pinned = plan(request(preset, nodes, batch, min(time_limit_s, 20.0), pins)).answer
+        pinned = plan(request(preset, nodes, batch, min(time_limit_s, 20.0), pins, training)).answer
         pinned_s = time.perf_counter() - started
         started = time.perf_counter()
-        free = plan(request(preset, nodes, batch, time_limit_s, {})).answer
+        free = plan(request(preset, nodes, batch, time_limit_s, {}, training)).answer
         free_s = time.perf_counter() - started
         ours = pinned.plans[0] if pinned.plans else None
         best = free.plans[0] if free.plans else None
+        interval = ours.tokens_per_s_per_gpu_interval if ours else None
         rows.append(
             {
                 "case": name,
@@ -181,6 +197,17 @@ def run(time_limit_s: float) -> list[dict[str, Any]]:
                 "published_memory_gib": memory_gib,
                 "torchtitan_layout": layout(ours) if ours else pinned.error,
                 "predicted_tokens_per_s_per_gpu": ours.tokens_per_s_per_gpu if ours else None,
+                "predicted_interval": interval,
+                "predicted_over_published": round(ours.tokens_per_s_per_gpu / published, 3) if ours else None,
+                "published_in_interval": bool(interval and interval[0] <= published <= interval[1]),
+                "best_gain": round(best.tokens_per_s_per_gpu / ours.tokens_per_s_per_gpu, 3) if best and ours else None,
+                "best_gain_interval": (
+                    [round(bound / ours.tokens_per_s_per_gpu, 3) for bound in best.tokens_per_s_per_gpu_interval]
+                    if best and ours
+                    else None
+                ),
+                "time_limit_s": time_limit_s,
+                "notes": free.notes,
                 "predicted_memory_gib": round(ours.peak_memory_bytes / GIB, 1) if ours else None,
                 "predicted_mfu": ours.mfu if ours else None,
                 "pinned_search_s": round(pinned_s, 1),
@@ -197,22 +224,28 @@ def run(time_limit_s: float) -> list[dict[str, Any]]:
     return rows
 
 
+def _interval(values: Any, digits: str = ",.0f") -> str:
+    return f"{values[0]:{digits}}–{values[1]:{digits}}" if values else "—"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """A markdown table of the rows."""
     lines = [
-        "| case | published tok/s/GPU (GiB) | planner on torchtitan's layout: tok/s/GPU (GiB, MFU) "
-        "| planner's best layout | its tok/s/GPU (GiB, MFU) "
-        "| search: first answer / total s; enumerated, pruned memory / bound, simulated |",
-        "|---|---:|---:|---|---:|---|",
+        "| case | published tok/s/GPU (GiB) | planner on torchtitan's layout: tok/s/GPU [80% interval] (GiB, MFU) "
+        "| predicted / published | planner's best layout | its tok/s/GPU (GiB, MFU) | gain over torchtitan's "
+        "layout [interval] | search: first answer / total s (limit); enumerated, pruned memory / bound, simulated |",
+        "|---|---:|---:|---:|---|---:|---:|---|",
     ]
     for row in rows:
         searched = row["searched"]
         lines.append(
             f"| {row['case']} ({row['note']}) | {row['published_tokens_per_s_per_gpu']:,.0f} "
             f"({row['published_memory_gib']}) | {row['predicted_tokens_per_s_per_gpu'] or 0:,.0f} "
-            f"({row['predicted_memory_gib']}, {row['predicted_mfu'] or 0:.0%}) | {row['best_layout']} | "
+            f"[{_interval(row['predicted_interval'])}] ({row['predicted_memory_gib']}, {row['predicted_mfu'] or 0:.0%})"
+            f" | {row['predicted_over_published'] or 0:.2f} | {row['best_layout']} | "
             f"{row['best_tokens_per_s_per_gpu'] or 0:,.0f} ({row['best_memory_gib']}, {row['best_mfu'] or 0:.0%}) | "
-            f"{row['first_answer_s']} / {row['free_search_s']}; {searched['enumerated']}, "
+            f"{row['best_gain'] or 0:.2f}× [{_interval(row['best_gain_interval'], '.2f')}] | "
+            f"{row['first_answer_s']} / {row['free_search_s']} ({row['time_limit_s']:g}); {searched['enumerated']}, "
             f"{searched['pruned_memory']} / {searched['pruned_bound']}, {searched['solved']} |"
         )
     return "\n".join(lines)

@@ -42,7 +42,13 @@ def _problem(num_ranks: int, num_microbatches: int, stages_per_rank: int, placem
                 "stages_per_rank": stages_per_rank,
                 "placement": placement,
             },
-            "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.5, "p2p": 0.1},
+            "costs": {
+                "forward": 1.0,
+                "backward_input": 1.0,
+                "backward_weight": 0.5,
+                "p2p": 0.1,
+                **({"reduce_grad": 0.3} if placement == "bidirectional" else {}),  # the replicas' sync
+            },
             "memory": {"activation": 100, "retained_for_weight": 30, "limit": 30 * 100 * stages_per_rank},
             "solver": {"method": method, "time_limit_s": limit},
         }

@@ -1,6 +1,8 @@
-"""Catalogue of accelerators: dense bf16 peak FLOP/s, memory and memory bandwidth.
+"""Catalogue of accelerators: dense bf16 and fp8 peak FLOP/s, memory and memory bandwidth.
 
-Figures are the vendors' datasheet numbers for dense (not 2:4 sparse) bf16 tensor-core throughput.
+Figures are the vendors' datasheet numbers for dense (not 2:4 sparse) bf16 and fp8 tensor-core throughput
+(the datasheets print the sparse figure, twice the dense one; A100 has no FP8 tensor cores).
+How close to these figures each accelerator runs is its profile (:mod:`pipesched.optimizer.cost.profile`).
 Memory is given as the vendor's nominal size read as GiB (what ``nvidia-smi``/``rocm-smi`` report is
 within a few percent of it); set ``cluster.memory_bytes`` to override.
 """
@@ -24,6 +26,7 @@ class Accelerator:
         memory_bytes: device memory, bytes.
         memory_bandwidth_bytes_per_s: device memory (HBM/GDDR) bandwidth, bytes/s.
         source: where the figures come from.
+        fp8_flops_per_s: dense fp8 tensor-core peak, FLOP/s (None: no FP8 tensor cores).
     """
 
     name: str
@@ -31,6 +34,7 @@ class Accelerator:
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
     source: str
+    fp8_flops_per_s: float | None = None
 
 
 CATALOGUE: dict[str, Accelerator] = {
@@ -40,19 +44,23 @@ CATALOGUE: dict[str, Accelerator] = {
         Accelerator("A100-40GB", 312e12, 40 * GIB, 1.555e12, "NVIDIA A100 datasheet, SXM 40GB"),
         # Same datasheet: 80GB HBM2e, 2,039 GB/s (SXM). The Zero Bubble paper's profiles were taken on it.
         Accelerator("A100-80GB", 312e12, 80 * GIB, 2.039e12, "NVIDIA A100 datasheet, SXM 80GB"),
-        # NVIDIA H100 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense; 80GB, 3.35 TB/s.
-        Accelerator("H100-SXM", 989.5e12, 80 * GIB, 3.35e12, "NVIDIA H100 datasheet, H100 SXM"),
-        # Same datasheet: PCIe BF16 1,513 TFLOPS with sparsity → 756.5 dense; 80GB, 2 TB/s.
-        Accelerator("H100-PCIe", 756.5e12, 80 * GIB, 2.0e12, "NVIDIA H100 datasheet, H100 PCIe"),
-        # NVIDIA H200 datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense; 141GB HBM3e, 4.8 TB/s.
-        Accelerator("H200", 989.5e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet, H200 SXM"),
-        # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs; B200 BF16 2.25 PFLOPS dense;
+        # NVIDIA H100 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense, FP8 3,958 → 1,979;
+        # 80GB, 3.35 TB/s.
+        Accelerator("H100-SXM", 989.5e12, 80 * GIB, 3.35e12, "NVIDIA H100 datasheet, H100 SXM", 1979e12),
+        # Same datasheet: PCIe BF16 1,513 TFLOPS with sparsity → 756.5 dense, FP8 3,026 → 1,513; 80GB, 2 TB/s.
+        Accelerator("H100-PCIe", 756.5e12, 80 * GIB, 2.0e12, "NVIDIA H100 datasheet, H100 PCIe", 1513e12),
+        # NVIDIA H200 datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense, FP8 3,958 → 1,979; 141GB HBM3e,
+        # 4.8 TB/s.
+        Accelerator("H200", 989.5e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet, H200 SXM", 1979e12),
+        # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs (9 per GPU with sparsity → 4.5 dense);
+        # B200 BF16 2.25 PFLOPS dense;
         # 1,440GB HBM3e for 8 GPUs → 180GB each, 8 TB/s each.
-        Accelerator("B200", 2.25e15, 180 * GIB, 8.0e12, "NVIDIA DGX B200 datasheet, per GPU"),
-        # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense; 192GB HBM3, 5.3 TB/s.
-        Accelerator("MI300X", 1307.4e12, 192 * GIB, 5.3e12, "AMD Instinct MI300X datasheet"),
-        # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS dense (733 with sparsity); 48GB GDDR6, 864 GB/s.
-        Accelerator("L40S", 362.05e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet"),
+        Accelerator("B200", 2.25e15, 180 * GIB, 8.0e12, "NVIDIA DGX B200 datasheet, per GPU", 4.5e15),
+        # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, FP8 2,614.9 dense; 192GB HBM3, 5.3 TB/s.
+        Accelerator("MI300X", 1307.4e12, 192 * GIB, 5.3e12, "AMD Instinct MI300X datasheet", 2614.9e12),
+        # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS dense (733 with sparsity), FP8 733 dense (1,466 with
+        # sparsity); 48GB GDDR6, 864 GB/s.
+        Accelerator("L40S", 362.05e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet", 733e12),
     )
 }
 

@@ -322,12 +322,38 @@ def lower_bounds(inst: Instance, deadline: Deadline | None = None) -> LowerBound
     """
     deadline = deadline or NO_DEADLINE
     p = inst.num_ranks
-    backward_kind = inst.backward_kind
     try:
         chains = _chains(inst, deadline)
     except SearchStopped:
         return _trivial(inst)
+    head, tail, critical_path = _heads_and_tails(inst, chains)
+    window_warm, window_cool, done = _windows(inst, chains, deadline)
+    warm_idle = [0.0] * p
+    cool_idle = [0.0] * p
+    span = list(inst.compute)
+    for r in range(p):
+        if not inst.rank_actions[r] or not done[r]:
+            continue
+        warm_idle[r], cool_idle[r], span[r] = _rank_idle(inst, r, window_warm[r], window_cool[r])
+    bottleneck_span, bottleneck_makespan = _bottleneck_bounds(inst, chains, deadline)
+    stage_span = max([bottleneck_span, *span])
+    makespan = max([critical_path, bottleneck_makespan] + [head[r] + span[r] + tail[r] for r in range(p)])
+    return LowerBounds(
+        compute=list(inst.compute),
+        warmup_idle=warm_idle,
+        cooldown_idle=cool_idle,
+        head=head,
+        tail=tail,
+        critical_path=critical_path,
+        stage_span=stage_span,
+        makespan=makespan,
+    )
 
+
+def _heads_and_tails(inst: Instance, chains: list[_Chain]) -> tuple[list[float], list[float], float]:
+    """Per rank the least time before its first action can start and after its last can end, and the critical
+    path, over every distinct chain (ms)."""
+    p = inst.num_ranks
     head = [math.inf] * p
     tail = [math.inf] * p
     critical_path = 0.0
@@ -342,10 +368,16 @@ def lower_bounds(inst: Instance, deadline: Deadline | None = None) -> LowerBound
             head[r] = 0.0
         if not inst.rank_actions[r] or not math.isfinite(tail[r]):
             tail[r] = 0.0
+    return head, tail, critical_path
 
-    # Windows rank by rank; a rank's windows count only once every chain has been seen on it.
-    window_warm = [math.inf] * p  # D_r
-    window_cool = [math.inf] * p  # T_r
+
+def _windows(inst: Instance, chains: list[_Chain], deadline: Deadline) -> tuple[list[float], list[float], list[bool]]:
+    """Per rank the warm-up window D_r (first forward to the first backward it can reach) and the cool-down
+    window T_r (a forward's end to its microbatch's last action on the rank), rank by rank until ``deadline``; a
+    rank's windows count (``done``) only once every chain has been seen on it."""
+    p = inst.num_ranks
+    window_warm = [math.inf] * p
+    window_cool = [math.inf] * p
     done = [False] * p
     try:
         for r in range(p):
@@ -353,67 +385,52 @@ def lower_bounds(inst: Instance, deadline: Deadline | None = None) -> LowerBound
                 deadline.check()
                 acts = chain.by_rank.get(r, [])
                 forwards = [a for a in acts if inst.actions[a].kind == ActionKind.FORWARD]
-                backwards = [a for a in acts if inst.actions[a].kind == backward_kind]
+                backwards = [a for a in acts if inst.actions[a].kind == inst.backward_kind]
                 if not forwards or not backwards:
                     continue
                 first_forward = min(forwards, key=lambda a: chain.head[a])
                 dist = _longest_from(inst, first_forward, chain.order)
                 window_warm[r] = min(window_warm[r], min(dist.get(b, 0.0) for b in backwards))
-                # Cool-down: from each forward's end to the end of this microbatch's last action on r.
                 reach = _to_rank(inst, chain.order, r)
                 window_cool[r] = min(window_cool[r], min(reach.get(f, 0.0) for f in forwards))
             done[r] = True
     except SearchStopped:
         pass
+    return window_warm, window_cool, done
 
-    m = inst.num_microbatches
-    warm_idle = [0.0] * p
-    cool_idle = [0.0] * p
-    span = list(inst.compute)
-    for r in range(p):
-        if not inst.rank_actions[r] or not done[r]:
-            continue
-        capacity = inst.limit[r] - inst.static[r]
-        stage_ids = sorted({inst.actions[a].stage for a in inst.rank_actions[r]})
-        f_items: list[tuple[float, float, int]] = []
-        pending_items: list[tuple[float, float, int]] = []
-        total_activation = 0.0
-        for s in stage_ids:
-            count = sum(1 for chain in inst.chains if s in chain)
-            j = inst.first_microbatch(s)
-            f_idx = inst.action_id(s, ActionKind.FORWARD, j)
-            act = inst.mem_delta[f_idx]
-            total_activation += act * count
-            f_items.append((act, inst.duration[f_idx], count))
-            if inst.split_backward:
-                i_idx = inst.action_id(s, ActionKind.BACKWARD_INPUT, j)
-                w_idx = inst.action_id(s, ActionKind.BACKWARD_WEIGHT, j)
-                retained = -inst.mem_delta[w_idx]
-                pending_items.append((act, inst.duration[i_idx] + inst.duration[w_idx], count))
-                pending_items.append((retained, inst.duration[w_idx], count))
-            else:
-                b_idx = inst.action_id(s, ActionKind.BACKWARD, j)
-                pending_items.append((act, inst.duration[b_idx], count))
-        if math.isfinite(capacity) and math.isfinite(window_warm[r]):
-            warm_idle[r] = max(0.0, window_warm[r] - _knapsack(capacity, f_items))
-        if math.isfinite(capacity) and math.isfinite(window_cool[r]):
-            cool_idle[r] = max(0.0, window_cool[r] - _knapsack(capacity, pending_items))
-        disjoint = total_activation > capacity * (1 + 1e-12) and m > 0
-        idle = warm_idle[r] + cool_idle[r] if disjoint else max(warm_idle[r], cool_idle[r])
-        span[r] = inst.compute[r] + idle
-    bottleneck_span, bottleneck_makespan = _bottleneck_bounds(inst, chains, deadline)
-    stage_span = max([bottleneck_span, *span])
-    makespan = max([critical_path, bottleneck_makespan] + [head[r] + span[r] + tail[r] for r in range(p)])
-    return LowerBounds(
-        compute=list(inst.compute),
-        warmup_idle=warm_idle,
-        cooldown_idle=cool_idle,
-        head=head,
-        tail=tail,
-        critical_path=critical_path,
-        stage_span=stage_span,
-        makespan=makespan,
-    )
+
+def _rank_idle(inst: Instance, r: int, window_warm: float, window_cool: float) -> tuple[float, float, float]:
+    """Rank ``r``'s forced warm-up and cool-down idle (its window less the most work its free memory lets it do
+    there: a knapsack over its stages' passes) and its span bound, ms."""
+    capacity = inst.limit[r] - inst.static[r]
+    stage_ids = sorted({inst.actions[a].stage for a in inst.rank_actions[r]})
+    f_items: list[tuple[float, float, int]] = []
+    pending_items: list[tuple[float, float, int]] = []
+    total_activation = 0.0
+    for s in stage_ids:
+        count = sum(1 for chain in inst.chains if s in chain)
+        j = inst.first_microbatch(s)
+        f_idx = inst.action_id(s, ActionKind.FORWARD, j)
+        act = inst.mem_delta[f_idx]
+        total_activation += act * count
+        f_items.append((act, inst.duration[f_idx], count))
+        if inst.split_backward:
+            i_idx = inst.action_id(s, ActionKind.BACKWARD_INPUT, j)
+            w_idx = inst.action_id(s, ActionKind.BACKWARD_WEIGHT, j)
+            retained = -inst.mem_delta[w_idx]
+            pending_items.append((act, inst.duration[i_idx] + inst.duration[w_idx], count))
+            pending_items.append((retained, inst.duration[w_idx], count))
+        else:
+            b_idx = inst.action_id(s, ActionKind.BACKWARD, j)
+            pending_items.append((act, inst.duration[b_idx], count))
+    warm_idle = cool_idle = 0.0
+    if math.isfinite(capacity) and math.isfinite(window_warm):
+        warm_idle = max(0.0, window_warm - _knapsack(capacity, f_items))
+    if math.isfinite(capacity) and math.isfinite(window_cool):
+        cool_idle = max(0.0, window_cool - _knapsack(capacity, pending_items))
+    disjoint = total_activation > capacity * (1 + 1e-12) and inst.num_microbatches > 0
+    idle = warm_idle + cool_idle if disjoint else max(warm_idle, cool_idle)
+    return warm_idle, cool_idle, inst.compute[r] + idle
 
 
 def lower_bound(inst: Instance, objective: str, deadline: Deadline | None = None) -> float:

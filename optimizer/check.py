@@ -36,8 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipesched.optimizer.communication import ReshardOrderError, with_communication
-from pipesched.optimizer.instance import Instance, compile_for_orders
+from pipesched.optimizer.communication import with_communication
+from pipesched.optimizer.instance import FrameError, compile_for_orders
 from pipesched.optimizer.ir import ActionKind, Orders, parse_action, parse_orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, simulate
@@ -236,19 +236,19 @@ def _marks(error: InvalidSchedule, rows: list[list[str]]) -> list[tuple[int, int
     return [(rank, _position(rows[rank], action))]
 
 
-def _own_communication(inst: Instance, orders: Orders, notes: list[str]) -> Orders:
+def _own_communication(problem: Problem, orders: Orders, notes: list[str]) -> Orders:
     """``orders`` with their communication actions as written when they are pipesched's (rows that hold
     OPTIMIZER_STEP, for a problem with step actions); else without them, noted (module docstring)."""
     written = [action for row in orders for action in row if not action.is_compute]
     if not written:
         return orders
     ours = any(action.kind == ActionKind.OPTIMIZER_STEP for action in written)
-    if inst.has_step_actions and ours:
+    if problem.has_step_actions and ours:
         return orders
     kinds = sorted({str(action.kind) for action in written})
     why = (
         "the problem has no data parallelism nor optimizer cost"
-        if not inst.has_step_actions
+        if not problem.has_step_actions
         else "the rows hold no OPTIMIZER_STEP (PyTorch's lowering, not pipesched's): pipesched places the problem's own"
     )
     notes.append(f"set aside {len(written)} communication action(s) ({', '.join(kinds)}): {why}")
@@ -263,22 +263,20 @@ def check_schedule(problem: Problem, orders: Orders, notes: list[str] | None = N
         invalid with the first :class:`Violation`.
     """
     notes = list(notes or [])
-    inst = compile_for_orders(problem, orders)
-    orders = _own_communication(inst, orders, notes)
-    if inst.has_step_actions and all(action.is_compute for row in orders for action in row):
-        try:
-            orders = with_communication(inst, orders)
-            notes.append(
-                "the problem's collectives and optimizer steps (data_parallel, costs.optimizer_step) are placed "
-                "as pipesched's families place them (optimizer/communication.py)"
-            )
-        except ReshardOrderError as error:
-            rows = [[str(action) for action in row] for row in orders]
-            result = CheckResult(valid=False, orders=rows, notes=notes, objective=problem.objective)
-            result.violation = Violation("reshard_order", str(error), {}, [])
-            return result
+    orders = _own_communication(problem, orders, notes)
+    if problem.has_step_actions and all(action.is_compute for row in orders for action in row):
+        orders = with_communication(compile_for_orders(problem, orders), orders)
+        notes.append(
+            "the problem's collectives and optimizer steps (data_parallel, costs.optimizer_step) are placed "
+            "as pipesched's families place them (optimizer/communication.py)"
+        )
     rows = [[str(action) for action in row] for row in orders]
     result = CheckResult(valid=False, orders=rows, notes=notes, objective=problem.objective)
+    try:
+        inst = compile_for_orders(problem, orders)
+    except FrameError as error:
+        result.violation = Violation("unframed_pass", str(error), {}, [])
+        return result
     try:
         sim = simulate(inst, orders, check_memory=True)
     except InvalidSchedule as error:

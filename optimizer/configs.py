@@ -74,6 +74,16 @@ class ModelConfig(BaseModel):
         description='"none"; "selective" recomputes the attention core (drops 5as per token); "full" keeps '
         "only each layer's input and reruns its forward in the backward.",
     )
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description='Matrix multiplies of the decoder layers: "bf16", or "fp8" (FP8 inputs and weights with bf16 '
+        "elsewhere, as torchao's Float8Linear and Transformer Engine's current scaling).",
+    )
+    kernels: Literal["eager", "compiled", "fused"] = Field(
+        "eager",
+        description='How elementwise work runs: "eager" PyTorch (torchtitan\'s default), "compiled" '
+        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine).',
+    )
     layers_per_stage: list[int] | None = Field(
         None,
         description="Layers per model stage (one entry per stage, summing to num_layers); null lets pipesched "
@@ -151,6 +161,11 @@ class ModelConfig(BaseModel):
         return self
 
 
+#: The slowest link a cluster may name, B/s (1 MB/s): below it a collective's time overflows the estimates
+#: (1e-300 B/s made every configuration's time infinite, reported as "over memory").
+MIN_LINK_BYTES_PER_S = 1e6
+
+
 class ClusterConfig(BaseModel):
     """The accelerators and links: a catalogue name (:mod:`pipesched.optimizer.accelerators`) or explicit numbers.
 
@@ -160,33 +175,71 @@ class ClusterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_fields(cls, data: Any) -> Any:
+        """The data-parallel group is the problem's ``data_parallel`` section, not a cluster field."""
+        if isinstance(data, dict):
+            raise_field_errors(
+                "ClusterConfig",
+                [
+                    (
+                        (name,),
+                        f"cluster.{name} is not a cluster field: the data-parallel group is the problem's "
+                        'data_parallel section, e.g. {"size": 8, "sharding": "optimizer"} for ZeRO-1 over 8 copies',
+                        data[name],
+                    )
+                    for name in ("data_parallel_size", "shard_optimizer_state")
+                    if name in data
+                ],
+            )
+        return data
+
     accelerator: str | None = Field(None, description='Catalogue name, e.g. "H100-SXM"; null for explicit.')
     memory_bytes: float | None = Field(None, gt=0, description="Accelerator memory, bytes.")
     flops_per_s: float | None = Field(None, gt=0, description="Dense bf16 peak, FLOP/s.")
     memory_bandwidth_bytes_per_s: float | None = Field(
         None, gt=0, description="Device memory bandwidth, bytes/s (elementwise kernels are bound by it)."
     )
-    efficiency: float = Field(
-        0.75, gt=0, le=1, description="Achieved fraction of peak FLOP/s in the matrix multiplies."
+    efficiency: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Achieved fraction of the bf16 peak in large matrix multiplies; null: the accelerator "
+        "profile's (0.75 without one).",
+    )
+    attention_efficiency: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="FlashAttention's achieved fraction of the bf16 peak; null: the accelerator profile's.",
+    )
+    profile: str | None = Field(
+        None,
+        description="A calibrated accelerator profile by name (built in: the accelerator's own; or one made by "
+        "`pipesched calibrate` and registered with POST /v1/profiles or `--profile`); null: the accelerator's.",
     )
     p2p_bandwidth_bytes_per_s: float = Field(50e9, gt=0, description="Link bandwidth between ranks, B/s.")
     p2p_latency_ms: float = Field(0.01, ge=0, description="Link latency per transfer, ms.")
-    data_parallel_size: int = Field(1, ge=1, description="Data-parallel replicas sharding optimizer state.")
-    shard_optimizer_state: bool = Field(
-        False, description="ZeRO-1: shard the fp32 master weights and Adam state over data_parallel_size."
-    )
-    memory_reserve_bytes: float = Field(
-        2 * 1024**3, ge=0, description="Bytes kept free per rank (CUDA context, allocator fragmentation)."
+    memory_headroom_bytes: float | None = Field(
+        None,
+        ge=0,
+        description="Bytes kept free per GPU (CUDA context, NCCL buffers, allocator fragmentation); null: the "
+        "profile's default (5% of the memory + 1 GiB for calibrated accelerators, 2 GiB otherwise).",
     )
     num_nodes: int = Field(1, ge=1, le=100_000, description="Hosts in the cluster.")
     gpus_per_node: int = Field(
         8, ge=1, le=1024, description="Accelerators per host (one tensor-parallel group at most)."
     )
     intra_node_bandwidth_bytes_per_s: float = Field(
-        450e9, gt=0, description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s."
+        450e9,
+        ge=MIN_LINK_BYTES_PER_S,
+        description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s.",
     )
     inter_node_bandwidth_bytes_per_s: float = Field(
-        50e9, gt=0, description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s."
+        50e9,
+        ge=MIN_LINK_BYTES_PER_S,
+        description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s.",
     )
     collective_latency_ms: float = Field(0.01, ge=0, description="Latency of one ring step of a collective, ms.")
 
@@ -208,3 +261,8 @@ class TensorParallel(BaseModel):
 
     size: int = Field(1, ge=1, le=1024, description="Tensor-parallel degree t (GPUs per layer, within a node).")
     sequence_parallel: bool = Field(True, description="Split norms and dropouts along the sequence too.")
+    async_communication: bool = Field(
+        False,
+        description="Overlap the tensor-parallel collectives with the matrix multiplies (torchtitan's AsyncTP, "
+        "Transformer Engine's communication overlap) instead of running them between them.",
+    )

@@ -15,10 +15,12 @@ from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
-from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem, stage_ranks
+from pipesched.optimizer.cost.overlap import stage_overlap
+from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
 from pipesched.optimizer.families import method_field_errors, registry
-from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
+from pipesched.optimizer.solvers.base import backend_names
 
 __all__ = ["ProblemDocument", "load_problem"]
 
@@ -50,8 +52,18 @@ def load_problem(data: Mapping[str, Any]) -> Problem:
             ``cluster.accelerator``, ``costs.forward``…, ``solver.method`` against the families) and the fix.
     """
     problem = _derive_and_validate(_with_method_training(dict(data)))
-    raise_field_errors("Problem", method_field_errors(problem))
+    raise_field_errors("Problem", [*method_field_errors(problem), *_backend_errors(problem)])
     return problem
+
+
+def _backend_errors(problem: Problem) -> list[FieldError]:
+    """``solver.backends`` against the backends' registry (:data:`pipesched.optimizer.solvers.base.BACKENDS`)."""
+    known = backend_names()
+    return [
+        (("solver", "backends", index), f"{name!r} is not a backend: choose among {', '.join(known)}", name)
+        for index, name in enumerate(problem.solver.backends or [])
+        if name not in known
+    ]
 
 
 def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +104,7 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
             document["costs"] = derived.costs.model_dump(mode="json")
         if not memory_given:
             document["memory"] = derived.memory.model_dump(mode="json")
-        if dp is not None and dp.size > 1:
+        if (dp is not None and dp.size > 1) or _bidirectional(document):
             _add_collectives(document, parts, derived, costs_given=costs_given, memory_given=memory_given)
         document["model"] = parts.model.model_copy(update={"layers_per_stage": derived.layers_per_stage}).model_dump(
             mode="json", exclude_none=True
@@ -153,18 +165,8 @@ _DERIVED_FIELDS = ("forward", "backward_input", "backward_weight", "p2p", "activ
 def _group_errors(
     parts: _DerivationInput, size: int, tensor_parallel: int
 ) -> list[tuple[tuple[str | int, ...], str, Any]]:
-    """The data-parallel group must agree with ``cluster.data_parallel_size`` and tile the nodes evenly."""
+    """The data-parallel groups must tile the nodes evenly."""
     errors: list[tuple[tuple[str | int, ...], str, Any]] = []
-    cluster_size = parts.cluster.data_parallel_size
-    if cluster_size not in (1, size):
-        errors.append(
-            (
-                ("cluster", "data_parallel_size"),
-                f"cluster.data_parallel_size {cluster_size} disagrees with data_parallel.size {size}: drop "
-                "cluster.data_parallel_size (data_parallel.size sets it) or make them equal",
-                cluster_size,
-            )
-        )
     gpus_per_node = getattr(parts.cluster, "gpus_per_node", None)
     group = size * tensor_parallel
     if gpus_per_node and (gpus_per_node % group if group <= gpus_per_node else group % gpus_per_node):
@@ -181,33 +183,47 @@ def _group_errors(
     return errors
 
 
+def _bidirectional(document: Mapping[str, Any]) -> bool:
+    pipeline = document.get("pipeline")
+    return isinstance(pipeline, Mapping) and pipeline.get("placement") == "bidirectional"
+
+
 def _lacks_collectives(document: Mapping[str, Any]) -> bool:
-    """Whether a document with d > 1 gives costs without ``costs.reduce_grad``."""
+    """Whether a document with d > 1, or a bidirectional placement (its replicas' synchronisation), gives costs
+    without ``costs.reduce_grad``."""
     dp, costs = document.get("data_parallel"), document.get("costs")
-    return (
-        isinstance(dp, Mapping)
-        and isinstance(dp.get("size"), int)
-        and dp["size"] > 1
-        and isinstance(costs, Mapping)
-        and costs.get("reduce_grad") is None
+    reduced = (isinstance(dp, Mapping) and isinstance(dp.get("size"), int) and dp["size"] > 1) or _bidirectional(
+        document
     )
+    return reduced and isinstance(costs, Mapping) and costs.get("reduce_grad") is None
 
 
 def _add_collectives(
     document: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, *, costs_given: bool, memory_given: bool
 ) -> None:
     """Fill ``costs.unshard``/``reduce_grad``/``optimizer_step`` (those not given) and, for derived memory,
-    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`)."""
-    dp = parts.data_parallel
-    assert dp is not None and derived.hardware is not None
+    ``memory.weights``/``gradients``/``static`` by sharding level (:mod:`pipesched.optimizer.cost.collectives`).
+    Without data parallelism (a bidirectional placement) only ``reduce_grad``: the all-reduce between the two
+    replicas' copies of each stage (BitPipe's eager synchronisation, a group of 2 ranks)."""
+    dp = parts.data_parallel or DataParallel()
+    assert derived.hardware is not None
     tensor_parallel = document.get("tensor_parallel")
     tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
     raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
+    profile = derived.hardware.profile
+    achieved = parts.cluster.model_copy(
+        update={
+            "intra_node_bandwidth_bytes_per_s": parts.cluster.intra_node_bandwidth_bytes_per_s
+            * profile.collective_efficiency_intra,
+            "inter_node_bandwidth_bytes_per_s": parts.cluster.inter_node_bandwidth_bytes_per_s
+            * profile.collective_efficiency_inter,
+        }
+    )
     collectives = data_parallel_costs(
         model=parts.model,
-        cluster=parts.cluster,
+        cluster=achieved,
         stage_parameters=[block.parameters for block in derived.stages],
-        stage_holders=stage_ranks(parts.pipeline),
+        stage_holders=parts.pipeline.stage_holders(),
         num_ranks=parts.pipeline.num_ranks,
         data_parallel_size=dp.size,
         sharding=dp.sharding,
@@ -215,22 +231,64 @@ def _add_collectives(
         tensor_parallel=tp_size,
         stage_largest_unit=derived.largest_unit,
         reshard_after_forward=dp.reshard_after_forward,
+        reduce_bytes=4.0 if dp.reduce_dtype == "fp32" else 2.0,
     )
     costs = dict(document["costs"])
-    for name, value in (
-        ("unshard", collectives.unshard_ms),
-        ("reduce_grad", collectives.reduce_grad_ms),
-        ("optimizer_step", collectives.optimizer_step_ms),
-    ):
+    unshard, reduce_grad = collectives.unshard_ms, collectives.reduce_grad_ms
+    if not costs_given and dp.size > 1:
+        unshard, reduce_grad = _hide_behind_compute(document, costs, parts, derived, unshard, reduce_grad)
+    derived_costs = [("reduce_grad", reduce_grad)]
+    if dp.size > 1:
+        derived_costs += [("unshard", unshard), ("optimizer_step", collectives.optimizer_step_ms)]
+    for name, value in derived_costs:
         if costs.get(name) is None:
             costs[name] = value
     document["costs"] = costs
-    if not memory_given:
+    if not memory_given and dp.size > 1:
         memory = dict(document["memory"])
         memory["weights"] = [float(round(x)) for x in collectives.weights_bytes]
         memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]
         memory["static"] = collectives.static_bytes
         document["memory"] = memory
+
+
+def _hide_behind_compute(
+    document: dict[str, Any],
+    costs: dict[str, Any],
+    parts: _DerivationInput,
+    derived: DerivedProblem,
+    unshard: list[float],
+    reduce_grad: list[float],
+) -> tuple[list[float], list[float]]:
+    """The collectives' exposure unit by unit (:func:`pipesched.optimizer.cost.overlap.stage_overlap`): the
+    step model's UNSHARD/REDUCE_GRAD times, and the derived F and I (in ``costs``) plus their stalls and
+    slowdown. One stage per rank resharding after forward is FSDP's per-microbatch gathering, timed inside
+    F and I: the document then gathers once (``reshard_after_forward`` false) and keeps the resharded
+    footprint (two units gathered, ``memory.weights``)."""
+    dp, pipeline = parts.data_parallel, parts.pipeline
+    assert dp is not None and derived.hardware is not None
+    per_microbatch = pipeline.num_stages == 1 and dp.sharding == "full" and dp.reshard_after_forward
+    forward, backward_input = list(costs["forward"]), list(costs["backward_input"])
+    new_unshard, new_reduce = [], []
+    for stage, block in enumerate(derived.stages):
+        exposure = stage_overlap(
+            gather_ms=unshard[stage],
+            reduce_ms=reduce_grad[stage],
+            forward_ms=block.forward_ms,
+            backward_ms=block.backward_input_ms + block.backward_weight_ms,
+            unit_fraction=derived.largest_unit[stage] / block.parameters if block.parameters else 1.0,
+            num_microbatches=pipeline.num_microbatches,
+            per_microbatch=per_microbatch,
+            slowdown=derived.hardware.profile.overlap_slowdown,
+        )
+        new_unshard.append(round(exposure.unshard_ms, 6))
+        new_reduce.append(round(exposure.reduce_grad_ms, 6))
+        forward[stage] = round(forward[stage] + exposure.forward_extra_ms, 6)
+        backward_input[stage] = round(backward_input[stage] + exposure.backward_input_extra_ms, 6)
+    costs["forward"], costs["backward_input"] = forward, backward_input
+    if per_microbatch:
+        document["data_parallel"] = {**dict(document["data_parallel"]), "reshard_after_forward": False}
+    return new_unshard, new_reduce
 
 
 def _derive_missing(value: Any) -> Any:

@@ -83,19 +83,11 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     Raises:
         ValueError: for an infeasible schedule (no actions to trace).
     """
-    from pipesched.optimizer.instance import compile_problem
-    from pipesched.optimizer.simulate import simulate
+    from pipesched.optimizer.pattern import memory_timelines
 
     if schedule.status == "infeasible" or not schedule.ranks:
         raise ValueError(f"schedule is infeasible ({schedule.reason}): there is no timeline to trace")
-    if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
-        from pipesched.optimizer.pattern import pattern_memory_timelines
-
-        memory_timeline = pattern_memory_timelines(schedule)
-    else:
-        memory_timeline = simulate(
-            compile_problem(schedule.problem), schedule.orders(), check_memory=False
-        ).memory_timeline
+    memory_timeline, _ = memory_timelines(schedule)
     events: list[dict[str, Any]] = []
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank

@@ -20,15 +20,21 @@ Memory (contract, Problem): F allocates ``activation``; I frees ``activation −
 W frees ``retained_for_weight``; B frees ``activation``.
 
 The training step (contract, Terms: data-parallel group, communication actions, step_time), when the
-problem has d > 1 or an optimizer cost (:attr:`Problem.has_step_actions`), adds per stage id s:
+problem has d > 1, an optimizer cost or synchronising replicas (:attr:`Problem.has_step_actions`), adds per
+stage id s:
 
-* sharding ``full``: ``UNSHARD(s)`` (all-gather, ``costs.unshard``; holds ``memory.weights``·(d−1)/d) before
-  every F of s, and ``RESHARD(s)`` (no time; frees them) after every backward of s. With
-  ``reshard_after_forward`` a first pair frames the forwards (RESHARD after every F) and a second pair the
-  backwards (UNSHARD before every I/B, after the first RESHARD);
-* d > 1: ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
-  placement also after those of the mirror replica's stage (both replicas' gradients are reduced together,
-  BitPipe §3.3); with sharding ``gradients``/``full`` it frees ``memory.gradients``·(d−1)/d;
+* sharding ``full``: per stage a sequence of *frames*, each an ``UNSHARD(s, n)`` (all-gather, ``costs.unshard``;
+  holds ``memory.weights``·(d−1)/d) before every pass of the frame and a ``RESHARD(s, n)`` (no time; frees them)
+  after it, frame n+1's gather after frame n's free. By default one frame holds all of s's passes (gathered
+  once per step), or with ``reshard_after_forward`` two: the forwards, then the backwards. A schedule's own
+  rows may frame the passes otherwise (:func:`frames_of`: the passes of s between its n-th UNSHARD and n-th
+  RESHARD on the rank; e.g. one frame per pass, FSDP2 re-gathering per microbatch), and
+  :func:`compile_for_orders` follows them. F, I and B need the weights (inside a frame); W may lie outside;
+* d > 1, or a bidirectional placement (:attr:`Problem.replicas_synchronise`, also with d = 1):
+  ``REDUCE_GRAD(s)`` (``costs.reduce_grad``) after every W (B when fused) of s; on a bidirectional
+  placement also after those of the mirror replica's stage (both replicas' gradients are all-reduced
+  together, BitPipe §3.3: the eager synchronisation); with sharding ``gradients``/``full`` it frees
+  ``memory.gradients``·(d−1)/d;
 * per rank ``OPTIMIZER_STEP`` (``costs.optimizer_step``) after the rank's REDUCE_GRADs and, unless
   ``training.post_validation``, after every other action of every rank (the global synchronisation: the
   simulator enforces it, see :attr:`Instance.sync_before_step`).
@@ -47,29 +53,21 @@ from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 
 __all__ = [
+    "FrameError",
     "Instance",
     "backward_forms_of",
     "compile_for_orders",
     "compile_problem",
     "compute_instance",
-    "stage_to_rank",
+    "frames_of",
 ]
 
+Frames = dict[int, list[list[Action]]]
+"""Per stage id, its frames in order, each the passes that run on gathered weights (module docstring)."""
 
-def stage_to_rank(problem: Problem) -> list[int]:
-    """Rank of every stage id (length ``num_stages``, or ``2 * num_stages`` for bidirectional)."""
-    pipeline = problem.pipeline
-    p, num_stages = pipeline.num_ranks, pipeline.num_stages
-    placement = pipeline.placement
-    if isinstance(placement, list):
-        return list(placement)
-    if placement == "loop":
-        return [s % p for s in range(num_stages)]
-    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    if placement == "v":
-        return v
-    # bidirectional: replica 0 in V placement, replica 1 mirrored.
-    return v + [p - 1 - r for r in v]
+
+class FrameError(ValueError):
+    """A schedule's rows run a pass that needs a stage's weights outside every UNSHARD … RESHARD of the stage."""
 
 
 @dataclass
@@ -101,6 +99,7 @@ class Instance:
         optimizer_steps: per rank, the index of its OPTIMIZER_STEP (empty without step actions).
         sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
         num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
+        frames: with sharding ``full``, per stage id the passes of each UNSHARD … RESHARD frame.
     """
 
     problem: Problem
@@ -127,6 +126,7 @@ class Instance:
     optimizer_steps: list[int] = field(default_factory=list)
     sync_before_step: bool = False
     num_passes: int = -1
+    frames: Frames = field(default_factory=dict)
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -158,6 +158,24 @@ class Instance:
         """Index of an action; raises ``KeyError`` when the problem has no such action."""
         return self.index[Action(stage, ActionKind(kind), microbatch)]
 
+    def add(self, action: Action, rank: int, duration: float, delta: float) -> int:
+        """Append ``action`` on ``rank`` (``duration`` ms, ``delta`` bytes), without dependencies; its index."""
+        idx = len(self.actions)
+        self.actions.append(action)
+        self.index[action] = idx
+        self.rank.append(rank)
+        self.duration.append(duration)
+        self.preds.append([])
+        self.succs.append([])
+        self.mem_delta.append(delta)
+        self.rank_actions[rank].append(idx)
+        return idx
+
+    def link(self, before: int, after: int, latency: float = 0.0) -> None:
+        """``after`` starts at least ``latency`` ms after ``before`` ends."""
+        self.preds[after].append((before, latency))
+        self.succs[before].append((after, latency))
+
 
 def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     """Per (stage, microbatch) pair that ``orders`` runs a backward for: True when split (I or W), False when
@@ -174,14 +192,59 @@ def backward_forms_of(orders: Orders) -> dict[tuple[int, int], bool]:
     return forms
 
 
-def compile_for_orders(problem: Problem, orders: Orders) -> Instance:
-    """:func:`compile_problem` with each pair's backward form (B, or I + W) taken from ``orders``; pairs the
-    orders do not mention keep ``problem.split_backward``. Equal to ``compile_problem(problem)`` when the orders
-    use the problem's form throughout."""
+_WEIGHT_PASSES = (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
+"""The passes that compute with a stage's weights (W needs only the activations and the output gradient)."""
+
+
+def frames_of(orders: Orders) -> Frames:
+    """Per stage id that ``orders`` gather (UNSHARD), the passes of each frame: those of the stage between its
+    n-th UNSHARD and n-th RESHARD on the rank's row (communication actions numbered per row as
+    :func:`pipesched.optimizer.ir.parse_orders` numbers them). Empty when the orders hold no UNSHARD.
+
+    Raises:
+        FrameError: an F, I or B of a gathered stage outside all of the stage's frames, naming it and the rank.
+    """
+    frames: Frames = {}
+    for rank, row in enumerate(orders):
+        gathered = {action.stage for action in row if action.kind == ActionKind.UNSHARD}
+        open_frame: dict[int, list[Action]] = {}
+        for action in row:
+            if action.kind == ActionKind.UNSHARD:
+                open_frame[action.stage] = []
+                frames.setdefault(action.stage, []).append(open_frame[action.stage])
+            elif action.kind == ActionKind.RESHARD:
+                open_frame.pop(action.stage, None)
+            elif action.is_compute and action.stage in gathered:
+                if action.stage in open_frame:
+                    open_frame[action.stage].append(action)
+                elif action.kind in _WEIGHT_PASSES:
+                    raise FrameError(
+                        f"rank {rank} runs {action} outside every {action.stage}UNSHARD … {action.stage}RESHARD: "
+                        f"stage {action.stage}'s weights are not gathered then; move the pass between a gather and "
+                        "its free, or add a gather before it"
+                    )
+    return frames
+
+
+def _membership(frames: Frames) -> dict[int, list[frozenset[Action]]]:
+    return {stage: [frozenset(frame) for frame in stage_frames] for stage, stage_frames in frames.items()}
+
+
+def compile_for_orders(problem: Problem, orders: Orders, *, base: Instance | None = None) -> Instance:
+    """:func:`compile_problem` with each pair's backward form (B, or I + W) and each stage's frames (sharding
+    ``full``) taken from ``orders``; pairs the orders do not mention keep ``problem.split_backward``, orders
+    without UNSHARD keep the default frames. ``base``, an instance of ``problem`` compiled before, is returned
+    as it is when the orders' forms and frames are its own (no second compile).
+
+    Raises:
+        FrameError: see :func:`frames_of`.
+    """
     forms = backward_forms_of(orders)
-    if all(split == problem.split_backward for split in forms.values()):
-        return compile_problem(problem)
-    return compile_problem(problem, backward_forms=forms)
+    frames = frames_of(orders) or None
+    mixed = not all(split == problem.split_backward for split in forms.values())
+    if base is not None and not mixed and (frames is None or _membership(frames) == _membership(base.frames)):
+        return base
+    return compile_problem(problem, backward_forms=forms if mixed else None, frames=frames)
 
 
 def compile_problem(
@@ -189,18 +252,19 @@ def compile_problem(
     *,
     step_actions: bool = True,
     backward_forms: Mapping[tuple[int, int], bool] | None = None,
+    frames: Frames | None = None,
 ) -> Instance:
     """Index every action of ``problem`` with its rank, duration, dependencies and memory delta.
 
     ``step_actions=False`` leaves out the communication actions and optimizer steps (the passes only, as the
     compute-only generators and searches see the problem). ``backward_forms`` maps (stage id, microbatch) to
     True (split: I + W) or False (fused: B); pairs it omits follow ``problem.split_backward``.
-    ``Instance.split_backward`` stays the problem's."""
-    assert problem.costs is not None and problem.memory is not None
+    ``Instance.split_backward`` stays the problem's. ``frames`` (sharding ``full``): each stage's UNSHARD …
+    RESHARD frames (:func:`frames_of`); ``None``: the default ones (module docstring)."""
+    assert problem.costs is not None
     pipeline = problem.pipeline
     p, m, num_stages = pipeline.num_ranks, pipeline.num_microbatches, pipeline.num_stages
-    ranks_of = stage_to_rank(problem)
-    model_stage = [s % num_stages for s in range(len(ranks_of))]
+    ranks_of = pipeline.stage_to_rank
     if pipeline.placement == "bidirectional":
         replica0 = (m + 1) // 2
         chains = [
@@ -208,21 +272,13 @@ def compile_problem(
         ]
     else:
         chains = [list(range(num_stages)) for _ in range(m)]
-
-    forward = problem.stage_values(problem.costs.forward)
-    backward_input = problem.stage_values(problem.costs.backward_input)
-    backward_weight = problem.stage_values(problem.costs.backward_weight)
-    p2p = problem.stage_values(problem.costs.p2p)
-    activation = problem.stage_values(problem.memory.activation)
-    retained = problem.stage_values(problem.memory.retained_for_weight)
-
     inst = Instance(
         problem=problem,
         num_ranks=p,
         num_microbatches=m,
         num_stages=num_stages,
         stage_ranks=ranks_of,
-        model_stage=model_stage,
+        model_stage=[s % num_stages for s in range(len(ranks_of))],
         chains=chains,
         split_backward=problem.split_backward,
         static=problem.static_memory,
@@ -230,62 +286,81 @@ def compile_problem(
         rank_actions=[[] for _ in range(p)],
         compute=[0.0] * p,
     )
-
-    def add(action: Action, duration: float, delta: float) -> int:
-        idx = len(inst.actions)
-        inst.actions.append(action)
-        inst.index[action] = idx
-        rank = ranks_of[action.stage]
-        inst.rank.append(rank)
-        inst.duration.append(duration)
-        inst.preds.append([])
-        inst.succs.append([])
-        inst.mem_delta.append(delta)
-        inst.rank_actions[rank].append(idx)
-        inst.compute[rank] += duration
-        return idx
-
-    def link(before: int, after: int, latency: float) -> None:
-        inst.preds[after].append((before, latency))
-        inst.succs[before].append((after, latency))
-
-    split = problem.split_backward
+    passes = _PassCosts.of(problem)
     for j, chain in enumerate(chains):
-        fwd_ids: list[int] = []
-        for stage in chain:
-            ms = model_stage[stage]
-            fwd_ids.append(add(Action(stage, ActionKind.FORWARD, j), forward[ms], activation[ms]))
-        bwd_ids: dict[int, int] = {}
-        for stage in reversed(chain):
-            ms = model_stage[stage]
-            if split if backward_forms is None else backward_forms.get((stage, j), split):
-                bwd_ids[stage] = add(
-                    Action(stage, ActionKind.BACKWARD_INPUT, j),
-                    backward_input[ms],
-                    -(activation[ms] - retained[ms]),
-                )
-                weight = add(Action(stage, ActionKind.BACKWARD_WEIGHT, j), backward_weight[ms], -retained[ms])
-                link(bwd_ids[stage], weight, 0.0)
-            else:
-                bwd_ids[stage] = add(
-                    Action(stage, ActionKind.BACKWARD, j),
-                    backward_input[ms] + backward_weight[ms],
-                    -activation[ms],
-                )
-        for k, stage in enumerate(chain):
-            if k > 0:
-                prev = chain[k - 1]
-                latency = p2p[model_stage[prev]] if ranks_of[prev] != ranks_of[stage] else 0.0
-                link(fwd_ids[k - 1], fwd_ids[k], latency)
-            if k + 1 < len(chain):
-                nxt = chain[k + 1]
-                latency = p2p[model_stage[nxt]] if ranks_of[nxt] != ranks_of[stage] else 0.0
-                link(bwd_ids[nxt], bwd_ids[stage], latency)
-            else:
-                link(fwd_ids[k], bwd_ids[stage], 0.0)
+        _add_microbatch(inst, passes, j, chain, backward_forms)
     if step_actions and problem.has_step_actions:
-        _add_step_actions(inst, problem)
+        _add_step_actions(inst, problem, frames)
     return inst
+
+
+@dataclass(frozen=True)
+class _PassCosts:
+    """Per model stage: F, I, W and p2p times (ms), the activation F allocates and what W still needs (bytes)."""
+
+    forward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+    p2p: list[float]
+    activation: list[float]
+    retained: list[float]
+
+    @classmethod
+    def of(cls, problem: Problem) -> _PassCosts:
+        """The problem's per-stage values."""
+        assert problem.costs is not None and problem.memory is not None
+        costs, memory, values = problem.costs, problem.memory, problem.stage_values
+        return cls(
+            values(costs.forward),
+            values(costs.backward_input),
+            values(costs.backward_weight),
+            values(costs.p2p),
+            values(memory.activation),
+            values(memory.retained_for_weight),
+        )
+
+
+def _add_pass(inst: Instance, action: Action, duration: float, delta: float) -> int:
+    """A pass on its stage's rank, counted in the rank's compute time."""
+    rank = inst.stage_ranks[action.stage]
+    inst.compute[rank] += duration
+    return inst.add(action, rank, duration, delta)
+
+
+def _add_microbatch(
+    inst: Instance, passes: _PassCosts, j: int, chain: list[int], backward_forms: Mapping[tuple[int, int], bool] | None
+) -> None:
+    """Microbatch ``j``'s passes along ``chain`` (backward split or fused per pair) and their dependencies: each
+    forward after the previous stage's (plus p2p across ranks), each backward after the next stage's, the
+    last stage's backward after its forward, W after its I."""
+    model_stage, ranks_of, split = inst.model_stage, inst.stage_ranks, inst.split_backward
+    fwd_ids: list[int] = []
+    for stage in chain:
+        ms = model_stage[stage]
+        fwd_ids.append(_add_pass(inst, Action(stage, ActionKind.FORWARD, j), passes.forward[ms], passes.activation[ms]))
+    bwd_ids: dict[int, int] = {}
+    for stage in reversed(chain):
+        ms = model_stage[stage]
+        activation, retained = passes.activation[ms], passes.retained[ms]
+        if split if backward_forms is None else backward_forms.get((stage, j), split):
+            input_action = Action(stage, ActionKind.BACKWARD_INPUT, j)
+            bwd_ids[stage] = _add_pass(inst, input_action, passes.backward_input[ms], -(activation - retained))
+            weight_action = Action(stage, ActionKind.BACKWARD_WEIGHT, j)
+            inst.link(bwd_ids[stage], _add_pass(inst, weight_action, passes.backward_weight[ms], -retained))
+        else:
+            duration = passes.backward_input[ms] + passes.backward_weight[ms]
+            bwd_ids[stage] = _add_pass(inst, Action(stage, ActionKind.BACKWARD, j), duration, -activation)
+    for k, stage in enumerate(chain):
+        if k > 0:
+            prev = chain[k - 1]
+            latency = passes.p2p[model_stage[prev]] if ranks_of[prev] != ranks_of[stage] else 0.0
+            inst.link(fwd_ids[k - 1], fwd_ids[k], latency)
+        if k + 1 < len(chain):
+            nxt = chain[k + 1]
+            latency = passes.p2p[model_stage[nxt]] if ranks_of[nxt] != ranks_of[stage] else 0.0
+            inst.link(bwd_ids[nxt], bwd_ids[stage], latency)
+        else:
+            inst.link(fwd_ids[k], bwd_ids[stage], 0.0)
 
 
 def compute_instance(inst: Instance) -> Instance:
@@ -313,92 +388,124 @@ def compute_instance(inst: Instance) -> Instance:
     )
 
 
-def _add_step_actions(inst: Instance, problem: Problem) -> None:
+def _default_frames(inst: Instance, stage_ids: range, reshard_after_forward: bool) -> Frames:
+    """One frame of all of a stage's passes, or with ``reshard_after_forward`` its forwards then its backwards."""
+    frames: Frames = {}
+    for action in inst.actions:
+        frame = 1 if reshard_after_forward and action.kind != ActionKind.FORWARD else 0
+        stage_frames = frames.setdefault(action.stage, [[] for _ in range(2 if reshard_after_forward else 1)])
+        stage_frames[frame].append(action)
+    return {s: frames.get(s, [[]]) for s in stage_ids}
+
+
+def _add_step_actions(inst: Instance, problem: Problem, frames: Frames | None = None) -> None:
     """Communication actions and optimizer steps (module docstring), appended after the passes."""
-    assert problem.costs is not None and problem.memory is not None
-    dp = problem.data_parallel
-    d = problem.data_parallel_size
-    sharding = "none" if dp is None else dp.sharding
-    zeros = [0.0] * inst.num_stages
-    unshard = problem.stage_values(problem.costs.unshard) if problem.costs.unshard is not None else zeros
-    reduce_grad = problem.stage_values(problem.costs.reduce_grad) if problem.costs.reduce_grad is not None else zeros
-    optimizer_step = problem.rank_values(problem.costs.optimizer_step, 0.0)
-    fraction = (d - 1) / d
-    weights = problem.stage_values(problem.memory.weights) if problem.memory.weights is not None else zeros
-    gradients = problem.stage_values(problem.memory.gradients) if problem.memory.gradients is not None else zeros
+    assert problem.costs is not None
     inst.stream = [0] * len(inst.actions)
     inst.num_passes = len(inst.actions)
     inst.has_step_actions = True
     inst.sync_before_step = not problem.training.post_validation
-
-    def add(action: Action, rank: int, duration: float, delta: float, stream: int) -> int:
-        idx = len(inst.actions)
-        inst.actions.append(action)
-        inst.index[action] = idx
-        inst.rank.append(rank)
-        inst.duration.append(duration)
-        inst.preds.append([])
-        inst.succs.append([])
-        inst.mem_delta.append(delta)
-        inst.rank_actions[rank].append(idx)
-        inst.stream.append(stream)
-        return idx
-
-    def link(before: int, after: int) -> None:
-        inst.preds[after].append((before, 0.0))
-        inst.succs[before].append((after, 0.0))
-
+    collectives = _Collectives.of(problem, inst.num_stages)
     stage_ids = range(len(inst.stage_ranks))
     microbatches = {s: [j for j, chain in enumerate(inst.chains) if s in chain] for s in stage_ids}
-
-    def pass_id(stage: int, microbatch: int, *kinds: ActionKind) -> int:
-        # The first of ``kinds`` the pair has: its backward form may be split or fused (compile_for_orders).
-        for kind in kinds:
-            idx = inst.index.get(Action(stage, kind, microbatch))
-            if idx is not None:
-                return idx
-        raise KeyError((stage, kinds, microbatch))
-
-    input_kinds = (ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD)
-    final_kinds = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
+    if collectives.sharding == "full":
+        # Stages the given frames leave out keep the default ones (their missing UNSHARD is then reported).
+        inst.frames = _default_frames(inst, stage_ids, collectives.reshard_after_forward) | (frames or {})
     reduce_ids: dict[int, int] = {}
     for s in stage_ids:
-        rank, ms = inst.stage_ranks[s], inst.model_stage[s]
-        forwards = [inst.action_id(s, ActionKind.FORWARD, j) for j in microbatches[s]]
-        backwards = [pass_id(s, j, *input_kinds) for j in microbatches[s]]
-        finals = [pass_id(s, j, *final_kinds) for j in microbatches[s]]
-        if sharding == "full":
-            held = weights[ms] * fraction
-            gather = add(Action(s, ActionKind.UNSHARD, 0), rank, unshard[ms], held, 1)
-            free = add(Action(s, ActionKind.RESHARD, 0), rank, 0.0, -held, 1)
-            for idx in forwards:
-                link(gather, idx)
-            if dp is not None and dp.reshard_after_forward:
-                for idx in forwards:
-                    link(idx, free)
-                regather = add(Action(s, ActionKind.UNSHARD, 1), rank, unshard[ms], held, 1)
-                refree = add(Action(s, ActionKind.RESHARD, 1), rank, 0.0, -held, 1)
-                link(free, regather)
-                for idx in backwards:
-                    link(regather, idx)
-                for idx in finals:
-                    link(idx, refree)
-            else:
-                for idx in finals:
-                    link(idx, free)
-        if d > 1:
-            freed = -gradients[ms] * fraction if sharding in ("gradients", "full") else 0.0
-            reduce_ids[s] = add(Action(s, ActionKind.REDUCE_GRAD, 0), rank, reduce_grad[ms], freed, 1)
-            for idx in finals:
-                link(idx, reduce_ids[s])
-    if problem.pipeline.placement == "bidirectional" and d > 1:
+        reduce = _add_stage_collectives(inst, collectives, s, microbatches[s])
+        if reduce is not None:
+            reduce_ids[s] = reduce
+    if problem.pipeline.placement == "bidirectional" and reduce_ids:
         for s in stage_ids:
             mirror = s + inst.num_stages if s < inst.num_stages else s - inst.num_stages
             for j in microbatches[mirror]:
-                link(pass_id(mirror, j, *final_kinds), reduce_ids[s])
+                inst.link(_pass_id(inst, mirror, j, *_FINAL_KINDS), reduce_ids[s])
+    optimizer_step = problem.rank_values(problem.costs.optimizer_step, 0.0)
     for rank in range(inst.num_ranks):
-        step = add(Action(rank, ActionKind.OPTIMIZER_STEP, 0), rank, optimizer_step[rank], 0.0, 0)
+        step = _add_step_action(inst, Action(rank, ActionKind.OPTIMIZER_STEP, 0), rank, optimizer_step[rank], 0.0, 0)
         inst.optimizer_steps.append(step)
         for s, idx in reduce_ids.items():
             if inst.stage_ranks[s] == rank:
-                link(idx, step)
+                inst.link(idx, step)
+
+
+@dataclass(frozen=True)
+class _Collectives:
+    """The data-parallel group and, per model stage, its collectives' times (ms) and the bytes they hold/free."""
+
+    size: int
+    sharding: str
+    reshard_after_forward: bool
+    reduces: bool
+    unshard: list[float]
+    reduce_grad: list[float]
+    weights: list[float]
+    gradients: list[float]
+
+    @classmethod
+    def of(cls, problem: Problem, num_stages: int) -> _Collectives:
+        """The problem's (zeros where a cost or size is not given)."""
+        assert problem.costs is not None and problem.memory is not None
+        costs, memory, group = problem.costs, problem.memory, problem.data_parallel_group
+
+        def values(value: float | list[float] | None) -> list[float]:
+            return problem.stage_values(value) if value is not None else [0.0] * num_stages
+
+        return cls(
+            size=group.size,
+            sharding=group.sharding,
+            reshard_after_forward=group.reshard_after_forward,
+            reduces=group.size > 1 or problem.replicas_synchronise,
+            unshard=values(costs.unshard),
+            reduce_grad=values(costs.reduce_grad),
+            weights=values(memory.weights),
+            gradients=values(memory.gradients),
+        )
+
+
+_FINAL_KINDS = (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD)
+
+
+def _pass_id(inst: Instance, stage: int, microbatch: int, *kinds: ActionKind) -> int:
+    """The first of ``kinds`` the pair has: its backward form may be split or fused (:func:`compile_for_orders`)."""
+    for kind in kinds:
+        idx = inst.index.get(Action(stage, kind, microbatch))
+        if idx is not None:
+            return idx
+    raise KeyError((stage, kinds, microbatch))
+
+
+def _add_step_action(inst: Instance, action: Action, rank: int, duration: float, delta: float, stream: int) -> int:
+    """A communication action (stream 1) or optimizer step (stream 0) on ``rank``."""
+    idx = inst.add(action, rank, duration, delta)
+    inst.stream.append(stream)
+    return idx
+
+
+def _add_stage_collectives(inst: Instance, group: _Collectives, s: int, microbatches: list[int]) -> int | None:
+    """Stage ``s``'s UNSHARD/RESHARD frames (sharding ``full``: :attr:`Instance.frames`, each gathered before its
+    passes and freed after them, one after the other) and REDUCE_GRAD (after its last backward: d > 1, or the
+    replicas' synchronisation of a bidirectional placement); the REDUCE_GRAD's index, or ``None``."""
+    rank, ms = inst.stage_ranks[s], inst.model_stage[s]
+    fraction = (group.size - 1) / group.size
+    finals = [_pass_id(inst, s, j, *_FINAL_KINDS) for j in microbatches]
+    if group.sharding == "full":
+        held = group.weights[ms] * fraction
+        previous = -1
+        for n, frame in enumerate(inst.frames[s]):
+            gather = _add_step_action(inst, Action(s, ActionKind.UNSHARD, n), rank, group.unshard[ms], held, 1)
+            free = _add_step_action(inst, Action(s, ActionKind.RESHARD, n), rank, 0.0, -held, 1)
+            if previous >= 0:
+                inst.link(previous, gather)
+            for action in frame:
+                inst.link(gather, inst.index[action])
+                inst.link(inst.index[action], free)
+            previous = free
+    if not group.reduces:
+        return None
+    freed = -group.gradients[ms] * fraction if group.sharding in ("gradients", "full") else 0.0
+    reduce = _add_step_action(inst, Action(s, ActionKind.REDUCE_GRAD, 0), rank, group.reduce_grad[ms], freed, 1)
+    for idx in finals:
+        inst.link(idx, reduce)
+    return reduce

@@ -25,6 +25,15 @@ extended, no global barrier). The steps' ends of a repeating schedule are eventu
 read from the last steps once every rank's E(t) − E(t − c) is the same over two windows, with K doubled
 (from :data:`MIN_STEPS`) until that holds.
 
+**Data parallelism** (d > 1, sharding ``none`` or ``optimizer``; PipeDream-2BW, Narayanan et al. 2020, §3: the
+gradients are all-reduced every step): per step t and stage s a ``REDUCE_GRAD`` on the rank's communication
+stream after s's last backward of step t, and per rank an ``OPTIMIZER_STEP`` after its stages' reductions of
+step t. Two weight versions let the update of step t wait until the rank's first forward of step t+2 (which
+computes with the version it makes): it runs there, so the reductions overlap step t+1's passes as far as the
+pattern allows. In the pattern's rows each stage's ``REDUCE_GRAD`` follows its last backward of the step and
+``OPTIMIZER_STEP`` precedes the first action of the next step (or starts the row when there is none):
+:func:`pattern_with_communication`. The step ends E_r(t) stay the ends of the rank's last pass of step t.
+
 **Memory**: static memory plus the extra weight versions (:func:`weight_version_memory`: weights only)
 plus the activations of every microbatch in flight, counted by the same simulator over the K steps (the
 warm-up never holds more than the steady state of a repeating pattern, and the peak is taken over all).
@@ -38,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pipesched.optimizer.instance import Instance, compile_problem, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_problem
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, check_placement, simulate_indexed
@@ -52,8 +61,10 @@ __all__ = [
     "SteadyState",
     "SteadyStateEvaluator",
     "check_pattern",
+    "memory_timelines",
     "pattern_from_sequence",
     "pattern_memory_timelines",
+    "pattern_with_communication",
     "repeating_schedule",
     "schedule_from_steady_state",
     "steady_state",
@@ -107,17 +118,24 @@ class SteadyState:
         m = self.instance.num_microbatches // self.steps
         sim = self.simulation
         rows = []
-        for rank_row in self.pattern:
-            rows.append(
-                [
-                    (
-                        action,
-                        sim.start[self.instance.index[_shift(action, self.window_step * m)]],
-                        sim.end[self.instance.index[_shift(action, self.window_step * m)]],
-                    )
-                    for action in rank_row
-                ]
-            )
+        shown = self.pattern
+        if self.instance.has_step_actions:
+            shown = _rows_with_communication(self.pattern, m, self.instance.problem.data_parallel_size > 1)
+        for rank, rank_row in enumerate(shown):
+            late = 1 if any(a.microbatch >= m for a in self.pattern[rank]) else 2
+            row = []
+            for action in rank_row:
+                if action.kind == ActionKind.REDUCE_GRAD:
+                    unrolled = Action(action.stage, action.kind, self.window_step)
+                elif action.kind == ActionKind.OPTIMIZER_STEP:
+                    unrolled = Action(rank, action.kind, self.window_step - late)
+                    if unrolled not in self.instance.index:
+                        continue  # the window's copy updates no step (the run's start)
+                else:
+                    unrolled = _shift(action, self.window_step * m)
+                idx = self.instance.index[unrolled]
+                row.append((action, sim.start[idx], sim.end[idx]))
+            rows.append(row)
         origin = min((row[0][1] for row in rows if row), default=0.0)
         return [[(a, s - origin, e - origin) for a, s, e in row] for row in rows]
 
@@ -134,7 +152,7 @@ def weight_version_memory(problem: Problem) -> list[float]:
     if problem.memory.weights is None:
         return [extra * s for s in problem.static_memory]
     weights = problem.stage_values(problem.memory.weights)
-    ranks = stage_to_rank(problem)
+    ranks = problem.pipeline.stage_to_rank
     shard = 1.0
     if problem.data_parallel is not None and problem.data_parallel.sharding == "full":
         shard = 1.0 / problem.data_parallel.size
@@ -146,6 +164,44 @@ def weight_version_memory(problem: Problem) -> list[float]:
 
 def _shift(action: Action, offset: int) -> Action:
     return Action(action.stage, action.kind, action.microbatch + offset)
+
+
+def _optimizer_position(row: list[Action], num_microbatches: int) -> int:
+    """Where a pattern row's OPTIMIZER_STEP stands: before its first action of the next step, else first."""
+    return next((k for k, action in enumerate(row) if action.microbatch >= num_microbatches), 0)
+
+
+def _reduce_positions(row: list[Action], num_microbatches: int) -> dict[int, int]:
+    """Per stage of the row, the position of its last backward (W, or B) of the row's own step."""
+    last: dict[int, int] = {}
+    for k, action in enumerate(row):
+        if action.kind in (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD) and action.microbatch < num_microbatches:
+            last[action.stage] = k
+    return last
+
+
+def pattern_with_communication(problem: Problem, pattern: Orders) -> Orders:
+    """The pattern's rows with each stage's ``REDUCE_GRAD`` after its last backward of the step and the rank's
+    ``OPTIMIZER_STEP`` where its update runs (module docstring, data parallelism); ``pattern`` as it is
+    without data parallelism."""
+    if not problem.has_step_actions:
+        return [list(row) for row in pattern]
+    return _rows_with_communication(pattern, problem.pipeline.num_microbatches, problem.data_parallel_size > 1)
+
+
+def _rows_with_communication(pattern: Orders, m: int, reduces: bool) -> Orders:
+    rows: Orders = []
+    for rank, row in enumerate(pattern):
+        positions = _reduce_positions(row, m) if reduces else {}
+        optimizer = _optimizer_position(row, m)
+        out: list[Action] = []
+        for k, action in enumerate(row):
+            if k == optimizer:
+                out.append(Action(rank, ActionKind.OPTIMIZER_STEP, 0))
+            out.append(action)
+            out.extend(Action(s, ActionKind.REDUCE_GRAD, 0) for s, at in sorted(positions.items()) if at == k)
+        rows.append(out)
+    return rows
 
 
 def check_pattern(inst: Instance, pattern: Orders) -> None:
@@ -266,13 +322,16 @@ class SteadyStateEvaluator:
         )
 
     def unrolled_instance(self, steps: int) -> Instance:
-        """The instance of ``steps`` steps (K·m microbatches), static memory plus the extra weight versions."""
+        """The instance of ``steps`` steps (K·m microbatches), static memory plus the extra weight versions; with
+        data parallelism also each step's reductions and optimizer steps (:func:`_add_step_communication`)."""
         inst = self._unrolled.get(steps)
         if inst is None:
             unrolled = self.problem.with_changes(**{"pipeline.num_microbatches": steps * self.m})
             inst = compile_problem(unrolled, step_actions=False)
             extra = weight_version_memory(self.problem)
             inst = dataclasses.replace(inst, static=[s + x for s, x in zip(inst.static, extra, strict=True)])
+            if self.problem.has_step_actions:
+                _add_step_communication(inst, self.problem, steps)
             self._unrolled[steps] = inst
         return inst
 
@@ -343,7 +402,10 @@ class SteadyStateEvaluator:
                 if copy >= 0 and cells:
                     last = (cells[-1][0] + offset) * per_microbatch + cells[-1][1]
                     ends.append(last)
-                    duration[last] += self._optimizer[rank]
+                    if not inst.has_step_actions:
+                        duration[last] += self._optimizer[rank]  # with d > 1 OPTIMIZER_STEP is an action
+            if inst.has_step_actions:
+                ids = _with_step_communication(inst, pattern, rank, ids, steps)
             orders.append(ids)
             boundary.append(ends)
         timed = dataclasses.replace(inst, duration=duration)
@@ -367,6 +429,88 @@ class SteadyStateEvaluator:
             peak_memory=sim.peak_memory,
             fits=sim.fits,
         )
+
+
+def _add_step_communication(inst: Instance, problem: Problem, steps: int) -> None:
+    """Append per step t: ``REDUCE_GRAD(s, t)`` after every last backward (W or B) of stage s in step t, on the
+    communication stream, and ``OPTIMIZER_STEP(r, t)`` after rank r's reductions of step t, on its compute
+    stream (module docstring). Microbatch ids of these actions are step numbers."""
+    assert problem.costs is not None
+    m = problem.pipeline.num_microbatches
+    reduces = problem.data_parallel_size > 1
+    reduce_grad = problem.stage_values(problem.costs.reduce_grad or 0.0)
+    optimizer = problem.rank_values(problem.costs.optimizer_step, 0.0)
+    inst.num_passes = len(inst.actions)
+    inst.stream = [0] * inst.num_passes
+    inst.has_step_actions = True
+    inst.sync_before_step = False  # no flush: nothing waits for the other ranks
+
+    def add(action: Action, rank: int, duration: float, stream: int, preds: list[int]) -> None:
+        idx = len(inst.actions)
+        inst.actions.append(action)
+        inst.index[action] = idx
+        inst.rank.append(rank)
+        inst.duration.append(duration)
+        inst.mem_delta.append(0.0)
+        inst.stream.append(stream)
+        inst.preds.append([(p, 0.0) for p in preds])
+        inst.succs.append([])
+        inst.rank_actions[rank].append(idx)
+        for p in preds:
+            inst.succs[p].append((idx, 0.0))
+
+    final = ActionKind.BACKWARD_WEIGHT if inst.split_backward else ActionKind.BACKWARD
+    for t in range(steps):
+        finals = {
+            stage: [inst.action_id(stage, final, t * m + j) for j in range(m)] for stage in range(len(inst.stage_ranks))
+        }
+        if reduces:
+            for stage, rank in enumerate(inst.stage_ranks):
+                duration = reduce_grad[inst.model_stage[stage]]
+                add(Action(stage, ActionKind.REDUCE_GRAD, t), rank, duration, 1, finals[stage])
+        for rank in range(inst.num_ranks):
+            local = _local_stages(inst, rank)
+            if reduces:
+                after = [inst.index[Action(s, ActionKind.REDUCE_GRAD, t)] for s in local]
+            else:
+                after = [idx for s in local for idx in finals[s]]
+            add(Action(rank, ActionKind.OPTIMIZER_STEP, t), rank, optimizer[rank], 0, after)
+            inst.optimizer_steps.append(len(inst.actions) - 1)
+
+
+def _local_stages(inst: Instance, rank: int) -> list[int]:
+    return [s for s, r in enumerate(inst.stage_ranks) if r == rank]
+
+
+def _with_step_communication(inst: Instance, pattern: Orders, rank: int, ids: list[int], steps: int) -> list[int]:
+    """One rank's unrolled order (``ids``) with its reductions and optimizer steps inserted where
+    :func:`pattern_with_communication` puts them in every copy; updates no copy places go last."""
+    m = inst.num_microbatches // steps
+    per_microbatch = inst.num_passes // inst.num_microbatches
+    row = pattern[rank]
+    reduces = _reduce_positions(row, m) if inst.problem.data_parallel_size > 1 else {}
+    optimizer_at = _optimizer_position(row, m)
+    late = 1 if any(action.microbatch >= m for action in row) else 2  # copy c updates step c − late
+    placed: set[int] = set()
+    out: list[int] = []
+    position = 0  # index into ids, which hold the copies' kept actions in order
+    for copy in range(-1, steps):
+        for k, action in enumerate(row):
+            if k == optimizer_at and 0 <= copy - late < steps:
+                out.append(inst.index[Action(rank, ActionKind.OPTIMIZER_STEP, copy - late)])
+                placed.add(copy - late)
+            g = action.microbatch + copy * m
+            if not 0 <= g < steps * m:
+                continue
+            assert ids[position] // per_microbatch == g
+            out.append(ids[position])
+            position += 1
+            if g < (copy + 1) * m:  # an action of the copy's own step
+                out.extend(
+                    inst.index[Action(s, ActionKind.REDUCE_GRAD, copy)] for s, at in sorted(reduces.items()) if at == k
+                )
+    out.extend(inst.index[Action(rank, ActionKind.OPTIMIZER_STEP, t)] for t in range(steps) if t not in placed)
+    return out
 
 
 def _period(step_ends: list[list[float]]) -> tuple[float, int, bool, int]:
@@ -413,6 +557,7 @@ def step_period_lower_bound(problem: Problem, inst: Instance | None = None) -> f
     """A lower bound on the ``step_period`` of every pattern, ms: the larger of
 
     * **work**: the busiest rank's work per step, ``max_r (compute_r + optimizer_step_r)``;
+    * **communication** (d > 1): the busiest communication stream per step, ``max_r Σ_{s on r} reduce_grad_s``;
     * **memory (Little's law)**: a microbatch holds ``activation_s`` on stage s from its F's start until its
       I (B) ends, at least ``D_s`` = the longest dependency path from that F's start to that I's end, and
       ``retained_for_weight_s`` for at least its W's duration after that; each step brings m microbatches
@@ -427,6 +572,12 @@ def step_period_lower_bound(problem: Problem, inst: Instance | None = None) -> f
     inst = inst or compile_problem(problem, step_actions=False)
     optimizer = problem.rank_values(problem.costs.optimizer_step if problem.costs else None, 0.0)
     bound = max(c + o for c, o in zip(inst.compute, optimizer, strict=True))
+    if problem.data_parallel_size > 1 and problem.costs is not None and problem.costs.reduce_grad is not None:
+        reduce_grad = problem.stage_values(problem.costs.reduce_grad)
+        communication = [0.0] * inst.num_ranks
+        for stage, rank in enumerate(inst.stage_ranks):
+            communication[rank] += reduce_grad[inst.model_stage[stage]]
+        bound = max(bound, max(communication))
     versions = weight_version_memory(problem)
     m = inst.num_microbatches
     backward = inst.backward_kind
@@ -501,9 +652,9 @@ def schedule_from_steady_state(
             actions=[
                 ActionTiming(
                     action=str(action),
-                    stage=action.stage,
+                    stage=None if action.kind == ActionKind.OPTIMIZER_STEP else action.stage,
                     kind=action.kind.value,
-                    microbatch=action.microbatch,
+                    microbatch=action.microbatch if action.is_compute else None,
                     start=round(start, 6),
                     end=round(end, 6),
                 )
@@ -529,7 +680,7 @@ def schedule_from_steady_state(
         bubble_rate=round((period - ideal) / period, 6) if period > 0 else 0.0,
         peak_memory=state.peak_memory,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=stage_to_rank(problem),
+        stage_to_rank=problem.pipeline.stage_to_rank,
         ranks=ranks,
         problem=problem,
         fits_memory=state.fits,
@@ -563,6 +714,23 @@ def repeating_schedule(
         lower_bound=lower_bound,
         solve_time_s=time.perf_counter() - started,
     )
+
+
+def memory_timelines(schedule: Schedule) -> tuple[list[list[tuple[float, float]]], list[float]]:
+    """Per rank, ``(time ms, bytes)`` steps of its memory and its peak (bytes), by the schedule's shape: a
+    repeating pattern's from :func:`pattern_memory_timelines`, a step's from the simulator.
+
+    Raises:
+        InvalidSchedule: when a step's orders do not run on its problem.
+    """
+    if schedule.shape == "pattern":
+        return pattern_memory_timelines(schedule), list(schedule.peak_memory)
+    from pipesched.optimizer.instance import compile_for_orders
+    from pipesched.optimizer.simulate import simulate
+
+    orders = schedule.orders()
+    sim = simulate(compile_for_orders(schedule.problem, orders), orders, check_memory=False)
+    return sim.memory_timeline, sim.peak_memory
 
 
 def pattern_memory_timelines(schedule: Schedule) -> list[list[tuple[float, float]]]:

@@ -10,7 +10,7 @@ Validation errors name the field path (``costs.forward``) and say what would be 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
@@ -19,20 +19,29 @@ from pipesched.optimizer.field_errors import StrictModel as _Strict
 from pipesched.optimizer.field_errors import raise_field_errors
 
 __all__ = [
+    "SHARDINGS",
     "Costs",
     "DataParallel",
     "Memory",
     "Pipeline",
     "PlacementName",
     "Problem",
+    "Sharding",
     "SolverOptions",
     "TensorParallel",
     "Training",
     "raise_field_errors",
+    "stage_to_rank",
 ]
 
 #: A named placement (contract, Terms): how stages lie on ranks; an explicit list is the alternative.
 PlacementName = Literal["loop", "v", "bidirectional"]
+
+#: What is sharded over the data-parallel group (contract, Terms): ``none`` (DDP), ``optimizer`` (ZeRO-1),
+#: ``gradients`` (ZeRO-2), ``full`` (ZeRO-3 / FSDP).
+Sharding = Literal["none", "optimizer", "gradients", "full"]
+#: Every sharding level, least sharded first.
+SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -74,6 +83,32 @@ PerStage = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 PerRank = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 
 
+def stage_to_rank(num_ranks: int, stages_per_rank: int, placement: str | list[int]) -> list[int]:
+    """The rank of every stage id: the one placement rule (contract, Terms: placement).
+
+    ``"loop"``: stage s on rank ``s % num_ranks``; ``"v"`` (two stages per rank): stages r and
+    ``2·num_ranks − 1 − r`` on rank r; ``"bidirectional"``: ids ``0 … S−1`` are replica 0 in the V placement and
+    ids ``S … 2S−1`` replica 1, mirrored (id ``S + s`` on rank ``num_ranks − 1 − rank(s)``); a list is the map.
+
+    Returns:
+        ``num_ranks · stages_per_rank`` ranks, twice that for ``"bidirectional"``.
+
+    Raises:
+        ValueError: a placement name that is none of these.
+    """
+    p, num_stages = num_ranks, num_ranks * stages_per_rank
+    if isinstance(placement, list):
+        return list(placement)
+    if placement == "loop":
+        return [s % p for s in range(num_stages)]
+    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
+    if placement == "v":
+        return v
+    if placement == "bidirectional":
+        return v + [p - 1 - r for r in v]
+    raise ValueError(f'unknown placement {placement!r}: use "loop", "v", "bidirectional" or a list of ranks')
+
+
 class Pipeline(_Strict):
     """Ranks, microbatches and the placement of stages on ranks.
 
@@ -97,6 +132,19 @@ class Pipeline(_Strict):
     def num_stages(self) -> int:
         """Model stages: ``num_ranks * stages_per_rank``."""
         return self.num_ranks * self.stages_per_rank
+
+    @property
+    def stage_to_rank(self) -> list[int]:
+        """The rank of every stage id (:func:`stage_to_rank`; ``2 · num_stages`` ids for ``"bidirectional"``)."""
+        return stage_to_rank(self.num_ranks, self.stages_per_rank, self.placement)
+
+    def stage_holders(self) -> list[list[int]]:
+        """For every model stage, the ranks holding a copy: one, or two under ``"bidirectional"`` (one per
+        replica)."""
+        ranks, num_stages = self.stage_to_rank, self.num_stages
+        if len(ranks) == num_stages:
+            return [[rank] for rank in ranks]
+        return [sorted({ranks[s], ranks[num_stages + s]}) for s in range(num_stages)]
 
     @model_validator(mode="after")
     def _check_placement(self) -> Pipeline:
@@ -205,11 +253,22 @@ class DataParallel(_Strict):
     """
 
     size: int = Field(1, ge=1, le=1_000_000, description="Data-parallel degree d (copies of the pipeline).")
-    sharding: Literal["none", "optimizer", "gradients", "full"] = Field(
-        "none", description="What is sharded over the data-parallel group."
-    )
+    sharding: Sharding = Field("none", description="What is sharded over the data-parallel group.")
     reshard_after_forward: bool = Field(
-        False, description="With sharding full: free gathered weights after F and gather again before backward."
+        False,
+        description="With sharding full: free gathered weights after every F and gather them again before every "
+        "backward (FSDP2; breadth-first schedules keep them over a run of microbatches).",
+    )
+    overlap_grad_reduce: bool = Field(
+        True,
+        description="Each stage's REDUCE_GRAD right after its last backward, overlapping the rest of the step "
+        "(PyTorch, Megatron-LM's overlap_grad_reduce); false: every reduction after the rank's last pass "
+        "(Megatron-LM before overlap_grad_reduce, the breadth-first paper's baseline).",
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Gradients reduced in \"fp32\" (torchtitan's FSDP reduce_dtype, Megatron's grad_reduce_in_fp32) "
+        "or \"bf16\" (Megatron-LM's and NeMo's default, FSDP's pure bf16).",
     )
 
     @model_validator(mode="after")
@@ -273,8 +332,8 @@ class SolverOptions(_Strict):
         description='"auto" searches; a family name generates that schedule (GET /v1/methods lists them).',
     )
     time_limit_s: float = Field(10.0, gt=0, le=86_400, description="Wall-clock bound on the search, s.")
-    backends: list[Literal["heuristic", "cpsat", "milp"]] | None = Field(
-        None, description="Backends the auto portfolio may use; null for all."
+    backends: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None, description="Backends the auto portfolio may use (heuristic, cpsat, milp); null for all."
     )
     seed: int = Field(0, ge=0, description="Seed for randomised search steps.")
 
@@ -359,14 +418,16 @@ class Problem(_Strict):
                     )
                 )
         else:
-            if self.data_parallel_size > 1:
+            dp = self.data_parallel
+            if dp is not None and dp.size > 1 and dp.sharding in ("gradients", "full"):
                 errors.append(
                     (
-                        ("data_parallel", "size"),
-                        "schedules without flushes are timed for the pipeline alone: data-parallel collectives in "
-                        "a repeating pattern are not planned yet; set data_parallel.size to 1 or training.flush "
-                        "to true",
-                        self.data_parallel_size,
+                        ("data_parallel", "sharding"),
+                        f"a schedule without flushes (PipeDream-2BW) all-reduces each stage's gradients every step "
+                        f"and keeps two whole weight versions; sharding {dp.sharding!r} (sharded gradients or "
+                        'weights) is not modelled with them: use sharding "none" or "optimizer", or set '
+                        "training.flush to true",
+                        dp.sharding,
                     )
                 )
             if self.pipeline.placement == "bidirectional":
@@ -547,6 +608,17 @@ class Problem(_Strict):
         """With d > 1 the collective costs must be given (derived from model/cluster by load_problem)."""
         assert self.costs is not None
         dp = self.data_parallel
+        if self.pipeline.placement == "bidirectional" and self.costs.reduce_grad is None:
+            return [
+                (
+                    ("costs", "reduce_grad"),
+                    'placement "bidirectional" keeps two model replicas whose copies of a stage all-reduce their '
+                    "gradients between mirrored ranks (BitPipe's eager synchronisation, over 2·d ranks): give "
+                    "costs.reduce_grad (ms per stage; 0 leaves it out of the model), or give model and cluster "
+                    "instead of costs so pipesched derives it",
+                    None,
+                )
+            ]
         if dp is None or dp.size == 1:
             if dp is not None and dp.sharding != "none":
                 return [
@@ -579,15 +651,7 @@ class Problem(_Strict):
             return []
         pipeline = self.pipeline
         p, num_stages = pipeline.num_ranks, pipeline.num_stages
-        placement = pipeline.placement
-        if isinstance(placement, list):
-            ranks = list(placement)
-        elif placement == "loop":
-            ranks = [s % p for s in range(num_stages)]
-        else:  # "v", and each replica of "bidirectional" (contract, Terms: placement)
-            ranks = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-            if placement == "bidirectional":
-                ranks += [p - 1 - r for r in ranks]
+        ranks = pipeline.stage_to_rank
         gradients = self.stage_values(self.memory.gradients)
         freed = [0.0] * p
         for stage, rank in enumerate(ranks):
@@ -629,10 +693,28 @@ class Problem(_Strict):
         return 1 if self.data_parallel is None else self.data_parallel.size
 
     @property
-    def has_step_actions(self) -> bool:
-        """Whether the step has communication actions or optimizer steps (d > 1 or an optimizer cost)."""
+    def data_parallel_group(self) -> DataParallel:
+        """The data-parallel group the problem is solved for (size 1, no sharding, without a section)."""
+        return self.data_parallel or DataParallel()
+
+    @property
+    def replicas_synchronise(self) -> bool:
+        """Whether the two replicas of a bidirectional placement all-reduce their gradients with a cost
+        (BitPipe's eager gradient synchronisation, Wu et al. 2024, Sec. 3.3): ``costs.reduce_grad`` > 0."""
         assert self.costs is not None
-        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None
+        reduce_grad = self.costs.reduce_grad
+        return (
+            self.pipeline.placement == "bidirectional"
+            and reduce_grad is not None
+            and max(self.stage_values(reduce_grad)) > 0
+        )
+
+    @property
+    def has_step_actions(self) -> bool:
+        """Whether the step has communication actions or optimizer steps (d > 1, an optimizer cost, or the
+        replicas' gradient synchronisation of a bidirectional placement)."""
+        assert self.costs is not None
+        return self.data_parallel_size > 1 or self.costs.optimizer_step is not None or self.replicas_synchronise
 
     @property
     def memory_limits(self) -> list[float]:

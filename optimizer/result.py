@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem
+from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import DataParallel, Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
 
 __all__ = [
@@ -16,12 +16,17 @@ __all__ = [
     "ActionTiming",
     "RankSchedule",
     "Schedule",
+    "ScheduleShape",
     "build_schedule",
     "infeasible_schedule",
     "schedule_from_simulation",
 ]
 
 Status = Literal["optimal", "feasible", "infeasible"]
+
+#: What a schedule's ranks hold: one flushed ``"step"``, or the repeating per-rank ``"pattern"`` of a schedule
+#: without a flush (:mod:`pipesched.optimizer.pattern`; ``step_period`` is its time per step).
+ScheduleShape = Literal["step", "pattern"]
 
 OPTIMALITY_TOLERANCE_MS = 1e-5
 """A lower bound this close to the objective (ms) proves it optimal: the exact backends' numeric
@@ -102,6 +107,17 @@ class Schedule(BaseModel):
     def orders(self) -> Orders:
         """Per-rank :class:`Action` orders."""
         return parse_orders([[a.action for a in rank.actions] for rank in self.ranks])
+
+    @property
+    def shape(self) -> ScheduleShape:
+        """``"pattern"`` for a problem without a flush (its ranks repeat), else ``"step"``: the one place that
+        tells them apart, from ``problem.training.flush``."""
+        return "step" if self.problem.training.flush else "pattern"
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """The data-parallel group (size, sharding) the schedule was solved for: a run must use the same."""
+        return self.problem.data_parallel_group
 
     @property
     def objective_value(self) -> float | None:
@@ -213,14 +229,13 @@ def infeasible_schedule(
     solve_time_s: float = 0.0,
 ) -> Schedule:
     """An answer saying no schedule exists (or the family cannot fit), with the reason."""
-    inst = compile_problem(problem)
     return Schedule(
         status="infeasible",
         method=method,
         backend=backend,
         objective=problem.objective,
         solve_time_s=round(solve_time_s, 4),
-        stage_to_rank=inst.stage_ranks,
+        stage_to_rank=problem.pipeline.stage_to_rank,  # not compile_problem: an infeasible answer needs no actions
         problem=problem,
         reason=reason,
         min_memory_limit=min_memory_limit,

@@ -203,6 +203,36 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
     """
     if inst.has_step_actions:
         return _simulate_streams(inst, orders, check_memory=check_memory)
+    start, end = _time_in_order(inst, orders)
+    makespan = 0.0
+    stage_span = 0.0
+    first_start = min((start[row[0]] for row in orders if row), default=0.0)
+    for row in orders:
+        if row:
+            makespan = max(makespan, end[row[-1]] - first_start)
+            stage_span = max(stage_span, end[row[-1]] - start[row[0]])
+    peaks, timelines, fits = _memory_in_order(inst, orders, start, end, check_memory)
+    return SimulationResult(
+        orders=orders,
+        start=start,
+        end=end,
+        makespan=makespan,
+        stage_span=stage_span,
+        peak_memory=peaks,
+        memory_timeline=timelines,
+        fits=fits,
+        ideal=inst.ideal,
+        step_time=stage_span if inst.problem.training.post_validation else makespan,
+    )
+
+
+def _time_in_order(inst: Instance, orders: list[list[int]]) -> tuple[list[float], list[float]]:
+    """Start and end (ms) of every action, one stream per rank: each action as soon as its rank is free and its
+    predecessors (plus latency) ended. Ranks are revisited only when an action they wait on ends.
+
+    Raises:
+        InvalidSchedule: ``deadlock``.
+    """
     n = len(inst.actions)
     start = [math.nan] * n
     end = [math.nan] * n
@@ -247,15 +277,18 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
         free[rank] = t_free
     if done != n:
         raise _deadlock(inst, orders, pos, end)
+    return start, end
 
-    makespan = 0.0
-    stage_span = 0.0
-    first_start = min((start[row[0]] for row in orders if row), default=0.0)
-    for row in orders:
-        if row:
-            makespan = max(makespan, end[row[-1]] - first_start)
-            stage_span = max(stage_span, end[row[-1]] - start[row[0]])
 
+def _memory_in_order(
+    inst: Instance, orders: list[list[int]], start: list[float], end: list[float], check_memory: bool
+) -> tuple[list[float], list[list[tuple[float, float]]], bool]:
+    """Each rank's peak and ``(time, bytes)`` timeline, its actions' deltas in order (allocations at the start,
+    frees at the end), and whether every rank fits its limit.
+
+    Raises:
+        InvalidSchedule: ``memory_limit`` at the first excess, with ``check_memory``.
+    """
     peaks: list[float] = []
     timelines: list[list[tuple[float, float]]] = []
     fits = True
@@ -276,6 +309,31 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
                 fits = False
         peaks.append(peak)
         timelines.append(timeline)
+    return peaks, timelines, fits
+
+
+def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: bool) -> SimulationResult:
+    """List scheduling with a compute and a communication stream per rank (module docstring)."""
+    is_step = [False] * len(inst.actions)
+    for idx in inst.optimizer_steps:
+        is_step[idx] = True
+    start, end, issue = _time_streams(inst, orders, is_step)
+    if any(e != e for e in end):
+        raise _stream_deadlock(inst, orders, end, issue)
+    first_start = min((min(start[i] for i in row) for row in orders if row), default=0.0)
+    makespan = stage_span = step_time = 0.0
+    for row in orders:
+        body = [i for i in row if not is_step[i]]
+        if body:
+            row_start = min(start[i] for i in body)
+            row_end = max(end[i] for i in body)
+            makespan = max(makespan, row_end - first_start)
+            stage_span = max(stage_span, row_end - row_start)
+        if row:
+            last = max(end[i] for i in row)
+            own_start = min(start[i] for i in row)
+            step_time = max(step_time, last - (own_start if not inst.sync_before_step else first_start))
+    peaks, timelines, fits = _memory_by_time(inst, orders, start, end, check_memory)
     return SimulationResult(
         orders=orders,
         start=start,
@@ -286,38 +344,49 @@ def simulate_indexed(inst: Instance, orders: list[list[int]], *, check_memory: b
         memory_timeline=timelines,
         fits=fits,
         ideal=inst.ideal,
-        step_time=stage_span if inst.problem.training.post_validation else makespan,
+        step_time=step_time,
     )
 
 
-def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: bool) -> SimulationResult:
-    """List scheduling with a compute and a communication stream per rank (module docstring)."""
-    n = len(inst.actions)
-    start = [math.nan] * n
-    end = [math.nan] * n
-    preds, duration, stream = inst.preds, inst.duration, inst.stream
-    num_ranks = len(orders)
-    is_step = [False] * n
-    for idx in inst.optimizer_steps:
-        is_step[idx] = True
-    instant = [inst.actions[i].kind == ActionKind.RESHARD for i in range(n)]
+def _stream_lanes(inst: Instance, orders: list[list[int]]) -> tuple[list[list[list[int]]], list[int]]:
+    """Each rank's order split into its compute and communication lanes, and for every communication action the
+    compute action before it in the rank's order (it is issued when that one starts; −1: at once)."""
     queues: list[list[list[int]]] = []
-    issue = [-1] * n
+    issue = [-1] * len(inst.actions)
     for row in orders:
         lanes: list[list[int]] = [[], []]
         previous = -1
         for idx in row:
-            lanes[stream[idx]].append(idx)
-            if stream[idx] == 1:
+            lanes[inst.stream[idx]].append(idx)
+            if inst.stream[idx] == 1:
                 issue[idx] = previous
             else:
                 previous = idx
         queues.append(lanes)
+    return queues, issue
+
+
+def _time_streams(
+    inst: Instance, orders: list[list[int]], is_step: list[bool]
+) -> tuple[list[float], list[float], list[int]]:
+    """Start and end (ms) of every action on two lanes per rank (NaN where a deadlock left it), and the issue
+    points of :func:`_stream_lanes`. An optimizer step waits for every other action when the step synchronises
+    (``sync_before_step``); RESHARD takes no time and no lane."""
+    n = len(inst.actions)
+    start = [math.nan] * n
+    end = [math.nan] * n
+    preds, duration = inst.preds, inst.duration
+    num_ranks = len(orders)
+    instant = [inst.actions[i].kind == ActionKind.RESHARD for i in range(n)]
+    queues, issue = _stream_lanes(inst, orders)
     pos = [[0, 0] for _ in range(num_ranks)]
     free = [[0.0, 0.0] for _ in range(num_ranks)]
     pending = n - len(inst.optimizer_steps)
     barrier = 0.0
-    done = 0
+    # Per action, how many predecessors are known to have ended and their latest arrival (ms): an action with
+    # many, as a REDUCE_GRAD waiting for every backward of its stage and its mirror's, is woken many times.
+    scanned = [0] * n
+    arrival = [-math.inf] * n
     worklist = [(r, k) for r in range(num_ranks) for k in (0, 1)]
     queued = {item: True for item in worklist}
 
@@ -345,21 +414,14 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
                 if pending > 0:
                     break
                 ready = max(ready, barrier)
-            blocked = False
-            for pred, latency in preds[idx]:
-                t = end[pred]
-                if t != t:
-                    blocked = True
-                    break
-                ready = max(ready, t + latency)
-            if blocked:
+            if not _scan_predecessors(preds[idx], end, idx, scanned, arrival):
                 break
+            ready = max(ready, arrival[idx])
             start[idx] = ready
             end[idx] = ready + duration[idx]
             if not instant[idx]:
                 free[rank][lane] = end[idx]
             k += 1
-            done += 1
             progressed = True
             if not is_step[idx]:
                 pending -= 1
@@ -373,42 +435,59 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
         pos[rank][lane] = k
         if progressed:
             wake(rank)
-    if done != n:
-        waits = []
-        for rank, row in enumerate(orders):
-            waiting = [idx for idx in row if end[idx] != end[idx]]
-            if not waiting:
-                continue
-            idx = waiting[0]
-            missing = [pred for pred, _ in preds[idx] if end[pred] != end[pred]]
-            blocker = missing[0] if missing else (issue[idx] if issue[idx] >= 0 else waiting[-1])
-            waits.append(
-                {
-                    "rank": rank,
-                    "action": str(inst.actions[idx]),
-                    "waits_for": str(inst.actions[blocker]),
-                    "on_rank": inst.rank[blocker],
-                }
-            )
-        text = "; ".join(
-            f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in waits
+    return start, end, issue
+
+
+def _scan_predecessors(
+    preds: list[tuple[int, float]], end: list[float], idx: int, scanned: list[int], arrival: list[float]
+) -> bool:
+    """Whether every predecessor of ``idx`` has ended, resuming where the last scan stopped; ``arrival[idx]``
+    keeps the latest end plus latency seen."""
+    scan, arrived = scanned[idx], arrival[idx]
+    while scan < len(preds):
+        pred, latency = preds[scan]
+        t = end[pred]
+        if t != t:
+            break
+        arrived = max(arrived, t + latency)
+        scan += 1
+    scanned[idx], arrival[idx] = scan, arrived
+    return scan == len(preds)
+
+
+def _stream_deadlock(inst: Instance, orders: list[list[int]], end: list[float], issue: list[int]) -> InvalidSchedule:
+    """The deadlock of a two-stream run: per rank, its first action that never ran and what it waits for."""
+    waits = []
+    for rank, row in enumerate(orders):
+        waiting = [idx for idx in row if end[idx] != end[idx]]
+        if not waiting:
+            continue
+        idx = waiting[0]
+        missing = [pred for pred, _ in inst.preds[idx] if end[pred] != end[pred]]
+        blocker = missing[0] if missing else (issue[idx] if issue[idx] >= 0 else waiting[-1])
+        waits.append(
+            {
+                "rank": rank,
+                "action": str(inst.actions[idx]),
+                "waits_for": str(inst.actions[blocker]),
+                "on_rank": inst.rank[blocker],
+            }
         )
-        raise InvalidSchedule("deadlock", f"deadlock: {text}", waits=waits)
+    text = "; ".join(
+        f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in waits
+    )
+    return InvalidSchedule("deadlock", f"deadlock: {text}", waits=waits)
 
-    first_start = min((min(start[i] for i in row) for row in orders if row), default=0.0)
-    makespan = stage_span = step_time = 0.0
-    for row in orders:
-        body = [i for i in row if not is_step[i]]
-        if body:
-            row_start = min(start[i] for i in body)
-            row_end = max(end[i] for i in body)
-            makespan = max(makespan, row_end - first_start)
-            stage_span = max(stage_span, row_end - row_start)
-        if row:
-            last = max(end[i] for i in row)
-            own_start = min(start[i] for i in row)
-            step_time = max(step_time, last - (own_start if not inst.sync_before_step else first_start))
 
+def _memory_by_time(
+    inst: Instance, orders: list[list[int]], start: list[float], end: list[float], check_memory: bool
+) -> tuple[list[float], list[list[tuple[float, float]]], bool]:
+    """Each rank's peak and timeline with its actions' deltas in time order (the lanes overlap): allocations
+    at the start, frees at the end, a free before an allocation at the same instant.
+
+    Raises:
+        InvalidSchedule: ``memory_limit`` at the first excess, with ``check_memory``.
+    """
     peaks: list[float] = []
     timelines: list[list[tuple[float, float]]] = []
     fits = True
@@ -434,18 +513,7 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
                 fits = False
         peaks.append(peak)
         timelines.append(timeline)
-    return SimulationResult(
-        orders=orders,
-        start=start,
-        end=end,
-        makespan=makespan,
-        stage_span=stage_span,
-        peak_memory=peaks,
-        memory_timeline=timelines,
-        fits=fits,
-        ideal=inst.ideal,
-        step_time=step_time,
-    )
+    return peaks, timelines, fits
 
 
 def _deadlock(inst: Instance, orders: list[list[int]], pos: list[int], end: list[float]) -> InvalidSchedule:

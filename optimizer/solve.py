@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 
-from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.families import FamilyDomainError, get_family
-from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.instance import compile_for_orders, compile_problem
 from pipesched.optimizer.pattern import repeating_schedule
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck, active_deadline
@@ -85,11 +85,9 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
     if not family.flush:
         schedule = repeating_schedule(problem, orders, method=name, started=started)
     else:
-        try:
-            # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
-            orders = add_communication(inst, orders)
-        except ReshardOrderError as error:
-            raise FamilyDomainError(f"{name}: {error}") from None
+        # The step's collectives and optimizer steps, placed as the family's paper does (communication.py).
+        orders = add_communication(inst, orders, gather_runs=family.gather_runs)
+        inst = compile_for_orders(problem, orders, base=inst)
         schedule = build_schedule(
             problem,
             orders,

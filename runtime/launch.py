@@ -184,6 +184,8 @@ def steady_steps(schedule: Schedule, options: TrainingOptions | None) -> int:
     them (a pattern without the 2BW rule runs its first step unrolled, K times)."""
     if schedule.step_period is None or schedule.status == "infeasible" or options is None:
         return 0
+    if schedule.problem.data_parallel_size > 1:
+        return 0  # the steady executor holds no replicas' reductions: flushed steps, each one reduced
     return options.steps if options.two_weight_versions else 0
 
 
@@ -195,6 +197,9 @@ def executable_step(schedule: Schedule, steps: int = 1) -> Schedule:
     """
     if schedule.step_period is None or schedule.status == "infeasible":
         return schedule
+    from pipesched.optimizer.communication import with_communication
+    from pipesched.optimizer.instance import compile_problem
+    from pipesched.optimizer.ir import compute_only
     from pipesched.optimizer.pattern import unroll
 
     problem = schedule.problem
@@ -209,7 +214,10 @@ def executable_step(schedule: Schedule, steps: int = 1) -> Schedule:
             "costs.optimizer_step": None,  # a pattern's updates are inside its steps, not OPTIMIZER_STEP actions
         }
     )
-    orders = unroll(schedule.orders(), m, steps)
+    # The pattern's passes; a data-parallel one's reductions and optimizer step placed again for the one step
+    # (steady runs are of the pipeline alone: :func:`steady_steps`).
+    orders = unroll(compute_only(schedule.orders()), m, steps)
+    orders = with_communication(compile_problem(step), orders)
     return build_schedule(step, orders, method=schedule.method, backend=schedule.backend, check_memory=False)
 
 

@@ -524,7 +524,7 @@ def _skeleton(
             "stages_per_rank": stages_per_rank,
             "placement": placement,
         },
-        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1},
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1, **_replica_sync(placement)},
         "memory": {"activation": 0},
     }
     if like is not None and like.model is not None:
@@ -534,6 +534,12 @@ def _skeleton(
     elif options.post_validation:
         data["training"] = {"post_validation": True}
     return load_problem(data)
+
+
+def _replica_sync(placement: str) -> dict[str, float]:
+    """``costs.reduce_grad`` a bidirectional problem needs before it is measured (its replicas' all-reduce): 0 in
+    the skeleton; :func:`_assemble` replaces it with the fitted p2p cost of the stage's gradient bytes."""
+    return {"reduce_grad": 0.0} if placement == "bidirectional" else {}
 
 
 class _Measured:
@@ -606,6 +612,9 @@ def _assemble(
         "weights": weights,
     }
     collectives = _collectives(data, measured, weights, options)
+    if skeleton.pipeline.placement == "bidirectional" and "reduce_grad" not in data["costs"]:
+        # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
+        data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
     problem = load_problem(data)
     calibration = _calibrate(problem, results)
     if calibration is not None:

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, Literal
 
 from pipesched.optimizer.families import FamilySpec, registry
+from pipesched.optimizer.problem import stage_to_rank
 
 __all__ = ["TORCH_SCHEDULES", "TorchSchedule", "torch_compute_orders", "torch_schedule", "torch_schedules_for"]
 
@@ -85,10 +86,7 @@ def torch_schedules_for(placement: str, stages_per_rank: int) -> list[TorchSched
 
 def _stand_in_stages(num_ranks: int, stages_per_rank: int, placement: str, rank: int) -> list[SimpleNamespace]:
     num_stages = num_ranks * stages_per_rank
-    if placement == "loop":
-        ids = [chunk * num_ranks + rank for chunk in range(stages_per_rank)]
-    else:
-        ids = [rank, 2 * num_ranks - 1 - rank]
+    ids = [s for s, holder in enumerate(stage_to_rank(num_ranks, stages_per_rank, placement)) if holder == rank]
     return [
         SimpleNamespace(
             stage_index=s,

@@ -54,6 +54,7 @@ def uniform_problem(
     backward_input: float | list[float] = 1.0,
     backward_weight: float | list[float] = 1.0,
     p2p: float | list[float] = 0.0,
+    reduce_grad: float | list[float] | None = None,
     activation: float | list[float] = 100.0,
     retained_for_weight: float | list[float] = 40.0,
     limit: float | list[float] | None = None,
@@ -63,7 +64,8 @@ def uniform_problem(
     method: str = "auto",
     time_limit_s: float = 10.0,
 ) -> Problem:
-    """A small problem with uniform costs unless told otherwise."""
+    """A small problem with uniform costs unless told otherwise (``reduce_grad``: the stages' gradient
+    reduction, which a bidirectional placement needs for its replicas' synchronisation)."""
     return load_problem(
         {
             "pipeline": {
@@ -77,6 +79,7 @@ def uniform_problem(
                 "backward_input": backward_input,
                 "backward_weight": backward_weight,
                 "p2p": p2p,
+                **({} if reduce_grad is None else {"reduce_grad": reduce_grad}),
             },
             "memory": {
                 "activation": activation,

@@ -2,6 +2,7 @@
 
 * :mod:`~pipesched.api.cli.schedules`: ``solve``, ``compare``, ``plot``, ``check``
 * :mod:`~pipesched.api.cli.plan`: ``plan``
+* :mod:`~pipesched.api.cli.calibrate`: ``calibrate``
 * :mod:`~pipesched.api.cli.runs`: ``run``, ``profile`` (torch)
 * :mod:`~pipesched.api.cli.service`: ``serve``, ``worker``
 * :mod:`~pipesched.api.cli.demo`: ``demo``
@@ -11,11 +12,18 @@ Bad input exits with code 2 and a message naming the field and the fix.
 
 from __future__ import annotations
 
-import typer
+import sys
 
-from pipesched.api.cli import demo, plan, runs, schedules, service
+import typer
+import typer.rich_utils
+
+from pipesched.api.cli import calibrate, demo, launch, plan, runs, schedules, service
+from pipesched.api.cli.common import output_width
 
 __all__ = ["app", "main"]
+
+if typer.rich_utils.MAX_WIDTH is None:  # help piped to a file or `| cat` is not cut at 80 columns
+    typer.rich_utils.MAX_WIDTH = output_width(sys.stdout)
 
 app = typer.Typer(
     name="pipesched",
@@ -34,6 +42,8 @@ app.command()(service.worker)
 app.command()(schedules.plot)
 app.command()(schedules.check)
 app.command(name="plan")(plan.plan_command)
+app.command(name="launch")(launch.launch_command)
+app.command(name="calibrate")(calibrate.calibrate_command)
 
 
 def main() -> None:

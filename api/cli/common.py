@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+#: Width of output that goes to a file or a pipe (rich's 80 columns cut table cells and help lines).
+PIPED_WIDTH = 160
+
+
+def output_width(stream: TextIO) -> int | None:
+    """:data:`PIPED_WIDTH` for a file or a pipe; None (rich measures the terminal, or reads ``$COLUMNS``) else."""
+    if stream.isatty() or os.environ.get("COLUMNS", "").isdigit():
+        return None
+    return PIPED_WIDTH
+
+
+console = Console(width=output_width(sys.stdout))
+err_console = Console(stderr=True, width=output_width(sys.stderr))
 
 FORMATS = ("json", "csv", "chrome-trace")
 

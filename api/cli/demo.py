@@ -34,6 +34,7 @@ from rich.table import Table
 
 from pipesched.api.cli import common
 from pipesched.api.cli.common import fail, require_torch
+from pipesched.optimizer.families import default_family
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
@@ -64,7 +65,7 @@ DEMO_CLUSTER: dict[str, Any] = {
     "flops_per_s": 2.0e10,
     "memory_bandwidth_bytes_per_s": 1.0e10,
     "memory_bytes": 64e6,
-    "memory_reserve_bytes": 0,
+    "memory_headroom_bytes": 0,
     "efficiency": 0.5,
     "intra_node_bandwidth_bytes_per_s": 1.0e9,
     "inter_node_bandwidth_bytes_per_s": 1.0e9,
@@ -89,7 +90,12 @@ def demo_plan_request(*, time_limit_s: float = 10.0, naive: bool = False) -> dic
     }
     if naive:
         search.update(
-            {"method": ["1f1b"], "stages_per_rank": [1], "placement": ["loop"], "activation_recomputation": ["none"]}
+            {
+                "method": [default_family().name],
+                "stages_per_rank": [1],
+                "placement": ["loop"],
+                "activation_recomputation": ["none"],
+            }
         )
         search["top"] = 1
     return {
@@ -293,9 +299,27 @@ def run_demo(
     return summary
 
 
+def _launch_files(client: httpx.Client, plan_id: str, best: dict[str, Any], folder: Path) -> str:
+    """The chosen plan's launch files (``GET /v1/plans/{id}/launch``) in ``folder``; what was written.
+
+    torchtitan ships no GPT-2 config, so the demo asks for Megatron-LM's argv, which carries the model's shape;
+    Megatron-LM has no V placement, so a V plan gets its schedule's CSV only."""
+    folder.mkdir(exist_ok=True)
+    if best["placement"] != "loop":
+        response = client.get(f"/v1/schedules/{best['schedule_id']}", params={"format": "csv"})
+        response.raise_for_status()
+        (folder / "schedule.csv").write_text(response.text)
+        return f"the schedule as PyTorch's CSV: {folder / 'schedule.csv'}"
+    response = client.get(f"/v1/plans/{plan_id}/launch", params={"target": "megatron", "scheduler": "torchrun"})
+    response.raise_for_status()
+    for name, text in response.json()["files"].items():
+        (folder / name).write_text(text)
+    return f"launch files (pipesched launch): {', '.join(str(folder / name) for name in response.json()['files'])}"
+
+
 def _plan_and_schedule(folder: Path, limit: float, console: Console, summary: dict[str, Any]) -> Schedule:
     """Screens 1 and 2: plan on the service started here (beside the naive layout), then fetch the chosen plan's
-    schedule with its pictures and torchtitan settings into ``folder``."""
+    schedule with its pictures and launch files into ``folder``."""
     console.rule("[bold]pipesched demo · 1/4 plan")
     console.print(
         f"GPT-2's architecture scaled down ({DEMO_MODEL['num_layers']} layers, hidden {DEMO_MODEL['hidden_size']}, "
@@ -328,10 +352,10 @@ def _plan_and_schedule(folder: Path, limit: float, console: Console, summary: di
         response = client.get(f"/v1/schedules/{schedule.id}/view")
         response.raise_for_status()
         (folder / "view.html").write_bytes(response.content)
-        (folder / "torchtitan.toml").write_text(best["launch"]["torchtitan"])
+        launched = _launch_files(client, answer["id"], best, folder / "launch")
         console.print(
             f"Gantt chart with a communication row per rank: {folder / 'gantt.png'} · HTML view: "
-            f"{folder / 'view.html'} · torchtitan settings: {folder / 'torchtitan.toml'}",
+            f"{folder / 'view.html'} · {launched}",
             highlight=False,
         )
     return schedule

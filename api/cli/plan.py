@@ -17,11 +17,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.loading import format_validation_error
+from pipesched.optimizer.cost.profile import load_catalogue
+from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["plan_command", "print_plans"]
+__all__ = ["plan_command", "print_plans", "register_profile_file"]
 
 #: Wide enough for the plans table when the output is not a terminal (a file, a pipe, a test runner).
 _WIDTH = 170
@@ -60,11 +62,34 @@ def load_plan_request(path: Path, top: int | None = None, time_limit: float | No
         raise _fail(f"{path}:\n{format_validation_error(error, '  ')}") from None
 
 
+def register_profile_file(path: Path) -> None:
+    """Register the profiles of a ``pipesched calibrate`` file for this process (``cluster.profile``).
+
+    Raises:
+        typer.Exit: code 2 when the file cannot be read or is not a profile.
+    """
+    try:
+        catalogue = load_catalogue(path)
+    except OSError as error:
+        raise _fail(f"cannot read {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}") from None
+    except ValidationError as error:
+        raise _fail(
+            f"{path} is not a profile (pipesched calibrate writes one):\n{format_validation_error(error, '  ')}"
+        ) from None
+    for item in catalogue.profiles.values():
+        register_profile(item)
+
+
 def print_plans(answer: PlanAnswer, out: Console) -> None:
     """The ranked plans as a table, then the search counts."""
     table = Table(title="plans, best first", title_justify="left")
-    for column in ("#", "pp", "tp", "dp", "chunks", "mb×m", "recompute", "method", "step ms", "tok/s/GPU", "MFU"):
-        table.add_column(column, justify="right" if column not in ("dp", "chunks", "recompute", "method") else "left")
+    columns = ("#", "pp", "tp", "dp", "chunks", "mb×m", "recompute", "prec", "method", "step ms", "tok/s/GPU")
+    for column in (*columns, "80% interval", "MFU"):
+        table.add_column(
+            column, justify="left" if column in ("dp", "chunks", "recompute", "prec", "method") else "right"
+        )
     table.add_column("peak", justify="right")
     table.add_column("bound ms", justify="right")
     for rank, plan in enumerate(answer.plans, 1):
@@ -76,14 +101,24 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",
             plan.activation_recomputation,
+            plan.precision,
             plan.method,
             f"{plan.step_time_ms:.1f}",
             f"{plan.tokens_per_s_per_gpu:.0f}",
+            f"{plan.tokens_per_s_per_gpu_interval[0]:.0f}–{plan.tokens_per_s_per_gpu_interval[1]:.0f}",
             f"{plan.mfu:.1%}",
             format_bytes(plan.peak_memory_bytes),
             f"{plan.lower_bound_ms:.1f}",
         )
     out.print(table)
+    if answer.memory_headroom_bytes is not None:
+        out.print(
+            f"kept free on every GPU: {format_bytes(answer.memory_headroom_bytes)} (cluster.memory_headroom_bytes); "
+            f"profile {answer.profile}",
+            highlight=False,
+        )
+    for note in answer.notes:
+        out.print(f"[bold yellow]note:[/bold yellow] {note}", highlight=False)
     searched = answer.searched
     out.print(
         f"searched: {searched.enumerated} enumerated, {searched.pruned_memory} pruned by memory, "
@@ -131,8 +166,14 @@ def plan_command(
     top: Annotated[int | None, typer.Option("--top", help="Plans to return (search.top).")] = None,
     time_limit: Annotated[float | None, typer.Option("--time-limit", help="search.time_limit_s.")] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the plans (JSON) here.")] = None,
+    profile: Annotated[
+        Path | None,
+        typer.Option("--profile", help="A profile from `pipesched calibrate`; cluster.profile may then name it."),
+    ] = None,
 ) -> None:
     """The best parallel configurations (pipeline, tensor, data parallel, schedule) for a model on a cluster."""
+    if profile is not None:
+        register_profile_file(profile)
     request = load_plan_request(config_path, top, time_limit)
     try:
         outcome = run_with_progress(request)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from pipesched.api.cli.common import console, err_console, fail, require_torch, write_output
 from pipesched.api.loading import InputError
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.units import format_bytes
 
 if TYPE_CHECKING:
@@ -76,6 +77,22 @@ MaxGradNormOption = Annotated[
     float | None, typer.Option("--max-grad-norm", help="Clip by the global gradient norm (post-validation: 1.0).")
 ]
 InjectNanOption = Annotated[str | None, typer.Option("--inject-nan", hidden=True, help="STEP:MICROBATCH (tests).")]
+
+
+def prediction_note(problem: Problem, model: str) -> str:
+    """Where the run summary's predictions come from when the ranks ran another model than the problem's."""
+    spec = problem.model
+    source = (
+        f"the problem's model ({spec.preset or f'{spec.num_layers} layers, hidden {spec.hidden_size}'}, "
+        f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size})"
+        if spec is not None
+        else "the problem's costs and memory as given"
+    )
+    alternative = " or with --model problem" if spec is not None else ""
+    return (
+        f"note: predicted times and memory are for {source}; the ranks ran --model {model}. They compare with the "
+        f"measured ones only for a problem profiled from {model} (pipesched profile --model {model}){alternative}."
+    )
 
 
 def run(
@@ -151,7 +168,7 @@ def run(
     if report is None:
         console.print(f"node {node_rank} done; node 0 verifies and reports", highlight=False)
         return
-    _print_run(report, schedule, training, output, trace)
+    _print_run(report, schedule, training, output, trace, model)
 
 
 def _training_options(problem: Problem, given: dict[str, Any], inject_nan: str | None) -> TrainingOptions | None:
@@ -187,11 +204,15 @@ def _print_run(
     training: TrainingOptions | None,
     output: Path | None,
     trace: Path | None,
+    model: str,
 ) -> None:
-    """The verified run's summary (and training's), the files written; exit 1 when it did not verify."""
+    """The verified run's summary (and training's, and whose predictions it shows when ``model`` is not the
+    problem's), the files written; exit 1 when it did not verify."""
     from pipesched.runtime.launch import print_run_summary
 
     print_run_summary(report)
+    if model != "problem":
+        console.print(prediction_note(schedule.problem, model), highlight=False, soft_wrap=True)
     if training is not None:
         from pipesched.runtime.training import print_training_summary
 

@@ -117,7 +117,7 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
         "—" if schedule.gap is None else f"{schedule.gap:.4f}",
     )
     out.print(table)
-    if schedule.step_period is not None:
+    if schedule.shape == "pattern" and schedule.step_period is not None:
         out.print(
             f"step_period {schedule.step_period:.3f} ms per step in steady state (no flush, "
             f"{problem.training.weight_versions} weight versions); the actions are one repeating step, microbatch "
@@ -470,9 +470,8 @@ def check(
         else:
             assert result.violation is not None
             violation = result.violation
-            err_console.print(
-                f"[bold red]invalid ({violation.reason}):[/bold red] {violation.message}", highlight=False
-            )
+            message = violation.message.removeprefix(f"{violation.reason}: ")  # the reason is said once
+            err_console.print(f"[bold red]invalid ({violation.reason}):[/bold red] {message}", highlight=False)
             if violation.marks:
                 err_console.print(render_grid(result.orders, violation.marks), highlight=False, soft_wrap=True)
     if not result.valid:

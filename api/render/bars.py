@@ -4,8 +4,8 @@ streams) and memory timeline, the colours of kinds and ranks, labels that fit a 
 Package-private to :mod:`pipesched.api.render`: :mod:`~pipesched.api.render.figure` (matplotlib) and
 :mod:`~pipesched.api.render.page` (the HTML view) draw from :func:`_prepare`'s view.
 
-Memory comes from ``pipesched.optimizer.simulate.simulate(compile_problem(schedule.problem), schedule.orders())``
-(memory checks off, so a schedule over its limit is still drawn — with its excess visible).
+Memory comes from :func:`pipesched.optimizer.pattern.memory_timelines` (the simulator for a step, memory checks
+off, so a schedule over its limit is still drawn — with its excess visible; the steady state for a pattern).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from pipesched.optimizer.instance import compile_for_orders
+from pipesched.optimizer.pattern import memory_timelines
 from pipesched.optimizer.result import Schedule
-from pipesched.optimizer.simulate import simulate
 
 # Okabe & Ito (2008) colour-blind-safe palette. I and B never occur in the same schedule.
 KIND_COLORS = {
@@ -109,14 +108,8 @@ def _prepare(schedule: Schedule) -> _View:
             f"schedule{' ' + schedule.id if schedule.id else ''} is infeasible ({schedule.reason}): nothing to draw; "
             "plot a feasible schedule"
         )
-    inst = compile_for_orders(schedule.problem, schedule.orders())
-    if schedule.step_period is not None:  # no flush: a repeating pattern, not a run of the one-step problem
-        from pipesched.optimizer.pattern import pattern_memory_timelines
-
-        memory_timeline, peak_memory = pattern_memory_timelines(schedule), schedule.peak_memory
-    else:
-        sim = simulate(inst, schedule.orders(), check_memory=False)
-        memory_timeline, peak_memory = sim.memory_timeline, sim.peak_memory
+    memory_timeline, peak_memory = memory_timelines(schedule)
+    limits = schedule.problem.memory_limits
     makespan = max((a.end for r in schedule.ranks for a in r.actions), default=0.0)
     stage_to_rank = schedule.stage_to_rank
     ranks = []
@@ -151,7 +144,7 @@ def _prepare(schedule: Schedule) -> _View:
                 stages=stages,
                 bars=bars,
                 timeline=timeline,
-                limit=inst.limit[rank],
+                limit=limits[rank],
                 peak=peak_memory[rank],
                 comm_bars=comm_bars,
             )

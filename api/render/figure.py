@@ -64,6 +64,7 @@ def _figure(schedule: Schedule, compare: Schedule | None, dpi: float) -> Any:
 
 def _legend(fig: Any, views: list[_View]) -> None:
     """One legend for the kinds, the later-stage shade and idle time, under the figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.patches import Patch
 
     kinds = [k for k in _ALL_KINDS if any(k in v.kinds for v in views)]
@@ -77,15 +78,21 @@ def _legend(fig: Any, views: list[_View]) -> None:
             for k in kinds[:1]
         ]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle"))
-    fig.legend(
-        handles=handles,
-        loc="outside lower center",
-        ncol=len(handles),
-        fontsize=8,
-        frameon=False,
-        handlelength=1.4,
-        columnspacing=1.6,
-    )
+    # as many columns as fit the figure's width (a row wider than the figure is clipped at both sides)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    for columns in range(len(handles), 0, -1):
+        legend = fig.legend(
+            handles=handles,
+            loc="outside lower center",
+            ncol=columns,
+            fontsize=8,
+            frameon=False,
+            handlelength=1.4,
+            columnspacing=1.6,
+        )
+        if columns == 1 or legend.get_window_extent(renderer).width <= 0.97 * fig.bbox.width:
+            return
+        legend.remove()
 
 
 def _draw_gantt(ax: Any, view: _View, x_max: float, axes_width_px: float, prefix: str, dpi: float) -> None:

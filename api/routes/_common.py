@@ -3,31 +3,56 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from pipesched.api.jobs import SolverPool
-from pipesched.api.lanes import Lane, LaneFull
+from pipesched.api.lanes import Admission, Lane, LaneFull
 from pipesched.api.metrics import Metrics
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
 from pipesched.optimizer.families import FamilyDomainError, UnknownMethodError, check_method
 from pipesched.optimizer.problem import Problem
 
+if TYPE_CHECKING:
+    from pipesched.api.queue import QueueRunner
+
 
 @dataclass
 class Services:
-    """Everything a request handler needs, built once per app (``app.state.services``)."""
+    """Everything a request handler needs, built once per app (``app.state.services``).
+
+    ``health`` runs ``/healthz``'s database ping on threads of its own, so a liveness probe never waits
+    behind solves, checks or drawings for a thread of the server's pool.
+    """
 
     settings: Settings
     store: Store
-    pool: SolverPool
+    pool: SolverPool | QueueRunner
     metrics: Metrics
     renders: Lane
+    checks: Lane
+    check_admission: Admission
+    health: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="pipesched-health")
+    )
+
+    def close(self) -> None:
+        """Stop the lanes and the solvers (the app's shutdown), then close the database's connections."""
+        self.renders.close()
+        self.checks.close()
+        self.pool.shutdown()
+        self.health.shutdown(wait=False, cancel_futures=True)
+        self.store.dispose()
+
+
+#: Threads answering /healthz (a ping each; more probes wait for one, bounded by the probe's timeout).
+HEALTH_THREADS = 2
 
 
 #: The setting that bounds each lane's queue, named in a 429.
@@ -35,6 +60,7 @@ QUEUE_SETTINGS = {
     "job": "PIPESCHED_MAX_QUEUED_JOBS",
     "solve": "PIPESCHED_MAX_QUEUED_SOLVES",
     "render": "PIPESCHED_MAX_QUEUED_RENDERS",
+    "check": "PIPESCHED_MAX_QUEUED_CHECKS",
 }
 
 

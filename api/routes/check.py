@@ -1,19 +1,48 @@
-"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.check`)."""
+"""``POST /v1/schedules/check``: time and check a schedule written elsewhere (:mod:`pipesched.optimizer.check`).
+
+The check runs in the check lane (:func:`pipesched.api.checks.run_check`), and a request is admitted before its
+body is read (:class:`AdmittedCheck`): at most ``check_workers + max_queued_checks`` checks are read, queued or
+run at once, the rest get 429 with ``Retry-After``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from pipesched.api.routes._common import Services, field_error, prepare_problem, require_token, services
+from pipesched.api.checks import ScheduleInputError, run_check
+from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
+from pipesched.api.routes._common import Services, field_error, prepare_problem, require_token, services, too_busy
 from pipesched.api.schemas import error_responses
-from pipesched.optimizer.check import ScheduleInputError, check_schedule, read_schedule
 from pipesched.optimizer.derive import ProblemDocument
 from pipesched.optimizer.field_errors import StrictModel
 
-router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
+
+class AdmittedCheck(APIRoute):
+    """A route admitted by ``Services.check_admission`` before FastAPI reads and parses its body (429 when
+    every place is taken), holding its place until it answers."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def admitted(request: Request) -> Response:
+            svc = services(request)
+            try:
+                with svc.check_admission.place(svc.settings.check_timeout_s / 4):
+                    return await handler(request)
+            except LaneFull as error:
+                raise too_busy(error, "check it locally with `pipesched check`") from None
+
+        return admitted
+
+
+router = APIRouter(
+    prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)], route_class=AdmittedCheck
+)
 
 
 class CheckRequest(StrictModel):
@@ -57,19 +86,32 @@ class CheckAnswer(BaseModel):
     operation_id="check_schedule",
     summary="Time and check a schedule written elsewhere (action lists or PyTorch CSV)",
     response_model=CheckAnswer,
-    responses=error_responses(401, 413, 422),
+    responses=error_responses(400, 401, 413, 422, 429, 503, 504),
 )
 def check(request: CheckRequest, svc: Services = Depends(services)) -> CheckAnswer:
     """200 with ``valid: true`` and the objective, or ``valid: false`` and the first violation; 422 for a schedule
-    that is not one (a cell that is no action) or a problem over the service's size limit."""
+    that is not one (a cell that is no action) or a problem over the service's size limit; 429 while
+    ``check_workers + max_queued_checks`` checks are under way; 504 after ``check_timeout_s``."""
     problem = prepare_problem(
         request.problem.with_changes(**{"solver.method": "auto"}), svc.settings, ("body", "problem")
     )
+    settings = svc.settings
     try:
-        orders, notes = read_schedule(request.schedule)
+        ticket = svc.checks.submit(
+            run_check, problem, request.schedule, 3 * settings.max_actions, expected_s=settings.check_timeout_s / 4
+        )
+        result = ticket.future.result(timeout=settings.check_timeout_s)
     except ScheduleInputError as error:
         raise field_error(("body", "schedule"), str(error)) from None
-    cells = sum(len(row) for row in orders)
-    if cells > 3 * svc.settings.max_actions:
-        raise field_error(("body", "schedule"), f"the schedule has {cells} actions, over this service's limit")
-    return CheckAnswer.model_validate(check_schedule(problem, orders, notes).to_dict())
+    except TimeoutError:
+        waited = svc.checks.cancel(ticket)
+        if not waited:
+            svc.checks.abort(ticket)
+        raise HTTPException(
+            504,
+            f"no check within {settings.check_timeout_s:g} s (PIPESCHED_CHECK_TIMEOUT_S): check it locally with "
+            "`pipesched check`",
+        ) from None
+    except (WorkerDied, LaneClosed) as error:
+        raise HTTPException(503, f"{error}: retry, or check it locally with `pipesched check`") from None
+    return CheckAnswer.model_validate(result)

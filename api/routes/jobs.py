@@ -6,11 +6,11 @@ import logging
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
+from pipesched.api.callbacks import callback_url, callback_view, record_callback
 from pipesched.api.lanes import LaneClosed, LaneFull
 from pipesched.api.routes._common import Services, prepare_problem, require_token, services, too_busy
-from pipesched.api.schemas import JobCreated, JobProgress, JobStatus, error_responses
+from pipesched.api.schemas import JobCreated, JobDocument, JobProgress, JobStatus, error_responses
 from pipesched.api.storage import JobRow, problem_key
-from pipesched.optimizer.derive import ProblemDocument
 
 log = logging.getLogger("pipesched.api")
 
@@ -48,6 +48,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
         attempt=row.attempt,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        callback=callback_view(svc.store, "job", row.id),
     )
 
 
@@ -59,8 +60,16 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     response_model=JobCreated,
     responses=error_responses(400, 401, 413, 422, 429, 503),
 )
-def create_job(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> JobCreated:
+def create_job(
+    problem: JobDocument,
+    response: Response,
+    svc: Services = Depends(services),
+    callback: str | None = Depends(callback_url),
+) -> JobCreated:
     """Queue ``problem`` for a solver process (at most ``solver_workers`` run at once; the rest wait).
+
+    With ``"callback_url"`` beside the problem's fields, the finished job's JSON is POSTed there, signed
+    (``X-Pipesched-Signature``; :mod:`pipesched.api.callbacks`).
 
     A problem solved before makes a job that is ``done`` at once (``X-Pipesched-Cache: hit``). When
     ``max_queued_jobs`` jobs wait already: 429 with ``Retry-After``, and nothing is stored.
@@ -87,6 +96,7 @@ def create_job(problem: ProblemDocument, response: Response, svc: Services = Dep
             raise HTTPException(503, f"{error}: job {row.id} runs when the service is back") from None
     else:
         row = svc.store.create_job(problem, key, cached)
+    record_callback(svc.store, "job", row.id, callback)
     response.headers["Location"] = f"/v1/jobs/{row.id}"
     response.headers["X-Pipesched-Cache"] = "hit" if cached else "miss"
     return JobCreated(id=row.id, status=row.status)

@@ -6,12 +6,14 @@ from fastapi import APIRouter, Depends, HTTPException, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from pipesched.api.callbacks import CallbackView, callback_url, callback_view, record_callback
 from pipesched.api.lanes import LaneFull
 from pipesched.api.plans import submit_plan
 from pipesched.api.routes._common import Services, require_token, services, too_busy
-from pipesched.api.schemas import JobCreated, error_responses
+from pipesched.api.schemas import JobCreated, PlanDocument, error_responses
+from pipesched.api.storage import PlanRow
 from pipesched.optimizer.planner.rank import prepare
-from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
+from pipesched.optimizer.planner.request import PlanAnswer
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
 
@@ -30,6 +32,7 @@ class PlanStatus(PlanAnswer):
     """The contract's plan answer with the search's progress; ``plans`` holds the best so far while running."""
 
     progress: PlanProgressView = Field(default_factory=PlanProgressView)
+    callback: CallbackView | None = Field(None, description="The signed POST of this plan once it ends, if asked.")
 
 
 @router.post(
@@ -40,8 +43,15 @@ class PlanStatus(PlanAnswer):
     response_model=JobCreated,
     responses=error_responses(400, 401, 413, 422, 429),
 )
-def create_plan(request: PlanRequest, response: Response, svc: Services = Depends(services)) -> JobCreated:
+def create_plan(
+    request: PlanDocument,
+    response: Response,
+    svc: Services = Depends(services),
+    callback: str | None = Depends(callback_url),
+) -> JobCreated:
     """Check the request (an empty space or one where nothing fits is a 422 naming the field), then queue it.
+
+    With ``"callback_url"`` beside the request's fields, the finished answer is POSTed there, signed.
 
     ``search.time_limit_s`` is clamped to the service's ``max_time_limit_s``.
     """
@@ -59,6 +69,7 @@ def create_plan(request: PlanRequest, response: Response, svc: Services = Depend
     except LaneFull as error:
         svc.store.fail_plan(row.id, f"not started: {error}")
         raise too_busy(error) from None
+    record_callback(svc.store, "plan", row.id, callback)
     response.headers["Location"] = f"/v1/plans/{row.id}"
     return JobCreated(id=row.id, status="queued")
 
@@ -76,6 +87,11 @@ def get_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
     row = svc.store.plan(plan_id)
     if row is None:
         raise HTTPException(status_code=404, detail=f"no plan with id {plan_id!r}: POST /v1/plans first")
+    return plan_status(svc, row)
+
+
+def plan_status(svc: Services, row: PlanRow) -> PlanStatus:
+    """The API view of a plan search's row."""
     answer = PlanAnswer.model_validate_json(row.answer_json) if row.answer_json else PlanAnswer(plans=[])
     return PlanStatus(
         **{
@@ -91,4 +107,5 @@ def get_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
             best_step_ms=row.best_step_ms,
             elapsed_s=row.elapsed_s,
         ),
+        callback=callback_view(svc.store, "plan", row.id),
     )

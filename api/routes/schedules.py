@@ -28,9 +28,6 @@ from pipesched.optimizer.result import Schedule
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], dependencies=[Depends(require_token)])
 
-#: Seconds a synchronous request waits beyond the time limit (queueing behind other solves, start-up).
-SYNC_WAIT_GRACE_S = 60.0
-
 FORMAT_MEDIA = {
     "json": "application/json",
     "csv": "text/csv",
@@ -47,8 +44,9 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
         (the schedule's JSON with its ``id``, hit).
 
     Raises:
-        HTTPException: 503 when the solver process died; 504 when the pool gives no answer within the
-            time limit plus a grace period.
+        HTTPException: 429 when the synchronous solves' queue is full; 503 when the solver process died;
+            504 when no answer comes within the time limit plus ``max_sync_wait_s``.
+        DatabaseUnavailable: the database or the queue cannot be reached (the app answers 503).
         FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
     """
     key = problem_key(problem)
@@ -57,7 +55,7 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
     if cached is not None:
         return cached, True
     try:
-        schedule = svc.pool.solve(problem, timeout_s=problem.solver.time_limit_s + SYNC_WAIT_GRACE_S)
+        schedule = svc.pool.solve(problem, timeout_s=problem.solver.time_limit_s + svc.settings.max_sync_wait_s)
     except LaneFull as error:
         raise too_busy(error, "submit it as a job with POST /v1/jobs") from None
     except SolverDied as error:

@@ -51,7 +51,11 @@ gathered weights: without ``reshard_after_forward`` every unit of the stage stay
 to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 frees each unit after its
 forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
 units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole fp32 gradient buffer
-(static). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
+(static). Under pipelining the unit-by-unit reduction waits: a ``torch.distributed.pipelining`` stage runs
+every backward but its last with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
+torch 2.5–2.13), so FSDP accumulates the stage's unsharded gradients over the microbatches and reduces them
+once: a pipelined stage holds its whole fp32 gradient until REDUCE_GRAD (``memory.gradients`` = 4 B × the
+stage's parameters). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
 buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
 compute: an upper bound by one unit.
 
@@ -117,8 +121,13 @@ def group_link(cluster: ClusterConfig, group_size: int, tensor_parallel: int = 1
     """Bandwidth (bytes/s per rank) of a data-parallel group of ``group_size`` and where it lies.
 
     Inside a node when ``tensor_parallel · group_size ≤ gpus_per_node`` (module docstring), using
-    ``intra_node_bandwidth_bytes_per_s``; across nodes otherwise, using ``inter_node_bandwidth_bytes_per_s``.
-    A cluster without these fields (or without ``gpus_per_node``) uses ``p2p_bandwidth_bytes_per_s``.
+    ``intra_node_bandwidth_bytes_per_s``; across nodes otherwise. Across N nodes with g of the group's ranks in
+    each (g = gpus_per_node / tensor_parallel), NCCL's rings and trees cross every node boundary once per
+    channel, one channel per NIC (each GPU its own NIC, as on DGX/HGX hosts): a node takes in the other nodes'
+    (N−1)/N of the buffer once, over its g NICs, and passes it on over NVLink. The ring formulas' (d−1)/d · B/β
+    then hold with β = min(intra-node, g · inter-node · ((d−1)/d) / ((N−1)/N)) (the slower of the NVLink and the
+    network legs; with g = 1 it is the per-GPU network link). A cluster without these fields (or without
+    ``gpus_per_node``) uses ``p2p_bandwidth_bytes_per_s``.
 
     Returns:
         ``(bandwidth_bytes_per_s, "intra-node" | "inter-node" | "p2p link")``.
@@ -130,7 +139,10 @@ def group_link(cluster: ClusterConfig, group_size: int, tensor_parallel: int = 1
         if tensor_parallel * group_size <= gpus_per_node and intra:
             return float(intra), "intra-node"
         if tensor_parallel * group_size > gpus_per_node and inter:
-            return float(inter), "inter-node"
+            per_node = max(1, min(group_size, gpus_per_node // max(tensor_parallel, 1)))
+            nodes = group_size / per_node
+            network = per_node * float(inter) * ((group_size - 1) / group_size) / ((nodes - 1) / nodes)
+            return (min(float(intra), network) if intra else network), "inter-node"
     return float(cluster.p2p_bandwidth_bytes_per_s), "p2p link"
 
 
@@ -173,6 +185,7 @@ def data_parallel_costs(
     tensor_parallel: int = 1,
     stage_largest_unit: list[float] | None = None,
     reshard_after_forward: bool = False,
+    reduce_bytes: float = GRADIENT_REDUCE_BYTES,
 ) -> DataParallelCosts:
     """Collective times (ms), optimizer step (ms) and memory (bytes) of a pipeline with d data-parallel copies.
 
@@ -190,6 +203,7 @@ def data_parallel_costs(
         stage_largest_unit: parameters of each stage's largest FSDP unit (a transformer block, the embedding,
             or the final norm with the head); ``None``: the whole stage is one unit.
         reshard_after_forward: with ``full``, units are freed after their forward (module docstring).
+        reduce_bytes: bytes per gradient element on the wire (4 for fp32, 2 for a bf16 reduction).
 
     Formulas and sources: module docstring.
     """
@@ -205,9 +219,9 @@ def data_parallel_costs(
         group = d * len(holders)
         gathered = min(params, 2 * unit) if reshard_after_forward else params
         weights.append(gathered * weight_bytes)
-        gradients.append((unit if per_block else params) * GRADIENT_REDUCE_BYTES)
+        gradients.append((unit if per_block and num_ranks == 1 else params) * GRADIENT_REDUCE_BYTES)
         unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
-        g_bytes = params * GRADIENT_REDUCE_BYTES
+        g_bytes = params * reduce_bytes
         if per_block:
             reduce.append(reduce_scatter_ms(g_bytes, group, bandwidth, latency))
         else:

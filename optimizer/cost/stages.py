@@ -24,8 +24,8 @@ Sources and model:
   T_W/T_F ≈ 0.93 for the 1.5B model where the profile shows 0.50.
 - Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
   main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
-  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). ``shard_optimizer_state`` divides the master weights
-  and moments by ``data_parallel_size`` (ZeRO stage 1).
+  moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). The problem's ``data_parallel`` sharding divides them by
+  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`).
 - Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
   V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
 """
@@ -41,13 +41,14 @@ from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParall
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
 from pipesched.optimizer.cost.flops import (
     embedding_parameters,
-    head_flops,
     head_parameters,
     layer_flops,
     layer_parameters,
     norm_parameters,
 )
 from pipesched.optimizer.cost.memory import layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile, active_catalogue, default_profile
+from pipesched.optimizer.cost.timing import Hardware, PassTimes, elementwise_ms, gemm_ms, layer_gemm_times
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.partition import PartitionError, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
@@ -63,9 +64,10 @@ __all__ = [
     "derive_problem",
     "embedding_block",
     "head_block",
+    "headroom_bytes",
+    "register_profile",
+    "registered_profiles",
     "resolve_hardware",
-    "stage_ranks",
-    "static_bytes_per_parameter",
     "transformer_layer",
 ]
 
@@ -76,22 +78,6 @@ FORWARD_TRAFFIC_PER_ACTIVATION_BYTE = 4.73
 BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE = 4.10
 
 _Errors = list[tuple[tuple[str | int, ...], str, Any]]
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """Resolved accelerator figures: memory (bytes), peak dense FLOP/s, memory bandwidth (bytes/s)."""
-
-    name: str
-    memory_bytes: float
-    flops_per_s: float
-    memory_bandwidth_bytes_per_s: float
-    efficiency: float
-
-    @property
-    def effective_flops_per_s(self) -> float:
-        """FLOP/s the matrix multiplies achieve: peak × efficiency."""
-        return self.flops_per_s * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -135,37 +121,79 @@ class Block:
         return self.forward_ms + self.backward_input_ms + self.backward_weight_ms
 
 
+#: Profiles registered by name for this process (``pipesched calibrate`` output given to ``--profile`` or
+#: ``POST /v1/profiles``), looked up before the built-in ones by ``cluster.profile``.
+_REGISTERED: dict[str, AcceleratorProfile] = {}
+
+
+def register_profile(profile: AcceleratorProfile) -> None:
+    """Make ``profile`` selectable by ``cluster.profile`` (its ``name``, case-insensitive) in this process."""
+    _REGISTERED[profile.name.lower()] = profile
+
+
+def registered_profiles() -> list[AcceleratorProfile]:
+    """The profiles :func:`register_profile` made selectable, in registration order."""
+    return list(_REGISTERED.values())
+
+
+def _profile_errors(cluster: ClusterConfig) -> tuple[AcceleratorProfile | None, _Errors]:
+    name = cluster.profile
+    if name is None:
+        return None, []
+    profile = _REGISTERED.get(name.lower()) or active_catalogue().get(name)
+    if profile is not None:
+        return profile, []
+    known = sorted({*active_catalogue().profiles, *(p.name for p in _REGISTERED.values())})
+    message = (
+        f"unknown profile {name!r}: use one of {', '.join(known)}, or register one made by `pipesched calibrate` "
+        "(POST /v1/profiles, or --profile FILE on the command line)"
+    )
+    return None, [(("cluster", "profile"), message, name)]
+
+
+def _unknown_accelerator(cluster: ClusterConfig) -> None:
+    raise_field_errors(
+        "ClusterConfig",
+        [
+            (
+                ("cluster", "accelerator"),
+                f"unknown accelerator {cluster.accelerator!r}: use one of {', '.join(accelerator_names())}, "
+                "or give memory_bytes, flops_per_s and memory_bandwidth_bytes_per_s instead",
+                cluster.accelerator,
+            )
+        ],
+    )
+
+
 def resolve_hardware(cluster: ClusterConfig) -> Hardware:
-    """The accelerator's figures: the catalogue entry, overridden by explicit numbers.
+    """The accelerator's figures and profile: the catalogue entry and its calibrated profile (or
+    ``cluster.profile``), overridden by explicit numbers (``cluster.efficiency`` overrides the profile's
+    bf16 matrix-multiply efficiency).
 
     Raises:
-        pydantic.ValidationError: ``cluster.accelerator`` unknown (the message lists the catalogue), or no
-            accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s missing.
+        pydantic.ValidationError: ``cluster.accelerator`` or ``cluster.profile`` unknown (the message lists the
+            known ones), or no accelerator and some of memory_bytes / flops_per_s / memory_bandwidth_bytes_per_s
+            missing.
     """
 
     memory, flops, bandwidth = cluster.memory_bytes, cluster.flops_per_s, cluster.memory_bandwidth_bytes_per_s
-    name = cluster.accelerator or "explicit"
-    if cluster.accelerator is not None:
+    named, errors = _profile_errors(cluster)
+    raise_field_errors("ClusterConfig", errors)
+    accelerator = cluster.accelerator or (named.accelerator if named is not None else None)
+    name = accelerator or "explicit"
+    fp8: float | None = None
+    if accelerator is not None:
         try:
-            entry = get_accelerator(cluster.accelerator)
+            entry = get_accelerator(accelerator)
         except KeyError:
-            raise_field_errors(
-                "ClusterConfig",
-                [
-                    (
-                        ("cluster", "accelerator"),
-                        f"unknown accelerator {cluster.accelerator!r}: use one of {', '.join(accelerator_names())}, "
-                        "or give memory_bytes, flops_per_s and memory_bandwidth_bytes_per_s instead",
-                        cluster.accelerator,
-                    )
-                ],
-            )
+            _unknown_accelerator(cluster)
             raise  # unreachable: raise_field_errors raised
         name = entry.name
         memory = memory if memory is not None else entry.memory_bytes
         flops = flops if flops is not None else entry.flops_per_s
         bandwidth = bandwidth if bandwidth is not None else entry.memory_bandwidth_bytes_per_s
-    errors: _Errors = [
+        fp8 = entry.fp8_flops_per_s * (flops / entry.flops_per_s) if entry.fp8_flops_per_s is not None else None
+    errors = [
         (
             ("cluster", field_name),
             f"cluster.{field_name} is needed when no catalogue accelerator is named: give it, or set "
@@ -181,17 +209,94 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
     ]
     raise_field_errors("ClusterConfig", errors)
     assert memory is not None and flops is not None and bandwidth is not None
-    return Hardware(name, float(memory), float(flops), float(bandwidth), cluster.efficiency)
+    profile = named if named is not None else default_profile(accelerator)
+    calibrated = named is not None or (accelerator is not None and active_catalogue().get(accelerator) is not None)
+    software = active_catalogue().software if calibrated else _UNFITTED_SOFTWARE
+    efficiency = cluster.efficiency if cluster.efficiency is not None else profile.gemm_efficiency
+    if cluster.attention_efficiency is not None:
+        profile = profile.model_copy(update={"attention_efficiency": cluster.attention_efficiency})
+    return Hardware(name, float(memory), float(flops), float(bandwidth), efficiency, fp8, profile, software)
+
+
+#: The software factors of an uncalibrated accelerator: the cost model as fitted to the Zero Bubble paper's
+#: Megatron profiles (module docstring), no launch bound.
+_UNFITTED_SOFTWARE = SoftwareProfile(
+    cpu_us_per_kernel={"eager": 0.0, "compiled": 0.0, "fused": 0.0}, attention_backward_speed=1.0
+)
+
+
+def headroom_bytes(cluster: ClusterConfig, hardware: Hardware) -> float:
+    """Bytes kept free per GPU: ``cluster.memory_headroom_bytes``, else the profile's default (5% of the
+    memory + the CUDA context for calibrated accelerators, 2 GiB otherwise)."""
+    if cluster.memory_headroom_bytes is not None:
+        return float(cluster.memory_headroom_bytes)
+    return hardware.profile.headroom_bytes(hardware.memory_bytes)
 
 
 def _ms(flops: float, traffic_bytes: float, hardware: Hardware) -> float:
-    return 1e3 * (flops / hardware.effective_flops_per_s + traffic_bytes / hardware.memory_bandwidth_bytes_per_s)
+    """Legacy helper: ``flops`` at the bf16 matrix-multiply rate plus ``traffic_bytes`` at memory speed, ms."""
+    return 1e3 * flops / hardware.effective_flops_per_s + elementwise_ms(traffic_bytes, hardware)
 
 
 def _tp(tensor_parallel: TensorParallel | None) -> tuple[int, bool]:
     if tensor_parallel is None:
         return 1, True
     return tensor_parallel.size, tensor_parallel.sequence_parallel
+
+
+def _tensor_parallel_ms(
+    model: ModelConfig, hardware: Hardware, tensor_parallel: TensorParallel | None, cluster: ClusterConfig | None
+) -> tuple[float, float]:
+    """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
+
+    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` it runs beside
+    the matrix multiplies and only slows them (``overlap_slowdown``).
+    """
+    t, _ = _tp(tensor_parallel)
+    if t <= 1:
+        return 0.0, 0.0
+    bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
+    latency = cluster.collective_latency_ms if cluster is not None else 0.0
+    achieved = bandwidth * hardware.profile.collective_efficiency_intra
+    total = tensor_parallel_layer_ms(model, t, achieved, latency)
+    if tensor_parallel is not None and tensor_parallel.async_communication:
+        return hardware.profile.overlap_slowdown * total, total
+    return total, total
+
+
+def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
+    """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that), eager
+    attention's products at the matrix-multiply rate, ms."""
+    if model.attention == "flash":
+        speed = hardware.software.attention_backward_speed if backward else 1.0
+        return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
+    return 1e3 * flops / hardware.effective_flops_per_s
+
+
+#: Extra bytes per element eager PyTorch moves over a fused kernel: RMSNorm written as float casts, a square, a
+#: mean, a reciprocal square root and two products (torchtitan's ``RMSNorm``: about 34 bytes per element against
+#: a fused kernel's 4); RoPE as complex products with casts (about 20 against 8); SwiGLU's SiLU and product as two
+#: kernels (10 against 6).
+UNFUSED_BYTES_PER_ELEMENT = {"rmsnorm": 30.0, "rope": 12.0, "swiglu": 4.0}
+
+
+def _unfused_traffic(model: ModelConfig, tensor_parallel: int, hardware: Hardware) -> float:
+    """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
+    operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
+    ``unfused_traffic``); none when compiled or fused."""
+    if model.kernels != "eager":
+        return 0.0
+    tokens = model.seq_length * model.micro_batch_size
+    h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+    k = model.head_size * model.key_value_heads
+    elements = 0.0
+    if model.norm == "rmsnorm":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rmsnorm"] * 2 * h / t
+    if model.position_embedding == "rope":
+        elements += UNFUSED_BYTES_PER_ELEMENT["rope"] * (h + k) / t
+    if model.ffn_type == "swiglu":
+        elements += UNFUSED_BYTES_PER_ELEMENT["swiglu"] * f / t
+    return tokens * elements * hardware.software.unfused_traffic
 
 
 def transformer_layer(
@@ -202,54 +307,74 @@ def transformer_layer(
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
-    FLOPs from :func:`pipesched.optimizer.cost.flops.layer_flops`, activation bytes from
-    :func:`pipesched.optimizer.cost.memory.layer_activation`, tensor-parallel communication from
-    :func:`pipesched.optimizer.cost.collectives.tensor_parallel_layer_ms` over ``cluster``'s intra-node link
-    (added to F and I: Megatron does not overlap it).
+    Times from :mod:`pipesched.optimizer.cost.timing` (matrix multiplies by shape and precision, FlashAttention,
+    elementwise traffic by kernels mode, FP8 casts, the launch bound), FLOPs from
+    :func:`pipesched.optimizer.cost.flops.layer_flops`, activation bytes from
+    :func:`pipesched.optimizer.cost.memory.layer_activation`, tensor-parallel communication over ``cluster``'s
+    intra-node link (added to F and I: Megatron does not overlap it; AsyncTP does, ``async_communication``).
 
     Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
     inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
     layer input until the backward, reruns the whole forward inside I and keeps that input until W
-    (the transient memory of the recomputation itself is not modelled here).
+    (the transient memory of the recomputation itself is not modelled here). Activation bytes are scaled by the
+    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks).
     """
     t, sequence_parallel = _tp(tensor_parallel)
     flops = layer_flops(model, t)
     memory = layer_activation(model, t, sequence_parallel)
     full_activation = memory.full
-    forward_traffic = FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
-    backward_input_traffic = BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * full_activation
-    communication_ms = 0.0
-    if t > 1:
-        bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
-        latency = cluster.collective_latency_ms if cluster is not None else 0.0
-        communication_ms = tensor_parallel_layer_ms(model, t, bandwidth, latency)
-    forward_ms = _ms(flops.forward, forward_traffic, hardware) + communication_ms
-    backward_input_ms = _ms(flops.backward_input, backward_input_traffic, hardware) + communication_ms
+    software, mode = hardware.software, model.kernels
+    traffic = software.elementwise_traffic[mode]
+    gemm, cast_bytes = layer_gemm_times(model, hardware, t)
+    cast = elementwise_ms(cast_bytes, hardware)
+    kernels = software.kernels_per_layer[mode]
+    attention_forward = flops.attention_forward
+    attention_backward = flops.backward_input - (flops.forward - attention_forward)
+    exposed, communication = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
+    unfused = _unfused_traffic(model, t, hardware)
+    forward_elementwise = elementwise_ms(
+        FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + unfused, hardware
+    )
+    forward = PassTimes(gemm, _attention_ms(attention_forward, model, hardware), forward_elementwise, cast, kernels)
+    backward_input = PassTimes(
+        gemm,
+        _attention_ms(attention_backward, model, hardware, backward=True),
+        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + 2 * unfused, hardware),
+        cast,
+        1.5 * kernels,
+    )
+    forward_ms = forward.total_ms(hardware, mode) + exposed
+    backward_input_ms = backward_input.total_ms(hardware, mode) + exposed
     if model.activation_recomputation == "selective" and model.attention == "flash":
         # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        linear_forward = flops.forward - flops.attention_forward
         recomputed_bytes = full_activation - memory.activation
-        backward_input_ms += (
-            _ms(0.5 * linear_forward, FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * recomputed_bytes, hardware)
-            + communication_ms / 2
+        rerun = PassTimes(
+            0.5 * gemm,
+            0.0,
+            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
+            0.5 * cast,
+            0.5 * kernels,
         )
+        backward_input_ms += rerun.total_ms(hardware, mode) + exposed / 2
     elif model.activation_recomputation == "selective":
         backward_input_ms += _ms(
             flops.attention_forward if memory.scores else 0.0,
-            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * memory.scores,
+            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.scores,
             hardware,
         )
     elif model.activation_recomputation == "full":
         backward_input_ms += forward_ms
+    del communication
     norms = 2 * norm_parameters(model)
     parameters = (layer_parameters(model) - norms) / t + norms
+    reserve = hardware.profile.activation_memory_factor
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
-        backward_weight_ms=_ms(flops.backward_weight, 0.0, hardware),
-        activation_bytes=memory.activation,
-        retained_bytes=memory.retained,
+        backward_weight_ms=PassTimes(gemm, 0.0, 0.0, cast, 0.5 * kernels).total_ms(hardware, mode),
+        activation_bytes=memory.activation * reserve,
+        retained_bytes=memory.retained * reserve,
         parameters=parameters,
     )
 
@@ -273,11 +398,11 @@ def embedding_block(
     communication_ms = 0.0
     if t > 1:
         bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
-        communication_ms = all_reduce_ms(tokens * d, t, bandwidth)
+        communication_ms = all_reduce_ms(tokens * d, t, bandwidth * hardware.profile.collective_efficiency_intra)
     return Block(
-        forward_ms=_ms(0.0, 3 * tokens * d / t, hardware) + communication_ms,
+        forward_ms=elementwise_ms(3 * tokens * d / t, hardware) + communication_ms,
         backward_input_ms=0.0,
-        backward_weight_ms=_ms(0.0, (8 * tokens + tokens * d) / t, hardware),
+        backward_weight_ms=elementwise_ms((8 * tokens + tokens * d) / t, hardware),
         activation_bytes=tokens / t,
         retained_bytes=0.0,
         parameters=embedding_parameters(model) / t,
@@ -294,57 +419,28 @@ def head_block(
     """Final norm, LM head and cross-entropy loss on the last stage.
 
     FLOPs: F = 2·s·b·h·V (the logits), I = 2·s·b·h·V (gradient of the head input), W = 2·s·b·h·V, each split by
-    tensor parallelism over the vocabulary. Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V
-    bytes), I reads the softmax and writes the logits' gradient. Activation: the norm's input and output
-    (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head input and the
-    logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a ``separate_copy`` (the
-    last stage of a pipeline keeps a copy, as Megatron does).
+    tensor parallelism over the vocabulary, one (s·b, V/t, h) matrix multiply each, in bf16 (FP8 recipes keep the
+    output layer in bf16). Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V bytes), I reads the
+    softmax and writes the logits' gradient, scaled like the layers' by the kernels mode. Activation: the norm's
+    input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head
+    input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
+    ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does).
     """
     t, _ = _tp(tensor_parallel)
     s, b, h, v, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
     logits = s * b * v / t
-    flops = head_flops(model, t)
+    gemm = gemm_ms(s * b, v / t, h, hardware)
+    traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
+    reserve = hardware.profile.activation_memory_factor
     return Block(
-        forward_ms=_ms(flops, (2 * d + 4) * logits, hardware),
-        backward_input_ms=_ms(flops, (4 + d) * logits, hardware),
-        backward_weight_ms=_ms(flops, 0.0, hardware),
-        activation_bytes=2 * s * b * h * d + 4 * logits,
-        retained_bytes=s * b * h * d + logits * d,
+        forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
+        backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
+        backward_weight_ms=gemm,
+        activation_bytes=(2 * s * b * h * d + 4 * logits) * reserve,
+        retained_bytes=(s * b * h * d + logits * d) * reserve,
         parameters=(head_parameters(model, separate_copy=separate_copy) - norm) / t + norm,
     )
-
-
-def static_bytes_per_parameter(model: ModelConfig, cluster: ClusterConfig) -> float:
-    """Bytes per parameter for weights, gradients and Adam state (ZeRO paper, Sec. 3.1; module docstring).
-
-    Mixed precision (fp16/bf16): 2 weights + 4 fp32 gradients + 12 optimizer (fp32 master, m, v) = 18.
-    fp32: 4 + 4 + 8 = 16. With ``shard_optimizer_state`` the optimizer part is divided by ``data_parallel_size``.
-    """
-    if model.dtype == "fp32":
-        weights, gradients, optimizer = 4.0, 4.0, 8.0
-    else:
-        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
-    if cluster.shard_optimizer_state:
-        optimizer /= cluster.data_parallel_size
-    return weights + gradients + optimizer
-
-
-def stage_ranks(pipeline: Pipeline) -> list[list[int]]:
-    """For every model stage, the ranks holding a copy (contract, Terms: placement).
-
-    One rank per stage, except ``"bidirectional"`` where each model stage sits on two ranks (one per replica).
-    """
-    p, num_stages = pipeline.num_ranks, pipeline.num_stages
-    placement = pipeline.placement
-    if isinstance(placement, list):
-        return [[rank] for rank in placement]
-    if placement == "loop":
-        return [[s % p] for s in range(num_stages)]
-    v = [s if s < p else 2 * p - 1 - s for s in range(num_stages)]
-    if placement == "v":
-        return [[rank] for rank in v]
-    return [sorted({rank, p - 1 - rank}) for rank in v]
 
 
 @dataclass
@@ -356,7 +452,7 @@ class DerivedProblem:
         layers_per_stage: transformer layers per model stage.
         stages: per model stage, the summed :class:`Block` (times ms, bytes, parameters).
         static_bytes: per rank, weights + gradients + optimizer state.
-        limit_bytes: per rank, accelerator memory minus the reserve.
+        limit_bytes: per rank, accelerator memory minus the headroom.
         hardware: the resolved accelerator.
         largest_unit: per model stage, parameters of its largest FSDP unit (a transformer block, the token
             embedding, or the final norm with the head: torchtitan's ``fully_shard`` units).
@@ -443,10 +539,10 @@ def _check_tensor_parallel(
     ]
 
 
-def _per_parameter_bytes(model: ModelConfig, cluster: ClusterConfig, data_parallel: DataParallel | None) -> float:
-    if data_parallel is None:
-        return static_bytes_per_parameter(model, cluster)
-    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, data_parallel.size)
+def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
+    """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
+    group = data_parallel or DataParallel()
+    return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
 
 
 def _transient_bytes(
@@ -477,10 +573,10 @@ def derive_problem(
 
     ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
     :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only), in place of
-    ``cluster.data_parallel_size``/``shard_optimizer_state``; the gathered weights and one FSDP unit's unsharded
-    gradients are not static (the step model's ``memory.weights``/``gradients``, filled by
-    :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as held while a stage computes.
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
+    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
+    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
+    held while a stage computes.
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
@@ -489,7 +585,7 @@ def derive_problem(
     Returns:
         A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
         bandwidth, per-stage ``memory.activation``/``retained_for_weight`` (bytes), per-rank ``memory.static``
-        (bytes) and ``memory.limit`` = accelerator memory − ``cluster.memory_reserve_bytes``.
+        (bytes) and ``memory.limit`` = accelerator memory − the headroom (:func:`headroom_bytes`).
 
     Raises:
         pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
@@ -503,117 +599,30 @@ def derive_problem(
         "Problem",
         _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
     )
-    t, sequence_parallel = _tp(tensor_parallel)
-
-    layer = transformer_layer(model, hardware, tensor_parallel, cluster)
-    embedding = embedding_block(model, hardware, tensor_parallel, cluster)
-    head = head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1)
-    per_parameter = _per_parameter_bytes(model, cluster, data_parallel)
-    limit = hardware.memory_bytes - cluster.memory_reserve_bytes
-    holders = stage_ranks(pipeline)
-
-    def stage_block(stage: int, count: int) -> Block:
-        block = layer.times(count)
-        if stage == 0:
-            block = block + embedding
-        if stage == num_stages - 1:
-            block = block + head
-        return block
-
-    def largest_unit(stage: int, count: int) -> float:
-        units = [layer.parameters] if count else []
-        if stage == 0:
-            units.append(embedding.parameters)
-        if stage == num_stages - 1:
-            units.append(head.parameters)
-        return max(units, default=0.0)
-
-    def stage_memory(stage: int, count: int) -> float:
-        block = stage_block(stage, count)
-        transient = _transient_bytes(model, data_parallel, block.parameters, largest_unit(stage, count))
-        return block.parameters * per_parameter + transient + block.activation_bytes
-
-    total_static = sum(stage_block(stage, 0).parameters for stage in range(num_stages)) * per_parameter
-    total_static += model.num_layers * layer.parameters * per_parameter
-    copies = max(len(ranks) for ranks in holders)  # bidirectional keeps two model replicas
-    if limit <= 0:
-        raise_field_errors(
-            "Problem",
-            [
-                (
-                    ("cluster", "memory_reserve_bytes"),
-                    f"the {format_bytes(cluster.memory_reserve_bytes)} reserve leaves nothing of the accelerator's "
-                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a reserve below "
-                    f"{format_bytes(hardware.memory_bytes)}",
-                    cluster.memory_reserve_bytes,
-                )
-            ],
-        )
-    if total_static * copies / num_ranks > limit:
-        needed = total_static * copies / num_ranks
-        ranks_needed = math.ceil(total_static * copies / limit)
-        loc: tuple[str | int, ...] = ("cluster", "accelerator" if cluster.accelerator else "memory_bytes")
-        shard_hint = (
-            " or shard optimizer state (cluster.shard_optimizer_state with data_parallel_size > 1)"
-            if not cluster.shard_optimizer_state or cluster.data_parallel_size == 1
-            else ""
-        )
-        raise_field_errors(
-            "Problem",
-            [
-                (
-                    loc,
-                    f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
-                    f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
-                    f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
-                    f"{format_bytes(cluster.memory_reserve_bytes)} reserve): use ≥ {ranks_needed} ranks"
-                    f"{shard_hint}",
-                    cluster.accelerator or cluster.memory_bytes,
-                )
-            ],
-        )
-
-    if model.layers_per_stage is not None:
-        layers_per_stage = list(model.layers_per_stage)
-    else:
-        try:
-            layers_per_stage = partition_layers(
-                model.num_layers,
-                num_stages,
-                stage_time=lambda stage, count: stage_block(stage, count).compute_ms,
-                stage_memory=stage_memory,
-                stage_ranks=holders,
-                num_ranks=num_ranks,
-                limit=limit,
-            )
-        except PartitionError as error:
-            raise_field_errors(
-                "Problem",
-                [
-                    (
-                        ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
-                        f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
-                        "micro_batch_size, activation recomputation, or shard optimizer state",
-                        cluster.accelerator or cluster.memory_bytes,
-                    )
-                ],
-            )
-            raise
-
-    stages = [stage_block(stage, count) for stage, count in enumerate(layers_per_stage)]
+    blocks = _StageBlocks(
+        model,
+        data_parallel,
+        num_stages,
+        layer=transformer_layer(model, hardware, tensor_parallel, cluster),
+        embedding=embedding_block(model, hardware, tensor_parallel, cluster),
+        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1),
+        per_parameter=_per_parameter_bytes(model, data_parallel),
+    )
+    headroom = headroom_bytes(cluster, hardware)
+    limit = hardware.memory_bytes - headroom
+    holders = pipeline.stage_holders()
+    _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
+    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
+    stages = [blocks.block(stage, count) for stage, count in enumerate(layers_per_stage)]
     static = [0.0] * num_ranks
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
-            static[rank] += block.parameters * per_parameter
-    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
-    if sequence_parallel:
-        p2p_bytes /= t  # each tensor-parallel rank sends its sequence shard
-    p2p_ms = cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
+            static[rank] += block.parameters * blocks.per_parameter
     costs = Costs(
         forward=[round(block.forward_ms, 6) for block in stages],
         backward_input=[round(block.backward_input_ms, 6) for block in stages],
         backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
-        p2p=round(p2p_ms, 6),
+        p2p=round(_p2p_ms(model, cluster, tensor_parallel), 6),
     )
     memory = Memory(
         activation=[float(round(block.activation_bytes)) for block in stages],
@@ -621,8 +630,143 @@ def derive_problem(
         limit=float(round(limit)),
         static=[float(round(value)) for value in static],
     )
-    units = [largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
     return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+
+
+@dataclass(frozen=True)
+class _StageBlocks:
+    """A stage of ``count`` layers as one block: the layers, plus the embedding on stage 0 and the head on the
+    last; with its memory while it computes (static state, transient gathered weights, one microbatch)."""
+
+    model: ModelConfig
+    data_parallel: DataParallel | None
+    num_stages: int
+    layer: Block
+    embedding: Block
+    head: Block
+    per_parameter: float
+
+    def block(self, stage: int, count: int) -> Block:
+        """Times, activations and parameters of the stage."""
+        block = self.layer.times(count)
+        if stage == 0:
+            block = block + self.embedding
+        if stage == self.num_stages - 1:
+            block = block + self.head
+        return block
+
+    def largest_unit(self, stage: int, count: int) -> float:
+        """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
+        units = [self.layer.parameters] if count else []
+        if stage == 0:
+            units.append(self.embedding.parameters)
+        if stage == self.num_stages - 1:
+            units.append(self.head.parameters)
+        return max(units, default=0.0)
+
+    def memory(self, stage: int, count: int) -> float:
+        """Bytes the stage holds while it computes one microbatch."""
+        block = self.block(stage, count)
+        transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
+        return block.parameters * self.per_parameter + transient + block.activation_bytes
+
+
+def _check_room(
+    blocks: _StageBlocks, cluster: ClusterConfig, hardware: Hardware, headroom: float, num_ranks: int, *, copies: int
+) -> None:
+    """The headroom leaves memory, and the weights, gradients and optimizer state fit the ranks at all.
+
+    Raises:
+        pydantic.ValidationError: on ``cluster.memory_headroom_bytes`` or the accelerator, with the ranks needed.
+    """
+    per_parameter, model = blocks.per_parameter, blocks.model
+    limit = hardware.memory_bytes - headroom
+    total_static = sum(blocks.block(stage, 0).parameters for stage in range(blocks.num_stages)) * per_parameter
+    total_static += model.num_layers * blocks.layer.parameters * per_parameter
+    if limit <= 0:
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("cluster", "memory_headroom_bytes"),
+                    f"the {format_bytes(headroom)} headroom leaves nothing of the accelerator's "
+                    f"{format_bytes(hardware.memory_bytes)} ({hardware.name}): give a headroom below "
+                    f"{format_bytes(hardware.memory_bytes)}",
+                    headroom,
+                )
+            ],
+        )
+    if total_static * copies / num_ranks <= limit:
+        return
+    needed = total_static * copies / num_ranks
+    ranks_needed = math.ceil(total_static * copies / limit)
+    data_parallel = blocks.data_parallel
+    shard_hint = (
+        ' or shard optimizer state over data-parallel copies (data_parallel {"size": d, "sharding": "optimizer"})'
+        if data_parallel is None or data_parallel.size == 1 or data_parallel.sharding == "none"
+        else ""
+    )
+    raise_field_errors(
+        "Problem",
+        [
+            (
+                ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                f"weights, gradients and optimizer state need {format_bytes(needed)} per rank "
+                f"({per_parameter:g} B/param over {num_ranks} ranks), has {format_bytes(limit)} "
+                f"({hardware.name}, {format_bytes(hardware.memory_bytes)} minus the "
+                f"{format_bytes(headroom)} headroom): use ≥ {ranks_needed} ranks{shard_hint}",
+                cluster.accelerator or cluster.memory_bytes,
+            )
+        ],
+    )
+
+
+def _layers_per_stage(
+    blocks: _StageBlocks, cluster: ClusterConfig, holders: list[list[int]], num_ranks: int, limit: float
+) -> list[int]:
+    """``model.layers_per_stage`` when given, else :func:`partition_layers` (slowest stage least, every rank
+    within its limit).
+
+    Raises:
+        pydantic.ValidationError: no partition fits (on the accelerator, with the fixes).
+    """
+    model = blocks.model
+    if model.layers_per_stage is not None:
+        return list(model.layers_per_stage)
+    try:
+        return partition_layers(
+            model.num_layers,
+            blocks.num_stages,
+            stage_time=lambda stage, count: blocks.block(stage, count).compute_ms,
+            stage_memory=blocks.memory,
+            stage_ranks=holders,
+            num_ranks=num_ranks,
+            limit=limit,
+        )
+    except PartitionError as error:
+        raise_field_errors(
+            "Problem",
+            [
+                (
+                    ("cluster", "accelerator" if cluster.accelerator else "memory_bytes"),
+                    f"{error}; each rank has {format_bytes(limit)}: use more ranks, a smaller "
+                    "micro_batch_size, activation recomputation, or shard optimizer state",
+                    cluster.accelerator or cluster.memory_bytes,
+                )
+            ],
+        )
+        raise
+
+
+def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None) -> float:
+    """One activation (or its gradient) between pipeline ranks: latency + s·b·h·dtype bytes / bandwidth, ms;
+    with sequence parallelism each tensor-parallel rank sends its sequence shard."""
+    t, sequence_parallel = _tp(tensor_parallel)
+    p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
+    if sequence_parallel:
+        p2p_bytes /= t
+    return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 
 def derive_costs_and_memory(

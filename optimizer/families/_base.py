@@ -32,6 +32,7 @@ __all__ = [
     "applicable_families",
     "backward",
     "check_method",
+    "default_family",
     "discover_families",
     "family_names",
     "get_family",
@@ -82,8 +83,10 @@ class PlannerEstimate:
         last_rank_like_first: the last rank holds as many activations as the first (every forward runs before
             any backward); otherwise it holds at most one microbatch per local stage.
         min_stages_per_rank: the fewest stages per rank the planner tries the family with.
-        single_rank: the family the planner runs when a configuration has no pipeline (p = 1): plain
-            gradient accumulation.
+        by_default: whether the planner tries the family without being asked; otherwise only when
+            ``search.method`` names it (a different update rule, as PipeDream-2BW's, or an order another
+            family already gives).
+        weight_versions: weight copies a rank keeps (2 without a flush: PipeDream-2BW's double buffering).
     """
 
     in_flight: Callable[[int, int, int], int]
@@ -91,7 +94,8 @@ class PlannerEstimate:
     seconds_per_thousand_actions: float
     last_rank_like_first: bool = False
     min_stages_per_rank: int = 1
-    single_rank: bool = False
+    by_default: bool = True
+    weight_versions: int = 1
 
 
 #: How each named placement lays stages on ranks, for the domain errors (contract, Terms: placement).
@@ -125,6 +129,11 @@ class FamilySpec:
         check_problem: further conditions on the problem (e.g. the model); raises :class:`FamilyDomainError`.
         torch: the PyTorch schedule class it mirrors, if any.
         planner: what the planner assumes of it; ``None``: the planner does not try it.
+        default: the schedule people start from (Megatron-LM's and torchtitan's default); the planner runs it
+            when a configuration has no pipeline (plain gradient accumulation). Exactly one family is.
+        gather_runs: with FSDP's ``reshard_after_forward``, whether the family keeps a stage's weights gathered
+            over a run of its passes (breadth-first: once for its forwards, once for its backwards) instead of
+            re-gathering them for every pass as FSDP2 does (:mod:`pipesched.optimizer.communication`).
     """
 
     name: str
@@ -142,6 +151,8 @@ class FamilySpec:
     check_problem: Callable[[Problem], None] | None = None
     torch: TorchClass | None = None
     planner: PlannerEstimate | None = None
+    default: bool = False
+    gather_runs: bool = False
 
     @property
     def domain(self) -> str:
@@ -320,6 +331,18 @@ def method_names() -> tuple[str, ...]:
 def no_flush_methods() -> tuple[str, ...]:
     """Methods that run without a pipeline flush (``training.flush: false``): ``auto`` and the families so declared."""
     return ("auto", *(spec.name for spec in _declared() if not spec.flush))
+
+
+def default_family() -> FamilySpec:
+    """The family declared ``default`` (:attr:`FamilySpec.default`).
+
+    Raises:
+        RuntimeError: unless exactly one family is.
+    """
+    defaults = [spec for spec in _declared() if spec.default]
+    if len(defaults) != 1:
+        raise RuntimeError(f"exactly one family declares default=True, found {[spec.name for spec in defaults]}")
+    return defaults[0]
 
 
 def get_family(name: str) -> FamilySpec:

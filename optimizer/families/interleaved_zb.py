@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pipesched.optimizer.families._base import FamilySpec, TorchClass
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, TorchClass
 from pipesched.optimizer.families._padding import drop_microbatches
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.problem import Problem
@@ -114,5 +114,14 @@ FAMILIES = [
         layout_hint="use zb-v or dualpipe-v for the V placement",
         backward_hint="use interleaved-1f1b",
         torch=TorchClass("InterleavedZeroBubble", backward="split"),
+        # Interleaved 1F1B's warm-up (its forwards are PyTorch's Interleaved1F1B's); W deferred as ZB-H1 fills
+        # part of the bubble. Tried when search.method names it.
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(m * v, 2 * (p - 1) + (v - 1) * p + 1),
+            bubble=0.3,
+            seconds_per_thousand_actions=0.1,
+            min_stages_per_rank=2,
+            by_default=False,
+        ),
     )
 ]

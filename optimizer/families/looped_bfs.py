@@ -35,6 +35,15 @@ def _build(problem: Problem) -> Orders:
     return orders
 
 
+#: Every microbatch's activations of every local stage at the turn (module docstring).
+BREADTH_FIRST_ESTIMATE = PlannerEstimate(
+    in_flight=lambda p, v, m: m * v,
+    bubble=1.0,
+    seconds_per_thousand_actions=0.07,
+    last_rank_like_first=True,
+    min_stages_per_rank=2,
+)
+
 FAMILIES = [
     FamilySpec(
         name="looped-bfs",
@@ -44,13 +53,7 @@ FAMILIES = [
         listing_order=50,
         stages_per_rank=range(1, 65),
         torch=TorchClass("LoopedBFS"),
-        # Every microbatch's activations of every local stage at the turn (module docstring).
-        planner=PlannerEstimate(
-            in_flight=lambda p, v, m: m * v,
-            bubble=1.0,
-            seconds_per_thousand_actions=0.07,
-            last_rank_like_first=True,
-            min_stages_per_rank=2,
-        ),
+        planner=BREADTH_FIRST_ESTIMATE,
+        gather_runs=True,  # a stage's weights gathered once per run of its microbatches (Sec. 4)
     )
 ]

@@ -36,8 +36,7 @@ FAMILIES = [
         listing_order=20,
         torch=TorchClass("1F1B"),
         # Narayanan et al. 2021, §2.2: rank 0 holds p microbatches at its peak.
-        planner=PlannerEstimate(
-            in_flight=lambda p, v, m: min(p, m), bubble=1.0, seconds_per_thousand_actions=0.06, single_rank=True
-        ),
+        planner=PlannerEstimate(in_flight=lambda p, v, m: min(p, m), bubble=1.0, seconds_per_thousand_actions=0.06),
+        default=True,
     )
 ]

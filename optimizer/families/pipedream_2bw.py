@@ -32,7 +32,7 @@ next-step forwards must fit before its step ends: two versions, §3.1's "at leas
 
 from __future__ import annotations
 
-from pipesched.optimizer.families._base import FamilySpec, backward, require
+from pipesched.optimizer.families._base import FamilySpec, PlannerEstimate, backward, require
 from pipesched.optimizer.ir import Action, ActionKind, Orders
 from pipesched.optimizer.pattern import pattern_from_sequence
 from pipesched.optimizer.problem import Pipeline, Problem
@@ -87,5 +87,15 @@ FAMILIES = [
         flush=False,
         domain_note="num_microbatches ≥ num_ranks − 1",
         check_pipeline=_check,
+        # 1F1B's p microbatches on rank 0, no flush (no bubble in steady state), a second weight copy; its own
+        # update rule, so the planner tries it only when search.method names it (PipeDream-2BW's planner: width
+        # × depth × microbatches under the 2-version memory, Narayanan et al. 2020, §4).
+        planner=PlannerEstimate(
+            in_flight=lambda p, v, m: min(p, m),
+            bubble=0.0,
+            seconds_per_thousand_actions=0.5,
+            by_default=False,
+            weight_versions=2,
+        ),
     )
 ]

@@ -14,6 +14,7 @@ added to the makespan only where the problem has no collectives (d = 1: the opti
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +23,13 @@ from pydantic import ValidationError
 from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.families import FamilyDomainError, get_family, registry
+from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
+from pipesched.optimizer.pattern import step_period_lower_bound
+from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, torchrun_command, torchtitan_launch
 from pipesched.optimizer.planner.prune import Estimate, Estimator
-from pipesched.optimizer.planner.request import DataParallelPlan, Launch, Plan
+from pipesched.optimizer.planner.request import Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule, build_schedule
@@ -35,21 +38,17 @@ from pipesched.optimizer.units import format_bytes
 
 __all__ = [
     "AUTO_SECONDS_PER_THOUSAND_ACTIONS",
-    "TORCH_SCHEDULE_NAMES",
     "Evaluation",
     "SimulationCache",
     "build_problem",
     "evaluate",
     "evaluation_seconds",
     "launch_for",
+    "launch_spec",
     "model_flops_per_token",
     "schedule_for",
+    "schedule_lower_bound",
 ]
-
-#: Families PyTorch has a schedule class for (torchtitan's ``pipeline_parallel_schedule``), from the families'
-#: declarations; the others run from the schedule's CSV (``pipeline_parallel_schedule_csv``).
-TORCH_SCHEDULE_NAMES = {name: family.torch.name for name, family in registry().items() if family.torch is not None}
-
 
 #: Simulated pipelines by configuration without its sharding and by layer partition: (makespan ms, per-rank
 #: activation peak bytes, the schedule). Sharding changes only the static memory, not the schedule.
@@ -98,14 +97,22 @@ def model_flops_per_token(estimator: Estimator) -> float:
     return 6 * non_embedding + 12 * model.num_layers * model.hidden_size * model.seq_length
 
 
-def build_problem(estimator: Estimator, config: Configuration, time_limit_s: float = 10.0) -> Problem:
+def build_problem(
+    estimator: Estimator, config: Configuration, time_limit_s: float = 10.0, *, enforce_memory: bool = True
+) -> Problem:
     """The scheduling problem of ``config`` (costs and memory derived).
+
+    Args:
+        enforce_memory: False derives the problem as if memory were unbounded (a published run to time: it ran).
 
     Raises:
         pydantic.ValidationError: the model does not fit the configuration (no partition fits memory).
     """
-    model = estimator.model_for(config.micro_batch_size, config.activation_recomputation)
-    cluster = estimator.cluster.model_copy(update={"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)})
+    model = estimator.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
+    update: dict[str, Any] = {"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)}
+    if not enforce_memory:
+        update.update(memory_bytes=1e18, memory_headroom_bytes=0.0)
+    cluster = estimator.cluster.model_copy(update=update)
     document: dict[str, Any] = {
         "pipeline": {
             "num_ranks": config.pipeline_parallel,
@@ -117,57 +124,42 @@ def build_problem(estimator: Estimator, config: Configuration, time_limit_s: flo
         "cluster": cluster.model_dump(mode="json", exclude_none=True),
         "solver": {"method": config.method, "time_limit_s": time_limit_s},
     }
-    if config.tensor_parallel > 1:
-        document["tensor_parallel"] = {"size": config.tensor_parallel, "sequence_parallel": estimator.sequence_parallel}
+    if config.method != "auto" and not get_family(config.method).flush:
+        # PipeDream-2BW: no flush, two weight versions; its time per step is the step_period.
+        document["training"] = {"flush": False, "weight_versions": 2}
+        document["objective"] = "step_period"
+    tensor_parallel = estimator.tensor_parallel(config.tensor_parallel)
+    if tensor_parallel is not None:
+        document["tensor_parallel"] = tensor_parallel.model_dump(mode="json")
     if config.data_parallel_size > 1:
-        document["data_parallel"] = {
-            "size": config.data_parallel_size,
-            "sharding": config.sharding,
-            "reshard_after_forward": config.sharding == "full" and config.pipeline_parallel == 1,
-        }
+        document["data_parallel"] = estimator.data_parallel(config).model_dump(mode="json")
     return load_problem(document)
 
 
-def launch_for(estimator: Estimator, config: Configuration, schedule_id: str | None) -> Launch:
-    """torchtitan's TOML fragment (NOTES §6 names) and the torchrun line for ``config``."""
-    model, cluster = estimator.model, estimator.cluster
-    d = config.data_parallel_size
-    replicate, shard = (d, 1) if config.sharding == "none" else (1, d)
-    lines = ["[parallelism]"]
-    lines.append(f"data_parallel_replicate_degree = {replicate}")
-    lines.append(f"data_parallel_shard_degree = {shard}")
-    if config.sharding in ("optimizer", "gradients"):
-        lines.append('fsdp_reshard_after_forward = "never"  # closest to ZeRO-1/2: weights stay gathered')
-    lines.append(f"tensor_parallel_degree = {config.tensor_parallel}")
-    lines.append(f"pipeline_parallel_degree = {config.pipeline_parallel}")
-    if config.pipeline_parallel > 1:
-        torch_name = TORCH_SCHEDULE_NAMES.get(config.method)
-        if torch_name is not None:
-            lines.append(f'pipeline_parallel_schedule = "{torch_name}"')
-        else:
-            where = f"GET /v1/schedules/{schedule_id}?format=csv" if schedule_id else "pipesched solve --format csv"
-            lines.append(
-                f'pipeline_parallel_schedule = "{"ZBVZeroBubble" if config.placement == "v" else "Interleaved1F1B"}"'
-            )
-            lines.append(f'pipeline_parallel_schedule_csv = "schedule.csv"  # {config.method}: from {where}')
-        lines.append(f"pipeline_parallel_microbatch_size = {config.micro_batch_size}")
-    lines += [
-        "",
-        "[training]",
-        f"local_batch_size = {estimator.global_batch_size // d}",
-        f"global_batch_size = {estimator.global_batch_size}",
-        f"seq_len = {model.seq_length}",
-        "",
-        "[activation_checkpoint]",
-        f'mode = "{config.activation_recomputation}"',
-        "",
-    ]
-    torchrun = (
-        f"torchrun --nnodes {cluster.num_nodes} --nproc_per_node {cluster.gpus_per_node} "
-        "--rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500 "
-        "-m torchtitan.train --job.config_file plan.toml"
+def launch_spec(estimator: Estimator, config: Configuration, layers_per_stage: list[int] | None = None) -> LaunchSpec:
+    """The launch spec of ``config`` on the estimator's model, cluster and batch."""
+    return LaunchSpec(
+        model=estimator.model,
+        num_nodes=estimator.cluster.num_nodes,
+        gpus_per_node=estimator.cluster.gpus_per_node,
+        global_batch_size=estimator.global_batch_size,
+        sequence_parallel=estimator.sequence_parallel,
+        layout=config,
+        layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
     )
-    return Launch(torchtitan="\n".join(lines), torchrun=torchrun)
+
+
+def launch_for(estimator: Estimator, config: Configuration, layers_per_stage: list[int] | None = None) -> Launch:
+    """torchtitan ≥ 0.3's argv for ``config`` (one argument a line, the CSV at ``schedule.csv``) and the torchrun
+    line that runs it (:mod:`pipesched.optimizer.planner.launch`); ``pipesched launch`` writes both with the
+    CSV and a job scheduler's file."""
+    spec = launch_spec(estimator, config, layers_per_stage)
+    try:
+        args = torchtitan_launch(spec).args
+    except LaunchError as error:
+        return Launch(torchtitan=f"# {error}", torchrun="")
+    torchrun = torchrun_command(spec, ["-m", "torchtitan.train"]) + " $(cat torchtitan.args)"
+    return Launch(torchtitan="\n".join(args), torchrun=torchrun)
 
 
 def _plan(
@@ -178,29 +170,36 @@ def _plan(
     peak_memory_bytes: float,
     bound_ms: float,
     schedule_id: str | None = None,
+    layers_per_stage: list[int] | None = None,
 ) -> Plan:
     step_ms = makespan_ms + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms
     num_gpus = estimator.cluster.num_gpus
     tokens = estimator.global_batch_size * estimator.model.seq_length
     tokens_per_s_per_gpu = tokens / (step_ms / 1e3) / num_gpus
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
+    low, high = estimator.hardware.profile.held_out_log_error
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,
-        data_parallel=DataParallelPlan(size=config.data_parallel_size, sharding=config.sharding),
+        data_parallel=estimator.data_parallel(config),
         stages_per_rank=config.stages_per_rank,
         placement=config.placement,
         micro_batch_size=config.micro_batch_size,
         num_microbatches=config.num_microbatches,
         activation_recomputation=config.activation_recomputation,
         method=config.method,
+        precision=config.precision,
         step_time_ms=round(step_ms, 4),
         tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
+        tokens_per_s_per_gpu_interval=(
+            round(tokens_per_s_per_gpu * math.exp(low), 2),
+            round(tokens_per_s_per_gpu * math.exp(high), 2),
+        ),
         mfu=round(mfu, 4),
         peak_memory_bytes=float(round(peak_memory_bytes)),
         lower_bound_ms=round(bound_ms, 4),
         schedule_id=schedule_id,
-        launch=launch_for(estimator, config, schedule_id),
+        launch=launch_for(estimator, config, layers_per_stage),
         pipeline_makespan_ms=round(makespan_ms, 4),
         data_parallel_exposed_ms=round(estimate.data_parallel_exposed_ms, 4),
         optimizer_step_ms=round(estimate.optimizer_step_ms, 4),
@@ -215,14 +214,16 @@ def evaluate(
     time_limit_s: float = 10.0,
     with_bound: bool = False,
     cache: SimulationCache | None = None,
+    enforce_memory: bool = True,
 ) -> Evaluation:
     """Derive, schedule and simulate ``config``; a plan when it fits, else the reason.
 
     ``with_bound`` adds the scheduling lower bound of :mod:`pipesched.optimizer.bounds` (on the makespan)
     to the configuration's bound; otherwise the plan's bound is the estimator's (busiest rank's compute).
+    ``enforce_memory=False`` times a configuration whatever its memory (calibration: a published run ran).
     """
     try:
-        problem = build_problem(estimator, config, time_limit_s)
+        problem = build_problem(estimator, config, time_limit_s, enforce_memory=enforce_memory)
     except ValidationError as error:
         message = "; ".join(str(item["msg"]).removeprefix("Value error, ") for item in error.errors())
         return Evaluation(config, None, None, None, f"does not fit: {message}", over_memory=True)
@@ -238,6 +239,7 @@ def evaluate(
         config.num_microbatches,
         config.activation_recomputation,
         config.method,
+        config.precision,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,
@@ -257,12 +259,14 @@ def evaluate(
         except FamilyDomainError as error:
             return Evaluation(config, None, None, problem, f"{config.method} does not apply: {error}")
         assert schedule.makespan is not None
-        makespan, peaks = schedule.makespan, list(schedule.peak_memory)
+        # Without a flush the time per step is the steady state's period, not one copy's span.
+        makespan = schedule.step_period if schedule.step_period is not None else schedule.makespan
+        peaks = list(schedule.peak_memory)
         if cache is not None:
             cache[key] = (makespan, [peak - base for peak, base in zip(peaks, static, strict=True)], schedule)
     peak = max(peaks) if peaks else 0.0
     limit = estimator.limit_bytes
-    if peak > limit:
+    if peak > limit and enforce_memory:
         return Evaluation(
             config,
             None,
@@ -274,16 +278,27 @@ def evaluate(
         )
     bound = estimate.bound_ms
     if with_bound:
-        makespan_bound = lower_bound(compile_problem(problem, step_actions=False), "makespan")
-        bound = max(bound, makespan_bound + estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+        bound = max(
+            bound, schedule_lower_bound(problem, estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+        )
     simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
         estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
         makespan = float(simulated_step)
-    plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id)
+    plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id, problem.model.layers_per_stage)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None
     return Evaluation(config, plan, own, problem, None, source=schedule)
+
+
+def schedule_lower_bound(problem: Problem, added_ms: float = 0.0) -> float:
+    """The scheduling lower bound of ``problem``'s step, ms: on the makespan (:mod:`pipesched.optimizer.bounds`)
+    plus ``added_ms`` (the planner's data-parallel and optimizer estimates), or without a flush on the
+    step_period (:func:`pipesched.optimizer.pattern.step_period_lower_bound`: work, communication stream and
+    memory by Little's law; the collectives and optimizer step are in it)."""
+    if not problem.training.flush:
+        return step_period_lower_bound(problem)
+    return lower_bound(compile_problem(problem, step_actions=False), "makespan") + added_ms
 
 
 def schedule_for(evaluation: Evaluation) -> Schedule | None:

@@ -38,21 +38,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
+from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, group_link, reduce_scatter_ms
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
     embedding_block,
     head_block,
+    headroom_bytes,
     resolve_hardware,
     transformer_layer,
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.problem import DataParallel, stage_to_rank
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["ADAM_BYTES_PER_PARAMETER", "Estimate", "Estimator", "in_flight"]
@@ -121,14 +124,34 @@ class Estimator:
     """Cheap figures for the configurations of one request (blocks cached per degree, size and recomputation)."""
 
     def __init__(
-        self, model: ModelConfig, cluster: ClusterConfig, global_batch_size: int, *, sequence_parallel: bool = True
+        self,
+        model: ModelConfig,
+        cluster: ClusterConfig,
+        global_batch_size: int,
+        *,
+        sequence_parallel: bool = True,
+        async_tensor_parallel: bool = False,
+        reduce_dtype: Literal["fp32", "bf16"] = "fp32",
     ) -> None:
         self.model = model
         self.cluster = cluster
         self.global_batch_size = global_batch_size
         self.sequence_parallel = sequence_parallel
-        self._blocks: dict[tuple[int, int, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
-        self._layouts: dict[tuple[int, int, str, int, int, str], _Layout] = {}
+        self.async_tensor_parallel = async_tensor_parallel
+        self.reduce_dtype = reduce_dtype
+        self._blocks: dict[tuple[int, int, str, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
+        self._layouts: dict[tuple[int, int, str, str, int, int, str], _Layout] = {}
+
+    def data_parallel(self, config: Configuration) -> DataParallel:
+        """The configuration's data-parallel group: its size and sharding, the request's gradient reduce dtype;
+        without a pipeline fully sharded weights are freed after each forward (FSDP's default), with one they stay
+        gathered (torchtitan under pipeline parallelism)."""
+        return DataParallel(
+            size=config.data_parallel_size,
+            sharding=config.sharding,
+            reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
+            reduce_dtype=self.reduce_dtype,
+        )
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -136,26 +159,34 @@ class Estimator:
         return resolve_hardware(self.cluster)
 
     @property
-    def limit_bytes(self) -> float:
-        """Per-GPU memory a plan may use: the accelerator's minus the reserve."""
-        return self.hardware.memory_bytes - self.cluster.memory_reserve_bytes
+    def headroom_bytes(self) -> float:
+        """Bytes kept free per GPU (:func:`pipesched.optimizer.cost.stages.headroom_bytes`)."""
+        return headroom_bytes(self.cluster, self.hardware)
 
-    def model_for(self, micro_batch_size: int, recompute: str) -> ModelConfig:
-        """The model with the configuration's micro-batch size and recomputation."""
+    @property
+    def limit_bytes(self) -> float:
+        """Per-GPU memory a plan may use: the accelerator's minus the headroom."""
+        return self.hardware.memory_bytes - self.headroom_bytes
+
+    def model_for(self, micro_batch_size: int, recompute: str, precision: str | None = None) -> ModelConfig:
+        """The model with the configuration's micro-batch size, recomputation and precision."""
         return self.model.model_copy(
             update={
                 "micro_batch_size": micro_batch_size,
                 "activation_recomputation": recompute,
+                "precision": precision or self.model.precision,
                 "layers_per_stage": None,
             }
         )
 
-    def blocks(self, t: int, b: int, recompute: str) -> tuple[Block, Block, Block, Block, ModelConfig]:
+    def blocks(
+        self, t: int, b: int, recompute: str, precision: str | None = None
+    ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b."""
-        key = (t, b, recompute)
+        key = (t, b, recompute, precision or self.model.precision)
         if key not in self._blocks:
-            model = self.model_for(b, recompute)
-            tp = TensorParallel(size=t, sequence_parallel=self.sequence_parallel) if t > 1 else None
+            model = self.model_for(b, recompute, key[3])
+            tp = self.tensor_parallel(t)
             layer = transformer_layer(model, self.hardware, tp, self.cluster)
             plain = layer
             if recompute != "none":
@@ -171,43 +202,56 @@ class Estimator:
             )
         return self._blocks[key]
 
+    def tensor_parallel(self, size: int) -> TensorParallel | None:
+        """The tensor-parallel settings of degree ``size`` (None for 1)."""
+        if size <= 1:
+            return None
+        return TensorParallel(
+            size=size, sequence_parallel=self.sequence_parallel, async_communication=self.async_tensor_parallel
+        )
+
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks, summed per rank."""
         key = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
+            config.precision,
             config.pipeline_parallel,
             config.stages_per_rank,
             config.placement,
         )
         if key in self._layouts:
             return self._layouts[key]
-        layer, embedding, head, plain, _ = self.blocks(*key[:3])
+        layer, embedding, head, plain, _ = self.blocks(*key[:4])
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
+        ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
-            tp = TensorParallel(size=config.tensor_parallel, sequence_parallel=self.sequence_parallel)
-            head = head_block(self.model_for(*key[1:3]), self.hardware, tp if key[0] > 1 else None, separate_copy=False)
+            tp = self.tensor_parallel(config.tensor_parallel)
+            head = head_block(self.model_for(*key[1:4]), self.hardware, tp, separate_copy=False)
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p
         activation = [0.0] * p
+        # The ranks holding each model stage: two under "bidirectional" (ids s and num_stages + s).
+        holders = [sorted({ranks[s], ranks[(s + num_stages) % len(ranks)]}) for s in range(num_stages)]
         for stage, count in enumerate(counts):
             block = layer.times(count)
             if stage == 0:
                 block = block + embedding
             if stage == num_stages - 1:
                 block = block + head
-            rank = stage % p if placement == "loop" else (stage if stage < p else 2 * p - 1 - stage)
-            compute[rank] += block.compute_ms
-            backward[rank] += block.backward_input_ms + block.backward_weight_ms
-            parameters[rank] += block.parameters
-            activation[rank] = max(activation[rank], block.activation_bytes)
+            # Each holder keeps the stage's weights; a bidirectional placement's two replicas share the batch.
+            for rank in holders[stage]:
+                compute[rank] += block.compute_ms / len(holders[stage])
+                backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders[stage])
+                parameters[rank] += block.parameters
+                activation[rank] = max(activation[rank], block.activation_bytes)
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
-        last_rank = (num_stages - 1) % p if placement == "loop" else 0
+        last_rank = ranks[num_stages - 1]
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],
@@ -235,10 +279,12 @@ class Estimator:
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth of the data-parallel ring (intra-node when the group fits a node), B/s."""
-        span = config.tensor_parallel * config.data_parallel_size
-        if span <= self.cluster.gpus_per_node:
-            return self.cluster.intra_node_bandwidth_bytes_per_s
-        return self.cluster.inter_node_bandwidth_bytes_per_s
+        bandwidth, where = group_link(self.cluster, config.data_parallel_size, config.tensor_parallel)
+        profile = self.hardware.profile
+        efficiency = (
+            profile.collective_efficiency_intra if where == "intra-node" else profile.collective_efficiency_inter
+        )
+        return bandwidth * efficiency
 
     def pipeline_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth between neighbouring pipeline ranks, B/s."""
@@ -255,7 +301,7 @@ class Estimator:
         beta = self.data_parallel_bandwidth(config)
         latency = self.cluster.collective_latency_ms
         parameters = layout.max_parameters
-        gradient_bytes = 4.0 * parameters
+        gradient_bytes = (4.0 if self.reduce_dtype == "fp32" else 2.0) * parameters
         weight_bytes = float(self.model.dtype_bytes) * parameters
         reduce = (
             all_reduce_ms(gradient_bytes, d, beta, latency)
@@ -290,8 +336,12 @@ class Estimator:
         layout = self.layout(config)
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
+        versions = 0.0 if config.method == "auto" else _estimate_of(config.method).weight_versions - 1.0
         static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters)
         static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters)
+        # PipeDream-2BW's second weight version: weights only (Narayanan et al. 2020, §3.1).
+        static_first += versions * layout.first_parameters * self.model.dtype_bytes
+        static_last += versions * layout.last_parameters * self.model.dtype_bytes
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
         peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
         peak = max(peak_first, peak_last)
@@ -300,7 +350,7 @@ class Estimator:
         optimizer = self.optimizer_ms(config, layout)
         bound = m * layout.rank_compute_ms + optimizer
         _, _, _, _, model = self.blocks(
-            config.tensor_parallel, config.micro_batch_size, config.activation_recomputation
+            config.tensor_parallel, config.micro_batch_size, config.activation_recomputation, config.precision
         )
         p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
         if self.sequence_parallel:

@@ -18,25 +18,26 @@ import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
-from pipesched.optimizer.bounds import lower_bound
+from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
-from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
     evaluate,
     evaluation_seconds,
     schedule_for,
+    schedule_lower_bound,
 )
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected, Searched
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration, enumerate_space
+from pipesched.optimizer.progress import SearchContext
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "plan", "prepare", "search"]
+__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "estimator_for", "plan", "plan_notes", "prepare", "search"]
 
 #: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
 MAX_CONFIGURATIONS = 100_000
@@ -142,7 +143,7 @@ def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Est
     state = parameters * static_bytes_per_parameter_sharded(request.model, "full", 1)
     gpus = math.ceil(state / max(limit, 1.0))
     nodes = math.ceil(gpus / request.cluster.gpus_per_node)
-    loc = ("cluster", "accelerator" if request.cluster.accelerator else "memory_bytes")
+    loc = _memory_field(request)
     return (
         loc,
         f"no configuration fits a GPU's {format_bytes(limit)}: the least any needs is "
@@ -152,8 +153,88 @@ def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Est
         f"alone need {format_bytes(state)} of weights, gradients and Adam state, at least {gpus} GPUs "
         f"({nodes} nodes) fully sharded: use GPUs with ≥ {format_bytes(least.peak_memory_bytes)}, more nodes, "
         "or a smaller global batch or sequence",
-        request.cluster.accelerator or request.cluster.memory_bytes,
+        request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
     )
+
+
+def _memory_field(request: PlanRequest) -> tuple[str, str]:
+    """The field that sets a GPU's memory: ``cluster.memory_bytes`` when given (it overrides the catalogue's
+    figure), else ``cluster.accelerator``."""
+    explicit = request.cluster.memory_bytes is not None or not request.cluster.accelerator
+    return ("cluster", "memory_bytes" if explicit else "accelerator")
+
+
+def _no_room_error(request: PlanRequest, memory_bytes: float, headroom: float) -> FieldError:
+    """A GPU whose memory the headroom takes whole (the schedule's cost model refuses the same)."""
+    loc = _memory_field(request)
+    return (
+        loc,
+        f"a GPU's {format_bytes(memory_bytes)} leaves nothing once the headroom (cluster.memory_headroom_bytes) of "
+        f"{format_bytes(headroom)} is kept free: give cluster.memory_bytes in bytes (an H100 has 80e9), or a "
+        f"headroom below {format_bytes(memory_bytes)}",
+        request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
+    )
+
+
+def estimator_for(request: PlanRequest) -> Estimator:
+    """The estimator of ``request``: its model, cluster and global batch (what ``prepare`` and a plan's launch
+    files rebuild the plan's problem with)."""
+    return Estimator(
+        _execution(request),
+        request.cluster,
+        request.training.global_batch_size,
+        sequence_parallel=request.search.sequence_parallel,
+    )
+
+
+def _execution(request: PlanRequest) -> ModelConfig:
+    """The model with the training's precision and kernels mode (``training.*`` over ``model.*``)."""
+    update = {
+        name: value
+        for name, value in (("precision", request.training.precision), ("kernels", request.training.kernels))
+        if value is not None
+    }
+    return request.model.model_copy(update=update) if update else request.model
+
+
+def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldError]:
+    """FP8 asked of an accelerator without FP8 tensor cores."""
+    if estimator.hardware.fp8_flops_per_s is not None:
+        return []
+    asked = [("training", "precision")] if estimator.model.precision == "fp8" else []
+    if request.search.precision and "fp8" in request.search.precision:
+        asked.append(("search", "precision"))
+    return [
+        (
+            loc,
+            f"{estimator.hardware.name} has no FP8 tensor cores: use bf16, or an accelerator with FP8 (H100-SXM, "
+            "H100-PCIe, H200, B200, MI300X, L40S)",
+            "fp8",
+        )
+        for loc in asked
+    ]
+
+
+def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
+    """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
+    calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
+    profile = estimator.hardware.profile
+    notes = []
+    if profile.fitted_rows == 0:
+        notes.append(
+            f"{estimator.hardware.name}: no calibrated profile (its efficiencies are datasheet-level guesses, "
+            f"{profile.source}); the interval is wide"
+        )
+    if answer_plans:
+        best = answer_plans[0]
+        measured = profile.max_measured_mfu.get(best.precision)
+        if measured is not None and best.mfu > measured:
+            notes.append(
+                f"the best plan's predicted MFU {best.mfu:.1%} is above the highest MFU measured on "
+                f"{estimator.hardware.name} in {best.precision} in the calibration data ({measured:.1%}): treat "
+                "it as optimistic"
+            )
+    return notes
 
 
 def prepare(request: PlanRequest) -> Prepared:
@@ -165,16 +246,20 @@ def prepare(request: PlanRequest) -> Prepared:
             GPUs that would do).
     """
     started = time.perf_counter()
-    estimator = Estimator(
-        request.model,
-        request.cluster,
-        request.training.global_batch_size,
-        sequence_parallel=request.search.sequence_parallel,
-    )
-    estimator.hardware  # noqa: B018 - resolve the accelerator now: an unknown one is a field error
+    estimator = estimator_for(request)
+    hardware = estimator.hardware  # resolve the accelerator now: an unknown one is a field error
+    if estimator.limit_bytes <= 0:
+        raise_field_errors("PlanRequest", [_no_room_error(request, hardware.memory_bytes, estimator.headroom_bytes)])
+    raise_field_errors("PlanRequest", _precision_errors(request, estimator))
     configurations = list(
         itertools.islice(
-            enumerate_space(request.model, request.cluster, request.training.global_batch_size, request.search),
+            enumerate_space(
+                estimator.model,
+                request.cluster,
+                request.training.global_batch_size,
+                request.search,
+                precision=estimator.model.precision,
+            ),
             MAX_CONFIGURATIONS + 1,
         )
     )
@@ -210,6 +295,171 @@ def _kth(steps: list[float], k: int) -> float:
     return sorted(steps)[k - 1] if len(steps) >= k else math.inf
 
 
+class _PlanSearch(SearchContext[Evaluation]):
+    """One plan search: the shared :class:`~pipesched.optimizer.progress.SearchContext` (clock, deadline, stop
+    flag; the incumbent is the best plan) with the evaluations, the rejections and the counts so far."""
+
+    def __init__(
+        self,
+        prepared: Prepared,
+        progress: Callable[[PlanProgress], None] | None,
+        should_stop: Callable[[], bool] | None,
+    ) -> None:
+        limit_s = prepared.request.search.time_limit_s
+        super().__init__(prepared.started, prepared.started + limit_s, None, should_stop, stop_at_bound=False)
+        self.prepared = prepared
+        self.plan_progress = progress
+        self.top = prepared.request.search.top
+        self.searched = prepared.searched.model_copy()
+        self.rejected = list(prepared.rejected)
+        self.evaluations: list[Evaluation] = []
+        self.first_answer_s: float | None = None
+        self.total = len(prepared.candidates)
+        self.steps: list[float] = []
+        self.cache: SimulationCache = {}
+        self.simulated: set[tuple[object, ...]] = set()
+
+    def ranked(self) -> list[Evaluation]:
+        """The evaluations with a plan, best step first (then least memory), one per configuration (the auto
+        phase may reach a configuration the family phase evaluated)."""
+        done = {item.configuration: item for item in self.evaluations if item.plan is not None}
+        return sorted(done.values(), key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
+
+    def report_plans(self, phase: str, evaluated: int) -> None:
+        """Send a :class:`PlanProgress` with the best plans so far."""
+        if self.plan_progress is None:
+            return
+        best = self.ranked()[: self.top]
+        self.plan_progress(
+            PlanProgress(
+                phase=phase,
+                evaluated=evaluated,
+                total=self.total,
+                best_step_ms=best[0].plan.step_time_ms if best else None,  # type: ignore[union-attr]
+                elapsed_s=self.elapsed(),
+                plans=[item.plan for item in best if item.plan is not None],
+            )
+        )
+
+    def record(self, config: Configuration, evaluation: Evaluation) -> None:
+        """Count an evaluation: a plan (its step kept for pruning), or a rejection with its reason."""
+        self.searched.solved += 1
+        self.evaluations.append(evaluation)
+        if evaluation.plan is None:
+            if evaluation.over_memory:
+                self.searched.pruned_memory += 1
+            self.rejected.append(Rejected(configuration=config.as_dict(), reason=evaluation.reason or "no schedule"))
+            return
+        self.steps.append(evaluation.plan.step_time_ms)
+        self.improve(evaluation, evaluation.plan.step_time_ms, evaluation.plan.method)
+        if self.first_answer_s is None:
+            self.first_answer_s = self.elapsed()
+
+    def evaluate_families(self) -> None:
+        """Simulate the candidates best estimate first, pruning by bound, until the families' share of the time
+        (the rest is ``auto``'s when the request allows it and some configuration is pipelined)."""
+        request, estimator = self.prepared.request, self.prepared.estimator
+        candidates = list(self.prepared.candidates)
+        # First answer fast: the best-estimated configuration whose schedule is quick to build goes first.
+        quick = next((i for i, (config, _) in enumerate(candidates) if evaluation_seconds(config) <= 2.0), None)
+        if quick:
+            candidates.insert(0, candidates.pop(quick))
+        auto_share = 0.0
+        if _allows_auto(request):
+            auto_share = 0.25 if any(config.pipeline_parallel > 1 for config, _ in candidates) else 0.0
+        family_deadline = self.started + request.search.time_limit_s * (1 - auto_share)
+        self.report_plans("search", 0)
+        processed = too_slow = 0
+        for config, estimate in candidates:
+            if self.should_stop() or (time.perf_counter() >= family_deadline and self.steps):
+                break
+            processed += 1
+            if estimate.bound_ms >= _kth(self.steps, self.top):
+                self.searched.pruned_bound += 1
+                continue
+            remaining = self.deadline - time.perf_counter()
+            pipeline_key = (*astuple(config)[:3], *astuple(config)[4:])
+            if pipeline_key not in self.simulated and 2 * evaluation_seconds(config) > remaining:
+                too_slow += 1  # its schedule cannot be built before the deadline
+                continue
+            self.simulated.add(pipeline_key)
+            limit = min(max(0.5, remaining), 10.0)
+            self.record(config, evaluate(estimator, config, estimate, time_limit_s=limit, cache=self.cache))
+            self.report_plans("search", processed)
+        self.searched.unexplored = self.total - processed + too_slow
+
+    def evaluate_auto(self) -> None:
+        """The ``auto`` schedule search on the best pipelined configurations, with the time left."""
+        if not _allows_auto(self.prepared.request):
+            return
+        estimator = self.prepared.estimator
+        for item in [item for item in self.ranked() if item.configuration.pipeline_parallel > 1][:2]:
+            remaining = self.deadline - time.perf_counter()
+            config = item.configuration
+            if remaining < 2.0 or self.user_stopped():
+                break
+            if config.num_stages * config.num_microbatches > AUTO_MAX_STAGE_MICROBATCHES or config.method == "auto":
+                continue
+            auto_config = dataclasses.replace(config, method="auto")
+            if any(done.configuration == auto_config for done in self.evaluations):
+                continue  # evaluated already (auto was named, or two families of one layout led)
+            estimate = estimator.estimate(auto_config)
+            if evaluation_seconds(auto_config) > remaining / 2:
+                continue
+            evaluation = evaluate(estimator, auto_config, estimate, time_limit_s=max(1.0, remaining / 2 - 1.0))
+            self.searched.solved += 1
+            if evaluation.plan is not None:
+                self.evaluations.append(evaluation)
+                self.report_plans("auto", self.total)
+
+    def best_plans(self) -> tuple[list[Plan], list[Schedule | None]]:
+        """The top plans, each with the scheduling lower bound of its own problem while time is left, and
+        their schedules."""
+        plans: list[Plan] = []
+        schedules: list[Schedule | None] = []
+        for item in self.ranked()[: self.top]:
+            assert item.plan is not None
+            plan = item.plan
+            if (
+                item.problem is not None
+                and time.perf_counter() + evaluation_seconds(item.configuration) < self.deadline
+            ):
+                added = plan.data_parallel_exposed_ms + plan.optimizer_step_ms
+                bound = max(plan.lower_bound_ms, schedule_lower_bound(item.problem, added))
+                plan = plan.model_copy(update={"lower_bound_ms": round(min(bound, plan.step_time_ms), 4)})
+            plans.append(plan)
+            schedules.append(schedule_for(item))  # simulation only: the orders are kept
+        return plans, schedules
+
+    def outcome(self) -> PlanOutcome:
+        """The answer: the best plans, the counts, the rejections when asked."""
+        plans, schedules = self.best_plans()
+        if not plans and not self.rejected:
+            self.rejected.append(
+                Rejected(configuration={}, reason="the time limit ended the search before any evaluation")
+            )
+        estimator = self.prepared.estimator
+        answer = PlanAnswer(
+            status="done",
+            plans=plans,
+            searched=self.searched,
+            explain=self.rejected[:MAX_EXPLAINED] if self.prepared.request.search.explain else None,
+            elapsed_s=round(self.elapsed(), 3),
+            first_answer_s=round(self.first_answer_s, 3) if self.first_answer_s is not None else None,
+            error=None if plans else _no_plan_reason(self.rejected, self.searched),
+            request=self.prepared.request,
+            memory_headroom_bytes=float(round(estimator.headroom_bytes)),
+            profile=f"{estimator.hardware.profile.name} ({estimator.hardware.profile.source or 'unfitted'})",
+            notes=plan_notes(plans, estimator),
+        )
+        self.report_plans("done", self.total)
+        return PlanOutcome(answer, schedules)
+
+
+def _allows_auto(request: PlanRequest) -> bool:
+    return request.search.method is None or "auto" in request.search.method
+
+
 def search(
     prepared: Prepared,
     *,
@@ -218,131 +468,10 @@ def search(
 ) -> PlanOutcome:
     """Evaluate ``prepared``'s candidates within ``search.time_limit_s`` (counted from :func:`prepare`'s start)
     and rank the plans (module docstring)."""
-    started = prepared.started
-    request = prepared.request
-    limit_s = request.search.time_limit_s
-    deadline = started + limit_s
-    top = request.search.top
-    estimator = prepared.estimator
-    searched = prepared.searched.model_copy()
-    rejected = list(prepared.rejected)
-    evaluations: list[Evaluation] = []
-    first_answer_s: float | None = None
-    total = len(prepared.candidates)
-
-    def ranked() -> list[Evaluation]:
-        done = [item for item in evaluations if item.plan is not None]
-        return sorted(done, key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
-
-    def report(phase: str, evaluated: int) -> None:
-        if progress is None:
-            return
-        best = ranked()[:top]
-        progress(
-            PlanProgress(
-                phase=phase,
-                evaluated=evaluated,
-                total=total,
-                best_step_ms=best[0].plan.step_time_ms if best else None,  # type: ignore[union-attr]
-                elapsed_s=time.perf_counter() - started,
-                plans=[item.plan for item in best if item.plan is not None],
-            )
-        )
-
-    def stopped() -> bool:
-        return time.perf_counter() >= deadline or (should_stop is not None and should_stop())
-
-    steps: list[float] = []
-    cache: SimulationCache = {}
-    simulated: set[tuple[object, ...]] = set()
-    candidates = list(prepared.candidates)
-    # First answer fast: the best-estimated configuration whose schedule is quick to build goes first.
-    quick = next((i for i, (config, _) in enumerate(candidates) if evaluation_seconds(config) <= 2.0), None)
-    if quick:
-        candidates.insert(0, candidates.pop(quick))
-    auto_share = 0.0
-    if request.search.method is None or "auto" in request.search.method:
-        auto_share = 0.25 if any(config.pipeline_parallel > 1 for config, _ in prepared.candidates) else 0.0
-    family_deadline = started + limit_s * (1 - auto_share)
-    report("search", 0)
-    processed = 0
-    too_slow = 0
-    for config, estimate in candidates:
-        if stopped() or (time.perf_counter() >= family_deadline and steps):
-            break
-        processed += 1
-        if estimate.bound_ms >= _kth(steps, top):
-            searched.pruned_bound += 1
-            continue
-        remaining = deadline - time.perf_counter()
-        pipeline_key = (*astuple(config)[:3], *astuple(config)[4:])
-        if pipeline_key not in simulated and 2 * evaluation_seconds(config) > remaining:
-            too_slow += 1  # its schedule cannot be built before the deadline
-            continue
-        simulated.add(pipeline_key)
-        evaluation = evaluate(estimator, config, estimate, time_limit_s=min(max(0.5, remaining), 10.0), cache=cache)
-        searched.solved += 1
-        evaluations.append(evaluation)
-        if evaluation.plan is None:
-            if evaluation.over_memory:
-                searched.pruned_memory += 1
-            rejected.append(Rejected(configuration=config.as_dict(), reason=evaluation.reason or "no schedule"))
-        else:
-            steps.append(evaluation.plan.step_time_ms)
-            if first_answer_s is None:
-                first_answer_s = time.perf_counter() - started
-        report("search", processed)
-    searched.unexplored = total - processed + too_slow
-
-    # The auto schedule search on the best pipelined configurations, with the time left.
-    auto_allowed = request.search.method is None or "auto" in request.search.method
-    best_pipelined = [item for item in ranked() if item.configuration.pipeline_parallel > 1][:2] if auto_allowed else []
-    for item in best_pipelined:
-        remaining = deadline - time.perf_counter()
-        config = item.configuration
-        if remaining < 2.0 or (should_stop is not None and should_stop()):
-            break
-        if config.num_stages * config.num_microbatches > AUTO_MAX_STAGE_MICROBATCHES or config.method == "auto":
-            continue
-        auto_config = dataclasses.replace(config, method="auto")
-        estimate = estimator.estimate(auto_config)
-        if evaluation_seconds(auto_config) > remaining / 2:
-            continue
-        evaluation = evaluate(estimator, auto_config, estimate, time_limit_s=max(1.0, remaining / 2 - 1.0))
-        searched.solved += 1
-        if evaluation.plan is not None:
-            evaluations.append(evaluation)
-            report("auto", total)
-
-    best = ranked()[:top]
-    # Each returned plan gets the scheduling lower bound of its own problem.
-    plans: list[Plan] = []
-    schedules: list[Schedule | None] = []
-    for item in best:
-        assert item.plan is not None
-        plan_bound = item.plan
-        if item.problem is not None and time.perf_counter() + evaluation_seconds(item.configuration) < deadline:
-            makespan_bound = lower_bound(compile_problem(item.problem, step_actions=False), "makespan")
-            bound = max(
-                item.plan.lower_bound_ms,
-                makespan_bound + item.plan.data_parallel_exposed_ms + item.plan.optimizer_step_ms,
-            )
-            plan_bound = item.plan.model_copy(update={"lower_bound_ms": round(min(bound, item.plan.step_time_ms), 4)})
-        plans.append(plan_bound)
-        schedules.append(schedule_for(item))  # simulation only: the orders are kept
-    if not plans and not rejected:
-        rejected.append(Rejected(configuration={}, reason="the time limit ended the search before any evaluation"))
-    answer = PlanAnswer(
-        status="done",
-        plans=plans,
-        searched=searched,
-        explain=rejected[:MAX_EXPLAINED] if request.search.explain else None,
-        elapsed_s=round(time.perf_counter() - started, 3),
-        first_answer_s=round(first_answer_s, 3) if first_answer_s is not None else None,
-        error=None if plans else _no_plan_reason(rejected, searched),
-    )
-    report("done", total)
-    return PlanOutcome(answer, schedules)
+    plan_search = _PlanSearch(prepared, progress, should_stop)
+    plan_search.evaluate_families()
+    plan_search.evaluate_auto()
+    return plan_search.outcome()
 
 
 def _no_plan_reason(rejected: list[Rejected], searched: Searched) -> str:

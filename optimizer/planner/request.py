@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, WithJsonSchema
+from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, model_validator
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import registry
-from pipesched.optimizer.field_errors import StrictModel
+from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.problem import DataParallel, Sharding
 
 __all__ = [
     "PLAN_METHODS",
     "RECOMPUTATION",
-    "SHARDING",
-    "DataParallelPlan",
     "Launch",
     "Plan",
     "PlanAnswer",
@@ -25,7 +24,6 @@ __all__ = [
     "Searched",
 ]
 
-SHARDING = ("none", "optimizer", "gradients", "full")
 RECOMPUTATION = ("none", "selective", "full")
 #: What ``search.method`` may name: ``auto`` and the families that declare a planner estimate.
 PLAN_METHODS: tuple[str, ...] = ("auto", *(name for name, family in registry().items() if family.planner is not None))
@@ -43,11 +41,74 @@ PlanMethod = Annotated[
 
 
 class PlanTraining(StrictModel):
-    """What the job fixes: the global batch."""
+    """What the job fixes: the global batch (in sequences or in tokens), the precision of the matrix multiplies,
+    how kernels run."""
 
     global_batch_size: int = Field(
         ge=1, le=10_000_000, description="Sequences of model.seq_length tokens per optimizer step."
     )
+    precision: Literal["bf16", "fp8"] | None = Field(
+        None,
+        description='"bf16" or "fp8" (FP8 matrix multiplies, bf16 elsewhere: torchtitan\'s Float8, Transformer '
+        "Engine's current scaling); null: model.precision (bf16). search.precision may list both.",
+    )
+    kernels: Literal["eager", "compiled", "fused"] | None = Field(
+        None,
+        description='"eager" (torchtitan\'s default), "compiled" (torch.compile), "fused" (Megatron-LM / '
+        "Transformer Engine kernels); null: model.kernels (eager).",
+    )
+    global_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per optimizer step, instead of global_batch_size: a multiple of model.seq_length.",
+    )
+
+
+def _batch_from_tokens(data: Any) -> Any:
+    """``training.global_batch_tokens`` → ``training.global_batch_size`` (sequences of ``model.seq_length``).
+
+    Raises:
+        pydantic.ValidationError: the tokens are not a whole number of sequences (the nearest that are named),
+            or disagree with a ``global_batch_size`` given beside them.
+    """
+    training = data.get("training") if isinstance(data, dict) else None
+    if (
+        isinstance(training, dict)
+        and training.get("global_batch_size") is None
+        and not training.get("global_batch_tokens")
+    ):
+        message = "give the global batch: global_batch_size (sequences) or global_batch_tokens (tokens)"
+        raise_field_errors("PlanRequest", [(("training", "global_batch_size"), message, None)])
+    if not isinstance(training, dict) or not isinstance(training.get("global_batch_tokens"), int):
+        return data
+    try:
+        seq_length = ModelConfig.model_validate(data.get("model")).seq_length
+    except ValidationError:
+        return data  # the model's own errors are reported by the model's validation
+    tokens = training["global_batch_tokens"]
+    loc = ("training", "global_batch_tokens")
+    sequences, rest = divmod(tokens, seq_length)
+    if rest or not sequences:
+        below, above = max(1, sequences) * seq_length, (sequences + 1) * seq_length
+        raise_field_errors(
+            "PlanRequest",
+            [
+                (
+                    loc,
+                    f"{tokens:,} tokens is not a whole number of sequences of model.seq_length {seq_length:,}: use "
+                    f"{below:,} or {above:,} ({below // seq_length} or {above // seq_length} sequences), or give "
+                    "global_batch_size in sequences",
+                    tokens,
+                )
+            ],
+        )
+    given = training.get("global_batch_size")
+    if given is not None and given != sequences:
+        raise_field_errors(
+            "PlanRequest",
+            [(loc, f"{tokens:,} tokens are {sequences} sequences, not global_batch_size {given}: give one", tokens)],
+        )
+    return {**data, "training": {**training, "global_batch_size": sequences}}
 
 
 class PlanSearch(StrictModel):
@@ -63,11 +124,9 @@ class PlanSearch(StrictModel):
     pipeline_parallel: list[int] | None = Field(None, description="Allowed pipeline degrees.")
     tensor_parallel: list[int] | None = Field(None, description="Allowed tensor degrees (within a node).")
     data_parallel_size: list[int] | None = Field(None, description="Allowed data-parallel sizes.")
-    sharding: list[Literal["none", "optimizer", "gradients", "full"]] | None = Field(
-        None, description="Allowed data-parallel sharding levels."
-    )
+    sharding: list[Sharding] | None = Field(None, description="Allowed data-parallel sharding levels.")
     stages_per_rank: list[int] | None = Field(None, description="Allowed model chunks per pipeline rank.")
-    placement: list[Literal["loop", "v"]] | None = Field(None, description="Allowed placements.")
+    placement: list[Literal["loop", "v", "bidirectional"]] | None = Field(None, description="Allowed placements.")
     micro_batch_size: list[int] | None = Field(None, description="Allowed sequences per microbatch.")
     num_microbatches: list[int] | None = Field(None, description="Allowed microbatches per step and pipeline.")
     activation_recomputation: list[Literal["none", "selective", "full"]] | None = Field(
@@ -75,6 +134,9 @@ class PlanSearch(StrictModel):
     )
     method: list[PlanMethod] | None = Field(
         None, description=f"Allowed schedules: auto or families ({', '.join(PLAN_METHODS[1:])})."
+    )
+    precision: list[Literal["bf16", "fp8"]] | None = Field(
+        None, description="Allowed matrix-multiply precisions; null: training.precision only."
     )
 
 
@@ -86,12 +148,10 @@ class PlanRequest(StrictModel):
     training: PlanTraining
     search: PlanSearch = Field(default_factory=PlanSearch)
 
-
-class DataParallelPlan(StrictModel):
-    """Data-parallel size and sharding level of a plan."""
-
-    size: int
-    sharding: str
+    @model_validator(mode="before")
+    @classmethod
+    def _tokens_to_sequences(cls, data: Any) -> Any:
+        return _batch_from_tokens(data)
 
 
 class Launch(StrictModel):
@@ -106,18 +166,22 @@ class Plan(StrictModel):
 
     pipeline_parallel: int
     tensor_parallel: int
-    data_parallel: DataParallelPlan
+    data_parallel: DataParallel = Field(description="The data-parallel group: size, sharding, reshard_after_forward.")
     stages_per_rank: int
     placement: str
     micro_batch_size: int
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
     step_time_ms: float = Field(
         description="Simulated pipeline makespan + exposed data-parallel time + optimizer step."
     )
     tokens_per_s_per_gpu: float
-    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' peak.")
+    tokens_per_s_per_gpu_interval: tuple[float, float] = Field(
+        description="80% prediction interval: the calibration's held-out 10th and 90th percentile errors applied."
+    )
+    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' dense bf16 peak.")
     peak_memory_bytes: float = Field(description="Highest rank's static + activation peak, bytes.")
     lower_bound_ms: float = Field(description="A bound no schedule of this configuration beats, ms.")
     schedule_id: str | None = None
@@ -155,3 +219,14 @@ class PlanAnswer(StrictModel):
     elapsed_s: float = 0.0
     first_answer_s: float | None = Field(None, description="Seconds until the first ranked plan was known.")
     error: str | None = None
+    memory_headroom_bytes: float | None = Field(
+        None, description="Bytes kept free on every GPU (cluster.memory_headroom_bytes or the profile's default)."
+    )
+    profile: str | None = Field(None, description="The accelerator profile the predictions used, and its source.")
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What to know before acting on the plans, e.g. a predicted MFU above any measured.",
+    )
+    request: PlanRequest | None = Field(
+        None, description="The request as searched; `pipesched launch` rebuilds a plan's schedule from it."
+    )

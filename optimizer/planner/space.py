@@ -2,9 +2,13 @@
 
 A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
 data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
-sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop,
-or two in a V; the schedule is a family (or ``auto``) whose domain admits the layout and m: the families
-the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate`.
+sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop
+(powers of two up to 8, and one layer per stage when ``lga`` is named; any count up to ``num_layers / p`` when
+``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
+(``bidirectional``, even p); the schedule is a family (or ``auto``) whose domain admits the layout and m: the
+families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
+not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
+its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from dataclasses import asdict, dataclass, fields
 from functools import cache
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
-from pipesched.optimizer.families import get_family, registry
-from pipesched.optimizer.planner.request import RECOMPUTATION, SHARDING, PlanSearch
-from pipesched.optimizer.problem import Pipeline
+from pipesched.optimizer.families import default_family, get_family, registry
+from pipesched.optimizer.planner.request import RECOMPUTATION, PlanSearch
+from pipesched.optimizer.problem import SHARDINGS, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
@@ -30,8 +34,6 @@ __all__ = [
 
 #: Micro-batch sizes tried (each must divide the per-replica batch).
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-#: Chunks per rank tried with the loop placement.
-_LOOP_STAGES = (1, 2, 4)
 
 
 @dataclass(frozen=True, order=True)
@@ -41,13 +43,14 @@ class Configuration:
     pipeline_parallel: int
     tensor_parallel: int
     data_parallel_size: int
-    sharding: str
+    sharding: Sharding
     stages_per_rank: int
     placement: str
     micro_batch_size: int
     num_microbatches: int
     activation_recomputation: str
     method: str
+    precision: str = "bf16"
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -75,21 +78,49 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
     ]
 
 
-def layouts(pipeline_parallel: int, num_layers: int) -> list[tuple[int, str]]:
-    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages."""
-    if pipeline_parallel == 1:
+#: The most chunks per rank tried with the loop placement unless ``search.stages_per_rank`` names more (more chunks,
+#: more actions to simulate per configuration: beyond 8 the search reaches fewer configurations in its time).
+DEFAULT_MAX_LOOP_STAGES = 8
+
+
+def layouts(
+    pipeline_parallel: int,
+    num_layers: int,
+    stages_per_rank: Sequence[int] | None = None,
+    *,
+    one_layer_per_stage: bool = False,
+) -> list[tuple[int, str]]:
+    """(stages_per_rank, placement) pairs for ``pipeline_parallel`` ranks with ≤ ``num_layers`` stages (module
+    docstring): loops of powers of two up to :data:`DEFAULT_MAX_LOOP_STAGES` chunks (and one layer per stage with
+    ``one_layer_per_stage``, for LGA), or the named ``stages_per_rank`` up to ``num_layers / p``; a V; two V-shaped
+    replicas on an even pipeline."""
+    p = pipeline_parallel
+    if p == 1:
         return [(1, "loop")]
-    candidates = [(v, "loop") for v in _LOOP_STAGES] + [(2, "v")]
-    return [(v, placement) for v, placement in candidates if pipeline_parallel * v <= num_layers]
+    most = num_layers // p
+    if stages_per_rank is not None:
+        loop = sorted({v for v in stages_per_rank if 1 <= v <= most})
+    else:
+        powers = {
+            2**k for k in range(DEFAULT_MAX_LOOP_STAGES.bit_length()) if 2**k <= min(most, DEFAULT_MAX_LOOP_STAGES)
+        }
+        loop = sorted(powers | ({most} if one_layer_per_stage and num_layers % p == 0 else set()))
+    candidates = [(v, "loop") for v in loop] + [(2, "v")] + ([(2, "bidirectional")] if p % 2 == 0 else [])
+    return [(v, placement) for v, placement in candidates if p * v <= num_layers]
 
 
 @cache
-def methods_for(stages_per_rank: int, placement: str, pipeline_parallel: int) -> tuple[str, ...]:
+def methods_for(
+    stages_per_rank: int, placement: str, pipeline_parallel: int, *, named: bool = False
+) -> tuple[str, ...]:
     """Families worth trying on a layout, in listing order: those with a planner estimate whose layouts admit it
-    (one rank: the family declared for plain gradient accumulation)."""
-    tried = [family for family in registry().values() if family.planner is not None]
+    (one rank: the default family, plain gradient accumulation); ``named``: also those tried only when
+    ``search.method`` names them."""
     if pipeline_parallel == 1:
-        return tuple(family.name for family in tried if family.planner and family.planner.single_rank)
+        return (default_family().name,)
+    tried = [
+        family for family in registry().values() if family.planner is not None and (named or family.planner.by_default)
+    ]
     return tuple(
         family.name
         for family in tried
@@ -116,6 +147,12 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     return get_family(method).admits_pipeline(pipeline)
 
 
+def _shards(method: str, sharding: str) -> bool:
+    """Whether ``method`` runs with ``sharding``: a family without a flush keeps two whole weight versions and
+    all-reduces its gradients every step (sharding ``none`` or ``optimizer``)."""
+    return method == "auto" or get_family(method).flush or sharding in ("none", "optimizer")
+
+
 def divisors(n: int) -> list[int]:
     """The divisors of ``n`` ≥ 1, ascending (trial division up to √n)."""
     small, large = [], []
@@ -140,15 +177,19 @@ def enumerate_space(
     search: PlanSearch,
     *,
     ignore_batch: bool = False,
+    precision: str = "bf16",
 ) -> Iterator[Configuration]:
     """Every configuration the request allows, in no particular order.
 
     Args:
+        precision: the precision searched when ``search.precision`` does not list several
+            (``training.precision``).
         ignore_batch: enumerate as if every micro-batch size divided the batch (used to tell a batch no
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
     methods_pinned = search.method
+    precisions: list[str] = list(search.precision) if search.precision else [precision]
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
@@ -162,10 +203,11 @@ def enumerate_space(
             if not ignore_batch and global_batch_size % d:
                 continue
             local = global_batch_size // d if not ignore_batch else None
-            for sharding in SHARDING if d > 1 else ("none",):
+            for sharding in SHARDINGS if d > 1 else ("none",):
                 if not _allowed(search.sharding, sharding):
                     continue
-                for v, placement in layouts(p, model.num_layers):
+                lga = methods_pinned is not None and "lga" in methods_pinned
+                for v, placement in layouts(p, model.num_layers, search.stages_per_rank, one_layer_per_stage=lga):
                     if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
                         continue
                     for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
@@ -185,12 +227,15 @@ def enumerate_space(
                                 and search.activation_recomputation is None
                             ):
                                 continue  # FlashAttention stores no scores: selective equals none
-                            candidates = methods_for(v, placement, p)
+                            candidates = methods_for(v, placement, p, named=methods_pinned is not None)
                             if methods_pinned is not None:
                                 candidates = tuple(
                                     name for name in methods_pinned if name in candidates or name == "auto"
                                 )
                             for method in candidates:
-                                if not _admits(method, p, v, placement, m):
+                                if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
                                     continue
-                                yield Configuration(p, t, d, sharding, v, placement, b, m, recompute, method)
+                                for precision in precisions:
+                                    yield Configuration(
+                                        p, t, d, sharding, v, placement, b, m, recompute, method, precision
+                                    )

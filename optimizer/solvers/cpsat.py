@@ -26,7 +26,7 @@ from pipesched.optimizer.solvers.cpsat_model import (  # the model's helpers, re
     scaled_instance,
     ticks_to_lower_bound_ms,
 )
-from pipesched.optimizer.solvers.lns import large_neighbourhood_search
+from pipesched.optimizer.solvers.lns import LnsBackend
 
 __all__ = [
     "CpSatBackend",
@@ -66,8 +66,9 @@ class CpSatBackend:
         upper_bound: float | None = None,
         progress: ProgressCallback | None = None,
         should_stop: StopCheck | None = None,
+        seed: int = 0,
     ) -> BackendResult:
-        """Minimise ``objective`` (``"makespan"`` or ``"stage_span"``, ms); see :class:`Backend`.
+        """Minimise ``objective`` (``"makespan"`` or ``"stage_span"``, ms); see :class:`Backend` (``seed`` unused).
 
         Raises:
             ValueError: an unknown objective.
@@ -76,12 +77,11 @@ class CpSatBackend:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
         incumbent = fifo_normalise(inst, hint) if hint is not None else None
         if incumbent is not None and len(inst.actions) > self.exact_max_actions and fits(inst, incumbent):
-            return large_neighbourhood_search(
+            return LnsBackend(num_workers=self.num_workers).solve(
                 inst,
                 objective=objective,
-                incumbent=incumbent,
                 time_limit_s=time_limit_s,
-                num_workers=self.num_workers,
+                hint=incumbent,
                 progress=progress,
                 should_stop=should_stop,
             )

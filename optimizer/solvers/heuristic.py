@@ -106,169 +106,193 @@ def sequential_orders(inst: Instance) -> list[list[int]]:
 
 
 def greedy(inst: Instance, variant: GreedyVariant) -> list[list[int]] | None:
-    """Per-rank orders built by the greedy of the module docstring, or ``None`` if it deadlocked."""
-    p = inst.num_ranks
-    n = len(inst.actions)
-    m = inst.num_microbatches
-    kinds = [a.kind for a in inst.actions]
-    duration = inst.duration
-    is_forward = [k == ActionKind.FORWARD for k in kinds]
-    is_weight = [k == ActionKind.BACKWARD_WEIGHT for k in kinds]
-    num_stage_ids = len(inst.stage_ranks)
-    # Forward ids per (stage, microbatch); stages a microbatch visits on each rank, in chain order.
-    fwd = [[-1] * m for _ in range(num_stage_ids)]
-    for idx, action in enumerate(inst.actions):
-        if is_forward[idx]:
-            fwd[action.stage][action.microbatch] = idx
-    chain = inst.chains[0]
-    if any(c != chain for c in inst.chains):
-        raise ValueError("the greedy needs every microbatch to pass the same stages (not bidirectional)")
-    rank_stages: list[list[int]] = [[] for _ in range(p)]
-    for s in chain:
-        rank_stages[inst.stage_ranks[s]].append(s)
-    footprint = [sum(inst.mem_delta[fwd[s][0]] for s in rank_stages[r]) for r in range(p)]
-    capacity = [inst.limit[r] - inst.static[r] for r in range(p)]
-    last = len(chain) - 1
-    position = {s: k for k, s in enumerate(chain)}
-    target = []
-    for r in range(p):
-        if not rank_stages[r]:
-            target.append(0.0)
-            continue
-        depth = last - position[rank_stages[r][0]]
-        goal = variant.warmup_base + variant.warmup_slope * depth
-        unbounded = footprint[r] <= 0 or math.isinf(capacity[r])
-        cap = m if unbounded else max(1, int((capacity[r] + _EPS) // footprint[r]))
-        target.append(min(goal, cap, m))
+    """Per-rank orders built by the greedy of the module docstring, or ``None`` if it deadlocked.
 
-    remaining = [len(inst.preds[i]) for i in range(n)]
-    ready_at = [0.0] * n
-    end = [math.nan] * n
-    free = [0.0] * p
-    live = [0.0] * p
-    reserved = [0.0] * p  # bytes of admitted microbatches' forwards not yet run
-    admitted = [0] * p
-    finished_first = [0] * p  # microbatches whose last backward-input on the rank is done
-    next_f = {s: 0 for s in chain}
-    backward_heap: list[list[tuple[float, int, int]]] = [[] for _ in range(p)]
-    weight_queue: list[deque[int]] = [deque() for _ in range(p)]
-    orders: list[list[int]] = [[] for _ in range(p)]
-    left = [len(inst.rank_actions[r]) for r in range(p)]
-    first_stage = [rank_stages[r][0] if rank_stages[r] else -1 for r in range(p)]
-    backward_kind = inst.backward_kind
-    last_backward_stage = [rank_stages[r][0] if rank_stages[r] else -1 for r in range(p)]
+    Raises:
+        ValueError: when microbatches pass different stages (bidirectional placement).
+    """
+    return _Greedy(inst, variant).run()
 
-    def forward_candidate(r: int) -> tuple[float, int] | None:
+
+class _Greedy:
+    """The greedy's state while it simulates the pipeline in time: what each rank holds, has admitted and may run
+    next (one pending decision per rank, recomputed for the ranks an action touches)."""
+
+    def __init__(self, inst: Instance, variant: GreedyVariant) -> None:
+        self.inst, self.variant = inst, variant
+        p, n, m = inst.num_ranks, len(inst.actions), inst.num_microbatches
+        self.m = m
+        self.kinds = [a.kind for a in inst.actions]
+        self.is_forward = [k == ActionKind.FORWARD for k in self.kinds]
+        self.is_weight = [k == ActionKind.BACKWARD_WEIGHT for k in self.kinds]
+        # Forward ids per (stage, microbatch); stages a microbatch visits on each rank, in chain order.
+        self.fwd = [[-1] * m for _ in range(len(inst.stage_ranks))]
+        for idx, action in enumerate(inst.actions):
+            if self.is_forward[idx]:
+                self.fwd[action.stage][action.microbatch] = idx
+        chain = inst.chains[0]
+        if any(c != chain for c in inst.chains):
+            raise ValueError("the greedy needs every microbatch to pass the same stages (not bidirectional)")
+        self.rank_stages: list[list[int]] = [[] for _ in range(p)]
+        for s in chain:
+            self.rank_stages[inst.stage_ranks[s]].append(s)
+        self.footprint = [sum(inst.mem_delta[self.fwd[s][0]] for s in self.rank_stages[r]) for r in range(p)]
+        self.capacity = [inst.limit[r] - inst.static[r] for r in range(p)]
+        self.target = self._targets(chain)
+        self.remaining = [len(inst.preds[i]) for i in range(n)]
+        self.ready_at = [0.0] * n
+        self.free = [0.0] * p
+        self.live = [0.0] * p
+        self.reserved = [0.0] * p  # bytes of admitted microbatches' forwards not yet run
+        self.admitted = [0] * p
+        self.finished_first = [0] * p  # microbatches whose last backward-input on the rank is done
+        self.next_f = {s: 0 for s in chain}
+        self.backward_heap: list[list[tuple[float, int, int]]] = [[] for _ in range(p)]
+        self.weight_queue: list[deque[int]] = [deque() for _ in range(p)]
+        self.orders: list[list[int]] = [[] for _ in range(p)]
+        self.left = [len(inst.rank_actions[r]) for r in range(p)]
+        self.first_stage = [stages[0] if stages else -1 for stages in self.rank_stages]
+
+    def _targets(self, chain: list[int]) -> list[float]:
+        """Per rank, the microbatches it keeps in flight before preferring backwards (the variant's warm-up,
+        capped by what its free memory holds)."""
+        variant, m, last = self.variant, self.m, len(chain) - 1
+        position = {s: k for k, s in enumerate(chain)}
+        target = []
+        for r, stages in enumerate(self.rank_stages):
+            if not stages:
+                target.append(0.0)
+                continue
+            goal = variant.warmup_base + variant.warmup_slope * (last - position[stages[0]])
+            unbounded = self.footprint[r] <= 0 or math.isinf(self.capacity[r])
+            cap = m if unbounded else max(1, int((self.capacity[r] + _EPS) // self.footprint[r]))
+            target.append(min(goal, cap, m))
+        return target
+
+    def forward_candidate(self, r: int) -> tuple[float, int] | None:
+        """The earliest forward rank ``r`` may run: its inputs known, and memory (and the warm-up) allowing."""
         best: tuple[float, int] | None = None
-        for s in rank_stages[r]:
-            j = next_f[s]
-            if j >= m:
+        reserve, capacity = self.variant.reserve, self.capacity[r] * (1 + 1e-12) + _EPS
+        for s in self.rank_stages[r]:
+            j = self.next_f[s]
+            if j >= self.m:
                 continue
-            idx = fwd[s][j]
-            if remaining[idx]:
+            idx = self.fwd[s][j]
+            if self.remaining[idx]:
                 continue
-            act = inst.mem_delta[idx]
-            if s == first_stage[r]:
-                if admitted[r] - finished_first[r] >= target[r]:
+            act = self.inst.mem_delta[idx]
+            if s == self.first_stage[r]:
+                if self.admitted[r] - self.finished_first[r] >= self.target[r]:
                     continue
-                need = footprint[r] if variant.reserve else act
-                if live[r] + reserved[r] + need > capacity[r] * (1 + 1e-12) + _EPS:
+                need = self.footprint[r] if reserve else act
+                if self.live[r] + self.reserved[r] + need > capacity:
                     continue
-            elif not variant.reserve and live[r] + act > capacity[r] * (1 + 1e-12) + _EPS:
+            elif not reserve and self.live[r] + act > capacity:
                 continue
-            t = max(free[r], ready_at[idx])
+            t = max(self.free[r], self.ready_at[idx])
             if best is None or t < best[0] - _EPS:
                 best = (t, idx)
         return best
 
-    def decide(r: int) -> tuple[float, int] | None:
-        if not left[r]:
+    def decide(self, r: int) -> tuple[float, int] | None:
+        """Rank ``r``'s next action and its start: a forward while warming up, a ready backward, a W that fits
+        the gap before the next, else the earliest of them."""
+        if not self.left[r]:
             return None
-        t_free = free[r]
-        heap = backward_heap[r]
+        t_free, heap, forward_first = self.free[r], self.backward_heap[r], self.variant.forward_first
         b = (max(t_free, heap[0][0]), heap[0][2]) if heap else None
-        f = forward_candidate(r)
-        in_flight = admitted[r] - finished_first[r]
-        warm = in_flight < target[r]
-        if (
-            f is not None
-            and f[0] <= t_free + _EPS
-            and (b is None or b[0] > t_free + _EPS or (variant.forward_first and warm))
-        ):
+        f = self.forward_candidate(r)
+        warm = self.admitted[r] - self.finished_first[r] < self.target[r]
+        f_now = f is not None and f[0] <= t_free + _EPS
+        if f_now and (b is None or b[0] > t_free + _EPS or (forward_first and warm)):
             return f
         if b is not None and b[0] <= t_free + _EPS:
             return b
-        if f is not None and f[0] <= t_free + _EPS:
+        if f_now:
             return f
-        queue = weight_queue[r]
-        if queue:
-            w = queue[0]
-            t_w = max(t_free, ready_at[w])
-            t_next = min(b[0] if b else math.inf, f[0] if f else math.inf)
-            forwards_left = any(next_f[s] < m for s in rank_stages[r])
-            gap_ok = t_next - t_w >= variant.w_gap * duration[w] - _EPS or (f is None and forwards_left)
-            if gap_ok and t_w <= t_next + _EPS:
-                return (t_w, w)
+        weight = self._weight_in_gap(r, b, f)
+        if weight is not None:
+            return weight
         options = [c for c in (b, f) if c is not None]
         if not options:
-            if queue:
-                return (max(t_free, ready_at[queue[0]]), queue[0])
-            return None
+            queue = self.weight_queue[r]
+            return (max(t_free, self.ready_at[queue[0]]), queue[0]) if queue else None
         if b is not None and f is not None and abs(b[0] - f[0]) <= _EPS:
-            return f if variant.forward_first and warm else b
+            return f if forward_first and warm else b
         return min(options)
 
-    decisions: list[tuple[float, int] | None] = [decide(r) for r in range(p)]
-    scheduled = 0
-    while scheduled < n:
-        check_deadline()
-        best_rank = -1
-        best_t = math.inf
-        for r in range(p):
-            d = decisions[r]
-            if d is not None and d[0] < best_t - _EPS:
-                best_t = d[0]
-                best_rank = r
-        if best_rank < 0:
+    def _weight_in_gap(
+        self, r: int, b: tuple[float, int] | None, f: tuple[float, int] | None
+    ) -> tuple[float, int] | None:
+        """The oldest pending W when it fits the idle gap before the next backward or forward (or no forward is
+        ready while some remain)."""
+        queue = self.weight_queue[r]
+        if not queue:
             return None
-        r = best_rank
-        t, idx = decisions[r]  # type: ignore[misc]
-        action = inst.actions[idx]
-        orders[r].append(idx)
-        end[idx] = t + duration[idx]
-        free[r] = end[idx]
-        left[r] -= 1
-        scheduled += 1
+        w = queue[0]
+        t_w = max(self.free[r], self.ready_at[w])
+        t_next = min(b[0] if b else math.inf, f[0] if f else math.inf)
+        forwards_left = any(self.next_f[s] < self.m for s in self.rank_stages[r])
+        gap_ok = t_next - t_w >= self.variant.w_gap * self.inst.duration[w] - _EPS or (f is None and forwards_left)
+        return (t_w, w) if gap_ok and t_w <= t_next + _EPS else None
+
+    def run(self) -> list[list[int]] | None:
+        """Schedule every action, earliest decision first; ``None`` when no rank can move (deadlock)."""
+        p, n = self.inst.num_ranks, len(self.inst.actions)
+        decisions: list[tuple[float, int] | None] = [self.decide(r) for r in range(p)]
+        for _ in range(n):
+            check_deadline()
+            best_rank, best_t = -1, math.inf
+            for r in range(p):
+                d = decisions[r]
+                if d is not None and d[0] < best_t - _EPS:
+                    best_t, best_rank = d[0], r
+            if best_rank < 0:
+                return None
+            t, idx = decisions[best_rank]  # type: ignore[misc]
+            for q in self._commit(best_rank, t, idx):
+                decisions[q] = self.decide(q)
+        return self.orders
+
+    def _commit(self, r: int, t: float, idx: int) -> set[int]:
+        """Run action ``idx`` on rank ``r`` from ``t``: update memory, admissions and the successors' readiness.
+
+        Returns:
+            The ranks whose next decision may have changed.
+        """
+        inst, action = self.inst, self.inst.actions[idx]
+        self.orders[r].append(idx)
+        end = t + inst.duration[idx]
+        self.free[r] = end
+        self.left[r] -= 1
         delta = inst.mem_delta[idx]
-        live[r] += delta
-        if is_forward[idx]:
-            next_f[action.stage] += 1
-            if action.stage == first_stage[r]:
-                admitted[r] += 1
-                if variant.reserve:
-                    reserved[r] += footprint[r] - delta
-            elif variant.reserve:
-                reserved[r] -= delta
-        elif is_weight[idx]:
-            weight_queue[r].popleft()
+        self.live[r] += delta
+        if self.is_forward[idx]:
+            self.next_f[action.stage] += 1
+            if action.stage == self.first_stage[r]:
+                self.admitted[r] += 1
+                if self.variant.reserve:
+                    self.reserved[r] += self.footprint[r] - delta
+            elif self.variant.reserve:
+                self.reserved[r] -= delta
+        elif self.is_weight[idx]:
+            self.weight_queue[r].popleft()
         else:
-            heapq.heappop(backward_heap[r])
-            if kinds[idx] == backward_kind and action.stage == last_backward_stage[r]:
-                finished_first[r] += 1
+            heapq.heappop(self.backward_heap[r])
+            if self.kinds[idx] == inst.backward_kind and action.stage == self.first_stage[r]:
+                self.finished_first[r] += 1
         touched = {r}
         for succ, latency in inst.succs[idx]:
-            ready_at[succ] = max(ready_at[succ], end[idx] + latency)
-            remaining[succ] -= 1
-            if remaining[succ] == 0:
+            self.ready_at[succ] = max(self.ready_at[succ], end + latency)
+            self.remaining[succ] -= 1
+            if self.remaining[succ] == 0:
                 q = inst.rank[succ]
                 touched.add(q)
-                if is_weight[succ]:
-                    weight_queue[q].append(succ)
-                elif not is_forward[succ]:
-                    heapq.heappush(backward_heap[q], (ready_at[succ], inst.actions[succ].microbatch, succ))
-        for q in touched:
-            decisions[q] = decide(q)
-    return orders
+                if self.is_weight[succ]:
+                    self.weight_queue[q].append(succ)
+                elif not self.is_forward[succ]:
+                    heapq.heappush(self.backward_heap[q], (self.ready_at[succ], inst.actions[succ].microbatch, succ))
+        return touched
 
 
 def _objective(sim: SimulationResult, objective: str) -> float:

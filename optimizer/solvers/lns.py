@@ -28,7 +28,7 @@ from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simu
 from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
 from pipesched.optimizer.solvers.cpsat_model import OrderModel, run_model
 
-__all__ = ["large_neighbourhood_search", "window_segments"]
+__all__ = ["LnsBackend", "large_neighbourhood_search", "window_segments"]
 
 _IMPROVEMENT_MS = 1e-6
 
@@ -88,115 +88,216 @@ def large_neighbourhood_search(
     Raises:
         InvalidSchedule: the incumbent deadlocks or breaks a memory limit.
     """
-    started = time.perf_counter()
-    deadline = started + time_limit_s
-    best = [list(row) for row in incumbent]
-    sim = simulate_indexed(inst, best)
-    best_value = sim.objective_value(objective)
-    best_key = _key(sim, objective)
-    n = len(inst.actions)
-    size = max(8, min(window_actions, n))
-    windows = accepted = 0
-    weight_actions = {i for i, action in enumerate(inst.actions) if action.kind == ActionKind.BACKWARD_WEIGHT}
-    back = 0.0  # sweep progress from the schedule's end, ms
-    step = 0
-    fruitless_sweep = True
-    # Building a window model is not interruptible and costs about O(n²/p) (the memory order
-    # literals of the whole rank), seconds on large instances: never start one that cannot finish.
-    # One estimate per kind of neighbourhood: time windows are small, the W float spans everything.
-    build_estimate_s = {"window": 0.1 + 1e-5 * n, "float": 3e-6 * n * n / max(1, inst.num_ranks)}
-    while time.perf_counter() < deadline - 0.05:
+    search = _Lns(inst, objective, incumbent, time_limit_s, window_actions, window_time_limit_s, progress)
+    while time.perf_counter() < search.deadline - 0.05:
         if should_stop is not None and should_stop():
             break
-        starts = [[sim.start[i] for i in row] for row in best]
-        first = min(row[0] for row in starts if row)
-        end = max(sim.end[row[-1]] for row in best if row)
-        width = (end - first) * size / n
-        if end - back <= first:
-            back = 0.0
-            if fruitless_sweep:
-                size = min(n, int(size * 1.5))
-                if size >= n:
-                    size = max(8, window_actions)
-            fruitless_sweep = True
+        neighbourhood = search.next_neighbourhood(weights_every)
+        if neighbourhood is None:
             continue
-        step += 1
-        floating: set[int] | None = None
-        if weights_every and step % weights_every == 0 and weight_actions:
-            # Float every W over the fixed F/I skeleton of the whole schedule.
-            segments = [(0, len(row)) for row in best]
-            floating = weight_actions
-        else:
-            segments = window_segments(starts, end - back - width, end - back)
-            back += width / 2
-        if sum(hi - lo for lo, hi in segments) < 2:
-            continue
-        remaining = deadline - time.perf_counter()
+        segments, floating = neighbourhood
         kind = "window" if floating is None else "float"
-        if remaining < build_estimate_s[kind] + 0.2:
+        if search.deadline - time.perf_counter() < search.build_estimate_s[kind] + 0.2:
             if kind == "float":
                 continue
             break
+        candidate = search.solve_window(segments, floating, num_workers, adaptive and floating is None, should_stop)
+        if candidate is not None:
+            search.offer(candidate)
+    return search.result()
+
+
+class _Lns:
+    """The state of one large-neighbourhood search: the incumbent and its simulation, the sweep's position and
+    window size, and the cost of building each kind of window model."""
+
+    def __init__(
+        self,
+        inst: Instance,
+        objective: str,
+        incumbent: list[list[int]],
+        time_limit_s: float,
+        window_actions: int,
+        window_time_limit_s: float,
+        progress: ProgressCallback | None,
+    ) -> None:
+        self.inst, self.objective, self.progress = inst, objective, progress
+        self.started = time.perf_counter()
+        self.deadline = self.started + time_limit_s
+        self.best = [list(row) for row in incumbent]
+        self.sim = simulate_indexed(inst, self.best)
+        self.best_value = self.sim.objective_value(objective)
+        self.best_key = _key(self.sim, objective)
+        self.n = len(inst.actions)
+        self.window_actions, self.window_time_limit_s = window_actions, window_time_limit_s
+        self.size = max(8, min(window_actions, self.n))
+        self.windows = self.accepted = 0
+        self.weight_actions = {i for i, a in enumerate(inst.actions) if a.kind == ActionKind.BACKWARD_WEIGHT}
+        self.back = 0.0  # sweep progress from the schedule's end, ms
+        self.step = 0
+        self.fruitless_sweep = True
+        # Building a window model is not interruptible and costs about O(n²/p) (the memory order
+        # literals of the whole rank), seconds on large instances: never start one that cannot finish.
+        # One estimate per kind of neighbourhood: time windows are small, the W float spans everything.
+        self.build_estimate_s = {
+            "window": 0.1 + 1e-5 * self.n,
+            "float": 3e-6 * self.n * self.n / max(1, inst.num_ranks),
+        }
+
+    def next_neighbourhood(self, weights_every: int) -> tuple[list[tuple[int, int]], set[int] | None] | None:
+        """The next neighbourhood: per rank the segment of its order to free, and the floating W's (every
+        ``weights_every`` steps) or ``None`` (a time window, sweeping from the end). ``None`` when the sweep
+        wrapped round (the window grows after a fruitless sweep) or the window holds under two actions."""
+        sim, best = self.sim, self.best
+        starts = [[sim.start[i] for i in row] for row in best]
+        first = min(row[0] for row in starts if row)
+        end = max(sim.end[row[-1]] for row in best if row)
+        width = (end - first) * self.size / self.n
+        if end - self.back <= first:
+            self.back = 0.0
+            if self.fruitless_sweep:
+                self.size = min(self.n, int(self.size * 1.5))
+                if self.size >= self.n:
+                    self.size = max(8, self.window_actions)
+            self.fruitless_sweep = True
+            return None
+        self.step += 1
+        floating: set[int] | None = None
+        if weights_every and self.step % weights_every == 0 and self.weight_actions:
+            # Float every W over the fixed F/I skeleton of the whole schedule.
+            segments = [(0, len(row)) for row in best]
+            floating = self.weight_actions
+        else:
+            segments = window_segments(starts, end - self.back - width, end - self.back)
+            self.back += width / 2
+        if sum(hi - lo for lo, hi in segments) < 2:
+            return None
+        return segments, floating
+
+    def solve_window(
+        self,
+        segments: list[tuple[int, int]],
+        floating: set[int] | None,
+        num_workers: int,
+        adapt: bool,
+        should_stop: StopCheck | None,
+    ) -> list[list[int]] | None:
+        """CP-SAT on the neighbourhood with the incumbent as hint and cut; its orders, or ``None``. With
+        ``adapt``, windows CP-SAT closes quickly grow (too small to hold an improvement) and ones it cannot close
+        in time shrink."""
+        kind = "window" if floating is None else "float"
         build_started = time.perf_counter()
         model = OrderModel(
-            inst,
-            objective,
-            incumbent=best,
+            self.inst,
+            self.objective,
+            incumbent=self.best,
             segments=segments,
             floating=floating,
-            upper_bound_ms=best_value,
+            upper_bound_ms=self.best_value,
             secondary=True,
         )
-        build_estimate_s[kind] = max(build_estimate_s[kind] * 0.5, time.perf_counter() - build_started)
-        remaining = deadline - time.perf_counter()
+        self.build_estimate_s[kind] = max(self.build_estimate_s[kind] * 0.5, time.perf_counter() - build_started)
         solver, status = run_model(
             model,
-            time_limit_s=min(window_time_limit_s, remaining),
+            time_limit_s=min(self.window_time_limit_s, self.deadline - time.perf_counter()),
             num_workers=num_workers,
             should_stop=should_stop,
             backend="cpsat-lns",
-            started=started,
+            started=self.started,
         )
-        windows += 1
-        if floating is None and adaptive:
-            # Neighbourhoods CP-SAT closes quickly are too small to hold an improvement: grow them;
-            # ones it cannot close in time are too big: shrink them.
-            if solver.status_name(status) == "OPTIMAL" and solver.wall_time < 0.5 * window_time_limit_s:
-                size = min(n, int(size * 1.25) + 1)
-            elif solver.status_name(status) != "OPTIMAL":
-                size = max(8, int(size * 0.8))
+        self.windows += 1
+        closed = solver.status_name(status) == "OPTIMAL"
+        if adapt:
+            if closed and solver.wall_time < 0.5 * self.window_time_limit_s:
+                self.size = min(self.n, int(self.size * 1.25) + 1)
+            elif not closed:
+                self.size = max(8, int(self.size * 0.8))
         if solver.status_name(status) not in ("OPTIMAL", "FEASIBLE"):
-            continue
-        candidate = model.orders(solver)
+            return None
+        return model.orders(solver)
+
+    def offer(self, candidate: list[list[int]]) -> None:
+        """Keep ``candidate`` when its re-simulated objective (then the secondary key) improves; report it."""
         try:
-            candidate_sim = simulate_indexed(inst, candidate)
+            candidate_sim = simulate_indexed(self.inst, candidate)
         except InvalidSchedule:
-            continue
-        value = candidate_sim.objective_value(objective)
-        key = _key(candidate_sim, objective)
-        if key < best_key:
-            best, sim, best_value, best_key = candidate, candidate_sim, value, key
-            accepted += 1
-            fruitless_sweep = False
-            if progress is not None:
-                progress(
-                    Progress(
-                        best_objective=best_value,
-                        lower_bound=None,
-                        elapsed_s=time.perf_counter() - started,
-                        backend="cpsat-lns",
-                        message=f"window {windows}: improved to {best_value:.3f} ms",
-                    )
+            return
+        key = _key(candidate_sim, self.objective)
+        if key >= self.best_key:
+            return
+        self.best, self.sim, self.best_key = candidate, candidate_sim, key
+        self.best_value = candidate_sim.objective_value(self.objective)
+        self.accepted += 1
+        self.fruitless_sweep = False
+        if self.progress is not None:
+            self.progress(
+                Progress(
+                    best_objective=self.best_value,
+                    lower_bound=None,
+                    elapsed_s=time.perf_counter() - self.started,
+                    backend="cpsat-lns",
+                    message=f"window {self.windows}: improved to {self.best_value:.3f} ms",
                 )
-    return BackendResult(
-        status=BackendStatus.FEASIBLE,
-        orders=best,
-        lower_bound=None,
-        message=f"CP-SAT large-neighbourhood search: {accepted} of {windows} windows improved, {best_value:.3f} ms",
-        stats={
-            "windows": float(windows),
-            "accepted": float(accepted),
-            "window_actions": float(size),
-            "wall_s": round(time.perf_counter() - started, 4),
-        },
-    )
+            )
+
+    def result(self) -> BackendResult:
+        """The best orders found (the incumbent when nothing improved), FEASIBLE, no bound claimed."""
+        return BackendResult(
+            status=BackendStatus.FEASIBLE,
+            orders=self.best,
+            lower_bound=None,
+            message=(
+                f"CP-SAT large-neighbourhood search: {self.accepted} of {self.windows} windows improved, "
+                f"{self.best_value:.3f} ms"
+            ),
+            stats={
+                "windows": float(self.windows),
+                "accepted": float(self.accepted),
+                "window_actions": float(self.size),
+                "wall_s": round(time.perf_counter() - self.started, 4),
+            },
+        )
+
+
+class LnsBackend:
+    """:func:`large_neighbourhood_search` as a :class:`~pipesched.optimizer.solvers.base.Backend`: it improves
+    ``hint`` (FIFO per-rank orders that fit memory) and finds nothing without one.
+
+    Args:
+        num_workers: CP-SAT search workers per window.
+    """
+
+    name = "cpsat-lns"
+
+    def __init__(self, *, num_workers: int = 2) -> None:
+        self.num_workers = num_workers
+
+    def solve(
+        self,
+        inst: Instance,
+        *,
+        objective: str,
+        time_limit_s: float,
+        hint: list[list[int]] | None = None,
+        upper_bound: float | None = None,
+        progress: ProgressCallback | None = None,
+        should_stop: StopCheck | None = None,
+        seed: int = 0,
+    ) -> BackendResult:
+        """Window re-optimisation of ``hint`` for ``time_limit_s`` (module docstring); ``UNKNOWN`` without a
+        hint that fits memory."""
+        unknown = BackendResult(BackendStatus.UNKNOWN, message="large-neighbourhood search needs a warm start")
+        if hint is None:
+            return unknown
+        try:
+            return large_neighbourhood_search(
+                inst,
+                objective=objective,
+                incumbent=hint,
+                time_limit_s=time_limit_s,
+                num_workers=self.num_workers,
+                progress=progress,
+                should_stop=should_stop,
+            )
+        except InvalidSchedule:  # the hint deadlocks or breaks a memory limit
+            return unknown

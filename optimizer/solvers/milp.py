@@ -241,8 +241,9 @@ class MilpBackend:
         upper_bound: float | None = None,
         progress: ProgressCallback | None = None,
         should_stop: StopCheck | None = None,
+        seed: int = 0,
     ) -> BackendResult:
-        """Minimise ``objective`` (ms); see :class:`~pipesched.optimizer.solvers.base.Backend`.
+        """Minimise ``objective`` (ms); see :class:`~pipesched.optimizer.solvers.base.Backend` (``seed`` unused).
 
         The MILP cannot be interrupted: ``should_stop`` is polled only before it starts.
 
@@ -268,21 +269,9 @@ class MilpBackend:
         else:
             solved, optimal, bound = self._solve_cbc(model, limit, warm=hint is not None)
         stats = {"binaries": float(len(model.before)), "wall_s": round(time.perf_counter() - started, 4)}
-        status_code = model.problem.status
         if solved:
-            value = float(model.span.value() or 0.0)
-            optimal = optimal and not model.span_relaxed
-            lower = value if optimal else bound
-            if progress is not None:
-                progress(Progress(value, lower, time.perf_counter() - started, "milp", f"{self.solver} solution"))
-            return BackendResult(
-                status=BackendStatus.OPTIMAL if optimal else BackendStatus.FEASIBLE,
-                orders=model.orders(),
-                lower_bound=None if lower is None else max(0.0, lower - _TOLERANCE_MS),
-                message=f"MILP ({self.solver}) {'optimal' if optimal else 'feasible'}: {value:.3f} ms",
-                stats=stats,
-            )
-        if status_code == pulp.LpStatusInfeasible:
+            return self._solution(model, optimal, bound, stats, progress, started)
+        if model.problem.status == pulp.LpStatusInfeasible:
             if upper_bound is not None:
                 return BackendResult(
                     status=BackendStatus.UNKNOWN,
@@ -295,6 +284,41 @@ class MilpBackend:
                 message=f"MILP ({self.solver}) proved that no order meets the memory limits",
                 stats=stats,
             )
+        return self._nothing_better(inst, hint, bound, time_limit_s, stats)
+
+    def _solution(
+        self,
+        model: _MilpModel,
+        optimal: bool,
+        bound: float | None,
+        stats: dict[str, float],
+        progress: ProgressCallback | None,
+        started: float,
+    ) -> BackendResult:
+        """The solver's orders: OPTIMAL (its value a bound) or FEASIBLE with its dual bound."""
+        value = float(model.span.value() or 0.0)
+        optimal = optimal and not model.span_relaxed
+        lower = value if optimal else bound
+        if progress is not None:
+            progress(Progress(value, lower, time.perf_counter() - started, "milp", f"{self.solver} solution"))
+        return BackendResult(
+            status=BackendStatus.OPTIMAL if optimal else BackendStatus.FEASIBLE,
+            orders=model.orders(),
+            lower_bound=None if lower is None else max(0.0, lower - _TOLERANCE_MS),
+            message=f"MILP ({self.solver}) {'optimal' if optimal else 'feasible'}: {value:.3f} ms",
+            stats=stats,
+        )
+
+    def _nothing_better(
+        self,
+        inst: Instance,
+        hint: list[list[int]] | None,
+        bound: float | None,
+        time_limit_s: float,
+        stats: dict[str, float],
+    ) -> BackendResult:
+        """No solution in time: the hint (FEASIBLE) when it runs, else UNKNOWN; the dual bound either way."""
+        lower = None if bound is None else max(0.0, bound - _TOLERANCE_MS)
         if hint is not None:
             incumbent = fifo_normalise(inst, hint)
             try:
@@ -305,13 +329,13 @@ class MilpBackend:
                 return BackendResult(
                     status=BackendStatus.FEASIBLE,
                     orders=incumbent,
-                    lower_bound=None if bound is None else max(0.0, bound - _TOLERANCE_MS),
+                    lower_bound=lower,
                     message=f"MILP ({self.solver}) found nothing better than the hint within {time_limit_s:g} s",
                     stats=stats,
                 )
         return BackendResult(
             status=BackendStatus.UNKNOWN,
-            lower_bound=None if bound is None else max(0.0, bound - _TOLERANCE_MS),
+            lower_bound=lower,
             message=f"MILP ({self.solver}) found nothing within {time_limit_s:g} s",
             stats=stats,
         )

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.families._base import backward
 from pipesched.optimizer.instance import compile_problem
-from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.ir import Action, ActionKind, Orders, compute_only
 from pipesched.optimizer.pattern import (
     MIN_STEPS,
     SteadyState,
@@ -49,7 +49,7 @@ from pipesched.optimizer.pattern import (
     weight_version_memory,
 )
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders
 from pipesched.optimizer.solvers.heuristic import sequential_orders
@@ -188,58 +188,38 @@ EVALUATION_S_PER_ACTION = 2e-5
 """Seconds per unrolled action assumed for the first timing of a pattern (then measured)."""
 
 
-class _Search:
+class _Search(SearchContext[SteadyState]):
+    """One no-flush search: the shared :class:`~pipesched.optimizer.progress.SearchContext` over timed patterns
+    (the incumbent's value is its step period), with the problem and its pattern evaluator."""
+
     def __init__(self, problem: Problem, progress: ProgressCallback | None, should_stop: StopCheck | None) -> None:
-        self.problem = problem
-        self.started = time.perf_counter()
+        started = time.perf_counter()
         limit = problem.solver.time_limit_s
-        self.evaluator = SteadyStateEvaluator(problem)
+        evaluator = SteadyStateEvaluator(problem)
         # Leave room to build the answer (one steady-state copy as pydantic objects, ~40 µs per action here).
-        margin = min(0.25 * limit, 0.2 + 5e-5 * len(self.evaluator.base.actions))
-        self.deadline = self.started + limit - margin
-        self.progress = progress
-        self.user_stop = should_stop
-        self.best: SteadyState | None = None
-        self.best_backend = ""
-        self.lower_bound = 0.0
+        margin = min(0.25 * limit, 0.2 + 5e-5 * len(evaluator.base.actions))
+        super().__init__(started, started + limit - margin, progress, should_stop)
+        self.problem = problem
+        self.evaluator = evaluator
         # The longest evaluation so far (before the first: a guess from the unrolled size, measured here at
         # 10–40 µs per unrolled action): no new one starts that would end past the deadline.
-        self.evaluation_s = EVALUATION_S_PER_ACTION * MIN_STEPS * len(self.evaluator.base.actions)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def should_stop(self) -> bool:
-        if time.perf_counter() + self.evaluation_s >= self.deadline:
-            return True
-        if self.user_stop is not None and self.user_stop():
-            return True
-        return self.best is not None and self.best.step_period <= self.lower_bound + 1e-9
-
-    def report(self, backend: str, message: str) -> None:
-        if self.progress is not None:
-            best = None if self.best is None else self.best.step_period
-            self.progress(Progress(best, self.lower_bound, self.elapsed(), backend, message))
+        self.step_s = EVALUATION_S_PER_ACTION * MIN_STEPS * len(evaluator.base.actions)
 
     def offer(self, pattern: Orders, backend: str, *, checked: bool = False) -> bool | None:
         """Time ``pattern``; keep it when it fits and is no longer than the best. ``None``: not valid."""
         if not self.evaluator.fits(pattern):
             return None
-        started = time.perf_counter()
         try:
-            state = self.evaluator.evaluate(pattern, checked=checked)
+            with self.step():
+                state = self.evaluator.evaluate(pattern, checked=checked)
         except InvalidSchedule:
             return None
-        finally:
-            self.evaluation_s = max(self.evaluation_s, time.perf_counter() - started)
         if not state.fits:
             return None
-        if self.best is None or state.step_period < self.best.step_period - 1e-9:
-            self.best, self.best_backend = state, backend
-            self.report(backend, f"{backend}: step period {state.step_period:.3f} ms")
+        if self.improve(state, state.step_period, backend, f"{backend}: step period {state.step_period:.3f} ms"):
             return True
-        if state.step_period <= self.best.step_period + 1e-9:
-            self.best = state  # a sideways move: same period, keep walking
+        if self.best is not None and state.step_period <= self.best_value + 1e-9:
+            self.best, self.best_value = state, state.step_period  # a sideways move: same period, keep walking
             return True
         return False
 
@@ -317,7 +297,7 @@ def _flushed_search(search: _Search, share: float) -> None:
     tight for 1F1B's p − r microbatches in flight, this is the strong warm start."""
     problem = search.problem
     # Keep time to time the answer as a pattern afterwards.
-    budget = (search.deadline - time.perf_counter() - search.evaluation_s) * share
+    budget = (search.deadline - time.perf_counter() - search.step_s) * share
     if budget < 0.2:
         return
     static = [s + x for s, x in zip(problem.static_memory, weight_version_memory(problem), strict=True)]
@@ -327,13 +307,16 @@ def _flushed_search(search: _Search, share: float) -> None:
             "objective": "stage_span",
             "memory.static": static,
             "memory.weights": None,
-            "costs.optimizer_step": None,  # the pattern's timing adds it at each step boundary
+            "costs.optimizer_step": None,  # the pattern's timing adds it (and the reductions) at each step
+            "costs.reduce_grad": None,
+            "costs.unshard": None,
+            "data_parallel": None,
             "solver.time_limit_s": budget,
         }
     )
     schedule = solve_auto(flushed, should_stop=search.user_stop)
     if schedule.status != "infeasible":
-        search.offer(schedule.orders(), f"auto (flushed: {schedule.backend}) without its flush")
+        search.offer(compute_only(schedule.orders()), f"auto (flushed: {schedule.backend}) without its flush")
 
 
 def _local_search(search: _Search) -> None:

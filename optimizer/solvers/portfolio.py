@@ -15,7 +15,8 @@ Order of work within ``solver.time_limit_s`` (``docs/CONTRACT.md``, Problem):
 5. ``heuristic``: greedy variants plus local search (:mod:`pipesched.optimizer.solvers.heuristic`).
 6. ``cpsat`` (:class:`pipesched.optimizer.solvers.cpsat.CpSatBackend`), given the best orders as hint and upper
    bound; ``milp`` (:class:`pipesched.optimizer.solvers.milp.MilpBackend`) only on small instances unless
-   ``solver.backends`` names it. Both are imported lazily and skipped while absent.
+   ``solver.backends`` names it: the exact backends declared in :data:`~pipesched.optimizer.solvers.base.BACKENDS`,
+   chosen by their capabilities and imported on first use.
 
 Placement ``"bidirectional"`` (two replicas on different stage chains) skips 4–5: its warm starts are
 the families and the capped greedy of :mod:`pipesched.optimizer.families._greedy` at several caps, then CP-SAT's
@@ -29,12 +30,7 @@ proven bounds; ``status`` is ``optimal`` when it meets the best objective.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import math
-import sys
 import time
-from dataclasses import dataclass
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
 from pipesched.optimizer.families import applicable_families
@@ -47,18 +43,19 @@ from pipesched.optimizer.progress import (
     Deadline,
     Progress,
     ProgressCallback,
+    SearchContext,
     SearchStopped,
     StopCheck,
     active_deadline,
 )
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders, indexed_orders, simulate_indexed
-from pipesched.optimizer.solvers.base import Backend, BackendStatus
-from pipesched.optimizer.solvers.heuristic import HeuristicBackend, improve, sequential_orders
+from pipesched.optimizer.solvers.base import BACKENDS, BackendSpec, BackendStatus, get_backend
+from pipesched.optimizer.solvers.heuristic import improve, sequential_orders
 from pipesched.optimizer.solvers.infeasible import infeasibility_reason, min_memory_limit
 from pipesched.optimizer.solvers.zb_auto import in_zb_auto_domain, zb_auto_orders
 
-__all__ = ["BOUND_SHARE", "LADDER_FACTORS", "MILP_MAX_ACTIONS", "solve_auto"]
+__all__ = ["BOUND_SHARE", "LADDER_FACTORS", "solve_auto"]
 
 LADDER_FACTORS = (1.0, 1.5, 2.0, 3.0)
 """Lower memory limits the warm starts also try, in units of num_ranks × a rank's activation."""
@@ -103,31 +100,10 @@ IMPORT_S = 1.0
 """Seconds the first import of an exact backend's library takes (OR-Tools measured 0.5–1.2 s, the latter on a
 busy machine)."""
 
-MILP_MAX_ACTIONS = 60
-"""The MILP runs by default only on instances with at most this many actions."""
 
-_EXACT_BACKENDS = {
-    "cpsat": ("pipesched.optimizer.solvers.cpsat", "CpSatBackend"),
-    "milp": ("pipesched.optimizer.solvers.milp", "MilpBackend"),
-}
-
-
-def _load_backend(name: str) -> Backend:
-    """A new instance of the exact backend ``name`` (``"cpsat"`` or ``"milp"``), imported on first use."""
-    module_name, class_name = _EXACT_BACKENDS[name]
-    backend_class: type[Backend] = getattr(importlib.import_module(module_name), class_name)
-    return backend_class()
-
-
-@dataclass
-class _Incumbent:
-    orders: list[list[int]] | None = None
-    value: float = math.inf
-    backend: str = ""
-
-
-class _Search:
-    """Shared state of one ``auto`` run: incumbent, bound, clock, callbacks."""
+class _Search(SearchContext[list[list[int]]]):
+    """One ``auto`` run: the shared :class:`~pipesched.optimizer.progress.SearchContext` over per-rank index
+    orders, with the problem, its instance and the compile's time (the price unit of steps that cannot stop)."""
 
     def __init__(
         self,
@@ -137,48 +113,25 @@ class _Search:
         should_stop: StopCheck | None,
         started: float | None = None,
     ) -> None:
-        self.problem = problem
-        self.inst = inst
-        self.objective = problem.objective
-        self.started = time.perf_counter() if started is None else started
+        began = time.perf_counter() if started is None else started
         # Seconds the compile took: the unit in which the phases that cannot stop midway are priced. One
         # measurement can be far off (a first import, a collector pause: 0.15 s for 576 actions once made every
         # family look unaffordable at a 2 s limit, leaving the sequential schedule), so it is capped at
         # COMPILE_S_PER_ACTION per action, about 4× what compiling takes here (4–6 µs per action).
-        self.compile_s = min(time.perf_counter() - self.started, COMPILE_S_PER_ACTION * len(inst.actions))
+        self.compile_s = min(time.perf_counter() - began, COMPILE_S_PER_ACTION * len(inst.actions))
         # Leave room to build the answer (simulation + pydantic objects, ~20 µs per action on a busy
         # 2-core machine, about ANSWER_COMPILES compiles) and for a last search step to notice the deadline.
-        margin = max(
-            min(0.25 * problem.solver.time_limit_s, 0.1 + 1e-4 * len(inst.actions)), ANSWER_COMPILES * self.compile_s
-        )
-        self.deadline = self.started + problem.solver.time_limit_s - margin
-        self.progress = progress
-        self.user_stop = should_stop
-        self.best = _Incumbent()
-        self.lower_bound = 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    def remaining(self) -> float:
-        return max(0.0, self.deadline - time.perf_counter())
+        limit = problem.solver.time_limit_s
+        margin = max(min(0.25 * limit, 0.1 + 1e-4 * len(inst.actions)), ANSWER_COMPILES * self.compile_s)
+        super().__init__(began, began + limit - margin, progress, should_stop)
+        self.problem = problem
+        self.inst = inst
+        self.objective = problem.objective
 
     def can_afford(self, compiles: float) -> bool:
         """Whether a step that cannot stop midway, costing about ``compiles`` × the compile's time, fits in
         the time left (and no stop was asked)."""
         return not self.should_stop() and self.remaining() + OVERRUN_S > compiles * self.compile_s
-
-    def should_stop(self) -> bool:
-        if time.perf_counter() >= self.deadline:
-            return True
-        if self.user_stop is not None and self.user_stop():
-            return True
-        return self.best.value <= self.lower_bound + 1e-9
-
-    def report(self, backend: str, message: str) -> None:
-        if self.progress is not None:
-            best = None if self.best.orders is None else self.best.value
-            self.progress(Progress(best, self.lower_bound, self.elapsed(), backend, message))
 
     def offer(self, orders: list[list[int]], backend: str, message: str = "") -> bool:
         """Re-simulate ``orders``; keep them when they fit memory and beat the incumbent."""
@@ -188,17 +141,7 @@ class _Search:
             return False
         if not sim.fits:
             return False
-        value = sim.objective_value(self.objective)
-        if value < self.best.value - 1e-9:
-            self.best = _Incumbent([list(row) for row in orders], value, backend)
-            self.report(backend, message or f"{backend}: {value:.3f} ms")
-            return True
-        return False
-
-    def raise_bound(self, bound: float | None, backend: str) -> None:
-        if bound is not None and math.isfinite(bound) and bound > self.lower_bound + 1e-9:
-            self.lower_bound = min(bound, self.best.value) if self.best.orders is not None else bound
-            self.report(backend, f"lower bound {self.lower_bound:.3f} ms")
+        return self.improve([list(row) for row in orders], sim.objective_value(self.objective), backend, message)
 
 
 def _families(search: _Search) -> None:
@@ -207,7 +150,7 @@ def _families(search: _Search) -> None:
             search.report("family", "families skipped: not enough time left for one more")
             return
         try:
-            with active_deadline(Deadline(search.deadline, search.user_stop)):
+            with active_deadline(search.as_deadline()):
                 orders = indexed_orders(search.inst, family.generate(search.problem))
         except SearchStopped:
             search.report("family", f"family {family.name} stopped at the deadline")
@@ -245,13 +188,14 @@ def _ladder(inst: Instance) -> list[Instance]:
 
 
 def _capped_greedy(search: _Search) -> None:
-    """The memory-capped list scheduler (:mod:`pipesched.optimizer.families._greedy`, BitPipe's generator) at caps of
-    k·num_ranks microbatches per rank (k in :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory:
-    BitPipe's own cap (k = 1) leaves much of the memory a limit allows unused."""
+    """The memory-capped list scheduler (:mod:`pipesched.optimizer.families._greedy`, the ``bitpipe`` family's
+    generator before it followed the authors' order) at caps of k·num_ranks microbatches per rank (k in
+    :data:`CAPPED_IN_FLIGHT`), each at most the rank's free memory: a warm start beside the authors' order
+    (which holds at most 2p−1 stage activations per rank and needs an even p dividing m)."""
     inst = search.inst
     p = inst.num_ranks
     try:
-        with active_deadline(Deadline(search.deadline, search.user_stop)):
+        with active_deadline(search.as_deadline()):
             reservation = max_reservations(inst)
     except SearchStopped:
         return
@@ -277,7 +221,7 @@ def _zero_bubble_auto(search: _Search) -> None:
         if not search.can_afford(ZB_AUTO_COMPILES):
             return
         try:
-            with active_deadline(Deadline(search.deadline, search.user_stop)):
+            with active_deadline(search.as_deadline()):
                 orders = zb_auto_orders(rung, search.objective)
         except SearchStopped:
             return
@@ -322,87 +266,94 @@ def solve_auto(
             min_memory_limit=min_memory_limit(inst),
             solve_time_s=search.elapsed(),
         )
-    bidirectional = problem.pipeline.placement == "bidirectional"
     allowed = problem.solver.backends
-    heuristics = allowed is None or "heuristic" in allowed
+    heuristics = get_backend("heuristic").chosen(allowed, len(inst.actions))
     # The bound gets at most BOUND_SHARE of the time; past it, the weaker parts it reached count.
     bound_deadline = Deadline(time.perf_counter() + BOUND_SHARE * search.remaining(), search.user_stop)
     search.raise_bound(compute_lower_bound(inst, problem.objective, bound_deadline), "bounds")
     search.offer(sequential_orders(inst), "sequential", "one microbatch at a time")
     _families(search)
-    if not bidirectional and heuristics:
-        _zero_bubble_auto(search)
-    if bidirectional:
-        # Two replicas pass different stages; the authors' scheduler follows one chain, so the warm starts
-        # are the families and the capped greedy at larger caps. Then CP-SAT's window search on large
-        # instances (measured at 10 s, limits 1–2·p microbatches: 1–7% shorter than local search alone from
-        # 512 actions up, up to 6% longer below), and local search with the time left.
-        if heuristics:
-            _capped_greedy(search)
-        cpsat = len(inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else "cpsat" in allowed
-        import_s = 0.0 if _EXACT_BACKENDS["cpsat"][0] in sys.modules else IMPORT_S
-        if cpsat and search.can_afford(EXACT_COMPILES) and search.remaining() + OVERRUN_S > import_s + 0.1:
-            _exact(search, "cpsat", search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
-        if heuristics:
-            _local_search(search)
+    if problem.pipeline.placement == "bidirectional":
+        _bidirectional(search, heuristics)
         return _answer(search)
-
-    exact = [
-        name
-        for name in ("cpsat", "milp")
-        if (allowed is None and (name == "cpsat" or len(inst.actions) <= MILP_MAX_ACTIONS))
-        or (allowed is not None and name in allowed)
-    ]
-    available = [name for name in exact if importlib.util.find_spec(_EXACT_BACKENDS[name][0]) is not None]
-
+    if heuristics:
+        _zero_bubble_auto(search)
+    exact = [spec for spec in BACKENDS if spec.exact and spec.chosen(allowed, len(inst.actions))]
     if heuristics and search.can_afford(GREEDY_COMPILES):
-        share = 0.4 if available else 1.0
-        budget = max(0.0, search.remaining() * share)
-
-        def heuristic_progress(update: Progress) -> None:
-            search.report("heuristic", update.message)
-
-        with active_deadline(Deadline(search.deadline, search.user_stop)):
-            result = HeuristicBackend().solve(
-                inst,
-                objective=problem.objective,
-                time_limit_s=budget,
-                hint=search.best.orders,
-                upper_bound=search.best.value,
-                progress=None if progress is None else heuristic_progress,
-                should_stop=search.should_stop,
-                seed=problem.solver.seed,
-            )
-        if result.orders is not None:
-            search.offer(result.orders, "heuristic", result.message)
-
-    for k, name in enumerate(available):
-        module_name = _EXACT_BACKENDS[name][0]
-        import_s = 0.0 if module_name in sys.modules else IMPORT_S
-        if not search.can_afford(EXACT_COMPILES) or search.remaining() + OVERRUN_S < import_s + 0.1:
-            search.report(name, f"{name} skipped: not enough time left to start it")
+        _heuristic(search, share=0.4 if exact else 1.0)
+    for k, spec in enumerate(exact):
+        if not _can_start(search, spec):
+            search.report(spec.name, f"{spec.name} skipped: not enough time left to start it")
             break
-        budget = search.remaining() / (len(available) - k)
+        budget = search.remaining() / (len(exact) - k)
         if budget <= 0.05:
             break
-        _exact(search, name, budget)
+        _exact(search, spec, budget)
     if heuristics:
         # Time the exact backends left over (or did not need) goes to more local search.
         _local_search(search)
     return _answer(search)
 
 
-def _exact(search: _Search, name: str, budget: float) -> None:
-    """Run exact backend ``name`` for ``budget`` s from the incumbent (hint and upper bound); keep what it
+def _bidirectional(search: _Search, heuristics: bool) -> None:
+    """Two replicas pass different stages; the authors' scheduler follows one chain, so the warm starts are the
+    families and the capped greedy at larger caps. Then CP-SAT's window search on large instances (measured at
+    10 s, limits 1–2·p microbatches: 1–7% shorter than local search alone from 512 actions up, up to 6% longer
+    below), and local search with the time left."""
+    if heuristics:
+        _capped_greedy(search)
+    cpsat, allowed = get_backend("cpsat"), search.problem.solver.backends
+    chosen = len(search.inst.actions) >= BIDIRECTIONAL_CPSAT_MIN_ACTIONS if allowed is None else cpsat.name in allowed
+    if chosen and _can_start(search, cpsat):
+        _exact(search, cpsat, search.remaining() * (BIDIRECTIONAL_CPSAT_SHARE if heuristics else 1.0))
+    if heuristics:
+        _local_search(search)
+
+
+def _heuristic(search: _Search, share: float) -> None:
+    """The heuristic backend (greedy variants, then local search) from the incumbent, for ``share`` of the time
+    left; its progress reported as the search's."""
+    budget = max(0.0, search.remaining() * share)
+
+    def heuristic_progress(update: Progress) -> None:
+        search.report("heuristic", update.message)
+
+    with active_deadline(search.as_deadline()):
+        result = (
+            get_backend("heuristic")
+            .load()
+            .solve(
+                search.inst,
+                objective=search.objective,
+                time_limit_s=budget,
+                hint=search.best,
+                upper_bound=search.best_value,
+                progress=None if search.progress is None else heuristic_progress,
+                should_stop=search.should_stop,
+                seed=search.problem.solver.seed,
+            )
+        )
+    if result.orders is not None:
+        search.offer(result.orders, "heuristic", result.message)
+
+
+def _can_start(search: _Search, spec: BackendSpec) -> bool:
+    """Whether an exact backend can start: what it does before it can stop, and its library's first import."""
+    import_s = 0.0 if spec.imported() else IMPORT_S
+    return search.can_afford(EXACT_COMPILES) and search.remaining() + OVERRUN_S > import_s + 0.1
+
+
+def _exact(search: _Search, spec: BackendSpec, budget: float) -> None:
+    """Run exact backend ``spec`` for ``budget`` s from the incumbent (hint and upper bound); keep what it
     finds and proves. A backend that fails is reported and skipped."""
-    inst, objective = search.inst, search.objective
+    inst, objective, name = search.inst, search.objective, spec.name
     try:
-        result = _load_backend(name).solve(
+        result = spec.load().solve(
             inst,
             objective=objective,
             time_limit_s=budget,
-            hint=search.best.orders,
-            upper_bound=search.best.value if search.best.orders is not None else None,
+            hint=search.best,
+            upper_bound=search.best_value if search.best is not None else None,
             progress=search.progress,
             should_stop=search.should_stop,
         )
@@ -416,18 +367,18 @@ def _exact(search: _Search, name: str, budget: float) -> None:
         # The backend proved its orders optimal; our re-simulated value of them is at most its own.
         try:
             value = simulate_indexed(inst, result.orders, check_memory=False).objective_value(objective)
-            search.raise_bound(min(value, search.best.value), name)
+            search.raise_bound(min(value, search.best_value), name)
         except InvalidSchedule:
             pass
 
 
 def _local_search(search: _Search) -> None:
     """Spend the time left on local search from the incumbent (:func:`~.heuristic.improve`)."""
-    if search.should_stop() or search.remaining() <= 0.1 or search.best.orders is None:
+    if search.should_stop() or search.remaining() <= 0.1 or search.best is None:
         return
     orders, _ = improve(
         search.inst,
-        search.best.orders,
+        search.best,
         search.objective,
         deadline=search.deadline,
         seed=search.problem.solver.seed + 1,
@@ -437,12 +388,12 @@ def _local_search(search: _Search) -> None:
 
 
 def _answer(search: _Search) -> Schedule:
-    assert search.best.orders is not None
+    assert search.best is not None
     return build_schedule(
         search.problem,
-        action_orders(search.inst, search.best.orders),
+        action_orders(search.inst, search.best),
         method="auto",
-        backend=search.best.backend,
+        backend=search.best_backend,
         lower_bound=search.lower_bound,
         instance=search.inst,
         solve_time_s=search.elapsed(),

@@ -1,6 +1,7 @@
 """``auto`` for the whole training step: the compute order and when each collective runs.
 
-Used when the problem has communication actions or optimizer steps (d > 1, or ``costs.optimizer_step``), or
+Used when the problem has communication actions or optimizer steps (d > 1, ``costs.optimizer_step``, or a
+bidirectional placement's replica synchronisation), or
 asks for ``objective: step_time``. Within ``solver.time_limit_s``:
 
 1. **Candidates from the families.** Every applicable family, its collectives placed by the communication
@@ -25,18 +26,18 @@ cheapest reduction after the step's last backward (d > 1), and the optimizer ste
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from pipesched.optimizer.bounds import lower_bound as compute_lower_bound
-from pipesched.optimizer.communication import ReshardOrderError, add_communication
+from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.families import applicable_families
-from pipesched.optimizer.instance import Instance, compile_problem, compute_instance, stage_to_rank
+from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem, compute_instance
 from pipesched.optimizer.ir import Orders, compute_only
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.progress import Progress, ProgressCallback, StopCheck
+from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule, schedule_from_simulation
-from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, simulate
+from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, action_orders, simulate
+from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.infeasible import min_memory_limit
 from pipesched.optimizer.solvers.portfolio import solve_auto
 from pipesched.optimizer.units import format_bytes
@@ -71,7 +72,7 @@ def _static_adjustment(problem: Problem, *, gathered: bool) -> list[float]:
         values, sign = problem.stage_values(problem.memory.gradients), -1.0
     else:
         return adjustment
-    for stage, rank in enumerate(stage_to_rank(problem)):
+    for stage, rank in enumerate(problem.pipeline.stage_to_rank):
         adjustment[rank] += sign * values[stage % num_stages] * fraction
     return adjustment
 
@@ -90,6 +91,8 @@ def compute_problem(problem: Problem, *, gathered_in_static: bool) -> Problem:
     data["memory"]["gradients"] = None
     for name in ("unshard", "reduce_grad", "optimizer_step"):
         data["costs"][name] = None
+    if problem.pipeline.placement == "bidirectional":
+        data["costs"]["reduce_grad"] = 0.0  # the replicas' synchronisation left out (Problem.replicas_synchronise)
     data["data_parallel"] = None
     data["objective"] = _compute_objective(problem)
     data["solver"]["method"] = "auto"
@@ -104,8 +107,8 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
       (stage_span under post-validation; for objective stage_span itself);
     * + the least ``unshard`` (sharding ``full``): a rank's first pass waits for a gather on its own rank that
       started no earlier than the step (the rank's span);
-    * + the least ``reduce_grad`` (d > 1): the step's (each rank's) last pass is a last backward (W, or B when
-      fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
+    * + the least ``reduce_grad`` (d > 1, or synchronising replicas): the step's (each rank's) last pass is a
+      last backward (W, or B when fused: every F and I has a successor), and its stage's REDUCE_GRAD follows it;
     * + for ``step_time``, the optimizer step: after the synchronisation every rank's, so the largest; under
       post-validation the rank's own, so the least.
     """
@@ -119,7 +122,7 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     dp = problem.data_parallel
     if dp is not None and dp.sharding == "full" and problem.costs.unshard is not None:
         bound += min(problem.stage_values(problem.costs.unshard))
-    if problem.data_parallel_size > 1 and problem.costs.reduce_grad is not None:
+    if (problem.data_parallel_size > 1 or problem.replicas_synchronise) and problem.costs.reduce_grad is not None:
         bound += min(problem.stage_values(problem.costs.reduce_grad))
     if problem.objective == "step_time":
         steps = problem.rank_values(problem.costs.optimizer_step, 0.0)
@@ -127,13 +130,38 @@ def step_lower_bound(problem: Problem, inst: Instance) -> float:
     return bound
 
 
-class _Best:
-    def __init__(self) -> None:
-        self.orders: Orders | None = None
-        self.simulation: SimulationResult | None = None
-        self.value = math.inf
-        self.backend = ""
-        self.eval_s = 0.0  # the longest one candidate took (pass + simulation), s
+class _StepSearch(SearchContext[tuple[Orders, SimulationResult, Instance]]):
+    """One step search: the shared :class:`~pipesched.optimizer.progress.SearchContext` over (orders with their
+    collectives, their simulation, the instance their UNSHARD … RESHARD frames compile to) on the real
+    problem."""
+
+    def __init__(self, problem: Problem, progress: ProgressCallback | None, should_stop: StopCheck | None) -> None:
+        started = time.perf_counter()
+        self.inst = compile_problem(problem)
+        limit_s = problem.solver.time_limit_s
+        # Room to build the answer (~20 µs per action on a busy 2-core machine), as the portfolio leaves.
+        margin = min(0.3 * limit_s, 0.1 + 3e-5 * len(self.inst.actions))
+        super().__init__(started, started + limit_s - margin, progress, should_stop)
+        self.objective = problem.objective
+
+    def offer(
+        self, orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES, gather_runs: bool = False
+    ) -> None:
+        """Place the collectives at each prefetch distance (:mod:`pipesched.optimizer.communication`), simulate
+        on the real problem, keep the best that fits; stop between distances when time runs out."""
+        for k, prefetch in enumerate(prefetches):
+            if k > 0 and self.should_stop():
+                return
+            try:
+                with self.step():
+                    full = add_communication(self.inst, orders, prefetch=prefetch, gather_runs=gather_runs)
+                    framed = compile_for_orders(self.inst.problem, full, base=self.inst)
+                    sim: SimulationResult = simulate(framed, full, check_memory=False)
+            except InvalidSchedule:
+                return
+            if sim.fits:
+                value = sim.objective_value(self.objective)
+                self.improve((full, sim, framed), value, backend, f"{backend} (prefetch {prefetch}): {value:.3f} ms")
 
 
 def solve_step(
@@ -149,47 +177,8 @@ def solve_step(
         ``infeasible`` with ``min_memory_limit`` (bytes per rank): static + the gathered weights of all the
         rank's stages + one microbatch's activations on the rank.
     """
-    started = time.perf_counter()
-    limit_s = problem.solver.time_limit_s
-    inst = compile_problem(problem)
-    objective = problem.objective
-    best = _Best()
-    bound: float | None = None
-
-    def elapsed() -> float:
-        return time.perf_counter() - started
-
-    def report(message: str) -> None:
-        if progress is not None:
-            value = None if best.orders is None else best.value
-            progress(Progress(value, bound, elapsed(), best.backend or "step", message))
-
-    # Room to build the answer (~20 µs per action on a busy 2-core machine), as the portfolio leaves.
-    deadline = limit_s - min(0.3 * limit_s, 0.1 + 3e-5 * len(inst.actions))
-
-    def stop() -> bool:
-        """Whether another candidate would overrun the deadline (or the caller asks to stop)."""
-        return elapsed() + best.eval_s >= deadline or (should_stop is not None and should_stop())
-
-    def offer(orders: Orders, backend: str, prefetches: tuple[int, ...] = PREFETCH_DISTANCES) -> None:
-        for k, prefetch in enumerate(prefetches):
-            if k > 0 and stop():
-                return
-            began = time.perf_counter()
-            try:
-                full = add_communication(inst, orders, prefetch=prefetch)
-                sim: SimulationResult = simulate(inst, full, check_memory=False)
-            except (ReshardOrderError, InvalidSchedule):
-                return
-            finally:
-                best.eval_s = max(best.eval_s, time.perf_counter() - began)
-            if not sim.fits:
-                continue
-            value = sim.objective_value(objective)
-            if value < best.value - 1e-9:
-                best.orders, best.simulation, best.value, best.backend = full, sim, value, backend
-                report(f"{backend} (prefetch {prefetch}): {value:.3f} ms")
-
+    search = _StepSearch(problem, progress, should_stop)
+    inst = search.inst
     gathered = _static_adjustment(problem, gathered=True)
     # min_memory_limit reads only the forward passes, which the step actions leave as they are.
     need = [x + dx for x, dx in zip(min_memory_limit(inst), gathered, strict=True)]
@@ -206,48 +195,49 @@ def solve_step(
                 f"memory.limit to at least {need[rank]:.0f} bytes on rank {rank}"
             ),
             min_memory_limit=need,
-            solve_time_s=elapsed(),
+            solve_time_s=search.elapsed(),
         )
-    # Every family at the default prefetch first (the guarantee: never worse than a family), then the other
-    # prefetch distances while time is left.
-    generated: list[tuple[str, Orders]] = []
+    # The sequential schedule first, each gather right before its passes: the least memory any schedule holds,
+    # an answer whenever one fits (as the portfolio's first candidate). Then every family at the default prefetch
+    # (the guarantee: never worse than a family), then the other prefetch distances while time is left.
+    passes = compute_instance(inst)
+    search.offer(action_orders(passes, sequential_orders(passes)), "sequential", (0,))
+    generated: list[tuple[str, Orders, bool]] = []
     for family in applicable_families(problem):
-        if generated and stop():
+        if generated and search.should_stop():
             break
         try:
-            generated.append((f"family:{family.name}", family.generate(problem)))
+            generated.append((f"family:{family.name}", family.generate(problem), family.gather_runs))
         except ValueError:
             continue
-        offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1])
-    bound = step_lower_bound(problem, inst)
-    report("lower bound")
-    for backend, orders in generated:
-        if stop():
+        search.offer(generated[-1][1], generated[-1][0], PREFETCH_DISTANCES[:1], generated[-1][2])
+    search.raise_bound(step_lower_bound(problem, inst), "step")
+    for backend, orders, gather_runs in generated:
+        if search.should_stop():
             break
-        offer(orders, backend, PREFETCH_DISTANCES[1:])
-    remaining = deadline - elapsed() - best.eval_s  # leave room to place the collectives in its answer
-    if remaining > 0.05 and not (should_stop is not None and should_stop()):
+        search.offer(orders, backend, PREFETCH_DISTANCES[1:], gather_runs)
+    remaining = search.remaining() - search.step_s  # leave room to place the collectives in its answer
+    if remaining > 0.05 and not search.should_stop():
         proxy = compute_problem(problem, gathered_in_static=True)
         proxy = proxy.model_copy(update={"solver": proxy.solver.model_copy(update={"time_limit_s": remaining})})
         result = solve_auto(proxy, should_stop=should_stop)
         if result.status != "infeasible":
-            offer(compute_only(result.orders()), f"compute:{result.backend}")
-    if best.orders is None:
+            search.offer(compute_only(result.orders()), f"compute:{result.backend}")
+    if search.best is None:
         return infeasible_schedule(
             problem,
             method="auto",
             backend="step",
             reason="no schedule with the step's collectives fits memory within the time limit: raise memory.limit",
             min_memory_limit=need,
-            solve_time_s=elapsed(),
+            solve_time_s=search.elapsed(),
         )
-    assert best.simulation is not None
     return schedule_from_simulation(
         problem,
-        inst,
-        best.simulation,
+        search.best[2],
+        search.best[1],
         method="auto",
-        backend=best.backend,
-        lower_bound=bound,
-        solve_time_s=elapsed(),
+        backend=search.best_backend,
+        lower_bound=search.lower_bound,
+        solve_time_s=search.elapsed(),
     )

@@ -15,6 +15,7 @@ from pipesched.api.app import create_app
 from pipesched.api.jobs import make_stop_check
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store, problem_key
+from pipesched.optimizer.cost.profile import default_profile
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.export import orders_to_torch_csv
 from pipesched.optimizer.families import registry
@@ -181,9 +182,11 @@ def test_a_model_and_cluster_request_answers_the_derived_costs_memory_and_partit
     assert layers_per_stage == derived.model.layers_per_stage
     assert len(layers_per_stage) == 4 and sum(layers_per_stage) == model["num_layers"]
     assert all(count >= 1 for count in layers_per_stage)
-    # Per-stage times, positive; the limit is the H100's 80 GiB less the default 2 GiB reserve.
+    # Per-stage times, positive; the limit is the H100's 80 GiB less its profile's default headroom.
     assert len(solved["costs"]["forward"]) == 4 and min(solved["costs"]["forward"]) > 0
-    assert solved["memory"]["limit"] == (80 - 2) * 1024**3
+    headroom = default_profile("H100-SXM").headroom_bytes(80 * 1024**3)
+    assert 0 < headroom < 8 * 1024**3
+    assert solved["memory"]["limit"] == pytest.approx(80 * 1024**3 - headroom)
     assert answer["status"] in ("optimal", "feasible") and answer["makespan"] > 0
     # The problem as answered solves again to the same stored schedule (model/cluster kept as documentation).
     again = client.post("/v1/schedules", json=solved)
@@ -443,14 +446,16 @@ def test_health_and_metrics(client: TestClient) -> None:
 
 
 def test_the_api_token_guards_v1(tmp_path: Path) -> None:
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", solver_workers=1, api_token="s3cret")
+    settings = Settings(
+        database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", solver_workers=1, api_token="s3cret-0123456789abcdef"
+    )
     app: FastAPI = create_app(settings)
     with TestClient(app) as client:
         assert client.get("/v1/methods").status_code == 401
         wrong = client.get("/v1/methods", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.headers["WWW-Authenticate"] == "Bearer"
         assert client.post("/v1/jobs", json=problem_body()).status_code == 401
-        assert client.get("/v1/methods", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert client.get("/v1/methods", headers={"Authorization": "Bearer s3cret-0123456789abcdef"}).status_code == 200
         assert client.get("/healthz").status_code == 200
 
 
@@ -469,6 +474,9 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
         "cancel_job",
         "create_plan",
         "get_plan",
+        "get_plan_launch",
+        "list_profiles",
+        "register_profile",
         "list_methods",
         "health",
         "metrics",

@@ -156,3 +156,15 @@ def test_pipesched_serve_on_postgres_by_environment(clean_url: str, tmp_path: Pa
         assert stored is not None and stored.method == "zb-h1"
     finally:
         store.dispose()
+
+
+def test_stores_opened_together_create_the_tables_once(clean_url: str) -> None:
+    """Front ends and workers starting together on an empty database: each creates the tables it lacks, under one
+    lock (unlocked, two CREATE TABLEs of one name collide in PostgreSQL's catalogue)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        stores = list(pool.map(lambda _: Store(clean_url), range(8)))
+    for store in stores:
+        assert store.count_schedules() == 0
+        store.dispose()

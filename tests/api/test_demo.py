@@ -22,7 +22,7 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
     (folder,) = tmp_path.glob("pipesched-demo-*")
-    for name in ("plans.json", "schedule.json", "gantt.png", "view.html", "torchtitan.toml", "report.json"):
+    for name in ("plans.json", "schedule.json", "gantt.png", "view.html", "launch/schedule.csv", "report.json"):
         assert (folder / name).stat().st_size > 0, name
     # 1. a ranked plan, beside the naive layout
     plans = json.loads((folder / "plans.json").read_text())["plans"]

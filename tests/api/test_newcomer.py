@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipesched.api.settings import Settings
-from tests.conftest import REPO
+from tests.conftest import REPO, data_parallel_problem
 
 PROBLEM = {
     "pipeline": {"num_ranks": 4, "num_microbatches": 8},
@@ -293,3 +293,57 @@ def test_the_field_reference_documents_every_model_and_cluster_field() -> None:
         if f"{prefix}.{name}" not in reference
     ]
     assert not missing, f"document {missing} in the field table of docs/FIELDS.md"
+
+
+def test_piped_tables_and_help_keep_whole_cells(problem_file: Path) -> None:
+    """`pipesched solve … | cat` and `run --help | cat`: no 80-column cut (`stage_…`, help lines broken)."""
+    piped = {"COLUMNS": ""}  # no width given: what a pipe in a plain shell has
+    solved = pipesched("solve", problem_file.name, "-o", "out.json", cwd=problem_file.parent, env=piped)
+    assert solved.returncode == 0, solved.stderr
+    assert "stage_span ms" in solved.stdout and "step_time ms" in solved.stdout and "…" not in solved.stdout
+    helped = pipesched("run", "--help", cwd=problem_file.parent, env=piped)
+    first = "Execute a schedule with torch.distributed and verify it against a single-process reference."
+    assert any(first in line for line in helped.stdout.splitlines()), helped.stdout
+
+
+def test_check_names_the_reason_once(tmp_path: Path) -> None:
+    problem = {**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 1}}
+    (tmp_path / "problem.json").write_text(json.dumps(problem))
+    (tmp_path / "deadlock.json").write_text(json.dumps([["0F0", "0I0", "0W0"], ["1I0", "1F0", "1W0"]]))
+    checked = pipesched("check", "problem.json", "deadlock.json", cwd=tmp_path)
+    assert checked.returncode == 1
+    assert "invalid (deadlock): rank" in checked.stderr and "deadlock: deadlock" not in checked.stderr
+
+
+def test_run_says_whose_predictions_it_prints() -> None:
+    from pipesched.api.cli.runs import prediction_note
+    from pipesched.optimizer.derive import load_problem
+
+    given = prediction_note(load_problem(PROBLEM), "gpt-tiny")
+    assert "the problem's costs and memory as given" in given and "ran --model gpt-tiny" in given
+    assert "--model problem" not in given  # a problem without a model cannot be run as its own model
+    derived = load_problem(
+        {
+            "pipeline": {"num_ranks": 8, "num_microbatches": 8},
+            "model": {"preset": "llama3.1-8b", "activation_recomputation": "full"},
+            "cluster": {"accelerator": "H100-SXM", "gpus_per_node": 8},
+        }
+    )
+    assert "the problem's model (llama3.1-8b" in prediction_note(derived, "gpt-tiny")
+
+
+def test_the_gantt_legend_fits_the_figure() -> None:
+    """Every kind of a data-parallel V schedule, and the later-stage shade: wrapped, never clipped."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from pipesched.api.render.figure import _figure
+    from pipesched.optimizer.solve import solve_family
+
+    v_pipeline = {"num_ranks": 2, "num_microbatches": 4, "stages_per_rank": 2, "placement": "v"}
+    problem = data_parallel_problem(pipeline=v_pipeline, memory={"activation": 100, "retained_for_weight": 40})
+    figure = _figure(solve_family(problem, "zb-v"), None, 100)
+    FigureCanvasAgg(figure).draw()
+    (legend,) = figure.legends
+    box = legend.get_window_extent()
+    assert len(legend.get_texts()) == 9  # F, I, W, the four collectives' kinds, the later stage, idle
+    assert box.x0 >= 0 and box.x1 <= figure.bbox.width

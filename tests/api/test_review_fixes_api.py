@@ -226,7 +226,7 @@ def test_weights_too_large_for_a_small_memory_give_the_sizes_not_zero_gib() -> N
             "memory_bytes": 2**20,
             "flops_per_s": 1e12,
             "memory_bandwidth_bytes_per_s": 1e11,
-            "memory_reserve_bytes": 0,
+            "memory_headroom_bytes": 0,
         },
     }
     with pytest.raises(ValidationError) as excinfo:

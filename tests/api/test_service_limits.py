@@ -72,6 +72,7 @@ def test_a_killed_worker_fails_only_its_task_and_the_queue_runs_on_a_fresh_one()
         with pytest.raises(LaneFull) as full:
             lane.submit(math.factorial, 7)
         assert full.value.retry_after_s >= 1
+        assert "(3 of 3 places taken)" in str(full.value)  # running, waiting and reserved alike
         wait_until(lane.worker_pids, 60.0, "a worker process")
         (pid,) = lane.worker_pids()
         os.kill(pid, signal.SIGKILL)
@@ -231,10 +232,160 @@ def test_the_405_on_a_job_allows_get_and_delete(client: TestClient) -> None:
     response = client.put("/v1/jobs/abc")
     assert response.status_code == 405
     assert {method.strip() for method in response.headers["allow"].split(",")} == {"GET", "DELETE"}
+    # /v1/schedules/check is its own route, not a /v1/schedules/{schedule_id}: POST only
+    options = client.options("/v1/schedules/check")
+    assert options.status_code == 405 and options.headers["allow"] == "POST"
+    assert client.options("/v1/schedules/abc").headers["allow"] == "GET"
+
+
+def test_the_check_route_documents_its_400_and_429(client: TestClient) -> None:
+    responses = client.get("/openapi.json").json()["paths"]["/v1/schedules/check"]["post"]["responses"]
+    assert {"400", "422", "429", "503", "504"} <= set(responses)
+    unreadable = client.post(
+        "/v1/schedules/check", content=b'{"problem": ', headers={"content-type": "application/json"}
+    )
+    assert unreadable.status_code == 400 and unreadable.json()["detail"][0]["loc"] == ["body"]
+
+
+def test_a_body_that_is_not_sent_as_json_is_told_so(client: TestClient) -> None:
+    import json
+
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        answer = client.post(
+            "/v1/schedules", content=json.dumps(problem_body()), headers={"content-type": content_type}
+        )
+        assert answer.status_code == 422, answer.text
+        (detail,) = answer.json()["detail"]
+        assert content_type in detail["msg"] and "Content-Type: application/json" in detail["msg"]
+        assert detail["type"] == "content_type"
+
+
+def test_a_plan_on_impossible_links_or_memory_is_a_422_naming_the_field(client: TestClient) -> None:
+    """A 1e-300 B/s link (every estimate infinite: once answered as "0 plans, all over memory") and a GPU of 1 byte
+    (once blamed on cluster.accelerator as "a GPU's -2 GiB") are refused at once, each naming its own field."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 2, "gpus_per_node": 8},
+        "training": {"global_batch_size": 16},
+        "search": {"time_limit_s": 2},
+    }
+    for field, value in (("inter_node_bandwidth_bytes_per_s", 1e-300), ("memory_bytes", 1)):
+        answer = client.post("/v1/plans", json={**request, "cluster": {**request["cluster"], field: value}})
+        assert answer.status_code == 422, answer.text
+        (detail,) = answer.json()["detail"]
+        assert detail["loc"] == ["body", "cluster", field], detail
+    assert "memory_headroom_bytes" in detail["msg"] and "-2" not in detail["msg"]
+
+
+def test_an_unforeseen_error_is_a_json_500_naming_it(settings: Settings) -> None:
+    app = create_app(settings)
+
+    @app.get("/broken")
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.get("/broken")
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json"
+    assert "RuntimeError" in answer.json()["detail"]
+
+
+def test_database_errors_are_told_apart_from_bugs() -> None:
+    """503 for what says the database cannot be reached now, through the wrappers a queue library adds."""
+    import psycopg
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from pipesched.api.storage import DatabaseUnavailable, is_unreachable
+
+    refused = psycopg.OperationalError("connection refused")
+    assert is_unreachable(refused) and is_unreachable(OperationalError("SELECT 1", {}, refused))
+    wrapped = RuntimeError("Database error.")
+    wrapped.__cause__ = refused  # procrastinate's ConnectorException wraps the driver's error so
+    assert is_unreachable(wrapped) and is_unreachable(DatabaseUnavailable("down"))
+    assert not is_unreachable(IntegrityError("INSERT", {}, ValueError("duplicate key")))
+    assert not is_unreachable(ValueError("a bug"))
+
+
+def _large_check_body(num_microbatches: int) -> dict[str, Any]:
+    """1F1B on 8 ranks as action strings: 2000 microbatches make 32,000 actions, 450 KiB of JSON."""
+    from pipesched.optimizer.families import get_family
+    from pipesched.optimizer.problem import Problem
+
+    problem = uniform_problem(8, num_microbatches, p2p=0.1).with_changes(**{"solver.method": "1f1b"})
+    orders = [[str(action) for action in row] for row in get_family("1f1b").generate(Problem.model_validate(problem))]
+    return {"problem": problem.model_dump(mode="json"), "schedule": orders}
+
+
+def test_parallel_large_checks_keep_healthz_fast_and_the_rest_get_429(tmp_path: Path) -> None:
+    """8 parallel 450 KiB checks on a real `pipesched serve`: one check process and two waiting places take three
+    of them (each read only once admitted, simulated in the check process), five get 429 with Retry-After, and
+    /healthz answers within 1 s throughout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.api.test_api_served import ServedApi
+
+    body = _large_check_body(2000)
+    server = ServedApi(f"sqlite:///{tmp_path / 'checks.sqlite3'}", tmp_path / "serve.log")
+
+    def check(_: int) -> httpx.Response:
+        with httpx.Client(base_url=server.base_url, timeout=120) as client:
+            return client.post("/v1/schedules/check", json=body)
+
+    try:
+        probe = HealthProbe(server.base_url)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(check, range(8)))
+        health = probe.stop()
+    finally:
+        server.stop()
+    codes = sorted(answer.status_code for answer in answers)
+    assert codes == [200] * 3 + [429] * 5, [answer.text[:200] for answer in answers]
+    assert all(answer.json()["valid"] for answer in answers if answer.status_code == 200)
+    refused = next(answer for answer in answers if answer.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1 and "PIPESCHED_MAX_QUEUED_CHECKS" in refused.json()["detail"]
+    assert health and {code for code, _ in health} == {200}
+    assert max(seconds for _, seconds in health) < 1.0, sorted(seconds for _, seconds in health)[-5:]
+
+
+def _probe_health(base_url: str, ready: Any, stop: Any, answers: Any) -> None:
+    import httpx
+
+    measured: list[tuple[int, float]] = []
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        while not stop.is_set():
+            started = time.monotonic()
+            measured.append((client.get("/healthz").status_code, time.monotonic() - started))
+            ready.set()
+            stop.wait(0.1)
+    answers.put(measured)
+
+
+class HealthProbe:
+    """GET /healthz every 0.1 s from a process of its own (so the time is the server's, not this process's threads'
+    wait for the GIL) until :meth:`stop`, which returns ``[(status, seconds), …]``."""
+
+    def __init__(self, base_url: str) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._ready, self._stop, self._answers = context.Event(), context.Event(), context.Queue()
+        self._process = context.Process(
+            target=_probe_health, args=(base_url, self._ready, self._stop, self._answers), daemon=True
+        )
+        self._process.start()
+        assert self._ready.wait(60), "the /healthz probe did not start"
+
+    def stop(self) -> list[tuple[int, float]]:
+        self._stop.set()
+        measured: list[tuple[int, float]] = self._answers.get(timeout=60)
+        self._process.join(timeout=30)
+        return measured
 
 
 def test_the_api_token_guards_every_v1_route(tmp_path: Path) -> None:
-    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", api_token="s3cret")
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'token.sqlite3'}", api_token="s3cret-0123456789abcdef")
     app = create_app(settings)
     with TestClient(app) as client:
         checked = 0
@@ -282,10 +433,26 @@ def test_a_stored_schedule_that_does_not_read_back_is_a_failed_job_not_a_500(
 def test_exposure_needs_a_token_or_the_explicit_opt_out() -> None:
     assert exposure_problem(Settings(host="127.0.0.1")) is None
     assert exposure_problem(Settings(host="::1")) is None
-    assert exposure_problem(Settings(host="0.0.0.0", api_token="t")) is None
+    assert exposure_problem(Settings(host="0.0.0.0", api_token="t" * 16)) is None
     assert exposure_problem(Settings(host="0.0.0.0", allow_no_token=True)) is None
     message = exposure_problem(Settings(host="0.0.0.0"))
     assert message and "PIPESCHED_API_TOKEN" in message and "PIPESCHED_ALLOW_NO_TOKEN=1" in message
+
+
+def test_serve_refuses_a_short_token_at_start(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "pipesched"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "pipesched.api.cli"]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PIPESCHED_")} | {
+        "PIPESCHED_DATABASE_URL": f"sqlite:///{tmp_path / 'short.sqlite3'}",
+        "PIPESCHED_API_TOKEN": "x",
+    }
+    result = subprocess.run(
+        [*command, "serve", "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    message = " ".join(result.stderr.split())
+    assert "PIPESCHED_API_TOKEN" in message and "fewer than 16" in message and "'x'" not in message
+    assert Settings(api_token="").api_token is None  # an empty variable is no token
 
 
 def test_serve_refuses_a_public_interface_without_a_token(tmp_path: Path) -> None:

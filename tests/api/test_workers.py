@@ -7,15 +7,19 @@ throwaway server from ``.ci/postgres.sh``; skipped with the reason when there is
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from sqlalchemy import create_engine, text
 from pipesched.api.storage import Base, Store
 from tests.api.test_api_postgres import SCRIPT, postgres_url  # noqa: F401  (the fixture)
 from tests.api.test_api_served import ServedApi, free_port, wait_for_jobs
+from tests.api.test_service_limits import HealthProbe
 from tests.conftest import paper_problem, paper_settings
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -60,7 +65,7 @@ def long_problem(seed: int, time_limit_s: float) -> dict[str, Any]:
 class Worker:
     """``pipesched worker --processes 1`` in its own process group, logging to a file."""
 
-    def __init__(self, database_url: str, log_path: Path, **env: str) -> None:
+    def __init__(self, database_url: str, log_path: Path, *, wait: bool = True, **env: str) -> None:
         self.log_path = log_path
         self.metrics_port = free_port()
         environ = {
@@ -78,6 +83,10 @@ class Worker:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
         deadline = time.monotonic() + 60
         while not re.search(r"solver process 0 started \(pid (\d+)\)", self.log()):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -142,10 +151,12 @@ class Cluster:
         self.workers: list[Worker] = []
         self.fronts: list[ServedApi] = []
         try:
-            for index in range(2):
-                self.workers.append(Worker(url, directory / f"worker{index}.log"))
+            for index in range(2):  # started side by side
+                self.workers.append(Worker(url, directory / f"worker{index}.log", wait=False))
             for index in range(2):
                 self.fronts.append(ServedApi(url, directory / f"serve{index}.log", PIPESCHED_QUEUE="postgres"))
+            for worker in self.workers:
+                worker.wait_started()
         except BaseException:
             self.close()
             raise
@@ -198,6 +209,80 @@ def test_jobs_from_either_front_end_complete_on_either_worker(cluster: Cluster) 
     assert again.json()["cache"] == "hit" and again.json()["id"] == answer.json()["id"]
     assert "synchronous solve" in cluster.workers[0].log() + cluster.workers[1].log()
     assert "pipesched_worker_database_up 1.0" in cluster.workers[0].metrics()
+    # the worker's /metrics (no token) listens on loopback only unless told otherwise
+    assert f"metrics on 127.0.0.1 port {cluster.workers[0].metrics_port}" in cluster.workers[0].log()
+    assert _listening_on(cluster.workers[0].metrics_port) == {"127.0.0.1"}
+
+
+def _listening_on(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket listens on at ``port`` (Linux's /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, local_port = local.split(":")
+        if state == "0A" and int(local_port, 16) == port:
+            found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_synchronous_solves_on_busy_workers_answer_200_or_429_and_healthz_stays_fast(cluster: Cluster) -> None:
+    """30 concurrent POST /v1/schedules at one front end while both workers run 10 s jobs: its 5 places (1
+    synchronous solver + 4 waiting) are taken, the others get 429 with Retry-After at once (a few more may be
+    admitted on a slow machine once the jobs end); the admitted are solved as the workers free up (they go
+    before queued jobs); /healthz answers within 1 s throughout."""
+    a, b = cluster.fronts
+    busy = [b.client.post("/v1/jobs", json=long_problem(1000 + seed, 10.0)).json()["id"] for seed in range(2)]
+    bodies = [json.dumps(long_problem(1100 + seed, 0.3)).encode() for seed in range(30)]  # built before: sent at once
+    for job_id in busy:
+        _wait_status(b.client, job_id, ("running",))
+
+    def solve(body: bytes) -> httpx.Response:
+        with httpx.Client(base_url=a.base_url, timeout=120) as client:
+            return client.post("/v1/schedules", content=body, headers={"content-type": "application/json"})
+
+    probe = HealthProbe(a.base_url)
+    with ThreadPoolExecutor(30) as pool:
+        answers = list(pool.map(solve, bodies))
+    health = probe.stop()
+    codes = collections.Counter(answer.status_code for answer in answers)
+    assert set(codes) <= {200, 429, 504} and codes[429] >= 20 and codes[200] >= 1, codes
+    refused = next(answer for answer in answers if answer.status_code == 429)
+    assert int(refused.headers["Retry-After"]) >= 1
+    assert "PIPESCHED_MAX_QUEUED_SOLVES" in refused.json()["detail"] and "places taken" in refused.json()["detail"]
+    assert {code for code, _ in health} == {200}
+    assert max(seconds for _, seconds in health) < 1.0, sorted(seconds for _, seconds in health)[-5:]
+    for job_id in busy:
+        b.client.delete(f"/v1/jobs/{job_id}")
+
+
+def test_postgres_mode_bounds_its_job_queue_and_times_out_a_solve_no_worker_takes(cluster: Cluster) -> None:
+    """With both workers busy: jobs beyond PIPESCHED_MAX_QUEUED_JOBS waiting in the database get 429 with a
+    Retry-After from the running jobs' time left; a synchronous solve no worker takes within its time limit +
+    PIPESCHED_MAX_SYNC_WAIT_S is a 504 (its task withdrawn), not a 500."""
+    from fastapi.testclient import TestClient
+
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
+
+    settings = Settings(database_url=cluster.url, queue="postgres", max_queued_jobs=2, max_sync_wait_s=1.0)
+    with TestClient(create_app(settings)) as client:
+        busy = [client.post("/v1/jobs", json=long_problem(1200 + seed, 6.0)).json()["id"] for seed in range(2)]
+        for job_id in busy:
+            _wait_status(client, job_id, ("running",))
+        answers = [client.post("/v1/jobs", json=long_problem(1300 + seed, 1.0)) for seed in range(3)]
+        assert [answer.status_code for answer in answers] == [202, 202, 429], [a.text for a in answers]
+        refused = answers[2].json()["detail"]
+        assert "(2 of 2 places taken)" in refused and "PIPESCHED_MAX_QUEUED_JOBS" in refused
+        assert 1 <= int(answers[2].headers["Retry-After"]) <= 6 + 2
+        started = time.monotonic()
+        timed_out = client.post("/v1/schedules", json=long_problem(1400, 0.5))
+        assert timed_out.status_code == 504, timed_out.text
+        assert "no worker answered" in timed_out.json()["detail"]
+        assert time.monotonic() - started < 0.5 + 1.0 + 3.0
+        for job_id in [*busy, *(answer.json()["id"] for answer in answers[:2])]:
+            client.delete(f"/v1/jobs/{job_id}")
+        for job_id in busy:
+            _wait_status(client, job_id, ("cancelled",))
 
 
 def test_cancel_stops_the_search_on_the_worker(cluster: Cluster) -> None:
@@ -246,6 +331,8 @@ def test_fan_out_gathers_n_searches_within_the_limit(cluster: Cluster) -> None:
         # the same problems again: answered from the store at once
         again = solve_many(store, runner, problems, time_limit_s=5.0)
         assert [s.id for s in again.schedules if s] == [s.id for s in result.schedules if s]
+        # a synchronous solve's task that succeeded is deleted: its waiter looks for the schedule, no 500
+        assert runner._task_failed(10**12) is False
     finally:
         runner.shutdown()
         store.dispose()
@@ -294,60 +381,143 @@ def test_a_worker_killed_mid_search_loses_nothing(cluster: Cluster) -> None:
     cluster.workers[cluster.workers.index(victim)] = Worker(cluster.url, victim.log_path)
 
 
-def test_a_worker_cut_off_from_the_database_backs_off_and_says_so(
-    postgres_url: str,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    """A second throwaway PostgreSQL, stopped under a running worker: its log and /metrics say so; started
-    again, the worker takes work again."""
-    directory = tempfile.mkdtemp(prefix="pipesched-pg-outage-")
-    env = {**os.environ, "PIPESCHED_PG_DIR": directory, "PIPESCHED_PG_PORT": str(free_port())}
+class PrivatePostgres:
+    """A throwaway PostgreSQL of this test's own (``.ci/postgres.sh`` on a free port and directory), so it can
+    be crashed (``pg_ctl -m immediate``) and started again without touching the other tests' server."""
 
-    def server(action: str) -> str:
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="pipesched-pg-outage-")
+        self.env = {**os.environ, "PIPESCHED_PG_DIR": self.directory, "PIPESCHED_PG_PORT": str(free_port())}
+        self.url = self._script("start")
+
+    def _script(self, action: str, **env: str) -> str:
         done = subprocess.run(
             ["bash", "-c", f'source "{SCRIPT}" {action} && echo "$PIPESCHED_TEST_POSTGRES_URL"'],
-            env=env,
+            env={**self.env, **env},
             capture_output=True,
             text=True,
             timeout=120,
         )
         if done.returncode != 0:
-            pytest.skip(f"could not {action} a second PostgreSQL: {done.stderr[-300:]}")
+            self.remove()
+            pytest.skip(f"could not {action} a PostgreSQL of the test's own: {done.stderr[-300:]}")
         return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
 
-    url = server("start")
-    worker = None
-    try:
-        worker = Worker(url, tmp_path / "worker.log")
-        assert "pipesched_worker_database_up 1.0" in worker.metrics()
-        server("stop")
-        deadline = time.monotonic() + 30
-        while "cannot reach the database" not in worker.log():
-            assert time.monotonic() < deadline, worker.log()[-2000:]
-            time.sleep(0.2)
-        metrics = worker.metrics()
-        assert "pipesched_worker_database_up 0.0" in metrics
-        errors = float(re.search(r"^pipesched_worker_database_errors_total (\S+)", metrics, re.M).group(1))  # type: ignore[union-attr]
-        assert errors >= 1
-        assert re.search(r"retrying in \d+ s", worker.log())
-        server("start")
-        deadline = time.monotonic() + 60
-        while "pipesched_worker_database_up 1.0" not in worker.metrics():
-            assert time.monotonic() < deadline, worker.log()[-2000:]
-            time.sleep(0.2)
-        front = ServedApi(url, tmp_path / "serve.log", PIPESCHED_QUEUE="postgres")
-        try:
-            job_id = front.client.post("/v1/jobs", json=long_problem(600, 0.5)).json()["id"]
-            assert _wait_status(front.client, job_id, ("done", "failed"), timeout_s=60)["status"] == "done"
-        finally:
-            front.stop()
-    finally:
-        if worker is not None:
-            worker.stop()
-        subprocess.run(["bash", str(SCRIPT), "stop"], env=env, capture_output=True, timeout=60)
-        import shutil
+    def crash(self) -> None:
+        """Stop it at once, as a crash or a pulled cable would (no shutdown checkpoint, clients cut off)."""
+        self._script("stop", PIPESCHED_PG_STOP_MODE="immediate")
 
-        shutil.rmtree(directory, ignore_errors=True)
+    def start(self) -> None:
+        self._script("start")
+
+    def remove(self) -> None:
+        subprocess.run(["bash", str(SCRIPT), "stop"], env=self.env, capture_output=True, timeout=60)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: How long the outage test keeps the database down, s (twice the workers' STALLED_AFTER_S: every heartbeat is
+#: stale when it returns).
+OUTAGE_S = 10.0
+
+
+def _outage_answers(client: httpx.Client, job_id: str) -> collections.Counter[str]:
+    """One round of every kind of request while the database is down: 'path status' counts."""
+    plan = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM"},
+        "training": {"global_batch_size": 8},
+        "search": {"time_limit_s": 2},
+    }
+    requests = [
+        ("GET", "/healthz", None),
+        ("GET", f"/v1/jobs/{job_id}", None),
+        ("DELETE", "/v1/jobs/nope", None),
+        ("POST", "/v1/jobs", long_problem(990, 1.0)),
+        ("POST", "/v1/schedules", long_problem(991, 0.5)),
+        ("GET", "/v1/schedules/nope", None),
+        ("POST", "/v1/plans", plan),
+        ("GET", "/v1/plans/nope", None),
+        ("GET", "/metrics", None),
+    ]
+    seen: collections.Counter[str] = collections.Counter()
+    for method, path, body in requests:
+        started = time.monotonic()
+        answer = client.request(method, path, json=body)
+        took = time.monotonic() - started
+        assert answer.headers["content-type"].startswith(("application/json", "text/plain; version")), answer.text
+        if answer.status_code == 503:
+            assert int(answer.headers["Retry-After"]) >= 1 and answer.json()["detail"], answer.text
+        if path == "/healthz":
+            assert took < 3.0, f"/healthz took {took:.1f} s while the database was down"
+        if path == "/metrics":
+            assert "pipesched_database_up 0.0" in answer.text
+        seen[f"{method} {path.split('/')[2] if path.count('/') > 1 else path} {answer.status_code}"] += 1
+    return seen
+
+
+@pytest.mark.slow  # about 40 s: two workers, a front end and a server of its own, a 10 s outage
+def test_a_database_outage_loses_no_job_and_solves_each_once(tmp_path: Path) -> None:
+    """1 front end + 2 workers; the database crashes (pg_ctl -m immediate) for 10 s, twice the workers'
+    stalled-after time, under two running jobs. Meanwhile every database route answers 503 with Retry-After,
+    never 500, and the workers say so. Started again: heartbeats resume, no live worker is taken for stalled,
+    the two jobs and six submitted afterwards all finish within 60 s, each solved once, none retried."""
+    database = PrivatePostgres()
+    workers: list[Worker] = []
+    front = None
+    try:
+        workers = [Worker(database.url, tmp_path / f"worker{index}.log", wait=False) for index in range(2)]
+        front = ServedApi(database.url, tmp_path / "serve.log", PIPESCHED_QUEUE="postgres")
+        for worker in workers:
+            worker.wait_started()
+        client = front.client
+        during = [client.post("/v1/jobs", json=long_problem(700 + seed, 4.0)).json()["id"] for seed in range(2)]
+        for job_id in during:
+            _wait_status(client, job_id, ("running",))
+        database.crash()
+        crashed = time.monotonic()
+        answers: collections.Counter[str] = collections.Counter()
+        while time.monotonic() - crashed < OUTAGE_S:
+            answers += _outage_answers(client, during[0])
+        assert not [key for key in answers if key.endswith((" 500", " 502"))], answers
+        assert answers["GET /healthz 503"] and answers["POST jobs 503"] and answers["POST schedules 503"], answers
+        for worker in workers:
+            assert "cannot reach the database" in worker.log()
+            assert "pipesched_worker_database_up 0.0" in worker.metrics()
+        database.start()
+        restarted = time.monotonic()
+        after = [client.post("/v1/jobs", json=long_problem(800 + seed, 1.0)) for seed in range(6)]
+        assert [answer.status_code for answer in after] == [202] * 6, [answer.text for answer in after]
+        jobs = wait_for_jobs(client, during + [answer.json()["id"] for answer in after], timeout_s=60)
+        assert time.monotonic() - restarted < 60
+        assert [(job["status"], job["attempt"]) for job in jobs] == [("done", 0)] * 8, jobs
+        logs = workers[0].log() + workers[1].log()
+        for job in jobs:
+            assert len(re.findall(rf"job {job['id']} attempt \d+: solving on", logs)) == 1, job["id"]
+        for worker in workers:
+            assert "pipesched_worker_stalled_tasks_retried_total 0.0" in worker.metrics()
+            assert "pipesched_worker_database_up 1.0" in worker.metrics()
+            assert "heartbeats sent again" in worker.log()
+        _assert_heartbeats_fresh(database.url, live=2)
+    finally:
+        if front is not None:
+            front.stop()
+        for worker in workers:
+            worker.stop()
+        database.remove()
+
+
+def _assert_heartbeats_fresh(url: str, live: int) -> None:
+    """At least ``live`` worker rows have a heartbeat younger than STALLED_AFTER_S."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            ages = connection.execute(
+                text("SELECT EXTRACT(EPOCH FROM now() - last_heartbeat) FROM procrastinate_workers")
+            ).scalars()
+            fresh = [float(age) for age in ages if float(age) < STALLED_AFTER_S]
+    finally:
+        engine.dispose()
+    assert len(fresh) >= live, fresh
 
 
 # --- bad input: exit 2 naming the setting and the fix (no PostgreSQL needed) -----------------------------

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipesched.optimizer.ir import Action, ActionKind, parse_action
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve_family
 from tests.conftest import uniform_problem
@@ -85,3 +86,36 @@ def test_a_problem_too_large_to_plan_names_num_microbatches() -> None:
         uniform_problem(1024, 100_000, stages_per_rank=2)
     error = raised.value.errors()[0]
     assert error["loc"] == ("pipeline", "num_microbatches") and "fewer microbatches" in error["msg"]
+
+
+def test_one_placement_rule_for_every_placement() -> None:
+    from pipesched.optimizer.problem import Pipeline, stage_to_rank
+
+    def pipeline(placement: object, v: int = 2) -> Pipeline:
+        return Pipeline.model_validate(
+            {"num_ranks": 3, "num_microbatches": 4, "stages_per_rank": v, "placement": placement}
+        )
+
+    assert pipeline("loop").stage_to_rank == [0, 1, 2, 0, 1, 2]
+    assert pipeline("v").stage_to_rank == [0, 1, 2, 2, 1, 0]
+    bidirectional = pipeline("bidirectional")
+    assert bidirectional.stage_to_rank == [0, 1, 2, 2, 1, 0, 2, 1, 0, 0, 1, 2]
+    assert bidirectional.stage_holders() == [[0, 2], [1], [0, 2], [0, 2], [1], [0, 2]]
+    assert pipeline([2, 1, 0], v=1).stage_holders() == [[2], [1], [0]]
+    with pytest.raises(ValueError, match="unknown placement 'w'"):
+        stage_to_rank(3, 2, "w")
+
+
+def test_a_schedule_says_its_shape_and_its_data_parallel_group() -> None:
+    from pipesched.optimizer.pattern import memory_timelines
+
+    step = solve_family(uniform_problem(2, 4), "1f1b")
+    assert step.shape == "step" and step.data_parallel.size == 1 and step.data_parallel.sharding == "none"
+    body = uniform_problem(2, 4).model_dump(mode="json")
+    body["training"] = {"flush": False}
+    body["objective"] = "step_period"
+    pattern = solve_family(Problem.model_validate(body), "pipedream-2bw")
+    assert pattern.shape == "pattern" and pattern.step_period is not None
+    timelines, peaks = memory_timelines(pattern)
+    assert peaks == pattern.peak_memory and max(level for _, level in timelines[0]) == pytest.approx(peaks[0])
+    assert memory_timelines(step)[1] == pytest.approx(step.peak_memory)

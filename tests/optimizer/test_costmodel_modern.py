@@ -109,11 +109,14 @@ def test_tensor_parallel_splits_flops_memory_parameters_and_adds_collectives() -
     eight = transformer_layer(model, hardware, TensorParallel(size=8), cluster)
     assert eight.parameters == pytest.approx(one.parameters / 8, rel=0.001)
     assert eight.activation_bytes == pytest.approx(one.activation_bytes / 8)
-    assert eight.backward_weight_ms == pytest.approx(one.backward_weight_ms / 8)
-    # F: 1/8 of the compute plus two all-reduces of s·b·h·2 bytes over 8 GPUs at 450 GB/s
-    collective = 2 * all_reduce_ms(8192 * 8192 * 2, 8, 450e9, cluster.collective_latency_ms)
-    assert collective == pytest.approx(2 * 2 * 7 * (0.01 + 1e3 * 8192 * 8192 * 2 / (8 * 450e9)))
-    assert eight.forward_ms == pytest.approx(one.forward_ms / 8 + collective)
+    # the split matrix multiplies have an eighth of the FLOPs but run further from peak (the profile's shape term)
+    assert one.backward_weight_ms / 8 < eight.backward_weight_ms < 1.2 * one.backward_weight_ms / 8
+    # F: its compute plus two all-reduces of s·b·h·2 bytes over 8 GPUs at the achieved NVLink bandwidth
+    achieved = 450e9 * hardware.profile.collective_efficiency_intra
+    collective = 2 * all_reduce_ms(8192 * 8192 * 2, 8, achieved, cluster.collective_latency_ms)
+    assert collective == pytest.approx(2 * 2 * 7 * (0.01 + 1e3 * 8192 * 8192 * 2 / (8 * achieved)))
+    compute_ratio = eight.backward_weight_ms / one.backward_weight_ms
+    assert eight.forward_ms - collective == pytest.approx(one.forward_ms * compute_ratio, rel=0.1)
 
 
 def test_ring_formulas() -> None:
@@ -148,6 +151,8 @@ def test_llama_8b_at_8192_fits_with_flash_where_eager_did_not() -> None:
     pipeline = Pipeline(num_ranks=4, num_microbatches=8)
     flash = derive_problem(ModelConfig(preset="llama3.1-8b"), cluster, pipeline)
     activation = flash.memory.activation
-    assert isinstance(activation, list) and max(activation) < 10 * 1.4 * GIB  # ≤ 10 layers of 1.34 GiB (+ head)
+    reserve = flash.hardware.profile.activation_memory_factor if flash.hardware else 1.0
+    # ≤ 10 layers of 1.34 GiB (+ head), times the allocator's reserve the profile fits to published peaks
+    assert isinstance(activation, list) and max(activation) < 10 * 1.4 * GIB * reserve
     with pytest.raises(ValidationError):  # eager: 11.3 GiB per layer, 90 GiB per stage and microbatch
         derive_problem(ModelConfig(preset="llama3.1-8b", attention="eager"), cluster, pipeline)

@@ -16,6 +16,7 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import indexed_orders, simulate_indexed
 from pipesched.optimizer.solvers.base import BackendResult, BackendStatus
 from pipesched.optimizer.solvers.cpsat import CpSatBackend, choose_tick_ms, fifo_normalise
+from pipesched.optimizer.solvers.heuristic import sequential_orders
 from pipesched.optimizer.solvers.milp import MilpBackend
 from tests.conftest import paper_problem, paper_settings, uniform_problem
 
@@ -206,3 +207,33 @@ print(json.dumps([[a.status, a.backend, a.objective_value] for a in answers]))
     assert (milp_status, milp_backend) == ("optimal", "milp")
     assert auto_status == "optimal"
     assert auto_value == pytest.approx(milp_value, abs=TOLERANCE_MS)
+
+
+def test_every_declared_backend_loads_under_its_name_and_runs_through_the_protocol() -> None:
+    from pipesched.optimizer.solvers.base import BACKENDS, backend_names
+
+    assert backend_names() == ("heuristic", "cpsat", "milp")
+    problem = uniform_problem(2, 2, split_backward=False)
+    inst = compile_problem(problem)
+    hint = sequential_orders(inst)
+    for spec in BACKENDS:
+        backend = spec.load()
+        assert backend.name == spec.name
+        result = backend.solve(inst, objective="makespan", time_limit_s=5.0, hint=hint, seed=1)
+        assert result.orders is not None, spec.name  # every backend improves or keeps the warm start
+        if spec.exact:
+            assert result.status == BackendStatus.OPTIMAL and result.lower_bound is not None
+    lns = next(spec for spec in BACKENDS if spec.needs_hint).load()
+    assert lns.solve(inst, objective="makespan", time_limit_s=1.0).status == BackendStatus.UNKNOWN
+
+
+def test_the_loader_names_an_unknown_backend() -> None:
+    from pydantic import ValidationError
+
+    from pipesched.optimizer.derive import load_problem
+
+    body = uniform_problem(2, 2).model_dump(mode="json")
+    body["solver"]["backends"] = ["cpsat", "gurobi"]
+    with pytest.raises(ValidationError) as error:
+        load_problem(body)
+    assert error.value.errors()[0]["loc"] == ("solver", "backends", 1)

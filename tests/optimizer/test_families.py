@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pipesched.optimizer.communication import with_communication
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, FamilySpec, discover_families, get_family, registry
 from pipesched.optimizer.instance import compile_problem
@@ -19,7 +20,9 @@ from tests.conftest import REPO, uniform_problem
 
 
 def _run(problem: Problem, name: str) -> SimulationResult:
-    return simulate(compile_problem(problem), get_family(name).generate(problem))
+    """The family's orders with the step's communication (a bidirectional placement's replica sync) placed."""
+    inst = compile_problem(problem)
+    return simulate(inst, with_communication(inst, get_family(name).generate(problem)))
 
 
 # -- known formulas (uniform costs, zero p2p) ---------------------------------------------------
@@ -117,9 +120,13 @@ def _draw_problem(data: st.DataObject, name: str, *, min_ranks: int, max_microba
     placement, stages, needs_split = _DOMAINS[name]
     p = data.draw(st.integers(min_ranks, 5), label="num_ranks")
     m = data.draw(st.integers(1, max_microbatches), label="num_microbatches")
+    if name == "bitpipe":  # the authors' order: an even p, m a multiple of it (their fork's own check)
+        p = 2 * max(1, p // 2)
+        m = p * max(1, m // p)
     v = data.draw(st.sampled_from(stages), label="stages_per_rank")
     split = True if needs_split else data.draw(st.booleans(), label="split_backward")
-    return uniform_problem(p, m, stages_per_rank=v, placement=placement, split_backward=split, **costs)
+    sync = {"reduce_grad": 0.4} if placement == "bidirectional" else {}
+    return uniform_problem(p, m, stages_per_rank=v, placement=placement, split_backward=split, **sync, **costs)
 
 
 _OUTSIDE = [
@@ -129,7 +136,12 @@ _OUTSIDE = [
     ("zb-h2", {"stages_per_rank": 2}, "stages_per_rank 1"),
     ("zb-v", {"stages_per_rank": 2, "placement": "v", "split_backward": False}, "split_backward true"),
     ("zb-v", {"stages_per_rank": 2}, 'placement "v" with stages_per_rank 2'),
-    ("v-half", {"stages_per_rank": 2, "placement": "bidirectional"}, 'placement "v"'),
+    ("v-half", {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.4}, 'placement "v"'),
+    (
+        "bitpipe",
+        {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.4, "num_microbatches": 6},
+        "num_microbatches a multiple of num_ranks",
+    ),
     ("v-min", {}, 'placement "v"'),
     ("bitpipe", {"stages_per_rank": 2, "placement": "v"}, '"bidirectional"'),
     ("dualpipe-v", {"stages_per_rank": 2}, 'placement "v"'),
@@ -139,7 +151,7 @@ _OUTSIDE = [
 
 @pytest.mark.parametrize(("name", "changes", "needle"), _OUTSIDE)
 def test_outside_the_domain_is_a_clear_error(name: str, changes: dict, needle: str) -> None:  # type: ignore[type-arg]
-    problem = uniform_problem(4, 8, **changes)
+    problem = uniform_problem(**{"num_ranks": 4, "num_microbatches": 8, **changes})
     with pytest.raises(FamilyDomainError, match=name) as error:
         get_family(name).generate(problem)
     assert needle in str(error.value)
@@ -215,7 +227,7 @@ def test_memory_limit_one_byte_below_peak(name: str) -> None:
 def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, data: st.DataObject) -> None:
     problem = _draw_problem(data, name, min_ranks=2, max_microbatches=9, p2p=0.25)
     inst = compile_problem(problem)
-    orders = get_family(name).generate(problem)
+    orders = with_communication(inst, get_family(name).generate(problem))
     rank = data.draw(st.sampled_from([r for r, row in enumerate(orders) if row]), label="rank")
 
     # A dropped action.
@@ -258,7 +270,7 @@ def test_corrupted_family_schedules_are_rejected_with_their_reason(name: str, da
 def test_capped_greedy_stops_when_asked() -> None:
     from pipesched.optimizer.families._greedy import SearchStopped, capped_greedy_orders
 
-    inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional"))
+    inst = compile_problem(uniform_problem(4, 8, stages_per_rank=2, placement="bidirectional", reduce_grad=0.4))
     calls = []
 
     def stop_after_ten() -> bool:
@@ -315,3 +327,27 @@ def test_the_loader_checks_the_method_against_the_registry() -> None:
     body["solver"]["method"] = "pipedream-2bw"
     del body["training"]
     assert load_problem(body).training.flush is False  # a family without a flush sets its training
+
+
+@pytest.mark.parametrize("split_backward", [False, True])
+def test_lga_is_breadth_first_at_one_layer_per_stage(split_backward: bool) -> None:
+    """LGA (Lamy-Poirier 2021, Sec. 3) runs every microbatch through a layer before the next, forward up and
+    backward down, with layer l on rank l mod p: looped-bfs's order when a stage is one layer. The family is
+    kept for its domain (one stage per layer of the model) and documented as this same order."""
+    problem = uniform_problem(4, 6, stages_per_rank=4, split_backward=split_backward)
+    assert get_family("lga").generate(problem) == get_family("looped-bfs").generate(problem)
+    assert get_family("lga").gather_runs and get_family("looped-bfs").gather_runs
+    layered = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 6, "stages_per_rank": 2},
+        "model": {
+            "num_layers": 16,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "seq_length": 128,
+            "vocab_size": 1000,
+        },
+        "cluster": {"accelerator": "A100-80GB"},
+    }
+    with pytest.raises(FamilyDomainError, match="set stages_per_rank to 4"):
+        get_family("lga").generate(load_problem(layered))
+    get_family("looped-bfs").generate(load_problem(layered))  # breadth-first admits several layers per stage

@@ -66,6 +66,7 @@ def test_bidirectional_auto_answers_under_a_tight_limit(limit: float | None) -> 
         8,
         stages_per_rank=2,
         placement="bidirectional",
+        reduce_grad=0.0,  # the compute search alone: the replicas' synchronisation left out
         activation=10,
         retained_for_weight=4,
         limit=limit,
@@ -81,7 +82,7 @@ def test_bidirectional_bound_counts_idle_not_only_work() -> None:
     # Both replicas' chains enter the bounds: under a limit the reported bound exceeds the busiest rank's
     # work (the idle no schedule avoids), and stays below the answer.
     problem = uniform_problem(
-        4, 8, stages_per_rank=2, placement="bidirectional", p2p=0.1, limit=600.0, time_limit_s=1.0
+        4, 8, stages_per_rank=2, placement="bidirectional", reduce_grad=0.0, p2p=0.1, limit=600.0, time_limit_s=1.0
     )
     inst = compile_problem(problem)
     schedule = solve(problem)
@@ -92,13 +93,15 @@ def test_bidirectional_bound_counts_idle_not_only_work() -> None:
 
 @pytest.mark.parametrize("split_backward", [False, True])
 def test_bidirectional_auto_uses_the_memory_bitpipe_leaves(split_backward: bool) -> None:
-    """BitPipe holds 1F1B's p microbatches per rank; under a limit of 2p, auto's capped greedy at larger
-    caps finds a clearly shorter schedule (measured: fused 0.73× BitPipe's makespan, split 0.94×)."""
+    """BitPipe (the authors' order) holds at most p microbatches per rank here; under a limit of 2p, auto's
+    capped greedy at larger caps and local search find a shorter schedule (measured: fused 0.96× BitPipe's
+    makespan, split 0.98×; against the old capped greedy at p microbatches it was 0.73× and 0.94×)."""
     problem = uniform_problem(
         4,
         16,
         stages_per_rank=2,
         placement="bidirectional",
+        reduce_grad=0.0,
         p2p=0.05,
         activation=50.0,
         retained_for_weight=18.0,
@@ -110,7 +113,7 @@ def test_bidirectional_auto_uses_the_memory_bitpipe_leaves(split_backward: bool)
     assert bitpipe.status == "feasible" and bitpipe.makespan is not None
     schedule = solve(problem)
     assert schedule.fits_memory and schedule.makespan is not None
-    assert schedule.makespan <= (0.9 if not split_backward else 0.98) * bitpipe.makespan
+    assert schedule.makespan <= (0.975 if not split_backward else 0.99) * bitpipe.makespan
 
 
 _LAYOUTS = {

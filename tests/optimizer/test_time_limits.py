@@ -47,6 +47,7 @@ def _problem(
         placement=placement,
         backward_weight=0.5,
         p2p=0.1,
+        reduce_grad=0.3 if placement == "bidirectional" else None,
         limit=None if limit is None else limit * 100.0 * stages_per_rank,
         time_limit_s=tl,
     )
@@ -100,7 +101,7 @@ FAMILY_SHAPES = [
     (512, 7, 2, "v", "v-half"),
     (512, 7, 2, "v", "zb-v"),
     (512, 7, 2, "v", "dualpipe-v"),
-    (512, 7, 2, "bidirectional", "bitpipe"),
+    (16, 64, 2, "bidirectional", "bitpipe"),  # the authors' order: an even p dividing m
     (8, 460, 2, "v", "v-min"),
 ]
 
@@ -138,3 +139,25 @@ def test_the_issue_request_answers_over_http_within_the_limit(tmp_path: Path) ->
         wall = time.perf_counter() - started
     assert response.status_code == 200, response.text[:300]
     assert wall <= 1.0 + 2.0, f"answered after {wall:.2f} s"
+
+
+def test_one_search_context_stops_at_its_deadline_its_bound_and_its_flag() -> None:
+    from pipesched.optimizer.progress import Progress, SearchContext
+
+    reports: list[Progress] = []
+    flag = {"stop": False}
+    search: SearchContext[str] = SearchContext.start(
+        60.0, 1.0, progress=reports.append, should_stop=lambda: flag["stop"]
+    )
+    assert not search.should_stop() and 58.0 < search.remaining() <= 59.0
+    search.step_s = 100.0  # a step that cannot stop would end past the deadline
+    assert search.should_stop()
+    search.step_s = 0.0
+    assert search.improve("first", 10.0, "a") and not search.improve("worse", 10.0, "b")
+    search.raise_bound(12.0, "bounds")  # never above the incumbent: 10 is optimal
+    assert search.lower_bound == 10.0 and search.should_stop() and search.best == "first"
+    assert [(r.best_objective, r.lower_bound) for r in reports] == [(10.0, 0.0), (10.0, 10.0)]
+    open_search: SearchContext[str] = SearchContext.start(60.0, should_stop=lambda: flag["stop"])
+    assert not open_search.should_stop()
+    flag["stop"] = True
+    assert open_search.should_stop() and open_search.as_deadline().expired()

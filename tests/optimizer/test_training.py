@@ -270,13 +270,41 @@ def test_bad_training_names_the_field(changes: dict[str, Any], loc: list[str], w
     assert any(list(e["loc"]) == loc and words in e["msg"] for e in error.value.errors()), error.value
 
 
-def test_no_flush_with_data_parallelism_names_data_parallel_size() -> None:
+def test_no_flush_with_sharded_data_parallelism_names_data_parallel_sharding() -> None:
     body = problem(4, 8, method="auto", training={"flush": False}).model_dump(mode="json")
-    body["data_parallel"] = {"size": 2}
-    body["costs"].update(reduce_grad=1.0, optimizer_step=1.0)
+    body["data_parallel"] = {"size": 2, "sharding": "full"}
+    body["costs"].update(reduce_grad=1.0, unshard=1.0, optimizer_step=1.0)
     with pytest.raises(ValidationError) as error:
         Problem.model_validate(body)
-    assert any(list(e["loc"]) == ["data_parallel", "size"] for e in error.value.errors()), error.value
+    assert any(list(e["loc"]) == ["data_parallel", "sharding"] for e in error.value.errors()), error.value
+
+
+def _two_bw_with_data_parallelism(reduce_grad: float, method: str = "pipedream-2bw") -> Problem:
+    body = problem(4, 8, method=method, training={"flush": False}, split_backward=False).model_dump(mode="json")
+    body["data_parallel"] = {"size": 2, "sharding": "none"}
+    body["costs"].update(reduce_grad=reduce_grad, optimizer_step=0.3)
+    return Problem.model_validate(body)
+
+
+def test_pipedream_2bw_with_data_parallelism_reduces_every_step_behind_the_next() -> None:
+    """PipeDream-2BW on d = 2 (Narayanan et al. 2020, §3: gradients all-reduced every step): each stage's
+    REDUCE_GRAD follows its last backward of the step and the update waits until the rank's first forward two
+    steps on, so a reduction shorter than the rank's step hides behind the next step's passes; a longer one
+    makes the communication stream the bottleneck, which the lower bound says."""
+    alone = solve(_two_bw_with_data_parallelism(0.0).with_changes(**{"data_parallel": None, "costs.reduce_grad": None}))
+    hidden = solve(_two_bw_with_data_parallelism(6.0))
+    assert hidden.status != "infeasible" and hidden.step_period == pytest.approx(alone.step_period)
+    for rank in hidden.ranks:
+        kinds = [a.kind for a in rank.actions]
+        assert kinds.count("REDUCE_GRAD") == 1 and kinds.count("OPTIMIZER_STEP") == 1
+        last_backward = max(k for k, a in enumerate(rank.actions) if a.kind == "B" and a.microbatch < 8)
+        assert kinds.index("REDUCE_GRAD") == last_backward + 1
+    # 40 ms of reduction per step: the update of step t, hence step t+2's first forward, waits for it.
+    bound_limited = solve(_two_bw_with_data_parallelism(40.0))
+    assert step_period_lower_bound(bound_limited.problem) == pytest.approx(40.0)
+    assert bound_limited.step_period is not None and 40.0 < bound_limited.step_period < 40.0 + alone.step_period
+    searched = solve(_two_bw_with_data_parallelism(6.0, method="auto"))
+    assert searched.step_period is not None and searched.step_period <= hidden.step_period + 1e-9
 
 
 def test_the_family_check_names_training_flush() -> None:

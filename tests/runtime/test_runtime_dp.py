@@ -22,7 +22,7 @@ NUM_RANKS = 2
 NUM_MICROBATCHES = 4
 DP = 2
 USER_MODEL = "tests.runtime.user_pipeline_model:tiny_stages"
-BIDIRECTIONAL = {"stages_per_rank": 2, "placement": "bidirectional"}
+BIDIRECTIONAL = {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.0}
 
 
 def family_schedule(name: str, sharding: str = "full", **problem_options) -> Schedule:

@@ -43,7 +43,7 @@ CASES = {
     "sgd-bitpipe": (
         "bitpipe",
         "pipesched",
-        {"stages_per_rank": 2, "placement": "bidirectional"},
+        {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.0},
         "gpt-tiny",
         {"steps": 2, "lr": 0.1},
     ),

@@ -1,0 +1,98 @@
+"""``pipesched calibrate MEASUREMENTS.json [-o PROFILE.json]``: refit an accelerator profile to your own runs.
+
+The measurement file is the calibration data's format (``optimizer/cost/calibration/README.md``): runs of one
+accelerator, each a layout with its measured tokens/s per GPU. Prints every row measured beside predicted before
+and after, and writes the profile; ``pipesched plan --profile PROFILE.json`` (or ``POST /v1/profiles``) then lets
+``cluster.profile`` name it. Bad input exits 2 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from pipesched.api.loading import format_validation_error
+from pipesched.optimizer.calibration.calibrate import calibrate
+from pipesched.optimizer.calibration.fit import predict_rows
+from pipesched.optimizer.cost.calibration.measurements import Measurement, load_measurements
+from pipesched.optimizer.cost.profile import ProfileCatalogue, active_catalogue
+
+__all__ = ["calibrate_command"]
+
+console = Console(width=None if sys.stdout.isatty() else 150)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+
+
+def _fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
+def _load(path: Path) -> list[Measurement]:
+    try:
+        return load_measurements(path)
+    except OSError as error:
+        raise _fail(f"cannot read {path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+    except ValidationError as error:
+        raise _fail(f"{path}:\n{format_validation_error(error, '  ')}") from None
+
+
+def _table(rows: list[Measurement], before: list[float], after: list[float]) -> Table:
+    table = Table(title="measured beside predicted, tokens/s per GPU", title_justify="left")
+    for column in ("row", "measured", "built-in profile", "error", "calibrated", "error"):
+        table.add_column(column, justify="left" if column == "row" else "right")
+    for row, old, new in zip(rows, before, after, strict=True):
+        measured = row.measured.tokens_per_s_per_gpu
+        table.add_row(
+            row.key,
+            f"{measured:,.0f}",
+            f"{old:,.0f}",
+            f"{old / measured - 1:+.1%}",
+            f"{new:,.0f}",
+            f"{new / measured - 1:+.1%}",
+        )
+    return table
+
+
+def calibrate_command(
+    measurements: Annotated[
+        Path, typer.Argument(metavar="MEASUREMENTS.json", help="Runs of one accelerator (calibration data format).")
+    ],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the profile (JSON) here.")] = None,
+    name: Annotated[str | None, typer.Option("--name", help="The profile's name (cluster.profile).")] = None,
+) -> None:
+    """Fit an accelerator profile's efficiencies to measured runs; cluster.profile then names it."""
+    rows = _load(measurements)
+    try:
+        profile = calibrate(rows, name=name, source=measurements.name)
+        before = predict_rows(rows, active_catalogue())
+        catalogue = active_catalogue()
+        after = predict_rows(
+            rows,
+            ProfileCatalogue(
+                software=catalogue.software, profiles={**catalogue.profiles, profile.accelerator or "": profile}
+            ),
+        )
+    except ValidationError as error:
+        raise _fail(f"{measurements}:\n{format_validation_error(error, '  ')}") from None
+    except ValueError as error:
+        raise _fail(f"{measurements}: {error}") from None
+    err_console.print(_table(rows, before, after))
+    text = profile.model_dump_json(indent=1)
+    if output is None:
+        sys.stdout.write(text + "\n")
+        return
+    try:
+        output.write_text(text + "\n")
+    except OSError as error:
+        raise _fail(f"cannot write {output}: {error.strerror or error}: give -o a path in an existing folder") from None
+    console.print(f"wrote profile {profile.name!r} to {output}", highlight=False)

@@ -1,0 +1,109 @@
+"""``/v1/profiles``: the accelerator profiles plans can use (``cluster.profile``), and registering a calibrated one.
+
+``POST /v1/profiles`` takes what ``pipesched calibrate`` writes; plans submitted afterwards to this service process
+may name it in ``cluster.profile``. Registered profiles live in the service process (a restart forgets them).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field, ValidationError
+
+from pipesched.api.routes._common import require_token
+from pipesched.api.schemas import error_responses
+from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
+from pipesched.optimizer.cost.profile import AcceleratorProfile, builtin_catalogue
+from pipesched.optimizer.cost.stages import register_profile, registered_profiles
+from pipesched.optimizer.field_errors import raise_field_errors
+
+router = APIRouter(prefix="/v1/profiles", tags=["profiles"], dependencies=[Depends(require_token)])
+
+
+class ProfileInfo(BaseModel):
+    """One profile: its name, accelerator, where it comes from, and its 80% interval as factors."""
+
+    name: str
+    accelerator: str | None
+    source: str
+    fitted_rows: int
+    interval_factors: tuple[float, float] = Field(description="Multiply a prediction by these for its 80% interval.")
+    built_in: bool
+
+
+class Profiles(BaseModel):
+    """Every profile ``cluster.profile`` may name."""
+
+    profiles: list[ProfileInfo]
+
+
+def _info(profile: AcceleratorProfile, built_in: bool) -> ProfileInfo:
+    import math
+
+    low, high = profile.held_out_log_error
+    return ProfileInfo(
+        name=profile.name,
+        accelerator=profile.accelerator,
+        source=profile.source,
+        fitted_rows=profile.fitted_rows,
+        interval_factors=(round(math.exp(low), 4), round(math.exp(high), 4)),
+        built_in=built_in,
+    )
+
+
+@router.get(
+    "",
+    operation_id="list_profiles",
+    summary="Accelerator profiles",
+    response_model=Profiles,
+    responses=error_responses(401),
+)
+def list_profiles() -> Profiles:
+    """The built-in profiles, then those registered with this service."""
+    built_in = [_info(profile, True) for profile in builtin_catalogue().profiles.values()]
+    return Profiles(profiles=built_in + [_info(profile, False) for profile in registered_profiles()])
+
+
+@router.post(
+    "",
+    operation_id="register_profile",
+    summary="Register a calibrated profile",
+    status_code=201,
+    response_model=ProfileInfo,
+    responses=error_responses(401, 422),
+)
+def post_profile(profile: AcceleratorProfile) -> ProfileInfo:
+    """Register a profile from ``pipesched calibrate``; ``cluster.profile`` may then name it.
+
+    Raises:
+        422: an accelerator not in the catalogue, or the name of a built-in profile.
+    """
+    errors = []
+    if builtin_catalogue().get(profile.name) is not None:
+        errors.append(
+            (
+                ("body", "name"),
+                f"{profile.name!r} is a built-in profile: give yours another name (--name)",
+                profile.name,
+            )
+        )
+    if profile.accelerator is None:
+        errors.append((("body", "accelerator"), f"name the accelerator: one of {', '.join(accelerator_names())}", None))
+    else:
+        try:
+            get_accelerator(profile.accelerator)
+        except KeyError:
+            errors.append(
+                (
+                    ("body", "accelerator"),
+                    f"unknown accelerator {profile.accelerator!r}: use one of {', '.join(accelerator_names())}",
+                    profile.accelerator,
+                )
+            )
+    try:
+        raise_field_errors("AcceleratorProfile", errors)
+    except ValidationError as error:
+        from fastapi.exceptions import RequestValidationError
+
+        raise RequestValidationError(error.errors()) from None
+    register_profile(profile)
+    return _info(profile, False)

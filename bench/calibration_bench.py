@@ -1,0 +1,159 @@
+"""Calibration of the accelerator profiles on published training runs: fit, predictions beside the published
+figures, held-out error.
+
+Data: every row of ``optimizer/cost/calibration/data/*.json`` (sources, URLs and dates inside; format in the
+README beside them). Model: the planner's own prediction of each row's layout
+(:mod:`pipesched.optimizer.calibration.predict`). Fit: :mod:`pipesched.optimizer.calibration.fit` (Gauss–Newton on
+log errors, each source-and-accelerator group weighing the same, priors on every parameter), then the activation
+memory factor on the published peaks, then the catalogue (:mod:`pipesched.optimizer.calibration.catalogue`).
+
+Reported: every row's published and predicted tokens/s per GPU (and peak memory where published), the fit error,
+the leave-one-out error (linearised refit without the row) and the leave-one-group-out error (without every row
+of the same source, accelerator, precision and model), their medians and the rows beyond 15%.
+
+Run: ``python -m bench.calibration_bench [--write] [--iterations N]``; ``--write`` stores the catalogue the
+planner ships (``optimizer/cost/calibration/profiles.json``). Output: ``bench/results/calibration_bench.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pipesched.optimizer.calibration.catalogue import build_catalogue, fit_memory_factor, measured_mfu
+from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
+from pipesched.optimizer.calibration.predict import predict
+from pipesched.optimizer.cost.calibration.measurements import builtin_measurements
+from pipesched.optimizer.cost.profile import ProfileCatalogue, use_catalogue
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GIB = 1024**3
+
+
+def _percent(log_ratio: float) -> float:
+    """log(published / predicted) as the prediction's error relative to published: predicted/published − 1."""
+    return math.exp(-log_ratio) - 1
+
+
+def summary(errors: list[float]) -> dict[str, float]:
+    """Median and maximum |error| and the share within 15%, errors as log(published / predicted)."""
+    relative = [abs(_percent(e)) for e in errors]
+    return {
+        "median": round(statistics.median(relative), 4),
+        "max": round(max(relative), 4),
+        "within_15": round(sum(r <= 0.15 for r in relative) / len(relative), 4),
+        "q10_log": round(quantile(errors, 0.1), 4),
+        "q90_log": round(quantile(errors, 0.9), 4),
+    }
+
+
+def run(iterations: int) -> dict[str, Any]:
+    """Fit, evaluate, and return the report (module docstring)."""
+    rows = builtin_measurements()
+    started = time.perf_counter()
+    result = fit(rows, ProfileCatalogue(), PARAMETERS, iterations=iterations, progress=lambda m: print(m, flush=True))
+    fit_s = time.perf_counter() - started
+    factor, memory_errors = fit_memory_factor(rows, result.catalogue)
+    fitted = f"bench/calibration_bench.py, {len(rows)} rows, {time.strftime('%Y-%m-%d')}"
+    catalogue = build_catalogue(rows, result, factor, fitted=fitted)
+    predicted = predict_rows(rows, catalogue)
+    records = []
+    with use_catalogue(catalogue):
+        for i, row in enumerate(rows):
+            peak = predict(row).peak_memory_bytes if row.measured.peak_memory_bytes else None
+            low, high = catalogue.profiles[row.accelerator].held_out_log_error
+            records.append(
+                {
+                    "row": row.key,
+                    "accelerator": row.accelerator,
+                    "precision": row.training.precision,
+                    "published": row.measured.tokens_per_s_per_gpu,
+                    "predicted": predicted[i],
+                    "error": round(predicted[i] / row.measured.tokens_per_s_per_gpu - 1, 4),
+                    "loo_error": round(_percent(result.loo_log_error[i]), 4),
+                    "group_error": round(_percent(result.group_log_error[i]), 4),
+                    "in_interval": predicted[i] * math.exp(low)
+                    <= row.measured.tokens_per_s_per_gpu
+                    <= predicted[i] * math.exp(high),
+                    "published_mfu": round(measured_mfu(row), 4),
+                    "published_peak_gib": round(row.measured.peak_memory_bytes / GIB, 1) if peak else None,
+                    "predicted_peak_gib": round(peak / GIB, 1) if peak else None,
+                }
+            )
+    final_errors = [math.log(r["published"] / r["predicted"]) for r in records]
+    return {
+        "rows": records,
+        "parameters": [
+            {"name": p.name, "accelerators": list(p.accelerators), "value": round(v, 4), "prior": p.prior}
+            for p, v in zip(result.parameters, result.values, strict=True)
+        ],
+        "activation_memory_factor": factor,
+        "memory_log_errors": [round(e, 4) for e in memory_errors],
+        "fit": summary(final_errors),
+        "leave_one_out": summary(result.loo_log_error),
+        "leave_one_group_out": summary(result.group_log_error),
+        "in_interval": round(sum(r["in_interval"] for r in records) / len(records), 4),
+        "fit_s": round(fit_s, 1),
+        "iterations": result.iterations,
+        "catalogue": catalogue.model_dump(mode="json"),
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    """Markdown: the summary, the parameters, then every row."""
+    lines = ["| errors (predicted/published − 1) | median | max | within 15% |", "|---|---:|---:|---:|"]
+    for name in ("fit", "leave_one_out", "leave_one_group_out"):
+        s = report[name]
+        lines.append(f"| {name.replace('_', ' ')} | {s['median']:.1%} | {s['max']:.1%} | {s['within_15']:.0%} |")
+    lines += [
+        "",
+        f"Published figure inside the 80% interval: {report['in_interval']:.0%} of rows. "
+        f"Activation memory factor {report['activation_memory_factor']:.2f}.",
+        "",
+        "| parameter | accelerators | fitted | prior |",
+        "|---|---|---:|---:|",
+    ]
+    for p in report["parameters"]:
+        lines.append(f"| {p['name']} | {', '.join(p['accelerators']) or 'all'} | {p['value']:.4g} | {p['prior']:.4g} |")
+    lines += [
+        "",
+        "| row | accelerator | precision | published tok/s/GPU | predicted | error | held out (row / group) "
+        "| in 80% interval | published MFU | peak GiB published / predicted |",
+        "|---|---|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in report["rows"]:
+        peak = f"{r['published_peak_gib']} / {r['predicted_peak_gib']}" if r["published_peak_gib"] else ""
+        lines.append(
+            f"| {r['row']} | {r['accelerator']} | {r['precision']} | {r['published']:,.0f} | {r['predicted']:,.0f} | "
+            f"{r['error']:+.1%} | {r['loo_error']:+.1%} / {r['group_error']:+.1%} | "
+            f"{'yes' if r['in_interval'] else 'no'} | {r['published_mfu']:.1%} | {peak} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=12, help="Gauss–Newton iterations at most")
+    parser.add_argument("--write", action="store_true", help="store the catalogue the planner ships")
+    parser.add_argument("--output", type=Path, default=RESULTS / "calibration_bench.md")
+    args = parser.parse_args()
+    report = run(args.iterations)
+    text = table(report)
+    args.output.write_text(text + "\n")
+    kept = {key: value for key, value in report.items() if key != "catalogue"}
+    args.output.with_suffix(".json").write_text(json.dumps(kept, indent=1) + "\n")
+    if args.write:
+        target = Path(str(resources.files("pipesched.optimizer.cost.calibration") / "profiles.json"))
+        target.write_text(json.dumps(report["catalogue"], indent=1) + "\n")
+        print(f"wrote {target}")
+    print(text[:3000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""A calibration row predicted as the planner predicts a plan of the same layout.
+
+:func:`configuration` turns the row's layout into the planner's :class:`Configuration`, :func:`estimator` its
+model and cluster into the planner's :class:`Estimator`; :func:`predict` evaluates that configuration exactly as
+:func:`pipesched.optimizer.planner.rank.search` does (derived costs, the family's schedule, the simulator's
+step) and returns the predicted tokens/s per GPU and peak memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.calibration.measurements import Measurement
+from pipesched.optimizer.cost.profile import active_catalogue
+from pipesched.optimizer.cost.stages import resolve_hardware
+from pipesched.optimizer.families import get_family
+from pipesched.optimizer.planner.evaluate import evaluate
+from pipesched.optimizer.planner.prune import Estimator
+from pipesched.optimizer.planner.space import Configuration, methods_for
+
+__all__ = ["Prediction", "configuration", "estimator", "kernels_mode", "predict"]
+
+
+def kernels_mode(row: Measurement) -> str:
+    """How the row's elementwise work ran: ``fused`` (hand-fused kernels), ``compiled`` or ``eager``."""
+    if row.software.fused_kernels:
+        return "fused"
+    return "compiled" if row.software.compile else "eager"
+
+
+def configuration(row: Measurement) -> Configuration:
+    """The planner's configuration of the row's layout."""
+    layout, run = row.layout, row.training
+    if layout.pipeline_parallel > 1 and layout.schedule is not None:
+        method = layout.schedule
+    else:  # no pipeline: the family the planner runs for plain gradient accumulation
+        method = methods_for(1, "loop", 1)[0]
+    placement = get_family(method).placements[0]
+    return Configuration(
+        pipeline_parallel=layout.pipeline_parallel,
+        tensor_parallel=layout.tensor_parallel,
+        data_parallel_size=layout.data_parallel,
+        sharding=layout.sharding if layout.data_parallel > 1 else "none",
+        stages_per_rank=layout.stages_per_rank,
+        placement=placement,
+        micro_batch_size=run.micro_batch_size,
+        num_microbatches=run.num_microbatches,
+        activation_recomputation=run.activation_recomputation,
+        method=method,
+        precision=run.precision,
+    )
+
+
+def _model(row: Measurement) -> ModelConfig:
+    fields: dict[str, Any] = row.model.model_dump(exclude_none=True)
+    fields.update(precision=row.training.precision, kernels=kernels_mode(row))
+    return ModelConfig.model_validate(fields)
+
+
+def _cluster(row: Measurement, profile: str | None) -> ClusterConfig:
+    fields: dict[str, Any] = {"accelerator": row.accelerator, **row.cluster}
+    if profile is not None:
+        fields["profile"] = profile
+    cluster = ClusterConfig.model_validate(fields)
+    speed = active_catalogue().software.attention_kernel_speed.get(row.software.attention_kernel, 1.0)
+    if speed != 1.0 and cluster.attention_efficiency is None:
+        base = resolve_hardware(cluster).profile.attention_efficiency
+        cluster = cluster.model_copy(update={"attention_efficiency": min(1.0, base * speed)})
+    return cluster
+
+
+def estimator(row: Measurement, profile: str | None = None) -> Estimator:
+    """The planner's estimator for the row's model and cluster (``profile``: a ``cluster.profile`` name)."""
+    return Estimator(
+        _model(row),
+        _cluster(row, profile),
+        row.training.global_batch_size,
+        sequence_parallel=row.layout.sequence_parallel,
+        async_tensor_parallel=row.software.async_tensor_parallel,
+        reduce_dtype=row.software.gradient_reduce_dtype,
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner predicts for a row: tokens/s per GPU, peak memory (bytes), step (ms), MFU; or why not."""
+
+    tokens_per_s_per_gpu: float | None
+    peak_memory_bytes: float | None
+    step_time_ms: float | None
+    mfu: float | None
+    reason: str | None = None
+
+
+def predict(row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0) -> Prediction:
+    """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
+    ran), so a prediction above the GPU's memory is still given."""
+    est = estimator(row, profile)
+    config = configuration(row)
+    estimate = est.estimate(config)
+    evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)
+    plan = evaluation.plan
+    if plan is None:
+        return Prediction(None, None, None, None, evaluation.reason)
+    return Prediction(plan.tokens_per_s_per_gpu, plan.peak_memory_bytes, plan.step_time_ms, plan.mfu)

@@ -1,0 +1,77 @@
+"""How much of a stage's data-parallel communication its own compute hides, FSDP unit by unit.
+
+FSDP (Zhao et al. 2023, §3.3–3.4; torchtitan applies ``fully_shard`` per transformer block) and Megatron's
+bucketed ``overlap_grad_reduce`` move a stage's collectives one unit (a layer) at a time: the gather of unit
+i + 1 runs while unit i computes its forward, the reduction of unit i while unit i − 1 computes its backward.
+Of a stage whose units are a fraction u each of its parameters, a gather of G ms beside a forward of F ms is
+exposed for u·G + (1 − u)·max(0, G − F) (the first unit waits; the rest waits only when the link is slower than
+the compute), a reduction of R ms beside a backward of B ms for u·R + (1 − u)·max(0, R − B).
+
+- **Pipelines** (a stage's weights gathered once per step, reduced once after its last backward): the step
+  model's UNSHARD takes the exposed part of the gather beside one microbatch's forward, REDUCE_GRAD the
+  exposed part of the reduction beside one microbatch's backward; the simulator then hides what it can behind
+  other stages' compute.
+- **One stage per rank with ``reshard_after_forward``** (FSDP without pipelining, torchtitan's and PyTorch's
+  default): every microbatch gathers the weights for its forward and again for its backward and reduces its
+  gradients (sharded gradients cannot be accumulated unsharded). The step model keeps one UNSHARD (the first
+  unit, free of compute) and one REDUCE_GRAD (the last unit's reduction); every microbatch's F and I carry
+  the rest of their exposed collectives, so the sum over the step is m times the per-microbatch exposure.
+- **Beside compute**, every collective slows the compute it overlaps by ``overlap_slowdown`` of its own time
+  (shared SMs and memory bandwidth), spread over the stage's passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StageOverlap", "stage_overlap"]
+
+
+@dataclass(frozen=True)
+class StageOverlap:
+    """A stage's collectives as the step model times them, and the time each microbatch's passes gain (ms)."""
+
+    unshard_ms: float
+    reduce_grad_ms: float
+    forward_extra_ms: float
+    backward_input_extra_ms: float
+
+
+def stage_overlap(
+    *,
+    gather_ms: float,
+    reduce_ms: float,
+    forward_ms: float,
+    backward_ms: float,
+    unit_fraction: float,
+    num_microbatches: int,
+    per_microbatch: bool,
+    slowdown: float,
+) -> StageOverlap:
+    """The module docstring's exposure of one stage.
+
+    Args:
+        gather_ms, reduce_ms: the stage's whole all-gather and reduction (ms).
+        forward_ms, backward_ms: one microbatch's forward and backward (I + W) of the stage (ms).
+        unit_fraction: u, the largest unit's share of the stage's parameters (1: one unit).
+        num_microbatches: m.
+        per_microbatch: FSDP without pipelining, resharding after forward (every microbatch gathers twice and
+            reduces once).
+        slowdown: the profile's ``overlap_slowdown``.
+    """
+    u = min(1.0, max(unit_fraction, 0.0))
+    m = max(num_microbatches, 1)
+    if not per_microbatch:
+        unshard = u * gather_ms + (1 - u) * max(0.0, gather_ms - forward_ms)
+        reduce = u * reduce_ms + (1 - u) * max(0.0, reduce_ms - backward_ms)
+        spread = slowdown * (gather_ms + reduce_ms) / m
+        return StageOverlap(unshard, reduce, spread / 2, spread / 2)
+    forward_stall = (1 - u) * max(0.0, gather_ms - forward_ms)
+    backward_comm = gather_ms + reduce_ms
+    backward_stall = u * gather_ms + (1 - u) * max(0.0, backward_comm - backward_ms)
+    first_gather = u * gather_ms
+    last_reduce = u * reduce_ms
+    # every microbatch but the first waits for its first unit's gather; all but the last for its last reduction
+    forward_extra = forward_stall + first_gather * (m - 1) / m + slowdown * gather_ms
+    backward_extra = backward_stall + last_reduce * (m - 1) / m + slowdown * backward_comm
+    return StageOverlap(first_gather, last_reduce, forward_extra, backward_extra)

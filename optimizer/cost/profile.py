@@ -1,0 +1,219 @@
+"""Accelerator profiles: how close to its datasheet an accelerator runs each kind of work.
+
+A profile refines a catalogue entry (:mod:`pipesched.optimizer.accelerators`: dense bf16/fp8 peaks, HBM
+bandwidth and capacity) with a few efficiencies, each a fraction of a datasheet figure, fitted to published
+training runs (``calibration/data``, fitted by ``bench/calibration_bench.py`` into ``calibration/profiles.json``)
+or to a user's own runs (``pipesched calibrate``). Where each enters the time of a pass is
+:mod:`pipesched.optimizer.cost.timing`; the parameters:
+
+- ``gemm_efficiency`` / ``fp8_gemm_efficiency``: the fraction of the dense bf16 / fp8 peak a large matrix
+  multiply reaches.
+- ``gemm_shape_dimension`` d½ (elements): the cost of a small dimension. An (M, N, K) multiply takes
+  2MNK / (peak · efficiency) · (1 + d½·(1/M + 1/N + 1/K)): the roofline's memory term (Williams, Waterman &
+  Patterson 2009) written as a dimension, so a small hidden size or a tensor-parallel split (N/t, K/t) runs
+  further from peak; at FP8 the term doubles (twice the FLOP/s for the same bytes per element moved).
+- ``attention_efficiency``: FlashAttention's fraction of the bf16 peak (its FLOPs in
+  :mod:`pipesched.optimizer.cost.flops`; Dao 2023 reports 50–73% of peak forward on A100/H100).
+- ``memory_efficiency``: the fraction of HBM bandwidth elementwise kernels (norms, activations, RoPE, the
+  optimizer step, FP8 casts) reach.
+- ``collective_efficiency_intra`` / ``_inter``: achieved NCCL bus bandwidth as a fraction of the cluster's
+  nominal per-GPU link (NVLink inside a node, the network between nodes). nccl-tests (PERFORMANCE.md) report
+  about 360–480 GB/s bus bandwidth on NVLink 4 (450 GB/s per direction) and 40–48 GB/s on a 400 Gb/s NIC.
+- ``overlap_slowdown``: compute running beside a collective is slowed by this fraction of the collective's
+  time (the two share SMs and memory bandwidth).
+- ``activation_memory_factor``: allocator reserve (fragmentation, workspaces) over the modelled activations,
+  fitted to published peak memory.
+- ``memory_headroom_fraction`` and ``context_bytes``: the default ``cluster.memory_headroom_bytes`` =
+  fraction · capacity + context (CUDA context, NCCL buffers).
+
+Software (the same on every accelerator, :class:`SoftwareProfile`): the elementwise traffic of eager PyTorch,
+``torch.compile`` and hand-fused kernels relative to Megatron's fused kernels, kernels per layer pass and the
+CPU time of each (eager dispatch), and the bytes an FP8 cast moves per element.
+
+``held_out_log_error`` (the 10th and 90th percentile of log(published / predicted) over the leave-one-out
+fits) gives every plan its 80% interval; ``max_measured_mfu`` the highest MFU in the calibration data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pipesched.optimizer.field_errors import StrictModel
+
+__all__ = [
+    "KERNELS",
+    "AcceleratorProfile",
+    "ProfileCatalogue",
+    "SoftwareProfile",
+    "active_catalogue",
+    "builtin_catalogue",
+    "default_profile",
+    "load_catalogue",
+    "use_catalogue",
+]
+
+GIB = 1024**3
+
+#: How elementwise work runs: eager PyTorch ops, ``torch.compile`` (Inductor fuses them), hand-fused kernels.
+KERNELS = ("eager", "compiled", "fused")
+Kernels = Literal["eager", "compiled", "fused"]
+
+
+class SoftwareProfile(StrictModel):
+    """Factors of the framework, shared by every accelerator (module docstring)."""
+
+    elementwise_traffic: dict[str, float] = Field(
+        default_factory=lambda: {"eager": 1.0, "compiled": 1.0, "fused": 1.0},
+        description="Elementwise bytes moved relative to Megatron's fused kernels (the Zero Bubble paper's "
+        "profiles), by kernels mode.",
+    )
+    kernels_per_layer: dict[str, float] = Field(
+        default_factory=lambda: {"eager": 40.0, "compiled": 14.0, "fused": 12.0},
+        description="Kernels one decoder layer launches in its forward (backward: twice as many), by kernels mode.",
+    )
+    cpu_us_per_kernel: dict[str, float] = Field(
+        default_factory=lambda: {"eager": 10.0, "compiled": 4.0, "fused": 4.0},
+        description="CPU time to issue one kernel (µs); a layer pass takes at least kernels × this.",
+    )
+    attention_kernel_speed: dict[str, float] = Field(
+        default_factory=lambda: {"current": 1.0, "flash-attn-2023": 1.0},
+        description="FlashAttention's speed relative to today's kernels (FlashAttention-2/3, cuDNN) by the "
+        "kernel a calibration row ran: 'flash-attn-2023' for MosaicML's 2023 runs.",
+    )
+    unfused_traffic: float = Field(
+        1.0,
+        gt=0,
+        description="Scale of the extra bytes eager PyTorch moves for RMSNorm, RoPE and SwiGLU "
+        "(pipesched.optimizer.cost.stages.UNFUSED_BYTES_PER_ELEMENT).",
+    )
+    attention_backward_speed: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="FlashAttention's backward FLOP/s relative to its forward's: FlashAttention-2 (Dao 2023, §4) "
+        "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward.",
+    )
+    fp8_cast_bytes_per_element: dict[str, float] = Field(
+        default_factory=lambda: {"eager": 5.0, "compiled": 3.0, "fused": 3.0},
+        description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "
+        "fp8 write (1).",
+    )
+
+
+class AcceleratorProfile(StrictModel):
+    """The efficiencies of one accelerator (module docstring); ``accelerator`` names its catalogue entry."""
+
+    name: str = Field(description="Profile name: the catalogue name for built-in profiles.")
+    accelerator: str | None = Field(None, description="Catalogue entry whose peaks and memory it refines.")
+    gemm_efficiency: float = Field(0.75, gt=0, le=1)
+    fp8_gemm_efficiency: float = Field(0.6, gt=0, le=1)
+    gemm_shape_dimension: float = Field(0.0, ge=0, description="d½, elements (module docstring).")
+    attention_efficiency: float = Field(0.5, gt=0, le=1)
+    memory_efficiency: float = Field(0.8, gt=0, le=1)
+    collective_efficiency_intra: float = Field(0.8, gt=0, le=1)
+    collective_efficiency_inter: float = Field(0.85, gt=0, le=1)
+    overlap_slowdown: float = Field(0.0, ge=0, le=1)
+    activation_memory_factor: float = Field(1.0, gt=0, le=4)
+    memory_headroom_fraction: float = Field(0.05, ge=0, lt=1)
+    context_bytes: float = Field(1.0 * GIB, ge=0)
+    held_out_log_error: tuple[float, float] = Field(
+        (-0.2, 0.2), description="10th and 90th percentile of log(published / predicted), held out."
+    )
+    max_measured_mfu: dict[str, float] = Field(
+        default_factory=dict, description="Highest MFU in the calibration data, by precision."
+    )
+    fitted_rows: int = Field(0, ge=0, description="Calibration rows of this accelerator the fit used.")
+    source: str = Field("", description="Where the figures come from.")
+
+    def headroom_bytes(self, memory_bytes: float) -> float:
+        """Default memory kept free on a GPU of ``memory_bytes``: fraction · capacity + context."""
+        return self.memory_headroom_fraction * memory_bytes + self.context_bytes
+
+
+class ProfileCatalogue(StrictModel):
+    """Profiles by name, and the software factors they were fitted with."""
+
+    software: SoftwareProfile = Field(default_factory=SoftwareProfile)
+    profiles: dict[str, AcceleratorProfile] = Field(default_factory=dict)
+    fitted: str = Field("", description="How and when the catalogue was fitted.")
+
+    def get(self, name: str) -> AcceleratorProfile | None:
+        """The profile named ``name`` (case-insensitive), or None."""
+        for key, profile in self.profiles.items():
+            if key.lower() == name.lower():
+                return profile
+        return None
+
+
+def load_catalogue(path: str | Path) -> ProfileCatalogue:
+    """A catalogue file (``calibration/profiles.json`` or ``pipesched calibrate``'s output).
+
+    A file holding one profile (``{"name": …, "gemm_efficiency": …}``) is read as a catalogue of that profile.
+
+    Raises:
+        OSError, json.JSONDecodeError, pydantic.ValidationError: unreadable or malformed file.
+    """
+    document = json.loads(Path(path).read_text())
+    if "profiles" not in document and "name" in document:
+        profile = AcceleratorProfile.model_validate(document)
+        return ProfileCatalogue(profiles={profile.name: profile})
+    return ProfileCatalogue.model_validate(document)
+
+
+@cache
+def builtin_catalogue() -> ProfileCatalogue:
+    """The profiles shipped with pipesched (``calibration/profiles.json``; empty when it is missing)."""
+    entry = resources.files("pipesched.optimizer.cost.calibration") / "profiles.json"
+    if not entry.is_file():
+        return ProfileCatalogue()
+    return ProfileCatalogue.model_validate(json.loads(entry.read_text()))
+
+
+_OVERRIDE: ContextVar[ProfileCatalogue | None] = ContextVar("pipesched_profile_catalogue", default=None)
+
+
+def active_catalogue() -> ProfileCatalogue:
+    """The catalogue in force: :func:`use_catalogue`'s, else the built-in one."""
+    override = _OVERRIDE.get()
+    return override if override is not None else builtin_catalogue()
+
+
+@contextmanager
+def use_catalogue(catalogue: ProfileCatalogue) -> Iterator[ProfileCatalogue]:
+    """Derive costs with ``catalogue`` in place of the built-in profiles (the fit tries candidates this way)."""
+    token = _OVERRIDE.set(catalogue)
+    try:
+        yield catalogue
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def default_profile(accelerator: str | None) -> AcceleratorProfile:
+    """The built-in profile of a catalogue accelerator, else the unfitted default (the model as before
+    calibration: one matrix-multiply efficiency of 0.75, no shape term, attention at that efficiency)."""
+    if accelerator is not None:
+        profile = active_catalogue().get(accelerator)
+        if profile is not None:
+            return profile
+    return AcceleratorProfile(
+        name=accelerator or "explicit",
+        accelerator=accelerator,
+        gemm_efficiency=0.75,
+        fp8_gemm_efficiency=0.75,
+        attention_efficiency=0.75,
+        memory_efficiency=1.0,
+        collective_efficiency_intra=1.0,
+        collective_efficiency_inter=1.0,
+        context_bytes=2.0 * GIB,
+        memory_headroom_fraction=0.0,
+        source="unfitted default (2 GiB headroom)",
+    )

@@ -1,0 +1,113 @@
+"""Time of each kind of work on an accelerator, from its datasheet and its profile (:mod:`.profile`).
+
+- **Matrix multiplies** of shape (M, N, K): 2MNK / (peak · e) · (1 + d½ · (1/M + 1/N + 1/K)), peak and e the
+  bf16 (or FP8) dense peak and efficiency; d½ doubles at FP8 (same bytes per element, twice the FLOP/s; the
+  roofline, Williams et al. 2009). In one decoder layer on one of t tensor-parallel ranks, forward, over the
+  s·b tokens of a microbatch (all of them with sequence parallelism, gathered first): Q/K/V (s·b, (h + 2k)/t,
+  h), output (s·b, h, h/t), FFN in (s·b, g·f/t, h) with g = 2 for SwiGLU (gate and up), FFN out (s·b, h, f/t).
+  The input-gradient (I) and weight-gradient (W) passes run the same three-dimensional products with the
+  dimensions permuted, so each costs what the forward's does (Narayanan et al. 2021, §3.5: backward = 2 ×
+  forward).
+- **FlashAttention** at ``attention_efficiency`` of the bf16 peak (its FLOPs from :mod:`.flops`), in bf16 also
+  under FP8 (torchao's Float8Linear and Transformer Engine convert the linear layers only).
+- **Elementwise work** (norms, activations, RoPE, residuals, dropout): ``traffic`` bytes at ``memory_efficiency``
+  of the HBM bandwidth, scaled by the software's ``elementwise_traffic`` for the kernels mode.
+- **FP8 casts** (torchao Float8 tensorwise / Transformer Engine current scaling): every FP8 operand is cast from
+  bf16 once per use: forward the input and the weight, I the output gradient and the weight, W the input and the
+  output gradient; ``fp8_cast_bytes_per_element`` per element at HBM speed.
+- **Kernel launches**: a pass takes at least kernels × CPU µs per kernel (eager dispatch can starve the GPU on
+  small layers; ``kernels_per_layer`` and ``cpu_us_per_kernel`` by kernels mode).
+- **Collectives**: the cluster's nominal per-GPU links times the profile's ``collective_efficiency_*`` are the
+  achieved NCCL bus bandwidths the ring formulas of :mod:`pipesched.optimizer.cost.collectives` use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile
+
+__all__ = ["Hardware", "PassTimes", "elementwise_ms", "gemm_ms", "layer_gemm_times", "layer_gemms"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Resolved accelerator figures: memory (bytes), dense peaks (FLOP/s), memory bandwidth (bytes/s), the profile.
+
+    ``efficiency`` is the large matrix multiply's fraction of the bf16 peak (the profile's ``gemm_efficiency``,
+    or ``cluster.efficiency`` when given). ``fp8_flops_per_s`` is None for accelerators without FP8 tensor cores.
+    """
+
+    name: str
+    memory_bytes: float
+    flops_per_s: float
+    memory_bandwidth_bytes_per_s: float
+    efficiency: float
+    fp8_flops_per_s: float | None = None
+    profile: AcceleratorProfile = field(default_factory=lambda: AcceleratorProfile(name="explicit"))
+    software: SoftwareProfile = field(default_factory=SoftwareProfile)
+
+    @property
+    def effective_flops_per_s(self) -> float:
+        """FLOP/s the large bf16 matrix multiplies achieve: peak × efficiency."""
+        return self.flops_per_s * self.efficiency
+
+    def peak(self, precision: str) -> tuple[float, float]:
+        """(dense peak FLOP/s, efficiency) of matrix multiplies in ``precision`` (``bf16`` or ``fp8``)."""
+        if precision == "fp8" and self.fp8_flops_per_s is not None:
+            return self.fp8_flops_per_s, self.profile.fp8_gemm_efficiency
+        return self.flops_per_s, self.efficiency
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """One pass's matrix-multiply, attention, elementwise and FP8-cast time (ms), and its kernel count."""
+
+    gemm_ms: float = 0.0
+    attention_ms: float = 0.0
+    elementwise_ms: float = 0.0
+    cast_ms: float = 0.0
+    kernels: float = 0.0
+
+    def total_ms(self, hardware: Hardware, kernels_mode: str) -> float:
+        """GPU time, or the CPU's launch time when that is longer."""
+        gpu = self.gemm_ms + self.attention_ms + self.elementwise_ms + self.cast_ms
+        cpu = self.kernels * hardware.software.cpu_us_per_kernel[kernels_mode] / 1e3
+        return max(gpu, cpu)
+
+
+def gemm_ms(m: float, n: float, k: float, hardware: Hardware, precision: str = "bf16") -> float:
+    """One (m, n, k) matrix multiply, ms (module docstring)."""
+    peak, efficiency = hardware.peak(precision)
+    half = hardware.profile.gemm_shape_dimension * (2.0 if precision == "fp8" and hardware.fp8_flops_per_s else 1.0)
+    return 1e3 * 2 * m * n * k / (peak * efficiency) * (1 + half * (1 / m + 1 / n + 1 / k))
+
+
+def elementwise_ms(traffic_bytes: float, hardware: Hardware) -> float:
+    """Memory-bound work moving ``traffic_bytes``, ms."""
+    return 1e3 * traffic_bytes / (hardware.memory_bandwidth_bytes_per_s * hardware.profile.memory_efficiency)
+
+
+def layer_gemms(model: ModelConfig, tensor_parallel: int = 1) -> list[tuple[float, float, float]]:
+    """The forward's (M, N, K) matrix multiplies of one layer on one tensor-parallel rank (module docstring)."""
+    tokens = float(model.seq_length * model.micro_batch_size)
+    h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+    k = model.head_size * model.key_value_heads
+    gates = 2 if model.ffn_type == "swiglu" else 1
+    return [(tokens, (h + 2 * k) / t, h), (tokens, h, h / t), (tokens, gates * f / t, h), (tokens, h, f / t)]
+
+
+def layer_gemm_times(model: ModelConfig, hardware: Hardware, tensor_parallel: int = 1) -> tuple[float, float]:
+    """(ms of one layer's forward matrix multiplies, FP8 cast bytes per pass) at the model's precision.
+
+    The cast bytes are those of the forward (input and weight); I and W cast as many elements within 10%.
+    """
+    precision = model.precision
+    shapes = layer_gemms(model, tensor_parallel)
+    total = sum(gemm_ms(m, n, k, hardware, precision) for m, n, k in shapes)
+    cast = 0.0
+    if precision == "fp8" and hardware.fp8_flops_per_s is not None:
+        per_element = hardware.software.fp8_cast_bytes_per_element[model.kernels]
+        cast = per_element * sum(m * k + k * n for m, n, k in shapes)
+    return total, cast

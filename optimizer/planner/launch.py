@@ -1,0 +1,393 @@
+"""From a plan to the argv its training framework takes: torchtitan ≥ 0.3 and Megatron-LM.
+
+Pure functions of a :class:`LaunchSpec` (a plan, its request's model, cluster and batch, and the layer
+partition its schedule was simulated with); no torch, no files. The job-scheduler files around these argv
+(torchrun, Slurm, Kubernetes, SkyPilot) are :mod:`pipesched.api.launch`'s.
+
+Sources of the names:
+
+* torchtitan 0.3.0 (``torchtitan/config/manager.py``, ``config/configs.py``, ``trainer.py``,
+  ``distributed/pipeline_parallel.py``): ``--module``/``--config`` name a function of
+  ``torchtitan/models/<module>/config_registry.py`` (or of any importable module); ``--parallelism.*`` and
+  ``--training.*`` are tyro overrides; activation checkpointing is a tyro subcommand
+  (``activation-checkpoint:none|selective|full``) that must come last; pipeline parallelism is refused unless
+  ``--training.disable_cuda_graphs``; with ``--parallelism.pipeline_parallel_schedule_csv`` the schedule is
+  ``_PipelineScheduleRuntime`` loading the CSV, the stage → rank placement follows
+  ``pipeline_parallel_schedule`` (V for ``ZBVZeroBubble``, loop otherwise), and
+  ``module_fqns_per_model_part`` fixes the stages' layers. FP8 is a model converter (``Float8LinearConverter``)
+  set in a config function: where the preset's function has another precision than the plan, a config module
+  is written beside the args (:attr:`TorchtitanLaunch.config_source`).
+* Megatron-LM (``megatron/training/arguments.py`` and the dataclasses it builds arguments from,
+  ``megatron/core/model_parallel_config.py``, ``megatron/core/transformer/transformer_config.py``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
+
+if TYPE_CHECKING:
+    from pipesched.optimizer.planner.request import Plan
+
+__all__ = [
+    "CONFIG_MODULE_NAME",
+    "TORCHTITAN_CONFIGS",
+    "LaunchError",
+    "LaunchSpec",
+    "TorchtitanConfig",
+    "TorchtitanLaunch",
+    "megatron_args",
+    "module_fqns_per_stage",
+    "plan_configuration",
+    "torchrun_command",
+    "torchtitan_launch",
+]
+
+#: The config module written beside ``torchtitan.args`` when the plan's precision is not the preset's.
+CONFIG_MODULE_NAME = "pipesched_torchtitan"
+
+
+class LaunchError(ValueError):
+    """The plan cannot be launched as asked; the message names what to change."""
+
+
+@dataclass(frozen=True)
+class TorchtitanConfig:
+    """A torchtitan 0.3 config function: ``--module``, ``--config``, the model flavor its ``model_registry``
+    takes, and the precision the function sets (``llama3_405b`` converts its linear layers to Float8)."""
+
+    module: str
+    config: str
+    flavor: str | None = None
+    precision: str = "bf16"
+
+
+#: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
+TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
+    "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B"),
+    "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B"),
+    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8"),
+    "deepseek-v3": TorchtitanConfig("deepseek_v3", "deepseek_v3_671b"),
+    "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b"),
+}
+
+#: torchtitan's ``pipeline_parallel_schedule`` decides the stage → rank placement of a CSV schedule
+#: (``_get_pp_rank_to_stage_indices_mapping``): a V for ZBVZeroBubble, a loop for the others.
+_TORCH_PLACEMENT_SCHEDULE = {("loop", False): "1F1B", ("loop", True): "Interleaved1F1B", ("v", True): "ZBVZeroBubble"}
+
+#: torchtitan's FSDP policy by the plan's sharding (ZeRO-1/2 have no exact counterpart: weights stay gathered).
+_RESHARD_AFTER_FORWARD = {"optimizer": "never", "gradients": "never"}
+
+
+def plan_configuration(plan: Plan) -> Configuration:
+    """The search space's point a plan answers (its fields by the plan's names)."""
+    values = {name: getattr(plan, name) for name in DIMENSIONS if hasattr(plan, name)}
+    values.update(data_parallel_size=plan.data_parallel.size, sharding=plan.data_parallel.sharding)
+    return Configuration(**values)
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launcher needs from one plan: its configuration (``layout``) on the request's model (as
+    trained: precision and kernels), cluster and batch
+    (:func:`pipesched.optimizer.planner.evaluate.launch_spec` builds it as the planner does).
+
+    ``layers_per_stage`` is the transformer-layer partition the plan's schedule was simulated with (stage 0
+    also holds the embedding, the last stage the norm and output head); ``None`` leaves the split to the
+    framework. Context and expert parallelism and the precision are read from the layout by their plan names
+    (1, 1 and bf16 where the planner does not search them).
+    """
+
+    model: ModelConfig
+    num_nodes: int
+    gpus_per_node: int
+    global_batch_size: int
+    layout: Configuration
+    sequence_parallel: bool = True
+    layers_per_stage: tuple[int, ...] | None = field(default=None)
+
+    @property
+    def context_parallel(self) -> int:
+        return int(getattr(self.layout, "context_parallel", 1))
+
+    @property
+    def expert_parallel(self) -> int:
+        return int(getattr(self.layout, "expert_parallel", 1))
+
+    @property
+    def precision(self) -> str:
+        return str(getattr(self.layout, "precision", "bf16"))
+
+    @property
+    def local_batch_size(self) -> int:
+        """Sequences one data-parallel rank runs per step: all its microbatches under pipeline parallelism
+        (torchtitan splits them), one microbatch per gradient-accumulation step without."""
+        layout = self.layout
+        if layout.pipeline_parallel > 1:
+            return layout.micro_batch_size * layout.num_microbatches
+        return layout.micro_batch_size
+
+
+@dataclass(frozen=True)
+class TorchtitanLaunch:
+    """torchtitan's argv (after ``-m torchtitan.train``) and, where the plan needs a config function torchtitan
+    does not ship, that function's module source (to be saved as ``CONFIG_MODULE_NAME + ".py"`` beside the
+    args and put on ``PYTHONPATH``)."""
+
+    args: list[str]
+    config_source: str | None = None
+
+
+def module_fqns_per_stage(layers_per_stage: tuple[int, ...] | list[int]) -> list[list[str]]:
+    """torchtitan's ``module_fqns_per_model_part`` for a partition: stage 0 also holds ``tok_embeddings``,
+    the last stage ``norm`` and ``lm_head`` (the names torchtitan 0.3's ``_generate_llm_fqn_per_model_part``
+    gives its decoders)."""
+    parts: list[list[str]] = []
+    first = 0
+    for stage, count in enumerate(layers_per_stage):
+        names = [f"layers.{index}" for index in range(first, first + count)]
+        first += count
+        if stage == 0:
+            names.insert(0, "tok_embeddings")
+        if stage == len(layers_per_stage) - 1:
+            names += ["norm", "lm_head"]
+        parts.append(names)
+    return parts
+
+
+def _torchtitan_config(spec: LaunchSpec, module: str | None, config: str | None) -> TorchtitanConfig:
+    if module is not None and config is not None:
+        return TorchtitanConfig(module, config, precision=spec.precision)
+    preset = spec.model.preset
+    known = TORCHTITAN_CONFIGS.get(preset or "")
+    if known is None:
+        raise LaunchError(
+            f"model preset {preset!r} has no torchtitan 0.3 config function: name one with --torchtitan-module "
+            f"and --torchtitan-config (e.g. --torchtitan-module llama3 --torchtitan-config llama3_debugmodel), "
+            f"or use a preset torchtitan ships ({', '.join(TORCHTITAN_CONFIGS)})"
+        )
+    return known
+
+
+def _precision_module(known: TorchtitanConfig, precision: str) -> tuple[str, str]:
+    """A config module wrapping ``known`` with the plan's precision; (function name, source)."""
+    if known.module != "llama3" or known.flavor is None:
+        raise LaunchError(
+            f"the plan's precision is {precision} but torchtitan's {known.config} trains in {known.precision}, "
+            f"and pipesched writes precision wrappers for llama3 configs only: pin search.precision to "
+            f"[{known.precision!r}] or name a config function of your own with --torchtitan-config"
+        )
+    name = f"{known.config}_{'float8' if precision == 'fp8' else 'bf16'}"
+    converters = (
+        "[Float8LinearConverter.Config(filter_fqns=['lm_head'], model_compile_enabled=compiled)]"
+        if precision == "fp8"
+        else "None"
+    )
+    source = f'''"""torchtitan config written by `pipesched launch`: {known.config} trained in {precision}.
+
+Run torchtitan with this folder on PYTHONPATH and `--module {CONFIG_MODULE_NAME} --config {name}`.
+FP8 is torchtitan's Float8 rowwise linear layers (needs torchao and an SM89+ GPU).
+"""
+
+from torchtitan.components.quantization import Float8LinearConverter
+from torchtitan.models.{known.module} import model_registry
+from torchtitan.models.{known.module}.config_registry import {known.config}
+
+__all__ = ["{name}", "Float8LinearConverter"]
+
+
+def {name}():
+    config = {known.config}()
+    compiled = config.compile.enable and "model" in config.compile.components
+    config.model_spec = model_registry("{known.flavor}", converters={converters})
+    return config
+'''
+    return name, source
+
+
+def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
+    layout = spec.layout
+    replicate, shard = (layout.data_parallel_size, 1) if layout.sharding == "none" else (1, layout.data_parallel_size)
+    reshard = _RESHARD_AFTER_FORWARD.get(layout.sharding, "never" if layout.pipeline_parallel > 1 else "always")
+    args = [
+        "--parallelism.data_parallel_replicate_degree",
+        str(replicate),
+        "--parallelism.data_parallel_shard_degree",
+        str(shard),
+        "--parallelism.fsdp_reshard_after_forward",
+        reshard,
+        "--parallelism.tensor_parallel_degree",
+        str(layout.tensor_parallel),
+    ]
+    if layout.tensor_parallel > 1 and not spec.sequence_parallel:
+        args.append("--parallelism.no_enable_sequence_parallel")
+    args += ["--parallelism.context_parallel_degree", str(spec.context_parallel)]
+    args += ["--parallelism.expert_parallel_degree", str(spec.expert_parallel)]
+    args += ["--parallelism.pipeline_parallel_degree", str(layout.pipeline_parallel)]
+    if layout.pipeline_parallel == 1:
+        return args
+    schedule = _TORCH_PLACEMENT_SCHEDULE.get((layout.placement, layout.stages_per_rank > 1))
+    if schedule is None:
+        raise LaunchError(
+            f"torchtitan places a CSV schedule's stages in a loop or a V of two stages per rank; this plan has "
+            f"placement {layout.placement!r} with {layout.stages_per_rank} stages per rank: choose another plan "
+            "(--plan N)"
+        )
+    args += [
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        "--parallelism.pipeline_parallel_schedule_csv",
+        csv_path,
+        "--parallelism.pipeline_parallel_microbatch_size",
+        str(layout.micro_batch_size),
+    ]
+    if spec.layers_per_stage is not None:
+        args.append("--parallelism.module_fqns_per_model_part")
+        args += [",".join(names) for names in module_fqns_per_stage(spec.layers_per_stage)]
+    return args
+
+
+def torchtitan_launch(
+    spec: LaunchSpec, *, module: str | None = None, config: str | None = None, csv_path: str = "schedule.csv"
+) -> TorchtitanLaunch:
+    """torchtitan ≥ 0.3's argv for ``spec`` (one argument per item), and a config module where one is needed.
+
+    ``module``/``config`` name a config function of the user's own (both or neither); otherwise the model
+    preset's (:data:`TORCHTITAN_CONFIGS`). The activation-checkpoint subcommand is the last item: torchtitan
+    reads options after it as the subcommand's, so overrides of your own go before it.
+
+    Raises:
+        LaunchError: no config function for the model, a placement torchtitan cannot run, or a precision
+            pipesched cannot write a config function for.
+    """
+    known = _torchtitan_config(spec, module, config)
+    module_name, config_name, source = known.module, known.config, None
+    if spec.precision != known.precision:
+        config_name, source = _precision_module(known, spec.precision)
+        module_name = CONFIG_MODULE_NAME
+    args = ["--module", module_name, "--config", config_name, *_parallelism_args(spec, csv_path)]
+    args += [
+        "--training.local_batch_size",
+        str(spec.local_batch_size),
+        "--training.global_batch_size",
+        str(spec.global_batch_size),
+        "--training.seq_len",
+        str(spec.model.seq_length),
+    ]
+    if spec.layout.pipeline_parallel > 1:
+        args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
+    if getattr(spec.model, "kernels", "eager") == "compiled":
+        args.append("--compile.enable")
+    args.append(f"activation-checkpoint:{spec.layout.activation_recomputation}")
+    return TorchtitanLaunch(args=args, config_source=source)
+
+
+def _megatron_model_args(model: ModelConfig) -> list[str]:
+    args = [
+        "--num-layers",
+        str(model.num_layers),
+        "--hidden-size",
+        str(model.hidden_size),
+        "--ffn-hidden-size",
+        str(model.ffn_size),
+        "--num-attention-heads",
+        str(model.num_attention_heads),
+    ]
+    if model.key_value_heads != model.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.key_value_heads)]
+    args += ["--seq-length", str(model.seq_length), "--max-position-embeddings", str(model.seq_length)]
+    if model.ffn_type == "swiglu":
+        args.append("--swiglu")
+    if model.norm == "rmsnorm":
+        args += ["--normalization", "RMSNorm"]
+    if model.position_embedding == "rope":
+        args += ["--position-embedding-type", "rope"]
+    if not model.tie_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    if not model.bias:
+        args.append("--disable-bias-linear")
+    return args
+
+
+def _megatron_pipeline_args(spec: LaunchSpec) -> list[str]:
+    if spec.layout.pipeline_parallel == 1:
+        return []
+    if spec.layout.placement != "loop":
+        raise LaunchError(
+            f"Megatron-LM places virtual stages in a loop; this plan's placement is {spec.layout.placement!r}: "
+            "choose a "
+            "plan with placement loop (--plan N) or --target torchtitan"
+        )
+    layers = spec.layers_per_stage
+    even = layers is None or len(set(layers)) == 1
+    if even:
+        if spec.layout.stages_per_rank == 1:
+            return []
+        return ["--num-layers-per-virtual-pipeline-stage", str(spec.model.num_layers // spec.layout.num_stages)]
+    assert layers is not None
+    stages = [f"t*{count}" if count else "" for count in layers]
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return ["--pipeline-model-parallel-layout", "|".join(stages)]
+
+
+def _megatron_recompute_args(mode: str) -> list[str]:
+    if mode == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if mode == "selective":
+        return ["--recompute-granularity", "selective"]
+    return []
+
+
+def megatron_args(spec: LaunchSpec) -> list[str]:
+    """Megatron-LM's ``pretrain_gpt.py`` argv for ``spec``: model shape, parallel degrees, batch, recomputation,
+    precision. Megatron runs its own 1F1B (interleaved with virtual stages) rather than the plan's CSV; an
+    uneven layer partition becomes ``--pipeline-model-parallel-layout``.
+
+    Raises:
+        LaunchError: a placement Megatron-LM cannot run (V, bidirectional).
+    """
+    args = _megatron_model_args(spec.model)
+    args += ["--tensor-model-parallel-size", str(spec.layout.tensor_parallel)]
+    if spec.layout.tensor_parallel > 1 and spec.sequence_parallel:
+        args.append("--sequence-parallel")
+    args += ["--pipeline-model-parallel-size", str(spec.layout.pipeline_parallel), *_megatron_pipeline_args(spec)]
+    if spec.context_parallel > 1:
+        args += ["--context-parallel-size", str(spec.context_parallel)]
+    if spec.expert_parallel > 1:
+        args += ["--expert-model-parallel-size", str(spec.expert_parallel)]
+    args += [
+        "--micro-batch-size",
+        str(spec.layout.micro_batch_size),
+        "--global-batch-size",
+        str(spec.global_batch_size),
+    ]
+    args += _megatron_recompute_args(spec.layout.activation_recomputation)
+    if spec.layout.sharding == "full":
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    elif spec.layout.sharding in ("optimizer", "gradients"):
+        args.append("--use-distributed-optimizer")
+    args.append("--bf16")
+    if spec.precision == "fp8":
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    return args
+
+
+def torchrun_command(spec: LaunchSpec, entry: list[str]) -> str:
+    """One shell line: torchrun over the plan's nodes and GPUs with a c10d rendezvous at ``$MASTER_ADDR``,
+    running ``entry`` (e.g. ``["-m", "torchtitan.train", *args]``)."""
+    head = [
+        "torchrun",
+        "--nnodes",
+        str(spec.num_nodes),
+        "--nproc-per-node",
+        str(spec.gpus_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+    ]
+    return " ".join([*map(shlex.quote, head), '"$MASTER_ADDR:29500"', *map(shlex.quote, entry)])

@@ -1,0 +1,65 @@
+"""``/v1/profiles``: listing the profiles and registering a calibrated one that plans then name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pipesched.api.app import create_app
+from pipesched.api.settings import Settings
+from pipesched.optimizer.cost.profile import builtin_catalogue
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    path = tmp_path_factory.mktemp("profiles") / "pipesched.sqlite3"
+    with TestClient(create_app(Settings(database_url=f"sqlite:///{path}", solver_workers=1))) as test_client:
+        yield test_client
+
+
+def test_profiles_list_the_built_in_ones_with_their_interval(client: TestClient) -> None:
+    body = client.get("/v1/profiles").json()
+    by_name = {item["name"]: item for item in body["profiles"]}
+    assert {"A100-80GB", "H100-SXM", "H200", "B200", "MI300X"} <= set(by_name)
+    low, high = by_name["H100-SXM"]["interval_factors"]
+    assert low < 1 < high
+    assert by_name["MI300X"]["source"].startswith("not fitted")
+
+
+def test_a_registered_profile_is_listed_and_used_by_plans(client: TestClient) -> None:
+    h100 = builtin_catalogue().get("H100-SXM")
+    assert h100 is not None
+    mine = h100.model_copy(update={"name": "our-h100s", "gemm_efficiency": 0.5}).model_dump(mode="json")
+    created = client.post("/v1/profiles", json=mine)
+    assert created.status_code == 201, created.text
+    assert created.json()["built_in"] is False
+    names = [item["name"] for item in client.get("/v1/profiles").json()["profiles"]]
+    assert "our-h100s" in names
+    from pipesched.optimizer.planner.rank import plan
+    from pipesched.optimizer.planner.request import PlanRequest
+
+    def best(profile: str | None) -> float:
+        cluster = {"accelerator": "H100-SXM", "num_nodes": 1, **({"profile": profile} if profile else {})}
+        request = {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": cluster,
+            "training": {"global_batch_size": 16},
+            "search": {"time_limit_s": 5, "top": 1, "pipeline_parallel": [1]},
+        }
+        return plan(PlanRequest.model_validate(request)).answer.plans[0].tokens_per_s_per_gpu
+
+    assert best("our-h100s") < best(None)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"name": "H100-SXM"}, "name"), ({"name": "x", "accelerator": "H900"}, "accelerator")],
+)
+def test_bad_profiles_are_422_naming_the_field(client: TestClient, change: dict[str, str], field: str) -> None:
+    h100 = builtin_catalogue().get("H100-SXM")
+    assert h100 is not None
+    answer = client.post("/v1/profiles", json={**h100.model_dump(mode="json"), **change})
+    assert answer.status_code == 422
+    assert answer.json()["detail"][0]["loc"][-1] == field
