@@ -14,7 +14,7 @@ SHAPES = [
     {"stages_per_rank": 1},
     {"stages_per_rank": 2},
     {"stages_per_rank": 2, "placement": "v"},
-    {"stages_per_rank": 2, "placement": "bidirectional"},
+    {"stages_per_rank": 2, "placement": "bidirectional", "reduce_grad": 0.5},
     {"split_backward": False},
 ]
 
