@@ -178,11 +178,12 @@ def _worker(
 
 
 def steady_steps(schedule: Schedule, options: TrainingOptions | None) -> int:
-    """Flush or no flush, decided here once: K when ``schedule`` is a no-flush pattern (``step_period`` given) and the
-    run trains K steps with PipeDream-2BW's rule — the pattern's K steps then run as one, in steady state, no barrier
-    between them (:mod:`pipesched.runtime.pipedream`) — else 0: flushed steps one after another, a barrier between
-    them (a pattern without the 2BW rule runs its first step unrolled, K times)."""
-    if schedule.step_period is None or schedule.status == "infeasible" or options is None:
+    """Flush or no flush, decided here once: K when ``schedule.shape`` is ``"pattern"`` (no flush), the pipeline
+    has no replicas and the run trains K steps with PipeDream-2BW's rule — the pattern's K steps then run as one, in
+    steady state, no barrier between them (:mod:`pipesched.runtime.pipedream`) — else 0: flushed steps one after
+    another, a barrier between them (a pattern without the 2BW rule, or with data parallelism, runs its first step
+    unrolled, K times)."""
+    if schedule.shape == "step" or schedule.status == "infeasible" or options is None:
         return 0
     if schedule.problem.data_parallel_size > 1:
         return 0  # the steady executor holds no replicas' reductions: flushed steps, each one reduced
@@ -195,7 +196,7 @@ def executable_step(schedule: Schedule, steps: int = 1) -> Schedule:
     (:func:`pipesched.optimizer.pattern.unroll`; global microbatch ``t·m + j``), re-timed as one flushed run of
     ``steps · m`` microbatches.
     """
-    if schedule.step_period is None or schedule.status == "infeasible":
+    if schedule.shape == "step" or schedule.status == "infeasible":
         return schedule
     from pipesched.optimizer.communication import with_communication
     from pipesched.optimizer.instance import compile_problem

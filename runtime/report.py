@@ -128,8 +128,8 @@ class RunReport(BaseModel):
 
 
 def _predicted_step_time(schedule: Schedule) -> tuple[float | None, str]:
-    """``schedule.step_period`` (a no-flush pattern), else ``step_time``, else the makespan (ms), and which one."""
-    for name in ("step_period", "step_time"):
+    """``schedule.step_period`` (``shape`` ``"pattern"``), else ``step_time``, else the makespan (ms), and which one."""
+    for name in ("step_period", "step_time") if schedule.shape == "pattern" else ("step_time",):
         value = getattr(schedule, name, None)
         if value is not None:
             return float(value), name

@@ -106,7 +106,7 @@ def test_k_steps_match_the_reference(runs, case):
     # Training moved the loss: each step's loss is that of new parameters.
     assert len(set(report.losses)) == training["steps"]
     # a flushed step: its step time (the makespan here); a no-flush pattern: its steady-state period
-    expected = schedule.step_period if schedule.step_period is not None else executable_step(schedule).step_time
+    expected = schedule.step_period if schedule.shape == "pattern" else executable_step(schedule).step_time
     assert report.predicted_step_time_ms == expected
     assert report.measured_step_time_ms > 0
     assert len(report.measured_step_times_ms) == training["steps"]
@@ -191,7 +191,7 @@ def test_the_pipedream_2bw_family_runs_in_steady_state_with_the_delayed_update(r
     from pipesched.optimizer.pattern import unroll
 
     schedule, report = runs[case]
-    assert schedule.step_period is not None
+    assert schedule.shape == "pattern"
     assert max(a.microbatch for r in schedule.ranks for a in r.actions if a.microbatch is not None) >= NUM_MICROBATCHES
     assert report.engine == "pipesched"
     assert report.weight_versions == 2
