@@ -563,14 +563,7 @@ class Store:
                 schedule_id = session.scalar(select(ScheduleRow.id).where(ScheduleRow.problem_hash == key))
                 if schedule_id is None:
                     schedule_id = self._insert_schedule(session, key, schedule).id
-                launch = plan.launch.model_copy(
-                    update={
-                        "torchtitan": plan.launch.torchtitan.replace(
-                            "pipesched solve --format csv", f"GET /v1/schedules/{schedule_id}?format=csv"
-                        )
-                    }
-                )
-                plans.append(plan.model_copy(update={"schedule_id": schedule_id, "launch": launch}))
+                plans.append(plan.model_copy(update={"schedule_id": schedule_id}))
             stored = answer.model_copy(update={"id": plan_id, "status": "done", "plans": plans})
             session.execute(
                 update(PlanRow)

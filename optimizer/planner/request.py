@@ -155,7 +155,12 @@ class PlanRequest(StrictModel):
 
 
 class Launch(StrictModel):
-    """How to run the plan: a torchtitan TOML fragment and a torchrun command line."""
+    """How to run the plan.
+
+    ``torchtitan``: torchtitan ≥ 0.3's argv after ``-m torchtitan.train``, one argument a line (0.3 reads no TOML
+    job file; the contract's "TOML" text predates it); ``torchrun``: the command line. ``pipesched launch`` writes
+    the same argv to ``torchtitan.args`` beside the schedule's CSV and the scheduler's file.
+    """
 
     torchtitan: str
     torchrun: str

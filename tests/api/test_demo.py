@@ -29,7 +29,8 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     assert len(plans) >= 2
     steps = [plan["step_time_ms"] for plan in plans]
     assert steps == sorted(steps)
-    assert all(p["pipeline_parallel"] == 2 and p["data_parallel"] == {"size": 2, "sharding": "full"} for p in plans)
+    assert all(p["pipeline_parallel"] == 2 for p in plans)
+    assert all((p["data_parallel"]["size"], p["data_parallel"]["sharding"]) == (2, "full") for p in plans)
     assert "ranked layouts" in out and "naive" in out and "chosen" in out
     # 2. the chosen schedule carries its collectives, and the simulator re-times it to what it says
     schedule = json.loads((folder / "schedule.json").read_text())
