@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
+from pipesched.optimizer.ir import ActionKind, parse_action
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import simulate
 from pipesched.runtime import torch_compat
@@ -44,6 +45,7 @@ from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
 from pipesched.runtime.options import TrainingOptions
+from pipesched.runtime.records import StepRecord
 
 __all__ = [
     "SPREAD_WARNING",
@@ -171,7 +173,9 @@ class ProfileSettings:
 class RankProfile:
     """One process's measurements: per (kind, stage id) pass times (ms), per stage id saved bytes after F and after
     I, its output's bytes, its weights' bytes (unsharded), UNSHARD and REDUCE_GRAD times, optimizer-step times,
-    static bytes, and (pipeline ranks 0 and 1 of replica 0) p2p ``(bytes, one-way ms)`` samples."""
+    static bytes, and (pipeline ranks 0 and 1 of replica 0) p2p ``(bytes, one-way ms)`` samples; from the calibration
+    run, its step times and its UNSHARD / REDUCE_GRAD durations per stage id (``calibration_collectives``, keyed
+    ``("unshard" | "reduce_grad", stage id)``, steps after the first)."""
 
     rank: int
     pp_rank: int
@@ -187,6 +191,7 @@ class RankProfile:
     static_bytes: int = 0
     p2p: list[tuple[float, float]] = field(default_factory=list)
     calibration_ms: list[float] = field(default_factory=list)
+    calibration_collectives: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
 def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
@@ -396,7 +401,9 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
     if settings.measure_p2p and settings.skeleton.pipeline.num_ranks > 1:
         _measure_p2p(setup)
     if settings.calibrate:
-        setup.result.calibration_ms = _calibration_run(settings, global_rank, device, timeout_s)
+        steps = _calibration_run(settings, global_rank, device, timeout_s)
+        setup.result.calibration_ms = [step.time_ms for step in steps]
+        setup.result.calibration_collectives = _collective_durations(steps[1:])
     return setup.result
 
 
@@ -406,9 +413,9 @@ CALIBRATION_STEPS = 3
 
 def _calibration_run(
     settings: ProfileSettings, global_rank: int, device: torch.device, timeout_s: float
-) -> list[float]:
+) -> list[StepRecord]:
     """The run's own training steps of the calibration order on these processes
-    (:mod:`pipesched.runtime.calibration`): this process's step times, ms."""
+    (:mod:`pipesched.runtime.calibration`): this process's steps."""
     from dataclasses import replace
 
     from pipesched.optimizer.result import build_schedule
@@ -423,7 +430,20 @@ def _calibration_run(
     options = replace(settings.options, steps=CALIBRATION_STEPS, inject_nan=None)
     engine = resolve_engine(settings.engine, schedule)
     job = RankJob(schedule, settings.model, settings.seed, engine, settings.workdir, 1, options)
-    return [step.time_ms for step in train_rank(job, global_rank, device, timeout_s).steps]
+    return train_rank(job, global_rank, device, timeout_s).steps
+
+
+def _collective_durations(steps: list[StepRecord]) -> dict[tuple[str, int], list[float]]:
+    """Per ``("unshard" | "reduce_grad", stage id)``, how long each such action of ``steps`` ran on the rank's
+    communication stream (ms): beside the passes, on the cores the run shares, as the run will see it."""
+    durations: dict[tuple[str, int], list[float]] = {}
+    for step in steps:
+        for measured in step.communication:
+            action = parse_action(measured.action)
+            name = {ActionKind.UNSHARD: "unshard", ActionKind.REDUCE_GRAD: "reduce_grad"}.get(action.kind)
+            if name is not None:
+                durations.setdefault((name, action.stage), []).append(measured.end - measured.start)
+    return durations
 
 
 def _data_parallel_section(options: TrainingOptions) -> dict[str, Any] | None:
@@ -652,8 +672,11 @@ def _collectives(
         return {}
     data["data_parallel"] = _data_parallel_section(options)
     fits = {}
-    for name, samples_of in (("unshard", lambda r: r.unshard), ("reduce_grad", lambda r: r.reduce_grad)):
-        per_stage = measured.pooled(samples_of)
+    for name in ("unshard", "reduce_grad"):
+        # as the calibration run saw them (beside the passes, sharing the cores) where it ran them, else alone
+        per_stage = measured.pooled(lambda r, name=name: _of_kind(r.calibration_collectives, name))
+        if not all(per_stage):
+            per_stage = measured.pooled(lambda r, name=name: getattr(r, name))
         if not all(per_stage):
             continue
         medians = [statistics.median(samples) for samples in per_stage]
