@@ -275,6 +275,8 @@ class PointToPoint:
 
     def send(self, tensor: torch.Tensor, peer: int, stage: int, microbatch: int, backward: bool) -> None:
         tensor = tensor.detach().contiguous()
+        # Sends that have completed let their buffers go: a steady run of K steps is one step to drain.
+        self.pending = [(work, sent) for work, sent in self.pending if work is not None and not work.is_completed()]
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
         meta[0] = _DTYPES.index(tensor.dtype)
         meta[1] = tensor.dim()
