@@ -15,8 +15,9 @@ torch 1963fc8, torchtitan 9dec370): Grand Teton hosts of 8 H100s (96 GB HBM2e, 2
   torchtitan's default; two stages per rank assumed for the interleaved schedule).
 
 For each: the planner's prediction for torchtitan's own layout (every dimension pinned in ``search``), and
-the planner's best layout for the same model, GPUs, global batch, precision and kernels (70B and 405B ran
-torch.compile with Float8: ``training.precision: fp8``, ``training.kernels: compiled``). The cluster is the
+the planner's best layout for the same model, GPUs, global batch, precision and kernels (8B ran eager:
+``training.kernels: eager``; 70B and 405B ran torch.compile with Float8: ``training.precision: fp8``,
+``training.kernels: compiled``). The cluster is the
 benchmark's: H100 SXM peak (989.5 TFLOP/s dense bf16, the figure torchtitan's MFU uses), 96 GiB at 2.4 TB/s,
 NVLink 450 GB/s per direction inside a host, 50 GB/s per GPU between hosts; the H100-SXM profile calibrated by
 ``bench/calibration_bench.py`` (its 80% interval with every prediction). The best layout's gain is its
@@ -140,8 +141,11 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
 ]
 
 
-#: Precision and kernels of each case as torchtitan ran it (Tables 4 and 5: torch.compile + Float8).
+#: Precision and kernels of each case as torchtitan ran it (Tables 1 and 3: eager; 4 and 5: torch.compile +
+#: Float8); a request that does not say gets kernels "unknown" (docs/CALIBRATION.md).
 TRAINING: dict[str, dict[str, str]] = {
+    "8B, 8 GPUs": {"kernels": "eager"},
+    "8B, 128 GPUs": {"kernels": "eager"},
     "70B, 256 GPUs": {"precision": "fp8", "kernels": "compiled"},
     "405B, 512 GPUs, 1F1B": {"precision": "fp8", "kernels": "compiled"},
     "405B, 512 GPUs, interleaved": {"precision": "fp8", "kernels": "compiled"},

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.presets import MODEL_PRESETS
 
-__all__ = ["DTYPE_BYTES", "ClusterConfig", "ModelConfig", "TensorParallel"]
+__all__ = ["DTYPE_BYTES", "ClusterConfig", "ContextParallel", "ExpertParallel", "ModelConfig", "TensorParallel"]
 
 #: Bytes per element of each dtype.
 DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -54,6 +54,50 @@ class ModelConfig(BaseModel):
     ffn_type: Literal["gelu", "swiglu"] = Field(
         "gelu", description='"gelu": two FFN matrices h×f; "swiglu": three (gate, up, down).'
     )
+    head_dim: int | None = Field(
+        None, ge=1, le=65_536, description="Per-head size of queries, keys and values; null for h / a (Qwen3: 128)."
+    )
+    num_experts: int | None = Field(
+        None,
+        ge=1,
+        le=65_536,
+        description="Routed experts of each mixture-of-experts layer; null for a dense model (every FFN dense).",
+    )
+    num_experts_per_token: int | None = Field(
+        None, ge=1, le=1024, description="Experts each token is routed to (top-k); needed with num_experts."
+    )
+    moe_ffn_hidden_size: int | None = Field(
+        None, ge=1, le=16_777_216, description="Inner size of one expert's FFN; null for ffn_hidden_size."
+    )
+    num_shared_experts: int = Field(
+        0, ge=0, le=1024, description="Experts every token passes through besides its routed ones (DeepSeek)."
+    )
+    first_dense_layers: int = Field(
+        0, ge=0, description="Leading layers with a dense FFN of ffn_hidden_size instead of experts (DeepSeek-V3: 3)."
+    )
+    moe_load_imbalance: float = Field(
+        1.0,
+        ge=1.0,
+        le=64.0,
+        description="Tokens the busiest expert-parallel rank receives over the mean (1: balanced, as the "
+        "force-balanced NeMo and Megatron benchmarks; learned routers run about 1.1-1.3).",
+    )
+    q_lora_rank: int | None = Field(
+        None, ge=1, description="Multi-head latent attention: rank of the query compression; null for none."
+    )
+    kv_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        description="Multi-head latent attention (DeepSeek-V2/V3): rank of the joint key/value compression; null "
+        "for standard (grouped-query) attention.",
+    )
+    qk_nope_head_dim: int | None = Field(
+        None, ge=1, description="Multi-head latent attention: per-head query/key size without rotary embedding."
+    )
+    qk_rope_head_dim: int | None = Field(
+        None, ge=1, description="Multi-head latent attention: per-head query/key size carrying rotary embedding."
+    )
+    v_head_dim: int | None = Field(None, ge=1, description="Multi-head latent attention: per-head value size.")
     attention: Literal["flash", "eager"] = Field(
         "eager",
         description='"eager" stores the a·s² softmax scores and dropout mask; "flash" (FlashAttention) stores '
@@ -79,10 +123,12 @@ class ModelConfig(BaseModel):
         description='Matrix multiplies of the decoder layers: "bf16", or "fp8" (FP8 inputs and weights with bf16 '
         "elsewhere, as torchao's Float8Linear and Transformer Engine's current scaling).",
     )
-    kernels: Literal["eager", "compiled", "fused"] = Field(
-        "eager",
+    kernels: Literal["unknown", "eager", "compiled", "fused"] = Field(
+        "unknown",
         description='How elementwise work runs: "eager" PyTorch (torchtitan\'s default), "compiled" '
-        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine).',
+        '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine), or "unknown" (the '
+        "default: the framework is not said; its traffic is the one factor that best predicts every calibration "
+        "row, whatever its framework, and the interval widens to that fit's spread).",
     )
     layers_per_stage: list[int] | None = Field(
         None,
@@ -117,8 +163,32 @@ class ModelConfig(BaseModel):
 
     @property
     def head_size(self) -> int:
-        """Per-head size h / a."""
-        return self.hidden_size // self.num_attention_heads
+        """Per-head size: ``head_dim``, or h / a."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers (``num_experts`` given)."""
+        return self.num_experts is not None
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with experts: all but ``first_dense_layers`` for a mixture-of-experts model, else 0."""
+        return self.num_layers - self.first_dense_layers if self.is_moe else 0
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """One expert's FFN inner size: ``moe_ffn_hidden_size`` or the dense ``ffn_size``."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` given)."""
+        return self.kv_lora_rank is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has experts."""
+        return self.is_moe and layer >= self.first_dense_layers
 
     @property
     def ffn_size(self) -> int:
@@ -157,8 +227,68 @@ class ModelConfig(BaseModel):
                     kv,
                 )
             )
+        errors += self._moe_errors() + self._mla_errors()
         raise_field_errors("ModelConfig", errors)
         return self
+
+    def _moe_errors(self) -> list[tuple[tuple[str | int, ...], str, Any]]:
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = []
+        if self.num_experts is None:
+            given = [
+                name for name in ("num_experts_per_token", "moe_ffn_hidden_size") if getattr(self, name) is not None
+            ] + [name for name in ("num_shared_experts", "first_dense_layers") if getattr(self, name)]
+            errors += [
+                ((name,), f"{name} describes mixture-of-experts layers: give num_experts too, or drop it", None)
+                for name in given
+            ]
+            return errors
+        k = self.num_experts_per_token
+        if k is None:
+            errors.append(
+                (
+                    ("num_experts_per_token",),
+                    f"num_experts {self.num_experts} needs num_experts_per_token (top-k routing), e.g. 2 for Mixtral "
+                    "or 8 for DeepSeek-V3",
+                    None,
+                )
+            )
+        elif k > self.num_experts:
+            errors.append(
+                (
+                    ("num_experts_per_token",),
+                    f"{k} experts per token exceed the {self.num_experts} experts: use at most {self.num_experts}",
+                    k,
+                )
+            )
+        if self.first_dense_layers >= self.num_layers:
+            errors.append(
+                (
+                    ("first_dense_layers",),
+                    f"first_dense_layers {self.first_dense_layers} leaves none of the {self.num_layers} layers with "
+                    f"experts: use fewer than {self.num_layers}, or drop num_experts for a dense model",
+                    self.first_dense_layers,
+                )
+            )
+        return errors
+
+    def _mla_errors(self) -> list[tuple[tuple[str | int, ...], str, Any]]:
+        names = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.kv_lora_rank is None:
+            stray = [name for name in (*names, "q_lora_rank") if getattr(self, name) is not None]
+            return [
+                ((name,), f"{name} describes multi-head latent attention: give kv_lora_rank too, or drop it", None)
+                for name in stray
+            ]
+        return [
+            (
+                (name,),
+                f"multi-head latent attention (kv_lora_rank {self.kv_lora_rank}) needs {name} (DeepSeek-V3: "
+                "qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)",
+                None,
+            )
+            for name in names
+            if getattr(self, name) is None
+        ]
 
 
 #: The slowest link a cluster may name, B/s (1 MB/s): below it a collective's time overflows the estimates
@@ -265,4 +395,42 @@ class TensorParallel(BaseModel):
         False,
         description="Overlap the tensor-parallel collectives with the matrix multiplies (torchtitan's AsyncTP, "
         "Transformer Engine's communication overlap) instead of running them between them.",
+    )
+
+
+class ContextParallel(BaseModel):
+    """Context parallelism: the sequence of every microbatch sharded over ``size`` GPUs (contract, Plan:
+    ``context_parallel``; Megatron-LM ``--context-parallel-size``, torchtitan
+    ``parallelism.context_parallel_degree``).
+
+    Attention runs as ring attention (Liu et al. 2023): each rank keeps its queries and passes its key/value
+    block around the group, c − 1 steps each overlapped with one block's attention, and the causal mask is
+    balanced head-tail (each rank holds chunks i and 2c − 1 − i of 2c). Activations and every token-linear
+    FLOP divide by c; the weights do not (they are replicated over the group, so the data-parallel group of
+    the weights is d·c). :mod:`pipesched.optimizer.cost.context` has the formulas.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(1, ge=1, le=1024, description="Context-parallel degree c (GPUs sharing one sequence).")
+
+
+class ExpertParallel(BaseModel):
+    """Expert parallelism: the routed experts of every mixture-of-experts layer sharded over ``size`` GPUs
+    (contract, Plan: ``expert_parallel``; Megatron-LM ``--expert-model-parallel-size``, torchtitan
+    ``parallelism.expert_parallel_degree``).
+
+    The group is carved out of the ranks that hold the same attention shard (Megatron's MoE parallel folding:
+    ``size`` divides tensor × context × data-parallel GPUs), experts run whole on each rank (expert tensor
+    parallelism 1) when ``size`` > 1, and each MoE layer sends its tokens to their experts and back with two
+    all-to-alls per pass. :mod:`pipesched.optimizer.cost.experts` has the formulas.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: int = Field(1, ge=1, le=65_536, description="Expert-parallel degree (GPUs sharing one layer's experts).")
+    overlap: bool = Field(
+        False,
+        description="The all-to-alls run beside another microbatch's compute (DualPipe, DeepSeek-V3 §3.2.1; "
+        "Megatron's --overlap-moe-expert-parallel-comm) instead of on the critical path.",
     )

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import data_parallel_costs
+from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
 from pipesched.optimizer.families import method_field_errors, registry
@@ -35,6 +36,8 @@ class _DerivationInput(StrictModel):
     cluster: ClusterConfig
     tensor_parallel: TensorParallel | None = None
     data_parallel: DataParallel | None = None
+    context_parallel: ContextParallel | None = None
+    expert_parallel: ExpertParallel | None = None
 
 
 def load_problem(data: Mapping[str, Any]) -> Problem:
@@ -94,6 +97,8 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
                 parts.pipeline,
                 tensor_parallel=parts.tensor_parallel,
                 data_parallel=dp,
+                context_parallel=parts.context_parallel,
+                expert_parallel=parts.expert_parallel,
             )
         except ValidationError as error:
             _blame_inputs(error, parts.cluster, {"Costs": "costs", "Memory": "memory"}.get(error.title))
@@ -232,6 +237,7 @@ def _add_collectives(
         stage_largest_unit=derived.largest_unit,
         reshard_after_forward=dp.reshard_after_forward,
         reduce_bytes=4.0 if dp.reduce_dtype == "fp32" else 2.0,
+        **_expert_collectives(parts, derived, tp_size),
     )
     costs = dict(document["costs"])
     unshard, reduce_grad = collectives.unshard_ms, collectives.reduce_grad_ms
@@ -289,6 +295,19 @@ def _hide_behind_compute(
     if per_microbatch:
         document["data_parallel"] = {**dict(document["data_parallel"]), "reshard_after_forward": False}
     return new_unshard, new_reduce
+
+
+def _expert_collectives(parts: _DerivationInput, derived: DerivedProblem, tensor_parallel: int) -> dict[str, Any]:
+    """The routed experts' own reduction group for :func:`data_parallel_costs` (none for a dense model)."""
+    if not parts.model.is_moe or parts.data_parallel is None:
+        return {}
+    ep = parts.expert_parallel.size if parts.expert_parallel is not None else 1
+    groups = expert_groups(parts.model, tensor_parallel, ep)
+    return {
+        "stage_expert_parameters": [block.expert_parameters for block in derived.stages],
+        "expert_data_parallel_size": groups.data_parallel(tensor_parallel, 1, parts.data_parallel.size),
+        "expert_group_stride": groups.expert_parallel * groups.expert_tensor_parallel,
+    }
 
 
 def _derive_missing(value: Any) -> Any:

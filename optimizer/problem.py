@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.field_errors import StrictModel as _Strict
 from pipesched.optimizer.field_errors import raise_field_errors
 
@@ -364,6 +364,14 @@ class Problem(_Strict):
     data_parallel: DataParallel | None = Field(None, description="The data-parallel group; none means size 1.")
     tensor_parallel: TensorParallel | None = Field(
         None, description="Megatron tensor parallelism of every stage (with model/cluster); none means size 1."
+    )
+    context_parallel: ContextParallel | None = Field(
+        None,
+        description="Context parallelism of every stage (with model/cluster); none means size 1. data_parallel.size "
+        "then counts the d·c copies of each stage's weights.",
+    )
+    expert_parallel: ExpertParallel | None = Field(
+        None, description="Expert parallelism of the mixture-of-experts layers (with model/cluster); none means 1."
     )
     training: Training = Field(default_factory=Training, description="Flush, weight versions, post-validation.")
     split_backward: bool = Field(True, description="Split backward into I and W (false: fused B).")

@@ -85,7 +85,21 @@ def register_profile_file(path: Path) -> None:
 def print_plans(answer: PlanAnswer, out: Console) -> None:
     """The ranked plans as a table, then the search counts."""
     table = Table(title="plans, best first", title_justify="left")
-    columns = ("#", "pp", "tp", "dp", "chunks", "mb×m", "recompute", "prec", "method", "step ms", "tok/s/GPU")
+    columns = (
+        "#",
+        "pp",
+        "tp",
+        "cp",
+        "ep",
+        "dp",
+        "chunks",
+        "mb×m",
+        "recompute",
+        "prec",
+        "method",
+        "step ms",
+        "tok/s/GPU",
+    )
     for column in (*columns, "80% interval", "MFU"):
         table.add_column(
             column, justify="left" if column in ("dp", "chunks", "recompute", "prec", "method") else "right"
@@ -97,6 +111,8 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             str(rank),
             str(plan.pipeline_parallel),
             str(plan.tensor_parallel),
+            str(plan.context_parallel),
+            str(plan.expert_parallel),
             f"{plan.data_parallel.size} {plan.data_parallel.sharding}",
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",
@@ -119,6 +135,11 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         )
     for note in answer.notes:
         out.print(f"[bold yellow]note:[/bold yellow] {note}", highlight=False)
+    if answer.parameters is not None and answer.active_parameters is not None:
+        active = (
+            f", {answer.active_parameters / 1e9:.1f}B active" if answer.active_parameters < answer.parameters else ""
+        )
+        out.print(f"model: {answer.parameters / 1e9:.1f}B parameters{active}", highlight=False)
     searched = answer.searched
     out.print(
         f"searched: {searched.enumerated} enumerated, {searched.pruned_memory} pruned by memory, "

@@ -10,6 +10,13 @@
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
   the framework, not the chip) to the published peaks, minimising Σ log(published / predicted)².
+- **Unknown kernels**: the elementwise traffic of kernels mode ``unknown`` (the default: a layout given without
+  its framework) is the one factor that best predicts every row with its own mode ignored (every
+  source-and-accelerator group weighing the same, as in :mod:`.fit`; golden-section search on its logarithm);
+  the 10th and 90th percentile of those rows' log(published / predicted), each source-and-accelerator group
+  weighing the same (the spread between frameworks, not within MosaicML's many rows), become the least
+  interval of a plan in that mode (one parameter over hundreds of rows: its held-out error is its fit error
+  within a percent).
 - **MFU ceiling**: the highest MFU (the planner's definition, 6·N + 12·l·h·s per token over the bf16 peak) a row
   of the accelerator reached, by precision.
 """
@@ -17,10 +24,11 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from pipesched.optimizer.accelerators import CATALOGUE
-from pipesched.optimizer.calibration.fit import FitResult, quantile
+from pipesched.optimizer.calibration.fit import FitResult, predict_rows, quantile, weighted_quantile
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, use_catalogue
@@ -31,6 +39,7 @@ __all__ = [
     "MIN_ROWS_FOR_OWN_INTERVAL",
     "build_catalogue",
     "fit_memory_factor",
+    "fit_unknown_kernels",
     "measured_mfu",
 ]
 
@@ -72,6 +81,49 @@ def fit_memory_factor(rows: Sequence[Measurement], catalogue: ProfileCatalogue) 
 
     best = min((1.0 + 0.05 * step for step in range(41)), key=lambda factor: sum(e * e for e in errors(factor)))
     return best, errors(best)
+
+
+def fit_unknown_kernels(
+    rows: Sequence[Measurement], catalogue: ProfileCatalogue, *, steps: int = 16
+) -> tuple[ProfileCatalogue, list[float]]:
+    """``catalogue`` with the elementwise traffic of kernels ``unknown`` fitted and its interval set, and each
+    row's log(published / predicted) in that mode (module docstring)."""
+    counts = Counter((row.source, row.accelerator) for row in rows)
+    weights = [1.0 / counts[(row.source, row.accelerator)] for row in rows]
+
+    def trial(log_factor: float) -> ProfileCatalogue:
+        software = catalogue.software.model_copy(deep=True)
+        software.elementwise_traffic["unknown"] = math.exp(log_factor)
+        return catalogue.model_copy(update={"software": software})
+
+    def errors(log_factor: float) -> list[float]:
+        predicted = predict_rows(rows, trial(log_factor), kernels="unknown")
+        return [math.log(row.measured.tokens_per_s_per_gpu / p) for row, p in zip(rows, predicted, strict=True)]
+
+    def objective(log_factor: float) -> float:
+        return sum(w * e * e for w, e in zip(weights, errors(log_factor), strict=True))
+
+    low, high = math.log(0.3), math.log(8.0)
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = high - ratio * (high - low), low + ratio * (high - low)
+    fa, fb = objective(a), objective(b)
+    for _ in range(steps):
+        if fa <= fb:
+            high, b, fb = b, a, fa
+            a = high - ratio * (high - low)
+            fa = objective(a)
+        else:
+            low, a, fa = a, b, fb
+            b = low + ratio * (high - low)
+            fb = objective(b)
+    best = (low + high) / 2
+    fitted = errors(best)
+    result = trial(best)
+    result.software.unknown_kernels_log_error = (
+        round(weighted_quantile(fitted, weights, 0.1), 4),
+        round(weighted_quantile(fitted, weights, 0.9), 4),
+    )
+    return result, fitted
 
 
 def _with_factor(catalogue: ProfileCatalogue, factor: float) -> ProfileCatalogue:

@@ -4,7 +4,8 @@ The model of a run is the planner's own (:mod:`.predict`): each row's tokens/s p
 layout with a candidate catalogue of profiles in force (:func:`pipesched.optimizer.cost.profile.use_catalogue`).
 The fit minimises, over a handful of parameters (:data:`PARAMETERS`: per accelerator the bf16 and fp8
 matrix-multiply and FlashAttention efficiencies; shared by all, the elementwise traffic of eager and compiled
-kernels, the matrix-multiply shape term and the overlap slowdown),
+kernels, the matrix-multiply shape term, the overlap slowdown, the 2023 flash-attn kernels' speed on
+Hopper, the bytes of a fused FP8 cast, and the share of tensor-parallel traffic AsyncTP hides),
 
     Σ_rows (w · log(predicted / published))² + Σ_parameters ((φ − φ₀) / τ)²
 
@@ -50,6 +51,7 @@ __all__ = [
     "group_of",
     "predict_rows",
     "quantile",
+    "weighted_quantile",
 ]
 
 
@@ -87,8 +89,16 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("attention_efficiency", ("H100-SXM",), 0.5, 0.5, 0.1, 1.0, _on("H100-SXM")),
     Parameter("fp8_gemm_efficiency", ("B200",), 0.6, 0.3, 0.2, 1.0, _fp8_on("B200")),
     Parameter("attention_efficiency", ("B200",), 0.5, 0.5, 0.1, 1.0, _on("B200")),
+    # the 2023 kernels on Hopper: FlashAttention-3 (Shah et al. 2024, §4.1) measures them at about half its speed
+    # (on Ampere they are today's kernels: the A100 rows run them as "current")
     Parameter(
-        "attention.flash-attn-2023", (), 1.0, 0.7, 0.2, 2.0, lambda row: row.software.attention_kernel != "current"
+        "attention.flash-attn-2023/H100-SXM",
+        (),
+        0.5,
+        0.5,
+        0.1,
+        2.0,
+        lambda row: row.software.attention_kernel == "flash-attn-2023" and row.accelerator == "H100-SXM",
     ),
     Parameter("software.eager", (), 1.5, 0.7, 0.3, 8.0, _kernels("eager")),
     Parameter(
@@ -101,6 +111,26 @@ PARAMETERS: tuple[Parameter, ...] = (
         lambda row: kernels_mode(row) == "eager" and row.model.norm == "rmsnorm",
     ),
     Parameter("software.compiled", (), 1.0, 0.7, 0.2, 8.0, _kernels("compiled")),
+    # Transformer Engine fuses the input casts into the norm / activation kernels and casts each weight once a step
+    Parameter(
+        "fp8_cast.fused",
+        (),
+        1.0,
+        1.0,
+        0.01,
+        5.0,
+        lambda row: row.training.precision == "fp8" and kernels_mode(row) == "fused",
+    ),
+    # AsyncTP's chunked overlap leaves the first and last chunk exposed (SoftwareProfile.async_tensor_parallel_hidden)
+    Parameter(
+        "async_tensor_parallel_hidden",
+        (),
+        0.5,
+        0.7,
+        0.05,
+        1.0,
+        lambda row: row.software.async_tensor_parallel and row.layout.tensor_parallel > 1,
+    ),
     Parameter("shape", (), 1.0, 1.0, 0.01, 20.0),
     Parameter("overlap_slowdown", (), 0.1, 1.0, 0.001, 0.9),
 )
@@ -120,8 +150,10 @@ def apply_parameters(
     for parameter, value in zip(parameters, values, strict=True):
         if parameter.name.startswith("software."):
             software.elementwise_traffic[parameter.name.split(".", 1)[1]] = value
-        elif parameter.name == "unfused_traffic":
-            software.unfused_traffic = value
+        elif parameter.name in ("unfused_traffic", "async_tensor_parallel_hidden"):
+            setattr(software, parameter.name, value)
+        elif parameter.name.startswith("fp8_cast."):
+            software.fp8_cast_bytes_per_element[parameter.name.split(".", 1)[1]] = value
         elif parameter.name.startswith("attention."):
             software.attention_kernel_speed[parameter.name.split(".", 1)[1]] = value
         elif parameter.name == "scale":
@@ -151,8 +183,9 @@ def apply_parameters(
     return ProfileCatalogue(software=software, profiles=profiles, fitted=base.fitted)
 
 
-def predict_rows(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> list[float]:
-    """Predicted tokens/s per GPU of each row under ``catalogue`` (the planner's evaluation, :mod:`.predict`).
+def predict_rows(rows: Sequence[Measurement], catalogue: ProfileCatalogue, kernels: str | None = None) -> list[float]:
+    """Predicted tokens/s per GPU of each row under ``catalogue`` (the planner's evaluation, :mod:`.predict`),
+    each with its own kernels mode or ``kernels``.
 
     Raises:
         ValueError: a row the planner cannot evaluate (its reason).
@@ -160,7 +193,7 @@ def predict_rows(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> li
     predicted = []
     with use_catalogue(catalogue):
         for row in rows:
-            result = predict(row)
+            result = predict(row, kernels=kernels)
             if result.tokens_per_s_per_gpu is None:
                 raise ValueError(f"row {row.key} cannot be predicted: {result.reason}")
             predicted.append(result.tokens_per_s_per_gpu)
@@ -183,6 +216,20 @@ def quantile(values: Sequence[float], q: float) -> float:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def weighted_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` each counted ``weights`` times (the smallest value whose cumulative
+    weight reaches q of the total)."""
+    pairs = sorted(zip(values, weights, strict=True))
+    if not pairs:
+        return 0.0
+    target, total = q * sum(weight for _, weight in pairs), 0.0
+    for value, weight in pairs:
+        total += weight
+        if total >= target:
+            return value
+    return pairs[-1][0]
 
 
 @dataclass

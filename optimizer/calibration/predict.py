@@ -42,7 +42,7 @@ def configuration(row: Measurement) -> Configuration:
         pipeline_parallel=layout.pipeline_parallel,
         tensor_parallel=layout.tensor_parallel,
         data_parallel_size=layout.data_parallel,
-        sharding=layout.sharding if layout.data_parallel > 1 else "none",
+        sharding=layout.sharding if layout.data_parallel * layout.context_parallel > 1 else "none",
         stages_per_rank=layout.stages_per_rank,
         placement=placement,
         micro_batch_size=run.micro_batch_size,
@@ -50,12 +50,14 @@ def configuration(row: Measurement) -> Configuration:
         activation_recomputation=run.activation_recomputation,
         method=method,
         precision=run.precision,
+        context_parallel=layout.context_parallel,
+        expert_parallel=layout.expert_parallel,
     )
 
 
-def _model(row: Measurement) -> ModelConfig:
+def _model(row: Measurement, kernels: str | None = None) -> ModelConfig:
     fields: dict[str, Any] = row.model.model_dump(exclude_none=True)
-    fields.update(precision=row.training.precision, kernels=kernels_mode(row))
+    fields.update(precision=row.training.precision, kernels=kernels or kernels_mode(row))
     return ModelConfig.model_validate(fields)
 
 
@@ -64,17 +66,18 @@ def _cluster(row: Measurement, profile: str | None) -> ClusterConfig:
     if profile is not None:
         fields["profile"] = profile
     cluster = ClusterConfig.model_validate(fields)
-    speed = active_catalogue().software.attention_kernel_speed.get(row.software.attention_kernel, 1.0)
+    speed = active_catalogue().software.attention_speed(row.software.attention_kernel, row.accelerator)
     if speed != 1.0 and cluster.attention_efficiency is None:
         base = resolve_hardware(cluster).profile.attention_efficiency
         cluster = cluster.model_copy(update={"attention_efficiency": min(1.0, base * speed)})
     return cluster
 
 
-def estimator(row: Measurement, profile: str | None = None) -> Estimator:
-    """The planner's estimator for the row's model and cluster (``profile``: a ``cluster.profile`` name)."""
+def estimator(row: Measurement, profile: str | None = None, kernels: str | None = None) -> Estimator:
+    """The planner's estimator for the row's model and cluster (``profile``: a ``cluster.profile`` name;
+    ``kernels``: a kernels mode in place of the row's own, e.g. "unknown")."""
     return Estimator(
-        _model(row),
+        _model(row, kernels),
         _cluster(row, profile),
         row.training.global_batch_size,
         sequence_parallel=row.layout.sequence_parallel,
@@ -94,10 +97,12 @@ class Prediction:
     reason: str | None = None
 
 
-def predict(row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0) -> Prediction:
+def predict(
+    row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0, kernels: str | None = None
+) -> Prediction:
     """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
-    ran), so a prediction above the GPU's memory is still given."""
-    est = estimator(row, profile)
+    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode."""
+    est = estimator(row, profile, kernels)
     config = configuration(row)
     estimate = est.estimate(config)
     evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)

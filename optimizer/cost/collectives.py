@@ -141,6 +141,8 @@ def group_link(cluster: ClusterConfig, group_size: int, tensor_parallel: int = 1
         if tensor_parallel * group_size > gpus_per_node and inter:
             per_node = max(1, min(group_size, gpus_per_node // max(tensor_parallel, 1)))
             nodes = group_size / per_node
+            if nodes <= 1:  # a group of one (nothing moves), or spread one rank per node by a wide stride
+                return float(inter), "inter-node"
             network = per_node * float(inter) * ((group_size - 1) / group_size) / ((nodes - 1) / nodes)
             return (min(float(intra), network) if intra else network), "inter-node"
     return float(cluster.p2p_bandwidth_bytes_per_s), "p2p link"
@@ -186,6 +188,9 @@ def data_parallel_costs(
     stage_largest_unit: list[float] | None = None,
     reshard_after_forward: bool = False,
     reduce_bytes: float = GRADIENT_REDUCE_BYTES,
+    stage_expert_parameters: list[float] | None = None,
+    expert_data_parallel_size: int | None = None,
+    expert_group_stride: int = 1,
 ) -> DataParallelCosts:
     """Collective times (ms), optimizer step (ms) and memory (bytes) of a pipeline with d data-parallel copies.
 
@@ -204,9 +209,31 @@ def data_parallel_costs(
             or the final norm with the head); ``None``: the whole stage is one unit.
         reshard_after_forward: with ``full``, units are freed after their forward (module docstring).
         reduce_bytes: bytes per gradient element on the wire (4 for fp32, 2 for a bf16 reduction).
+        stage_expert_parameters: the routed-expert parameters among each stage's (expert parallelism,
+            :mod:`pipesched.optimizer.cost.experts`): reduced, gathered and sharded over
+            ``expert_data_parallel_size`` GPUs (the ranks holding the same experts, every
+            ``expert_group_stride``-th GPU: expert-tensor × expert-parallel degree) instead of d.
 
     Formulas and sources: module docstring.
     """
+    if stage_expert_parameters is not None and expert_data_parallel_size is not None:
+        return _with_experts(
+            model=model,
+            cluster=cluster,
+            stage_parameters=stage_parameters,
+            stage_holders=stage_holders,
+            num_ranks=num_ranks,
+            data_parallel_size=data_parallel_size,
+            sharding=sharding,
+            memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s,
+            tensor_parallel=tensor_parallel,
+            stage_largest_unit=stage_largest_unit,
+            reshard_after_forward=reshard_after_forward,
+            reduce_bytes=reduce_bytes,
+            stage_expert_parameters=stage_expert_parameters,
+            expert_data_parallel_size=expert_data_parallel_size,
+            expert_group_stride=expert_group_stride,
+        )
     d = data_parallel_size
     weight_bytes = float(model.dtype_bytes)
     bandwidth, link = group_link(cluster, d, tensor_parallel)
@@ -251,6 +278,49 @@ def data_parallel_costs(
         gradients_bytes=gradients,
         static_bytes=[float(round(x)) for x in static],
         link=link,
+    )
+
+
+def _with_experts(
+    *,
+    stage_parameters: list[float],
+    stage_expert_parameters: list[float],
+    expert_data_parallel_size: int,
+    expert_group_stride: int,
+    tensor_parallel: int,
+    stage_largest_unit: list[float] | None,
+    **common: Any,
+) -> DataParallelCosts:
+    """The dense parameters over the data-parallel group plus the routed experts over their own group: times
+    add (one stream runs both), bytes add, the optimizer steps add. The one FSDP unit's unsharded gradient
+    buffer is counted with the dense part only."""
+    dense_parameters = [
+        total - experts for total, experts in zip(stage_parameters, stage_expert_parameters, strict=True)
+    ]
+    dense = data_parallel_costs(
+        stage_parameters=dense_parameters,
+        tensor_parallel=tensor_parallel,
+        stage_largest_unit=stage_largest_unit,
+        **common,
+    )
+    experts = data_parallel_costs(
+        **{**common, "data_parallel_size": expert_data_parallel_size},
+        stage_parameters=list(stage_expert_parameters),
+        tensor_parallel=expert_group_stride,
+        stage_largest_unit=stage_largest_unit if common["reshard_after_forward"] else [0.0] * len(stage_parameters),
+    )
+
+    def add(first: list[float], second: list[float]) -> list[float]:
+        return [round(a + b, 6) for a, b in zip(first, second, strict=True)]
+
+    return DataParallelCosts(
+        unshard_ms=add(dense.unshard_ms, experts.unshard_ms),
+        reduce_grad_ms=add(dense.reduce_grad_ms, experts.reduce_grad_ms),
+        optimizer_step_ms=add(dense.optimizer_step_ms, experts.optimizer_step_ms),
+        weights_bytes=add(dense.weights_bytes, experts.weights_bytes),
+        gradients_bytes=add(dense.gradients_bytes, experts.gradients_bytes),
+        static_bytes=[float(round(a + b)) for a, b in zip(dense.static_bytes, experts.static_bytes, strict=True)],
+        link=dense.link if dense.link == experts.link else f"{dense.link} (experts {experts.link})",
     )
 
 

@@ -16,6 +16,19 @@ inner size, V the vocabulary, t the tensor-parallel degree.
 - Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, §3): every linear layer and the attention heads are
   split t ways, so all of the above divides by t; norms are replicated (their parameters counted on every
   rank).
+- Per-head sizes other than h/a (``head_dim``, Qwen3): queries a·d, keys and values n_kv·d, output a·d×h.
+- Multi-head latent attention (DeepSeek-AI 2024, "DeepSeek-V2", §2.1.2, Eq. 9–11; DeepSeek-V3 §2.1.1):
+  queries h·r_q + r_q·a·(d_nope + d_rope) (or h·a·(d_nope + d_rope) without query compression), keys and
+  values h·(r_kv + d_rope) + r_kv·a·(d_nope + d_v), output a·d_v·h; the attention core multiplies
+  a·(d_nope + d_rope) wide queries and keys and a·d_v wide values (training runs it uncompressed).
+- Mixture of experts (Shazeer et al. 2017; Fedus et al. 2022, Switch; DeepSeek-V3 §2.1.2): a layer holds
+  E routed experts and the shared ones, each an FFN of the expert size, plus the E×h router; a token passes
+  its top-k routed experts and every shared one, so its FLOPs count k + shared experts and the router
+  (the *active* parameters), while memory counts all E. The busiest expert-parallel rank processes
+  ``moe_load_imbalance`` times the mean of the routed tokens.
+- Context parallelism c (Liu et al. 2023, ring attention; Megatron-LM's ``--context-parallel-size``): each
+  rank holds s/c of the sequence, so the token-linear FLOPs divide by c; with causal masks the head-tail
+  split (torchtitan's load balancer, Megatron's zig-zag) gives every rank 1/c of the causal attention core.
 """
 
 from __future__ import annotations
@@ -26,12 +39,17 @@ from pipesched.optimizer.configs import ModelConfig
 
 __all__ = [
     "PassFlops",
+    "active_parameters",
+    "attention_core_width",
+    "attention_linear_parameters",
     "embedding_parameters",
+    "expert_parameters",
     "head_flops",
     "head_parameters",
     "layer_flops",
     "layer_linear_parameters",
     "layer_parameters",
+    "model_flops_per_token",
     "model_parameters",
     "norm_parameters",
 ]
@@ -39,12 +57,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class PassFlops:
-    """Matrix-multiply FLOPs of F, I and W for one microbatch, and of the attention core inside F."""
+    """Matrix-multiply FLOPs of F, I and W for one microbatch, of the attention core inside F and I, and of a
+    mixture-of-experts layer's routed and shared experts inside F."""
 
     forward: float
     backward_input: float
     backward_weight: float
     attention_forward: float
+    attention_backward: float = 0.0
+    experts_forward: float = 0.0
 
 
 def norm_parameters(model: ModelConfig) -> int:
@@ -56,20 +77,85 @@ def _kv_width(model: ModelConfig) -> int:
     return model.head_size * model.key_value_heads
 
 
-def layer_linear_parameters(model: ModelConfig) -> int:
-    """Weights (no biases, no norms) of one layer's matrices: h·(2h + 2k) + (2 or 3)·h·f."""
-    h, f, k = model.hidden_size, model.ffn_size, _kv_width(model)
-    matrices = 3 if model.ffn_type == "swiglu" else 2
-    return h * (2 * h + 2 * k) + matrices * h * f
+def _query_width(model: ModelConfig) -> int:
+    return model.head_size * model.num_attention_heads
 
 
-def layer_parameters(model: ModelConfig) -> int:
-    """All parameters of one layer: the matrices, biases (h + 2k + h attention; f or 2f, + h FFN), two norms."""
-    h, f, k = model.hidden_size, model.ffn_size, _kv_width(model)
-    biases = 0
-    if model.bias:
-        biases = (2 * h + 2 * k) + (2 * f if model.ffn_type == "swiglu" else f) + h
-    return layer_linear_parameters(model) + biases + 2 * norm_parameters(model)
+def _matrices(model: ModelConfig) -> int:
+    return 3 if model.ffn_type == "swiglu" else 2
+
+
+def attention_linear_parameters(model: ModelConfig) -> int:
+    """Weights of one layer's attention projections (no biases, no norms): h·(q + 2k) + q·h with query width
+    q = a·d and key/value width k = n_kv·d, or multi-head latent attention's (module docstring)."""
+    h = model.hidden_size
+    if not model.is_mla:
+        q, k = _query_width(model), _kv_width(model)
+        return h * (q + 2 * k) + q * h
+    a = model.num_attention_heads
+    nope, rope, value = model.qk_nope_head_dim or 0, model.qk_rope_head_dim or 0, model.v_head_dim or 0
+    kv_rank = model.kv_lora_rank or 0
+    qk = a * (nope + rope)
+    query = h * qk if model.q_lora_rank is None else h * model.q_lora_rank + model.q_lora_rank * qk
+    key_value = h * (kv_rank + rope) + kv_rank * a * (nope + value)
+    return query + key_value + a * value * h
+
+
+def attention_core_width(model: ModelConfig) -> tuple[int, int]:
+    """(query/key width, value width) the attention core multiplies per token: a·d each for standard
+    attention, a·(d_nope + d_rope) and a·d_v for multi-head latent attention."""
+    if model.is_mla:
+        a = model.num_attention_heads
+        return a * ((model.qk_nope_head_dim or 0) + (model.qk_rope_head_dim or 0)), a * (model.v_head_dim or 0)
+    return _query_width(model), _query_width(model)
+
+
+def _attention_extra_parameters(model: ModelConfig) -> int:
+    """Biases of the projections (q + 2k + h) and multi-head latent attention's two latent norms."""
+    extra = 0
+    if model.bias and not model.is_mla:
+        extra += _query_width(model) + 2 * _kv_width(model) + model.hidden_size
+    if model.is_mla:
+        extra += (model.q_lora_rank or 0) + (model.kv_lora_rank or 0)
+    return extra
+
+
+def _ffn_parameters(model: ModelConfig, inner: int) -> int:
+    """One FFN of inner size ``inner``: 2 or 3 matrices h×inner, and biases (inner or 2·inner, + h)."""
+    h = model.hidden_size
+    biases = ((2 if model.ffn_type == "swiglu" else 1) * inner + h) if model.bias else 0
+    return _matrices(model) * h * inner + biases
+
+
+def expert_parameters(model: ModelConfig) -> int:
+    """One expert (routed or shared): an FFN of ``expert_ffn_size``."""
+    return _ffn_parameters(model, model.expert_ffn_size)
+
+
+def layer_linear_parameters(model: ModelConfig, *, moe: bool = False) -> int:
+    """Weights (no biases, no norms) a token multiplies in one layer: the attention projections and (2 or 3)·h·f,
+    or with ``moe`` its k routed and the shared experts' matrices plus the E×h router (the active matrices)."""
+    h = model.hidden_size
+    if moe and model.is_moe:
+        experts = (model.num_experts_per_token or 1) + model.num_shared_experts
+        mlp = experts * _matrices(model) * h * model.expert_ffn_size + (model.num_experts or 0) * h
+    else:
+        mlp = _matrices(model) * h * model.ffn_size
+    return attention_linear_parameters(model) + mlp
+
+
+def layer_parameters(model: ModelConfig, *, moe: bool = False, active: bool = False) -> int:
+    """All parameters of one layer: attention (with biases and latent norms), the FFN (dense, or with ``moe``
+    every routed and shared expert plus the router; ``active``: the k routed experts only), two norms."""
+    attention = attention_linear_parameters(model) + _attention_extra_parameters(model)
+    if moe and model.is_moe:
+        routed = (model.num_experts_per_token or 1) if active else (model.num_experts or 0)
+        mlp = (routed + model.num_shared_experts) * expert_parameters(model) + (model.num_experts or 0) * (
+            model.hidden_size
+        )
+    else:
+        mlp = _ffn_parameters(model, model.ffn_size)
+    return attention + mlp + 2 * norm_parameters(model)
 
 
 def embedding_parameters(model: ModelConfig) -> int:
@@ -84,31 +170,72 @@ def head_parameters(model: ModelConfig, *, separate_copy: bool = True) -> int:
     return norm_parameters(model) + head
 
 
+def _layers_parameters(model: ModelConfig, *, active: bool) -> int:
+    dense = model.num_layers - model.num_moe_layers
+    moe = layer_parameters(model, moe=True, active=active) if model.is_moe else 0
+    return dense * layer_parameters(model) + model.num_moe_layers * moe
+
+
 def model_parameters(model: ModelConfig) -> int:
-    """Distinct parameters of the whole model (a tied head counted once): the published parameter count."""
+    """Distinct parameters of the whole model (a tied head counted once, every expert): the published count."""
     return (
-        model.num_layers * layer_parameters(model)
+        _layers_parameters(model, active=False)
         + embedding_parameters(model)
         + head_parameters(model, separate_copy=False)
     )
 
 
-def layer_flops(model: ModelConfig, tensor_parallel: int = 1) -> PassFlops:
-    """FLOPs of one layer's F, I, W for one microbatch on one of ``tensor_parallel`` ranks (module docstring)."""
-    s, b, h = model.seq_length, model.micro_batch_size, model.hidden_size
+def active_parameters(model: ModelConfig) -> int:
+    """Parameters one token passes through: :func:`model_parameters` with only the k routed experts of each
+    mixture-of-experts layer (the published "activated" count; equal to it for a dense model)."""
+    return (
+        _layers_parameters(model, active=True)
+        + embedding_parameters(model)
+        + head_parameters(model, separate_copy=False)
+    )
+
+
+def model_flops_per_token(model: ModelConfig, *, causal: bool = False) -> float:
+    """Model FLOPs of one training token (forward and backward, no recomputation): 6 × the active matrices
+    of every layer and the LM head, plus the attention core 6·s·(q + v) per layer (PaLM, Chowdhery et al. 2022,
+    App. B: 6N + 12·l·h·s at q = v = h), halved with ``causal`` (Megatron-LM's ``num_floating_point_operations``
+    since 2025). The embedding lookup counts nothing."""
+    dense = model.num_layers - model.num_moe_layers
+    matrices = dense * layer_linear_parameters(model) + model.num_moe_layers * layer_linear_parameters(model, moe=True)
+    query_key, value = attention_core_width(model)
+    core = 6 * model.seq_length * (query_key + value) * model.num_layers
+    return 6 * (matrices + model.vocab_size * model.hidden_size) + (core / 2 if causal else core)
+
+
+def layer_flops(
+    model: ModelConfig, tensor_parallel: int = 1, *, moe: bool = False, context_parallel: int = 1
+) -> PassFlops:
+    """FLOPs of one layer's F, I, W for one microbatch on one of ``tensor_parallel`` × ``context_parallel`` ranks
+    (module docstring); ``moe``: a mixture-of-experts layer, its routed experts scaled by ``moe_load_imbalance``
+    (the busiest rank's share)."""
+    s, b = model.seq_length, model.micro_batch_size
     tokens = s * b
-    linear = 2 * tokens * layer_linear_parameters(model)
-    attention = 4 * s * s * b * h
+    linear = 2.0 * tokens * layer_linear_parameters(model, moe=moe)
+    experts = 0.0
+    if moe and model.is_moe:
+        expert = _matrices(model) * model.hidden_size * model.expert_ffn_size
+        routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
+        linear += 2 * tokens * (model.num_experts_per_token or 1) * expert * (model.moe_load_imbalance - 1.0)
+        experts = 2.0 * tokens * (routed + model.num_shared_experts) * expert
+    query_key, value = attention_core_width(model)
+    attention = 2 * s * s * b * (query_key + value)
     if model.attention == "flash":
         attention_forward, attention_backward = attention / 2, 2.5 * attention / 2
     else:
         attention_forward, attention_backward = attention, 2.0 * attention
-    t = tensor_parallel
+    t = tensor_parallel * context_parallel
     return PassFlops(
         forward=(linear + attention_forward) / t,
         backward_input=(linear + attention_backward) / t,
         backward_weight=linear / t,
         attention_forward=attention_forward / t,
+        attention_backward=attention_backward / t,
+        experts_forward=experts / t,
     )
 
 

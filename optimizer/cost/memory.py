@@ -20,7 +20,9 @@ stores no scores, ``selective`` is torchtitan's op-level policy instead (``activ
 "selective"``, ``selective_ac_option = "op"``: keep the attention output and every other matrix-multiply
 output, recompute the rest): per token the layer input 2h, the attention output 2h and half of the seven
 matrix-multiply outputs Q h, K k, V k, output h, FFN f (and f for SwiGLU's up), down h: 2h + 2h + (3h + 2k +
-f·(1 or 2)) bytes, split by t like the rest.
+f·(1 or 2)) bytes, split by t like the rest. On a mixture-of-experts model ``selective`` is Megatron-Core's
+fine-grained recipe (norms, activation functions and MLA's up-projections recomputed:
+:func:`megatron_selective_bytes`), the one its MoE configurations run.
 
 Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1, M_W = 32·sbh at f = 4h):
 the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
@@ -37,8 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.flops import attention_core_width
 
-__all__ = ["LayerActivation", "layer_activation", "static_bytes_per_parameter_sharded"]
+__all__ = [
+    "LayerActivation",
+    "SelectiveBytes",
+    "layer_activation",
+    "megatron_selective_bytes",
+    "static_bytes_per_parameter_sharded",
+]
 
 
 @dataclass(frozen=True)
@@ -58,24 +67,106 @@ class LayerActivation:
     full: float
 
 
-def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_parallel: bool = True) -> LayerActivation:
-    """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention)."""
-    s, b, h, a, f = (
-        model.seq_length,
-        model.micro_batch_size,
-        model.hidden_size,
-        model.num_attention_heads,
-        model.ffn_size,
-    )
+def _attention_widths(model: ModelConfig) -> tuple[float, float, float]:
+    """Per token, in 16-bit bytes: (attention activations split by t, those W still needs, the matrix-multiply
+    outputs torchtitan's selective policy keeps). Standard attention: Q 2q, K and V 2k each, the projection's
+    input 2q (4h + 4k at q = h); W needs the inputs and output gradients 8h + 4k. Multi-head latent
+    attention adds its latents (query 2·r_q, key/value 2·(r_kv + d_rope), each normalised: twice)."""
+    h = model.hidden_size
+    query_key, value = attention_core_width(model)
+    if model.is_mla:
+        latents = 4 * (model.q_lora_rank or 0) + 4 * (model.kv_lora_rank or 0) + 2 * (model.qk_rope_head_dim or 0)
+        stored = 2 * query_key + 2 * query_key + 2 * value + 2 * value + latents
+        retained = 4 * h + 2 * (2 * query_key + value) + 2 * value + latents
+        kept = 2 * query_key + value + h + latents / 2
+        return stored, retained, kept
     k = model.head_size * model.key_value_heads
+    stored = 2 * query_key + 4 * k + 2 * value
+    retained = 4 * h + 2 * (query_key + 2 * k) + 2 * value
+    return stored, retained, query_key + 2 * k + h
+
+
+def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
+    """Per token, in 16-bit bytes: (FFN activations split by t, those W still needs, the matrix-multiply
+    outputs the selective policy keeps). Dense GeLU 4f (W: 4h + 4f), SwiGLU 8f (W: 4h + 6f). A
+    mixture-of-experts layer stores what Megatron-Core's grouped MLP keeps (the router's probabilities folded
+    into the activation function, so unpermuting the outputs keeps nothing; SwiGLU fused, its gate and up
+    outputs kept and SiLU rerun in the backward): for each of its k·imbalance routed copies the permuted input
+    2h, the first matrix's output (SwiGLU 4f, GeLU 2f) and the activation's output 2f; for each shared expert
+    the inner ones; the router's fp32 logits and probabilities (8·E bytes). W needs each expert matrix's input
+    and output gradient (2h + 2f per copy). Selective recomputation on a mixture-of-experts model is
+    Megatron's recipe (:func:`megatron_selective_bytes`)."""
+    h, gelu = model.hidden_size, model.ffn_type == "gelu"
+    if not (moe and model.is_moe):
+        f = model.ffn_size
+        return (4 * f if gelu else 8 * f), 4 * h + (4 * f if gelu else 6 * f), (f if gelu else 2 * f) + h
+    f = model.expert_ffn_size
+    routed = (model.num_experts_per_token or 1) * model.moe_load_imbalance
+    shared = model.num_shared_experts
+    inner = 4 * f if gelu else 6 * f
+    router = 8 * (model.num_experts or 0)
+    stored = routed * (2 * h + inner) + shared * inner + router
+    retained = routed * (2 * h + 2 * f) + shared * (2 * h + 2 * f) + router
+    return stored, retained, stored
+
+
+@dataclass(frozen=True)
+class SelectiveBytes:
+    """Per token, 16-bit bytes Megatron's MoE recipe recomputes (:func:`megatron_selective_bytes`).
+
+    Attributes:
+        norm_outputs: the two norms' outputs (the attention's and the MLP's inputs), whole without sequence
+            parallelism.
+        inner: the activation functions' outputs and multi-head latent attention's up-projected queries, keys
+            and values, split by t.
+    """
+
+    norm_outputs: float
+    inner: float
+
+
+def megatron_selective_bytes(model: ModelConfig, moe: bool) -> SelectiveBytes:
+    """What ``selective`` drops on a mixture-of-experts model, Megatron-Core's fine-grained recipe
+    (``--recompute-granularity selective --recompute-modules layernorm moe_act`` plus ``mla_up_proj`` with
+    multi-head latent attention; the Megatron MoE Model Zoo's and Megatron Bridge's MoE configurations): the
+    norms' outputs 4h, the activation's output 2f of each of the k·imbalance routed and the shared experts (a
+    dense layer: SiLU's output and the product 4f, GeLU's output 2f), and MLA's up-projected Q, K and V
+    (4·a·(d_nope + d_rope) + 2·a·d_v)."""
+    h = model.hidden_size
+    if moe:  # the activation's output of each expert (its first matrix's output stays: _mlp_widths)
+        copies = (model.num_experts_per_token or 1) * model.moe_load_imbalance + model.num_shared_experts
+        inner = 2 * copies * model.expert_ffn_size
+    else:  # a dense layer's FFN: SiLU's output and the product (SwiGLU), GeLU's output
+        inner = (4 if model.ffn_type == "swiglu" else 2) * model.ffn_size
+    if model.is_mla:
+        query_key, value = attention_core_width(model)
+        inner += 4 * query_key + 2 * value
+    return SelectiveBytes(norm_outputs=4.0 * h, inner=float(inner))
+
+
+def layer_activation(
+    model: ModelConfig,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = True,
+    *,
+    moe: bool = False,
+    context_parallel: int = 1,
+) -> LayerActivation:
+    """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention) on one
+    of ``tensor_parallel`` × ``context_parallel`` ranks (context parallelism shards the sequence, so every term
+    divides by it; Korthikanti et al.'s terms stay per tensor-parallel rank); ``moe``: a mixture-of-experts
+    layer (:func:`_mlp_widths`)."""
+    s, b, h, a = model.seq_length, model.micro_batch_size, model.hidden_size, model.num_attention_heads
     t = tensor_parallel
+    c = context_parallel
     scale = model.dtype_bytes / 2
-    tokens = s * b
-    mlp_inner = 4 * f if model.ffn_type == "gelu" else 8 * f
-    split = (4 * h + 4 * k + mlp_inner) * tokens  # Q, K, V, projection input, FFN inner activations
+    tokens = s * b / c
+    attention_stored, attention_retained, attention_kept = _attention_widths(model)
+    mlp_stored, mlp_retained, mlp_kept = _mlp_widths(model, moe)
+    split = (attention_stored + mlp_stored) * tokens  # Q, K, V, projection input, FFN inner activations
     whole = 10 * h * tokens  # norm inputs 4h, attention/MLP inputs 4h, dropout masks 2h
     if model.attention == "eager":
-        scores = 5.0 * a * s * s * b
+        scores = 5.0 * a * s * s * b / c
         statistics = 0.0
     else:
         scores = 0.0
@@ -85,15 +176,19 @@ def layer_activation(model: ModelConfig, tensor_parallel: int = 1, sequence_para
     else:
         full = whole + (split + scores + statistics) / t
     full *= scale
-    retained_elements = (12 * h + 4 * k + (4 * f if model.ffn_type == "gelu" else 6 * f)) * tokens
-    retained = retained_elements * scale / t
+    retained = (attention_retained + mlp_retained) * tokens * scale / t
     scores_bytes = scores * scale / t
     recompute = model.activation_recomputation
     if recompute == "none":
         activation = full
+    elif recompute == "selective" and model.is_moe:
+        dropped = megatron_selective_bytes(model, moe)
+        norms = dropped.norm_outputs * tokens
+        inner = dropped.inner * tokens
+        dropped_bytes = (norms + inner) / t if (sequence_parallel or t == 1) else norms + inner / t
+        activation = full - dropped_bytes * scale
     elif recompute == "selective" and model.attention == "flash":
-        matmul_outputs = 3 * h + 2 * k + (2 * f if model.ffn_type == "swiglu" else f)
-        saved = (4 * h + matmul_outputs) * tokens * scale + statistics * scale
+        saved = (4 * h + attention_kept + mlp_kept) * tokens * scale + statistics * scale
         activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)
     elif recompute == "selective":
         activation = full - scores_bytes

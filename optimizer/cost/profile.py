@@ -45,7 +45,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipesched.optimizer.field_errors import StrictModel
 
@@ -63,37 +63,68 @@ __all__ = [
 
 GIB = 1024**3
 
-#: How elementwise work runs: eager PyTorch ops, ``torch.compile`` (Inductor fuses them), hand-fused kernels.
-KERNELS = ("eager", "compiled", "fused")
-Kernels = Literal["eager", "compiled", "fused"]
+#: How elementwise work runs: eager PyTorch ops, ``torch.compile`` (Inductor fuses them), hand-fused kernels, or
+#: not said ("unknown": one factor fitted over every calibration row, whatever its framework).
+KERNELS = ("unknown", "eager", "compiled", "fused")
+Kernels = Literal["unknown", "eager", "compiled", "fused"]
+#: The default of each per-mode factor (``SoftwareProfile``); a catalogue that lacks a mode takes it from here.
+_DEFAULTS: dict[str, dict[str, float]] = {
+    "elementwise_traffic": {"unknown": 1.0, "eager": 1.0, "compiled": 1.0, "fused": 1.0},
+    "kernels_per_layer": {"unknown": 14.0, "eager": 40.0, "compiled": 14.0, "fused": 12.0},
+    "cpu_us_per_kernel": {"unknown": 4.0, "eager": 10.0, "compiled": 4.0, "fused": 4.0},
+    "fp8_cast_bytes_per_element": {"unknown": 4.0, "eager": 5.0, "compiled": 3.0, "fused": 3.0},
+}
 
 
 class SoftwareProfile(StrictModel):
     """Factors of the framework, shared by every accelerator (module docstring)."""
 
     elementwise_traffic: dict[str, float] = Field(
-        default_factory=lambda: {"eager": 1.0, "compiled": 1.0, "fused": 1.0},
+        default_factory=lambda: dict(_DEFAULTS["elementwise_traffic"]),
         description="Elementwise bytes moved relative to Megatron's fused kernels (the Zero Bubble paper's "
-        "profiles), by kernels mode.",
+        "profiles), by kernels mode; 'unknown' fitted over every row with its own mode ignored.",
     )
     kernels_per_layer: dict[str, float] = Field(
-        default_factory=lambda: {"eager": 40.0, "compiled": 14.0, "fused": 12.0},
+        default_factory=lambda: dict(_DEFAULTS["kernels_per_layer"]),
         description="Kernels one decoder layer launches in its forward (backward: twice as many), by kernels mode.",
     )
     cpu_us_per_kernel: dict[str, float] = Field(
-        default_factory=lambda: {"eager": 10.0, "compiled": 4.0, "fused": 4.0},
+        default_factory=lambda: dict(_DEFAULTS["cpu_us_per_kernel"]),
         description="CPU time to issue one kernel (µs); a layer pass takes at least kernels × this.",
     )
     attention_kernel_speed: dict[str, float] = Field(
         default_factory=lambda: {"current": 1.0, "flash-attn-2023": 1.0},
         description="FlashAttention's speed relative to today's kernels (FlashAttention-2/3, cuDNN) by the "
-        "kernel a calibration row ran: 'flash-attn-2023' for MosaicML's 2023 runs.",
+        "kernel a calibration row ran: 'flash-attn-2023' for MosaicML's 2023 runs; 'KERNEL/ACCELERATOR' for "
+        "that kernel on one accelerator generation (the 2023 kernels were written for Ampere: FlashAttention-3, "
+        "Shah et al. 2024, §1 and §4.1, measures FlashAttention-2 at about 35% of the H100's bf16 peak against "
+        "70-75% for kernels using Hopper's WGMMA and TMA).",
     )
     unfused_traffic: float = Field(
         1.0,
         gt=0,
         description="Scale of the extra bytes eager PyTorch moves for RMSNorm, RoPE and SwiGLU "
         "(pipesched.optimizer.cost.stages.UNFUSED_BYTES_PER_ELEMENT).",
+    )
+    async_tensor_parallel_hidden: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of the tensor-parallel collectives AsyncTP hides behind the matrix multiplies. "
+        "It decomposes each all-gather → matmul and matmul → reduce-scatter into t chunks (Wang et al. 2022, "
+        "'Overlap communication with dependent computation via decomposition', §3), so the first gather and "
+        "the last reduction chunk stay exposed and the smaller chunked multiplies run further from peak; "
+        "torchtitan measures 1.06-1.16× end-to-end from it on Llama 3.1 70B (benchmarks/, Dec 2024 and June 2025).",
+    )
+    fused_activation_memory_factor: float = Field(
+        1.0,
+        gt=0,
+        le=4,
+        description="Stored activations over the modelled ones with hand-fused kernels (Megatron-LM, NeMo, "
+        "Transformer Engine): Korthikanti et al. 2022 (§4) derived the modelled activations from Megatron's "
+        "fused implementation and measured them within a few percent. The fitted activation_memory_factor "
+        "(torchtitan's eager and compiled peaks) would put 18 of the 25 fused published runs above their GPU's "
+        "memory; at 1.0, 21 fit.",
     )
     attention_backward_speed: float = Field(
         0.7,
@@ -103,10 +134,31 @@ class SoftwareProfile(StrictModel):
         "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward.",
     )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
-        default_factory=lambda: {"eager": 5.0, "compiled": 3.0, "fused": 3.0},
+        default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "
-        "fp8 write (1).",
+        "fp8 write (1); 'unknown' between the two. 'fused' is fitted: Transformer Engine writes the FP8 input "
+        "from its LayerNorm-Linear and activation kernels (no separate cast) and casts each weight once per step "
+        "for every microbatch (its FP8 weight cache), so it moves far fewer than 3 bytes per element.",
     )
+    unknown_kernels_log_error: tuple[float, float] = Field(
+        (-0.3, 0.3),
+        description="10th and 90th percentile of log(published / predicted) over every calibration row predicted "
+        "with kernels 'unknown': a plan of unknown kernels gets at least this interval.",
+    )
+
+    @model_validator(mode="after")
+    def _every_mode(self) -> SoftwareProfile:
+        """A catalogue written before a kernels mode existed takes that mode's default factors."""
+        for name, defaults in _DEFAULTS.items():
+            table = getattr(self, name)
+            for mode, value in defaults.items():
+                table.setdefault(mode, value)
+        return self
+
+    def attention_speed(self, kernel: str, accelerator: str) -> float:
+        """:attr:`attention_kernel_speed` of ``kernel`` on ``accelerator`` (its own entry, else the kernel's)."""
+        speeds = self.attention_kernel_speed
+        return speeds.get(f"{kernel}/{accelerator}", speeds.get(kernel, 1.0))
 
 
 class AcceleratorProfile(StrictModel):

@@ -37,18 +37,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
+from pipesched.optimizer.cost.context import ring_attention
+from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import (
+    PassFlops,
     embedding_parameters,
+    expert_parameters,
     head_parameters,
     layer_flops,
     layer_parameters,
     norm_parameters,
 )
-from pipesched.optimizer.cost.memory import layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.memory import LayerActivation, layer_activation, static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile, active_catalogue, default_profile
-from pipesched.optimizer.cost.timing import Hardware, PassTimes, elementwise_ms, gemm_ms, layer_gemm_times
+from pipesched.optimizer.cost.timing import (
+    Hardware,
+    PassTimes,
+    elementwise_ms,
+    gemm_ms,
+    gemms_ms,
+    layer_gemm_times,
+)
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.partition import PartitionError, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
@@ -60,6 +71,7 @@ __all__ = [
     "Block",
     "DerivedProblem",
     "Hardware",
+    "activation_reserve",
     "derive_costs_and_memory",
     "derive_problem",
     "embedding_block",
@@ -85,6 +97,8 @@ class Block:
     """Times (ms), memory (bytes) and parameters of one block (a layer, the embedding, the head) for one microbatch.
 
     ``activation_bytes`` is allocated by F; ``retained_bytes`` of it is still held after I until W.
+    ``parameters`` counts everything the rank holds, ``expert_parameters`` the routed experts among them (sharded
+    over the expert-data-parallel group rather than the data-parallel one).
     """
 
     forward_ms: float = 0.0
@@ -93,6 +107,7 @@ class Block:
     activation_bytes: float = 0.0
     retained_bytes: float = 0.0
     parameters: float = 0.0
+    expert_parameters: float = 0.0
 
     def times(self, count: int) -> Block:
         """``count`` copies of this block in sequence."""
@@ -103,6 +118,7 @@ class Block:
             self.activation_bytes * count,
             self.retained_bytes * count,
             self.parameters * count,
+            self.expert_parameters * count,
         )
 
     def __add__(self, other: Block) -> Block:
@@ -113,6 +129,7 @@ class Block:
             self.activation_bytes + other.activation_bytes,
             self.retained_bytes + other.retained_bytes,
             self.parameters + other.parameters,
+            self.expert_parameters + other.expert_parameters,
         )
 
     @property
@@ -249,8 +266,9 @@ def _tensor_parallel_ms(
 ) -> tuple[float, float]:
     """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
 
-    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` it runs beside
-    the matrix multiplies and only slows them (``overlap_slowdown``).
+    Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
+    ``async_tensor_parallel_hidden`` share of it runs beside the matrix multiplies and only slows them
+    (``overlap_slowdown``), the rest stays exposed.
     """
     t, _ = _tp(tensor_parallel)
     if t <= 1:
@@ -260,7 +278,8 @@ def _tensor_parallel_ms(
     achieved = bandwidth * hardware.profile.collective_efficiency_intra
     total = tensor_parallel_layer_ms(model, t, achieved, latency)
     if tensor_parallel is not None and tensor_parallel.async_communication:
-        return hardware.profile.overlap_slowdown * total, total
+        hidden = hardware.software.async_tensor_parallel_hidden
+        return (1 - hidden + hidden * hardware.profile.overlap_slowdown) * total, total
     return total, total
 
 
@@ -273,6 +292,158 @@ def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backw
     return 1e3 * flops / hardware.effective_flops_per_s
 
 
+def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
+    """What the allocator holds per modelled activation byte: the profile's ``activation_memory_factor``,
+    fitted to torchtitan's reserved peaks (eager and compiled PyTorch keep unfused intermediates and the caching
+    allocator fragments); the software's ``fused_activation_memory_factor`` with hand-fused kernels —
+    Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published Megatron
+    layouts run where the eager factor would not fit them (Megatron Bridge's Qwen3-235B-A22B recipe on 256 H100s:
+    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation); kernels "unknown" take the larger of the two (a
+    plan that fits then fits whatever the framework)."""
+    fitted = hardware.profile.activation_memory_factor
+    fused = hardware.software.fused_activation_memory_factor
+    if model.kernels == "fused":
+        return fused
+    return max(fitted, fused) if model.kernels == "unknown" else fitted
+
+
+def _cp(context_parallel: ContextParallel | None) -> int:
+    return context_parallel.size if context_parallel is not None else 1
+
+
+def _ep(expert_parallel: ExpertParallel | None) -> tuple[int, bool]:
+    if expert_parallel is None:
+        return 1, False
+    return expert_parallel.size, expert_parallel.overlap
+
+
+def _layer_parameters(model: ModelConfig, t: int, ep: int, moe: bool) -> tuple[float, float]:
+    """(parameters on one rank, routed-expert parameters among them) of one layer: the matrices split t ways
+    (norms and the router replicated), the routed experts E/ep per rank, whole when ep > 1
+    (:mod:`pipesched.optimizer.cost.experts`)."""
+    norms = 2 * norm_parameters(model)
+    if not (moe and model.is_moe):
+        return (layer_parameters(model) - norms) / t + norms, 0.0
+    groups = expert_groups(model, t, ep)
+    router = (model.num_experts or 0) * model.hidden_size
+    routed = (model.num_experts or 0) * expert_parameters(model)
+    split = layer_parameters(model, moe=True) - norms - router - routed
+    local_experts = groups.experts_per_rank * expert_parameters(model) / groups.expert_tensor_parallel
+    return split / t + norms + router + local_experts, local_experts
+
+
+def _parallel_communication_ms(
+    model: ModelConfig,
+    cluster: ClusterConfig | None,
+    hardware: Hardware,
+    flops: PassFlops,
+    t: int,
+    c: int,
+    expert_parallel: ExpertParallel | None,
+    moe: bool,
+) -> tuple[float, float]:
+    """Exposed context- and expert-parallel communication of one layer's F and I, ms
+    (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`), on the links at the
+    profile's achieved fractions."""
+    ep, overlap = _ep(expert_parallel)
+    if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
+        return 0.0, 0.0
+    profile = hardware.profile
+    intra = cluster.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
+    inter = cluster.inter_node_bandwidth_bytes_per_s * profile.collective_efficiency_inter
+    forward = backward = 0.0
+    if c > 1:
+        ring = ring_attention(
+            model,
+            cluster,
+            t,
+            c,
+            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
+            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware, backward=True),
+            bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
+        )
+        forward, backward = ring.forward_exposed_ms, ring.backward_input_exposed_ms
+    if ep > 1 and moe and model.is_moe:
+        groups = expert_groups(model, t, ep)
+        traffic = expert_traffic(
+            model, cluster, groups, t, c, intra_bandwidth_bytes_per_s=intra, inter_bandwidth_bytes_per_s=inter
+        )
+        if overlap:  # the other microbatch's pass hides up to its own length
+            forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))
+            backward += max(0.0, traffic.backward_input_ms - _ms(flops.backward_input, 0.0, hardware))
+        else:
+            forward += traffic.forward_ms
+            backward += traffic.backward_input_ms
+    return forward, backward
+
+
+def _recomputation_ms(
+    model: ModelConfig,
+    hardware: Hardware,
+    flops: PassFlops,
+    memory: LayerActivation,
+    forward_ms: float,
+    exposed_ms: float,
+    gemm: tuple[float, float, float],
+) -> float:
+    """What recomputation adds to a layer's I, ms (:func:`transformer_layer`). ``gemm``: the forward's matrix
+    multiplies (ms), their FP8 casts (ms) and multi-head latent attention's up-projections among them (ms).
+    Selective on a mixture-of-experts model is Megatron's recipe
+    (:func:`pipesched.optimizer.cost.memory.megatron_selective_bytes`): the norms and activation functions
+    rerun over the bytes they dropped, and MLA's up-projections."""
+    software, mode = hardware.software, model.kernels
+    traffic = software.elementwise_traffic[mode]
+    kernels = software.kernels_per_layer[mode]
+    recomputed_bytes = memory.full - memory.activation
+    if model.activation_recomputation == "selective" and model.is_moe:
+        rerun = PassTimes(
+            gemm[2],
+            0.0,
+            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
+            0.0,
+            0.25 * kernels,
+        )
+        return rerun.total_ms(hardware, mode)
+    if model.activation_recomputation == "selective" and model.attention == "flash":
+        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
+        total, cast, _ = gemm
+        rerun = PassTimes(
+            0.5 * total,
+            0.0,
+            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
+            0.5 * cast,
+            0.5 * kernels,
+        )
+        return rerun.total_ms(hardware, mode) + exposed_ms / 2
+    if model.activation_recomputation == "selective":
+        return _ms(
+            flops.attention_forward if memory.scores else 0.0,
+            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.scores,
+            hardware,
+        )
+    if model.activation_recomputation == "full":
+        return forward_ms
+    return 0.0
+
+
+def _layer_gemm(
+    model: ModelConfig, hardware: Hardware, t: int, c: int, ep: int, moe: bool
+) -> tuple[float, float, float]:
+    """(forward matrix multiplies ms, their FP8 casts ms, multi-head latent attention's up-projections ms) of
+    one layer (:func:`pipesched.optimizer.cost.timing.layer_gemms`)."""
+    gemm, cast_bytes = layer_gemm_times(model, hardware, t, moe=moe, context_parallel=c, expert_parallel=ep)
+    up_projections = 0.0
+    if model.is_mla:
+        tokens = model.seq_length * model.micro_batch_size / c
+        a, nope = model.num_attention_heads, model.qk_nope_head_dim or 0
+        rope, value = model.qk_rope_head_dim or 0, model.v_head_dim or 0
+        shapes = [(tokens, a * (nope + value) / t, float(model.kv_lora_rank or 0))]
+        if model.q_lora_rank is not None:
+            shapes.append((tokens, a * (nope + rope) / t, float(model.q_lora_rank)))
+        up_projections, _ = gemms_ms(shapes, model, hardware)
+    return gemm, elementwise_ms(cast_bytes, hardware), up_projections
+
+
 #: Extra bytes per element eager PyTorch moves over a fused kernel: RMSNorm written as float casts, a square, a
 #: mean, a reciprocal square root and two products (torchtitan's ``RMSNorm``: about 34 bytes per element against
 #: a fused kernel's 4); RoPE as complex products with casts (about 20 against 8); SwiGLU's SiLU and product as two
@@ -280,14 +451,21 @@ def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backw
 UNFUSED_BYTES_PER_ELEMENT = {"rmsnorm": 30.0, "rope": 12.0, "swiglu": 4.0}
 
 
-def _unfused_traffic(model: ModelConfig, tensor_parallel: int, hardware: Hardware) -> float:
+def _unfused_traffic(
+    model: ModelConfig, tensor_parallel: int, hardware: Hardware, *, context_parallel: int = 1, moe: bool = False
+) -> float:
     """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
     operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
-    ``unfused_traffic``); none when compiled or fused."""
+    ``unfused_traffic``); none when compiled or fused, and none when unknown (its fitted factor covers it).
+    A rank holds s·b/c tokens; a mixture-of-experts layer's SwiGLU runs over its active experts' width
+    (k·imbalance routed plus the shared)."""
     if model.kernels != "eager":
         return 0.0
-    tokens = model.seq_length * model.micro_batch_size
+    tokens = model.seq_length * model.micro_batch_size / context_parallel
     h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+    if moe and model.is_moe:
+        active = (model.num_experts_per_token or 1) * model.moe_load_imbalance + model.num_shared_experts
+        f = int(active * model.expert_ffn_size)
     k = model.head_size * model.key_value_heads
     elements = 0.0
     if model.norm == "rmsnorm":
@@ -304,6 +482,10 @@ def transformer_layer(
     hardware: Hardware,
     tensor_parallel: TensorParallel | None = None,
     cluster: ClusterConfig | None = None,
+    *,
+    moe: bool = False,
+    context_parallel: ContextParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
@@ -318,64 +500,58 @@ def transformer_layer(
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
     layer input until the backward, reruns the whole forward inside I and keeps that input until W
     (the transient memory of the recomputation itself is not modelled here). Activation bytes are scaled by the
-    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks).
+    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks) with
+    eager or compiled kernels (:func:`activation_reserve`).
+
+    ``moe``: a mixture-of-experts layer of ``model`` (its active experts' FLOPs, every expert's parameters);
+    ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
+    added to F and I); ``expert_parallel`` shards the routed experts and adds the exposed all-to-alls to F and I.
+    With expert parallelism the experts run whole on each rank, so tensor parallelism's collectives cover the
+    attention half only.
     """
     t, sequence_parallel = _tp(tensor_parallel)
-    flops = layer_flops(model, t)
-    memory = layer_activation(model, t, sequence_parallel)
-    full_activation = memory.full
+    c = _cp(context_parallel)
+    ep, _ = _ep(expert_parallel)
+    flops = layer_flops(model, t, moe=moe, context_parallel=c)
+    memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c)
     software, mode = hardware.software, model.kernels
     traffic = software.elementwise_traffic[mode]
-    gemm, cast_bytes = layer_gemm_times(model, hardware, t)
-    cast = elementwise_ms(cast_bytes, hardware)
+    gemm = _layer_gemm(model, hardware, t, c, ep, moe)
     kernels = software.kernels_per_layer[mode]
-    attention_forward = flops.attention_forward
-    attention_backward = flops.backward_input - (flops.forward - attention_forward)
-    exposed, communication = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
-    unfused = _unfused_traffic(model, t, hardware)
-    forward_elementwise = elementwise_ms(
-        FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + unfused, hardware
+    exposed, _ = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
+    exposed /= c
+    if moe and model.is_moe and ep > 1:
+        exposed /= 2  # the experts run whole: only attention's collectives remain
+    forward_extra, backward_extra = _parallel_communication_ms(
+        model, cluster, hardware, flops, t, c, expert_parallel, moe
     )
-    forward = PassTimes(gemm, _attention_ms(attention_forward, model, hardware), forward_elementwise, cast, kernels)
+    unfused = _unfused_traffic(model, t, hardware, context_parallel=c, moe=moe)
+    forward_elementwise = elementwise_ms(
+        FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + unfused, hardware
+    )
+    forward = PassTimes(
+        gemm[0], _attention_ms(flops.attention_forward, model, hardware), forward_elementwise, gemm[1], kernels
+    )
     backward_input = PassTimes(
-        gemm,
-        _attention_ms(attention_backward, model, hardware, backward=True),
-        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * full_activation + 2 * unfused, hardware),
-        cast,
+        gemm[0],
+        _attention_ms(flops.attention_backward, model, hardware, backward=True),
+        elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + 2 * unfused, hardware),
+        gemm[1],
         1.5 * kernels,
     )
-    forward_ms = forward.total_ms(hardware, mode) + exposed
-    backward_input_ms = backward_input.total_ms(hardware, mode) + exposed
-    if model.activation_recomputation == "selective" and model.attention == "flash":
-        # torchtitan's op-level policy: half of the matrix multiplies and the elementwise ops they feed rerun
-        recomputed_bytes = full_activation - memory.activation
-        rerun = PassTimes(
-            0.5 * gemm,
-            0.0,
-            elementwise_ms(FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * recomputed_bytes, hardware),
-            0.5 * cast,
-            0.5 * kernels,
-        )
-        backward_input_ms += rerun.total_ms(hardware, mode) + exposed / 2
-    elif model.activation_recomputation == "selective":
-        backward_input_ms += _ms(
-            flops.attention_forward if memory.scores else 0.0,
-            FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.scores,
-            hardware,
-        )
-    elif model.activation_recomputation == "full":
-        backward_input_ms += forward_ms
-    del communication
-    norms = 2 * norm_parameters(model)
-    parameters = (layer_parameters(model) - norms) / t + norms
-    reserve = hardware.profile.activation_memory_factor
+    forward_ms = forward.total_ms(hardware, mode) + exposed + forward_extra
+    backward_input_ms = backward_input.total_ms(hardware, mode) + exposed + backward_extra
+    backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm)
+    parameters, local_experts = _layer_parameters(model, t, ep, moe)
+    reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
-        backward_weight_ms=PassTimes(gemm, 0.0, 0.0, cast, 0.5 * kernels).total_ms(hardware, mode),
+        backward_weight_ms=PassTimes(gemm[0], 0.0, 0.0, gemm[1], 0.5 * kernels).total_ms(hardware, mode),
         activation_bytes=memory.activation * reserve,
         retained_bytes=memory.retained * reserve,
         parameters=parameters,
+        expert_parameters=local_experts,
     )
 
 
@@ -384,17 +560,20 @@ def embedding_block(
     hardware: Hardware,
     tensor_parallel: TensorParallel | None = None,
     cluster: ClusterConfig | None = None,
+    *,
+    context_parallel: int = 1,
 ) -> Block:
     """Token (+ learned position) embedding on the first stage: memory-bound gather (F) and scatter-add (W).
 
     F writes s·b·h elements and adds positions (3 passes over s·b·h); I is empty (token ids need no gradient);
     W accumulates s·b·h gradient rows into the fp32 table (read + write, 8 bytes each). Activation: the embedding
     dropout mask, s·b·h bytes. Parameters V·h (+ s·h learned positions), split over the vocabulary by tensor
-    parallelism, whose partial outputs are all-reduced (one all-reduce of s·b·h in F).
+    parallelism, whose partial outputs are all-reduced (one all-reduce of s·b·h in F). ``context_parallel`` c:
+    each rank embeds s/c of the tokens.
     """
     t, _ = _tp(tensor_parallel)
     s, b, h, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.dtype_bytes
-    tokens = s * b * h
+    tokens = s * b * h / context_parallel
     communication_ms = 0.0
     if t > 1:
         bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
@@ -415,6 +594,7 @@ def head_block(
     tensor_parallel: TensorParallel | None = None,
     *,
     separate_copy: bool = True,
+    context_parallel: int = 1,
 ) -> Block:
     """Final norm, LM head and cross-entropy loss on the last stage.
 
@@ -424,15 +604,17 @@ def head_block(
     softmax and writes the logits' gradient, scaled like the layers' by the kernels mode. Activation: the norm's
     input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head
     input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
-    ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does).
+    ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
+    rank computes the logits of s/c tokens.
     """
     t, _ = _tp(tensor_parallel)
-    s, b, h, v, d = model.seq_length, model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
+    b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
+    s = model.seq_length / context_parallel
     logits = s * b * v / t
     gemm = gemm_ms(s * b, v / t, h, hardware)
     traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
-    reserve = hardware.profile.activation_memory_factor
+    reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
         backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
@@ -545,6 +727,22 @@ def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None)
     return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
 
 
+def _per_expert_parameter_bytes(
+    model: ModelConfig,
+    data_parallel: DataParallel | None,
+    tensor_parallel: TensorParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> float:
+    """Static bytes per routed-expert parameter: sharded over the expert-data-parallel group
+    (:meth:`~pipesched.optimizer.cost.experts.ExpertGroups.data_parallel`) rather than the data-parallel one."""
+    ep, _ = _ep(expert_parallel)
+    if data_parallel is None or not model.is_moe:
+        return _per_parameter_bytes(model, data_parallel)
+    t, _ = _tp(tensor_parallel)
+    group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
+    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, group)
+
+
 def _transient_bytes(
     model: ModelConfig, data_parallel: DataParallel | None, parameters: float, largest_unit: float
 ) -> float:
@@ -561,104 +759,49 @@ def _transient_bytes(
     return held * (d - 1) / d
 
 
-def derive_problem(
-    model: ModelConfig,
-    cluster: ClusterConfig,
-    pipeline: Pipeline,
-    *,
-    tensor_parallel: TensorParallel | None = None,
-    data_parallel: DataParallel | None = None,
-) -> DerivedProblem:
-    """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
-
-    ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
-    :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
-    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
-    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
-    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
-    held while a stage computes.
-
-    Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
-    otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
-    every rank fitting static memory plus one microbatch's activations of each of its stages.
-
-    Returns:
-        A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
-        bandwidth, per-stage ``memory.activation``/``retained_for_weight`` (bytes), per-rank ``memory.static``
-        (bytes) and ``memory.limit`` = accelerator memory − the headroom (:func:`headroom_bytes`).
-
-    Raises:
-        pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
-            (``model.num_layers``), a bad ``model.layers_per_stage``, or weights/optimizer state alone
-            exceeding a rank's memory (``cluster``), each with the numbers and the fix.
-    """
-
-    hardware = resolve_hardware(cluster)
-    num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
-    raise_field_errors(
-        "Problem",
-        _check_layers_per_stage(model, num_stages) + _check_tensor_parallel(model, cluster, tensor_parallel),
-    )
-    blocks = _StageBlocks(
-        model,
-        data_parallel,
-        num_stages,
-        layer=transformer_layer(model, hardware, tensor_parallel, cluster),
-        embedding=embedding_block(model, hardware, tensor_parallel, cluster),
-        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1),
-        per_parameter=_per_parameter_bytes(model, data_parallel),
-    )
-    headroom = headroom_bytes(cluster, hardware)
-    limit = hardware.memory_bytes - headroom
-    holders = pipeline.stage_holders()
-    _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
-    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
-    stages = [blocks.block(stage, count) for stage, count in enumerate(layers_per_stage)]
-    static = [0.0] * num_ranks
-    for stage, block in enumerate(stages):
-        for rank in holders[stage]:
-            static[rank] += block.parameters * blocks.per_parameter
-    costs = Costs(
-        forward=[round(block.forward_ms, 6) for block in stages],
-        backward_input=[round(block.backward_input_ms, 6) for block in stages],
-        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
-        p2p=round(_p2p_ms(model, cluster, tensor_parallel), 6),
-    )
-    memory = Memory(
-        activation=[float(round(block.activation_bytes)) for block in stages],
-        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
-        limit=float(round(limit)),
-        static=[float(round(value)) for value in static],
-    )
-    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
-
-
 @dataclass(frozen=True)
 class _StageBlocks:
-    """A stage of ``count`` layers as one block: the layers, plus the embedding on stage 0 and the head on the
-    last; with its memory while it computes (static state, transient gathered weights, one microbatch)."""
+    """A stage of ``count`` layers as one block: the layers (the first ``first_dense_layers`` dense, the rest
+    mixture-of-experts), plus the embedding on stage 0 and the head on the last; with its memory while it
+    computes (static state, transient gathered weights, one microbatch)."""
 
     model: ModelConfig
     data_parallel: DataParallel | None
     num_stages: int
-    layer: Block
+    dense: Block
+    moe: Block
     embedding: Block
     head: Block
     per_parameter: float
+    per_expert_parameter: float
+    first_dense_layers: int
 
-    def block(self, stage: int, count: int) -> Block:
-        """Times, activations and parameters of the stage."""
-        block = self.layer.times(count)
+    def layers(self, first_layer: int, count: int) -> Block:
+        """Layers ``first_layer`` … ``first_layer + count − 1``."""
+        dense = max(0, min(count, self.first_dense_layers - first_layer))
+        return self.dense.times(dense) + self.moe.times(count - dense)
+
+    def block(self, stage: int, count: int, first_layer: int | None = None) -> Block:
+        """Times, activations and parameters of the stage, its ``count`` layers from ``first_layer`` (unknown
+        while partitioning: stage 0 starts at layer 0, every other stage is taken to hold mixture-of-experts
+        layers only, the heavier kind)."""
+        if first_layer is None:
+            first_layer = 0 if stage == 0 else self.first_dense_layers
+        block = self.layers(first_layer, count)
         if stage == 0:
             block = block + self.embedding
         if stage == self.num_stages - 1:
             block = block + self.head
         return block
 
+    def static_bytes(self, block: Block) -> float:
+        """Weights, gradients and optimizer state of ``block``: routed experts at their own sharding."""
+        experts = block.expert_parameters
+        return (block.parameters - experts) * self.per_parameter + experts * self.per_expert_parameter
+
     def largest_unit(self, stage: int, count: int) -> float:
         """Parameters of the stage's largest FSDP unit (a layer, the embedding, the head)."""
-        units = [self.layer.parameters] if count else []
+        units = [max(self.dense.parameters, self.moe.parameters)] if count else []
         if stage == 0:
             units.append(self.embedding.parameters)
         if stage == self.num_stages - 1:
@@ -669,7 +812,157 @@ class _StageBlocks:
         """Bytes the stage holds while it computes one microbatch."""
         block = self.block(stage, count)
         transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
-        return block.parameters * self.per_parameter + transient + block.activation_bytes
+        return self.static_bytes(block) + transient + block.activation_bytes
+
+
+def _stage_blocks(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    hardware: Hardware,
+    num_stages: int,
+    tensor_parallel: TensorParallel | None,
+    data_parallel: DataParallel | None,
+    context_parallel: ContextParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> _StageBlocks:
+    def layer(moe: bool) -> Block:
+        return transformer_layer(
+            model,
+            hardware,
+            tensor_parallel,
+            cluster,
+            moe=moe,
+            context_parallel=context_parallel,
+            expert_parallel=expert_parallel,
+        )
+
+    c = _cp(context_parallel)
+    dense = layer(False)
+    return _StageBlocks(
+        model,
+        data_parallel,
+        num_stages,
+        dense=dense,
+        moe=layer(True) if model.is_moe else dense,
+        embedding=embedding_block(model, hardware, tensor_parallel, cluster, context_parallel=c),
+        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c),
+        per_parameter=_per_parameter_bytes(model, data_parallel),
+        per_expert_parameter=_per_expert_parameter_bytes(model, data_parallel, tensor_parallel, expert_parallel),
+        first_dense_layers=model.first_dense_layers if model.is_moe else model.num_layers,
+    )
+
+
+def _check_context_expert(
+    model: ModelConfig,
+    tensor_parallel: TensorParallel | None,
+    data_parallel: DataParallel | None,
+    context_parallel: ContextParallel | None,
+    expert_parallel: ExpertParallel | None,
+) -> _Errors:
+    """Context parallelism splits the sequence in 2c balanced chunks; expert parallelism needs experts that
+    divide and a stage's GPUs to carve its group from (:mod:`pipesched.optimizer.cost.experts`)."""
+    errors: _Errors = []
+    c = _cp(context_parallel)
+    if c > 1 and model.seq_length % (2 * c):
+        sizes = [d for d in (1, 2, 4, 8, 16, 32, 64) if model.seq_length % (2 * d) == 0]
+        errors.append(
+            (
+                ("context_parallel", "size"),
+                f"context_parallel {c} cannot split seq_length {model.seq_length} into {2 * c} equal chunks (head-tail "
+                f"load balancing): use {', '.join(map(str, sizes))}",
+                c,
+            )
+        )
+    ep, _ = _ep(expert_parallel)
+    if ep == 1:
+        return errors
+    t, _ = _tp(tensor_parallel)
+    d = data_parallel.size if data_parallel is not None else 1
+    try:
+        if not model.is_moe:
+            raise ValueError("a dense model has no experts to shard: drop expert_parallel or give num_experts")
+        expert_groups(model, t, ep).data_parallel(t, 1, d)
+    except ValueError as error:
+        errors.append((("expert_parallel", "size"), str(error), ep))
+    return errors
+
+
+def derive_problem(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    pipeline: Pipeline,
+    *,
+    tensor_parallel: TensorParallel | None = None,
+    data_parallel: DataParallel | None = None,
+    context_parallel: ContextParallel | None = None,
+    expert_parallel: ExpertParallel | None = None,
+) -> DerivedProblem:
+    """Costs, memory and the stage partition for ``model`` on ``cluster`` with ``pipeline``'s stages.
+
+    ``tensor_parallel`` splits every block's FLOPs, activations and parameters (Megatron, see
+    :mod:`pipesched.optimizer.cost`) and adds its collectives to F and I; ``data_parallel`` (when given) sets
+    the static bytes per parameter by its ``sharding`` (ZeRO-1/2/3: the sharded state only); the gathered
+    weights and one FSDP unit's unsharded gradients are not static (the step model's ``memory.weights``/
+    ``gradients``, filled by :func:`pipesched.optimizer.derive.load_problem`): the partition counts them as
+    held while a stage computes.
+    ``data_parallel.size`` counts every copy of a stage's weights: with ``context_parallel`` c that is d·c.
+    ``context_parallel`` shards each sequence (:class:`~pipesched.optimizer.configs.ContextParallel`);
+    ``expert_parallel`` shards the routed experts, their state sharded over the expert-data-parallel group
+    (:mod:`pipesched.optimizer.cost.experts`).
+
+    Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
+    otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
+    every rank fitting static memory plus one microbatch's activations of each of its stages.
+
+    Returns:
+        A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
+        bandwidth (÷ t with sequence parallelism, ÷ c), per-stage ``memory.activation``/``retained_for_weight``
+        (bytes), per-rank ``memory.static`` (bytes) and ``memory.limit`` = accelerator memory − the headroom
+        (:func:`headroom_bytes`).
+
+    Raises:
+        pydantic.ValidationError: unknown accelerator (``cluster.accelerator``), fewer layers than stages
+            (``model.num_layers``), a bad ``model.layers_per_stage``, a context or expert degree that does not
+            divide (``context_parallel.size``, ``expert_parallel.size``), or weights/optimizer state alone
+            exceeding a rank's memory (``cluster``), each with the numbers and the fix.
+    """
+
+    hardware = resolve_hardware(cluster)
+    num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
+    raise_field_errors(
+        "Problem",
+        _check_layers_per_stage(model, num_stages)
+        + _check_tensor_parallel(model, cluster, tensor_parallel)
+        + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
+    )
+    blocks = _stage_blocks(
+        model, cluster, hardware, num_stages, tensor_parallel, data_parallel, context_parallel, expert_parallel
+    )
+    headroom = headroom_bytes(cluster, hardware)
+    limit = hardware.memory_bytes - headroom
+    holders = pipeline.stage_holders()
+    _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
+    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
+    firsts = [sum(layers_per_stage[:stage]) for stage in range(num_stages)]
+    stages = [blocks.block(stage, count, firsts[stage]) for stage, count in enumerate(layers_per_stage)]
+    static = [0.0] * num_ranks
+    for stage, block in enumerate(stages):
+        for rank in holders[stage]:
+            static[rank] += blocks.static_bytes(block)
+    costs = Costs(
+        forward=[round(block.forward_ms, 6) for block in stages],
+        backward_input=[round(block.backward_input_ms, 6) for block in stages],
+        backward_weight=[round(block.backward_weight_ms, 6) for block in stages],
+        p2p=round(_p2p_ms(model, cluster, tensor_parallel, _cp(context_parallel)), 6),
+    )
+    memory = Memory(
+        activation=[float(round(block.activation_bytes)) for block in stages],
+        retained_for_weight=[float(round(block.retained_bytes)) for block in stages],
+        limit=float(round(limit)),
+        static=[float(round(value)) for value in static],
+    )
+    units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
 
 
 def _check_room(
@@ -682,8 +975,8 @@ def _check_room(
     """
     per_parameter, model = blocks.per_parameter, blocks.model
     limit = hardware.memory_bytes - headroom
-    total_static = sum(blocks.block(stage, 0).parameters for stage in range(blocks.num_stages)) * per_parameter
-    total_static += model.num_layers * blocks.layer.parameters * per_parameter
+    total_static = sum(blocks.static_bytes(blocks.block(stage, 0)) for stage in range(blocks.num_stages))
+    total_static += blocks.static_bytes(blocks.layers(0, model.num_layers))
     if limit <= 0:
         raise_field_errors(
             "Problem",
@@ -759,13 +1052,17 @@ def _layers_per_stage(
         raise
 
 
-def _p2p_ms(model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None) -> float:
+def _p2p_ms(
+    model: ModelConfig, cluster: ClusterConfig, tensor_parallel: TensorParallel | None, context_parallel: int = 1
+) -> float:
     """One activation (or its gradient) between pipeline ranks: latency + s·b·h·dtype bytes / bandwidth, ms;
-    with sequence parallelism each tensor-parallel rank sends its sequence shard."""
+    with sequence parallelism each tensor-parallel rank sends its sequence shard, and each context-parallel rank
+    its part of the sequence."""
     t, sequence_parallel = _tp(tensor_parallel)
     p2p_bytes = 1.0 * model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
     if sequence_parallel:
         p2p_bytes /= t
+    p2p_bytes /= context_parallel
     return cluster.p2p_latency_ms + 1e3 * p2p_bytes / cluster.p2p_bandwidth_bytes_per_s
 
 

@@ -7,7 +7,13 @@
   h), output (s·b, h, h/t), FFN in (s·b, g·f/t, h) with g = 2 for SwiGLU (gate and up), FFN out (s·b, h, f/t).
   The input-gradient (I) and weight-gradient (W) passes run the same three-dimensional products with the
   dimensions permuted, so each costs what the forward's does (Narayanan et al. 2021, §3.5: backward = 2 ×
-  forward).
+  forward). Queries are a·d wide and keys/values n_kv·d (``head_dim``); multi-head latent attention runs its
+  compressions and expansions instead (:mod:`.flops`). Context parallelism c leaves s·b/c tokens to a rank. A
+  mixture-of-experts layer runs, besides the shared experts (dense-like, split t ways) and the router
+  (s·b, E, h), each of its local experts as its own product (the grouped GEMM of Megatron's and torchtitan's
+  MoE layers): with expert parallelism ep > 1 the E/ep whole experts of a rank share the k·imbalance copies of
+  its s·b/(c·t) tokens, each expert M = s·b·k·imbalance·ep/(c·t·E) rows; without it every expert is split t
+  ways and gets M = s·b·k·imbalance/(c·E). Small M is where fine-grained experts lose speed (the d½ term).
 - **FlashAttention** at ``attention_efficiency`` of the bf16 peak (its FLOPs from :mod:`.flops`), in bf16 also
   under FP8 (torchao's Float8Linear and Transformer Engine convert the linear layers only).
 - **Elementwise work** (norms, activations, RoPE, residuals, dropout): ``traffic`` bytes at ``memory_efficiency``
@@ -28,7 +34,16 @@ from dataclasses import dataclass, field
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile
 
-__all__ = ["Hardware", "PassTimes", "elementwise_ms", "gemm_ms", "layer_gemm_times", "layer_gemms"]
+__all__ = [
+    "Hardware",
+    "PassTimes",
+    "elementwise_ms",
+    "expert_gemms",
+    "gemm_ms",
+    "gemms_ms",
+    "layer_gemm_times",
+    "layer_gemms",
+]
 
 
 @dataclass(frozen=True)
@@ -89,25 +104,86 @@ def elementwise_ms(traffic_bytes: float, hardware: Hardware) -> float:
     return 1e3 * traffic_bytes / (hardware.memory_bandwidth_bytes_per_s * hardware.profile.memory_efficiency)
 
 
-def layer_gemms(model: ModelConfig, tensor_parallel: int = 1) -> list[tuple[float, float, float]]:
-    """The forward's (M, N, K) matrix multiplies of one layer on one tensor-parallel rank (module docstring)."""
-    tokens = float(model.seq_length * model.micro_batch_size)
-    h, f, t = model.hidden_size, model.ffn_size, tensor_parallel
+def _attention_gemms(model: ModelConfig, tokens: float, t: int) -> list[tuple[float, float, float]]:
+    h = model.hidden_size
+    if model.is_mla:
+        a = model.num_attention_heads
+        nope, rope, value = model.qk_nope_head_dim or 0, model.qk_rope_head_dim or 0, model.v_head_dim or 0
+        kv_rank = model.kv_lora_rank or 0
+        shapes = [(tokens, (kv_rank + rope), h), (tokens, a * (nope + value) / t, kv_rank), (tokens, h, a * value / t)]
+        if model.q_lora_rank is None:
+            return [(tokens, a * (nope + rope) / t, h), *shapes]
+        return [(tokens, model.q_lora_rank, h), (tokens, a * (nope + rope) / t, model.q_lora_rank), *shapes]
+    q = model.head_size * model.num_attention_heads
     k = model.head_size * model.key_value_heads
+    return [(tokens, (q + 2 * k) / t, h), (tokens, h, q / t)]
+
+
+def expert_gemms(
+    model: ModelConfig, tokens: float, t: int, expert_parallel: int = 1
+) -> list[tuple[float, float, float]]:
+    """A mixture-of-experts layer's forward products on one rank over ``tokens`` (its s·b/c): the local routed
+    experts one by one, the shared experts and the router (module docstring)."""
+    h, f = model.hidden_size, model.expert_ffn_size
     gates = 2 if model.ffn_type == "swiglu" else 1
-    return [(tokens, (h + 2 * k) / t, h), (tokens, h, h / t), (tokens, gates * f / t, h), (tokens, h, f / t)]
+    experts = model.num_experts or 1
+    copies = tokens * (model.num_experts_per_token or 1) * model.moe_load_imbalance
+    if expert_parallel > 1:
+        rows, split, local = copies / t * expert_parallel / experts, 1, experts // expert_parallel
+    else:
+        rows, split, local = copies / experts, t, experts
+    shapes = [(rows, gates * f / split, h), (rows, h, f / split)] * local
+    if model.num_shared_experts:
+        shared = model.num_shared_experts * f
+        shapes += [(tokens, gates * shared / t, h), (tokens, h, shared / t)]
+    return [*shapes, (tokens, experts, h)]
 
 
-def layer_gemm_times(model: ModelConfig, hardware: Hardware, tensor_parallel: int = 1) -> tuple[float, float]:
-    """(ms of one layer's forward matrix multiplies, FP8 cast bytes per pass) at the model's precision.
+def layer_gemms(
+    model: ModelConfig,
+    tensor_parallel: int = 1,
+    *,
+    moe: bool = False,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+) -> list[tuple[float, float, float]]:
+    """The forward's (M, N, K) matrix multiplies of one layer on one tensor-parallel rank (module docstring)."""
+    tokens = float(model.seq_length * model.micro_batch_size) / context_parallel
+    t = tensor_parallel
+    shapes = _attention_gemms(model, tokens, t)
+    if moe and model.is_moe:
+        return shapes + expert_gemms(model, tokens, t, expert_parallel)
+    h, f = model.hidden_size, model.ffn_size
+    gates = 2 if model.ffn_type == "swiglu" else 1
+    return [*shapes, (tokens, gates * f / t, h), (tokens, h, f / t)]
+
+
+def gemms_ms(shapes: list[tuple[float, float, float]], model: ModelConfig, hardware: Hardware) -> tuple[float, float]:
+    """(ms of the products ``shapes`` at the model's precision, FP8 cast bytes per pass).
 
     The cast bytes are those of the forward (input and weight); I and W cast as many elements within 10%.
     """
     precision = model.precision
-    shapes = layer_gemms(model, tensor_parallel)
     total = sum(gemm_ms(m, n, k, hardware, precision) for m, n, k in shapes)
     cast = 0.0
     if precision == "fp8" and hardware.fp8_flops_per_s is not None:
         per_element = hardware.software.fp8_cast_bytes_per_element[model.kernels]
         cast = per_element * sum(m * k + k * n for m, n, k in shapes)
     return total, cast
+
+
+def layer_gemm_times(
+    model: ModelConfig,
+    hardware: Hardware,
+    tensor_parallel: int = 1,
+    *,
+    moe: bool = False,
+    context_parallel: int = 1,
+    expert_parallel: int = 1,
+) -> tuple[float, float]:
+    """(ms of one layer's forward matrix multiplies, FP8 cast bytes per pass) at the model's precision
+    (:func:`layer_gemms`, :func:`gemms_ms`)."""
+    shapes = layer_gemms(
+        model, tensor_parallel, moe=moe, context_parallel=context_parallel, expert_parallel=expert_parallel
+    )
+    return gemms_ms(shapes, model, hardware)

@@ -83,6 +83,9 @@ class PlannerEstimate:
         last_rank_like_first: the last rank holds as many activations as the first (every forward runs before
             any backward); otherwise it holds at most one microbatch per local stage.
         min_stages_per_rank: the fewest stages per rank the planner tries the family with.
+        overlaps_microbatches: it runs one microbatch's forward beside another's backward on a rank, so the
+            expert-parallel all-to-alls of one hide behind the other's compute
+            (:class:`~pipesched.optimizer.configs.ExpertParallel` ``overlap``).
         by_default: whether the planner tries the family without being asked; otherwise only when
             ``search.method`` names it (a different update rule, as PipeDream-2BW's, or an order another
             family already gives).
@@ -94,6 +97,7 @@ class PlannerEstimate:
     seconds_per_thousand_actions: float
     last_rank_like_first: bool = False
     min_stages_per_rank: int = 1
+    overlaps_microbatches: bool = False
     by_default: bool = True
     weight_versions: int = 1
 

@@ -116,7 +116,12 @@ FAMILIES = [
         torch=TorchClass("DualPipeV", backward="mixed"),
         # Qi et al. 2024, Table 1: 2p + 1 half-size chunks on rank 0.
         planner=PlannerEstimate(
-            in_flight=lambda p, v, m: min(2 * m, 2 * p + 1), bubble=0.2, seconds_per_thousand_actions=0.4
+            in_flight=lambda p, v, m: min(2 * m, 2 * p + 1),
+            bubble=0.2,
+            seconds_per_thousand_actions=0.4,
+            # DeepSeek-V3 report §3.2.1: a forward and a backward chunk of two microbatches overlap, their
+            # all-to-alls hidden behind each other's compute
+            overlaps_microbatches=True,
         ),
     )
 ]

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from pipesched.optimizer.bounds import lower_bound
-from pipesched.optimizer.cost.flops import model_parameters
+from pipesched.optimizer.cost.flops import model_flops_per_token as flops_per_token
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
@@ -91,10 +91,9 @@ class Evaluation:
 
 
 def model_flops_per_token(estimator: Estimator) -> float:
-    """Training FLOPs per token: 6·(N − V·h) + 12·l·h·s (PaLM, Chowdhery et al. 2022, App. B; torchtitan's MFU)."""
-    model = estimator.model
-    non_embedding = model_parameters(model) - model.vocab_size * model.hidden_size
-    return 6 * non_embedding + 12 * model.num_layers * model.hidden_size * model.seq_length
+    """Training FLOPs per token: 6·N + 12·l·h·s with N the active matrices and the LM head (PaLM, Chowdhery et
+    al. 2022, App. B; torchtitan's MFU; :func:`pipesched.optimizer.cost.flops.model_flops_per_token`)."""
+    return flops_per_token(estimator.model)
 
 
 def build_problem(
@@ -131,8 +130,14 @@ def build_problem(
     tensor_parallel = estimator.tensor_parallel(config.tensor_parallel)
     if tensor_parallel is not None:
         document["tensor_parallel"] = tensor_parallel.model_dump(mode="json")
-    if config.data_parallel_size > 1:
+    if config.weight_copies > 1:
         document["data_parallel"] = estimator.data_parallel(config).model_dump(mode="json")
+    if config.context_parallel > 1:
+        document["context_parallel"] = {"size": config.context_parallel}
+    if config.expert_parallel > 1:
+        estimate = get_family(config.method).planner if config.method != "auto" else None
+        overlap = estimate is not None and estimate.overlaps_microbatches
+        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": overlap}
     return load_problem(document)
 
 
@@ -178,10 +183,14 @@ def _plan(
     tokens_per_s_per_gpu = tokens / (step_ms / 1e3) / num_gpus
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
     low, high = estimator.hardware.profile.held_out_log_error
+    if estimator.model.kernels == "unknown":  # the framework's spread on top of the accelerator's
+        unknown_low, unknown_high = estimator.hardware.software.unknown_kernels_log_error
+        low, high = min(low, unknown_low), max(high, unknown_high)
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,
-        data_parallel=estimator.data_parallel(config),
+        # the plan's degree is d; the weights are sharded over its d·c copies (estimator.data_parallel)
+        data_parallel=estimator.data_parallel(config).model_copy(update={"size": config.data_parallel_size}),
         stages_per_rank=config.stages_per_rank,
         placement=config.placement,
         micro_batch_size=config.micro_batch_size,
@@ -189,6 +198,8 @@ def _plan(
         activation_recomputation=config.activation_recomputation,
         method=config.method,
         precision=config.precision,
+        context_parallel=config.context_parallel,
+        expert_parallel=config.expert_parallel,
         step_time_ms=round(step_ms, 4),
         tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
         tokens_per_s_per_gpu_interval=(
@@ -240,6 +251,8 @@ def evaluate(
         config.activation_recomputation,
         config.method,
         config.precision,
+        config.context_parallel,
+        config.expert_parallel,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,

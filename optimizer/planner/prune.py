@@ -2,26 +2,35 @@
 
 Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.planner.space.Configuration`:
 
-- **Blocks**: a layer, the embedding and the head for the configuration's tensor degree, micro-batch size and
-  recomputation (:mod:`pipesched.optimizer.cost.stages`), the layers split evenly over the chunks (Megatron's
-  default; the evaluation partitions them by time and memory).
+- **Blocks**: a layer, the embedding and the head for the configuration's tensor, context and expert degrees,
+  micro-batch size and recomputation (:mod:`pipesched.optimizer.cost.stages`), the layers split evenly over the
+  chunks (Megatron's default; the evaluation partitions them by time and memory). A mixture-of-experts
+  model's ``first_dense_layers`` lead the first chunks; the routed experts among a rank's parameters are
+  sharded over the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c
+  GPUs holding the same weights.
 - **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next). The step model (:mod:`pipesched.optimizer.cost.collectives`)
-  counts the same gathered weights in ``memory.weights`` and adds one FSDP unit's unsharded gradients, so this
-  estimate stays at or under the simulated peak and prunes no configuration that fits.
+  time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded fp32 gradients,
+  (d−1)/d of them: a pipelined stage's whole, accumulated over the microbatches until the last one's reduction,
+  without a pipeline one layer's (FSDP reduces unit by unit: a mixture-of-experts layer without expert
+  parallelism is a unit of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
+  counts the same gathered weights in ``memory.weights`` and the same gradients, so this estimate stays near
+  the simulated peak.
 - **Activations in flight** on the first and the last rank at their peak, as each family declares them
   (:class:`~pipesched.optimizer.families.PlannerEstimate`): GPipe m, 1F1B / ZB-H1 p (Narayanan et al. 2021,
   §2.2; Qi et al. 2023, §2), ZB-H2 2p − 1, interleaved 1F1B 2(p − 1) + (v − 1)·p + 1 chunks (Megatron-LM's
   warm-up), looped BFS all m·v, ZB-V 2p half-size chunks, V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1
-  (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1); ``auto`` as 1F1B. An estimate:
-  the simulator measures the real peak of every schedule it evaluates.
+  (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1); ``auto`` as 1F1B; the LM head's
+  logits once on the last rank (each microbatch's backward follows its forward there) unless the family holds
+  every forward before any backward. An estimate: the simulator measures the real peak of every schedule it
+  evaluates.
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
-  link when the group stays in a node (torchtitan's mesh order pp × dp × tp: a group spans t·d consecutive
-  GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights gathered in 16 bits.
+  link when the group stays in a node (torchtitan's mesh order pp × dp × cp × tp: the d·c weight copies span
+  t·c·d consecutive GPUs), else the inter-node link. Gradients are reduced in fp32 (4 B/param), weights
+  gathered in 16 bits.
   ``none``: one all-reduce; ``optimizer``/``gradients``: a reduce-scatter and an all-gather of the updated
   weights after the step; ``full``: a reduce-scatter and one all-gather per step (two per microbatch without a
   pipeline, resharded after forward). Exposed: without a pipeline, what a microbatch's collectives exceed of
@@ -36,12 +45,20 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Literal
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, group_link, reduce_scatter_ms
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.collectives import (
+    GRADIENT_REDUCE_BYTES,
+    all_gather_ms,
+    all_reduce_ms,
+    group_link,
+    reduce_scatter_ms,
+)
+from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.stages import (
     Block,
@@ -71,6 +88,7 @@ def _bubble(method: str) -> float:
     return AUTO_BUBBLE if method == "auto" else _estimate_of(method).bubble
 
 
+@cache
 def _estimate_of(method: str) -> PlannerEstimate:
     estimate = get_family(method).planner
     if estimate is None:
@@ -118,6 +136,12 @@ class _Layout:
     last_chunk_activation: float
     transient_bytes: float
     layer_parameters: float
+    head_activation: float = 0.0
+    first_expert_parameters: float = 0.0
+    last_expert_parameters: float = 0.0
+    max_expert_parameters: float = 0.0
+    heaviest_position: float = 0.0
+    max_chunk_activation: float = 0.0
 
 
 class Estimator:
@@ -139,15 +163,15 @@ class Estimator:
         self.sequence_parallel = sequence_parallel
         self.async_tensor_parallel = async_tensor_parallel
         self.reduce_dtype = reduce_dtype
-        self._blocks: dict[tuple[int, int, str, str], tuple[Block, Block, Block, Block, ModelConfig]] = {}
-        self._layouts: dict[tuple[int, int, str, str, int, int, str], _Layout] = {}
+        self._blocks: dict[tuple[int | str, ...], tuple[Block, Block, Block, Block, ModelConfig]] = {}
+        self._layouts: dict[tuple[int | str, ...], _Layout] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
-        """The configuration's data-parallel group: its size and sharding, the request's gradient reduce dtype;
-        without a pipeline fully sharded weights are freed after each forward (FSDP's default), with one they stay
-        gathered (torchtitan under pipeline parallelism)."""
+        """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
+        request's gradient reduce dtype; without a pipeline fully sharded weights are freed after each forward
+        (FSDP's default), with one they stay gathered (torchtitan under pipeline parallelism)."""
         return DataParallel(
-            size=config.data_parallel_size,
+            size=config.weight_copies,
             sharding=config.sharding,
             reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
             reduce_dtype=self.reduce_dtype,
@@ -180,27 +204,45 @@ class Estimator:
         )
 
     def blocks(
-        self, t: int, b: int, recompute: str, precision: str | None = None
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
-        """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b."""
-        key = (t, b, recompute, precision or self.model.precision)
+        """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
+        degree c and expert degree ep; a mixture-of-experts model's layer is its expert layer."""
+        key = (t, b, recompute, precision or self.model.precision, c, ep)
         if key not in self._blocks:
-            model = self.model_for(b, recompute, key[3])
+            model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
-            layer = transformer_layer(model, self.hardware, tp, self.cluster)
-            plain = layer
-            if recompute != "none":
-                plain = transformer_layer(
-                    model.model_copy(update={"activation_recomputation": "none"}), self.hardware, tp, self.cluster
-                )
+            plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                layer,
-                embedding_block(model, self.hardware, tp, self.cluster),
-                head_block(model, self.hardware, tp),
-                plain,
+                self._layer(model, tp, c, ep, moe=model.is_moe),
+                embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
+                head_block(model, self.hardware, tp, context_parallel=c),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe),
                 model,
             )
         return self._blocks[key]
+
+    def dense_layer(
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
+    ) -> Block:
+        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
+        key = (t, b, recompute, precision or self.model.precision, c, ep, "dense")
+        if key not in self._blocks:
+            model = self.model_for(b, recompute, str(key[3]))
+            layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False)
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep)[1:])
+        return self._blocks[key][0]
+
+    def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int, *, moe: bool) -> Block:
+        return transformer_layer(
+            model,
+            self.hardware,
+            tp,
+            self.cluster,
+            moe=moe,
+            context_parallel=ContextParallel(size=c) if c > 1 else None,
+            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
+        )
 
     def tensor_parallel(self, size: int) -> TensorParallel | None:
         """The tensor-parallel settings of degree ``size`` (None for 1)."""
@@ -211,75 +253,114 @@ class Estimator:
         )
 
     def layout(self, config: Configuration) -> _Layout:
-        """Even split of the layers over the chunks, summed per rank."""
+        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
         key = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
             config.precision,
+            config.context_parallel,
+            config.expert_parallel,
             config.pipeline_parallel,
             config.stages_per_rank,
             config.placement,
         )
         if key in self._layouts:
             return self._layouts[key]
-        layer, embedding, head, plain, _ = self.blocks(*key[:4])
+        degrees = (
+            config.tensor_parallel,
+            config.micro_batch_size,
+            config.activation_recomputation,
+            config.precision,
+            config.context_parallel,
+            config.expert_parallel,
+        )
+        layer, embedding, head, plain, _ = self.blocks(*degrees)
+        dense = self.dense_layer(*degrees)
+        first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
         counts = even_partition(self.model.num_layers, num_stages)
         ranks = stage_to_rank(p, v, placement)
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
             tp = self.tensor_parallel(config.tensor_parallel)
-            head = head_block(self.model_for(*key[1:4]), self.hardware, tp, separate_copy=False)
+            model = self.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
+            head = head_block(model, self.hardware, tp, separate_copy=False, context_parallel=config.context_parallel)
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p
+        experts = [0.0] * p
         activation = [0.0] * p
         # The ranks holding each model stage: two under "bidirectional" (ids s and num_stages + s).
         holders = [sorted({ranks[s], ranks[(s + num_stages) % len(ranks)]}) for s in range(num_stages)]
         for stage, count in enumerate(counts):
-            block = layer.times(count)
+            dense_count = max(0, min(count, first_dense - sum(counts[:stage])))
+            block = dense.times(dense_count) + layer.times(count - dense_count)
             if stage == 0:
                 block = block + embedding
+            for rank in holders[stage]:
+                activation[rank] = max(activation[rank], block.activation_bytes)
             if stage == num_stages - 1:
-                block = block + head
+                block = block + head  # its logits are held by one microbatch at a time (F then B)
             # Each holder keeps the stage's weights; a bidirectional placement's two replicas share the batch.
             for rank in holders[stage]:
                 compute[rank] += block.compute_ms / len(holders[stage])
                 backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders[stage])
                 parameters[rank] += block.parameters
-                activation[rank] = max(activation[rank], block.activation_bytes)
+                experts[rank] += block.expert_parameters
         transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
         busiest = max(range(p), key=lambda rank: compute[rank])
         last_rank = ranks[num_stages - 1]
+        heaviest = max(range(p), key=lambda rank: parameters[rank])
         figures = _Layout(
             rank_compute_ms=compute[busiest],
             rank_backward_ms=backward[busiest],
             first_parameters=parameters[0],
             last_parameters=parameters[last_rank],
-            max_parameters=max(parameters),
+            max_parameters=parameters[heaviest],
             first_chunk_activation=activation[0],
             last_chunk_activation=activation[last_rank] if last_rank != 0 else activation[0],
             transient_bytes=transient,
-            layer_parameters=layer.parameters,
+            layer_parameters=max(layer.parameters, dense.parameters),
+            head_activation=head.activation_bytes,
+            first_expert_parameters=experts[0],
+            last_expert_parameters=experts[last_rank],
+            max_expert_parameters=experts[heaviest],
+            heaviest_position=heaviest / (p - 1) if p > 1 else 0.0,
+            max_chunk_activation=max(activation),
         )
         self._layouts[key] = figures
         return figures
 
-    def static_bytes(self, config: Configuration, parameters: float, layer_parameters: float) -> float:
-        """Weights, gradients and optimizer state of a rank holding ``parameters`` (module docstring)."""
-        per_parameter = static_bytes_per_parameter_sharded(self.model, config.sharding, config.data_parallel_size)
-        static = parameters * per_parameter
-        if config.sharding == "full" and config.data_parallel_size > 1:
-            if config.pipeline_parallel > 1:
-                static += parameters * self.model.dtype_bytes
-            else:
-                static += 2 * layer_parameters * self.model.dtype_bytes
+    def static_bytes(
+        self, config: Configuration, parameters: float, layer_parameters: float, expert_parameters: float = 0.0
+    ) -> float:
+        """Weights, gradients and optimizer state of a rank holding ``parameters``, ``expert_parameters`` of them
+        routed experts sharded over their own group (module docstring)."""
+        copies = config.weight_copies
+        groups = [(parameters - expert_parameters, copies)]
+        if expert_parameters:
+            t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
+            group = expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
+            groups.append((expert_parameters, group))
+        static = 0.0
+        pipelined = config.pipeline_parallel > 1
+        per_unit = config.sharding in ("gradients", "full")
+        for count, group in groups:
+            static += count * static_bytes_per_parameter_sharded(self.model, config.sharding, group)
+            if config.sharding == "full" and group > 1 and pipelined:
+                static += count * self.model.dtype_bytes  # gathered for the whole step
+            if per_unit and group > 1 and pipelined:  # a pipelined stage accumulates its unsharded fp32
+                static += count * GRADIENT_REDUCE_BYTES * (group - 1) / group  # gradients over the microbatches
+        if config.sharding == "full" and copies > 1 and not pipelined:
+            static += 2 * layer_parameters * self.model.dtype_bytes
+        if per_unit and copies > 1 and not pipelined:  # one FSDP unit's unsharded fp32 gradients
+            static += GRADIENT_REDUCE_BYTES * layer_parameters * (copies - 1) / copies
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth of the data-parallel ring (intra-node when the group fits a node), B/s."""
-        bandwidth, where = group_link(self.cluster, config.data_parallel_size, config.tensor_parallel)
+        bandwidth, where = group_link(self.cluster, config.weight_copies, config.tensor_parallel)
         profile = self.hardware.profile
         efficiency = (
             profile.collective_efficiency_intra if where == "intra-node" else profile.collective_efficiency_inter
@@ -288,14 +369,14 @@ class Estimator:
 
     def pipeline_bandwidth(self, config: Configuration) -> float:
         """Per-GPU bandwidth between neighbouring pipeline ranks, B/s."""
-        stride = config.tensor_parallel * config.data_parallel_size
+        stride = config.tensor_parallel * config.weight_copies
         if stride < self.cluster.gpus_per_node and config.pipeline_parallel * stride <= self.cluster.gpus_per_node:
             return self.cluster.intra_node_bandwidth_bytes_per_s
         return self.cluster.inter_node_bandwidth_bytes_per_s
 
     def data_parallel_ms(self, config: Configuration, layout: _Layout) -> float:
         """Data-parallel collectives not hidden behind compute, ms (module docstring)."""
-        d = config.data_parallel_size
+        d = config.weight_copies
         if d == 1:
             return 0.0
         beta = self.data_parallel_bandwidth(config)
@@ -328,7 +409,11 @@ class Estimator:
         """Adam's step on a rank's local parameters, ms (module docstring)."""
         local = layout.max_parameters
         if config.sharding != "none":
-            local /= config.data_parallel_size
+            experts = layout.max_expert_parameters
+            local = (local - experts) / config.weight_copies
+            if experts:
+                t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
+                local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
         return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
 
     def estimate(self, config: Configuration) -> Estimate:
@@ -337,22 +422,40 @@ class Estimator:
         p, v, m = config.pipeline_parallel, config.stages_per_rank, config.num_microbatches
         first_count, last_count = in_flight(config.method, p, v, m)
         versions = 0.0 if config.method == "auto" else _estimate_of(config.method).weight_versions - 1.0
-        static_first = self.static_bytes(config, layout.first_parameters, layout.layer_parameters)
-        static_last = self.static_bytes(config, layout.last_parameters, layout.layer_parameters)
+        static_first = self.static_bytes(
+            config, layout.first_parameters, layout.layer_parameters, layout.first_expert_parameters
+        )
+        static_last = self.static_bytes(
+            config, layout.last_parameters, layout.layer_parameters, layout.last_expert_parameters
+        )
         # PipeDream-2BW's second weight version: weights only (Narayanan et al. 2020, §3.1).
         static_first += versions * layout.first_parameters * self.model.dtype_bytes
         static_last += versions * layout.last_parameters * self.model.dtype_bytes
         peak_first = static_first + first_count * layout.first_chunk_activation + layout.transient_bytes
-        peak_last = static_last + last_count * layout.last_chunk_activation + layout.transient_bytes
-        peak = max(peak_first, peak_last)
-        static = max(static_first, static_last)
+        heads = last_count if config.method != "auto" and _estimate_of(config.method).last_rank_like_first else 1
+        peak_last = (
+            static_last
+            + last_count * layout.last_chunk_activation
+            + heads * layout.head_activation
+            + layout.transient_bytes
+        )
+        # the rank holding the most parameters (a middle one when the first layers are dense: DeepSeek-V3), its
+        # activations in flight between the first rank's and the last's by its position (loop placements)
+        static_heaviest = self.static_bytes(
+            config, layout.max_parameters, layout.layer_parameters, layout.max_expert_parameters
+        )
+        static_heaviest += versions * layout.max_parameters * self.model.dtype_bytes
+        position = 0.0 if config.placement == "v" else layout.heaviest_position  # a V holds as much on every rank
+        heaviest_count = math.floor(first_count + (last_count - first_count) * position)
+        peak_heaviest = static_heaviest + heaviest_count * layout.max_chunk_activation
+        peak = max(peak_first, peak_last, peak_heaviest)
+        static = max(static_first, static_last, static_heaviest)
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
         bound = m * layout.rank_compute_ms + optimizer
-        _, _, _, _, model = self.blocks(
-            config.tensor_parallel, config.micro_batch_size, config.activation_recomputation, config.precision
-        )
+        model = self.model
         p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        p2p_bytes /= config.context_parallel
         if self.sequence_parallel:
             p2p_bytes /= config.tensor_parallel
         p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
@@ -361,7 +464,12 @@ class Estimator:
         limit = self.limit_bytes
         fits = peak <= limit
         reason = None
-        if not fits:
+        if not fits and peak_heaviest > max(peak_first, peak_last):
+            reason = (
+                f"needs about {format_bytes(peak)} on its heaviest pipeline rank (static {format_bytes(static)}) over "
+                f"the {format_bytes(limit)} a GPU offers"
+            )
+        elif not fits:
             which = "first" if peak_first >= peak_last else "last"
             reason = (
                 f"needs about {format_bytes(peak)} on the {which} pipeline rank (static {format_bytes(static)}, "

@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
 
 from pipesched.optimizer.configs import ModelConfig
-from pipesched.optimizer.cost.flops import model_parameters
+from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 from pipesched.optimizer.planner.evaluate import (
@@ -39,8 +40,16 @@ from pipesched.optimizer.units import format_bytes
 
 __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "estimator_for", "plan", "plan_notes", "prepare", "search"]
 
-#: The most configurations one request may enumerate (a 512-GPU 405B request has about 8,000).
+#: The most configurations one request estimates (a 512-GPU 405B request has about 17,000; Qwen3-235B at 131K
+#: tokens on 256 GPUs, with context and expert parallelism, about 200,000): a larger space is sampled.
 MAX_CONFIGURATIONS = 100_000
+#: The most one request may enumerate before it must pin dimensions.
+MAX_ENUMERATED = 1_000_000
+#: Share of ``search.time_limit_s`` the estimates of the enumerated configurations may take (the rest is for
+#: simulating them); a space larger than that is sampled (:func:`_estimate_within`).
+ESTIMATE_SHARE = 0.4
+#: Spaces larger than this are estimated in a seeded random order.
+SHUFFLE_ABOVE = 20_000
 #: The most rejected configurations ``search.explain`` lists.
 MAX_EXPLAINED = 200
 #: Problems larger than this (stages × microbatches) are not given to the auto search.
@@ -260,16 +269,16 @@ def prepare(request: PlanRequest) -> Prepared:
                 request.search,
                 precision=estimator.model.precision,
             ),
-            MAX_CONFIGURATIONS + 1,
+            MAX_ENUMERATED + 1,
         )
     )
-    if len(configurations) > MAX_CONFIGURATIONS:
+    if len(configurations) > MAX_ENUMERATED:
         raise_field_errors(
             "PlanRequest",
             [
                 (
                     ("search",),
-                    f"more than {MAX_CONFIGURATIONS:,} configurations on {request.cluster.num_gpus:,} GPUs: pin some "
+                    f"more than {MAX_ENUMERATED:,} configurations on {request.cluster.num_gpus:,} GPUs: pin some "
                     "dimensions in search (tensor_parallel, pipeline_parallel, micro_batch_size, method)",
                     None,
                 )
@@ -277,18 +286,37 @@ def prepare(request: PlanRequest) -> Prepared:
         )
     if not configurations:
         raise_field_errors("PlanRequest", _empty_space_errors(request))
-    estimates = [(config, estimator.estimate(config)) for config in configurations]
+    enumerated = len(configurations)
+    if enumerated > MAX_CONFIGURATIONS:
+        configurations = random.Random(0).sample(configurations, MAX_CONFIGURATIONS)
+    estimates = _estimate_within(estimator, configurations, started + ESTIMATE_SHARE * request.search.time_limit_s)
     fitting = [(config, estimate) for config, estimate in estimates if estimate.fits]
+    over = [(config, estimate) for config, estimate in estimates if not estimate.fits]
     rejected = [
         Rejected(configuration=config.as_dict(), reason=estimate.reason or "over memory")
-        for config, estimate in estimates
-        if not estimate.fits
+        for config, estimate in over[:MAX_EXPLAINED]
     ]
     if not fitting:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
-    searched = Searched(enumerated=len(configurations), pruned_memory=len(rejected))
+    searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     return Prepared(request, estimator, fitting, rejected, searched, started)
+
+
+def _estimate_within(
+    estimator: Estimator, configurations: list[Configuration], deadline: float
+) -> list[tuple[Configuration, Estimate]]:
+    """Every configuration's estimate, or, when the deadline comes first, those of a seeded random sample (so a
+    large space cut short is not biased to the dimensions enumerated first). At least one is estimated."""
+    order = list(configurations)
+    if len(order) > SHUFFLE_ABOVE:
+        random.Random(0).shuffle(order)
+    estimates = []
+    for index, config in enumerate(order):
+        if index and index % 256 == 0 and time.perf_counter() >= deadline:
+            break
+        estimates.append((config, estimator.estimate(config)))
+    return estimates
 
 
 def _kth(steps: list[float], k: int) -> float:
@@ -386,7 +414,7 @@ class _PlanSearch(SearchContext[Evaluation]):
             limit = min(max(0.5, remaining), 10.0)
             self.record(config, evaluate(estimator, config, estimate, time_limit_s=limit, cache=self.cache))
             self.report_plans("search", processed)
-        self.searched.unexplored = self.total - processed + too_slow
+        self.searched.unexplored += self.total - processed + too_slow
 
     def evaluate_auto(self) -> None:
         """The ``auto`` schedule search on the best pipelined configurations, with the time left."""
@@ -451,6 +479,8 @@ class _PlanSearch(SearchContext[Evaluation]):
             memory_headroom_bytes=float(round(estimator.headroom_bytes)),
             profile=f"{estimator.hardware.profile.name} ({estimator.hardware.profile.source or 'unfitted'})",
             notes=plan_notes(plans, estimator),
+            parameters=float(model_parameters(self.prepared.request.model)),
+            active_parameters=float(active_parameters(self.prepared.request.model)),
         )
         self.report_plans("done", self.total)
         return PlanOutcome(answer, schedules)

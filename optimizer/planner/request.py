@@ -8,7 +8,7 @@ from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, mod
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.families import registry
-from pipesched.optimizer.field_errors import StrictModel, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
 from pipesched.optimizer.problem import DataParallel, Sharding
 
 __all__ = [
@@ -52,10 +52,10 @@ class PlanTraining(StrictModel):
         description='"bf16" or "fp8" (FP8 matrix multiplies, bf16 elsewhere: torchtitan\'s Float8, Transformer '
         "Engine's current scaling); null: model.precision (bf16). search.precision may list both.",
     )
-    kernels: Literal["eager", "compiled", "fused"] | None = Field(
+    kernels: Literal["unknown", "eager", "compiled", "fused"] | None = Field(
         None,
         description='"eager" (torchtitan\'s default), "compiled" (torch.compile), "fused" (Megatron-LM / '
-        "Transformer Engine kernels); null: model.kernels (eager).",
+        'Transformer Engine kernels), "unknown" (framework not said); null: model.kernels ("unknown").',
     )
     global_batch_tokens: int | None = Field(
         None,
@@ -138,6 +138,16 @@ class PlanSearch(StrictModel):
     precision: list[Literal["bf16", "fp8"]] | None = Field(
         None, description="Allowed matrix-multiply precisions; null: training.precision only."
     )
+    context_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="Allowed context-parallel degrees (GPUs sharing one sequence; each > 1 splits model.seq_length "
+        "into 2·c equal head-tail chunks); null: powers of two.",
+    )
+    expert_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="Allowed expert-parallel degrees (mixture-of-experts models: each divides model.num_experts; "
+        "a dense model takes 1 only); null: divisors of the experts.",
+    )
 
 
 class PlanRequest(StrictModel):
@@ -152,6 +162,51 @@ class PlanRequest(StrictModel):
     @classmethod
     def _tokens_to_sequences(cls, data: Any) -> Any:
         return _batch_from_tokens(data)
+
+    @model_validator(mode="after")
+    def _context_and_expert_degrees_suit_the_model(self) -> PlanRequest:
+        raise_field_errors("PlanRequest", _degree_errors(self.model, self.search))
+        return self
+
+
+def _degree_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
+    """Pinned context- and expert-parallel degrees the model cannot take: a context-parallel degree c > 1 cuts
+    the sequence into 2·c equal chunks (head-tail load balancing of the causal mask, Megatron-LM's and PyTorch's
+    ring attention); an expert-parallel degree divides the routed experts (a dense model has none)."""
+    errors: list[FieldError] = []
+    s = model.seq_length
+    bad = [c for c in search.context_parallel or () if c > 1 and s % (2 * c)]
+    if bad:
+        fits = [c for c in (2, 4, 8, 16, 32, 64) if s % (2 * c) == 0]
+        errors.append(
+            (
+                ("search", "context_parallel"),
+                f"context-parallel degree {bad[0]} does not cut model.seq_length {s:,} into 2·{bad[0]} equal "
+                f"head-tail chunks: use 1 or one of {fits or 'none (the sequence is odd)'}",
+                search.context_parallel,
+            )
+        )
+    pinned = search.expert_parallel or ()
+    experts = model.num_experts if model.is_moe else None
+    if experts is None and any(ep != 1 for ep in pinned):
+        errors.append(
+            (
+                ("search", "expert_parallel"),
+                "the model is dense (no model.num_experts): expert parallelism takes 1 only; drop the pin or name a "
+                "mixture-of-experts model",
+                search.expert_parallel,
+            )
+        )
+    elif experts is not None and any(experts % ep for ep in pinned):
+        wrong = next(ep for ep in pinned if experts % ep)
+        errors.append(
+            (
+                ("search", "expert_parallel"),
+                f"expert-parallel degree {wrong} does not divide model.num_experts {experts}: use a divisor of it",
+                search.expert_parallel,
+            )
+        )
+    return errors
 
 
 class Launch(StrictModel):
@@ -171,7 +226,10 @@ class Plan(StrictModel):
 
     pipeline_parallel: int
     tensor_parallel: int
-    data_parallel: DataParallel = Field(description="The data-parallel group: size, sharding, reshard_after_forward.")
+    data_parallel: DataParallel = Field(
+        description="The data-parallel group: size (the degree d), sharding, reshard_after_forward; with "
+        "context_parallel c the weights are sharded over d·c copies."
+    )
     stages_per_rank: int
     placement: str
     micro_batch_size: int
@@ -179,6 +237,8 @@ class Plan(StrictModel):
     activation_recomputation: str
     method: str
     precision: str = "bf16"
+    context_parallel: int = Field(1, description="GPUs sharing one sequence (ring attention).")
+    expert_parallel: int = Field(1, description="GPUs sharing one layer's routed experts.")
     step_time_ms: float = Field(
         description="Simulated pipeline makespan + exposed data-parallel time + optimizer step."
     )
@@ -186,7 +246,9 @@ class Plan(StrictModel):
     tokens_per_s_per_gpu_interval: tuple[float, float] = Field(
         description="80% prediction interval: the calibration's held-out 10th and 90th percentile errors applied."
     )
-    mfu: float = Field(description="Model FLOPs (6·N + 12·l·h·s per token) over the accelerators' dense bf16 peak.")
+    mfu: float = Field(
+        description="Model FLOPs (6·N_active + 12·l·h·s per token, PaLM App. B) over the accelerators' dense bf16 peak."
+    )
     peak_memory_bytes: float = Field(description="Highest rank's static + activation peak, bytes.")
     lower_bound_ms: float = Field(description="A bound no schedule of this configuration beats, ms.")
     schedule_id: str | None = None
@@ -234,4 +296,8 @@ class PlanAnswer(StrictModel):
     )
     request: PlanRequest | None = Field(
         None, description="The request as searched; `pipesched launch` rebuilds a plan's schedule from it."
+    )
+    parameters: float | None = Field(None, description="The model's parameters, every expert counted.")
+    active_parameters: float | None = Field(
+        None, description="Parameters one token passes through (the routed top-k experts only)."
     )

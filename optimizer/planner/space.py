@@ -1,14 +1,20 @@
 """The configurations a plan may choose, as data: every field a dimension, every value allowed by the request.
 
-A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × pipeline (p) ×
-data-parallel (d) groups, ``t·p·d = num_gpus``, and the global batch B into d replicas × m microbatches of b
-sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank`` chunks in a loop
-(powers of two up to 8, and one layer per stage when ``lga`` is named; any count up to ``num_layers / p`` when
-``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
+A configuration splits ``num_nodes × gpus_per_node`` GPUs into tensor (t, inside a node) × context (c) ×
+pipeline (p) × data-parallel (d) groups, ``t·c·p·d = num_gpus``, and the global batch B into d replicas × m
+microbatches of b sequences, ``B = d·m·b``. The pipeline's layout is one chunk per rank, ``stages_per_rank``
+chunks in a loop (powers of two up to 8, and one layer per stage when ``lga`` is named; any count up to
+``num_layers / p`` when ``search.stages_per_rank`` names it), two in a V, or two V-shaped replicas
 (``bidirectional``, even p); the schedule is a family (or ``auto``) whose domain admits the layout and m: the
 families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
 not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
-its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only.
+its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only. A mixture-of-experts model
+also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a stage
+(:mod:`pipesched.optimizer.cost.experts`).
+
+Context-parallel degrees tried: powers of two whose 2c head-tail chunks divide the sequence and leave each
+rank at least ``MIN_CONTEXT_TOKENS`` tokens (Megatron's advice: context parallelism from 8K tokens); expert
+degrees: the divisors of the expert count that divide t·c·d, up to ``MAX_EXPERT_PARALLEL``.
 """
 
 from __future__ import annotations
@@ -24,9 +30,13 @@ from pipesched.optimizer.problem import SHARDINGS, Pipeline, Sharding
 
 __all__ = [
     "DIMENSIONS",
+    "MAX_EXPERT_PARALLEL",
+    "MIN_CONTEXT_TOKENS",
     "Configuration",
+    "context_degrees",
     "divisors",
     "enumerate_space",
+    "expert_degrees",
     "layouts",
     "methods_for",
     "tensor_degrees",
@@ -34,6 +44,10 @@ __all__ = [
 
 #: Micro-batch sizes tried (each must divide the per-replica batch).
 _MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+#: Fewest tokens of a sequence a context-parallel rank holds (module docstring).
+MIN_CONTEXT_TOKENS = 4096
+#: Largest expert-parallel degree tried.
+MAX_EXPERT_PARALLEL = 256
 
 
 @dataclass(frozen=True, order=True)
@@ -51,6 +65,8 @@ class Configuration:
     activation_recomputation: str
     method: str
     precision: str = "bf16"
+    context_parallel: int = 1
+    expert_parallel: int = 1
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -60,6 +76,11 @@ class Configuration:
     def num_stages(self) -> int:
         """Model chunks: ``pipeline_parallel × stages_per_rank``."""
         return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def weight_copies(self) -> int:
+        """GPUs holding the same weights of a pipeline rank: d·c (the problem's ``data_parallel.size``)."""
+        return self.data_parallel_size * self.context_parallel
 
 
 #: The search dimensions, by field name.
@@ -75,6 +96,30 @@ def tensor_degrees(model: ModelConfig, cluster: ClusterConfig) -> list[int]:
         and model.num_attention_heads % t == 0
         and model.key_value_heads % t == 0
         and model.ffn_size % t == 0
+    ]
+
+
+def context_degrees(model: ModelConfig, search: PlanSearch) -> list[int]:
+    """Context-parallel degrees worth trying (module docstring); every pinned value that splits the sequence."""
+    s = model.seq_length
+    if search.context_parallel is not None:
+        return [c for c in search.context_parallel if s % (2 * c) == 0 or c == 1]
+    degrees, c = [1], 2
+    while s % (2 * c) == 0 and s // c >= MIN_CONTEXT_TOKENS:
+        degrees.append(c)
+        c *= 2
+    return degrees
+
+
+def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> list[int]:
+    """Expert-parallel degrees for a stage of ``stage_gpus`` (t·c·d) GPUs: 1 for a dense model."""
+    if not model.is_moe:
+        return [1]
+    experts = model.num_experts or 1
+    return [
+        ep
+        for ep in divisors(experts)
+        if stage_gpus % ep == 0 and ep <= MAX_EXPERT_PARALLEL and _allowed(search.expert_parallel, ep)
     ]
 
 
@@ -188,54 +233,76 @@ def enumerate_space(
             configuration divides from pins that contradict each other).
     """
     num_gpus = cluster.num_gpus
-    methods_pinned = search.method
-    precisions: list[str] = list(search.precision) if search.precision else [precision]
+    precisions = tuple(search.precision) if search.precision else (precision,)
     for t in tensor_degrees(model, cluster):
         if not _allowed(search.tensor_parallel, t) or num_gpus % t:
             continue
-        rest = num_gpus // t
-        for p in divisors(rest):
-            if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
+        for c in context_degrees(model, search):
+            if num_gpus % (t * c):
                 continue
-            d = rest // p
-            if not _allowed(search.data_parallel_size, d):
-                continue
-            if not ignore_batch and global_batch_size % d:
-                continue
-            local = global_batch_size // d if not ignore_batch else None
-            for sharding in SHARDINGS if d > 1 else ("none",):
-                if not _allowed(search.sharding, sharding):
+            rest = num_gpus // (t * c)
+            for p in divisors(rest):
+                if not _allowed(search.pipeline_parallel, p) or p > model.num_layers:
                     continue
-                lga = methods_pinned is not None and "lga" in methods_pinned
-                for v, placement in layouts(p, model.num_layers, search.stages_per_rank, one_layer_per_stage=lga):
-                    if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
+                d = rest // p
+                if not _allowed(search.data_parallel_size, d):
+                    continue
+                if not ignore_batch and global_batch_size % d:
+                    continue
+                for ep in expert_degrees(model, t * c * d, search):
+                    degrees = (t, c, p, d, ep)
+                    yield from _pipelines(model, global_batch_size, search, degrees, precisions, ignore_batch)
+
+
+def _pipelines(
+    model: ModelConfig,
+    global_batch_size: int,
+    search: PlanSearch,
+    degrees: tuple[int, int, int, int, int],
+    precisions: tuple[str, ...],
+    ignore_batch: bool,
+) -> Iterator[Configuration]:
+    """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep split."""
+    t, c, p, d, ep = degrees
+    local = global_batch_size // d if not ignore_batch else None
+    methods_pinned = search.method
+    lga = methods_pinned is not None and "lga" in methods_pinned
+    for sharding in SHARDINGS if d * c > 1 else ("none",):
+        if not _allowed(search.sharding, sharding):
+            continue
+        for v, placement in layouts(p, model.num_layers, search.stages_per_rank, one_layer_per_stage=lga):
+            if not _allowed(search.stages_per_rank, v) or not _allowed(search.placement, placement):
+                continue
+            for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
+                if local is not None and local % b:
+                    continue
+                m = local // b if local is not None else max(p, 1) * v
+                if not _allowed(search.num_microbatches, m) and local is not None:
+                    continue
+                if local is None and search.num_microbatches:
+                    m = search.num_microbatches[0]
+                for recompute in RECOMPUTATION:
+                    if not _allowed(search.activation_recomputation, recompute):
                         continue
-                    for b in search.micro_batch_size or _MICRO_BATCH_SIZES:
-                        if local is not None and local % b:
+                    candidates = methods_for(v, placement, p, named=methods_pinned is not None)
+                    if methods_pinned is not None:
+                        candidates = tuple(name for name in methods_pinned if name in candidates or name == "auto")
+                    for method in candidates:
+                        if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
                             continue
-                        m = local // b if local is not None else max(p, 1) * v
-                        if not _allowed(search.num_microbatches, m) and local is not None:
-                            continue
-                        if local is None and search.num_microbatches:
-                            m = search.num_microbatches[0]
-                        for recompute in RECOMPUTATION:
-                            if not _allowed(search.activation_recomputation, recompute):
-                                continue
-                            if (
-                                recompute == "selective"
-                                and model.attention == "flash"
-                                and search.activation_recomputation is None
-                            ):
-                                continue  # FlashAttention stores no scores: selective equals none
-                            candidates = methods_for(v, placement, p, named=methods_pinned is not None)
-                            if methods_pinned is not None:
-                                candidates = tuple(
-                                    name for name in methods_pinned if name in candidates or name == "auto"
-                                )
-                            for method in candidates:
-                                if not _admits(method, p, v, placement, m) or not _shards(method, sharding):
-                                    continue
-                                for precision in precisions:
-                                    yield Configuration(
-                                        p, t, d, sharding, v, placement, b, m, recompute, method, precision
-                                    )
+                        for precision in precisions:
+                            yield Configuration(
+                                p,
+                                t,
+                                d,
+                                sharding,
+                                v,
+                                placement,
+                                b,
+                                m,
+                                recompute,
+                                method,
+                                precision=precision,
+                                context_parallel=c,
+                                expert_parallel=ep,
+                            )

@@ -52,7 +52,7 @@ def test_plans_are_ranked_and_carry_the_contract_fields(small_answer: Any) -> No
     steps = [p.step_time_ms for p in plans]
     assert steps == sorted(steps)
     for p in plans:
-        assert p.pipeline_parallel * p.tensor_parallel * p.data_parallel.size == 8
+        assert p.pipeline_parallel * p.tensor_parallel * p.context_parallel * p.data_parallel.size == 8
         assert p.data_parallel.size * p.micro_batch_size * p.num_microbatches == 16
         assert p.lower_bound_ms <= p.step_time_ms
         assert p.peak_memory_bytes <= 80 * GIB - 2 * GIB
@@ -331,7 +331,9 @@ def test_no_plan_is_returned_twice() -> None:
 def test_fsdp_gradient_accumulation_without_a_pipeline() -> None:
     """torchtitan's default layout, pure FSDP with gradient accumulation (pp = 1, reshard after forward), is
     planned (it was refused: 1F1B's weights were freed after the forward with no gather before the backward)."""
-    body = request(batch=16, time_limit_s=4.0, pipeline_parallel=[1], sharding=["full"], tensor_parallel=[1])
+    body = request(
+        batch=16, time_limit_s=4.0, pipeline_parallel=[1], sharding=["full"], tensor_parallel=[1], context_parallel=[1]
+    )
     outcome = plan(PlanRequest.model_validate(body))
     assert outcome.answer.plans, outcome.answer.error
     best, schedule = outcome.answer.plans[0], outcome.schedules[0]

@@ -18,6 +18,7 @@ from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.field_errors import StrictModel
 
 __all__ = [
+    "CONTEXT_EXPERT_SOURCES",
     "Layout",
     "Measured",
     "Measurement",
@@ -26,6 +27,7 @@ __all__ = [
     "Source",
     "TrainingRun",
     "builtin_measurements",
+    "fitting_measurements",
     "load_measurements",
     "parse_measurements",
 ]
@@ -180,3 +182,23 @@ def _builtin() -> tuple[Measurement, ...]:
 def builtin_measurements() -> list[Measurement]:
     """Every published row shipped with pipesched (``data/*.json``), sources in name order."""
     return list(_builtin())
+
+
+#: The sources of published runs with context or expert parallelism (or a mixture-of-experts model): the check of
+#: those cost terms (``bench/cpep_bench.py``), held out of the profile fit so that its error is a held-out error.
+CONTEXT_EXPERT_SOURCES = (
+    "megatron_bridge_cp_ep",
+    "nemo_2407_h100_cp",
+    "nemo_long_sequence",
+    "torchtitan_h100_202412_cp",
+    "llama3_herd_table4",
+    "megatron_moe_model_zoo",
+    "nemo_automodel_h100",
+    "deepseek_v3_report",
+)
+
+
+def fitting_measurements() -> list[Measurement]:
+    """The rows the accelerator profiles are fitted to: every built-in row but the context/expert-parallel
+    sources (:data:`CONTEXT_EXPERT_SOURCES`)."""
+    return [row for row in _builtin() if row.source not in CONTEXT_EXPERT_SOURCES]

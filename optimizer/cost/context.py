@@ -1,0 +1,109 @@
+"""Context parallelism: what ring attention sends and how much of it the attention compute hides.
+
+With context parallelism c (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers", §3;
+Megatron-LM ``--context-parallel-size`` with ``--cp-comm-type p2p``; torchtitan's ``context_parallel``) each
+rank holds s/c tokens of every sequence: its queries, keys and values. Attention runs in c steps: in each a
+rank computes its queries against one key/value block and passes that block to the next rank of the ring, so
+c − 1 transfers each overlap one block's attention. Causal masks are balanced head-tail (the sequence cut in
+2c chunks, rank i holding chunks i and 2c − 1 − i: Megatron's zig-zag, torchtitan's
+``context_parallel_load_balancer``), so every rank does 1/c of the causal attention and every step costs the
+same.
+
+Per layer and microbatch on one of t tensor-parallel ranks:
+
+- a key/value block is (s·b/c) tokens × (key + value width on the rank) × the dtype's bytes; the key/value
+  width is 2·n_kv·d/t for (grouped-query) attention (n_kv < t: one head on each rank, Megatron replicates
+  it) and the uncompressed a·(d_nope + d_rope) + a·d_v over t for multi-head latent attention (Megatron
+  passes the up-projected keys and values);
+- F sends c − 1 blocks, each beside 1/c of the rank's attention core; the input-gradient backward I sends
+  the blocks again and their gradients (twice the bytes) beside 1/c of the backward core; W sends nothing;
+- a step's exposed time is max(0, transfer − that step's compute), summed over the c − 1 steps;
+- the ring's link is the intra-node one while t·c GPUs fit a node (the mesh puts context parallelism right
+  outside tensor parallelism: Megatron's ``tp-cp-ep-dp-pp``, torchtitan's ``[…, "cp", "tp"]``), otherwise
+  the inter-node one (every step waits for its slowest hop).
+
+Activation memory and FLOPs divided by c are in :mod:`.memory` and :mod:`.flops`; the weights are replicated
+over the c ranks, so their gradients are reduced (and, sharded, gathered) over the d·c ranks holding the
+same layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.flops import attention_core_width
+
+__all__ = ["RingAttention", "context_link", "key_value_block_bytes", "ring_attention"]
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """Ring attention of one layer for one microbatch on one rank.
+
+    Attributes:
+        block_bytes: one key/value block, bytes.
+        steps: transfers per pass (c − 1).
+        forward_exposed_ms: what F waits for the ring beyond its attention compute, ms.
+        backward_input_exposed_ms: the same for I (blocks and their gradients), ms.
+        link: ``"intra-node"`` or ``"inter-node"``.
+    """
+
+    block_bytes: float
+    steps: int
+    forward_exposed_ms: float
+    backward_input_exposed_ms: float
+    link: str
+
+
+def key_value_block_bytes(model: ModelConfig, tensor_parallel: int, context_parallel: int) -> float:
+    """Bytes of one rank's key/value block: (s·b/c) tokens × key + value width on the rank (module docstring)."""
+    tokens = model.seq_length * model.micro_batch_size / context_parallel
+    if model.is_mla:
+        query_key, value = attention_core_width(model)
+        width = (query_key + value) / tensor_parallel
+    else:
+        heads = max(1, math.ceil(model.key_value_heads / tensor_parallel))
+        width = 2 * heads * model.head_size
+    return tokens * width * model.dtype_bytes
+
+
+def context_link(cluster: ClusterConfig, tensor_parallel: int, context_parallel: int) -> tuple[float, str]:
+    """(bandwidth per GPU in bytes/s, where) of the context-parallel ring (module docstring)."""
+    if tensor_parallel * context_parallel <= cluster.gpus_per_node:
+        return cluster.intra_node_bandwidth_bytes_per_s, "intra-node"
+    return cluster.inter_node_bandwidth_bytes_per_s, "inter-node"
+
+
+def ring_attention(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    tensor_parallel: int,
+    context_parallel: int,
+    *,
+    attention_forward_ms: float,
+    attention_backward_ms: float,
+    bandwidth_bytes_per_s: float | None = None,
+) -> RingAttention:
+    """The ring's transfers and their exposed time for one layer and microbatch (module docstring).
+
+    Args:
+        attention_forward_ms, attention_backward_ms: the rank's whole attention core in F and in I (all c
+            blocks), ms; each step overlaps 1/c of it.
+        bandwidth_bytes_per_s: the ring's achieved bandwidth; default the link of :func:`context_link`.
+    """
+    c = context_parallel
+    block = key_value_block_bytes(model, tensor_parallel, c)
+    bandwidth, link = context_link(cluster, tensor_parallel, c)
+    if bandwidth_bytes_per_s is not None:
+        bandwidth = bandwidth_bytes_per_s
+    if c <= 1:
+        return RingAttention(0.0, 0, 0.0, 0.0, link)
+    latency = cluster.p2p_latency_ms
+    forward_step = latency + 1e3 * block / bandwidth
+    backward_step = latency + 1e3 * 2 * block / bandwidth
+    steps = c - 1
+    forward_exposed = steps * max(0.0, forward_step - attention_forward_ms / c)
+    backward_exposed = steps * max(0.0, backward_step - attention_backward_ms / c)
+    return RingAttention(block, steps, forward_exposed, backward_exposed, link)

@@ -1,0 +1,249 @@
+"""Mixture-of-experts models, context parallelism and expert parallelism in the cost model and the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
+from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES
+from pipesched.optimizer.cost.context import key_value_block_bytes, ring_attention
+from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
+from pipesched.optimizer.cost.flops import active_parameters, layer_flops, model_flops_per_token, model_parameters
+from pipesched.optimizer.cost.stages import resolve_hardware, transformer_layer
+from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.presets import PUBLISHED_PARAMETERS
+
+REPO = Path(__file__).resolve().parents[2]
+H100 = ClusterConfig(accelerator="H100-SXM", num_nodes=4, gpus_per_node=8)
+
+
+def errors(excinfo: pytest.ExceptionInfo[ValidationError]) -> dict[tuple[str | int, ...], str]:
+    return {tuple(error["loc"]): error["msg"] for error in excinfo.value.errors()}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMETERS))
+def test_moe_presets_count_the_published_total_and_active_parameters(preset: str) -> None:
+    total, active = PUBLISHED_PARAMETERS[preset]
+    model = ModelConfig(preset=preset)
+    assert model_parameters(model) == pytest.approx(total, rel=0.03)
+    assert active_parameters(model) == pytest.approx(active, rel=0.03)
+    assert active_parameters(model) < model_parameters(model) / 3
+
+
+def test_a_dense_model_is_all_active_and_its_flops_are_palms() -> None:
+    model = ModelConfig(preset="llama3.1-8b")
+    assert active_parameters(model) == model_parameters(model)
+    h, layers, s = model.hidden_size, model.num_layers, model.seq_length
+    # 6N + 12·l·h·s with N the matrices and the head (PaLM, App. B); causal halves the s-term
+    assert model_flops_per_token(model) - model_flops_per_token(model, causal=True) == 6 * layers * h * s
+
+
+def test_moe_flops_count_the_active_experts_and_memory_counts_all() -> None:
+    dense = ModelConfig(preset="mixtral-8x7b", num_experts=None, num_experts_per_token=None)
+    moe = ModelConfig(preset="mixtral-8x7b")
+    # two of eight experts run per token: the FFN FLOPs double, its parameters grow eightfold
+    dense_ffn = layer_flops(dense).backward_weight
+    moe_ffn = layer_flops(moe, moe=True).backward_weight
+    attention = 2 * moe.seq_length * (4096 * (4096 + 2 * 1024) + 4096 * 4096)
+    assert moe_ffn - attention == pytest.approx(2 * (dense_ffn - attention) + 2 * moe.seq_length * 8 * 4096, rel=1e-9)
+    hardware = resolve_hardware(H100)
+    layer = transformer_layer(moe, hardware, moe=True)
+    assert layer.expert_parameters == pytest.approx(8 * 3 * 4096 * 14336)
+    # expert parallelism 8: one expert per GPU
+    sharded = transformer_layer(moe, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=8))
+    assert sharded.expert_parameters == pytest.approx(layer.expert_parameters / 8)
+    assert layer.parameters - layer.expert_parameters == pytest.approx(sharded.parameters - sharded.expert_parameters)
+
+
+def test_load_imbalance_slows_the_busiest_rank() -> None:
+    balanced = ModelConfig(preset="qwen3-30b-a3b")
+    skewed = ModelConfig(preset="qwen3-30b-a3b", moe_load_imbalance=1.3)
+    assert layer_flops(skewed, moe=True).forward > layer_flops(balanced, moe=True).forward
+    groups = expert_groups(balanced, 1, 8)
+    one = expert_traffic(balanced, H100, groups, 1, 1)
+    assert expert_traffic(skewed, H100, groups, 1, 1).bytes_per_all_to_all == pytest.approx(
+        1.3 * one.bytes_per_all_to_all
+    )
+
+
+def test_all_to_all_moves_tokens_times_top_k_times_hidden_on_the_expert_groups_link() -> None:
+    model = ModelConfig(preset="deepseek-v3")
+    tokens = 4096  # one sequence, tensor and context degree 1
+    within = expert_traffic(model, H100, expert_groups(model, 1, 8), 1, 1)
+    assert within.bytes_per_all_to_all == tokens * 8 * 7168 * 2
+    assert within.link == "intra-node"
+    across = expert_traffic(model, H100, expert_groups(model, 1, 32), 1, 1)
+    assert across.link == "inter-node"
+    # four nodes: a token crosses the network once per other node among its 8 experts' (3·(1 − 0.75⁸) ≈ 2.7)
+    remote_nodes = 3 * (1 - 0.75**8)
+    network = 1e3 * tokens * 7168 * 2 * remote_nodes / H100.inter_node_bandwidth_bytes_per_s
+    assert across.all_to_all_ms == pytest.approx(network + 2 * H100.collective_latency_ms, rel=0.01)
+    assert across.all_to_all_ms > 2 * within.all_to_all_ms
+    assert across.forward_ms == across.backward_input_ms == 2 * across.all_to_all_ms
+    # tensor parallelism with sequence parallelism: each of the t ranks dispatches its s/t tokens
+    assert expert_traffic(model, H100, expert_groups(model, 2, 8), 2, 1).bytes_per_all_to_all == tokens * 4 * 7168 * 2
+
+
+def test_overlapped_all_to_alls_expose_only_what_exceeds_the_compute() -> None:
+    model = ModelConfig(preset="deepseek-v3")
+    hardware = resolve_hardware(H100)
+    exposed = transformer_layer(model, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=32))
+    hidden = transformer_layer(
+        model, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=32, overlap=True)
+    )
+    local = transformer_layer(model, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=8))
+    assert hidden.forward_ms < exposed.forward_ms
+    assert local.forward_ms < exposed.forward_ms
+
+
+def test_context_parallelism_divides_activations_and_flops_but_not_weights() -> None:
+    model = ModelConfig(preset="llama3.1-8b", seq_length=65536)
+    hardware = resolve_hardware(H100)
+    whole = transformer_layer(model, hardware, cluster=H100)
+    split = transformer_layer(model, hardware, cluster=H100, context_parallel=ContextParallel(size=4))
+    assert split.activation_bytes == pytest.approx(whole.activation_bytes / 4)
+    # a quarter of the matrix-multiply work, in products a quarter as tall (a little less efficient)
+    assert whole.backward_weight_ms / 4 <= split.backward_weight_ms <= 1.02 * whole.backward_weight_ms / 4
+    assert split.parameters == whole.parameters
+    flops = layer_flops(model, context_parallel=4)
+    assert flops.attention_forward == pytest.approx(layer_flops(model).attention_forward / 4)
+
+
+def test_causal_attention_dominates_at_131k_tokens() -> None:
+    long = layer_flops(ModelConfig(preset="llama3.1-405b", seq_length=131072))
+    short = layer_flops(ModelConfig(preset="llama3.1-405b", seq_length=8192))
+
+    def share(flops: Any) -> float:
+        total = flops.forward + flops.backward_input + flops.backward_weight
+        return float((flops.attention_forward + flops.attention_backward) / total)
+
+    assert long.attention_backward / long.backward_input > 0.5
+    assert share(long) > 0.4
+    assert share(short) < 0.06
+
+
+def test_ring_attention_hides_its_transfers_at_long_sequences_and_uses_the_right_link() -> None:
+    model = ModelConfig(preset="llama3.1-405b", seq_length=131072)
+    cluster = ClusterConfig(accelerator="H100-SXM", num_nodes=32, gpus_per_node=8)
+    # 8 key/value heads of 128 on 8 tensor-parallel ranks: one head each, keys and values
+    assert key_value_block_bytes(model, 8, 16) == 131072 / 16 * 2 * 128 * 2
+    hidden = ring_attention(model, cluster, 8, 16, attention_forward_ms=50.0, attention_backward_ms=125.0)
+    assert hidden.link == "inter-node" and hidden.steps == 15
+    assert hidden.forward_exposed_ms == hidden.backward_input_exposed_ms == 0.0
+    short = ModelConfig(preset="llama3.1-405b", seq_length=8192)
+    exposed = ring_attention(short, cluster, 8, 16, attention_forward_ms=0.01, attention_backward_ms=0.02)
+    assert exposed.forward_exposed_ms > 0 and exposed.backward_input_exposed_ms > exposed.forward_exposed_ms
+    inside = ring_attention(short, cluster, 4, 2, attention_forward_ms=0.0, attention_backward_ms=0.0)
+    assert inside.link == "intra-node"
+
+
+def _document(**sections: Any) -> dict[str, Any]:
+    return {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+        "model": {"preset": "qwen3-30b-a3b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 4, "gpus_per_node": 8},
+        **sections,
+    }
+
+
+def test_expert_state_is_sharded_over_the_expert_data_parallel_group() -> None:
+    base = {"data_parallel": {"size": 8, "sharding": "optimizer"}}
+    replicated = load_problem(_document(**base))
+    sharded = load_problem(_document(**base, expert_parallel={"size": 8}))
+    assert replicated.memory is not None and sharded.memory is not None
+    # one expert eighth per GPU: static memory falls by far more than the optimizer's 1/8 alone would give
+    assert max(sharded.memory.static) < 0.4 * max(replicated.memory.static)
+    assert sharded.costs is not None and replicated.costs is not None
+    assert sharded.costs.forward != replicated.costs.forward  # the all-to-alls
+
+
+def test_context_and_expert_degrees_that_do_not_divide_are_field_errors() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        load_problem(_document(context_parallel={"size": 3}, model={"preset": "qwen3-30b-a3b", "seq_length": 4096}))
+    assert "head-tail" in errors(excinfo)[("context_parallel", "size")]
+    with pytest.raises(ValidationError) as excinfo:
+        load_problem(_document(expert_parallel={"size": 3}, data_parallel={"size": 8, "sharding": "none"}))
+    assert "does not divide the 128 experts" in errors(excinfo)[("expert_parallel", "size")]
+    with pytest.raises(ValidationError) as excinfo:
+        load_problem(_document(expert_parallel={"size": 2}, model={"preset": "llama3.1-8b"}, data_parallel={"size": 2}))
+    assert "dense model" in errors(excinfo)[("expert_parallel", "size")]
+
+
+def test_moe_and_latent_attention_fields_are_checked_together() -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="mixtral-8x7b", num_experts_per_token=None)
+    assert "top-k" in errors(excinfo)[("num_experts_per_token",)]
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="mixtral-8x7b", num_experts_per_token=9)
+    assert "exceed the 8 experts" in errors(excinfo)[("num_experts_per_token",)]
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="llama3.1-8b", moe_ffn_hidden_size=1024)
+    assert "give num_experts" in errors(excinfo)[("moe_ffn_hidden_size",)]
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="deepseek-v3", v_head_dim=None)
+    assert "v_head_dim" in errors(excinfo)[("v_head_dim",)]
+    with pytest.raises(ValidationError) as excinfo:
+        ModelConfig(preset="deepseek-v3", first_dense_layers=61)
+    assert "leaves none" in errors(excinfo)[("first_dense_layers",)]
+
+
+def test_deepseek_dense_layers_lead_the_first_stage() -> None:
+    def static(first_dense_layers: int) -> list[float]:
+        problem = load_problem(
+            {
+                "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+                "model": {
+                    "preset": "deepseek-v3",
+                    "first_dense_layers": first_dense_layers,
+                    "layers_per_stage": [16, 15, 15, 15],
+                },
+                "cluster": {"accelerator": "H100-SXM", "num_nodes": 32, "gpus_per_node": 8},
+                "data_parallel": {"size": 64, "sharding": "optimizer"},
+                "expert_parallel": {"size": 64},
+            }
+        )
+        assert problem.memory is not None and isinstance(problem.memory.static, list)
+        return problem.memory.static
+
+    published, all_experts = static(3), static(0)
+    # the three dense layers are stage 0's: it holds less than with experts there, the other stages the same
+    assert published[0] < all_experts[0]
+    assert published[1:] == pytest.approx(all_experts[1:], rel=1e-9)
+
+
+def test_published_layout_rows_follow_the_calibration_row_format() -> None:
+    folder = REPO / "optimizer" / "cost" / "calibration" / "data"
+    seen = 0
+    for name in CONTEXT_EXPERT_SOURCES:
+        document = json.loads((folder / f"{name}.json").read_text())
+        assert document["source"]["id"] == name and document["source"]["url"].startswith("https://")
+        for row in document["rows"]:
+            layout, run = row["layout"], row["training"]
+            model = ModelConfig.model_validate(row["model"])
+            assert (
+                layout["data_parallel"] * run["num_microbatches"] * run["micro_batch_size"] == run["global_batch_size"]
+            )
+            gpus = layout["data_parallel"] * layout["tensor_parallel"] * layout["pipeline_parallel"]
+            gpus *= layout["context_parallel"]
+            assert gpus == row["cluster"]["num_nodes"] * row["cluster"]["gpus_per_node"], row["id"]
+            assert layout["context_parallel"] > 1 or layout["expert_parallel"] > 1 or name == "llama3_herd_table4"
+            if layout["expert_parallel"] > 1:
+                assert model.is_moe and (model.num_experts or 0) % layout["expert_parallel"] == 0
+            assert row["measured"]["tokens_per_s_per_gpu"] > 0
+            seen += 1
+    assert seen >= 50
+
+
+def test_tensor_parallel_helper_is_unchanged_for_dense_layers() -> None:
+    model = ModelConfig(preset="llama3.1-70b")
+    hardware = resolve_hardware(H100)
+    tp = TensorParallel(size=8)
+    # a dense layer ignores expert parallelism
+    assert transformer_layer(model, hardware, tp, H100) == transformer_layer(
+        model, hardware, tp, H100, expert_parallel=ExpertParallel(size=8)
+    )
