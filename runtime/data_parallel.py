@@ -1,29 +1,35 @@
 """A rank's stages over its data-parallel group: UNSHARD, RESHARD, REDUCE_GRAD, and mirrored stages' gradients.
 
 ``sharding: full`` wraps each stage module with FSDP2 ``fully_shard(module, mesh=mesh["dp"], reshard_after_forward=…)``
-(PyTorch's ``_PipelineScheduleRuntime`` lowers UNSHARD/RESHARD/REDUCE_GRAD for it; the own executor runs them
-through :func:`pipesched.runtime.torch_compat.fsdp_reduce_grad`). ``sharding: none`` keeps plain modules and
-reduces gradients itself: one ``all_reduce`` (sum, then ÷ D) per stage over the dp group after its last backward
-(the schedule's REDUCE_GRAD where it has one, else after the step) — DDP's hooks break with split backward
-(pytorch#144530).
+(PyTorch's ``_PipelineScheduleRuntime`` lowers UNSHARD/RESHARD/REDUCE_GRAD for it; the own executor runs them on
+the rank's communication stream through FSDP2's ``unshard``/``reshard`` and
+:func:`pipesched.runtime.torch_compat.fsdp_reduce_grad`). ``sharding: none`` keeps plain modules and reduces
+gradients itself: one ``all_reduce`` of the stage's gradients (flattened into one buffer, as DDP's buckets; sum,
+then ÷ D) over the dp group — DDP's hooks break with split backward (pytorch#144530).
 
-Bidirectional placements (BitPipe) hold a model stage twice, on two ranks (mirrored replicas): their gradients are
-summed, as the all-reduce between mirrored ranks does, so both copies take the same steps (:class:`MirrorGradients`).
+Every action runs on the rank's :class:`~pipesched.runtime.streams.CommunicationStream`, in the row's order: a
+REDUCE_GRAD where the schedule places it (right after the stage's last backward), else after the step.
+
+Bidirectional placements (BitPipe, Wu et al. 2024, §3.3) hold a model stage twice, on two ranks (mirrored
+replicas): their gradients are summed (:class:`MirrorGradients`), eagerly — an asynchronous all-reduce between the
+two holders issued as soon as the stage's gradients are complete on this rank (right after its REDUCE_GRAD when
+the schedule has one, else right after its last backward), overlapping the rest of the step, as BitPipe's
+schedule places it.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.runtime import torch_compat
-from pipesched.runtime.records import MeasuredAction
+from pipesched.runtime.streams import CommunicationStream, PendingCommunication
 
-__all__ = ["DataParallelStages", "MirrorGradients", "local_tensor"]
+__all__ = ["DataParallelStages", "MirrorGradients", "local_tensor", "reduce_stage_gradients"]
 
 
 def local_tensor(tensor: Any) -> Any:
@@ -31,74 +37,40 @@ def local_tensor(tensor: Any) -> Any:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-class DataParallelStages:
-    """The data-parallel communication of one rank's stages (the executor's :class:`StageCommunication`).
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
-    ``size``: D. ``sharded``: the modules are FSDP2 modules (sharding full, D > 1). ``reduced``: the stages whose
-    REDUCE_GRAD ran this step (reset by :meth:`start_step`).
-    """
 
-    def __init__(self, modules: dict[int, nn.Module], *, group: Any, size: int, sharded: bool) -> None:
-        self.modules = modules
-        self.group = group
-        self.size = size
-        self.sharded = sharded
-        self.reduced: set[int] = set()
+def _unflatten_into(flat: torch.Tensor, targets: list[torch.Tensor], scale: float = 1.0) -> None:
+    offset = 0
+    for target in targets:
+        count = target.numel()
+        piece = flat[offset : offset + count].view_as(target)
+        target.copy_(piece if scale == 1.0 else piece * scale)
+        offset += count
 
-    def start_step(self, *, deferred: bool) -> None:
-        """Before a step. ``deferred`` (the own engine with FSDP2): accumulate unsharded gradients over the
-        microbatches and reduce once, at REDUCE_GRAD (:func:`torch_compat.fsdp_defer_reduction`)."""
-        self.reduced.clear()
-        if self.sharded and deferred:
-            for module in self.modules.values():
-                torch_compat.fsdp_defer_reduction(module)
 
-    def run(self, action: Action) -> None:
-        """UNSHARD (all-gather the stage's weights), RESHARD (free them) or REDUCE_GRAD of ``action.stage``."""
-        fsdp = torch_compat.fsdp_modules(self.modules[action.stage])[:1]
-        if action.kind == ActionKind.REDUCE_GRAD:
-            self.reduce_grad(action.stage)
-        elif action.kind == ActionKind.UNSHARD:
-            for module in fsdp:
-                module.unshard()
-        elif action.kind == ActionKind.RESHARD:
-            for module in fsdp:
-                module.reshard()
-
-    def reduce_grad(self, stage: int) -> None:
-        """REDUCE_GRAD of one stage over the dp group: FSDP2's reduce-scatter, or an all-reduce ÷ D."""
-        module = self.modules[stage]
-        if self.sharded:
-            torch_compat.fsdp_reduce_grad(module)
-        elif self.size > 1:
-            for parameter in module.parameters():
-                if parameter.grad is not None:
-                    dist.all_reduce(parameter.grad, group=self.group)
-                    parameter.grad.div_(self.size)
-        self.reduced.add(stage)
-
-    def reduce_remaining(self, origin: float) -> list[MeasuredAction]:
-        """Reduce the stages no REDUCE_GRAD of the schedule reduced (after the step), timed as REDUCE_GRAD."""
-        records = []
-        if self.size == 1:
-            return records
-        for stage in sorted(self.modules):
-            if stage in self.reduced:
-                continue
-            started = time.perf_counter()
-            self.reduce_grad(stage)
-            records.append(MeasuredAction.timed(f"{stage}REDUCE_GRAD", origin, started, time.perf_counter()))
-        return records
+def reduce_stage_gradients(module: nn.Module, group: Any, size: int, sharded: bool) -> None:
+    """REDUCE_GRAD of one stage over its dp ``group`` of ``size`` ranks: FSDP2's reduce-scatter (``sharded``), or one
+    all-reduce of the flattened gradients, ÷ ``size``."""
+    if sharded:
+        torch_compat.fsdp_reduce_grad(module)
+    elif size > 1:
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        flat = _flat(grads)
+        dist.all_reduce(flat, group=group)
+        _unflatten_into(flat, grads, 1.0 / size)
 
 
 class MirrorGradients:
-    """Model stages held by two stage ids (bidirectional placement): per model stage, the ids on this rank and
-    the process group of the ranks holding it in this replica (``None`` when both ids are on this rank).
+    """Model stages held by two stage ids (bidirectional placement): per model stage, the ids on this rank and the
+    process group of the ranks holding it in this replica (``None`` when every id is on this rank).
 
     Every process must build it (``dist.new_group`` is collective).
     """
 
     def __init__(self, stage_ranks: list[int], model_stage: list[int], *, size: int, pp_rank: int, dp_rank: int):
+        self.model_stage = model_stage
         self.mirrors: dict[int, tuple[list[int], Any]] = {}
         for stage in range(max(model_stage) + 1):
             ids = [s for s, ms in enumerate(model_stage) if ms == stage]
@@ -110,13 +82,112 @@ class MirrorGradients:
                 if replica == dp_rank and pp_rank in holders:
                     self.mirrors[stage] = (ids, group)
 
-    def sync(self, modules: dict[int, nn.Module]) -> None:
-        """Sum the gradients of every mirrored model stage over its holders and give each copy the sum."""
-        for ids, group in self.mirrors.values():
-            local = [modules[s] for s in ids if s in modules]
-            for copies in zip(*(list(module.parameters()) for module in local), strict=True):
-                total = sum(local_tensor(p.grad) for p in copies if p.grad is not None)
-                if group is not None:
-                    dist.all_reduce(total, group=group)
-                for parameter in copies:
-                    local_tensor(parameter.grad).copy_(total)
+    def mirrored(self, stage: int) -> bool:
+        """Whether ``stage`` (an id) is one copy of a mirrored model stage."""
+        return self.model_stage[stage] in self.mirrors
+
+    def sum(self, model_stage: int, modules: dict[int, nn.Module]) -> torch.futures.Future | None:
+        """Issue the sum of the model stage's gradients over its holders (asynchronous); every copy receives the
+        sum when the returned future completes (``None``: summed here already, every copy on this rank)."""
+        ids, group = self.mirrors[model_stage]
+        local = [modules[s] for s in ids if s in modules]
+        copies = [[local_tensor(p.grad) for p in module.parameters() if p.grad is not None] for module in local]
+        total = _flat([sum(grads) for grads in zip(*copies, strict=True)])  # type: ignore[misc]
+
+        def spread(_: Any = None) -> None:
+            for grads in copies:
+                _unflatten_into(total, grads)
+
+        if group is None:
+            spread()
+            return None
+        return dist.all_reduce(total, group=group, async_op=True).get_future().then(spread)
+
+
+class DataParallelStages:
+    """The data-parallel communication of one rank's stages (the executor's ``StageCommunication``).
+
+    ``size``: D. ``sharded``: the modules are FSDP2 modules (sharding full, D > 1). ``reduced``: the stages whose
+    REDUCE_GRAD was issued this step (reset by :meth:`start_step`). ``mirrors``: mirrored model stages, summed as
+    soon as complete.
+    """
+
+    def __init__(
+        self,
+        modules: dict[int, nn.Module],
+        *,
+        group: Any,
+        size: int,
+        sharded: bool,
+        mirrors: MirrorGradients,
+        stream: CommunicationStream,
+    ) -> None:
+        self.modules = modules
+        self.group = group
+        self.size = size
+        self.sharded = sharded
+        self.mirrors = mirrors
+        self.stream = stream
+        self.reduced: set[int] = set()
+        self._complete: dict[int, int] = {}
+
+    def start_step(self, *, deferred: bool) -> None:
+        """Before a step. ``deferred`` (the own engine with FSDP2): accumulate unsharded gradients over the
+        microbatches and reduce once, at REDUCE_GRAD (:func:`torch_compat.fsdp_defer_reduction`)."""
+        self.reduced.clear()
+        self._complete.clear()
+        if self.sharded and deferred:
+            for module in self.modules.values():
+                torch_compat.fsdp_defer_reduction(module)
+
+    def issue(self, action: Action) -> PendingCommunication:
+        """Issue UNSHARD, RESHARD or REDUCE_GRAD of ``action.stage`` on the communication stream (from the compute
+        stream, in the row's order); :meth:`run` does it there."""
+        if action.kind == ActionKind.REDUCE_GRAD:
+            self.reduced.add(action.stage)
+        return self.stream.submit(str(action), lambda: self.run(action))
+
+    def run(self, action: Action) -> Any:
+        """UNSHARD (all-gather the stage's weights), RESHARD (free them) or REDUCE_GRAD of ``action.stage`` (on the
+        communication stream)."""
+        fsdp = torch_compat.fsdp_modules(self.modules[action.stage])[:1]
+        if action.kind == ActionKind.REDUCE_GRAD:
+            return self.reduce_grad(action.stage)
+        for module in fsdp:
+            if action.kind == ActionKind.UNSHARD:
+                module.unshard()
+            elif action.kind == ActionKind.RESHARD:
+                module.reshard()
+        return None
+
+    def reduce_grad(self, stage: int) -> torch.futures.Future | None:
+        """REDUCE_GRAD of one stage over the dp group (FSDP2's reduce-scatter, or one all-reduce ÷ D), then, for a
+        mirrored stage, the eager sum over its replicas (its future)."""
+        reduce_stage_gradients(self.modules[stage], self.group, self.size, self.sharded)
+        return self._mirror(stage)
+
+    def _mirror(self, stage: int) -> torch.futures.Future | None:
+        """The eager sum of a mirrored stage once every copy on this rank is complete."""
+        if not self.mirrors.mirrored(stage):
+            return None
+        model_stage = self.mirrors.model_stage[stage]
+        self._complete[model_stage] = self._complete.get(model_stage, 0) + 1
+        ids, _ = self.mirrors.mirrors[model_stage]
+        if self._complete[model_stage] < sum(1 for s in ids if s in self.modules):
+            return None
+        return self.mirrors.sum(model_stage, self.modules)
+
+    def stage_done(self, stage: int) -> None:
+        """A stage's last backward ended. Without data parallelism (no REDUCE_GRAD in the row) a mirrored stage is
+        summed over its replicas now; with it, right after its REDUCE_GRAD (:meth:`reduce_grad`)."""
+        if self.size == 1 and self.mirrors.mirrored(stage):
+            self.reduced.add(stage)
+            self.stream.submit(f"{stage}REDUCE_GRAD", lambda: self._mirror(stage))
+
+    def reduce_remaining(self) -> None:
+        """Issue REDUCE_GRAD for the stages no REDUCE_GRAD of the schedule reduced (after the step)."""
+        for stage in sorted(self.modules):
+            if stage in self.reduced or (self.size == 1 and not self.mirrors.mirrored(stage)):
+                continue
+            self.reduced.add(stage)
+            self.stream.submit(f"{stage}REDUCE_GRAD", lambda stage=stage: self.reduce_grad(stage))

@@ -12,8 +12,10 @@ CSV) runs every loop and V schedule, and is the default engine there (``engine="
   second, independent execution of the same order to compare with PyTorch's (``engine="pipesched"``).
 
 A rank's order is read with the optimizer's IR (:meth:`pipesched.optimizer.result.Schedule.orders`): passes
-(F, I, W, B) run here; the data-parallel communication actions (UNSHARD, RESHARD, REDUCE_GRAD) are handed to the
-rank's :class:`StageCommunication`; OPTIMIZER_STEP is the training loop's (:mod:`pipesched.runtime.training`).
+(F, I, W, B) run here; the data-parallel communication actions (UNSHARD, RESHARD, REDUCE_GRAD) are issued on the
+rank's communication stream (:class:`pipesched.runtime.streams.CommunicationStream`) where the row places them,
+and waited for only where a dependency requires it: a stage's passes wait for its UNSHARD, the optimizer step
+(the training loop's OPTIMIZER_STEP, :mod:`pipesched.runtime.training`) for every REDUCE_GRAD.
 
 The backward split uses PyTorch's own ``stage_backward_input`` / ``stage_backward_weight`` (through
 :mod:`pipesched.runtime.torch_compat`), so I and W do what they do in ``torch.distributed.pipelining``. On a
@@ -47,6 +49,7 @@ from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime import torch_compat
 from pipesched.runtime.records import MeasuredAction, StepRecord
+from pipesched.runtime.streams import PendingCommunication
 
 __all__ = [
     "PipelineExecutor",
@@ -55,6 +58,7 @@ __all__ = [
     "SavedActivationMeter",
     "StageCommunication",
     "StepInputs",
+    "WeightVersions",
     "synchronize",
 ]
 
@@ -150,10 +154,17 @@ class RankProgram:
     num_microbatches: int
     previous: dict[tuple[int, int], int | None]
     following: dict[tuple[int, int], int | None]
+    microbatches_per_step: int = 0
+
+    @property
+    def per_step(self) -> int:
+        """Microbatches per step (the loss's divisor): all of them, or m when the order runs several steps."""
+        return self.microbatches_per_step or self.num_microbatches
 
     @classmethod
-    def compile(cls, schedule: Schedule, rank: int) -> RankProgram:
-        """The program of ``rank`` in ``schedule`` (chains from :func:`compile_for_orders`)."""
+    def compile(cls, schedule: Schedule, rank: int, microbatches_per_step: int = 0) -> RankProgram:
+        """The program of ``rank`` in ``schedule`` (chains from :func:`compile_for_orders`); ``microbatches_per_step``
+        when the schedule holds several steps' microbatches (global ids, step ``g // m``)."""
         orders = schedule.orders()
         inst = compile_for_orders(schedule.problem, orders)
         previous: dict[tuple[int, int], int | None] = {}
@@ -162,12 +173,35 @@ class RankProgram:
             for k, stage in enumerate(chain):
                 previous[stage, j] = chain[k - 1] if k > 0 else None
                 following[stage, j] = chain[k + 1] if k + 1 < len(chain) else None
-        return cls(rank, orders[rank], inst.stage_ranks, inst.model_stage, inst.num_microbatches, previous, following)
+        return cls(
+            rank,
+            orders[rank],
+            inst.stage_ranks,
+            inst.model_stage,
+            inst.num_microbatches,
+            previous,
+            following,
+            microbatches_per_step,
+        )
 
     @property
     def stages(self) -> list[int]:
         """The stage ids this rank holds."""
         return sorted(s for s, owner in enumerate(self.stage_ranks) if owner == self.rank)
+
+    @property
+    def last_backward(self) -> dict[int, int]:
+        """Stage id → position in the order of its last W or B (where its gradients are complete)."""
+        return {stage: position for (stage, _), position in self.last_backward_of_steps.items()}
+
+    @property
+    def last_backward_of_steps(self) -> dict[tuple[int, int], int]:
+        """(stage id, step) → position of the stage's last W or B of that step (one step: step 0)."""
+        last: dict[tuple[int, int], int] = {}
+        for position, action in enumerate(self.order):
+            if action.kind in (ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD):
+                last[action.stage, action.microbatch // self.per_step] = position
+        return last
 
     def remote(self, stage: int | None) -> bool:
         """Whether ``stage`` (a neighbour on a chain) sits on another rank."""
@@ -182,10 +216,26 @@ class StepInputs:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class StageCommunication(Protocol):
-    """Runs a stage's data-parallel communication action (UNSHARD, RESHARD, REDUCE_GRAD) for the executor."""
+class WeightVersions(Protocol):
+    """Several weight versions per stage (PipeDream-2BW, :mod:`pipesched.runtime.pipedream`): which module a
+    microbatch computes with, and what happens around each pass (``last_of_step``: the stage's gradient of the
+    pass's step is complete)."""
 
-    def run(self, action: Action) -> None: ...
+    def module(self, stage: int, microbatch: int) -> nn.Module: ...
+
+    def before(self, action: Action) -> None: ...
+
+    def after(self, action: Action, last_of_step: bool) -> None: ...
+
+
+class StageCommunication(Protocol):
+    """A rank's data-parallel communication: issues an UNSHARD, RESHARD or REDUCE_GRAD on the rank's communication
+    stream (:class:`~pipesched.runtime.streams.CommunicationStream`), and hears when a stage's gradients are
+    complete (``stage_done``: it may issue more). Both are called from the compute stream, in the row's order."""
+
+    def issue(self, action: Action) -> PendingCommunication: ...
+
+    def stage_done(self, stage: int) -> None: ...
 
 
 @dataclass
@@ -225,6 +275,8 @@ class PointToPoint:
 
     def send(self, tensor: torch.Tensor, peer: int, stage: int, microbatch: int, backward: bool) -> None:
         tensor = tensor.detach().contiguous()
+        # Sends that have completed let their buffers go: a steady run of K steps is one step to drain.
+        self.pending = [(work, sent) for work, sent in self.pending if work is not None and not work.is_completed()]
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
         meta[0] = _DTYPES.index(tensor.dtype)
         meta[1] = tensor.dim()
@@ -269,9 +321,10 @@ class PipelineExecutor:
     """The own engine: one rank's passes in the schedule's order, activations and gradients exchanged by p2p.
 
     ``modules``: stage id → module on ``device`` (gradients accumulate: zero them between steps).
-    ``communication`` runs the rank's UNSHARD/RESHARD/REDUCE_GRAD where the order places them (without one,
-    they are skipped with a note). The loss per microbatch is ``loss_fn(...) / num_microbatches``, so the
-    gradients are those of the mean loss.
+    ``communication`` issues the rank's UNSHARD/RESHARD/REDUCE_GRAD on its communication stream where the order
+    places them (without it, they are skipped with a note); what is still in flight when the step's passes end is
+    the caller's to wait for (the stream's ``wait_all``). The loss per microbatch is
+    ``loss_fn(...) / num_microbatches``, so the gradients are those of the mean loss.
     """
 
     def __init__(
@@ -283,6 +336,8 @@ class PipelineExecutor:
         p2p: PointToPoint,
         meter: SavedActivationMeter,
         communication: StageCommunication | None = None,
+        timeout_s: float | None = None,
+        versions: WeightVersions | None = None,
     ) -> None:
         self.program = program
         self.modules = modules
@@ -290,7 +345,12 @@ class PipelineExecutor:
         self.p2p = p2p
         self.meter = meter
         self.communication = communication
+        self.timeout_s = timeout_s
         self.notes: list[str] = []
+        self.versions = versions
+        self._last_backward = {position: stage for stage, position in program.last_backward.items()}
+        self._last_of_step = set(program.last_backward_of_steps.values())
+        self._gathers: dict[int, list[PendingCommunication]] = {}
         self._state: dict[tuple[int, int], _Microbatch] = {}
         self._record = StepRecord()
         self._origin = 0.0
@@ -311,13 +371,21 @@ class PipelineExecutor:
         self._state.clear()
         self._record = StepRecord()
         self._origin = origin
-        for action in self.program.order:
-            if action.is_compute:
-                self._compute(action, inputs)
-            else:
+        for position, action in enumerate(self.program.order):
+            if not action.is_compute:
                 self._communicate(action)
+                continue
+            self._compute(action, inputs)
+            if self.versions is not None:
+                self.versions.after(action, position in self._last_of_step)
+            if position in self._last_backward and self.communication is not None:
+                self.communication.stage_done(action.stage)
         self.p2p.drain()
         return self._record
+
+    def _module(self, stage: int, microbatch: int) -> nn.Module:
+        """The module (weight version) ``microbatch`` computes ``stage`` with."""
+        return self.modules[stage] if self.versions is None else self.versions.module(stage, microbatch)
 
     def _fail(self, action: Action, message: str) -> PipelineRuntimeError:
         return PipelineRuntimeError("schedule", f"rank {self.program.rank}, action {action}: {message}")
@@ -327,6 +395,10 @@ class PipelineExecutor:
         if stage not in self.modules:
             raise self._fail(action, f"stage {stage} is held by rank {self.program.stage_ranks[stage]}, not this rank")
         waited = time.perf_counter()
+        for gather in self._gathers.pop(stage, []):  # the stage's weights must be gathered
+            gather.wait(self.timeout_s)
+        if self.versions is not None:
+            self.versions.before(action)
         started = self._passes[kind](stage, j, inputs)
         synchronize(self.device)
         ended = time.perf_counter()
@@ -347,13 +419,15 @@ class PipelineExecutor:
         )
 
     def _communicate(self, action: Action) -> None:
+        """Issue the action on the communication stream (a stage's UNSHARD is waited for by its next pass)."""
         if self.communication is None or action.kind == ActionKind.OPTIMIZER_STEP:
-            self.notes.append(f"{action}: skipped by the executor (run by the training loop)")
+            note = f"{action}: skipped by the executor (run by the training loop)"
+            if note not in self.notes:
+                self.notes.append(note)
             return
-        started = time.perf_counter()
-        self.communication.run(action)
-        synchronize(self.device)
-        self._record.communication.append(MeasuredAction.timed(str(action), self._origin, started, time.perf_counter()))
+        pending = self.communication.issue(action)
+        if action.kind == ActionKind.UNSHARD:
+            self._gathers.setdefault(action.stage, []).append(pending)
 
     # --- the passes: each returns the instant its compute started (after its input arrived) ---------------
 
@@ -362,12 +436,12 @@ class PipelineExecutor:
         started = time.perf_counter()
         last = self.program.following[stage, j] is None
         with self.meter.hooks():
-            out = self.modules[stage](x)
+            out = self._module(stage, j)(x)
             if last:
                 _, target = inputs.microbatch(j)
                 loss = inputs.loss_fn(out, target.to(self.device))
                 self._record.losses[j] = float(loss.detach())
-                out = loss / self.program.num_microbatches
+                out = loss / self.program.per_step
         microbatch = self._state.setdefault((stage, j), _Microbatch())
         microbatch.input, microbatch.output = x, out
         after = self.program.following[stage, j]
@@ -417,7 +491,7 @@ class PipelineExecutor:
             elif needs_input_grad:
                 assert microbatch.input is not None
                 microbatch.param_groups = torch_compat.backward_input(
-                    microbatch.output, grad, microbatch.input, self.modules[stage]
+                    microbatch.output, grad, microbatch.input, self._module(stage, j)
                 )
             else:
                 microbatch.param_groups = "full"  # nothing to compute for I here: W runs the whole backward
@@ -451,7 +525,7 @@ class PipelineExecutor:
                 grad = microbatch.output_grad
                 torch.autograd.backward([microbatch.output], None if grad is None else [grad])
             else:
-                torch_compat.backward_weight(microbatch.param_groups, self.modules[stage])
+                torch_compat.backward_weight(microbatch.param_groups, self._module(stage, j))
         microbatch.param_groups = microbatch.output = microbatch.input = microbatch.output_grad = None
         microbatch.backward_done = True
         return started

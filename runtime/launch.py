@@ -19,6 +19,7 @@ import signal
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -34,10 +35,12 @@ if TYPE_CHECKING:
     from pipesched.runtime.report import RunReport
 
 __all__ = [
+    "NodeConfig",
     "PlannedRun",
     "RunFailed",
     "ScheduleError",
     "check_run",
+    "launch_jobs",
     "plan_runs",
     "print_run_summary",
     "run_schedule",
@@ -50,18 +53,24 @@ placement); ``pipesched``: the own executor (:mod:`pipesched.runtime.executor`, 
 wherever it can follow the schedule, else pipesched."""
 
 
-def resolve_engine(engine: str, schedule: Schedule) -> str:
+def resolve_engine(engine: str, schedule: Schedule, *, steady: bool = False) -> str:
     """The engine that runs ``schedule``: ``auto`` becomes ``torch`` for loop and V placement (PyTorch's
     runtime knows one chain of stages, placed by its CSV) and ``pipesched`` otherwise (bidirectional
-    replicas, explicit placement lists).
+    replicas, explicit placement lists, and ``steady`` runs of a no-flush pattern: two weight versions).
 
     Raises:
-        ScheduleError: an unknown engine, or ``torch`` asked for a placement it cannot run.
+        ScheduleError: an unknown engine, or ``torch`` asked for a placement or a steady run it cannot run.
     """
     if engine not in ENGINES:
         raise ScheduleError("engine", f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if steady and engine == "torch":
+        raise ScheduleError(
+            "engine",
+            'engine "torch" runs flushed steps; a no-flush pattern trained with PipeDream-2BW runs in steady state '
+            'on engine "pipesched" (or auto)',
+        )
     placement = schedule.problem.pipeline.placement
-    torch_can = placement in ("loop", "v")
+    torch_can = placement in ("loop", "v") and not steady
     if engine == "auto":
         return "torch" if torch_can else "pipesched"
     if engine == "torch" and not torch_can:
@@ -101,9 +110,27 @@ def _free_port() -> int:
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
-def _worker(jobs: list[RankJob], backend: str, timeout_s: float, error_dir: str) -> list[list[RankResult]] | None:
+def _pin_to_core(local_rank: int) -> None:
+    """Pin this process to one core (local rank modulo the cores it may use), so that ranks do not trade cores
+    mid-pass: a profile and a run then see the same placement (``os.sched_setaffinity``; no-op where absent)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+
+
+def _worker(
+    entry: Callable[[Any, int, Any, float], Any],
+    jobs: list[Any],
+    backend: str,
+    timeout_s: float,
+    error_dir: str,
+    pin: bool = True,
+) -> list[list[Any]] | None:
     """One process (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*): every job
-    in turn; process 0 gathers every process's result of each job."""
+    in turn (``entry(job, global_rank, device, timeout_s)``: a run's :func:`~pipesched.runtime.training.train_rank`,
+    a profile's rank); process 0 gathers every process's result of each job. One intra-op thread per process,
+    pinned to a core (``pin``)."""
     import torch
     import torch.distributed as dist
 
@@ -111,6 +138,8 @@ def _worker(jobs: list[RankJob], backend: str, timeout_s: float, error_dir: str)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         torch.set_num_threads(1)
+        if pin and backend == "gloo":
+            _pin_to_core(local_rank)
         if backend == "nccl":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
@@ -119,11 +148,9 @@ def _worker(jobs: list[RankJob], backend: str, timeout_s: float, error_dir: str)
         else:
             device = torch.device("cpu")
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
-        from pipesched.runtime.training import train_rank
-
         results = []
         for job in jobs:
-            result = train_rank(job, rank, device, timeout_s)
+            result = entry(job, rank, device, timeout_s)
             gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
             results.append(gathered)
@@ -150,13 +177,26 @@ def _worker(jobs: list[RankJob], backend: str, timeout_s: float, error_dir: str)
         raise
 
 
-def executable_step(schedule: Schedule) -> Schedule:
-    """The one step the ranks run for ``schedule``: itself, or, for a schedule without a flush (a repeating
-    pattern whose ids run to 2m − 1), the pattern's first step unrolled with its warm-up and drain
-    (:func:`pipesched.optimizer.pattern.unroll`), re-timed as a flushed step. Steps then follow each
-    other with a barrier: the run checks PipeDream-2BW's update rule, not the overlap of steps.
+def steady_steps(schedule: Schedule, options: TrainingOptions | None) -> int:
+    """Flush or no flush, decided here once: K when ``schedule.shape`` is ``"pattern"`` (no flush), the pipeline
+    has no replicas and the run trains K steps with PipeDream-2BW's rule — the pattern's K steps then run as one, in
+    steady state, no barrier between them (:mod:`pipesched.runtime.pipedream`) — else 0: flushed steps one after
+    another, a barrier between them (a pattern without the 2BW rule, or with data parallelism, runs its first step
+    unrolled, K times)."""
+    if schedule.shape == "step" or schedule.status == "infeasible" or options is None:
+        return 0
+    if schedule.problem.data_parallel_size > 1:
+        return 0  # the steady executor holds no replicas' reductions: flushed steps, each one reduced
+    return options.steps if options.two_weight_versions else 0
+
+
+def executable_step(schedule: Schedule, steps: int = 1) -> Schedule:
+    """The order the ranks run for ``schedule``: itself (a flushed step), or, for a schedule without a flush (a
+    repeating pattern whose ids run to 2m − 1), its first ``steps`` steps unrolled with their warm-up and drain
+    (:func:`pipesched.optimizer.pattern.unroll`; global microbatch ``t·m + j``), re-timed as one flushed run of
+    ``steps · m`` microbatches.
     """
-    if schedule.step_period is None or schedule.status == "infeasible":
+    if schedule.shape == "step" or schedule.status == "infeasible":
         return schedule
     from pipesched.optimizer.communication import with_communication
     from pipesched.optimizer.instance import compile_problem
@@ -164,11 +204,20 @@ def executable_step(schedule: Schedule) -> Schedule:
     from pipesched.optimizer.pattern import unroll
 
     problem = schedule.problem
+    m = problem.pipeline.num_microbatches
     step = problem.with_changes(
-        **{"training.flush": True, "training.weight_versions": 1, "objective": "makespan", "solver.method": "auto"}
+        **{
+            "training.flush": True,
+            "training.weight_versions": 1,
+            "objective": "makespan",
+            "solver.method": "auto",
+            "pipeline.num_microbatches": steps * m,
+            "costs.optimizer_step": None,  # a pattern's updates are inside its steps, not OPTIMIZER_STEP actions
+        }
     )
-    # The pattern's passes; a data-parallel one's reductions and optimizer step placed again for the one step.
-    orders = unroll(compute_only(schedule.orders()), problem.pipeline.num_microbatches, 1)
+    # The pattern's passes; a data-parallel one's reductions and optimizer step placed again for the one step
+    # (steady runs are of the pipeline alone: :func:`steady_steps`).
+    orders = unroll(compute_only(schedule.orders()), m, steps)
     orders = with_communication(compile_problem(step), orders)
     return build_schedule(step, orders, method=schedule.method, backend=schedule.backend, check_memory=False)
 
@@ -238,12 +287,16 @@ def _interrupted(signum: int) -> RunFailed:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """One schedule of a launch, as it will run: the step the ranks execute, its model, engine and training."""
+    """One schedule of a launch, as it will run: the order the ranks execute (``schedule``), the schedule whose
+    prediction the run is compared with (``prediction``: the pattern of a steady run), its model, engine, training
+    and ``steady_steps`` (:func:`steady_steps`)."""
 
     schedule: Schedule
+    prediction: Schedule
     model: str
     engine: str
     training: TrainingOptions | None
+    steady_steps: int = 0
 
 
 def _per_schedule(value: Any, count: int) -> list[Any]:
@@ -304,15 +357,17 @@ def plan_runs(
         _per_schedule(training, count),
         strict=True,
     ):
-        engine_name = resolve_engine(asked, schedule)
         check_run(schedule, options)
-        step = executable_step(schedule)
+        steady = steady_steps(schedule, options)
+        engine_name = resolve_engine(asked, schedule, steady=steady > 0)
+        step = executable_step(schedule, steady or 1)
         if validate:
             _validate(step)
         pipeline_model = load_model(name, step.problem, seed=seed)  # fail here, not in every rank
         if pipeline_model.config is not None:  # refuse a model this machine cannot hold before building it
             check_run_memory(step, pipeline_model.config, name)
-        runs.append(PlannedRun(step, name, engine_name, options))
+        # a steady run is compared with its pattern's step_period, steps one after another with the step they run
+        runs.append(PlannedRun(step, schedule if steady else step, name, engine_name, options, steady))
     if len({run.schedule.problem.pipeline.num_ranks for run in runs}) > 1:
         raise ScheduleError("num_ranks", "schedules launched together must have the same number of ranks")
     if len({run.training.data_parallel if run.training else 1 for run in runs}) > 1:
@@ -320,10 +375,20 @@ def plan_runs(
     return runs
 
 
-def _launch(
-    jobs: list[RankJob], *, world: int, nproc_per_node: int | None, backend: str, timeout_s: float, nodes: NodeConfig
-) -> list[list[RankResult]] | None:
-    """Start ``world`` processes with the elastic launcher and run every job; node 0 gets the results.
+def launch_jobs(
+    entry: Callable[[Any, int, Any, float], Any],
+    jobs: list[Any],
+    *,
+    world: int,
+    nproc_per_node: int | None = None,
+    backend: str = "gloo",
+    timeout_s: float = 300,
+    nodes: NodeConfig | None = None,
+    pin: bool = True,
+) -> list[list[Any]] | None:
+    """Start ``world`` processes with the elastic launcher and run ``entry(job, global_rank, device, timeout_s)`` (a
+    module-level function) for every job (each with a ``workdir`` every process sees); node 0 gets, per job, every
+    process's result.
 
     Raises:
         ScheduleError: the process count does not divide into the nodes.
@@ -333,6 +398,7 @@ def _launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    nodes = nodes or NodeConfig()
     nproc = nproc_per_node or max(1, world // nodes.nnodes)
     if nproc * nodes.nnodes != world:
         raise ScheduleError(
@@ -355,7 +421,7 @@ def _launch(
         start_method="spawn",
     )
     try:
-        returned = elastic_launch(config, _worker)(jobs, backend, timeout_s, str(error_dir))
+        returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin)
     except SignalException as error:
         raise _interrupted(error.sigval) from None
     except KeyboardInterrupt:
@@ -384,7 +450,7 @@ def _report(run: PlannedRun, results: list[RankResult], *, backend: str, seed: i
     from pipesched.runtime.report import build_report
     from pipesched.runtime.verify import reference_training
 
-    problem = run.schedule.problem
+    problem = run.prediction.problem  # a steady run: m per step, not the K·m of its unrolled order
     m = problem.pipeline.num_microbatches
     pipeline_model = load_model(run.model, problem, seed=seed)
     reference = reference_training(pipeline_model, m, run.training)
@@ -398,6 +464,7 @@ def _report(run: PlannedRun, results: list[RankResult], *, backend: str, seed: i
         results,
         reference,
         run.training,
+        prediction=run.prediction,
         backend=backend,
         device=results[0].device if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})",
         engine=run.engine,
@@ -455,10 +522,13 @@ def run_schedules(
     world = runs[0].schedule.problem.pipeline.num_ranks * (options.data_parallel if options else 1)
     with tempfile.TemporaryDirectory(prefix="pipesched-run-") as workdir:
         jobs = [
-            RankJob(run.schedule, run.model, seed, run.engine, workdir, index, run.training)
+            RankJob(run.schedule, run.model, seed, run.engine, workdir, index, run.training, run.steady_steps)
             for index, run in enumerate(runs)
         ]
-        per_job = _launch(
+        from pipesched.runtime.training import train_rank
+
+        per_job = launch_jobs(
+            train_rank,
             jobs,
             world=world,
             nproc_per_node=nproc_per_node,

@@ -1,31 +1,64 @@
-"""Measure a model's per-stage F, I, W times and activation memory, and write a problem for ``pipesched solve``.
+"""Measure what a run will see, and write it as a problem for ``pipesched solve`` (the closed loop on this machine).
 
-Each model stage runs in this process, on its real input (the previous stage's output), through the
-same passes the executor runs: F under the saved-activation meter, I with PyTorch's
-``stage_backward_input``, W with ``stage_backward_weight`` (on the first stage, whose input needs no
-gradient, I is empty and W does the whole backward, as in the runtime). Times are medians over
-``repeats`` microbatches after ``warmup`` untimed ones. Memory per microbatch (contract, Problem):
-``activation`` = saved bytes live after F; ``retained_for_weight`` = saved bytes still live after I
-(PyTorch's split backward keeps the stage's graph until W, so this is close to ``activation``).
-``static`` per rank = bytes of weights + gradients + two Adam moments of the rank's stages.
+``pipesched profile`` starts the processes a run of the same shape starts (``num_ranks × D``, one intra-op
+thread each, pinned to a core, through the run's own launcher, :func:`pipesched.runtime.launch.launch_jobs`),
+and each process measures its own stages, all at once, as the run will run them:
+
+* **passes**: F, I and W of each of its stages on the stage's real input (the previous stages' output), through
+  the executor's own calls: F under the saved-activation meter, I with PyTorch's ``stage_backward_input``, W with
+  ``stage_backward_weight`` (on the first stage, whose input needs no gradient, I is empty and W does the whole
+  backward, as in the runtime). Medians over ``repeats`` microbatches after ``warmup`` untimed ones, every process
+  starting each repeat together (a barrier), so that they share the cores as the run's ranks do.
+* **memory** per microbatch (contract, Problem): ``activation`` = saved bytes live after F;
+  ``retained_for_weight`` = saved bytes still live after I. ``static`` per rank: what the run's update rule
+  allocates (:meth:`pipesched.runtime.training.WeightUpdate.static_bytes` after one real optimizer step:
+  parameters, gradients, optimizer state — SGD keeps none, AdamW two moments — the rollback copy of post-validation),
+  the extra weight version of PipeDream-2BW left to the optimizer's memory model (``memory.weights``).
+* **point-to-point**: the executor's own transfers (:class:`pipesched.runtime.executor.PointToPoint`, a header and
+  the tensor) between pipeline ranks 0 and 1, ping-pong at several sizes, fitted as latency + bytes / bandwidth
+  (:class:`LinearFit`); ``costs.p2p`` of a stage is the fit at the size of the activation it passes on.
+* **collectives** (D > 1): each stage's UNSHARD and REDUCE_GRAD as the run runs them (FSDP2's all-gather and
+  reduce-scatter, or the all-reduce of the flattened gradients), medians per stage (``costs.unshard``,
+  ``costs.reduce_grad``), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
+* **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
+  ``costs.optimizer_step``.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.instance import compile_for_orders, compile_problem
+from pipesched.optimizer.ir import ActionKind, parse_action
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import simulate
 from pipesched.runtime import torch_compat
-from pipesched.runtime.executor import SavedActivationMeter
+from pipesched.runtime.calibration import calibration_orders, calibration_problem, fit_overhead, with_overhead
+from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
+from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
+from pipesched.runtime.options import TrainingOptions
+from pipesched.runtime.records import StepRecord
 
-__all__ = ["SPREAD_WARNING", "PassSpread", "Profile", "measure_model", "profile_model"]
+__all__ = [
+    "SPREAD_WARNING",
+    "Calibration",
+    "LinearFit",
+    "PassSpread",
+    "Profile",
+    "ProfileSettings",
+    "RankProfile",
+    "measure_model",
+    "profile_model",
+    "profile_rank",
+]
 
 
 def _sync(device: torch.device) -> None:
@@ -72,11 +105,45 @@ class PassSpread:
 
 
 @dataclass(frozen=True)
+class LinearFit:
+    """A transfer's time as latency + bytes / bandwidth (least squares over ``(bytes, ms)`` samples; with one size
+    the latency is 0). ``latency_ms`` ≥ 0; ``bytes_per_ms`` > 0 (``inf`` when time does not grow with size)."""
+
+    latency_ms: float
+    bytes_per_ms: float
+    samples: tuple[tuple[float, float], ...] = ()
+
+    @classmethod
+    def fit(cls, samples: list[tuple[float, float]]) -> LinearFit:
+        sizes = [b for b, _ in samples]
+        times = [t for _, t in samples]
+        if len(set(sizes)) < 2:
+            return cls(0.0, max(sizes) / max(statistics.median(times), 1e-9), tuple(samples))
+        slope, intercept = statistics.linear_regression(sizes, times)
+        if slope <= 0:
+            return cls(max(0.0, statistics.median(times)), float("inf"), tuple(samples))
+        return cls(max(0.0, intercept), 1.0 / slope, tuple(samples))
+
+    def ms(self, nbytes: float) -> float:
+        """The fitted time of ``nbytes``, ms."""
+        return self.latency_ms + nbytes / self.bytes_per_ms
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float:
+        return self.bytes_per_ms * 1e3
+
+
+@dataclass(frozen=True)
 class Profile:
-    """What :func:`measure_model` measured: the problem (medians) and every pass's samples."""
+    """What :func:`measure_model` measured: the problem (medians, plus the fitted per-pass overhead), every pass's
+    samples, the fitted transfers (``p2p``; ``collectives``: ``"unshard"``/``"reduce_grad"`` over the stages'
+    sizes, with D > 1) and the calibration run (:class:`Calibration`)."""
 
     problem: Problem
     spreads: list[PassSpread]
+    p2p: LinearFit | None = None
+    collectives: dict[str, LinearFit] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     def unsteady(self, threshold: float = SPREAD_WARNING) -> list[PassSpread]:
         """Passes whose IQR is above ``threshold`` × their median (at least 0.05 ms, below which timer noise
@@ -85,26 +152,46 @@ class Profile:
         return sorted(noisy, key=lambda s: s.relative_iqr, reverse=True)
 
 
-def profile_model(**options: Any) -> Problem:
-    """:func:`measure_model`'s problem alone (same arguments)."""
-    return measure_model(**options).problem
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What every process of a profile measures: the pipeline (``skeleton``: shape, placement, data parallelism),
+    the model, the repeats, the run's options (optimizer, sharding, update rule), whether to time p2p."""
+
+    skeleton: Problem
+    model: str
+    seed: int
+    repeats: int
+    warmup: int
+    options: TrainingOptions
+    workdir: str
+    measure_p2p: bool = True
+    engine: str = "pipesched"
+    calibrate: bool = True
 
 
 @dataclass
-class _Samples:
-    """Per stage: F, I, W times (ms) and the saved bytes after F and after I, one entry per timed microbatch."""
+class RankProfile:
+    """One process's measurements: per (kind, stage id) pass times (ms), per stage id saved bytes after F and after
+    I, its output's bytes, its weights' bytes (unsharded), UNSHARD and REDUCE_GRAD times, optimizer-step times,
+    static bytes, and (pipeline ranks 0 and 1 of replica 0) p2p ``(bytes, one-way ms)`` samples; from the calibration
+    run, its step times and its UNSHARD / REDUCE_GRAD durations per stage id (``calibration_collectives``, keyed
+    ``("unshard" | "reduce_grad", stage id)``, steps after the first)."""
 
-    times: dict[str, list[list[float]]]
-    activation: list[list[int]]
-    retained: list[list[int]]
-
-    @classmethod
-    def empty(cls, num_stages: int) -> _Samples:
-        return cls(
-            {kind: [[] for _ in range(num_stages)] for kind in "FIW"},
-            [[] for _ in range(num_stages)],
-            [[] for _ in range(num_stages)],
-        )
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    passes: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    activation: dict[int, list[int]] = field(default_factory=dict)
+    retained: dict[int, list[int]] = field(default_factory=dict)
+    boundary_bytes: dict[int, int] = field(default_factory=dict)
+    weight_bytes: dict[int, int] = field(default_factory=dict)
+    unshard: dict[int, list[float]] = field(default_factory=dict)
+    reduce_grad: dict[int, list[float]] = field(default_factory=dict)
+    optimizer_step: list[float] = field(default_factory=list)
+    static_bytes: int = 0
+    p2p: list[tuple[float, float]] = field(default_factory=list)
+    calibration_ms: list[float] = field(default_factory=list)
+    calibration_collectives: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
 def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
@@ -117,9 +204,9 @@ def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
 
 def _measure_stage(
     module: torch.nn.Module, x: torch.Tensor, target: Any, loss_fn: Any, device: torch.device
-) -> tuple[torch.Tensor, dict[str, float], int, int]:
-    """F, I and W of one stage on one microbatch as the executor runs them: the stage's output (the next stage's
-    input), the three times (ms), and the saved bytes live after F and after I."""
+) -> tuple[dict[str, float], int, int]:
+    """F, I and W of one stage on one microbatch as the executor runs them: the three times (ms), and the saved
+    bytes live after F and after I. Gradients accumulate into the module."""
     meter = SavedActivationMeter(list(module.parameters()))
     stage_input = x.detach().requires_grad_(x.is_floating_point())
     _sync(device)
@@ -145,8 +232,234 @@ def _measure_stage(
             torch_compat.backward_weight(param_groups, module)
 
     _, weight_ms = _timed(device, weight)
-    module.zero_grad(set_to_none=True)
-    return out.detach(), {"F": forward_ms, "I": input_ms, "W": weight_ms}, after_forward, after_input
+    return {"F": forward_ms, "I": input_ms, "W": weight_ms}, after_forward, after_input
+
+
+class _RankSetup:
+    """One profiling process: its stages on the pp × dp mesh (FSDP2 with sharding full, gathered and kept gathered,
+    as the run holds them between UNSHARD and RESHARD), and plain copies of every model stage to make their inputs."""
+
+    def __init__(self, settings: ProfileSettings, global_rank: int, device: torch.device) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.settings, self.device = settings, device
+        problem, options = settings.skeleton, settings.options
+        self.size = options.data_parallel
+        self.pp_rank, self.dp_rank = divmod(global_rank, self.size)
+        inst = compile_problem(problem)
+        self.model_stage = inst.model_stage
+        self.stages = sorted(s for s, r in enumerate(inst.stage_ranks) if r == self.pp_rank)
+        self.mesh = init_device_mesh(device.type, (problem.pipeline.num_ranks, self.size), mesh_dim_names=("pp", "dp"))
+        self.model = load_model(settings.model, problem, seed=settings.seed)
+        self.plain = [self.model.build_stage(k).to(device) for k in range(self.model.num_model_stages)]
+        self.sharded = options.sharding == "full" and self.size > 1
+        self.modules = {s: self.model.build_stage(self.model_stage[s]).to(device) for s in self.stages}
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for stage, module in self.modules.items():
+                self.modules[stage] = fully_shard(module, mesh=self.mesh["dp"], reshard_after_forward=False)
+                torch_compat.fsdp_defer_reduction(self.modules[stage])
+        self.result = RankProfile(global_rank, self.pp_rank, self.dp_rank)
+
+    def inputs(self, model_stage: int, microbatch: int) -> tuple[torch.Tensor, Any]:
+        """The input of ``model_stage`` for ``microbatch`` (the previous stages' output) and, on the last stage, the
+        target."""
+        x, target = self.model.make_microbatch(microbatch)
+        x = x.to(self.device)
+        with torch.no_grad():
+            for module in self.plain[:model_stage]:
+                x = module(x)
+        return x, target if model_stage == self.model.num_model_stages - 1 else None
+
+    def params(self) -> list[Any]:
+        return [p for stage in self.stages for p in self.modules[stage].parameters()]
+
+
+def _measure_passes(setup: _RankSetup) -> None:
+    """Every stage's F, I, W and saved bytes, each repeat started together on every process (the stages' inputs
+    made first, so that no process computes them while the others are timed)."""
+    settings, result = setup.settings, setup.result
+    iterations = range(settings.warmup + settings.repeats)
+    inputs = {s: [setup.inputs(setup.model_stage[s], i) for i in iterations] for s in setup.stages}
+    for stage in setup.stages:
+        for module in torch_compat.fsdp_modules(setup.modules[stage])[:1]:
+            module.unshard()
+        plain = setup.plain[setup.model_stage[stage]]
+        result.weight_bytes[stage] = sum(p.numel() * p.element_size() for p in plain.parameters())
+        x, target = inputs[stage][0]
+        with torch.no_grad():
+            boundary = x if target is not None else plain(x)  # the activation the stage passes on (or receives)
+        result.boundary_bytes[stage] = boundary.numel() * boundary.element_size()
+    for iteration in iterations:
+        dist.barrier()
+        for stage in setup.stages:
+            x, target = inputs[stage][iteration]
+            times, after_forward, after_input = _measure_stage(
+                setup.modules[stage], x, target, setup.model.loss_fn, setup.device
+            )
+            if iteration < settings.warmup:
+                continue
+            for kind, value in times.items():
+                result.passes.setdefault((kind, stage), []).append(value)
+            result.activation.setdefault(stage, []).append(after_forward)
+            result.retained.setdefault(stage, []).append(after_input)
+
+
+def _measure_collectives(setup: _RankSetup) -> None:
+    """UNSHARD (sharding full) and REDUCE_GRAD of every stage as the run runs them, dp peers started together."""
+    settings, result = setup.settings, setup.result
+    group = setup.mesh["dp"].get_group()
+    for stage in setup.stages:
+        module = setup.modules[stage]
+        fsdp = torch_compat.fsdp_modules(module)[:1]
+        for iteration in range(settings.warmup + settings.repeats):
+            for gathered in fsdp:
+                gathered.reshard()
+                dist.barrier(group=group)
+                _, unshard_ms = _timed(setup.device, gathered.unshard)
+                if iteration >= settings.warmup:
+                    result.unshard.setdefault(stage, []).append(unshard_ms)
+            x, target = setup.inputs(setup.model_stage[stage], iteration)
+            _measure_stage(module, x, target, setup.model.loss_fn, setup.device)  # gradients to reduce
+            dist.barrier(group=group)
+            _, reduce_ms = _timed(
+                setup.device, lambda module=module: reduce_stage_gradients(module, group, setup.size, setup.sharded)
+            )
+            for gathered in fsdp:
+                torch_compat.fsdp_defer_reduction(gathered)
+                gathered.unshard()
+            if iteration >= settings.warmup:
+                result.reduce_grad.setdefault(stage, []).append(reduce_ms)
+
+
+def _measure_update(setup: _RankSetup) -> None:
+    """The run's optimizer step (its update rule, the global norm's all-reduce included) and the static bytes it
+    leaves: parameters, gradients, optimizer state, the rollback copy."""
+    from pipesched.runtime.training import weight_update
+
+    settings, result = setup.settings, setup.result
+    for module in setup.modules.values():  # as after the run's RESHARD: the weights' shards only
+        for fsdp in torch_compat.fsdp_modules(module)[:1]:
+            fsdp.reshard()
+    params = setup.params()
+    update = weight_update(settings.options, params)
+    for iteration in range(settings.warmup + settings.repeats):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        partial = torch.zeros((), dtype=torch.float64, device=setup.device)
+        for p in params:
+            partial += local_tensor(p.grad).double().pow(2).sum()
+        dist.barrier()
+        _, step_ms = _timed(setup.device, lambda partial=partial, iteration=iteration: update.apply(iteration, partial))
+        if iteration >= settings.warmup:
+            result.optimizer_step.append(step_ms)
+    # PipeDream-2BW's second version of the weights is the optimizer's to add (memory.weights, weight_versions).
+    second_version = 0
+    if settings.options.two_weight_versions and not settings.skeleton.training.flush:
+        second_version = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params)
+    result.static_bytes = update.static_bytes() - second_version
+
+
+#: Sizes (float32 elements) of the p2p probes, beside the stages' own activations.
+_P2P_PROBES = (256, 16_384)
+
+
+def _measure_p2p(setup: _RankSetup) -> None:
+    """Ping-pong between pipeline ranks 0 and 1 of replica 0 with the executor's transfers: one-way ms per size."""
+    settings, result = setup.settings, setup.result
+    sizes = sorted({*_P2P_PROBES, *(b // 4 for b in result.boundary_bytes.values()), 4 * max(_P2P_PROBES)})
+    dist.barrier()
+    if setup.dp_rank == 0 and setup.pp_rank in (0, 1):
+        size = setup.size
+        p2p = PointToPoint(setup.pp_rank, setup.device, 1, 600.0, lambda peer: peer * size)
+        peer = 1 - setup.pp_rank
+        for elements in sizes:
+            payload = torch.zeros(elements, device=setup.device)
+            for iteration in range(settings.warmup + settings.repeats):
+                started = time.perf_counter()
+                if setup.pp_rank == 0:
+                    p2p.send(payload, peer, 0, 0, False)
+                    p2p.recv(peer, 0, 0, True, "the p2p probe")
+                else:
+                    p2p.recv(peer, 0, 0, False, "the p2p probe")
+                    p2p.send(payload, peer, 0, 0, True)
+                p2p.drain()
+                if iteration >= settings.warmup and setup.pp_rank == 0:
+                    result.p2p.append((4.0 * elements, (time.perf_counter() - started) * 1e3 / 2))
+    dist.barrier()
+
+
+def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.device, timeout_s: float) -> RankProfile:
+    """One process of a profile (started by :func:`measure_model` through the run's launcher)."""
+    setup = _RankSetup(settings, global_rank, device)
+    _measure_passes(setup)
+    if setup.size > 1:
+        _measure_collectives(setup)
+    _measure_update(setup)
+    if settings.measure_p2p and settings.skeleton.pipeline.num_ranks > 1:
+        _measure_p2p(setup)
+    if settings.calibrate:
+        steps = _calibration_run(settings, global_rank, device, timeout_s)
+        setup.result.calibration_ms = [step.time_ms for step in steps]
+        setup.result.calibration_collectives = _collective_durations(steps[1:])
+    return setup.result
+
+
+#: Training steps of the calibration run (the first is left out: lazy initialisation).
+CALIBRATION_STEPS = 3
+
+
+def _calibration_run(
+    settings: ProfileSettings, global_rank: int, device: torch.device, timeout_s: float
+) -> list[StepRecord]:
+    """The run's own training steps of the calibration order on these processes
+    (:mod:`pipesched.runtime.calibration`): this process's steps."""
+    from dataclasses import replace
+
+    from pipesched.optimizer.result import build_schedule
+    from pipesched.runtime.launch import resolve_engine
+    from pipesched.runtime.records import RankJob
+    from pipesched.runtime.training import train_rank
+
+    problem = calibration_problem(settings.skeleton, _data_parallel_section(settings.options))
+    schedule = build_schedule(
+        problem, calibration_orders(problem), method="calibration", backend="profile", check_memory=False
+    )
+    options = replace(settings.options, steps=CALIBRATION_STEPS, inject_nan=None)
+    engine = resolve_engine(settings.engine, schedule)
+    job = RankJob(schedule, settings.model, settings.seed, engine, settings.workdir, 1, options)
+    return train_rank(job, global_rank, device, timeout_s).steps
+
+
+def _collective_durations(steps: list[StepRecord]) -> dict[tuple[str, int], list[float]]:
+    """Per ``("unshard" | "reduce_grad", stage id)``, how long each such action of ``steps`` ran on the rank's
+    communication stream (ms): beside the passes, on the cores the run shares, as the run will see it."""
+    durations: dict[tuple[str, int], list[float]] = {}
+    for step in steps:
+        for measured in step.communication:
+            action = parse_action(measured.action)
+            name = {ActionKind.UNSHARD: "unshard", ActionKind.REDUCE_GRAD: "reduce_grad"}.get(action.kind)
+            if name is not None:
+                durations.setdefault((name, action.stage), []).append(measured.end - measured.start)
+    return durations
+
+
+def _data_parallel_section(options: TrainingOptions) -> dict[str, Any] | None:
+    """The problem's ``data_parallel`` for the run's options (``None`` with one replica)."""
+    if options.data_parallel == 1:
+        return None
+    return {
+        "size": options.data_parallel,
+        "sharding": options.sharding,
+        "reshard_after_forward": options.reshard_after_forward,
+    }
+
+
+def profile_model(**options: Any) -> Problem:
+    """:func:`measure_model`'s problem alone (same arguments)."""
+    return measure_model(**options).problem
 
 
 def measure_model(
@@ -159,94 +472,214 @@ def measure_model(
     seed: int = 0,
     repeats: int = 5,
     warmup: int = 2,
-    p2p_ms: float = 0.0,
+    p2p_ms: float | None = None,
     memory_limit_bytes: float | None = None,
     device: str = "cpu",
+    training: TrainingOptions | None = None,
+    timeout_s: float = 600,
+    like: Problem | None = None,
+    engine: str = "pipesched",
+    calibrate: bool = True,
 ) -> Profile:
-    """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages; return the problem to solve.
+    """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
+    the problem to solve (module docstring).
 
-    Returns a :class:`Profile`: its ``problem`` has per-stage ``costs`` (medians, ms) and ``memory`` (bytes),
-    ``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes`` (None: no limit), ``costs.p2p`` =
-    ``p2p_ms``; its ``spreads`` every pass's timed samples (min, max, interquartile range), since medians on
-    a loaded machine move a lot between identical runs.
+    ``training``: the run's options (optimizer, ``data_parallel`` D and sharding, update rule; default SGD, D = 1):
+    the profile measures what that run allocates and communicates, and the problem gets its ``data_parallel``
+    section. ``like``: take the pipeline's shape and the ``model`` section (for ``model="problem"``) from this
+    problem (``num_ranks``, ``num_microbatches``, ``stages_per_rank``, ``placement`` are then ignored).
+    ``p2p_ms``: record this p2p latency instead of the fitted one. ``calibrate``: end with the calibration run on
+    ``engine`` (the engine the runs will use) and add its per-pass overhead to the problem's passes. ``device``:
+    ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process). Returns a :class:`Profile`: its ``problem``
+    (``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes``), every pass's samples, the fitted
+    transfers and the calibration.
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
 
     Raises:
-        ValueError: unknown model, or a model that cannot be split into that many stages.
+        ValueError: unknown model, a model that cannot be split into that many stages, options out of range.
+        pipesched.runtime.launch.RunFailed: a profiling process failed (its rank and reason named).
     """
+    import tempfile
+
+    from pipesched.runtime.launch import launch_jobs
+
     torch_compat.warn_if_unsupported_torch()
-    skeleton = load_problem(
-        {
-            "pipeline": {
-                "num_ranks": num_ranks,
-                "num_microbatches": num_microbatches,
-                "stages_per_rank": stages_per_rank,
-                "placement": placement,
-            },
-            "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1, **_replica_sync(placement)},
-            "memory": {"activation": 0},
-        }
-    )
-    target_device = torch.device(device)
-    pipeline_model = load_model(model, skeleton, seed=seed)
-    num_stages = skeleton.pipeline.num_stages
-    modules = [pipeline_model.build_stage(stage).to(target_device) for stage in range(num_stages)]
-    samples = _Samples.empty(num_stages)
-    for iteration in range(warmup + repeats):
-        x, target = pipeline_model.make_microbatch(iteration)
-        x = x.to(target_device)
-        for stage, module in enumerate(modules):
-            last = stage == num_stages - 1
-            x, times, after_forward, after_input = _measure_stage(
-                module, x, target if last else None, pipeline_model.loss_fn, target_device
-            )
-            if iteration >= warmup:
-                for kind, value in times.items():
-                    samples.times[kind][stage].append(value)
-                samples.activation[stage].append(after_forward)
-                samples.retained[stage].append(after_input)
-    data = skeleton.model_dump(mode="json")
-    data["costs"] = {kind: [round(statistics.median(t), 6) for t in samples.times[key]] for kind, key in _COSTS.items()}
-    data["costs"]["p2p"] = p2p_ms
-    data["costs"] |= _replica_sync(placement)
-    data["memory"] = {
-        "activation": [float(max(a)) for a in samples.activation],
-        "retained_for_weight": [
-            float(min(max(r), max(a))) for r, a in zip(samples.retained, samples.activation, strict=True)
-        ],
-        "limit": memory_limit_bytes,
-        "static": _static_per_rank(skeleton, modules),
+    options = training or TrainingOptions(sharding="none")
+    options.check(num_microbatches)
+    if like is not None:
+        shape = like.pipeline
+        num_ranks, num_microbatches = shape.num_ranks, shape.num_microbatches
+        stages_per_rank, placement = shape.stages_per_rank, shape.placement  # type: ignore[assignment]
+    skeleton = _skeleton(num_ranks, num_microbatches, stages_per_rank, placement, options, like)
+    load_model(model, skeleton, seed=seed)  # fail here, not in every process
+    with tempfile.TemporaryDirectory(prefix="pipesched-profile-") as workdir:
+        settings = ProfileSettings(
+            skeleton, model, seed, repeats, warmup, options, workdir, p2p_ms is None, engine, calibrate
+        )
+        returned = launch_jobs(
+            profile_rank,
+            [settings],
+            world=num_ranks * options.data_parallel,
+            backend="nccl" if device.startswith("cuda") else "gloo",
+            timeout_s=timeout_s,
+        )
+    assert returned is not None
+    return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes)
+
+
+def _skeleton(
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int,
+    placement: Any,
+    options: TrainingOptions,
+    like: Problem | None = None,
+) -> Problem:
+    data: dict[str, Any] = {
+        "pipeline": {
+            "num_ranks": num_ranks,
+            "num_microbatches": num_microbatches,
+            "stages_per_rank": stages_per_rank,
+            "placement": placement,
+        },
+        "costs": {"forward": 1, "backward_input": 1, "backward_weight": 1, **_replica_sync(placement)},
+        "memory": {"activation": 0},
     }
-    spreads = [
-        PassSpread(kind, stage, tuple(samples.times[kind][stage]))
-        for stage in range(num_stages)
-        for kind in ("F", "I", "W")
-    ]
-    return Profile(load_problem(data), spreads)
+    if like is not None and like.model is not None:
+        data["model"] = like.model.model_dump(mode="json", exclude_none=True)
+    if options.two_weight_versions:
+        data["training"] = {"flush": False, "weight_versions": 2}
+    elif options.post_validation:
+        data["training"] = {"post_validation": True}
+    return load_problem(data)
 
 
 def _replica_sync(placement: str) -> dict[str, float]:
-    """``costs.reduce_grad`` a bidirectional problem needs (its replicas' all-reduce): not measured here, so 0
-    (left out of the model) until the profile measures collectives."""
+    """``costs.reduce_grad`` a bidirectional problem needs before it is measured (its replicas' all-reduce): 0 in
+    the skeleton; :func:`_assemble` replaces it with the fitted p2p cost of the stage's gradient bytes."""
     return {"reduce_grad": 0.0} if placement == "bidirectional" else {}
 
 
-#: The problem's cost fields and the pass each one is measured from.
-_COSTS = {"forward": "F", "backward_input": "I", "backward_weight": "W"}
+class _Measured:
+    """Every process's measurements, per model stage (stage ids of one model stage and dp replicas pooled)."""
+
+    def __init__(self, skeleton: Problem, results: list[RankProfile]) -> None:
+        inst = compile_problem(skeleton)
+        self.results = results
+        self.num_ranks = skeleton.pipeline.num_ranks
+        self.ids = [
+            [s for s, ms in enumerate(inst.model_stage) if ms == k] for k in range(skeleton.pipeline.num_stages)
+        ]
+
+    def pooled(self, samples_of: Any) -> list[list[float]]:
+        """Per model stage, the samples ``samples_of(rank_profile)`` (a stage id → list mapping) holds for its ids."""
+        return [[v for r in self.results for s in ids for v in samples_of(r).get(s, [])] for ids in self.ids]
+
+    def first(self, values_of: Any) -> list[float]:
+        """Per model stage, the value ``values_of(rank_profile)`` (a stage id → value mapping) gives its first id."""
+        merged = {s: v for r in self.results for s, v in values_of(r).items()}
+        return [float(merged[ids[0]]) for ids in self.ids]
+
+    def per_rank(self, values_of: Any) -> list[list[float]]:
+        """Per pipeline rank, the values of every dp replica's process."""
+        return [[v for r in self.results if r.pp_rank == rank for v in values_of(r)] for rank in range(self.num_ranks)]
+
+    def spreads(self) -> list[PassSpread]:
+        return [
+            PassSpread(kind, k, tuple(samples))
+            for kind in ("F", "I", "W")
+            for k, samples in enumerate(self.pooled(lambda r, kind=kind: _of_kind(r.passes, kind)))
+        ]
 
 
-def _static_per_rank(skeleton: Problem, modules: list[torch.nn.Module]) -> list[float]:
-    """Bytes of weights, gradients and two Adam moments of each rank's stages."""
-    stage_ranks = skeleton_stage_ranks(skeleton)
-    static = [0.0] * skeleton.pipeline.num_ranks
-    for stage, module in enumerate(modules):
-        parameter_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        static[stage_ranks[stage]] += 4 * parameter_bytes  # weights, gradients, Adam m and v
-    return static
+def _of_kind(passes: dict[tuple[str, int], list[float]], kind: str) -> dict[int, list[float]]:
+    return {stage: values for (of, stage), values in passes.items() if of == kind}
 
 
-def skeleton_stage_ranks(problem: Problem) -> list[int]:
-    """Rank of each stage id of ``problem`` (:attr:`pipesched.optimizer.problem.Pipeline.stage_to_rank`)."""
-    return problem.pipeline.stage_to_rank
+def _assemble(
+    skeleton: Problem,
+    results: list[RankProfile],
+    options: TrainingOptions,
+    p2p_ms: float | None,
+    limit: float | None,
+) -> Profile:
+    """The problem from every process's measurements (module docstring)."""
+    measured = _Measured(skeleton, results)
+    spreads = measured.spreads()
+    medians = {(x.kind, x.stage): round(x.median, 6) for x in spreads}
+    stages = range(skeleton.pipeline.num_stages)
+    samples = [sample for r in results for sample in r.p2p]
+    p2p_fit = LinearFit.fit(samples) if samples else None
+    boundary = measured.first(lambda r: r.boundary_bytes)
+    activation = [float(max(a)) for a in measured.pooled(lambda r: r.activation)]
+    retained = [float(max(r)) for r in measured.pooled(lambda r: r.retained)]
+    data = skeleton.model_dump(mode="json")
+    data["costs"] = {
+        "forward": [medians["F", k] for k in stages],
+        "backward_input": [medians["I", k] for k in stages],
+        "backward_weight": [medians["W", k] for k in stages],
+        "p2p": p2p_ms if p2p_ms is not None or p2p_fit is None else [round(p2p_fit.ms(b), 6) for b in boundary],
+        "optimizer_step": [round(statistics.median(t), 6) for t in measured.per_rank(lambda r: r.optimizer_step)],
+    }
+    weights = measured.first(lambda r: r.weight_bytes)
+    data["memory"] = {
+        "activation": activation,
+        "retained_for_weight": [min(r, a) for r, a in zip(retained, activation, strict=True)],
+        "limit": limit,
+        "static": [float(max(s)) for s in measured.per_rank(lambda r: [r.static_bytes])],
+        "weights": weights,
+    }
+    collectives = _collectives(data, measured, weights, options)
+    if skeleton.pipeline.placement == "bidirectional" and "reduce_grad" not in data["costs"]:
+        # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
+        data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
+    problem = load_problem(data)
+    calibration = _calibrate(problem, results)
+    if calibration is not None:
+        problem = with_overhead(problem, calibration.overhead_ms)
+    return Profile(problem, spreads, p2p_fit, collectives, calibration)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The calibration run (:mod:`pipesched.runtime.calibration`): its measured step (ms: the median over the steps
+    after the first of the slowest process), the simulator's step of the same order from the measured pieces
+    alone, and the overhead per pass fitted between them (added to every pass of the profile's problem)."""
+
+    measured_ms: float
+    predicted_ms: float
+    overhead_ms: float
+
+
+def _calibrate(problem: Problem, results: list[RankProfile]) -> Calibration | None:
+    if not all(r.calibration_ms for r in results):
+        return None
+    steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
+    measured = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    orders = calibration_orders(problem)
+    predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
+    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured))
+
+
+def _collectives(
+    data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions
+) -> dict[str, LinearFit]:
+    """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (medians), and each
+    collective fitted over the stages' sizes (their unsharded weight bytes)."""
+    if options.data_parallel == 1:
+        return {}
+    data["data_parallel"] = _data_parallel_section(options)
+    fits = {}
+    for name in ("unshard", "reduce_grad"):
+        # as the calibration run saw them (beside the passes, sharing the cores) where it ran them, else alone
+        per_stage = measured.pooled(lambda r, name=name: _of_kind(r.calibration_collectives, name))
+        if not all(per_stage):
+            per_stage = measured.pooled(lambda r, name=name: getattr(r, name))
+        if not all(per_stage):
+            continue
+        medians = [statistics.median(samples) for samples in per_stage]
+        data["costs"][name] = [round(m, 6) for m in medians]
+        fits[name] = LinearFit.fit(list(zip(weights, medians, strict=True)))
+    return fits

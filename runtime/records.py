@@ -85,6 +85,8 @@ class RankJob:
 
     ``engine``: ``pipesched`` (the own executor) or ``torch`` (``_PipelineScheduleRuntime``). ``workdir``: a folder
     every rank sees (the torch engine's CSV). ``training``: ``None`` for one verified step without an optimizer.
+    ``steady_steps``: K when ``schedule`` is K steps of a no-flush pattern run as one (PipeDream-2BW in steady
+    state, :mod:`pipesched.runtime.pipedream`), else 0 (steps one after another, a barrier between them).
     """
 
     schedule: Schedule
@@ -94,6 +96,7 @@ class RankJob:
     workdir: str
     index: int
     training: TrainingOptions | None = None
+    steady_steps: int = 0
 
 
 @dataclass
@@ -115,6 +118,7 @@ class RankResult:
     ``gradients``: the last step's, reduced, ``"{stage id}/{parameter}"`` → fp32 CPU tensor; ``parameters``: after
     the last step, same keys. ``peak_memory_bytes``: saved activations (CPU) or ``max_memory_allocated`` (GPU);
     ``static_memory_bytes``: weights, gradients and optimizer state (and what a rollback keeps) at their peak.
+    ``executed``: the compute actions in the order they ran (the last step's, or the whole steady run's).
     """
 
     rank: int
@@ -128,6 +132,7 @@ class RankResult:
     gradients: dict[str, Any] = field(default_factory=dict)
     parameters: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    executed: list[str] = field(default_factory=list)
 
     @property
     def last(self) -> StepRecord:

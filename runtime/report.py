@@ -20,6 +20,7 @@ from rich.table import Table
 
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only
+from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
@@ -27,23 +28,41 @@ from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck
 from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, measured_costs
 from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
 
-__all__ = ["RankReport", "RunReport", "build_report", "print_report", "print_training_summary"]
+__all__ = [
+    "RankReport",
+    "RunReport",
+    "build_report",
+    "communication_overlap",
+    "print_report",
+    "print_training_summary",
+]
 
 
 class RankReport(BaseModel):
-    """One process of the run: measured against predicted (the schedule of its pipeline rank)."""
+    """One process of the run: measured against predicted (the schedule of its pipeline rank).
+
+    ``communication_hidden_ms`` / ``communication_exposed_ms``, per step: the time the rank's communication (the
+    union of its actions' intervals) ran while one of its passes ran, and the rest (the passes waited, or nothing
+    ran); ``predicted_…``: the same of the schedule's timeline (:func:`communication_overlap`). ``static_bytes_…``:
+    weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
+    ``memory.static``.
+    """
 
     rank: int
     pp_rank: int
     dp_rank: int
     peak_memory_bytes: int
-    static_memory_bytes: int
+    static_bytes_measured: int
     predicted_peak_memory_bytes: float | None
     predicted_peak_activation_bytes: float | None
-    predicted_static_memory_bytes: float
+    static_bytes_predicted: float
     memory_measure: str
     measured_communication_ms: float
     predicted_communication_ms: float | None
+    communication_hidden_ms: list[float]
+    communication_exposed_ms: list[float]
+    predicted_communication_hidden_ms: float | None
+    predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
     step_times_ms: list[float]
     steps: list[StepCheck]
@@ -109,8 +128,8 @@ class RunReport(BaseModel):
 
 
 def _predicted_step_time(schedule: Schedule) -> tuple[float | None, str]:
-    """``schedule.step_time``, else ``step_period``, else the makespan (ms), and which one it was."""
-    for name in ("step_time", "step_period"):
+    """``schedule.step_period`` (``shape`` ``"pattern"``), else ``step_time``, else the makespan (ms), and which one."""
+    for name in ("step_period", "step_time") if schedule.shape == "pattern" else ("step_time",):
         value = getattr(schedule, name, None)
         if value is not None:
             return float(value), name
@@ -149,7 +168,7 @@ def _order_mismatches(schedule: Schedule, results: list[RankResult]) -> list[Ord
     expected = [[str(a) for a in row] for row in compute_only(schedule.orders())]
     mismatches = []
     for result in results:
-        executed = [a.action for a in result.last.actions]
+        executed = result.executed
         want = expected[result.pp_rank]
         if executed != want:
             position = next(
@@ -160,26 +179,66 @@ def _order_mismatches(schedule: Schedule, results: list[RankResult]) -> list[Ord
     return mismatches
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def communication_overlap(
+    compute: list[tuple[float, float]], communication: list[tuple[float, float]]
+) -> tuple[float, float]:
+    """``(hidden, exposed)`` ms of one rank's step: the length of the union of its communication intervals that
+    lies inside the union of its compute intervals (the passes ran meanwhile), and the rest."""
+    busy = _union(communication)
+    passes = _union(compute)
+    hidden = sum(max(0.0, min(end, c_end) - max(start, c_start)) for start, end in busy for c_start, c_end in passes)
+    total = sum(end - start for start, end in busy)
+    return round(hidden, 6), round(total - hidden, 6)
+
+
+def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float | None]:
+    kinds = {kind.value for kind in COMMUNICATION_KINDS}
+    actions = schedule.ranks[pp].actions
+    communication = [(a.start, a.end) for a in actions if a.kind in kinds]
+    if not communication:
+        return None, None
+    return communication_overlap([(a.start, a.end) for a in actions if a.kind in "FIWB"], communication)
+
+
 def _rank_report(schedule: Schedule, result: RankResult) -> RankReport:
     pp = result.pp_rank
     communication_per_step = [sum(c.duration_ms for c in step.communication) for step in result.steps]
     kinds = {kind.value for kind in COMMUNICATION_KINDS}
     predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in kinds]
-    static = schedule.problem.static_memory[pp]
+    overlap = [
+        communication_overlap([(a.start, a.end) for a in step.actions], [(c.start, c.end) for c in step.communication])
+        for step in result.steps
+    ]
+    predicted_hidden, predicted_exposed = _predicted_overlap(schedule, pp)
+    static = schedule.problem.static_memory[pp] + weight_version_memory(schedule.problem)[pp]
     peak = schedule.peak_memory[pp] if schedule.peak_memory else None
     return RankReport(
         rank=result.rank,
         pp_rank=pp,
         dp_rank=result.dp_rank,
         peak_memory_bytes=result.peak_memory_bytes,
-        static_memory_bytes=result.static_memory_bytes,
+        static_bytes_measured=result.static_memory_bytes,
         predicted_peak_memory_bytes=peak,
         # Saved activations exclude weights, so they compare with the predicted peak less static.
         predicted_peak_activation_bytes=None if peak is None else peak - static,
-        predicted_static_memory_bytes=static,
+        static_bytes_predicted=static,
         memory_measure=result.memory_measure,
         measured_communication_ms=round(statistics.mean(communication_per_step), 6) if communication_per_step else 0.0,
         predicted_communication_ms=round(sum(predicted_communication), 6) if predicted_communication else None,
+        communication_hidden_ms=[hidden for hidden, _ in overlap],
+        communication_exposed_ms=[exposed for _, exposed in overlap],
+        predicted_communication_hidden_ms=predicted_hidden,
+        predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,
         step_times_ms=[step.time_ms for step in result.steps],
         steps=[step.check or StepCheck(step=k) for k, step in enumerate(result.steps)],
@@ -188,19 +247,25 @@ def _rank_report(schedule: Schedule, result: RankResult) -> RankReport:
 
 
 def _verification(
-    inst: Any, results: list[RankResult], reference: Reference, options: TrainingOptions | None, tolerance: float
+    inst: Any,
+    m: int,
+    results: list[RankResult],
+    reference: Reference,
+    options: TrainingOptions | None,
+    tolerance: float,
 ) -> dict[str, Any]:
-    """The report's checks: gradients, parameters and losses against the reference, per replica."""
+    """The report's checks: gradients, parameters and losses (``m`` microbatches per step and replica) against the
+    reference, per replica."""
     size = options.data_parallel if options else 1
     gradients = _replica_errors(results, reference, inst.model_stage, "gradients")
     parameters = _replica_errors(results, reference, inst.model_stage, "parameters")
-    losses = _step_losses(results, options.steps if options else 1, inst.num_microbatches, size)
+    losses = _step_losses(results, options.steps if options else 1, m, size)
     loss_errors = [
         None if got is None else abs(got - want) / max(abs(want), 1e-30)
         for got, want in zip(losses, reference.losses, strict=True)
     ]
     missing = sorted(set(gradients.missing) | set(parameters.missing))
-    last_losses = {r.dp_rank * inst.num_microbatches + j for r in results for j in r.last.losses}
+    last_losses = {r.dp_rank * m + j for r in results for j in r.last.losses}
     checks = [check for r in results for check in _checks(r)]
     return {
         "max_abs_grad_error": gradients.max_abs,
@@ -216,7 +281,7 @@ def _verification(
         "losses": losses,
         "reference_losses": reference.losses,
         "loss_rel_error": loss_errors[-1],
-        "missing_losses": sorted(set(range(size * inst.num_microbatches)) - last_losses),
+        "missing_losses": sorted(set(range(size * m)) - last_losses),
         "rolled_back_steps": sorted({c.step for c in checks if (c.rolled_back and c.norm is None) or c.skipped}),
         "reference_skipped_steps": [s.step for s in reference.steps if s.skipped],
         "verified": not missing
@@ -227,21 +292,24 @@ def _verification(
     }
 
 
-def _timing(schedule: Schedule, results: list[RankResult], steps: int) -> dict[str, Any]:
-    """Predicted against measured: makespan, step time, and the simulator fed the measured passes."""
-    predicted_step, predicted_from = _predicted_step_time(schedule)
+def _timing(schedule: Schedule, prediction: Schedule, results: list[RankResult], steps: int) -> dict[str, Any]:
+    """Predicted (``prediction``) against measured: makespan, step time, and the simulator fed the measured passes
+    (on ``schedule``, the order as run). The measured step time is the median over the steps after the first (its
+    lazy initialisation; a no-flush pattern's warm-up), and before the last of a no-flush pattern run in steady
+    state (its drain): the steady state its ``step_period`` predicts."""
+    predicted_step, predicted_from = _predicted_step_time(prediction)
     per_step = [max(r.steps[k].time_ms for r in results) for k in range(steps)]
     costs = measured_costs(schedule, [r.last.actions for r in sorted(results, key=lambda r: r.rank) if r.dp_rank == 0])
     starts = [a.start for r in results for a in r.last.actions]
     ends = [a.end for r in results for a in r.last.actions]
     return {
-        "predicted_makespan_ms": schedule.makespan,
+        "predicted_makespan_ms": prediction.makespan,
         "measured_makespan_ms": round(max(ends) - min(starts), 6) if starts else 0.0,
         "simulated_makespan_from_measured_costs_ms": simulate_measured(schedule, costs),
         "measured_costs_ms": costs,
         "predicted_step_time_ms": predicted_step,
         "predicted_step_time_from": predicted_from,
-        "measured_step_time_ms": round(statistics.median(per_step[1:] if len(per_step) > 1 else per_step), 6),
+        "measured_step_time_ms": round(statistics.median(_steady(per_step, prediction is not schedule)), 6),
         "measured_step_times_ms": per_step,
     }
 
@@ -257,8 +325,10 @@ def build_report(
     engine: str,
     model_name: str,
     synchronous_reference: Reference | None = None,
+    prediction: Schedule | None = None,
 ) -> RunReport:
-    """The run report of ``results`` (every process of the run) for ``schedule`` (as it ran).
+    """The run report of ``results`` (every process of the run) for ``schedule`` (the order as it ran), against
+    ``prediction`` (default ``schedule``; the pattern of a steady no-flush run).
 
     Verified when, on every rank of every replica, the last step's gathered gradients and the parameters after
     the last step are within the tolerance of the reference (relative, per tensor), the loss of every step too,
@@ -267,9 +337,9 @@ def build_report(
     """
     inst = compile_for_orders(schedule.problem, schedule.orders())
     size = options.data_parallel if options else 1
-    verification = _verification(
-        inst, results, reference, options, TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
-    )
+    m = (prediction or schedule).problem.pipeline.num_microbatches
+    tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
+    verification = _verification(inst, m, results, reference, options, tolerance)
     mismatches = _order_mismatches(schedule, results)
     verification["verified"] = bool(verification["verified"] and not mismatches)
     versus_synchronous = None
@@ -277,12 +347,12 @@ def build_report(
         versus_synchronous = _replica_errors(results, synchronous_reference, inst.model_stage, "parameters").max_rel
     return RunReport(
         **verification,
-        **_timing(schedule, results, options.steps if options else 1),
+        **_timing(schedule, prediction or schedule, results, options.steps if options else 1),
         steps=options.steps if options else 1,
         max_rel_param_error_vs_synchronous=versus_synchronous,
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
-        ranks=[_rank_report(schedule, r) for r in sorted(results, key=lambda r: r.rank)],
+        ranks=[_rank_report(prediction or schedule, r) for r in sorted(results, key=lambda r: r.rank)],
         training=None if options is None else _training_fields(options),
         data_parallel=DataParallelReport(
             size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)
@@ -295,6 +365,13 @@ def build_report(
         device=device,
         torch_version=torch.__version__,
     )
+
+
+def _steady(per_step: list[float], pattern: bool) -> list[float]:
+    """The steps the measured step time is read from (:func:`_timing`)."""
+    if pattern and len(per_step) > 2:
+        return per_step[1:-1]
+    return per_step[1:] if len(per_step) > 1 else per_step
 
 
 def _checks(result: RankResult) -> list[StepCheck]:
@@ -403,7 +480,23 @@ def print_training_summary(report: RunReport, console: Any = None) -> None:
             f"rank {rank.rank} (pp {rank.pp_rank}, dp {rank.dp_rank}): communication measured "
             f"{rank.measured_communication_ms:.3f} ms/step"
             + ("" if expected is None else f", predicted {expected:.3f} ms")
-            + f" · static {rank.static_memory_bytes} B measured, {rank.predicted_static_memory_bytes:.0f} B"
-            " predicted",
+            + _overlap_text(rank)
+            + f" · static {rank.static_bytes_measured} B measured, {rank.static_bytes_predicted:.0f} B predicted",
             highlight=False,
         )
+
+
+def _overlap_text(rank: RankReport) -> str:
+    """``hidden h / exposed e ms`` (median over steps after the first), with the prediction when there is one."""
+    if not rank.communication_hidden_ms:
+        return ""
+    steady = slice(1, None) if len(rank.communication_hidden_ms) > 1 else slice(None)
+    hidden = statistics.median(rank.communication_hidden_ms[steady])
+    exposed = statistics.median(rank.communication_exposed_ms[steady])
+    text = f" (hidden {hidden:.3f} / exposed {exposed:.3f} ms"
+    if rank.predicted_communication_hidden_ms is not None:
+        text += (
+            f"; predicted {rank.predicted_communication_hidden_ms:.3f} / "
+            f"{rank.predicted_communication_exposed_ms:.3f} ms"
+        )
+    return text + ")"

@@ -172,6 +172,8 @@ class TorchPipeline:
     default group). Compute actions are recorded by wrapping each stage's ``forward_one_chunk``,
     ``backward_one_chunk`` and ``backward_weight_one_chunk``; REDUCE_GRAD by wrapping
     ``perform_reduce_grad``; an UNSHARD from the call of ``unshard`` to the return of its handle's wait.
+    ``communication_rows`` (every rank's row, as action strings): run the schedule's own UNSHARD/RESHARD/REDUCE_GRAD
+    where they stand (see :meth:`_follow_communication`).
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class TorchPipeline:
         device: torch.device,
         memory_bytes: Callable[[], int] | None = None,
         group: Any = None,
+        communication_rows: list[list[str]] | None = None,
     ) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
@@ -199,6 +202,8 @@ class TorchPipeline:
             self.stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True
         )
         self.schedule._load_csv(str(csv_path), "compute_only")
+        if communication_rows is not None:
+            self._follow_communication(communication_rows, num_stages)
         self.clock = _Clock()
         clock = self.clock
         for stage in self.stages:
@@ -221,6 +226,24 @@ class TorchPipeline:
             )
             for fsdp in fsdp_modules(stage.submod)[:1]:
                 fsdp.unshard = self._timed_unshard(f"{index}UNSHARD", fsdp.unshard)
+
+    def _follow_communication(self, rows: list[list[str]], num_stages: int) -> None:
+        """Run the schedule's own UNSHARD/RESHARD/REDUCE_GRAD where its rows place them (FSDP2 prefetch and reshard
+        as scheduled) instead of torch's lowering (``_add_unshard_reshard``, a window of 3 stages, and
+        ``_add_reduce_grad``); torch still inserts the sends and receives (``_add_send_recv``). OPTIMIZER_STEP is the
+        training loop's."""
+        from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _defer_recv_ops
+
+        schedule = self.schedule
+        actions = {
+            rank: [_Action.from_str(text) for text in row if text != "OPTIMIZER_STEP"] for rank, row in enumerate(rows)
+        }
+        lowered = _add_send_recv(
+            actions, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=num_stages
+        )
+        if getattr(schedule, "_defer_pp_recv", False):
+            lowered = _defer_recv_ops(lowered, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s])
+        schedule.pipeline_order_with_comms = lowered
 
     def _timed(self, name: str, method: Callable) -> Callable:
         def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -16,14 +16,15 @@ The update rules (:class:`WeightUpdate` and its two variants):
   every rank. ``max_grad_norm`` clips by the global norm (``torch.nn.utils.clip_grad_norm_``'s rule, coefficient
   ``max_norm / (norm + 1e-6)`` capped at 1); a non-finite norm skips the step.
 * **post-validation** (Zero Bubble, Qi et al. 2023, §4): every rank steps *speculatively* as soon as its own
-  gradients are reduced, while the partial sums of the squared norm are all-reduced; when the global check then
-  fails (a non-finite norm) the step is rolled back in place (parameters and optimizer state restored from what
-  was kept), when the norm needs clipping it is rolled back and redone with the clipped gradients. The parameters
-  equal the synchronous ones with clipping (default ``max_norm`` 1.0).
+  gradients are reduced, while the partial sums of the squared norm are all-reduced; the rank's step ends there,
+  without waiting for the other ranks. The check is read before the next step starts: when it failed (a non-finite
+  norm) the step is rolled back in place (parameters and optimizer state restored from what was kept), when the
+  norm needs clipping it is rolled back and redone with the clipped gradients. The parameters equal the
+  synchronous ones with clipping (default ``max_norm`` 1.0).
 * **PipeDream-2BW** (Narayanan et al. 2020, §3): two weight versions per stage; the gradient of step t is computed
-  on W(t−1) and applied to W(t): W(t+1) = W(t) − ν·∇f(W(t−1)) (with SGD; the optimizer's own rule otherwise).
-  The runtime runs the schedule's pattern once per step with a barrier between steps, so it checks the update
-  rule, not the overlap of consecutive steps.
+  on W(t−1) and applied to W(t): W(t+1) = W(t) − ν·∇f(W(t−1)) (with SGD; the optimizer's own rule otherwise). A
+  no-flush pattern runs its K steps as one, in steady state (:mod:`pipesched.runtime.pipedream`); on a flushed
+  schedule the rule runs step after step (:class:`TwoVersionUpdate`).
 
 Data parallelism: replica d of step t takes the global microbatches ``(t·D + d)·m … (t·D + d)·m + m − 1``
 (global batch D·m); :mod:`pipesched.runtime.data_parallel` reduces the gradients.
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pipesched.optimizer.export import orders_to_torch_csv
-from pipesched.optimizer.ir import compute_only
+from pipesched.optimizer.ir import compute_only, parse_action
 from pipesched.runtime import torch_compat
 from pipesched.runtime.data_parallel import DataParallelStages, MirrorGradients, local_tensor
 from pipesched.runtime.executor import (
@@ -52,8 +53,10 @@ from pipesched.runtime.executor import (
 )
 from pipesched.runtime.models import PipelineModel, load_model
 from pipesched.runtime.options import OPTIMIZERS, SHARDINGS, TrainingError, TrainingOptions, training_options
+from pipesched.runtime.pipedream import TwoBufferedWeights
 from pipesched.runtime.records import RankJob, RankResult, StepCheck, StepRecord
 from pipesched.runtime.report import print_training_summary
+from pipesched.runtime.streams import CommunicationStream
 from pipesched.runtime.verify import clip_coefficient, make_optimizer, nan_hook
 
 __all__ = [
@@ -142,10 +145,17 @@ class WeightUpdate:
         dist.all_reduce(partial)
         norm = float(partial.sqrt())
         if not math.isfinite(norm):
+            self._skip()
             return StepCheck(step=step, norm=None, skipped=True)
         coefficient = clip_coefficient(norm, self.options.clip_norm)
         self._step(coefficient)
         return StepCheck(step=step, norm=norm, clip_coefficient=coefficient)
+
+    def validate(self) -> None:
+        """Read a check still in flight (post-validation); the synchronous rule has none."""
+
+    def _skip(self) -> None:
+        """A step left out (non-finite norm): the parameters stay."""
 
     def _step(self, coefficient: float) -> None:
         _scale_gradients(self.params, coefficient)
@@ -178,6 +188,12 @@ class TwoVersionUpdate(WeightUpdate):
     def follow(self, current: list[Any]) -> None:
         self.params = current
 
+    def _skip(self) -> None:
+        """W(t+1) = W(t): the modules still move on to W(t), for step t + 1."""
+        with torch.no_grad():
+            for p, master in zip(self.params, self.masters, strict=True):
+                p.copy_(master)
+
     def _step(self, coefficient: float) -> None:
         with torch.no_grad():
             for p, master in zip(self.params, self.masters, strict=True):
@@ -187,47 +203,59 @@ class TwoVersionUpdate(WeightUpdate):
 
 
 class PostValidatedUpdate(WeightUpdate):
-    """Zero Bubble's post-validation: the speculative step first, the global check after it (module docstring)."""
+    """Zero Bubble's post-validation (module docstring): the speculative step is taken at once, beside the global
+    check's all-reduce; the check is read (and the step kept, rolled back, or rolled back and redone clipped) by
+    :meth:`validate`, before the next step starts or the run ends — not before this step ends."""
+
+    def __init__(self, options: TrainingOptions, params: list[Any]) -> None:
+        super().__init__(options, params)
+        self._pending: tuple[torch.Tensor, Any, Saved, StepCheck] | None = None
 
     def apply(self, step: int, partial: torch.Tensor) -> StepCheck:
-        pending = dist.all_reduce(partial, async_op=True)
+        self.validate()
+        work = dist.all_reduce(partial, async_op=True)
         saved = _snapshot(self.params, self.optimizer)
         self.optimizer.step()
         with torch.no_grad():
             finite_step = all(bool(torch.isfinite(local_tensor(p)).all()) for p in self.params)
-        pending.wait()
+        check = StepCheck(step=step, speculative=True, speculative_step_finite=finite_step)
+        kept = saved[0] + [v for s in saved[1].values() for v in s.values() if torch.is_tensor(v)]
+        self.kept_bytes = max(self.kept_bytes, tensor_bytes(kept))
+        self._pending = (partial, work, saved, check)
+        return check
+
+    def validate(self) -> None:
+        """Read the pending global check: keep the speculative step, roll it back in place (a non-finite norm), or
+        roll it back and redo it with the clipped gradients (still held: call before they are zeroed)."""
+        if self._pending is None:
+            return
+        partial, work, saved, check = self._pending
+        self._pending = None
+        work.wait()
         norm = float(partial.sqrt())
         finite = math.isfinite(norm)
         coefficient = clip_coefficient(norm, self.options.clip_norm) if finite else 1.0
-        check = StepCheck(
-            step=step, norm=norm if finite else None, speculative=True, speculative_step_finite=finite_step
-        )
-        self.kept_bytes = max(
-            self.kept_bytes,
-            tensor_bytes(saved[0])
-            + tensor_bytes([v for s in saved[1].values() for v in s.values() if torch.is_tensor(v)]),
-        )
-        if finite and coefficient >= 1.0:
-            check.rolled_back = False
-            return check
+        check.norm = norm if finite else None
+        check.rolled_back = not finite or coefficient < 1.0
+        if not check.rolled_back:
+            return
         _restore(self.params, self.optimizer, saved)
         with torch.no_grad():  # nothing half-applied: every parameter is bit-for-bit what it was before the step
-            change = max(
+            check.max_change_after_rollback = max(
                 (
                     float((local_tensor(p) - local_tensor(q)).abs().max())
                     for p, q in zip(self.params, saved[0], strict=True)
                 ),
                 default=0.0,
             )
-        check.rolled_back, check.max_change_after_rollback = True, change
         if finite:
             _scale_gradients(self.params, coefficient)
             self.optimizer.step()
             check.redone_with_clipping = True
-        return check
 
     def static_bytes(self) -> int:
-        return max(super().static_bytes(), self.kept_bytes)
+        """The live state and, beside it until the check arrives, the copy a rollback needs."""
+        return super().static_bytes() + self.kept_bytes
 
 
 def weight_update(options: TrainingOptions, params: list[Any]) -> WeightUpdate:
@@ -277,6 +305,7 @@ class TorchEngine:
             if device.type == "cuda"
             else (lambda: meter.live_bytes),
             group=trainer.pp_group,
+            communication_rows=_rows_with_communication(schedule),
         )
         self.holds_last = any(trainer.program.following[s, 0] is None for s in trainer.program.stages)
 
@@ -291,6 +320,15 @@ class TorchEngine:
         communication = run.communication if self.trainer.size > 1 else []
         losses = dict(enumerate(run.losses)) if self.holds_last else {}
         return StepRecord(actions=run.actions, communication=communication, losses=losses)
+
+
+def _rows_with_communication(schedule: Any) -> list[list[str]] | None:
+    """The schedule's rows when they hold UNSHARD/RESHARD/REDUCE_GRAD (the torch engine then follows them), else
+    ``None`` (torch lowers its own)."""
+    rows = [[a.action for a in rank.actions] for rank in schedule.ranks]
+    communication = {"UNSHARD", "RESHARD", "REDUCE_GRAD"}
+    has = any(a.kind in communication for rank in schedule.ranks for a in rank.actions)
+    return rows if has else None
 
 
 class OwnEngine:
@@ -315,6 +353,8 @@ class OwnEngine:
             p2p=p2p,
             meter=trainer.meter,
             communication=trainer.data_parallel,
+            timeout_s=timeout_s,
+            versions=trainer.versions,
         )
 
     @property
@@ -336,26 +376,35 @@ class RankTrainer:
         self.global_rank, self.device = global_rank, device
         self.pp_rank, self.dp_rank = divmod(global_rank, self.size)
         schedule = job.schedule
-        self.program = RankProgram.compile(schedule, self.pp_rank)
+        self.steady_steps = job.steady_steps
+        per_step = schedule.problem.pipeline.num_microbatches // job.steady_steps if job.steady_steps else 0
+        self.program = RankProgram.compile(schedule, self.pp_rank, microbatches_per_step=per_step)
         mesh = init_device_mesh(
             device.type, (schedule.problem.pipeline.num_ranks, self.size), mesh_dim_names=("pp", "dp")
         )
         self.pp_group = mesh["pp"].get_group()
         self.model: PipelineModel = load_model(job.model, schedule.problem, seed=job.seed)
         self.modules = self._build_stages(mesh)
-        sharded = self.options is not None and self.options.sharding == "full" and self.size > 1
-        self.data_parallel = DataParallelStages(
-            self.modules, group=mesh["dp"].get_group(), size=self.size, sharded=sharded
-        )
-        self.mirrors = MirrorGradients(
+        self.timeout_s = timeout_s
+        self.stream = CommunicationStream(device)
+        mirrors = MirrorGradients(
             self.program.stage_ranks,
             self.program.model_stage,
             size=self.size,
             pp_rank=self.pp_rank,
             dp_rank=self.dp_rank,
         )
-        self.params = self._parameters()
-        self.update = None if self.options is None else weight_update(self.options, self.params)
+        self.data_parallel = DataParallelStages(
+            self.modules,
+            group=mesh["dp"].get_group(),
+            size=self.size,
+            sharded=self.options is not None and self.options.sharding == "full" and self.size > 1,
+            mirrors=mirrors,
+            stream=self.stream,
+        )
+        self.versions = self._versions()
+        self.params = self.versions.parameters() if self.versions else self._parameters()
+        self.update = None if self.options is None or self.versions else weight_update(self.options, self.params)
         self.meter = SavedActivationMeter(self.params)
         self.engine: Engine = OwnEngine(self, timeout_s) if job.engine == "pipesched" else TorchEngine(self, job)
         on_gpu = device.type == "cuda"
@@ -382,8 +431,25 @@ class RankTrainer:
     def _parameters(self) -> list[Any]:
         return [p for stage in self.program.stages for p in self.modules[stage].parameters()]
 
+    def _versions(self) -> TwoBufferedWeights | None:
+        """PipeDream-2BW's two weight versions per stage, for a pattern run in steady state."""
+        if not self.steady_steps or self.options is None:
+            return None
+        model_stage = self.program.model_stage
+        first_ids = {s for s in self.program.stages if model_stage.index(model_stage[s]) == s}
+        return TwoBufferedWeights(
+            self.options,
+            self.modules,
+            first_ids=first_ids,
+            num_microbatches=self.program.per_step,
+            steps=self.steady_steps,
+            device=self.device,
+        )
+
     def run(self) -> RankResult:
         """The warm-up step (one-step runs only, untimed), then the K steps; what this process measured."""
+        if self.versions is not None:
+            return self._run_steady(self.versions)
         steps = self.options.steps if self.options else 1
         if self.options is None:
             self.step(0, recorded=False)
@@ -392,11 +458,42 @@ class RankTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         for step in range(steps):
             self.result.steps.append(self.step(step, recorded=True, last=step == steps - 1))
+        self.result.executed = [a.action for a in self.result.last.actions]
         self._finish()
+        return self.result
+
+    def _run_steady(self, versions: TwoBufferedWeights) -> RankResult:
+        """The K steps of a no-flush pattern as one run, no barrier between steps (:mod:`pipesched.runtime.pipedream`);
+        each step's record cut from it: its actions, its losses, and its time (the end of the rank's last action of
+        the step after the end of its previous step's)."""
+        m = self.program.per_step
+        dist.barrier()
+        origin = time.perf_counter()
+        record = self.engine.run_step(self._inputs(0, steady=True), origin)
+        final = versions.finish()
+        self.result.executed = [a.action for a in record.actions]
+        ended = 0.0
+        for step in range(self.steady_steps):
+            actions = [a for a in record.actions if parse_action(a.action).microbatch // m == step]
+            end = max(a.end for a in actions)
+            losses = {g % m: value for g, value in record.losses.items() if g // m == step}
+            check = versions.checks.get(step, StepCheck(step=step))
+            self.result.steps.append(StepRecord(actions, [], losses, round(end - ended, 6), check))
+            ended = end
+        self.result.gradients = versions.last_gradients
+        self.modules, self.params = final, [p for s in self.program.stages for p in final[s].parameters()]
+        self.result.static_memory_bytes = max(versions.static_peak, versions.static_bytes())
+        self._finish()
+        self.result.notes.append(
+            "2bw in steady state: the pattern's K steps as one run, no barrier between steps; step t computes with "
+            "W(t−1) while W(t) waits in the other buffer"
+        )
         return self.result
 
     def step(self, step: int, *, recorded: bool, last: bool = False) -> StepRecord:
         """One training step (module docstring): ms from the common start (a barrier) to the optimizer step's end."""
+        if self.update is not None:
+            self.update.validate()  # the previous step's post-validation, before its gradients go
         for p in self.params:
             p.grad = None
         self.data_parallel.start_step(deferred=self.engine.defers_reduction)
@@ -404,8 +501,9 @@ class RankTrainer:
         dist.barrier()
         origin = time.perf_counter()
         record = self.engine.run_step(inputs, origin)
-        record.communication += self.data_parallel.reduce_remaining(origin)
-        self.mirrors.sync(self.modules)
+        self.data_parallel.reduce_remaining()
+        self.stream.wait_all(self.timeout_s)  # the optimizer step waits for every reduction
+        record.communication += self.stream.take(origin)
         self._follow_parameters(step, recorded)
         partial = self._norm_partial()
         if recorded and last:
@@ -421,17 +519,18 @@ class RankTrainer:
         self.result.static_memory_bytes = max(self.result.static_memory_bytes, static)
         return record
 
-    def _inputs(self, step: int) -> StepInputs:
-        """Replica d's microbatches of step t, and the loss (a NaN hook on the test's poisoned microbatch)."""
-        m = self.program.num_microbatches
-        base = (step * self.size + self.dp_rank) * m
+    def _inputs(self, step: int, *, steady: bool = False) -> StepInputs:
+        """Replica d's microbatches of step t, and the loss (a NaN hook on the test's poisoned microbatch).
+        ``steady``: every step's, by global id ``t·m + j`` (one replica)."""
+        m = self.program.per_step
+        base = 0 if steady else (step * self.size + self.dp_rank) * m
         model = self.model
         poisoned = None
         nan = self.options.inject_nan if self.options else None
-        if nan is not None and nan[0] == step:
+        if nan is not None and (steady or nan[0] == step):
             replica, local = divmod(nan[1], m)
             if replica == self.dp_rank:
-                poisoned = model.make_microbatch(base + local)[1]
+                poisoned = model.make_microbatch((nan[0] * self.size + replica) * m + local)[1]
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             if poisoned is not None and target.shape == poisoned.shape and torch.equal(target.cpu(), poisoned):
@@ -476,7 +575,10 @@ class RankTrainer:
         return gathered
 
     def _finish(self) -> None:
-        final = self.update.final if self.update else self.params
+        if self.update is not None:
+            self.update.validate()
+        self.stream.close()
+        final = self.update.final if self.update and not self.versions else self.params
         by_parameter = dict(zip(map(id, self.params), final, strict=True))
         self.result.parameters = self._gathered(lambda p: by_parameter[id(p)])
         on_gpu = self.device.type == "cuda"
@@ -484,7 +586,7 @@ class RankTrainer:
             int(torch.cuda.max_memory_allocated(self.device)) if on_gpu else int(self.meter.peak_bytes)
         )
         self.result.notes[:0] = list(dict.fromkeys(self.engine.notes))
-        if self.options is not None and self.options.two_weight_versions:
+        if self.options is not None and self.options.two_weight_versions and self.versions is None:
             self.result.notes.append(
                 "2bw: modules compute with W(t-1), the optimizer holds W(t); steps run one after another"
             )

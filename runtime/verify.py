@@ -114,7 +114,12 @@ def reference_training(model: PipelineModel, num_microbatches: int, options: Tra
             reference.gradients = {
                 n: p.grad.detach().float().clone() for n, p in zip(names, params, strict=True) if p.grad is not None
             }
-        if optimizer is None or options is None or not finite:
+        if optimizer is None or options is None:
+            continue
+        if not finite:  # the step is left out: W(t+1) = W(t) (2BW: the next step computes with W(t))
+            with torch.no_grad():
+                for p, master in zip(params, masters, strict=False):
+                    p.copy_(master)
             continue
         coefficient = clip_coefficient(norm, options.clip_norm)
         with torch.no_grad():

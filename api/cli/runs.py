@@ -235,19 +235,40 @@ def profile(
     placement: Annotated[str, typer.Option("--placement", help="loop, v or bidirectional.")] = "loop",
     model: Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, module:function.")] = "gpt-tiny",
     repeats: Annotated[int, typer.Option("--repeats", help="Timed microbatches per stage.")] = 5,
-    p2p_ms: Annotated[float, typer.Option("--p2p-ms", help="p2p latency to record, ms.")] = 0.0,
+    p2p_ms: Annotated[
+        float | None, typer.Option("--p2p-ms", help="p2p latency to record, ms (default: measured and fitted).")
+    ] = None,
+    data_parallel: Annotated[
+        int, typer.Option("--data-parallel", help="D replicas, as the run will have (num_ranks × D processes).")
+    ] = 1,
+    sharding: Annotated[str, typer.Option("--sharding", help="none or full (FSDP2), as the run will.")] = "none",
+    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd or adamw: the static memory it keeps.")] = "sgd",
+    weight_update: Annotated[str, typer.Option("--weight-update", help="sync, or 2bw (PipeDream-2BW).")] = "sync",
+    post_validation: Annotated[
+        bool, typer.Option("--post-validation/--no-post-validation", help="Speculative steps (a rollback copy).")
+    ] = False,
     memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
 ) -> None:
-    """Measure each stage's F, I, W times and activation memory; write a PROBLEM.json for `pipesched solve`."""
+    """Measure what a run will see (each stage's F, I, W and activation memory, p2p, collectives, the optimizer step
+    and static memory) on the processes a run starts; write a PROBLEM.json for `pipesched solve`."""
     require_torch("profile")
     from pydantic import ValidationError
 
     from pipesched.api.loading import format_validation_error
+    from pipesched.runtime.launch import RunFailed
+    from pipesched.runtime.options import TrainingError, TrainingOptions
     from pipesched.runtime.profile import measure_model
 
     try:
+        training = TrainingOptions(
+            data_parallel=data_parallel,
+            sharding=sharding,
+            optimizer=optimizer,
+            weight_update=weight_update,
+            post_validation=post_validation,
+        )
         measured = measure_model(
             num_ranks=num_ranks,
             num_microbatches=num_microbatches,
@@ -258,11 +279,14 @@ def profile(
             p2p_ms=p2p_ms,
             memory_limit_bytes=memory_limit,
             device=device,
+            training=training,
         )
     except ValidationError as error:
         raise fail(format_validation_error(error)) from None
-    except ValueError as error:
+    except (TrainingError, ValueError) as error:
         raise fail(str(error)) from None
+    except RunFailed as error:
+        raise fail(f"the profile failed ({error.reason}): {error}", code=1) from None
     write_output(output, measured.problem.model_dump_json(indent=1, exclude_none=True))
     _print_profile(measured, model, repeats)
     console.print(f"wrote {output}", highlight=False)
@@ -305,6 +329,7 @@ def _print_profile(measured: Profile, model: str, repeats: int) -> None:
             format_bytes(ret),
         )
     console.print(table)
+    _print_transfers(measured)
     unsteady = measured.unsteady()
     if unsteady:
         worst = ", ".join(
@@ -318,3 +343,32 @@ def _print_profile(measured: Profile, model: str, repeats: int) -> None:
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _print_transfers(measured: Profile) -> None:
+    """The fitted p2p and collectives (latency + bytes / bandwidth), the optimizer step and static memory per rank."""
+    problem = measured.problem
+    assert problem.costs is not None
+    fits = ([("p2p", measured.p2p)] if measured.p2p is not None else []) + sorted(measured.collectives.items())
+    for name, fit in fits:
+        console.print(
+            f"{name}: {fit.latency_ms:.3f} ms + bytes / {format_bytes(fit.bandwidth_bytes_per_s)}/s "
+            f"(fitted over {len(fit.samples)} samples)",
+            highlight=False,
+        )
+    calibration = measured.calibration
+    if calibration is not None:
+        console.print(
+            f"calibration run (every rank's forwards, then its backwards): measured {calibration.measured_ms:.3f} ms "
+            f"per step against {calibration.predicted_ms:.3f} ms from the pieces alone: "
+            f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above",
+            highlight=False,
+        )
+    steps = problem.rank_values(problem.costs.optimizer_step, 0.0)
+    console.print(
+        "optimizer step "
+        + ", ".join(f"rank {r}: {t:.3f} ms" for r, t in enumerate(steps))
+        + " · static "
+        + ", ".join(format_bytes(b) for b in problem.static_memory),
+        highlight=False,
+    )

@@ -58,4 +58,8 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     assert all(
         r["predicted_communication_ms"] is not None and r["measured_communication_ms"] > 0 for r in report["ranks"]
     )
+    # … and the same order re-timed from this machine's profile, beside the measured step, with the error
+    profiled = Problem.model_validate(json.loads((folder / "profile.json").read_text()))
+    assert profiled.data_parallel is not None and profiled.data_parallel.size == 2
+    assert "re-timed from its profile" in out and "best step after the first" in " ".join(out.split())
     assert "verified" in out and "what next" in out

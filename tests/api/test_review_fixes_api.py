@@ -133,6 +133,7 @@ def _report_with_losses(losses: dict[int, float], reference_loss: float) -> Any:
                     losses=losses if rank.rank == last else {},
                 )
             ],
+            executed=[a.action for a in rank.actions],
         )
         for rank in schedule.ranks
     ]

@@ -324,8 +324,9 @@ def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
     assert solved.exit_code == 0, solved.output
     schedule = json.loads(schedule_path.read_text())
     assert schedule["status"] in ("optimal", "feasible")
-    # 2 microbatches × F, I, W on each rank's one stage.
-    assert [len(rank["actions"]) for rank in schedule["ranks"]] == [6, 6]
+    # 2 microbatches × F, I, W on each rank's one stage, and the rank's measured optimizer step.
+    assert [[a["kind"] for a in rank["actions"]].count("OPTIMIZER_STEP") for rank in schedule["ranks"]] == [1, 1]
+    assert [len(rank["actions"]) for rank in schedule["ranks"]] == [7, 7]
     assert schedule["makespan"] > 0
 
 

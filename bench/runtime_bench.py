@@ -1,0 +1,265 @@
+"""Predicted beside measured on this machine: profile → solve → run, for 1F1B, ZB-H1, ZB-V, breadth-first with data
+parallelism, and PipeDream-2BW — step time, hidden and exposed communication, static memory.
+
+The closed loop (issue 25): for each pipeline shape, ``pipesched profile`` measures the model on the processes the
+run starts (:func:`pipesched.runtime.profile.measure_model`: passes, activation and static memory as the runtime
+allocates them, p2p fitted, collectives, the optimizer step); each family's schedule is built on that problem and
+timed by the simulator (the prediction); then one launch runs every schedule of the shape for ``--steps`` SGD steps
+on pipesched's own executor, verified against the single-process reference. Shapes (2 pipeline ranks, 8
+microbatches, ``--model``, gpt-small by default):
+
+* ``1F1B``, ``ZB-H1`` and ``2BW`` (the pipedream-2bw family's no-flush pattern, run in steady state with two weight
+  versions): one stage per rank;
+* ``ZB-V``: V placement, two stages per rank;
+* ``BF×dp2``: breadth-first (looped-bfs, two stages per rank) × data-parallel 2 with FSDP2, 4 processes.
+
+Measured step: the best step after the first (``best``; its error against the prediction is the issue's bar,
+−20 % … +25 %) and the report's ``measured_step_time_ms`` (``median``: over the steps after the first, and before the
+last of 2BW's steady run, its drain). Hidden / exposed communication: per rank, the median
+over the steps after the first of the time the rank's communication ran beside its passes, and the rest, against
+the schedule's timeline. Static: weights, gradients and optimizer state measured on every rank against the problem's
+``memory.static`` (and the second weight version for 2BW). 2BW's gain: 1F1B's measured median step minus 2BW's,
+against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
+
+Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; run it with
+``nice -n -5`` or on a quiet machine, and read the repeats side by side.
+
+Run: ``python -m bench.runtime_bench [--model gpt-small] [--steps 6] [--repeats 2] [--output FILE]``; results in
+``bench/results/runtime_bench.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.solve import solve_family
+
+NUM_RANKS = 2
+NUM_MICROBATCHES = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One schedule of a shape: its label, family and the problem's changes (besides the profile's)."""
+
+    label: str
+    family: str
+    changes: dict[str, Any] = field(default_factory=dict)
+    two_weight_versions: bool = False
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A pipeline shape profiled once, and its cases."""
+
+    name: str
+    stages_per_rank: int
+    placement: str
+    data_parallel: int
+    cases: tuple[Case, ...]
+
+
+SHAPES = (
+    Shape(
+        "one stage per rank",
+        1,
+        "loop",
+        1,
+        (
+            Case("1F1B", "1f1b"),
+            Case("ZB-H1", "zb-h1"),
+            Case(
+                "2BW",
+                "pipedream-2bw",
+                {"training": {"flush": False, "weight_versions": 2}, "objective": "step_period"},
+                two_weight_versions=True,
+            ),
+        ),
+    ),
+    Shape("V, two stages per rank", 2, "v", 1, (Case("ZB-V", "zb-v"),)),
+    Shape("looped, two stages per rank, dp 2", 2, "loop", 2, (Case("BF×dp2", "looped-bfs"),)),
+)
+
+
+def _profile(shape: Shape, model: str, repeats: int) -> Any:
+    from pipesched.runtime.options import TrainingOptions
+    from pipesched.runtime.profile import measure_model
+
+    options = TrainingOptions(data_parallel=shape.data_parallel, sharding="full" if shape.data_parallel > 1 else "none")
+    profile = measure_model(
+        num_ranks=NUM_RANKS,
+        num_microbatches=NUM_MICROBATCHES,
+        stages_per_rank=shape.stages_per_rank,
+        placement=shape.placement,
+        model=model,
+        repeats=repeats,
+        training=options,
+    )
+    return profile
+
+
+def _median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def _row(case: Case, schedule: Schedule, report: Any) -> dict[str, Any]:
+    """What the bench prints of one run: predicted beside measured."""
+    predicted = report.predicted_step_time_ms
+    steps = report.measured_step_times_ms
+    # after the first step (lazy initialisation, a pattern's warm-up); a steady pattern also before its drain
+    steady = steps[1:-1] if case.two_weight_versions and len(steps) > 2 else steps[1:] or steps
+    best = min(steady)
+    ranks = []
+    for rank in report.ranks:
+        hidden = _median_after_first(rank.communication_hidden_ms) if rank.communication_hidden_ms else 0.0
+        exposed = _median_after_first(rank.communication_exposed_ms) if rank.communication_exposed_ms else 0.0
+        ranks.append(
+            {
+                "rank": rank.rank,
+                "hidden_ms": hidden,
+                "exposed_ms": exposed,
+                "predicted_hidden_ms": rank.predicted_communication_hidden_ms,
+                "predicted_exposed_ms": rank.predicted_communication_exposed_ms,
+                "static_measured": rank.static_bytes_measured,
+                "static_predicted": rank.static_bytes_predicted,
+                "peak_activation_measured": rank.peak_memory_bytes,
+                "peak_activation_predicted": rank.predicted_peak_activation_bytes,
+            }
+        )
+    return {
+        "case": case.label,
+        "method": schedule.method,
+        "verified": report.verified,
+        "predicted_ms": predicted,
+        "predicted_from": report.predicted_step_time_from,
+        "measured_ms": steps,
+        "best_ms": best,
+        "median_ms": report.measured_step_time_ms,
+        "best_error": best / predicted - 1 if predicted else None,
+        "ranks": ranks,
+    }
+
+
+def run_shape(shape: Shape, *, model: str, steps: int, repeats: int) -> list[dict[str, Any]]:
+    """Profile the shape, build its cases' schedules on the profile, run them in one launch."""
+    from pipesched.runtime.launch import run_schedules
+    from pipesched.runtime.options import TrainingOptions
+
+    started = time.perf_counter()
+    profile = _profile(shape, model, repeats)
+    problem = profile.problem
+    profiled_s = time.perf_counter() - started
+    schedules = [solve_family(problem.with_changes(**case.changes), case.family) for case in shape.cases]
+    sharding = "full" if shape.data_parallel > 1 else "none"
+    options = [
+        TrainingOptions(
+            steps=steps,
+            lr=0.01,
+            data_parallel=shape.data_parallel,
+            sharding=sharding,
+            weight_update="2bw" if case.two_weight_versions else "sync",
+        )
+        for case in shape.cases
+    ]
+    reports = run_schedules(schedules, engine="pipesched", model=model, training=options, timeout_s=900)
+    rows = [_row(case, s, r) for case, s, r in zip(shape.cases, schedules, reports, strict=True)]
+    calibration = profile.calibration
+    for row in rows:
+        row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
+        if calibration is not None:
+            row["calibration"] = {
+                "measured_ms": calibration.measured_ms,
+                "predicted_ms": calibration.predicted_ms,
+                "overhead_ms": calibration.overhead_ms,
+            }
+    return rows
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:+.0f}%"
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """The table: step predicted / best / median, error; per rank hidden / exposed and static, predicted beside."""
+    lines = [
+        f"{'case':>8} {'ok':>3} {'predicted':>10} {'best':>9} {'median':>9} {'error':>6}  "
+        "per rank: hidden/exposed ms measured (predicted) · static measured/predicted"
+    ]
+    for row in rows:
+        ranks = "; ".join(
+            f"r{r['rank']} {r['hidden_ms']:.1f}/{r['exposed_ms']:.1f}"
+            + (
+                ""
+                if r["predicted_hidden_ms"] is None
+                else f" ({r['predicted_hidden_ms']:.1f}/{r['predicted_exposed_ms']:.1f})"
+            )
+            + f" {_percent(r['static_measured'] / r['static_predicted'] - 1 if r['static_predicted'] else None)}"
+            for r in row["ranks"]
+        )
+        lines.append(
+            f"{row['case']:>8} {'yes' if row['verified'] else 'NO':>3} {row['predicted_ms']:10.1f} "
+            f"{row['best_ms']:9.1f} {row['median_ms']:9.1f} {_percent(row['best_error']):>6}  {ranks}"
+        )
+    shapes = {row["shape"]: row for row in rows}
+    for name, row in shapes.items():
+        calibration = row.get("calibration")
+        if calibration is not None:
+            lines.append(
+                f"  {name}: profiled in {row['profile_s']:.0f} s; calibration run {calibration['measured_ms']:.1f} ms "
+                f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
+                f"{calibration['overhead_ms']:+.2f} ms per pass"
+            )
+    by_case = {row["case"]: row for row in rows}
+    if "1F1B" in by_case and "2BW" in by_case:
+        predicted_gain = by_case["1F1B"]["predicted_ms"] - by_case["2BW"]["predicted_ms"]
+        measured_gain = by_case["1F1B"]["median_ms"] - by_case["2BW"]["median_ms"]
+        share = measured_gain / predicted_gain if predicted_gain > 0 else float("nan")
+        lines.append(
+            f"2BW's gain over 1F1B: predicted {predicted_gain:.1f} ms, measured {measured_gain:.1f} ms "
+            f"({100 * share:.0f}% of predicted; the bar: ≥ 50%)"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small", help="the model (default gpt-small)")
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
+    parser.add_argument("--repeats", type=int, default=1, help="the whole loop, this many times (default 1)")
+    parser.add_argument("--profile-repeats", type=int, default=6, help="timed microbatches per pass (default 6)")
+    parser.add_argument("--shapes", default="all", help="comma-separated shape indices (0, 1, 2), default all")
+    parser.add_argument("--output", type=Path, default=None, help="also write the tables and rows (JSON) here")
+    args = parser.parse_args()
+    shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    lines: list[str] = []
+    all_rows = []
+    for repeat in range(args.repeats):
+        before = os.getloadavg()
+        rows = [
+            row
+            for shape in shapes
+            for row in run_shape(shape, model=args.model, steps=args.steps, repeats=args.profile_repeats)
+        ]
+        after = os.getloadavg()
+        header = (
+            f"repeat {repeat + 1}/{args.repeats} · {args.model} · p={NUM_RANKS} m={NUM_MICROBATCHES} · "
+            f"{args.steps} steps · load average {before[0]:.1f} before, {after[0]:.1f} after (2 cores)"
+        )
+        block = [header, *format_rows(rows), ""]
+        print("\n".join(block), flush=True)
+        lines += block
+        all_rows.append({"load_before": before, "load_after": after, "rows": rows})
+    if args.output is not None:
+        args.output.write_text("\n".join(lines) + "\nrows:\n" + json.dumps(all_rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The per-action overhead of a run, fitted on a real run of a calibration order (``pipesched profile``'s last part).
+
+What the profile times one piece at a time (passes, p2p, collectives, the optimizer step) does not hold what a rank
+spends between them: the executor's bookkeeping, handing messages between processes that share cores, the
+communication stream's thread. The profile therefore ends with a real run — the runtime's own training steps on the
+same processes — of a *calibration order* that none of the families answers (every rank runs its forwards by chain
+position, then its backwards in reverse: GPipe generalised to any placement; :func:`calibration_orders`), and fits
+one overhead per action, ``o`` ms added to every pass, so that the simulator's step time of that order equals the
+measured one (:func:`fit_overhead`, bisection: the step time grows with ``o``). Every schedule solved from the
+profile is then a held-out prediction: its order was not the one fitted.
+"""
+
+from __future__ import annotations
+
+from pipesched.optimizer.communication import with_communication
+from pipesched.optimizer.instance import compile_for_orders, compile_problem
+from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.simulate import simulate
+
+__all__ = ["calibration_orders", "calibration_problem", "fit_overhead", "with_overhead"]
+
+
+def calibration_problem(skeleton: Problem, data_parallel: dict[str, object] | None) -> Problem:
+    """``skeleton`` with the run's ``data_parallel`` and placeholder collective and optimizer-step costs, so that its
+    orders hold the collectives and OPTIMIZER_STEP a profiled problem's schedules hold (the times do not matter)."""
+    changes: dict[str, object] = {"costs.optimizer_step": 1.0}
+    if data_parallel is not None:
+        changes |= {"data_parallel": data_parallel, "costs.unshard": 1.0, "costs.reduce_grad": 1.0}
+    return skeleton.with_changes(**changes)
+
+
+def calibration_orders(problem: Problem) -> Orders:
+    """Every rank's forwards by (chain position, microbatch), then its backwards by (reverse position, microbatch) —
+    I then W, or B — and the problem's collectives placed by the communication pass. Valid for every placement: a
+    pass at chain position k waits only on passes at position k − 1 (forward) or k + 1 (backward), which every
+    rank runs first."""
+    inst = compile_problem(problem, step_actions=False)
+    position = {(stage, j): k for j, chain in enumerate(inst.chains) for k, stage in enumerate(chain)}
+    backward = (
+        [ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT] if problem.split_backward else [ActionKind.BACKWARD]
+    )
+    rows: Orders = []
+    for rank in range(problem.pipeline.num_ranks):
+        mine = [(k, j, stage) for (stage, j), k in position.items() if inst.stage_ranks[stage] == rank]
+        row = [Action(stage, ActionKind.FORWARD, j) for k, j, stage in sorted(mine)]
+        for _, j, stage in sorted(mine, key=lambda item: (-item[0], item[1])):
+            row += [Action(stage, kind, j) for kind in backward]
+        rows.append(row)
+    return with_communication(compile_problem(problem), rows)
+
+
+def with_overhead(problem: Problem, overhead_ms: float) -> Problem:
+    """``problem`` with ``overhead_ms`` added to every pass's cost (F, I, W; never below 0)."""
+    assert problem.costs is not None
+    changes = {}
+    for name in ("forward", "backward_input", "backward_weight"):
+        values = problem.stage_values(getattr(problem.costs, name))
+        changes[f"costs.{name}"] = [round(max(0.0, value + overhead_ms), 6) for value in values]
+    return problem.with_changes(**changes)
+
+
+def fit_overhead(problem: Problem, orders: Orders, measured_ms: float, *, iterations: int = 40) -> float:
+    """The overhead ``o`` (ms per pass) for which the simulator's step time of ``orders`` on
+    :func:`with_overhead`\\ ``(problem, o)`` equals ``measured_ms``; at most ``measured_ms``, at least minus half the
+    smallest forward (a profile slower than the run)."""
+    assert problem.costs is not None
+
+    def step_time(overhead: float) -> float:
+        shifted = with_overhead(problem, overhead)
+        return simulate(compile_for_orders(shifted, orders), orders, check_memory=False).step_time
+
+    low = -0.5 * min(problem.stage_values(problem.costs.forward))
+    high = measured_ms
+    if step_time(low) >= measured_ms:
+        return low
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        if step_time(middle) < measured_ms:
+            low = middle
+        else:
+            high = middle
+    return round((low + high) / 2, 6)
