@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipesched.optimizer.field_errors import raise_field_errors
 from pipesched.optimizer.presets import MODEL_PRESETS
@@ -294,6 +294,12 @@ class ModelConfig(BaseModel):
 #: The slowest link a cluster may name, B/s (1 MB/s): below it a collective's time overflows the estimates
 #: (1e-300 B/s made every configuration's time infinite, reported as "over memory").
 MIN_LINK_BYTES_PER_S = 1e6
+#: The slowest accelerator a cluster may name, FLOP/s (1 GFLOP/s), and the least achieved fraction of it: below
+#: them a pass's time overflows (5e-324 FLOP/s at 5e-324 efficiency divided by zero).
+MIN_FLOPS_PER_S = 1e9
+MIN_EFFICIENCY = 1e-3
+#: The largest memory, peak and bandwidth a cluster may name (1e30): beyond, sums overflow to inf.
+MAX_HARDWARE_VALUE = 1e30
 
 
 class ClusterConfig(BaseModel):
@@ -326,10 +332,13 @@ class ClusterConfig(BaseModel):
         return data
 
     accelerator: str | None = Field(None, description='Catalogue name, e.g. "H100-SXM"; null for explicit.')
-    memory_bytes: float | None = Field(None, gt=0, description="Accelerator memory, bytes.")
-    flops_per_s: float | None = Field(None, gt=0, description="Dense bf16 peak, FLOP/s.")
+    memory_bytes: float | None = Field(None, gt=0, le=MAX_HARDWARE_VALUE, description="Accelerator memory, bytes.")
+    flops_per_s: float | None = Field(None, gt=0, description="Dense bf16 peak, FLOP/s (at least 1e9).")
     memory_bandwidth_bytes_per_s: float | None = Field(
-        None, gt=0, description="Device memory bandwidth, bytes/s (elementwise kernels are bound by it)."
+        None,
+        ge=MIN_LINK_BYTES_PER_S,
+        le=MAX_HARDWARE_VALUE,
+        description="Device memory bandwidth, bytes/s (elementwise kernels are bound by it).",
     )
     efficiency: float | None = Field(
         None,
@@ -349,7 +358,9 @@ class ClusterConfig(BaseModel):
         description="A calibrated accelerator profile by name (built in: the accelerator's own; or one made by "
         "`pipesched calibrate` and registered with POST /v1/profiles or `--profile`); null: the accelerator's.",
     )
-    p2p_bandwidth_bytes_per_s: float = Field(50e9, gt=0, description="Link bandwidth between ranks, B/s.")
+    p2p_bandwidth_bytes_per_s: float = Field(
+        50e9, ge=MIN_LINK_BYTES_PER_S, le=MAX_HARDWARE_VALUE, description="Link bandwidth between ranks, B/s."
+    )
     p2p_latency_ms: float = Field(0.01, ge=0, description="Link latency per transfer, ms.")
     memory_headroom_bytes: float | None = Field(
         None,
@@ -364,14 +375,37 @@ class ClusterConfig(BaseModel):
     intra_node_bandwidth_bytes_per_s: float = Field(
         450e9,
         ge=MIN_LINK_BYTES_PER_S,
+        le=MAX_HARDWARE_VALUE,
         description="Per-GPU bandwidth inside a host (NVLink: 450e9 per direction on H100 SXM), B/s.",
     )
     inter_node_bandwidth_bytes_per_s: float = Field(
         50e9,
         ge=MIN_LINK_BYTES_PER_S,
+        le=MAX_HARDWARE_VALUE,
         description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s.",
     )
     collective_latency_ms: float = Field(0.01, ge=0, description="Latency of one ring step of a collective, ms.")
+
+    @field_validator("flops_per_s")
+    @classmethod
+    def _flops_in_range(cls, value: float | None) -> float | None:
+        if value is not None and not MIN_FLOPS_PER_S <= value <= MAX_HARDWARE_VALUE:
+            raise ValueError(
+                f"{value:g} FLOP/s is out of range: give the accelerator's dense bf16 peak in FLOP/s, between "
+                f"{MIN_FLOPS_PER_S:g} and {MAX_HARDWARE_VALUE:g} (e.g. 9.895e14 for an H100-SXM), or name it in "
+                "cluster.accelerator"
+            )
+        return value
+
+    @field_validator("efficiency", "attention_efficiency")
+    @classmethod
+    def _efficiency_in_range(cls, value: float | None) -> float | None:
+        if value is not None and value < MIN_EFFICIENCY:
+            raise ValueError(
+                f"{value:g} is below {MIN_EFFICIENCY:g}: give the achieved fraction of the peak (0.3-0.8 on "
+                "today's GPUs), or leave it null for the accelerator profile's"
+            )
+        return value
 
     @property
     def num_gpus(self) -> int:

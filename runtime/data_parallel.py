@@ -109,7 +109,8 @@ class DataParallelStages:
 
     ``size``: D. ``sharded``: the modules are FSDP2 modules (sharding full, D > 1). ``reduced``: the stages whose
     REDUCE_GRAD was issued this step (reset by :meth:`start_step`). ``mirrors``: mirrored model stages, summed as
-    soon as complete.
+    soon as complete. ``scheduled``: the stages whose REDUCE_GRAD the rank's row holds (BitPipe's rows hold one per
+    mirrored stage even without data parallelism: the replicas' sum is then issued there, not at the last backward).
     """
 
     def __init__(
@@ -121,8 +122,10 @@ class DataParallelStages:
         sharded: bool,
         mirrors: MirrorGradients,
         stream: CommunicationStream,
+        scheduled: frozenset[int] = frozenset(),
     ) -> None:
         self.modules = modules
+        self.scheduled = scheduled
         self.group = group
         self.size = size
         self.sharded = sharded
@@ -179,8 +182,9 @@ class DataParallelStages:
 
     def stage_done(self, stage: int) -> None:
         """A stage's last backward ended. Without data parallelism (no REDUCE_GRAD in the row) a mirrored stage is
-        summed over its replicas now; with it, right after its REDUCE_GRAD (:meth:`reduce_grad`)."""
-        if self.size == 1 and self.mirrors.mirrored(stage):
+        summed over its replicas now; with it, or where the row places it, right after its REDUCE_GRAD
+        (:meth:`reduce_grad`)."""
+        if self.size == 1 and self.mirrors.mirrored(stage) and stage not in self.scheduled:
             self.reduced.add(stage)
             self.stream.submit(f"{stage}REDUCE_GRAD", lambda: self._mirror(stage))
 

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from pipesched.optimizer.export import orders_to_torch_csv
-from pipesched.optimizer.ir import compute_only, parse_action
+from pipesched.optimizer.ir import ActionKind, compute_only, parse_action
 from pipesched.runtime import torch_compat
 from pipesched.runtime.data_parallel import DataParallelStages, MirrorGradients, local_tensor
 from pipesched.runtime.executor import (
@@ -401,6 +401,7 @@ class RankTrainer:
             sharded=self.options is not None and self.options.sharding == "full" and self.size > 1,
             mirrors=mirrors,
             stream=self.stream,
+            scheduled=frozenset(a.stage for a in self.program.order if a.kind == ActionKind.REDUCE_GRAD),
         )
         self.versions = self._versions()
         self.params = self.versions.parameters() if self.versions else self._parameters()

@@ -64,6 +64,12 @@ CASES = [
     ),
     (json.dumps(_with(MODEL_BODY, **{"cluster.flops_per_s": 1e-300})), ("cluster", "flops_per_s"), "FLOP/s"),
     (json.dumps(_with(MODEL_BODY, **{"cluster.flops_per_s": 1.0})), ("cluster", "flops_per_s"), "FLOP/s"),
+    (json.dumps(_with(MODEL_BODY, **{"cluster.efficiency": 5e-324})), ("cluster", "efficiency"), "fraction"),
+    (
+        json.dumps(_with(MODEL_BODY, **{"cluster.attention_efficiency": 1e-9})),
+        ("cluster", "attention_efficiency"),
+        "fraction",
+    ),
     (json.dumps(_with(COSTS_BODY, **{"solver.time_limit_s": float("nan")})), ("solver", "time_limit_s"), "finite"),
 ]
 
