@@ -24,7 +24,9 @@ Sources of the names:
 from __future__ import annotations
 
 import shlex
+import string
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ModelConfig
@@ -49,6 +51,8 @@ __all__ = [
 
 #: The config module written beside ``torchtitan.args`` when the plan's precision is not the preset's.
 CONFIG_MODULE_NAME = "pipesched_torchtitan"
+#: The config module written beside a plan whose precision is not the one of torchtitan's config (``$`` placeholders).
+CONFIG_TEMPLATE = "templates/torchtitan_config.py.tmpl"
 
 
 class LaunchError(ValueError):
@@ -187,25 +191,15 @@ def _precision_module(known: TorchtitanConfig, precision: str) -> tuple[str, str
         if precision == "fp8"
         else "None"
     )
-    source = f'''"""torchtitan config written by `pipesched launch`: {known.config} trained in {precision}.
-
-Run torchtitan with this folder on PYTHONPATH and `--module {CONFIG_MODULE_NAME} --config {name}`.
-FP8 is torchtitan's Float8 rowwise linear layers (needs torchao and an SM89+ GPU).
-"""
-
-from torchtitan.components.quantization import Float8LinearConverter
-from torchtitan.models.{known.module} import model_registry
-from torchtitan.models.{known.module}.config_registry import {known.config}
-
-__all__ = ["{name}", "Float8LinearConverter"]
-
-
-def {name}():
-    config = {known.config}()
-    compiled = config.compile.enable and "model" in config.compile.components
-    config.model_spec = model_registry("{known.flavor}", converters={converters})
-    return config
-'''
+    source = string.Template(resources.files(__package__).joinpath(CONFIG_TEMPLATE).read_text()).substitute(
+        config=known.config,
+        precision=precision,
+        config_module=CONFIG_MODULE_NAME,
+        name=name,
+        module=known.module,
+        flavor=known.flavor,
+        converters=converters,
+    )
     return name, source
 
 
