@@ -465,18 +465,26 @@ def _stream_deadlock(inst: Instance, orders: list[list[int]], end: list[float], 
         idx = waiting[0]
         missing = [pred for pred, _ in inst.preds[idx] if end[pred] != end[pred]]
         blocker = missing[0] if missing else (issue[idx] if issue[idx] >= 0 else waiting[-1])
-        waits.append(
-            {
-                "rank": rank,
-                "action": str(inst.actions[idx]),
-                "waits_for": str(inst.actions[blocker]),
-                "on_rank": inst.rank[blocker],
-            }
-        )
+        waits.append((rank, idx, blocker))
+    return _deadlock_error(inst, waits)
+
+
+def _deadlock_error(inst: Instance, waits: list[tuple[int, int, int]]) -> InvalidSchedule:
+    """``deadlock`` naming, per stuck rank, the action it cannot run and the one it waits for: ``waits`` holds
+    (rank, action index, blocking action index)."""
+    details = [
+        {
+            "rank": rank,
+            "action": str(inst.actions[idx]),
+            "waits_for": str(inst.actions[blocker]),
+            "on_rank": inst.rank[blocker],
+        }
+        for rank, idx, blocker in waits
+    ]
     text = "; ".join(
-        f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in waits
+        f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in details
     )
-    return InvalidSchedule("deadlock", f"deadlock: {text}", waits=waits)
+    return InvalidSchedule("deadlock", f"deadlock: {text}", waits=details)
 
 
 def _memory_by_time(
@@ -524,18 +532,8 @@ def _deadlock(inst: Instance, orders: list[list[int]], pos: list[int], end: list
         idx = row[pos[rank]]
         missing = [pred for pred, _ in inst.preds[idx] if end[pred] != end[pred]]
         blocker = missing[0]
-        waits.append(
-            {
-                "rank": rank,
-                "action": str(inst.actions[idx]),
-                "waits_for": str(inst.actions[blocker]),
-                "on_rank": inst.rank[blocker],
-            }
-        )
-    text = "; ".join(
-        f"rank {w['rank']} cannot run {w['action']} before {w['waits_for']} (rank {w['on_rank']})" for w in waits
-    )
-    return InvalidSchedule("deadlock", f"deadlock: {text}", waits=waits)
+        waits.append((rank, idx, blocker))
+    return _deadlock_error(inst, waits)
 
 
 def action_orders(inst: Instance, orders: list[list[int]]) -> Orders:

@@ -254,19 +254,6 @@ class Estimator:
 
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks (the dense ones first), summed per rank."""
-        key = (
-            config.tensor_parallel,
-            config.micro_batch_size,
-            config.activation_recomputation,
-            config.precision,
-            config.context_parallel,
-            config.expert_parallel,
-            config.pipeline_parallel,
-            config.stages_per_rank,
-            config.placement,
-        )
-        if key in self._layouts:
-            return self._layouts[key]
         degrees = (
             config.tensor_parallel,
             config.micro_batch_size,
@@ -275,6 +262,9 @@ class Estimator:
             config.context_parallel,
             config.expert_parallel,
         )
+        key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
+        if key in self._layouts:
+            return self._layouts[key]
         layer, embedding, head, plain, _ = self.blocks(*degrees)
         dense = self.dense_layer(*degrees)
         first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
