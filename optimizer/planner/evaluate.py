@@ -31,6 +31,7 @@ from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, torchrun
 from pipesched.optimizer.planner.prune import Estimate, Estimator
 from pipesched.optimizer.planner.request import Launch, Plan
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.planner.torchtitan_toml import toml_from_args
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule, build_schedule
 from pipesched.optimizer.solve import solve, solve_family
@@ -155,16 +156,17 @@ def launch_spec(estimator: Estimator, config: Configuration, layers_per_stage: l
 
 
 def launch_for(estimator: Estimator, config: Configuration, layers_per_stage: list[int] | None = None) -> Launch:
-    """torchtitan ≥ 0.3's argv for ``config`` (one argument a line, the CSV at ``schedule.csv``) and the torchrun
-    line that runs it (:mod:`pipesched.optimizer.planner.launch`); ``pipesched launch`` writes both with the
-    CSV and a job scheduler's file."""
+    """torchtitan's options for ``config`` as a TOML job document and as torchtitan ≥ 0.3's argv (one argument a
+    line, the CSV at ``schedule.csv``; :mod:`pipesched.optimizer.planner.torchtitan_toml` maps one to the other),
+    and the torchrun line that runs it (:mod:`pipesched.optimizer.planner.launch`); ``pipesched launch`` writes
+    the argv with the CSV and a job scheduler's file."""
     spec = launch_spec(estimator, config, layers_per_stage)
     try:
         args = torchtitan_launch(spec).args
     except LaunchError as error:
-        return Launch(torchtitan=f"# {error}", torchrun="")
+        return Launch(torchtitan=f"# {error}\n", torchtitan_args="", torchrun="")
     torchrun = torchrun_command(spec, ["-m", "torchtitan.train"]) + " $(cat torchtitan.args)"
-    return Launch(torchtitan="\n".join(args), torchrun=torchrun)
+    return Launch(torchtitan=toml_from_args(args), torchtitan_args="\n".join(args), torchrun=torchrun)
 
 
 def _plan(

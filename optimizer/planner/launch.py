@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
+from pipesched.optimizer.planner.torchtitan_toml import ACTIVATION_CHECKPOINT_PREFIX
 
 if TYPE_CHECKING:
     from pipesched.optimizer.planner.request import Plan
@@ -276,7 +277,7 @@ def torchtitan_launch(
         args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
     if getattr(spec.model, "kernels", "eager") == "compiled":
         args.append("--compile.enable")
-    args.append(f"activation-checkpoint:{spec.layout.activation_recomputation}")
+    args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)
 
 

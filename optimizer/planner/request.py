@@ -212,12 +212,16 @@ def _degree_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
 class Launch(StrictModel):
     """How to run the plan.
 
-    ``torchtitan``: torchtitan ≥ 0.3's argv after ``-m torchtitan.train``, one argument a line (0.3 reads no TOML
-    job file; the contract's "TOML" text predates it); ``torchrun``: the command line. ``pipesched launch`` writes
-    the same argv to ``torchtitan.args`` beside the schedule's CSV and the scheduler's file.
+    ``torchtitan``: the plan's torchtitan options as a TOML job document (``[parallelism]``, ``[training]``,
+    ``[activation_checkpoint]``, …; a comment alone where torchtitan cannot run the plan, saying why);
+    ``torchtitan_args``: the same options as torchtitan ≥ 0.3's argv after ``-m torchtitan.train``, one argument a
+    line (0.3 reads no job file; :func:`pipesched.optimizer.planner.torchtitan_toml.args_from_toml` turns the TOML
+    into it); ``torchrun``: the command line. ``pipesched launch`` writes the argv to ``torchtitan.args`` beside the
+    schedule's CSV and the scheduler's file.
     """
 
     torchtitan: str
+    torchtitan_args: str = ""
     torchrun: str
 
 

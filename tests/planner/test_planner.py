@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from pipesched.optimizer.planner.evaluate import build_problem, evaluate
 from pipesched.optimizer.planner.rank import plan, prepare
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.planner.torchtitan_toml import args_from_toml
 from pipesched.optimizer.presets import MODEL_PRESETS
 from pipesched.optimizer.solve import solve_family
 
@@ -72,7 +74,7 @@ def launch_args(text: str) -> dict[str, str]:
 
 def test_launch_args_name_torchtitans_options(small_answer: Any) -> None:
     for p in small_answer.plans:
-        args = launch_args(p.launch.torchtitan)
+        args = launch_args(p.launch.torchtitan_args)
         assert (args["--module"], args["--config"]) == ("llama3", "llama3_8b")
         assert args["--parallelism.tensor_parallel_degree"] == str(p.tensor_parallel)
         assert args["--parallelism.pipeline_parallel_degree"] == str(p.pipeline_parallel)
@@ -83,8 +85,36 @@ def test_launch_args_name_torchtitans_options(small_answer: Any) -> None:
         local = p.micro_batch_size * (p.num_microbatches if p.pipeline_parallel > 1 else 1)
         assert args["--training.local_batch_size"] == str(local)
         assert (args["--training.global_batch_size"], args["--training.seq_len"]) == ("16", "8192")
-        assert p.launch.torchtitan.splitlines()[-1] == f"activation-checkpoint:{p.activation_recomputation}"
+        assert p.launch.torchtitan_args.splitlines()[-1] == f"activation-checkpoint:{p.activation_recomputation}"
         assert "--nproc-per-node 8" in p.launch.torchrun and "torchtitan.train" in p.launch.torchrun
+
+
+def test_launch_toml_holds_the_plan_and_is_torchtitans_argv(small_answer: Any) -> None:
+    """The plan's TOML job document names the layout in torchtitan's tables, maps back to exactly the argv beside
+    it, and torchtitan 0.3's own parser takes that argv."""
+    from torchtitan.config.manager import ConfigManager
+
+    for p in small_answer.plans:
+        document = tomllib.loads(p.launch.torchtitan)
+        assert (document["module"], document["config"]) == ("llama3", "llama3_8b")
+        parallelism, training = document["parallelism"], document["training"]
+        assert (parallelism["tensor_parallel_degree"], parallelism["pipeline_parallel_degree"]) == (
+            p.tensor_parallel,
+            p.pipeline_parallel,
+        )
+        dp = parallelism["data_parallel_shard_degree"] * parallelism["data_parallel_replicate_degree"]
+        assert dp == p.data_parallel.size
+        assert (training["global_batch_size"], training["seq_len"]) == (16, 8192)
+        assert document["activation_checkpoint"]["mode"] == p.activation_recomputation
+        argv = args_from_toml(p.launch.torchtitan)
+        assert argv == p.launch.torchtitan_args.splitlines()
+    config = ConfigManager().parse_args(args_from_toml(small_answer.plans[0].launch.torchtitan))
+    best = small_answer.plans[0]
+    assert (config.parallelism.tensor_parallel_degree, config.parallelism.pipeline_parallel_degree) == (
+        best.tensor_parallel,
+        best.pipeline_parallel,
+    )
+    assert type(config.activation_checkpoint).__qualname__.lower().startswith(best.activation_recomputation)
 
 
 @pytest.mark.parametrize(
@@ -100,7 +130,7 @@ def test_pipelined_plan_runs_its_csv_on_torchs_placement(method: str, torch_name
     assert answer.plans
     best = answer.plans[0]
     assert best.method == method  # auto only when search.method allows it
-    args = launch_args(best.launch.torchtitan)
+    args = launch_args(best.launch.torchtitan_args)
     assert args["--parallelism.pipeline_parallel_degree"] == "4"
     assert args["--parallelism.pipeline_parallel_microbatch_size"] == str(best.micro_batch_size)
     assert args["--parallelism.pipeline_parallel_schedule"] == torch_name  # decides torchtitan's stage placement
