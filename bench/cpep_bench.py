@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
+from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanRequest
 
@@ -247,6 +248,51 @@ def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+#: Candidate host times of one MoE layer's forward (ms) for ``--fit-host`` (``SoftwareProfile.moe_layer_host_ms``).
+HOST_GRID = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
+
+
+def _median_log_error(predictions: list[dict[str, Any]]) -> float:
+    return statistics.median(abs(math.log(p["ratio"])) for p in predictions) if predictions else 0.0
+
+
+def fit_moe_host(rows: list[dict[str, Any]], time_limit_s: float) -> dict[str, Any]:
+    """Fit ``moe_layer_host_ms`` on the mixture-of-experts rows (the value of :data:`HOST_GRID` with the least
+    median |log(published / predicted)|) and give its held-out error: each source predicted at the value fitted
+    on the other sources (leave one source out), beside every row's prediction at each candidate."""
+    moe_rows = [row for row in rows if _is_moe(row)]
+    by_value: dict[float, list[dict[str, Any]]] = {}
+    for value in HOST_GRID:
+        catalogue = active_catalogue()
+        software = catalogue.software.model_copy(update={"moe_layer_host_ms": value})
+        with use_catalogue(catalogue.model_copy(update={"software": software})):
+            by_value[value] = [predict(row, time_limit_s) for row in moe_rows]
+        print(json.dumps({"moe_layer_host_ms": value, "median_log_error": _median_log_error(by_value[value])}))
+    sources = sorted({row["source"] for row in moe_rows})
+    held_out: list[dict[str, Any]] = []
+    chosen: dict[str, float] = {}
+    for source in sources:
+
+        def rest_error(value: float, source: str = source) -> float:
+            return _median_log_error([p for p in by_value[value] if p["source"] != source])
+
+        chosen[source] = min(HOST_GRID, key=rest_error)
+        held_out += [p for p in by_value[chosen[source]] if p["source"] == source]
+    best = min(HOST_GRID, key=lambda value: _median_log_error(by_value[value]))
+    return {
+        "fitted_moe_layer_host_ms": best,
+        "chosen_without_source": chosen,
+        "leave_one_source_out": _errors(held_out),
+        "fit": _errors(by_value[best]),
+        "grid": {str(value): _errors(predictions) for value, predictions in by_value.items()},
+    }
+
+
+def _is_moe(row: dict[str, Any]) -> bool:
+    """Whether the row's model is a mixture of experts (its preset or its own fields)."""
+    return bool(request_for(row, 1.0).model.is_moe)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-limit", type=float, default=10.0, help="search.time_limit_s of each pinned row")
@@ -254,8 +300,14 @@ def main() -> None:
     parser.add_argument("--only", default="", help="rows whose id contains this")
     parser.add_argument("--no-free", action="store_true", help="skip the free searches")
     parser.add_argument("--output", type=Path, default=RESULTS / "cpep_bench.md")
+    parser.add_argument("--fit-host", action="store_true", help="fit moe_layer_host_ms (leave one source out)")
     args = parser.parse_args()
     rows = [row for row in load_rows() if args.only in row["id"]]
+    if args.fit_host:
+        fitted = fit_moe_host(rows, args.time_limit)
+        (RESULTS / "cpep_moe_host_fit.json").write_text(json.dumps(fitted, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in fitted.items() if k != "grid"}, indent=1))
+        return
     predictions = []
     for row in rows:
         predictions.append(predict(row, args.time_limit))
