@@ -92,23 +92,24 @@ def kernels(row: dict[str, Any]) -> str:
     return "compiled" if software.get("compile") else "eager"
 
 
-def request_for(row: dict[str, Any], time_limit_s: float, *, pinned: bool = True) -> PlanRequest:
-    """The plan request of a row: its model, cluster and batch, its layout pinned (or free)."""
+def request_for(
+    row: dict[str, Any], time_limit_s: float, *, pinned: bool = True, default_kernels: bool = False
+) -> PlanRequest:
+    """The plan request of a row: its model, cluster and batch, its layout pinned (or free); ``default_kernels``
+    leaves ``training.kernels`` to its default ("unknown"), as a user who does not say how the framework runs its
+    kernels would."""
     cluster = {"accelerator": row["accelerator"], **row.get("cluster", {})}
     search: dict[str, Any] = {"time_limit_s": time_limit_s, "top": 1}
     if pinned:
         search.update(pins(row))
+    training = {
+        "global_batch_size": row["training"]["global_batch_size"],
+        "precision": row["training"].get("precision", "bf16"),
+    }
+    if not default_kernels:
+        training["kernels"] = kernels(row)
     return PlanRequest.model_validate(
-        {
-            "model": row["model"],
-            "cluster": cluster,
-            "training": {
-                "global_batch_size": row["training"]["global_batch_size"],
-                "precision": row["training"].get("precision", "bf16"),
-                "kernels": kernels(row),
-            },
-            "search": search,
-        }
+        {"model": row["model"], "cluster": cluster, "training": training, "search": search}
     )
 
 
@@ -136,13 +137,13 @@ def unenforced(row: dict[str, Any], time_limit_s: float) -> float | None:
     return calibration_predict(measurement, time_limit_s=time_limit_s).tokens_per_s_per_gpu
 
 
-def predict(row: dict[str, Any], time_limit_s: float) -> dict[str, Any]:
+def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
     """The planner on the row's published layout, beside the published figure; where the planner's memory model
     refuses the layout, its time with memory not enforced (:func:`unenforced`), the refusal kept in
     ``over_memory``."""
     started = time.perf_counter()
     try:
-        answer = plan(request_for(row, time_limit_s)).answer
+        answer = plan(request_for(row, time_limit_s, default_kernels=default_kernels)).answer
         best, error = (answer.plans[0] if answer.plans else None), answer.error
     except ValidationError as exc:  # the layout does not fit the model of memory
         best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
@@ -301,6 +302,7 @@ def main() -> None:
     parser.add_argument("--no-free", action="store_true", help="skip the free searches")
     parser.add_argument("--output", type=Path, default=RESULTS / "cpep_bench.md")
     parser.add_argument("--fit-host", action="store_true", help="fit moe_layer_host_ms (leave one source out)")
+    parser.add_argument("--default-kernels", action="store_true", help="leave training.kernels to its default")
     args = parser.parse_args()
     rows = [row for row in load_rows() if args.only in row["id"]]
     if args.fit_host:
@@ -310,7 +312,7 @@ def main() -> None:
         return
     predictions = []
     for row in rows:
-        predictions.append(predict(row, args.time_limit))
+        predictions.append(predict(row, args.time_limit, args.default_kernels))
         print(json.dumps(predictions[-1]), flush=True)
     free_rows = []
     if not args.no_free:
