@@ -30,6 +30,7 @@ from pydantic import ValidationError
 
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
+from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanRequest
 
@@ -91,23 +92,24 @@ def kernels(row: dict[str, Any]) -> str:
     return "compiled" if software.get("compile") else "eager"
 
 
-def request_for(row: dict[str, Any], time_limit_s: float, *, pinned: bool = True) -> PlanRequest:
-    """The plan request of a row: its model, cluster and batch, its layout pinned (or free)."""
+def request_for(
+    row: dict[str, Any], time_limit_s: float, *, pinned: bool = True, default_kernels: bool = False
+) -> PlanRequest:
+    """The plan request of a row: its model, cluster and batch, its layout pinned (or free); ``default_kernels``
+    leaves ``training.kernels`` to its default ("unknown"), as a user who does not say how the framework runs its
+    kernels would."""
     cluster = {"accelerator": row["accelerator"], **row.get("cluster", {})}
     search: dict[str, Any] = {"time_limit_s": time_limit_s, "top": 1}
     if pinned:
         search.update(pins(row))
+    training = {
+        "global_batch_size": row["training"]["global_batch_size"],
+        "precision": row["training"].get("precision", "bf16"),
+    }
+    if not default_kernels:
+        training["kernels"] = kernels(row)
     return PlanRequest.model_validate(
-        {
-            "model": row["model"],
-            "cluster": cluster,
-            "training": {
-                "global_batch_size": row["training"]["global_batch_size"],
-                "precision": row["training"].get("precision", "bf16"),
-                "kernels": kernels(row),
-            },
-            "search": search,
-        }
+        {"model": row["model"], "cluster": cluster, "training": training, "search": search}
     )
 
 
@@ -135,13 +137,13 @@ def unenforced(row: dict[str, Any], time_limit_s: float) -> float | None:
     return calibration_predict(measurement, time_limit_s=time_limit_s).tokens_per_s_per_gpu
 
 
-def predict(row: dict[str, Any], time_limit_s: float) -> dict[str, Any]:
+def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
     """The planner on the row's published layout, beside the published figure; where the planner's memory model
     refuses the layout, its time with memory not enforced (:func:`unenforced`), the refusal kept in
     ``over_memory``."""
     started = time.perf_counter()
     try:
-        answer = plan(request_for(row, time_limit_s)).answer
+        answer = plan(request_for(row, time_limit_s, default_kernels=default_kernels)).answer
         best, error = (answer.plans[0] if answer.plans else None), answer.error
     except ValidationError as exc:  # the layout does not fit the model of memory
         best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
@@ -247,6 +249,51 @@ def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) ->
     return "\n".join(lines)
 
 
+#: Candidate host times of one MoE layer's forward (ms) for ``--fit-host`` (``SoftwareProfile.moe_layer_host_ms``).
+HOST_GRID = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
+
+
+def _median_log_error(predictions: list[dict[str, Any]]) -> float:
+    return statistics.median(abs(math.log(p["ratio"])) for p in predictions) if predictions else 0.0
+
+
+def fit_moe_host(rows: list[dict[str, Any]], time_limit_s: float) -> dict[str, Any]:
+    """Fit ``moe_layer_host_ms`` on the mixture-of-experts rows (the value of :data:`HOST_GRID` with the least
+    median |log(published / predicted)|) and give its held-out error: each source predicted at the value fitted
+    on the other sources (leave one source out), beside every row's prediction at each candidate."""
+    moe_rows = [row for row in rows if _is_moe(row)]
+    by_value: dict[float, list[dict[str, Any]]] = {}
+    for value in HOST_GRID:
+        catalogue = active_catalogue()
+        software = catalogue.software.model_copy(update={"moe_layer_host_ms": value})
+        with use_catalogue(catalogue.model_copy(update={"software": software})):
+            by_value[value] = [predict(row, time_limit_s) for row in moe_rows]
+        print(json.dumps({"moe_layer_host_ms": value, "median_log_error": _median_log_error(by_value[value])}))
+    sources = sorted({row["source"] for row in moe_rows})
+    held_out: list[dict[str, Any]] = []
+    chosen: dict[str, float] = {}
+    for source in sources:
+
+        def rest_error(value: float, source: str = source) -> float:
+            return _median_log_error([p for p in by_value[value] if p["source"] != source])
+
+        chosen[source] = min(HOST_GRID, key=rest_error)
+        held_out += [p for p in by_value[chosen[source]] if p["source"] == source]
+    best = min(HOST_GRID, key=lambda value: _median_log_error(by_value[value]))
+    return {
+        "fitted_moe_layer_host_ms": best,
+        "chosen_without_source": chosen,
+        "leave_one_source_out": _errors(held_out),
+        "fit": _errors(by_value[best]),
+        "grid": {str(value): _errors(predictions) for value, predictions in by_value.items()},
+    }
+
+
+def _is_moe(row: dict[str, Any]) -> bool:
+    """Whether the row's model is a mixture of experts (its preset or its own fields)."""
+    return bool(request_for(row, 1.0).model.is_moe)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-limit", type=float, default=10.0, help="search.time_limit_s of each pinned row")
@@ -254,11 +301,18 @@ def main() -> None:
     parser.add_argument("--only", default="", help="rows whose id contains this")
     parser.add_argument("--no-free", action="store_true", help="skip the free searches")
     parser.add_argument("--output", type=Path, default=RESULTS / "cpep_bench.md")
+    parser.add_argument("--fit-host", action="store_true", help="fit moe_layer_host_ms (leave one source out)")
+    parser.add_argument("--default-kernels", action="store_true", help="leave training.kernels to its default")
     args = parser.parse_args()
     rows = [row for row in load_rows() if args.only in row["id"]]
+    if args.fit_host:
+        fitted = fit_moe_host(rows, args.time_limit)
+        (RESULTS / "cpep_moe_host_fit.json").write_text(json.dumps(fitted, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in fitted.items() if k != "grid"}, indent=1))
+        return
     predictions = []
     for row in rows:
-        predictions.append(predict(row, args.time_limit))
+        predictions.append(predict(row, args.time_limit, args.default_kernels))
         print(json.dumps(predictions[-1]), flush=True)
     free_rows = []
     if not args.no_free:

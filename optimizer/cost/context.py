@@ -18,9 +18,24 @@ Per layer and microbatch on one of t tensor-parallel ranks:
 - F sends c − 1 blocks, each beside 1/c of the rank's attention core; the input-gradient backward I sends
   the blocks again and their gradients (twice the bytes) beside 1/c of the backward core; W sends nothing;
 - a step's exposed time is max(0, transfer − that step's compute), summed over the c − 1 steps;
+- every step after the first merges its partial result into the running one by the log-sum-exp rescale
+  (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; Megatron/Transformer Engine's
+  ``flash_attn_fwd_out_correction``, PyTorch's ``_SDPAMerger``): F reads the step's output and reads and
+  writes the float32 running output, :data:`MERGE_FORWARD_BYTES` per output element; I accumulates the query
+  gradient and the passed key/value gradients in float32, :data:`MERGE_BACKWARD_BYTES` per element of each.
+  That traffic runs at HBM speed on the compute stream, beside nothing;
 - the ring's link is the intra-node one while t·c GPUs fit a node (the mesh puts context parallelism right
   outside tensor parallelism: Megatron's ``tp-cp-ep-dp-pp``, torchtitan's ``[…, "cp", "tp"]``), otherwise
   the inter-node one (every step waits for its slowest hop).
+
+**The attention kernel.** Megatron-Core runs each step through Transformer Engine's fused attention (cuDNN or
+FlashAttention-3 on Hopper); PyTorch's ``context_parallel`` (torchtitan, kernels ``eager`` or ``compiled``)
+dispatches each step to ATen's ``_scaled_dot_product_flash_attention`` (``_templated_ring_attention`` in
+``torch/distributed/tensor/experimental/_attention.py``), PyTorch's FlashAttention-2 port, which reaches about
+35% of an H100's bf16 peak against 75% for Hopper kernels (Shah et al. 2024, FlashAttention-3, §4.1). Its speed
+relative to today's kernels is the software's ``attention_kernel_speed`` of ``flash-attn-2023`` on that
+accelerator (fitted to MosaicML's 2023 FlashAttention-2 runs, none of them context-parallel):
+:func:`ring_kernel_speed`.
 
 Activation memory and FLOPs divided by c are in :mod:`.memory` and :mod:`.flops`; the weights are replicated
 over the c ranks, so their gradients are reduced (and, sharded, gathered) over the d·c ranks holding the
@@ -31,11 +46,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.flops import attention_core_width
 
-__all__ = ["RingAttention", "context_link", "key_value_block_bytes", "ring_attention"]
+if TYPE_CHECKING:
+    from pipesched.optimizer.cost.timing import Hardware
+
+__all__ = [
+    "MERGE_BACKWARD_BYTES",
+    "MERGE_FORWARD_BYTES",
+    "RingAttention",
+    "context_link",
+    "key_value_block_bytes",
+    "ring_attention",
+    "ring_kernel_speed",
+]
+
+#: Bytes per output element one merge step moves in F: the step's bf16 output read (2), the float32 running
+#: output read and written (8).
+MERGE_FORWARD_BYTES = 10.0
+#: Bytes per gradient element (query, and the passed keys and values) one step accumulates in I: float32 read and
+#: written.
+MERGE_BACKWARD_BYTES = 8.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +82,8 @@ class RingAttention:
         forward_exposed_ms: what F waits for the ring beyond its attention compute, ms.
         backward_input_exposed_ms: the same for I (blocks and their gradients), ms.
         link: ``"intra-node"`` or ``"inter-node"``.
+        forward_merge_bytes, backward_input_merge_bytes: the partial results' merge traffic of F and I, bytes
+            (module docstring).
     """
 
     block_bytes: float
@@ -55,6 +91,8 @@ class RingAttention:
     forward_exposed_ms: float
     backward_input_exposed_ms: float
     link: str
+    forward_merge_bytes: float = 0.0
+    backward_input_merge_bytes: float = 0.0
 
 
 def key_value_block_bytes(model: ModelConfig, tensor_parallel: int, context_parallel: int) -> float:
@@ -67,6 +105,31 @@ def key_value_block_bytes(model: ModelConfig, tensor_parallel: int, context_para
         heads = max(1, math.ceil(model.key_value_heads / tensor_parallel))
         width = 2 * heads * model.head_size
     return tokens * width * model.dtype_bytes
+
+
+def ring_kernel_speed(model: ModelConfig, hardware: Hardware, context_parallel: int) -> float:
+    """The ring's attention-kernel speed relative to the profile's attention (module docstring): PyTorch's
+    FlashAttention-2 (``attention_kernel_speed`` of ``flash-attn-2023``) for kernels ``eager`` or ``compiled``
+    with c > 1, else 1."""
+    if context_parallel <= 1 or model.kernels not in ("eager", "compiled"):
+        return 1.0
+    return hardware.software.attention_speed("flash-attn-2023", hardware.name)
+
+
+def merge_bytes(model: ModelConfig, tensor_parallel: int, context_parallel: int) -> tuple[float, float]:
+    """(F, I) bytes of the c − 1 merges of one layer and microbatch on one rank (module docstring)."""
+    steps = context_parallel - 1
+    tokens = model.seq_length * model.micro_batch_size / context_parallel
+    if model.is_mla:
+        query_key, value = attention_core_width(model)
+        output, key_value = value / tensor_parallel, (query_key + value) / tensor_parallel
+        query = query_key / tensor_parallel
+    else:
+        heads = max(1, math.ceil(model.key_value_heads / tensor_parallel))
+        output = query = model.num_attention_heads * model.head_size / tensor_parallel
+        key_value = 2 * heads * model.head_size
+    forward = steps * tokens * output * MERGE_FORWARD_BYTES
+    return forward, steps * tokens * (query + key_value) * MERGE_BACKWARD_BYTES
 
 
 def context_link(cluster: ClusterConfig, tensor_parallel: int, context_parallel: int) -> tuple[float, str]:
@@ -106,4 +169,4 @@ def ring_attention(
     steps = c - 1
     forward_exposed = steps * max(0.0, forward_step - attention_forward_ms / c)
     backward_exposed = steps * max(0.0, backward_step - attention_backward_ms / c)
-    return RingAttention(block, steps, forward_exposed, backward_exposed, link)
+    return RingAttention(block, steps, forward_exposed, backward_exposed, link, *merge_bytes(model, tensor_parallel, c))

@@ -133,6 +133,19 @@ class SoftwareProfile(StrictModel):
         description="FlashAttention's backward FLOP/s relative to its forward's: FlashAttention-2 (Dao 2023, §4) "
         "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward.",
     )
+    moe_layer_host_ms: float = Field(
+        3.0,
+        ge=0,
+        description="Host (CPU) time of one mixture-of-experts layer's forward, ms; its input-gradient backward "
+        "takes 1.5 times it and its weight-gradient backward 0.5 times (as the kernels they launch). The token "
+        "dispatcher must learn each expert's token count before it sizes the all-to-all and the grouped expert "
+        "GEMMs (Megatron-Core's alltoall dispatcher and torchtitan's expert parallelism copy the counts to the host: "
+        "a device-to-host sync every MoE layer), so the CPU cannot run ahead of the GPU there and the layer's pass "
+        "takes at least the host's time to issue router, permutation, expert GEMMs (Transformer Engine's grouped "
+        "linear launches one GEMM per local expert) and combine. Megatron Bridge's CUDA-graph guide names such "
+        "launch-bound MoE steps; fitted to the published micro-batch-1 MoE runs (bench/cpep_bench.py --fit-host, "
+        "held out one source at a time).",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

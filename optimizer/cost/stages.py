@@ -39,7 +39,7 @@ from typing import Any
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
-from pipesched.optimizer.cost.context import ring_attention
+from pipesched.optimizer.cost.context import ring_attention, ring_kernel_speed
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import (
     PassFlops,
@@ -283,11 +283,15 @@ def _tensor_parallel_ms(
     return total, total
 
 
-def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
-    """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that), eager
+def _attention_ms(
+    flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False, context_parallel: int = 1
+) -> float:
+    """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that; under
+    PyTorch's context parallelism at :func:`~pipesched.optimizer.cost.context.ring_kernel_speed` of it), eager
     attention's products at the matrix-multiply rate, ms."""
     if model.attention == "flash":
         speed = hardware.software.attention_backward_speed if backward else 1.0
+        speed *= ring_kernel_speed(model, hardware, context_parallel)
         return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
     return 1e3 * flops / hardware.effective_flops_per_s
 
@@ -358,11 +362,14 @@ def _parallel_communication_ms(
             cluster,
             t,
             c,
-            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
-            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware, backward=True),
+            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware, context_parallel=c),
+            attention_backward_ms=_attention_ms(
+                flops.attention_backward, model, hardware, backward=True, context_parallel=c
+            ),
             bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
         )
-        forward, backward = ring.forward_exposed_ms, ring.backward_input_exposed_ms
+        forward = ring.forward_exposed_ms + elementwise_ms(ring.forward_merge_bytes, hardware)
+        backward = ring.backward_input_exposed_ms + elementwise_ms(ring.backward_input_merge_bytes, hardware)
     if ep > 1 and moe and model.is_moe:
         groups = expert_groups(model, t, ep)
         traffic = expert_traffic(
@@ -530,24 +537,29 @@ def transformer_layer(
         FORWARD_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + unfused, hardware
     )
     forward = PassTimes(
-        gemm[0], _attention_ms(flops.attention_forward, model, hardware), forward_elementwise, gemm[1], kernels
+        gemm[0],
+        _attention_ms(flops.attention_forward, model, hardware, context_parallel=c),
+        forward_elementwise,
+        gemm[1],
+        kernels,
     )
     backward_input = PassTimes(
         gemm[0],
-        _attention_ms(flops.attention_backward, model, hardware, backward=True),
+        _attention_ms(flops.attention_backward, model, hardware, backward=True, context_parallel=c),
         elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + 2 * unfused, hardware),
         gemm[1],
         1.5 * kernels,
     )
-    forward_ms = forward.total_ms(hardware, mode) + exposed + forward_extra
-    backward_input_ms = backward_input.total_ms(hardware, mode) + exposed + backward_extra
+    host = software.moe_layer_host_ms if moe and model.is_moe else 0.0
+    forward_ms = max(forward.total_ms(hardware, mode) + exposed + forward_extra, host)
+    backward_input_ms = max(backward_input.total_ms(hardware, mode) + exposed + backward_extra, 1.5 * host)
     backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm)
     parameters, local_experts = _layer_parameters(model, t, ep, moe)
     reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=forward_ms,
         backward_input_ms=backward_input_ms,
-        backward_weight_ms=PassTimes(gemm[0], 0.0, 0.0, gemm[1], 0.5 * kernels).total_ms(hardware, mode),
+        backward_weight_ms=max(PassTimes(gemm[0], 0.0, 0.0, gemm[1], 0.5 * kernels).total_ms(hardware, mode), host / 2),
         activation_bytes=memory.activation * reserve,
         retained_bytes=memory.retained * reserve,
         parameters=parameters,

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES
-from pipesched.optimizer.cost.context import key_value_block_bytes, ring_attention
+from pipesched.optimizer.cost.context import key_value_block_bytes, merge_bytes, ring_attention, ring_kernel_speed
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import active_parameters, layer_flops, model_flops_per_token, model_parameters
 from pipesched.optimizer.cost.stages import resolve_hardware, transformer_layer
@@ -140,6 +140,48 @@ def test_ring_attention_hides_its_transfers_at_long_sequences_and_uses_the_right
     assert exposed.forward_exposed_ms > 0 and exposed.backward_input_exposed_ms > exposed.forward_exposed_ms
     inside = ring_attention(short, cluster, 4, 2, attention_forward_ms=0.0, attention_backward_ms=0.0)
     assert inside.link == "intra-node"
+
+
+def test_ring_steps_merge_their_partial_results_at_memory_speed() -> None:
+    model = ModelConfig(preset="llama3.1-8b", seq_length=65536)
+    assert merge_bytes(model, 1, 1) == (0.0, 0.0)
+    forward, backward = merge_bytes(model, 1, 4)
+    # three merges of 16,384 tokens × 4,096 output elements, 10 bytes each; I: query + 2 × 8 key/value heads, fp32
+    assert forward == 3 * 16384 * 4096 * 10
+    assert backward == 3 * 16384 * (4096 + 2 * 8 * 128) * 8
+    cluster = ClusterConfig(accelerator="H100-SXM", num_nodes=1, gpus_per_node=8)
+    ring = ring_attention(model, cluster, 1, 4, attention_forward_ms=1e3, attention_backward_ms=1e3)
+    assert (ring.forward_merge_bytes, ring.backward_input_merge_bytes) == (forward, backward)
+
+
+def test_pytorch_context_parallelism_runs_its_ring_on_flashattention_2() -> None:
+    hardware = resolve_hardware(H100)
+    fused = ModelConfig(preset="llama3.1-8b", seq_length=131072, kernels="fused")
+    compiled = fused.model_copy(update={"kernels": "compiled"})
+    assert ring_kernel_speed(fused, hardware, 4) == 1.0
+    assert ring_kernel_speed(compiled, hardware, 1) == 1.0
+    speed = ring_kernel_speed(compiled, hardware, 4)
+    assert 0.3 < speed < 0.7  # FlashAttention-2 on Hopper: about half of today's kernels
+    ring = ContextParallel(size=4)
+    slow = transformer_layer(compiled, hardware, cluster=H100, context_parallel=ring)
+    quick = transformer_layer(compiled.model_copy(update={"kernels": "eager"}), hardware, cluster=H100)
+    assert slow.forward_ms > quick.forward_ms / 4  # a quarter of the tokens, at half the attention speed
+
+
+def test_a_moe_layer_takes_at_least_its_host_time() -> None:
+    hardware = resolve_hardware(H100)
+    host = hardware.software.moe_layer_host_ms
+    assert host > 0
+    small = ModelConfig(preset="qwen3-30b-a3b", seq_length=4096, micro_batch_size=1)
+    layer = transformer_layer(small, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=8))
+    assert layer.forward_ms == pytest.approx(host)
+    assert layer.backward_input_ms == pytest.approx(1.5 * host)
+    assert layer.backward_weight_ms == pytest.approx(host / 2)
+    big = small.model_copy(update={"micro_batch_size": 8})
+    busy = transformer_layer(big, hardware, cluster=H100, moe=True, expert_parallel=ExpertParallel(size=8))
+    assert busy.forward_ms > host  # the GPU's own time once the microbatch is large
+    dense = transformer_layer(small, hardware, cluster=H100, moe=False)
+    assert dense.forward_ms < host
 
 
 def _document(**sections: Any) -> dict[str, Any]:

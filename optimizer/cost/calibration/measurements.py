@@ -195,6 +195,7 @@ CONTEXT_EXPERT_SOURCES = (
     "megatron_moe_model_zoo",
     "nemo_automodel_h100",
     "deepseek_v3_report",
+    "nemo_2502_cp_ep",
 )
 
 
