@@ -13,7 +13,8 @@ the profile fit (``CONTEXT_EXPERT_SOURCES``): the error is a held-out error. A f
 and batch then gives the planner's own best layout for the cases of ``FREE_CASES`` (with its 80% interval where
 the plan carries one).
 
-Run: ``python -m bench.cpep_bench [--time-limit S] [--free-time-limit S] [--only SUBSTRING] [--output FILE]``.
+Run: ``python -m bench.cpep_bench [--time-limit S] [--free-time-limit S] [--only SUBSTRING] [--output FILE]
+[--default-kernels] [--fit-host | --fit-ring]``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,14 +129,16 @@ def describe(plan_: Plan) -> str:
     )
 
 
-def unenforced(row: dict[str, Any], time_limit_s: float) -> float | None:
+def unenforced(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> float | None:
     """The row's layout timed with memory not enforced (:func:`pipesched.optimizer.calibration.predict.predict`:
-    a published run ran), at its stated recomputation or, where the source does not state it, ``full``."""
+    a published run ran), at its stated recomputation or, where the source does not state it, ``full``; with
+    ``default_kernels`` as kernels "unknown" (as :func:`request_for`)."""
     measurement = Measurement.model_validate(row)
     if "activation_recomputation" in " ".join(measurement.software.assumed):
         training = measurement.training.model_copy(update={"activation_recomputation": "full"})
         measurement = measurement.model_copy(update={"training": training})
-    return calibration_predict(measurement, time_limit_s=time_limit_s).tokens_per_s_per_gpu
+    kernels_ = "unknown" if default_kernels else None
+    return calibration_predict(measurement, time_limit_s=time_limit_s, kernels=kernels_).tokens_per_s_per_gpu
 
 
 def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
@@ -148,7 +152,7 @@ def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = Fa
     except ValidationError as exc:  # the layout does not fit the model of memory
         best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
     published = row["measured"]["tokens_per_s_per_gpu"]
-    predicted = best.tokens_per_s_per_gpu if best else unenforced(row, time_limit_s)
+    predicted = best.tokens_per_s_per_gpu if best else unenforced(row, time_limit_s, default_kernels)
     return {
         "id": row["id"],
         "source": row["source"],
@@ -251,37 +255,55 @@ def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) ->
 
 #: Candidate host times of one MoE layer's forward (ms) for ``--fit-host`` (``SoftwareProfile.moe_layer_host_ms``).
 HOST_GRID = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
+#: Candidate shares of PyTorch's FlashAttention-2 ring under kernels "unknown" for ``--fit-ring``
+#: (``SoftwareProfile.unknown_ring_flash_attention_2_share``).
+RING_GRID = (0.0, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
 
 def _median_log_error(predictions: list[dict[str, Any]]) -> float:
     return statistics.median(abs(math.log(p["ratio"])) for p in predictions) if predictions else 0.0
 
 
-def fit_moe_host(rows: list[dict[str, Any]], time_limit_s: float) -> dict[str, Any]:
-    """Fit ``moe_layer_host_ms`` on the mixture-of-experts rows (the value of :data:`HOST_GRID` with the least
-    median |log(published / predicted)|) and give its held-out error: each source predicted at the value fitted
-    on the other sources (leave one source out), beside every row's prediction at each candidate."""
-    moe_rows = [row for row in rows if _is_moe(row)]
+def _source_weighted_log_error(predictions: list[dict[str, Any]]) -> float:
+    """The mean over sources of each source's median |log(published / predicted)| (every source weighing the
+    same, as ``optimizer/calibration/catalogue.py`` fits the elementwise traffic of kernels "unknown")."""
+    sources = sorted({p["source"] for p in predictions})
+    medians = [_median_log_error([p for p in predictions if p["source"] == s]) for s in sources]
+    return statistics.fmean(medians) if medians else 0.0
+
+
+def fit_software(
+    rows: list[dict[str, Any]],
+    field: str,
+    grid: tuple[float, ...],
+    time_limit_s: float,
+    *,
+    default_kernels: bool = False,
+    objective: Callable[[list[dict[str, Any]]], float] = _median_log_error,
+) -> dict[str, Any]:
+    """Fit the software profile's ``field`` on ``rows`` (the value of ``grid`` with the least ``objective``) and
+    give its held-out error: each source predicted at the value fitted on the other sources (leave one source
+    out), beside every row's prediction at each candidate."""
     by_value: dict[float, list[dict[str, Any]]] = {}
-    for value in HOST_GRID:
+    for value in grid:
         catalogue = active_catalogue()
-        software = catalogue.software.model_copy(update={"moe_layer_host_ms": value})
+        software = catalogue.software.model_copy(update={field: value})
         with use_catalogue(catalogue.model_copy(update={"software": software})):
-            by_value[value] = [predict(row, time_limit_s) for row in moe_rows]
-        print(json.dumps({"moe_layer_host_ms": value, "median_log_error": _median_log_error(by_value[value])}))
-    sources = sorted({row["source"] for row in moe_rows})
+            by_value[value] = [predict(row, time_limit_s, default_kernels) for row in rows]
+        print(json.dumps({field: value, "objective": objective(by_value[value])}))
+    sources = sorted({row["source"] for row in rows})
     held_out: list[dict[str, Any]] = []
     chosen: dict[str, float] = {}
     for source in sources:
 
         def rest_error(value: float, source: str = source) -> float:
-            return _median_log_error([p for p in by_value[value] if p["source"] != source])
+            return objective([p for p in by_value[value] if p["source"] != source])
 
-        chosen[source] = min(HOST_GRID, key=rest_error)
+        chosen[source] = min(grid, key=rest_error)
         held_out += [p for p in by_value[chosen[source]] if p["source"] == source]
-    best = min(HOST_GRID, key=lambda value: _median_log_error(by_value[value]))
+    best = min(grid, key=lambda value: objective(by_value[value]))
     return {
-        "fitted_moe_layer_host_ms": best,
+        f"fitted_{field}": best,
         "chosen_without_source": chosen,
         "leave_one_source_out": _errors(held_out),
         "fit": _errors(by_value[best]),
@@ -294,6 +316,31 @@ def _is_moe(row: dict[str, Any]) -> bool:
     return bool(request_for(row, 1.0).model.is_moe)
 
 
+def _fit(rows: list[dict[str, Any]], time_limit_s: float, *, ring: bool, default: bool) -> dict[str, Any]:
+    """``--fit-host``: ``moe_layer_host_ms`` on the mixture-of-experts rows, each with its own kernels (with
+    ``default``: kernels "unknown"; median |log error| over the rows). ``--fit-ring``:
+    ``unknown_ring_flash_attention_2_share`` on the context-parallel rows with kernels "unknown" (every source
+    weighing the same). Written to ``bench/results/``."""
+    if ring:
+        cp_rows = [row for row in rows if row["layout"].get("context_parallel", 1) > 1]
+        fitted = fit_software(
+            cp_rows,
+            "unknown_ring_flash_attention_2_share",
+            RING_GRID,
+            time_limit_s,
+            default_kernels=True,
+            objective=_source_weighted_log_error,
+        )
+        name = "cpep_ring_unknown_fit.json"
+    else:
+        fitted = fit_software(
+            [row for row in rows if _is_moe(row)], "moe_layer_host_ms", HOST_GRID, time_limit_s, default_kernels=default
+        )
+        name = "cpep_moe_host_fit_default_kernels.json" if default else "cpep_moe_host_fit.json"
+    (RESULTS / name).write_text(json.dumps(fitted, indent=1) + "\n")
+    return fitted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-limit", type=float, default=10.0, help="search.time_limit_s of each pinned row")
@@ -302,12 +349,12 @@ def main() -> None:
     parser.add_argument("--no-free", action="store_true", help="skip the free searches")
     parser.add_argument("--output", type=Path, default=RESULTS / "cpep_bench.md")
     parser.add_argument("--fit-host", action="store_true", help="fit moe_layer_host_ms (leave one source out)")
+    parser.add_argument("--fit-ring", action="store_true", help="fit unknown_ring_flash_attention_2_share")
     parser.add_argument("--default-kernels", action="store_true", help="leave training.kernels to its default")
     args = parser.parse_args()
     rows = [row for row in load_rows() if args.only in row["id"]]
-    if args.fit_host:
-        fitted = fit_moe_host(rows, args.time_limit)
-        (RESULTS / "cpep_moe_host_fit.json").write_text(json.dumps(fitted, indent=1) + "\n")
+    if args.fit_host or args.fit_ring:
+        fitted = _fit(rows, args.time_limit, ring=args.fit_ring, default=args.default_kernels)
         print(json.dumps({k: v for k, v in fitted.items() if k != "grid"}, indent=1))
         return
     predictions = []

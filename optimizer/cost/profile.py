@@ -146,6 +146,17 @@ class SoftwareProfile(StrictModel):
         "launch-bound MoE steps; fitted to the published micro-batch-1 MoE runs (bench/cpep_bench.py --fit-host, "
         "held out one source at a time).",
     )
+    unknown_ring_flash_attention_2_share: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="With kernels 'unknown' and context parallelism, the share of runs whose ring steps run on "
+        "PyTorch's FlashAttention-2 (PyTorch's context_parallel: torchtitan) rather than Transformer Engine's "
+        "kernels (Megatron-LM, NeMo): the ring's attention takes the expected time of the two "
+        "(pipesched.optimizer.cost.context.ring_kernel_speed). Fitted to the published context-parallel rows "
+        "predicted with kernels 'unknown', every source weighing the same, held out one source at a time "
+        "(bench/cpep_bench.py --fit-ring).",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

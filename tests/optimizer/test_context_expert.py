@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,20 @@ def test_pytorch_context_parallelism_runs_its_ring_on_flashattention_2() -> None
     slow = transformer_layer(compiled, hardware, cluster=H100, context_parallel=ring)
     quick = transformer_layer(compiled.model_copy(update={"kernels": "eager"}), hardware, cluster=H100)
     assert slow.forward_ms > quick.forward_ms / 4  # a quarter of the tokens, at half the attention speed
+
+
+def test_unknown_kernels_run_the_ring_at_the_expected_time_of_the_two_kernels() -> None:
+    hardware = resolve_hardware(H100)
+    unknown = ModelConfig(preset="llama3.1-8b", seq_length=131072, kernels="unknown")
+    pytorch = ring_kernel_speed(unknown.model_copy(update={"kernels": "compiled"}), hardware, 4)
+    share = hardware.software.unknown_ring_flash_attention_2_share
+    assert 0 < share < 0.5  # fitted: most published context-parallel runs are Megatron/NeMo's
+    speed = ring_kernel_speed(unknown, hardware, 4)
+    assert pytorch < speed < 1.0
+    assert 1 / speed == pytest.approx(share / pytorch + 1 - share)  # expected time, not expected speed
+    assert ring_kernel_speed(unknown, hardware, 1) == 1.0
+    everyone_pytorch = hardware.software.model_copy(update={"unknown_ring_flash_attention_2_share": 1.0})
+    assert ring_kernel_speed(unknown, replace(hardware, software=everyone_pytorch), 4) == pytest.approx(pytorch)
 
 
 def test_a_moe_layer_takes_at_least_its_host_time() -> None:
