@@ -188,6 +188,7 @@ def _plan(
     if estimator.model.kernels == "unknown":  # the framework's spread on top of the accelerator's
         unknown_low, unknown_high = estimator.hardware.software.unknown_kernels_log_error
         low, high = min(low, unknown_low), max(high, unknown_high)
+        low -= estimator.ring_framework_log_spread(config)  # the ring, if it is PyTorch's
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,

@@ -46,7 +46,7 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache, cached_property
 from typing import Literal
 
@@ -232,6 +232,30 @@ class Estimator:
             layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False)
             self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep)[1:])
         return self._blocks[key][0]
+
+    def ring_framework_log_spread(self, config: Configuration) -> float:
+        """log(layer time with PyTorch's FlashAttention-2 ring / layer time as planned) for kernels "unknown" with
+        context parallelism (:func:`pipesched.optimizer.cost.context.ring_kernel_speed`: the plan takes the
+        expected time of the two frameworks' rings; this is how much slower the layer is if the run is
+        PyTorch's), 0 otherwise. The plan's interval widens down by it."""
+        c = config.context_parallel
+        if self.model.kernels != "unknown" or c <= 1:
+            return 0.0
+        t, b, ep = config.tensor_parallel, config.micro_batch_size, config.expert_parallel
+        layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep)
+        software = self.hardware.software.model_copy(update={"unknown_ring_flash_attention_2_share": 1.0})
+        pytorch = transformer_layer(
+            model,
+            replace(self.hardware, software=software),
+            self.tensor_parallel(t),
+            self.cluster,
+            moe=model.is_moe,
+            context_parallel=ContextParallel(size=c),
+            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
+        )
+        planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
+        slow = pytorch.forward_ms + pytorch.backward_input_ms + pytorch.backward_weight_ms
+        return math.log(slow / planned) if planned > 0 else 0.0
 
     def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int, *, moe: bool) -> Block:
         return transformer_layer(

@@ -175,6 +175,29 @@ def test_kernels_not_said_are_unknown_with_the_wider_interval_of_that_fit() -> N
     assert spread >= said.tokens_per_s_per_gpu_interval[1] / said.tokens_per_s_per_gpu_interval[0] * 0.999
 
 
+def test_kernels_not_said_widen_a_context_parallel_plans_interval_down_to_pytorchs_ring() -> None:
+    search = {"time_limit_s": 10, "top": 1, "context_parallel": [4], "data_parallel_size": [2], "sharding": ["full"]}
+    search.update(tensor_parallel=[1], pipeline_parallel=[1], micro_batch_size=[1], activation_recomputation=["full"])
+
+    def ring_plan(**kernels: str) -> Any:
+        request = {
+            "model": {"preset": "llama3.1-8b", "seq_length": 131072},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 1},
+            "training": {"global_batch_size": 8, "precision": "fp8", **kernels},
+            "search": search,
+        }
+        return plan(PlanRequest.model_validate(request)).answer.plans[0]
+
+    unsaid, pytorch, fused = ring_plan(), ring_plan(kernels="compiled"), ring_plan(kernels="fused")
+    low, high = unsaid.tokens_per_s_per_gpu_interval
+    assert pytorch.tokens_per_s_per_gpu < unsaid.tokens_per_s_per_gpu < high
+    assert low < pytorch.tokens_per_s_per_gpu  # torchtitan's FlashAttention-2 ring inside the interval
+    assert fused.tokens_per_s_per_gpu_interval[0] > pytorch.tokens_per_s_per_gpu  # said: no such spread
+    without_ring = plan(plan_request(training={"kernels": "unknown"})).answer.plans[0]
+    spread = without_ring.tokens_per_s_per_gpu_interval[1] / without_ring.tokens_per_s_per_gpu_interval[0]
+    assert high / low > 1.2 * spread
+
+
 def test_a_catalogue_written_before_a_kernels_mode_existed_takes_its_defaults() -> None:
     software = SoftwareProfile.model_validate({"elementwise_traffic": {"eager": 1.3}})
     assert software.elementwise_traffic == {"eager": 1.3, "unknown": 1.0, "compiled": 1.0, "fused": 1.0}
