@@ -175,8 +175,10 @@ def layout(plan_: Plan) -> str:
         if plan_.pipeline_parallel > 1
         else ""
     )
+    context = f"CP {plan_.context_parallel} × " if plan_.context_parallel > 1 else ""
     return (
-        f"{pipeline}TP {plan_.tensor_parallel} × DP {plan_.data_parallel.size} {plan_.data_parallel.sharding}, "
+        f"{pipeline}TP {plan_.tensor_parallel} × {context}DP {plan_.data_parallel.size} "
+        f"{plan_.data_parallel.sharding}, "
         f"mb {plan_.micro_batch_size}×{plan_.num_microbatches}, AC {plan_.activation_recomputation}"
     )
 
