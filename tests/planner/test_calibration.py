@@ -13,8 +13,10 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from pipesched.api.cli import app as cli_app
+from pipesched.optimizer.accelerators import CATALOGUE
 from pipesched.optimizer.calibration.calibrate import calibrate
-from pipesched.optimizer.calibration.predict import predict
+from pipesched.optimizer.calibration.catalogue import framework_weights
+from pipesched.optimizer.calibration.predict import kernels_mode, predict
 from pipesched.optimizer.cost.calibration.measurements import (
     CONTEXT_EXPERT_SOURCES,
     builtin_measurements,
@@ -27,6 +29,7 @@ from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
 
 GIB = 1024**3
+HOLDOUT = Path(__file__).resolve().parents[2] / "bench" / "data" / "calibration_holdout.json"
 ROWS = {row.id: row for row in builtin_measurements()}
 TORCHTITAN_8B = ROWS["torchtitan-8b-8-fsdp"]
 
@@ -228,3 +231,26 @@ def test_held_out_interval_is_the_calibrations_own() -> None:
         low, high = profile.held_out_log_error
         assert -0.5 < low < 0 < high < 0.5
     assert math.isfinite(builtin_catalogue().software.elementwise_traffic["eager"])
+
+
+@pytest.mark.parametrize("accelerator", sorted(CATALOGUE))
+def test_no_plan_peaks_above_95_percent_of_the_gpus_memory(accelerator: str) -> None:
+    memory = CATALOGUE[accelerator].memory_bytes
+    answer = plan(plan_request(cluster={"accelerator": accelerator}, search={"time_limit_s": 2, "top": 5})).answer
+    assert answer.plans and answer.memory_headroom_bytes >= 0.05 * memory
+    for item in answer.plans:
+        assert item.peak_memory_bytes <= min(0.95 * memory, memory - answer.memory_headroom_bytes)
+
+
+def test_held_out_rows_stay_out_of_the_fit_and_every_framework_weighs_the_same_in_unknown() -> None:
+    held_out = [row for entry in json.loads(HOLDOUT.read_text())["files"] for row in parse_measurements(entry)]
+    fitted = fitting_measurements()
+    assert len(held_out) >= 19
+    assert not {row.key for row in held_out} & {row.key for row in fitted}
+    assert not {row.source for row in held_out} & {row.source for row in builtin_measurements()}
+    weights = framework_weights(fitted)
+    by_mode: dict[str, float] = {}
+    for row, weight in zip(fitted, weights, strict=True):
+        by_mode[kernels_mode(row)] = by_mode.get(kernels_mode(row), 0.0) + weight
+    assert set(by_mode) == {"eager", "compiled", "fused"}
+    assert all(share == pytest.approx(1 / 3) for share in by_mode.values())
