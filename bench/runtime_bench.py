@@ -13,19 +13,25 @@ microbatches, ``--model``, gpt-small by default):
 * ``ZB-V``: V placement, two stages per rank;
 * ``BF×dp2``: breadth-first (looped-bfs, two stages per rank) × data-parallel 2 with FSDP2, 4 processes.
 
-Measured step: the best step after the first (``best``; its error against the prediction is the issue's bar,
-−20 % … +25 %) and the report's ``measured_step_time_ms`` (``median``: over the steps after the first, and before the
-last of 2BW's steady run, its drain). Hidden / exposed communication: per rank, the median
-over the steps after the first of the time the rank's communication ran beside its passes, and the rest, against
-the schedule's timeline. Static: weights, gradients and optimizer state measured on every rank against the problem's
-``memory.static`` (and the second weight version for 2BW). 2BW's gain: 1F1B's measured median step minus 2BW's,
-against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
+Every launch runs each case ``--rounds`` times, interleaved (1F1B, ZB-H1, 2BW, 1F1B, …), so that the cases of a
+shape share the machine's load alike; the runs of one launch are checked against one reference per problem.
 
-Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; run it with
-``nice -n -5`` or on a quiet machine, and read the repeats side by side.
+Measured step: the best step after the first over every round (``best``; its error against the prediction is the
+issue's bar, −20 % … +25 %) and the median of the rounds' ``measured_step_time_ms`` (``median``: over the steps
+after the first, and before the last of 2BW's steady run, its drain): every step counted holds the same work, m
+microbatches and one update per stage. Hidden / exposed communication: per rank, the median over every round's
+steps after the first of the time the rank's collectives ran beside its passes, and the rest, each collective from
+its last dp peer's start (the simulator's span), against the schedule's timeline; ``wait``: the rank's median wait
+for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
+optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
+2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
+differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
 
-Run: ``python -m bench.runtime_bench [--model gpt-small] [--steps 6] [--repeats 2] [--output FILE]``; results in
-``bench/results/runtime_bench.txt``.
+Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
+rounds and repeats side by side.
+
+Run: ``python -m bench.runtime_bench [--model gpt-small] [--steps 6] [--rounds 3] [--repeats 1] [--output FILE]``;
+results in ``bench/results/runtime_bench.txt``.
 """
 
 from __future__ import annotations
