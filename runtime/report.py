@@ -517,7 +517,8 @@ def print_training_summary(report: RunReport, console: Any = None) -> None:
 
 
 def _overlap_text(rank: RankReport) -> str:
-    """``hidden h / exposed e ms`` (median over steps after the first), with the prediction when there is one."""
+    """``hidden h / exposed e ms`` (median over steps after the first), with the prediction when there is one, and
+    the wait for a slower replica."""
     if not rank.communication_hidden_ms:
         return ""
     steady = slice(1, None) if len(rank.communication_hidden_ms) > 1 else slice(None)
@@ -529,4 +530,6 @@ def _overlap_text(rank: RankReport) -> str:
             f"; predicted {rank.predicted_communication_hidden_ms:.3f} / "
             f"{rank.predicted_communication_exposed_ms:.3f} ms"
         )
+    if any(rank.communication_replica_wait_ms):
+        text += f"; waited {statistics.median(rank.communication_replica_wait_ms[steady]):.3f} ms for a slower replica"
     return text + ")"
