@@ -13,19 +13,25 @@ microbatches, ``--model``, gpt-small by default):
 * ``ZB-V``: V placement, two stages per rank;
 * ``BF×dp2``: breadth-first (looped-bfs, two stages per rank) × data-parallel 2 with FSDP2, 4 processes.
 
-Measured step: the best step after the first (``best``; its error against the prediction is the issue's bar,
-−20 % … +25 %) and the report's ``measured_step_time_ms`` (``median``: over the steps after the first, and before the
-last of 2BW's steady run, its drain). Hidden / exposed communication: per rank, the median
-over the steps after the first of the time the rank's communication ran beside its passes, and the rest, against
-the schedule's timeline. Static: weights, gradients and optimizer state measured on every rank against the problem's
-``memory.static`` (and the second weight version for 2BW). 2BW's gain: 1F1B's measured median step minus 2BW's,
-against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
+Every launch runs each case ``--rounds`` times, interleaved (1F1B, ZB-H1, 2BW, 1F1B, …), so that the cases of a
+shape share the machine's load alike; the runs of one launch are checked against one reference per problem.
 
-Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; run it with
-``nice -n -5`` or on a quiet machine, and read the repeats side by side.
+Measured step: the best step after the first over every round (``best``; its error against the prediction is the
+issue's bar, −20 % … +25 %) and the median of the rounds' ``measured_step_time_ms`` (``median``: over the steps
+after the first, and before the last of 2BW's steady run, its drain): every step counted holds the same work, m
+microbatches and one update per stage. Hidden / exposed communication: per rank, the median over every round's
+steps after the first of the time the rank's collectives ran beside its passes, and the rest, each collective from
+its last dp peer's start (the simulator's span), against the schedule's timeline; ``wait``: the rank's median wait
+for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
+optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
+2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
+differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
 
-Run: ``python -m bench.runtime_bench [--model gpt-small] [--steps 6] [--repeats 2] [--output FILE]``; results in
-``bench/results/runtime_bench.txt``.
+Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
+rounds and repeats side by side.
+
+Run: ``python -m bench.runtime_bench [--model gpt-small] [--steps 6] [--rounds 3] [--repeats 1] [--output FILE]``;
+results in ``bench/results/runtime_bench.txt``.
 """
 
 from __future__ import annotations
@@ -106,50 +112,62 @@ def _profile(shape: Shape, model: str, repeats: int) -> Any:
     return profile
 
 
-def _median_after_first(values: list[float]) -> float:
-    return statistics.median(values[1:] if len(values) > 1 else values)
+def _steady(case: Case, steps: list[float]) -> list[float]:
+    """The steps a case's time per step is read from: after the first (lazy initialisation, a pattern's warm-up),
+    and for a pattern run in steady state before the last (its drain): every case's steps then hold the same work,
+    m microbatches' F, I, W (or B) and one optimizer step per stage."""
+    return steps[1:-1] if case.two_weight_versions and len(steps) > 2 else steps[1:] or steps
 
 
-def _row(case: Case, schedule: Schedule, report: Any) -> dict[str, Any]:
-    """What the bench prints of one run: predicted beside measured."""
-    predicted = report.predicted_step_time_ms
-    steps = report.measured_step_times_ms
-    # after the first step (lazy initialisation, a pattern's warm-up); a steady pattern also before its drain
-    steady = steps[1:-1] if case.two_weight_versions and len(steps) > 2 else steps[1:] or steps
-    best = min(steady)
-    ranks = []
-    for rank in report.ranks:
-        hidden = _median_after_first(rank.communication_hidden_ms) if rank.communication_hidden_ms else 0.0
-        exposed = _median_after_first(rank.communication_exposed_ms) if rank.communication_exposed_ms else 0.0
-        ranks.append(
-            {
-                "rank": rank.rank,
-                "hidden_ms": hidden,
-                "exposed_ms": exposed,
-                "predicted_hidden_ms": rank.predicted_communication_hidden_ms,
-                "predicted_exposed_ms": rank.predicted_communication_exposed_ms,
-                "static_measured": rank.static_bytes_measured,
-                "static_predicted": rank.static_bytes_predicted,
-                "peak_activation_measured": rank.peak_memory_bytes,
-                "peak_activation_predicted": rank.predicted_peak_activation_bytes,
-            }
-        )
+def _rank_row(ranks: list[Any]) -> dict[str, Any]:
+    """One process over the rounds: hidden / exposed / replica wait as medians over every round's steps after the
+    first, predicted beside, static memory."""
+
+    def median(values_of: Any) -> float:
+        values = [v for rank in ranks for v in values_of(rank)[1:] or values_of(rank)]
+        return statistics.median(values) if values else 0.0
+
+    rank = ranks[0]
     return {
-        "case": case.label,
-        "method": schedule.method,
-        "verified": report.verified,
-        "predicted_ms": predicted,
-        "predicted_from": report.predicted_step_time_from,
-        "measured_ms": steps,
-        "best_ms": best,
-        "median_ms": report.measured_step_time_ms,
-        "best_error": best / predicted - 1 if predicted else None,
-        "ranks": ranks,
+        "rank": rank.rank,
+        "hidden_ms": median(lambda r: r.communication_hidden_ms),
+        "exposed_ms": median(lambda r: r.communication_exposed_ms),
+        "replica_wait_ms": median(lambda r: r.communication_replica_wait_ms),
+        "predicted_hidden_ms": rank.predicted_communication_hidden_ms,
+        "predicted_exposed_ms": rank.predicted_communication_exposed_ms,
+        "static_measured": max(r.static_bytes_measured for r in ranks),
+        "static_predicted": rank.static_bytes_predicted,
+        "peak_activation_measured": max(r.peak_memory_bytes for r in ranks),
+        "peak_activation_predicted": rank.predicted_peak_activation_bytes,
     }
 
 
-def run_shape(shape: Shape, *, model: str, steps: int, repeats: int) -> list[dict[str, Any]]:
-    """Profile the shape, build its cases' schedules on the profile, run them in one launch."""
+def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
+    """What the bench prints of one case over its rounds: predicted beside measured. ``best``: the fastest step
+    after the first over every round; ``median``: the median of the rounds' medians (the report's
+    ``measured_step_time_ms``)."""
+    predicted = reports[0].predicted_step_time_ms
+    steady = [_steady(case, report.measured_step_times_ms) for report in reports]
+    best = min(min(steps) for steps in steady)
+    return {
+        "case": case.label,
+        "method": schedule.method,
+        "verified": all(report.verified for report in reports),
+        "predicted_ms": predicted,
+        "predicted_from": reports[0].predicted_step_time_from,
+        "measured_ms": [report.measured_step_times_ms for report in reports],
+        "round_medians_ms": [statistics.median(steps) for steps in steady],
+        "best_ms": best,
+        "median_ms": statistics.median(report.measured_step_time_ms for report in reports),
+        "best_error": best / predicted - 1 if predicted else None,
+        "ranks": [_rank_row([report.ranks[k] for report in reports]) for k in range(len(reports[0].ranks))],
+    }
+
+
+def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int) -> list[dict[str, Any]]:
+    """Profile the shape, build its cases' schedules on the profile, run them in one launch: ``rounds`` rounds of
+    every case one after another (1F1B, ZB-H1, 2BW, 1F1B, ZB-H1, 2BW, …), so that the cases share the machine's
+    load alike."""
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
 
@@ -169,8 +187,14 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int) -> list[dic
         )
         for case in shape.cases
     ]
-    reports = run_schedules(schedules, engine="pipesched", model=model, training=options, timeout_s=900)
-    rows = [_row(case, s, r) for case, s, r in zip(shape.cases, schedules, reports, strict=True)]
+    reports = run_schedules(
+        schedules * rounds, engine="pipesched", model=model, training=options * rounds, timeout_s=900
+    )
+    count = len(shape.cases)
+    rows = [
+        _row(case, schedule, reports[k::count])
+        for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
+    ]
     calibration = profile.calibration
     for row in rows:
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
@@ -200,6 +224,7 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 ""
                 if r["predicted_hidden_ms"] is None
                 else f" ({r['predicted_hidden_ms']:.1f}/{r['predicted_exposed_ms']:.1f})"
+                f" wait {r['replica_wait_ms']:.0f}"
             )
             + f" {_percent(r['static_measured'] / r['static_predicted'] - 1 if r['static_predicted'] else None)}"
             for r in row["ranks"]
@@ -219,13 +244,26 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             )
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
-        predicted_gain = by_case["1F1B"]["predicted_ms"] - by_case["2BW"]["predicted_ms"]
-        measured_gain = by_case["1F1B"]["median_ms"] - by_case["2BW"]["median_ms"]
-        share = measured_gain / predicted_gain if predicted_gain > 0 else float("nan")
+        lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
+    return lines
+
+
+def _gain_lines(flushed: dict[str, Any], steady: dict[str, Any]) -> list[str]:
+    """2BW's gain over 1F1B, predicted (1F1B's ``step_time`` − 2BW's ``step_period``) beside measured two ways: best
+    step against best step, and per round (the two ran one after the other) the difference of their medians."""
+    predicted = flushed["predicted_ms"] - steady["predicted_ms"]
+    per_round = [a - b for a, b in zip(flushed["round_medians_ms"], steady["round_medians_ms"], strict=True)]
+    lines = []
+    for name, measured in (
+        ("best against best", flushed["best_ms"] - steady["best_ms"]),
+        (f"median over {len(per_round)} rounds of the rounds' medians", statistics.median(per_round)),
+    ):
+        share = measured / predicted if predicted > 0 else float("nan")
         lines.append(
-            f"2BW's gain over 1F1B: predicted {predicted_gain:.1f} ms, measured {measured_gain:.1f} ms "
+            f"2BW's gain over 1F1B, {name}: predicted {predicted:.1f} ms, measured {measured:.1f} ms "
             f"({100 * share:.0f}% of predicted; the bar: ≥ 50%)"
         )
+    lines.append("  per round: " + ", ".join(f"{gain:+.0f}" for gain in per_round) + " ms")
     return lines
 
 
@@ -234,6 +272,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small", help="the model (default gpt-small)")
     parser.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     parser.add_argument("--repeats", type=int, default=1, help="the whole loop, this many times (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every case per launch, interleaved (default 3)")
     parser.add_argument("--profile-repeats", type=int, default=6, help="timed microbatches per pass (default 6)")
     parser.add_argument("--shapes", default="all", help="comma-separated shape indices (0, 1, 2), default all")
     parser.add_argument("--output", type=Path, default=None, help="also write the tables and rows (JSON) here")
@@ -246,12 +285,15 @@ def main() -> None:
         rows = [
             row
             for shape in shapes
-            for row in run_shape(shape, model=args.model, steps=args.steps, repeats=args.profile_repeats)
+            for row in run_shape(
+                shape, model=args.model, steps=args.steps, repeats=args.profile_repeats, rounds=args.rounds
+            )
         ]
         after = os.getloadavg()
         header = (
             f"repeat {repeat + 1}/{args.repeats} · {args.model} · p={NUM_RANKS} m={NUM_MICROBATCHES} · "
-            f"{args.steps} steps · load average {before[0]:.1f} before, {after[0]:.1f} after (2 cores)"
+            f"{args.steps} steps × {args.rounds} rounds · load average {before[0]:.1f} before, "
+            f"{after[0]:.1f} after (2 cores)"
         )
         block = [header, *format_rows(rows), ""]
         print("\n".join(block), flush=True)

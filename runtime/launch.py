@@ -442,23 +442,39 @@ class NodeConfig:
     master_port: int | None = None
 
 
-def _report(run: PlannedRun, results: list[RankResult], *, backend: str, seed: int) -> RunReport:
-    """Verify one schedule's results against the single-process reference."""
-    import torch
-
+def _reference(
+    run: PlannedRun, training: TrainingOptions | None, seed: int, references: dict[str, Any]
+) -> tuple[Any, str]:
+    """The single-process reference of ``run``'s model and problem under ``training`` (and the model's name),
+    computed once per launch for equal inputs (``references``: a launch running a schedule in several rounds, or
+    two families on one problem, checks them against one reference)."""
     from pipesched.runtime.models import load_model
-    from pipesched.runtime.report import build_report
     from pipesched.runtime.verify import reference_training
 
     problem = run.prediction.problem  # a steady run: m per step, not the K·m of its unrolled order
-    m = problem.pipeline.num_microbatches
-    pipeline_model = load_model(run.model, problem, seed=seed)
-    reference = reference_training(pipeline_model, m, run.training)
+    key = f"{run.model}|{seed}|{training!r}|{problem.model_dump_json()}"
+    if key not in references:
+        # A fresh model each time: a user model's build_stage may hand out the same (now trained) modules.
+        pipeline_model = load_model(run.model, problem, seed=seed)
+        references[key] = (
+            reference_training(pipeline_model, problem.pipeline.num_microbatches, training),
+            pipeline_model.name,
+        )
+    return references[key]
+
+
+def _report(
+    run: PlannedRun, results: list[RankResult], *, backend: str, seed: int, references: dict[str, Any]
+) -> RunReport:
+    """Verify one schedule's results against the single-process reference."""
+    import torch
+
+    from pipesched.runtime.report import build_report
+
+    reference, name = _reference(run, run.training, seed, references)
     synchronous = None
     if run.training is not None and run.training.two_weight_versions:
-        # A fresh model: a user model's build_stage may hand out the same (now trained) modules.
-        fresh = load_model(run.model, problem, seed=seed)
-        synchronous = reference_training(fresh, m, replace(run.training, weight_update="sync"))
+        synchronous, _ = _reference(run, replace(run.training, weight_update="sync"), seed, references)
     return build_report(
         run.schedule,
         results,
@@ -468,7 +484,7 @@ def _report(run: PlannedRun, results: list[RankResult], *, backend: str, seed: i
         backend=backend,
         device=results[0].device if backend == "gloo" else f"cuda ({torch.cuda.get_device_name(0)})",
         engine=run.engine,
-        model_name=pipeline_model.name,
+        model_name=name,
         synchronous_reference=synchronous,
     )
 
@@ -538,7 +554,11 @@ def run_schedules(
         )
     if per_job is None:
         return [None for _ in runs]
-    return [_report(run, results, backend=backend, seed=seed) for run, results in zip(runs, per_job, strict=True)]
+    references: dict[str, Any] = {}
+    return [
+        _report(run, results, backend=backend, seed=seed, references=references)
+        for run, results in zip(runs, per_job, strict=True)
+    ]
 
 
 def run_schedule(

@@ -45,7 +45,7 @@ from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import StepRecord
+from pipesched.runtime.records import MeasuredAction, StepRecord, joined_communication
 
 __all__ = [
     "SPREAD_WARNING",
@@ -174,8 +174,9 @@ class RankProfile:
     """One process's measurements: per (kind, stage id) pass times (ms), per stage id saved bytes after F and after
     I, its output's bytes, its weights' bytes (unsharded), UNSHARD and REDUCE_GRAD times, optimizer-step times,
     static bytes, and (pipeline ranks 0 and 1 of replica 0) p2p ``(bytes, one-way ms)`` samples; from the calibration
-    run, its step times and its UNSHARD / REDUCE_GRAD durations per stage id (``calibration_collectives``, keyed
-    ``("unshard" | "reduce_grad", stage id)``, steps after the first)."""
+    run, its step times and its communication records (``calibration_communication``, steps after the first), and
+    from those (joined with its dp peers' by :func:`_assemble`) its UNSHARD / REDUCE_GRAD durations per stage id
+    (``calibration_collectives``, keyed ``("unshard" | "reduce_grad", stage id)``)."""
 
     rank: int
     pp_rank: int
@@ -191,6 +192,7 @@ class RankProfile:
     static_bytes: int = 0
     p2p: list[tuple[float, float]] = field(default_factory=list)
     calibration_ms: list[float] = field(default_factory=list)
+    calibration_communication: list[list[MeasuredAction]] = field(default_factory=list)
     calibration_collectives: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
@@ -403,12 +405,12 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
     if settings.calibrate:
         steps = _calibration_run(settings, global_rank, device, timeout_s)
         setup.result.calibration_ms = [step.time_ms for step in steps]
-        setup.result.calibration_collectives = _collective_durations(steps[1:])
+        setup.result.calibration_communication = [step.communication for step in steps[1:]]
     return setup.result
 
 
 #: Training steps of the calibration run (the first is left out: lazy initialisation).
-CALIBRATION_STEPS = 3
+CALIBRATION_STEPS = 5
 
 
 def _calibration_run(
@@ -433,12 +435,25 @@ def _calibration_run(
     return train_rank(job, global_rank, device, timeout_s).steps
 
 
-def _collective_durations(steps: list[StepRecord]) -> dict[tuple[str, int], list[float]]:
-    """Per ``("unshard" | "reduce_grad", stage id)``, how long each such action of ``steps`` ran on the rank's
-    communication stream (ms): beside the passes, on the cores the run shares, as the run will see it."""
+def _join_calibration(results: list[RankProfile]) -> None:
+    """Every process's ``calibration_collectives`` from its calibration run's communication, each collective timed
+    from the instant its last dp peer entered it (:func:`~pipesched.runtime.records.joined_communication`): the span
+    the simulator's ``costs.unshard`` / ``costs.reduce_grad`` stand for and the run report measures. The wait for a
+    slower replica is left to the step: the calibration's per-pass overhead holds it."""
+    for pp_rank in {r.pp_rank for r in results}:
+        group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
+        steps = min(len(r.calibration_communication) for r in group)
+        joined = [joined_communication([r.calibration_communication[k] for r in group]) for k in range(steps)]
+        for replica, result in enumerate(group):
+            result.calibration_collectives = _collective_durations([step[replica] for step in joined])
+
+
+def _collective_durations(steps: list[list[MeasuredAction]]) -> dict[tuple[str, int], list[float]]:
+    """Per ``("unshard" | "reduce_grad", stage id)``, how long each such action of ``steps`` (per step, the rank's
+    communication records) ran (ms): beside the passes, on the cores the run shares, as the run will see it."""
     durations: dict[tuple[str, int], list[float]] = {}
     for step in steps:
-        for measured in step.communication:
+        for measured in step:
             action = parse_action(measured.action)
             name = {ActionKind.UNSHARD: "unshard", ActionKind.REDUCE_GRAD: "reduce_grad"}.get(action.kind)
             if name is not None:
@@ -606,6 +621,7 @@ def _assemble(
     limit: float | None,
 ) -> Profile:
     """The problem from every process's measurements (module docstring)."""
+    _join_calibration(results)
     measured = _Measured(skeleton, results)
     spreads = measured.spreads()
     medians = {(x.kind, x.stage): round(x.median, 6) for x in spreads}

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime.options import TrainingOptions
 
-__all__ = ["MeasuredAction", "RankJob", "RankResult", "StepCheck", "StepRecord"]
+__all__ = ["MeasuredAction", "RankJob", "RankResult", "StepCheck", "StepRecord", "joined_communication"]
 
 #: Digits kept of measured times (ms): nanoseconds.
 _DIGITS = 6
@@ -57,6 +57,34 @@ class MeasuredAction(_WithoutNone):
     @property
     def duration_ms(self) -> float:
         return self.end - self.start
+
+
+def joined_communication(peers: list[list[MeasuredAction]]) -> list[list[MeasuredAction]]:
+    """The communication actions of one step on every process of one data-parallel group (the same pipeline rank,
+    one list per replica), each collective starting when its last peer started it.
+
+    A collective runs once every member has entered it: until then the first replica's communication stream only
+    waits for its peer (a replica behind it). The simulator's collective starts when the rank issues it, every
+    replica alike (one timeline per pipeline rank), and lasts ``costs.unshard`` / ``costs.reduce_grad``; the same
+    span on a real run is from the last peer's start to the action's end. The n-th action of a name on one process
+    is the n-th of that name on its peers (every peer issues them in its row's order). Times: ms from each process's
+    step origin, taken after a common barrier, so comparable across processes within the barrier's skew.
+    """
+    latest: dict[tuple[str, int], float] = {}
+    keyed = []
+    for row in peers:
+        seen: dict[str, int] = {}
+        keys = []
+        for record in row:
+            key = (record.action, seen.get(record.action, 0))
+            seen[record.action] = key[1] + 1
+            latest[key] = max(latest.get(key, record.start), record.start)
+            keys.append(key)
+        keyed.append(keys)
+    return [
+        [r.model_copy(update={"start": min(max(r.start, latest[k]), r.end)}) for r, k in zip(row, keys, strict=True)]
+        for row, keys in zip(peers, keyed, strict=True)
+    ]
 
 
 class StepCheck(_WithoutNone):

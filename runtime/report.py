@@ -24,7 +24,7 @@ from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck
+from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_communication
 from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, measured_costs
 from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
 
@@ -42,8 +42,12 @@ class RankReport(BaseModel):
     """One process of the run: measured against predicted (the schedule of its pipeline rank).
 
     ``communication_hidden_ms`` / ``communication_exposed_ms``, per step: the time the rank's communication (the
-    union of its actions' intervals) ran while one of its passes ran, and the rest (the passes waited, or nothing
-    ran); ``predicted_…``: the same of the schedule's timeline (:func:`communication_overlap`). ``static_bytes_…``:
+    union of its actions' intervals, each collective from the instant its last dp peer entered it to its end, as the
+    simulator times it: :func:`~pipesched.runtime.records.joined_communication`) ran while one of its passes ran,
+    and the rest (the passes waited, or nothing ran); ``predicted_…``: the same of the schedule's timeline
+    (:func:`communication_overlap`). ``communication_replica_wait_ms``, per step: the time the rank's communication
+    stream held a collective before its last peer entered it (the wait for a slower replica: in the step time,
+    in neither split). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
     ``memory.static``.
     """
@@ -61,6 +65,7 @@ class RankReport(BaseModel):
     predicted_communication_ms: float | None
     communication_hidden_ms: list[float]
     communication_exposed_ms: list[float]
+    communication_replica_wait_ms: list[float] = []
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
@@ -210,14 +215,27 @@ def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float
     return communication_overlap([(a.start, a.end) for a in actions if a.kind in "FIWB"], communication)
 
 
-def _rank_report(schedule: Schedule, result: RankResult) -> RankReport:
+def _joined(result: RankResult, results: list[RankResult]) -> list[list[MeasuredAction]]:
+    """Per step, the process's communication with each collective from its last dp peer's start
+    (:func:`~pipesched.runtime.records.joined_communication`)."""
+    group = sorted((r for r in results if r.pp_rank == result.pp_rank), key=lambda r: r.dp_rank)
+    mine = group.index(result)
+    return [joined_communication([r.steps[k].communication for r in group])[mine] for k in range(len(result.steps))]
+
+
+def _rank_report(schedule: Schedule, result: RankResult, results: list[RankResult]) -> RankReport:
     pp = result.pp_rank
-    communication_per_step = [sum(c.duration_ms for c in step.communication) for step in result.steps]
+    joined = _joined(result, results)
+    communication_per_step = [sum(c.duration_ms for c in step) for step in joined]
     kinds = {kind.value for kind in COMMUNICATION_KINDS}
     predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in kinds]
     overlap = [
-        communication_overlap([(a.start, a.end) for a in step.actions], [(c.start, c.end) for c in step.communication])
-        for step in result.steps
+        communication_overlap([(a.start, a.end) for a in step.actions], [(c.start, c.end) for c in communication])
+        for step, communication in zip(result.steps, joined, strict=True)
+    ]
+    replica_wait = [
+        round(sum(c.duration_ms for c in step.communication) - sum(c.duration_ms for c in communication), 6)
+        for step, communication in zip(result.steps, joined, strict=True)
     ]
     predicted_hidden, predicted_exposed = _predicted_overlap(schedule, pp)
     static = schedule.problem.static_memory[pp] + weight_version_memory(schedule.problem)[pp]
@@ -237,6 +255,7 @@ def _rank_report(schedule: Schedule, result: RankResult) -> RankReport:
         predicted_communication_ms=round(sum(predicted_communication), 6) if predicted_communication else None,
         communication_hidden_ms=[hidden for hidden, _ in overlap],
         communication_exposed_ms=[exposed for _, exposed in overlap],
+        communication_replica_wait_ms=replica_wait,
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,
@@ -305,7 +324,9 @@ def _timing(schedule: Schedule, prediction: Schedule, results: list[RankResult],
     return {
         "predicted_makespan_ms": prediction.makespan,
         "measured_makespan_ms": round(max(ends) - min(starts), 6) if starts else 0.0,
-        "simulated_makespan_from_measured_costs_ms": simulate_measured(schedule, costs),
+        "simulated_makespan_from_measured_costs_ms": simulate_measured(
+            schedule, costs, _last_step(prediction, steps) if prediction is not schedule else None
+        ),
         "measured_costs_ms": costs,
         "predicted_step_time_ms": predicted_step,
         "predicted_step_time_from": predicted_from,
@@ -352,7 +373,7 @@ def build_report(
         max_rel_param_error_vs_synchronous=versus_synchronous,
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
-        ranks=[_rank_report(prediction or schedule, r) for r in sorted(results, key=lambda r: r.rank)],
+        ranks=[_rank_report(prediction or schedule, r, results) for r in sorted(results, key=lambda r: r.rank)],
         training=None if options is None else _training_fields(options),
         data_parallel=DataParallelReport(
             size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)
@@ -365,6 +386,15 @@ def build_report(
         device=device,
         torch_version=torch.__version__,
     )
+
+
+def _last_step(prediction: Schedule, steps: int) -> range | None:
+    """A no-flush pattern run in steady state (K steps unrolled into one order): the last step's global microbatch
+    ids, the span its measured makespan covers (``None``: one step, the whole order)."""
+    if steps < 2:
+        return None
+    m = prediction.problem.pipeline.num_microbatches
+    return range((steps - 1) * m, steps * m)
 
 
 def _steady(per_step: list[float], pattern: bool) -> list[float]:
@@ -487,7 +517,8 @@ def print_training_summary(report: RunReport, console: Any = None) -> None:
 
 
 def _overlap_text(rank: RankReport) -> str:
-    """``hidden h / exposed e ms`` (median over steps after the first), with the prediction when there is one."""
+    """``hidden h / exposed e ms`` (median over steps after the first), with the prediction when there is one, and
+    the wait for a slower replica."""
     if not rank.communication_hidden_ms:
         return ""
     steady = slice(1, None) if len(rank.communication_hidden_ms) > 1 else slice(None)
@@ -499,4 +530,6 @@ def _overlap_text(rank: RankReport) -> str:
             f"; predicted {rank.predicted_communication_hidden_ms:.3f} / "
             f"{rank.predicted_communication_exposed_ms:.3f} ms"
         )
+    if any(rank.communication_replica_wait_ms):
+        text += f"; waited {statistics.median(rank.communication_replica_wait_ms[steady]):.3f} ms for a slower replica"
     return text + ")"

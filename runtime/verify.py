@@ -194,9 +194,14 @@ def measured_costs(schedule: Schedule, actions: list[list[MeasuredAction]]) -> d
     return {kind: [statistics.median(s) if s else 0.0 for s in per_stage] for kind, per_stage in samples.items()}
 
 
-def simulate_with_measured_costs(schedule: Schedule, costs: dict[str, list[float]]) -> float | None:
+def simulate_with_measured_costs(
+    schedule: Schedule, costs: dict[str, list[float]], microbatches: range | None = None
+) -> float | None:
     """The simulator's makespan of the schedule's order with the measured per-stage costs (no p2p latency), ms;
-    ``None`` when the measured costs do not make a valid problem."""
+    ``None`` when the measured costs do not make a valid problem. ``microbatches`` (global ids; a no-flush pattern
+    unrolled over K steps: the last step's): the span of those microbatches' passes instead — the first start to
+    the last end of their F, I, W and B — the same span the run's ``measured_makespan_ms`` reads from the last
+    step's records."""
     problem = schedule.problem
     inst = compile_problem(problem)
     num_model = problem.pipeline.num_stages
@@ -224,6 +229,11 @@ def simulate_with_measured_costs(schedule: Schedule, costs: dict[str, list[float
                 "memory.limit": None,
             }
         )
-        return simulate(compile_problem(measured), schedule.orders(), check_memory=False).makespan
+        inst = compile_problem(measured)
+        timed = simulate(inst, schedule.orders(), check_memory=False)
     except Exception:
         return None
+    if microbatches is None:
+        return timed.makespan
+    chosen = [k for k, a in enumerate(inst.actions) if a.is_compute and a.microbatch in microbatches]
+    return max(timed.end[k] for k in chosen) - min(timed.start[k] for k in chosen) if chosen else None
