@@ -244,23 +244,25 @@ class Estimator:
         t, b, ep = config.tensor_parallel, config.micro_batch_size, config.expert_parallel
         layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep)
         software = self.hardware.software.model_copy(update={"unknown_ring_flash_attention_2_share": 1.0})
-        pytorch = transformer_layer(
-            model,
-            replace(self.hardware, software=software),
-            self.tensor_parallel(t),
-            self.cluster,
-            moe=model.is_moe,
-            context_parallel=ContextParallel(size=c),
-            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
-        )
+        hardware = replace(self.hardware, software=software)
+        pytorch = self._layer(model, self.tensor_parallel(t), c, ep, moe=model.is_moe, hardware=hardware)
         planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
         slow = pytorch.forward_ms + pytorch.backward_input_ms + pytorch.backward_weight_ms
         return math.log(slow / planned) if planned > 0 else 0.0
 
-    def _layer(self, model: ModelConfig, tp: TensorParallel | None, c: int, ep: int, *, moe: bool) -> Block:
+    def _layer(
+        self,
+        model: ModelConfig,
+        tp: TensorParallel | None,
+        c: int,
+        ep: int,
+        *,
+        moe: bool,
+        hardware: Hardware | None = None,
+    ) -> Block:
         return transformer_layer(
             model,
-            self.hardware,
+            hardware or self.hardware,
             tp,
             self.cluster,
             moe=moe,
