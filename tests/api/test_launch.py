@@ -255,6 +255,15 @@ def test_torchtitan_args_without_a_preset_config_name_the_fix() -> None:
     assert own[-1] == "activation-checkpoint:full" and "--training.disable_cuda_graphs" in own
 
 
+def test_torchtitan_compiles_where_the_prediction_assumed_compiled_kernels() -> None:
+    unsaid = spec()
+    assert unsaid.model.kernels == "unknown" and "--compile.enable" in torchtitan_launch(unsaid).args
+    eager = spec(model=unsaid.model.model_copy(update={"kernels": "eager"}))
+    assert "--compile.enable" not in torchtitan_launch(eager).args
+    compiled = spec(model=unsaid.model.model_copy(update={"kernels": "compiled"}))
+    assert "--compile.enable" in torchtitan_launch(compiled).args
+
+
 def test_fp8_plan_on_a_bf16_config_writes_a_config_module() -> None:
     launch = torchtitan_launch(spec(precision="fp8"))
     assert launch.args[:4] == ["--module", "pipesched_torchtitan", "--config", "llama3_8b_float8"]
