@@ -11,8 +11,9 @@ torch 1963fc8, torchtitan 9dec370): Grand Teton hosts of 8 H100s (96 GB HBM2e, 2
 - Table 4, Llama 3.1 70B, 256 GPUs, FSDP 32 × TP 8, local batch 16 (global 512), full AC, torch.compile +
   Float8: 829 / 71.9.
 - Table 5, Llama 3.1 405B, 512 GPUs, FSDP 8 × TP 8 × PP 8, local batch 32 (global 256), full AC,
-  torch.compile + Float8 + AsyncTP: 1F1B 100 / 82.5; Interleaved 1F1B 128 / 72.7 (microbatch size 1,
-  torchtitan's default; two stages per rank assumed for the interleaved schedule).
+  torch.compile + Float8 + AsyncTP: 1F1B 100 / 82.5; Interleaved 1F1B 128 / 72.7 (8 microbatches of 4:
+  torchtitan 9dec370 splits the local batch into as many microbatches as pipeline ranks unless told otherwise,
+  ``torchtitan/parallelisms/pipelining_utils.py``; two stages per rank assumed for the interleaved schedule).
 
 For each: the planner's prediction for torchtitan's own layout (every dimension pinned in ``search``), the same
 with the kernels not said (the default, kernels "unknown": what a request naming only the layout and precision
@@ -113,7 +114,7 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
             "tensor_parallel": [8],
             "sharding": ["full"],
             "stages_per_rank": [1],
-            "micro_batch_size": [1],
+            "micro_batch_size": [4],
             "activation_recomputation": ["full"],
             "method": ["1f1b"],
         },
@@ -132,7 +133,7 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
             "sharding": ["full"],
             "stages_per_rank": [2],
             "placement": ["loop"],
-            "micro_batch_size": [1],
+            "micro_batch_size": [4],
             "activation_recomputation": ["full"],
             "method": ["interleaved-1f1b"],
         },
