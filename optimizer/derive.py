@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import data_parallel_costs, group_link
+from pipesched.optimizer.cost.collectives import data_parallel_costs
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
@@ -242,8 +242,7 @@ def _add_collectives(
     costs = dict(document["costs"])
     unshard, reduce_grad = collectives.unshard_ms, collectives.reduce_grad_ms
     if not costs_given and dp.size > 1:
-        share = group_link(achieved, dp.size, tp_size)[0] / achieved.intra_node_bandwidth_bytes_per_s
-        unshard, reduce_grad = _hide_behind_compute(document, costs, parts, derived, (unshard, reduce_grad), share)
+        unshard, reduce_grad = _hide_behind_compute(document, costs, parts, derived, unshard, reduce_grad)
     derived_costs = [("reduce_grad", reduce_grad)]
     if dp.size > 1:
         derived_costs += [("unshard", unshard), ("optimizer_step", collectives.optimizer_step_ms)]
@@ -264,17 +263,15 @@ def _hide_behind_compute(
     costs: dict[str, Any],
     parts: _DerivationInput,
     derived: DerivedProblem,
-    collectives: tuple[list[float], list[float]],
-    contention_share: float,
+    unshard: list[float],
+    reduce_grad: list[float],
 ) -> tuple[list[float], list[float]]:
     """The collectives' exposure unit by unit (:func:`pipesched.optimizer.cost.overlap.stage_overlap`): the
     step model's UNSHARD/REDUCE_GRAD times, and the derived F and I (in ``costs``) plus their stalls and
     slowdown. One stage per rank resharding after forward is FSDP's per-microbatch gathering, timed inside
     F and I: the document then gathers once (``reshard_after_forward`` false) and keeps the resharded
-    footprint (two units gathered, ``memory.weights``). ``collectives``: the stages' UNSHARD and REDUCE_GRAD
-    times; ``contention_share``: the group's achieved bandwidth over the node's (the slowdown's scale)."""
+    footprint (two units gathered, ``memory.weights``)."""
     dp, pipeline = parts.data_parallel, parts.pipeline
-    unshard, reduce_grad = collectives
     assert dp is not None and derived.hardware is not None
     per_microbatch = pipeline.num_stages == 1 and dp.sharding == "full" and dp.reshard_after_forward
     forward, backward_input = list(costs["forward"]), list(costs["backward_input"])
@@ -289,7 +286,6 @@ def _hide_behind_compute(
             num_microbatches=pipeline.num_microbatches,
             per_microbatch=per_microbatch,
             slowdown=derived.hardware.profile.overlap_slowdown,
-            contention_share=contention_share,
         )
         new_unshard.append(round(exposure.unshard_ms, 6))
         new_reduce.append(round(exposure.reduce_grad_ms, 6))

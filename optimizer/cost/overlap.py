@@ -16,14 +16,8 @@ the compute), a reduction of R ms beside a backward of B ms for u·R + (1 − u)
   gradients (sharded gradients cannot be accumulated unsharded). The step model keeps one UNSHARD (the first
   unit, free of compute) and one REDUCE_GRAD (the last unit's reduction); every microbatch's F and I carry
   the rest of their exposed collectives, so the sum over the step is m times the per-microbatch exposure.
-- **Beside compute**, every collective slows the compute it overlaps by ``overlap_slowdown`` of the time it would
-  take at the node's achieved NVLink rate, spread over the stage's passes: NCCL's kernels copy and reduce every
-  byte through SMs and HBM, taking channels (one SM each) in proportion to the rate the link sustains (NCCL
-  user guide, "User Buffer Registration": registered zero-copy buffers "greatly reduce the resource usage (e.g.
-  #channel usage)"; PyTorch PR 150564 enables them for FSDP2 to cut "contention"). A collective spread over
-  nodes that one network link per GPU paces (a data-parallel group of one rank per node) moves its bytes slowly
-  and costs the compute in proportion to its bytes, not to its longer time: ``contention_share`` = the group's
-  achieved bandwidth over the node's.
+- **Beside compute**, every collective slows the compute it overlaps by ``overlap_slowdown`` of its own time
+  (shared SMs and memory bandwidth), spread over the stage's passes.
 """
 
 from __future__ import annotations
@@ -53,7 +47,6 @@ def stage_overlap(
     num_microbatches: int,
     per_microbatch: bool,
     slowdown: float,
-    contention_share: float = 1.0,
 ) -> StageOverlap:
     """The module docstring's exposure of one stage.
 
@@ -65,11 +58,8 @@ def stage_overlap(
         per_microbatch: FSDP without pipelining, resharding after forward (every microbatch gathers twice and
             reduces once).
         slowdown: the profile's ``overlap_slowdown``.
-        contention_share: the data-parallel group's achieved bandwidth over the node's NVLink rate (≤ 1; module
-            docstring).
     """
     u = min(1.0, max(unit_fraction, 0.0))
-    slowdown *= min(1.0, max(contention_share, 0.0))
     m = max(num_microbatches, 1)
     if not per_microbatch:
         unshard = u * gather_ms + (1 - u) * max(0.0, gather_ms - forward_ms)

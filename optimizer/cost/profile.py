@@ -20,9 +20,7 @@ or to a user's own runs (``pipesched calibrate``). Where each enters the time of
   nominal per-GPU link (NVLink inside a node, the network between nodes). nccl-tests (PERFORMANCE.md) report
   about 360–480 GB/s bus bandwidth on NVLink 4 (450 GB/s per direction) and 40–48 GB/s on a 400 Gb/s NIC.
 - ``overlap_slowdown``: compute running beside a data-parallel collective is slowed by this fraction of the
-  time the collective would take at the node's achieved NVLink rate (the two share SMs and memory bandwidth, and
-  NCCL's kernels take both in proportion to the rate they move bytes: a collective held back by a slower network
-  link costs the compute no more for the same bytes; :mod:`pipesched.optimizer.cost.overlap`).
+  collective's time (the two share SMs and memory bandwidth).
 - ``activation_memory_factor``: allocator reserve (fragmentation, workspaces) over the modelled activations,
   fitted to published peak memory.
 - ``memory_headroom_fraction`` and ``context_bytes``: the default ``cluster.memory_headroom_bytes`` =
