@@ -27,6 +27,10 @@ class Accelerator:
         memory_bandwidth_bytes_per_s: device memory (HBM/GDDR) bandwidth, bytes/s.
         source: where the figures come from.
         fp8_flops_per_s: dense fp8 tensor-core peak, FLOP/s (None: no FP8 tensor cores).
+        flops_per_exponential: dense bf16 tensor-core FLOPs per exponential of the special-function units in the
+            same time (peak ÷ exponentials per second: SMs × 16 SFU lanes × clock on NVIDIA's GA100/GH100);
+            FlashAttention's softmax takes one exponential per score (:mod:`pipesched.optimizer.cost.timing`).
+            None where not stated: attention's speed is then taken as independent of the head size.
     """
 
     name: str
@@ -35,23 +39,71 @@ class Accelerator:
     memory_bandwidth_bytes_per_s: float
     source: str
     fp8_flops_per_s: float | None = None
+    flops_per_exponential: float | None = None
 
+
+#: GA100 (A100 whitepaper, 2020: 108 SMs, 16 SFU lanes per SM, 1,410 MHz boost): 2.44e12 exponentials/s beside
+#: 312e12 bf16 FLOP/s.
+_GA100_FLOPS_PER_EXPONENTIAL = 312e12 / (108 * 16 * 1.41e9)
+#: GH100 SXM: "the H100 SXM5 GPU has 989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions"
+#: (Shah et al. 2024, FlashAttention-3, §3.1); H200 is the same die at the same clock.
+_GH100_SXM_FLOPS_PER_EXPONENTIAL = 989.5e12 / 3.9e12
+#: GH100 PCIe (H100 whitepaper, 2022: 114 SMs, 1,755 MHz boost, 16 SFU lanes per SM).
+_GH100_PCIE_FLOPS_PER_EXPONENTIAL = 756.5e12 / (114 * 16 * 1.755e9)
 
 CATALOGUE: dict[str, Accelerator] = {
     accelerator.name: accelerator
     for accelerator in (
         # NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS dense; 40GB HBM2 1,555 GB/s (SXM).
-        Accelerator("A100-40GB", 312e12, 40 * GIB, 1.555e12, "NVIDIA A100 datasheet, SXM 40GB"),
+        Accelerator(
+            "A100-40GB",
+            312e12,
+            40 * GIB,
+            1.555e12,
+            "NVIDIA A100 datasheet, SXM 40GB",
+            flops_per_exponential=_GA100_FLOPS_PER_EXPONENTIAL,
+        ),
         # Same datasheet: 80GB HBM2e, 2,039 GB/s (SXM). The Zero Bubble paper's profiles were taken on it.
-        Accelerator("A100-80GB", 312e12, 80 * GIB, 2.039e12, "NVIDIA A100 datasheet, SXM 80GB"),
+        Accelerator(
+            "A100-80GB",
+            312e12,
+            80 * GIB,
+            2.039e12,
+            "NVIDIA A100 datasheet, SXM 80GB",
+            flops_per_exponential=_GA100_FLOPS_PER_EXPONENTIAL,
+        ),
         # NVIDIA H100 Tensor Core GPU datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense, FP8 3,958 → 1,979;
         # 80GB, 3.35 TB/s.
-        Accelerator("H100-SXM", 989.5e12, 80 * GIB, 3.35e12, "NVIDIA H100 datasheet, H100 SXM", 1979e12),
+        Accelerator(
+            "H100-SXM",
+            989.5e12,
+            80 * GIB,
+            3.35e12,
+            "NVIDIA H100 datasheet, H100 SXM",
+            1979e12,
+            _GH100_SXM_FLOPS_PER_EXPONENTIAL,
+        ),
         # Same datasheet: PCIe BF16 1,513 TFLOPS with sparsity → 756.5 dense, FP8 3,026 → 1,513; 80GB, 2 TB/s.
-        Accelerator("H100-PCIe", 756.5e12, 80 * GIB, 2.0e12, "NVIDIA H100 datasheet, H100 PCIe", 1513e12),
+        Accelerator(
+            "H100-PCIe",
+            756.5e12,
+            80 * GIB,
+            2.0e12,
+            "NVIDIA H100 datasheet, H100 PCIe",
+            1513e12,
+            _GH100_PCIE_FLOPS_PER_EXPONENTIAL,
+        ),
         # NVIDIA H200 datasheet: SXM BF16 1,979 TFLOPS with sparsity → 989.5 dense, FP8 3,958 → 1,979; 141GB HBM3e,
         # 4.8 TB/s.
-        Accelerator("H200", 989.5e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet, H200 SXM", 1979e12),
+        Accelerator(
+            "H200",
+            989.5e12,
+            141 * GIB,
+            4.8e12,
+            "NVIDIA H200 datasheet, H200 SXM",
+            1979e12,
+            _GH100_SXM_FLOPS_PER_EXPONENTIAL,
+        ),
         # NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs (9 per GPU with sparsity → 4.5 dense);
         # B200 BF16 2.25 PFLOPS dense;
         # 1,440GB HBM3e for 8 GPUs → 180GB each, 8 TB/s each.

@@ -55,7 +55,11 @@ units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole
 every backward but its last with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
 torch 2.5–2.13), so FSDP accumulates the stage's unsharded gradients over the microbatches and reduces them
 once: a pipelined stage holds its whole fp32 gradient until REDUCE_GRAD (``memory.gradients`` = 4 B × the
-stage's parameters). Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
+stage's parameters). Each unit is its own collective (FSDP2's ``fully_shard`` per block, FSDP1's auto-wrap
+per block: one all-gather and one reduce-scatter call per unit; Zhao et al. 2023, §3), so each pays the
+ring's (d−1) steps of latency: a stage's UNSHARD and REDUCE_GRAD carry n·(d−1)·α for its n units (n = the
+stage's parameters over its largest unit's, the count of equal units), which matters at hundreds of ranks.
+Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
 buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
 compute: an upper bound by one unit.
 
@@ -247,10 +251,12 @@ def data_parallel_costs(
         gathered = min(params, 2 * unit) if reshard_after_forward else params
         weights.append(gathered * weight_bytes)
         gradients.append((unit if per_block and num_ranks == 1 else params) * GRADIENT_REDUCE_BYTES)
-        unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, latency) if sharding == "full" else 0.0)
+        # one collective per FSDP unit, each paying its ring's steps (module docstring: Granularity)
+        unit_latency = latency * max(1.0, params / unit) if per_block and unit > 0 else latency
+        unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, unit_latency) if sharding == "full" else 0.0)
         g_bytes = params * reduce_bytes
         if per_block:
-            reduce.append(reduce_scatter_ms(g_bytes, group, bandwidth, latency))
+            reduce.append(reduce_scatter_ms(g_bytes, group, bandwidth, unit_latency))
         else:
             reduce.append(all_reduce_ms(g_bytes, group, bandwidth, latency))
     rank_params = [0.0] * num_ranks

@@ -19,8 +19,8 @@ or to a user's own runs (``pipesched calibrate``). Where each enters the time of
 - ``collective_efficiency_intra`` / ``_inter``: achieved NCCL bus bandwidth as a fraction of the cluster's
   nominal per-GPU link (NVLink inside a node, the network between nodes). nccl-tests (PERFORMANCE.md) report
   about 360–480 GB/s bus bandwidth on NVLink 4 (450 GB/s per direction) and 40–48 GB/s on a 400 Gb/s NIC.
-- ``overlap_slowdown``: compute running beside a collective is slowed by this fraction of the collective's
-  time (the two share SMs and memory bandwidth).
+- ``overlap_slowdown``: compute running beside a data-parallel collective is slowed by this fraction of the
+  collective's time (the two share SMs and memory bandwidth).
 - ``activation_memory_factor``: allocator reserve (fragmentation, workspaces) over the modelled activations,
   fitted to published peak memory.
 - ``memory_headroom_fraction`` and ``context_bytes``: the default ``cluster.memory_headroom_bytes`` =
@@ -110,7 +110,9 @@ class SoftwareProfile(StrictModel):
         0.9,
         gt=0,
         le=1,
-        description="Fraction of the tensor-parallel collectives AsyncTP hides behind the matrix multiplies. "
+        description="Fraction of the tensor-parallel collectives AsyncTP hides behind the matrix multiplies, net "
+        "of what the overlapped transfers cost the multiplies (no overlap_slowdown on top: PyTorch's AsyncTP and "
+        "Transformer Engine's userbuffers move these bytes with copy engines or a few SMs, not NCCL's kernels). "
         "It decomposes each all-gather → matmul and matmul → reduce-scatter into t chunks (Wang et al. 2022, "
         "'Overlap communication with dependent computation via decomposition', §3), so the first gather and "
         "the last reduction chunk stay exposed and the smaller chunked multiplies run further from peak; "

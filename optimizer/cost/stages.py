@@ -55,6 +55,7 @@ from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile
 from pipesched.optimizer.cost.timing import (
     Hardware,
     PassTimes,
+    attention_head_size_factor,
     elementwise_ms,
     gemm_ms,
     gemms_ms,
@@ -199,6 +200,7 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
     accelerator = cluster.accelerator or (named.accelerator if named is not None else None)
     name = accelerator or "explicit"
     fp8: float | None = None
+    per_exponential: float | None = None
     if accelerator is not None:
         try:
             entry = get_accelerator(accelerator)
@@ -210,6 +212,7 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
         flops = flops if flops is not None else entry.flops_per_s
         bandwidth = bandwidth if bandwidth is not None else entry.memory_bandwidth_bytes_per_s
         fp8 = entry.fp8_flops_per_s * (flops / entry.flops_per_s) if entry.fp8_flops_per_s is not None else None
+        per_exponential = entry.flops_per_exponential
     errors = [
         (
             ("cluster", field_name),
@@ -232,7 +235,9 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
     efficiency = cluster.efficiency if cluster.efficiency is not None else profile.gemm_efficiency
     if cluster.attention_efficiency is not None:
         profile = profile.model_copy(update={"attention_efficiency": cluster.attention_efficiency})
-    return Hardware(name, float(memory), float(flops), float(bandwidth), efficiency, fp8, profile, software)
+    return Hardware(
+        name, float(memory), float(flops), float(bandwidth), efficiency, fp8, profile, software, per_exponential
+    )
 
 
 #: The software factors of an uncalibrated accelerator: the cost model as fitted to the Zero Bubble paper's
@@ -267,8 +272,8 @@ def _tensor_parallel_ms(
     """(exposed, total) tensor-parallel communication of one layer's F (equally I), ms.
 
     Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
-    ``async_tensor_parallel_hidden`` share of it runs beside the matrix multiplies and only slows them
-    (``overlap_slowdown``), the rest stays exposed.
+    ``async_tensor_parallel_hidden`` share of it (net of what it costs the multiplies it overlaps) runs beside
+    the matrix multiplies, the rest stays exposed.
     """
     t, _ = _tp(tensor_parallel)
     if t <= 1:
@@ -279,7 +284,7 @@ def _tensor_parallel_ms(
     total = tensor_parallel_layer_ms(model, t, achieved, latency)
     if tensor_parallel is not None and tensor_parallel.async_communication:
         hidden = hardware.software.async_tensor_parallel_hidden
-        return (1 - hidden + hidden * hardware.profile.overlap_slowdown) * total, total
+        return (1 - hidden) * total, total
     return total, total
 
 
@@ -287,12 +292,14 @@ def _attention_ms(
     flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False, context_parallel: int = 1
 ) -> float:
     """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that; under
-    PyTorch's context parallelism at :func:`~pipesched.optimizer.cost.context.ring_kernel_speed` of it), eager
+    PyTorch's context parallelism at :func:`~pipesched.optimizer.cost.context.ring_kernel_speed` of it; heads
+    other than 128 wide scaled by :func:`~pipesched.optimizer.cost.timing.attention_head_size_factor`), eager
     attention's products at the matrix-multiply rate, ms."""
     if model.attention == "flash":
         speed = hardware.software.attention_backward_speed if backward else 1.0
         speed *= ring_kernel_speed(model, hardware, context_parallel)
-        return 1e3 * flops / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
+        head_size = attention_head_size_factor(model, hardware, backward=backward)
+        return 1e3 * flops * head_size / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
     return 1e3 * flops / hardware.effective_flops_per_s
 
 

@@ -15,7 +15,15 @@
   its s·b/(c·t) tokens, each expert M = s·b·k·imbalance·ep/(c·t·E) rows; without it every expert is split t
   ways and gets M = s·b·k·imbalance/(c·E). Small M is where fine-grained experts lose speed (the d½ term).
 - **FlashAttention** at ``attention_efficiency`` of the bf16 peak (its FLOPs from :mod:`.flops`), in bf16 also
-  under FP8 (torchao's Float8Linear and Transformer Engine convert the linear layers only).
+  under FP8 (torchao's Float8Linear and Transformer Engine convert the linear layers only). The efficiency is
+  fitted on heads of 128 (nearly every calibration row); other head sizes scale it by
+  :func:`attention_head_size_factor`: each score costs its products, 2·(d_qk + d_v) FLOPs forward and
+  2·(3·d_qk + 2·d_v) backward (Q·Kᵀ recomputed; dV, dP, dQ, dK: Dao 2023, FlashAttention-2, Alg. 2), plus one
+  exponential on the special-function units (forward; the backward recomputes P = exp(S − L)), which run far
+  slower than the tensor cores (the accelerator's ``flops_per_exponential``: 989 TFLOPS of matmul beside 3.9
+  TFLOPS of exponentials on the H100 SXM, Shah et al. 2024, FlashAttention-3). A score's time is then
+  products / peak + 1 / exponential rate, so a head of 64 runs further from peak than one of 128, and one of
+  192 closer.
 - **Elementwise work** (norms, activations, RoPE, residuals, dropout): ``traffic`` bytes at ``memory_efficiency``
   of the HBM bandwidth, scaled by the software's ``elementwise_traffic`` for the kernels mode.
 - **FP8 casts** (torchao Float8 tensorwise / Transformer Engine current scaling): every FP8 operand is cast from
@@ -32,11 +40,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.flops import attention_core_width
 from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile
 
 __all__ = [
+    "FITTED_HEAD_SIZE",
     "Hardware",
     "PassTimes",
+    "attention_head_size_factor",
     "elementwise_ms",
     "expert_gemms",
     "gemm_ms",
@@ -52,6 +63,7 @@ class Hardware:
 
     ``efficiency`` is the large matrix multiply's fraction of the bf16 peak (the profile's ``gemm_efficiency``,
     or ``cluster.efficiency`` when given). ``fp8_flops_per_s`` is None for accelerators without FP8 tensor cores.
+    ``flops_per_exponential``: the catalogue's bf16 FLOPs per special-function exponential (None: not stated).
     """
 
     name: str
@@ -62,6 +74,7 @@ class Hardware:
     fp8_flops_per_s: float | None = None
     profile: AcceleratorProfile = field(default_factory=lambda: AcceleratorProfile(name="explicit"))
     software: SoftwareProfile = field(default_factory=SoftwareProfile)
+    flops_per_exponential: float | None = None
 
     @property
     def effective_flops_per_s(self) -> float:
@@ -97,6 +110,36 @@ def gemm_ms(m: float, n: float, k: float, hardware: Hardware, precision: str = "
     peak, efficiency = hardware.peak(precision)
     half = hardware.profile.gemm_shape_dimension * (2.0 if precision == "fp8" and hardware.fp8_flops_per_s else 1.0)
     return 1e3 * 2 * m * n * k / (peak * efficiency) * (1 + half * (1 / m + 1 / n + 1 / k))
+
+
+#: The head size the fitted ``attention_efficiency`` stands for (the calibration rows' heads: module docstring).
+FITTED_HEAD_SIZE = 128
+
+
+def _score_cost(d_qk: float, d_v: float, flops_per_exponential: float, backward: bool) -> float:
+    """One attention score's cost in tensor-core FLOPs: its products plus one exponential (``flops_per_exponential``
+    FLOPs' worth of time)."""
+    products = 2 * (3 * d_qk + 2 * d_v) if backward else 2 * (d_qk + d_v)
+    return products + flops_per_exponential
+
+
+def attention_head_size_factor(model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
+    """FlashAttention's time per FLOP for the model's heads over that of heads of :data:`FITTED_HEAD_SIZE`
+    (module docstring); 1.0 where the accelerator's ``flops_per_exponential`` is not stated.
+
+    Per score: (products(d) + r) / products(d) against the same at d = 128, r the FLOPs per exponential, d_qk and
+    d_v the query/key and value head sizes (multi-head latent attention: d_nope + d_rope and d_v).
+    """
+    ratio = hardware.flops_per_exponential
+    if ratio is None:
+        return 1.0
+    width_qk, width_v = attention_core_width(model)
+    heads = model.num_attention_heads
+    d_qk, d_v = width_qk / heads, width_v / heads
+    fitted = FITTED_HEAD_SIZE
+    own = _score_cost(d_qk, d_v, ratio, backward) / _score_cost(d_qk, d_v, 0.0, backward)
+    reference = _score_cost(fitted, fitted, ratio, backward) / _score_cost(fitted, fitted, 0.0, backward)
+    return own / reference
 
 
 def elementwise_ms(traffic_bytes: float, hardware: Hardware) -> float:

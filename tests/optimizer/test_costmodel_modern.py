@@ -156,3 +156,26 @@ def test_llama_8b_at_8192_fits_with_flash_where_eager_did_not() -> None:
     assert isinstance(activation, list) and max(activation) < 10 * 1.4 * GIB * reserve
     with pytest.raises(ValidationError):  # eager: 11.3 GiB per layer, 90 GiB per stage and microbatch
         derive_problem(ModelConfig(preset="llama3.1-8b", attention="eager"), cluster, pipeline)
+
+
+def test_narrow_heads_run_attention_further_from_peak_through_the_exponentials() -> None:
+    from pipesched.optimizer.configs import ClusterConfig
+    from pipesched.optimizer.cost.timing import attention_head_size_factor
+
+    a100 = resolve_hardware(ClusterConfig(accelerator="A100-80GB"))
+    shape = {"num_layers": 24, "hidden_size": 1024, "seq_length": 4096, "vocab_size": 50368}
+    wide, narrow = ModelConfig(**shape, num_attention_heads=8), ModelConfig(**shape, num_attention_heads=16)
+    # 312 TFLOP/s beside 108 SMs x 16 SFU lanes x 1.41 GHz: 128 FLOPs per exponential; a score costs 4d (forward)
+    # or 10d (backward) FLOPs of products plus one exponential: (256 + 128)/256 over (512 + 128)/512 = 1.2
+    assert attention_head_size_factor(wide, a100) == pytest.approx(1.0)
+    assert attention_head_size_factor(narrow, a100) == pytest.approx(1.2, rel=1e-3)
+    assert attention_head_size_factor(narrow, a100, backward=True) == pytest.approx(1.2 / 1.1, rel=1e-3)
+    # Hopper's exponentials are scarcer (989 vs 3.9 TFLOP/s): narrow heads lose more there
+    h100 = resolve_hardware(ClusterConfig(accelerator="H100-SXM"))
+    assert attention_head_size_factor(narrow, h100) > attention_head_size_factor(narrow, a100)
+    # multi-head latent attention's 192-wide query/key heads run closer to peak; no stated figure: no change
+    mla = ModelConfig(preset="deepseek-v3")
+    assert attention_head_size_factor(mla, h100) < 1.0
+    assert attention_head_size_factor(narrow, resolve_hardware(ClusterConfig(accelerator="B200"))) == 1.0
+    forward = [transformer_layer(model, a100).forward_ms for model in (wide, narrow)]
+    assert forward[1] > forward[0]  # same FLOPs, narrower heads

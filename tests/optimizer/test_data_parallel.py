@@ -558,3 +558,28 @@ def test_fsdp_memory_counts_each_byte_once_with_one_units_unsharded_gradients() 
     # the peak holds static + the gathered 7/8 of the weights + activations, each once
     assert schedule.peak_memory[0] >= problem.static_memory[0] + 7 / 8 * problem.memory.weights[0]
     assert schedule.peak_memory[0] < 141 * 1024**3
+
+
+def test_every_fsdp_unit_is_its_own_ring_and_pays_its_latency() -> None:
+    from pipesched.optimizer.configs import ModelConfig
+    from pipesched.optimizer.cost.collectives import data_parallel_costs
+
+    def costs(sharding: str, largest_unit: float | None) -> Any:
+        return data_parallel_costs(
+            model=ModelConfig(**MODEL_52B),
+            cluster=ClusterConfig(**CLUSTER, gpus_per_node=8, collective_latency_ms=0.01),
+            stage_parameters=[1e9],
+            stage_holders=[[0]],
+            num_ranks=1,
+            data_parallel_size=512,
+            sharding=sharding,
+            memory_bandwidth_bytes_per_s=2e12,
+            stage_largest_unit=None if largest_unit is None else [largest_unit],
+        )
+
+    whole, units = costs("full", None), costs("full", 1e8)  # ten blocks of 1e8 parameters
+    ring_steps = 511 * 0.01
+    assert units.unshard_ms[0] - whole.unshard_ms[0] == pytest.approx(9 * ring_steps, rel=1e-6)
+    assert units.reduce_grad_ms[0] - whole.reduce_grad_ms[0] == pytest.approx(9 * ring_steps, rel=1e-6)
+    # DDP's all-reduce is not split by FSDP units
+    assert costs("none", 1e8).reduce_grad_ms == costs("none", None).reduce_grad_ms

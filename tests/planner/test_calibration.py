@@ -254,3 +254,17 @@ def test_held_out_rows_stay_out_of_the_fit_and_every_framework_weighs_the_same_i
         by_mode[kernels_mode(row)] = by_mode.get(kernels_mode(row), 0.0) + weight
     assert set(by_mode) == {"eager", "compiled", "fused"}
     assert all(share == pytest.approx(1 / 3) for share in by_mode.values())
+
+
+def test_mosaicmls_64_wide_heads_at_long_sequences_are_predicted_as_closely_as_the_128_wide() -> None:
+    # MPT 125M and 350M (heads of 64) from 16k tokens on, where attention is most of the step: before the
+    # exponentials' share of a score was modelled they ran 9-17% slower than predicted (attention fitted on 128)
+    rows = [
+        row
+        for row in fitting_measurements()
+        if row.source == "mpt_llm_foundry" and row.model.head_size == 64 and row.model.seq_length >= 16384
+    ]
+    assert len(rows) >= 8
+    errors = [predict(row).tokens_per_s_per_gpu / row.measured.tokens_per_s_per_gpu - 1 for row in rows]  # type: ignore[operator]
+    assert max(abs(e) for e in errors) <= 0.12
+    assert abs(statistics.median(errors)) <= 0.05
