@@ -128,7 +128,23 @@ def _rank_row(ranks: list[Any]) -> dict[str, Any]:
         return statistics.median(values) if values else 0.0
 
     rank = ranks[0]
+    collectives: dict[str, list[Any]] = {}
+    for report in ranks:
+        for span in report.collectives:
+            if not span.action.endswith("RESHARD"):
+                collectives.setdefault(span.action, []).append(span)
     return {
+        "collectives": [
+            {
+                "action": action,
+                "predicted": [spans[0].predicted_start, spans[0].predicted_end, spans[0].predicted_hidden_ms],
+                "measured": [
+                    statistics.median(getattr(s, name) for s in spans)
+                    for name in ("measured_start", "measured_end", "measured_hidden_ms", "replica_wait_ms")
+                ],
+            }
+            for action, spans in collectives.items()
+        ],
         "rank": rank.rank,
         "hidden_ms": median(lambda r: r.communication_hidden_ms),
         "exposed_ms": median(lambda r: r.communication_exposed_ms),
@@ -233,6 +249,8 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['case']:>8} {'yes' if row['verified'] else 'NO':>3} {row['predicted_ms']:10.1f} "
             f"{row['best_ms']:9.1f} {row['median_ms']:9.1f} {_percent(row['best_error']):>6}  {ranks}"
         )
+    for row in rows:
+        lines += _collective_lines(row)
     shapes = {row["shape"]: row for row in rows}
     for name, row in shapes.items():
         calibration = row.get("calibration")
@@ -245,6 +263,22 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
+    return lines
+
+
+def _collective_lines(row: dict[str, Any]) -> list[str]:
+    """Per rank and communication action of a data-parallel case: predicted start–end and hidden ms beside the
+    measured ones (medians over the rounds of the report's medians; ``wait``: for a slower replica)."""
+    lines = []
+    for rank in row["ranks"]:
+        for span in rank.get("collectives", []):
+            start, end, hidden = span["predicted"]
+            m_start, m_end, m_hidden, wait = span["measured"]
+            predicted = "—" if start is None else f"{start:7.1f}–{end:7.1f} hidden {hidden:5.1f}"
+            lines.append(
+                f"  {row['case']} r{rank['rank']} {span['action']:>13}: predicted {predicted} · measured "
+                f"{m_start:7.1f}–{m_end:7.1f} hidden {m_hidden:5.1f} (wait {wait:.1f})"
+            )
     return lines
 
 

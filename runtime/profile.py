@@ -410,7 +410,7 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
 
 
 #: Training steps of the calibration run (the first is left out: lazy initialisation).
-CALIBRATION_STEPS = 5
+CALIBRATION_STEPS = 8
 
 
 def _calibration_run(

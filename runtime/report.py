@@ -29,6 +29,7 @@ from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, 
 from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
 
 __all__ = [
+    "CollectiveSpan",
     "RankReport",
     "RunReport",
     "build_report",
@@ -36,6 +37,25 @@ __all__ = [
     "print_report",
     "print_training_summary",
 ]
+
+
+class CollectiveSpan(BaseModel):
+    """One communication action of a rank's step, predicted beside measured (ms from the step's start).
+
+    ``predicted_…``: the schedule's timeline (``None`` where the schedule has no such action: one the runtime added,
+    as a REDUCE_GRAD after the step); ``…_hidden_ms``: the part of the span while one of the rank's passes ran.
+    ``measured_…``: medians over the steps after the first, the span from the last dp peer's start to the end
+    (:func:`~pipesched.runtime.records.joined_communication`); ``replica_wait_ms``: the median wait before it for a
+    slower replica."""
+
+    action: str
+    predicted_start: float | None
+    predicted_end: float | None
+    predicted_hidden_ms: float | None
+    measured_start: float
+    measured_end: float
+    measured_hidden_ms: float
+    replica_wait_ms: float
 
 
 class RankReport(BaseModel):
@@ -49,7 +69,8 @@ class RankReport(BaseModel):
     stream held a collective before its last peer entered it (the wait for a slower replica: in the step time,
     in neither split). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
-    ``memory.static``.
+    ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
+    (:class:`CollectiveSpan`).
     """
 
     rank: int
@@ -69,6 +90,7 @@ class RankReport(BaseModel):
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
+    collectives: list[CollectiveSpan] = []
     step_times_ms: list[float]
     steps: list[StepCheck]
     actions: list[MeasuredAction]
@@ -206,6 +228,59 @@ def communication_overlap(
     return round(hidden, 6), round(total - hidden, 6)
 
 
+def _hidden(span: tuple[float, float], compute: list[tuple[float, float]]) -> float:
+    """The part of ``span`` during which one of ``compute`` (disjoint intervals, a rank's passes) ran, ms."""
+    start, end = span
+    return sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in compute)
+
+
+def _keyed(names: list[str]) -> list[tuple[str, int]]:
+    """Each action name with its occurrence (the n-th action of a name on a rank is the n-th of its peers')."""
+    seen: dict[str, int] = {}
+    keys = []
+    for name in names:
+        keys.append((name, seen.get(name, 0)))
+        seen[name] = keys[-1][1] + 1
+    return keys
+
+
+def collective_spans(
+    schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]]
+) -> list[CollectiveSpan]:
+    """Per communication action of the rank's step, predicted beside measured (:class:`CollectiveSpan`);
+    ``joined``: per step, the rank's communication from each collective's last dp peer's start."""
+    kinds = {kind.value for kind in COMMUNICATION_KINDS}
+    actions = schedule.ranks[result.pp_rank].actions
+    passes = [(a.start, a.end) for a in actions if a.kind in "FIWB"]
+    planned = [a for a in actions if a.kind in kinds]
+    predicted = dict(zip(_keyed([str(a.action) for a in planned]), planned, strict=True))
+    steps = range(1, len(result.steps)) if len(result.steps) > 1 else range(len(result.steps))
+    samples: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
+    for k in steps:
+        compute = _union([(a.start, a.end) for a in result.steps[k].actions])
+        raw = result.steps[k].communication
+        for key, span, own in zip(_keyed([c.action for c in joined[k]]), joined[k], raw, strict=True):
+            hidden = _hidden((span.start, span.end), compute)
+            samples.setdefault(key, []).append((span.start, span.end, hidden, span.start - own.start))
+    spans = []
+    for key, values in samples.items():
+        start, end, hidden, wait = (round(statistics.median(v[i] for v in values), 6) for i in range(4))
+        plan = predicted.get(key)
+        spans.append(
+            CollectiveSpan(
+                action=key[0],
+                predicted_start=None if plan is None else plan.start,
+                predicted_end=None if plan is None else plan.end,
+                predicted_hidden_ms=None if plan is None else round(_hidden((plan.start, plan.end), passes), 6),
+                measured_start=start,
+                measured_end=end,
+                measured_hidden_ms=hidden,
+                replica_wait_ms=wait,
+            )
+        )
+    return spans
+
+
 def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float | None]:
     kinds = {kind.value for kind in COMMUNICATION_KINDS}
     actions = schedule.ranks[pp].actions
@@ -259,6 +334,7 @@ def _rank_report(schedule: Schedule, result: RankResult, results: list[RankResul
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,
+        collectives=collective_spans(schedule, result, joined),
         step_times_ms=[step.time_ms for step in result.steps],
         steps=[step.check or StepCheck(step=k) for k, step in enumerate(result.steps)],
         actions=result.last.actions,

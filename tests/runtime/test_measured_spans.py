@@ -1,14 +1,15 @@
-"""The measured figures speak of the simulator's spans: a collective from its last dp peer's start to its end, and a
-steady no-flush run's simulated makespan over the last step, as its measured makespan (no processes here)."""
+"""The measured figures speak of the simulator's spans: a collective from its last dp peer's start to its end (per
+collective, predicted beside measured), and a steady no-flush run's simulated makespan over the last step, as its
+measured makespan (no processes here)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipesched.optimizer.solve import solve
+from pipesched.optimizer.solve import solve, solve_family
 from pipesched.runtime.launch import executable_step
-from pipesched.runtime.records import MeasuredAction, joined_communication
-from pipesched.runtime.report import communication_overlap
+from pipesched.runtime.records import MeasuredAction, RankResult, StepRecord, joined_communication
+from pipesched.runtime.report import _joined, collective_spans, communication_overlap
 from pipesched.runtime.verify import simulate_with_measured_costs
 from tests.conftest import uniform_problem
 
@@ -56,3 +57,35 @@ def test_the_steady_run_is_simulated_over_its_last_step():
     last = simulate_with_measured_costs(unrolled, costs, range(2 * m, 3 * m))
     assert whole is not None and last is not None
     assert 3 * m <= last < whole
+
+
+def test_each_collective_is_reported_predicted_beside_measured():
+    """Breadth-first pp 2 × dp 2: each rank's UNSHARD and REDUCE_GRAD predicted (the schedule's span and the part of
+    it beside the rank's passes) beside measured over the steps after the first, from the last peer's start."""
+    problem = uniform_problem(2, 4, stages_per_rank=2).with_changes(
+        **{
+            "data_parallel": {"size": 2, "sharding": "full"},
+            "costs.unshard": 2.0,
+            "costs.reduce_grad": 3.0,
+            "costs.optimizer_step": 1.0,
+            "objective": "step_time",
+        }
+    )
+    schedule = solve_family(problem, "looped-bfs")
+    rank0 = schedule.ranks[0].actions
+    reduce2 = next(a for a in rank0 if a.action == "2REDUCE_GRAD")
+    # Replica 0 enters 2REDUCE_GRAD 5 ms before replica 1, then a pass runs on it for 1 ms of its joined span.
+    steps = [
+        [StepRecord([_record("0W0", 100.0, 101.0)], [_record("2REDUCE_GRAD", start, 104.0)]) for start in (95.0, 100.0)]
+        for _ in range(3)
+    ]
+    results = [RankResult(rank=d, pp_rank=0, dp_rank=d, device="cpu", memory_measure="x") for d in (0, 1)]
+    for replica, result in enumerate(results):
+        result.steps = [step[replica] for step in steps]
+    spans = collective_spans(schedule, results[0], _joined(results[0], results))
+    (span,) = spans
+    assert span.action == "2REDUCE_GRAD"
+    assert (span.predicted_start, span.predicted_end) == (reduce2.start, reduce2.end)
+    assert span.predicted_hidden_ms == pytest.approx(3.0)  # 0I0/0W0 run beside it on the schedule's timeline
+    assert (span.measured_start, span.measured_end, span.measured_hidden_ms) == (100.0, 104.0, 1.0)
+    assert span.replica_wait_ms == pytest.approx(5.0)
