@@ -122,7 +122,7 @@ def test_a_schedule_with_communication_actions_runs_them(runs, case):
     for rank in report.ranks:
         stage = rank.pp_rank
         assert rank.predicted_communication_ms == pytest.approx(0.5 + 0.8)  # UNSHARD + REDUCE_GRAD (RESHARD 0)
-        assert rank.measured_communication_ms > 0
+        assert sum(c.duration_ms for c in rank.communication) > 0 and rank.measured_communication_ms >= 0
         names = [c.action for c in rank.communication]
         if COMMUNICATING[case] == "pipesched":
             assert names == [f"{stage}UNSHARD", f"{stage}REDUCE_GRAD", f"{stage}RESHARD"]
@@ -149,8 +149,9 @@ def test_every_replica_matches_the_global_batch_reference(runs, case):
     assert [r.rank for r in report.ranks] == [0, 1, 2, 3]
     for rank in report.ranks:
         # Every rank reduced its gradients over the dp group, and the time it took was measured beside the
-        # schedule's prediction.
-        assert rank.measured_communication_ms > 0
+        # schedule's prediction: its own collectives' spans (the report's figure counts each from the last
+        # replica's start, which cross-process clock alignment can put past a sub-millisecond all-reduce's end).
+        assert sum(c.duration_ms for c in rank.communication) > 0 and rank.measured_communication_ms >= 0
         assert rank.predicted_communication_ms is not None
         assert any(c.action.endswith("REDUCE_GRAD") for c in rank.communication)
     assert report.predicted_step_time_ms == schedule.step_time
