@@ -660,9 +660,11 @@ def _assemble(
 
 @dataclass(frozen=True)
 class Calibration:
-    """The calibration run (:mod:`pipesched.runtime.calibration`): its measured step (ms: the median over the steps
-    after the first of the slowest process), the simulator's step of the same order from the measured pieces
-    alone, and the overhead per pass fitted between them (added to every pass of the profile's problem)."""
+    """The calibration run (:mod:`pipesched.runtime.calibration`): its measured step (ms: the best step after the
+    first, each step timed on its slowest process — what a run's measured step is compared on; on a shared machine
+    the load only ever adds time, so the best step is the one nearest the undisturbed cost), the simulator's step
+    of the same order from the measured pieces alone, and the overhead per pass fitted between them (added to
+    every pass of the profile's problem)."""
 
     measured_ms: float
     predicted_ms: float
@@ -673,7 +675,7 @@ def _calibrate(problem: Problem, results: list[RankProfile]) -> Calibration | No
     if not all(r.calibration_ms for r in results):
         return None
     steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
-    measured = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    measured = min(steps[1:] if len(steps) > 1 else steps)
     orders = calibration_orders(problem)
     predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
     return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured))

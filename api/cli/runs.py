@@ -359,7 +359,7 @@ def _print_transfers(measured: Profile) -> None:
     calibration = measured.calibration
     if calibration is not None:
         console.print(
-            f"calibration run (every rank's forwards, then its backwards): measured {calibration.measured_ms:.3f} ms "
+            f"calibration run (every rank's forwards, then its backwards): best step {calibration.measured_ms:.3f} ms "
             f"per step against {calibration.predicted_ms:.3f} ms from the pieces alone: "
             f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above",
             highlight=False,
