@@ -257,6 +257,11 @@ def _tag(stage: int, microbatch: int, backward: bool, num_microbatches: int, met
     return (((stage * num_microbatches + microbatch) * 2 + int(backward)) * 2 + int(meta)) + 1
 
 
+def _shape(meta: torch.Tensor) -> list[int]:
+    """The tensor shape a message's header carries (``meta``: dtype code, rank, then the sizes)."""
+    return [int(x) for x in meta[2 : 2 + int(meta[1])]]
+
+
 class PointToPoint:
     """Tagged point-to-point transfers with a bounded wait (shape travels in a small header).
 
@@ -340,7 +345,7 @@ class PointToPoint:
         if posted is not None:
             meta_work, meta, tensor_work, tensor = posted
             self._wait(meta_work, what, peer)
-            if [int(x) for x in meta[2 : 2 + int(meta[1])]] != list(tensor.shape):
+            if _shape(meta) != list(tensor.shape):
                 raise PipelineRuntimeError(
                     "model", f"rank {self.rank}: {what} changed shape between microbatches (posted {tensor.shape})"
                 )
@@ -349,7 +354,7 @@ class PointToPoint:
         source = self.to_global(peer)
         meta = torch.zeros(_META_LEN, dtype=torch.int64, device=self.device)
         self._wait(dist.irecv(meta, src=source, tag=_tag(stage, microbatch, backward, self.m, True)), what, peer)
-        shape = [int(x) for x in meta[2 : 2 + int(meta[1])]]
+        shape = _shape(meta)
         tensor = torch.empty(shape, dtype=_DTYPES[int(meta[0])], device=self.device)
         self._wait(dist.irecv(tensor, src=source, tag=_tag(stage, microbatch, backward, self.m, False)), what, peer)
         self.layouts[stage, backward] = (shape, tensor.dtype)

@@ -15,7 +15,15 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime.options import TrainingOptions
 
-__all__ = ["MeasuredAction", "RankJob", "RankResult", "StepCheck", "StepRecord", "joined_communication"]
+__all__ = [
+    "MeasuredAction",
+    "RankJob",
+    "RankResult",
+    "StepCheck",
+    "StepRecord",
+    "joined_communication",
+    "occurrence_keys",
+]
 
 #: Digits kept of measured times (ms): nanoseconds.
 _DIGITS = 6
@@ -59,6 +67,17 @@ class MeasuredAction(_WithoutNone):
         return self.end - self.start
 
 
+def occurrence_keys(names: list[str]) -> list[tuple[str, int]]:
+    """Each action name with its occurrence among ``names`` (the n-th action of a name on one process is the n-th
+    of that name on its peers and in its row of the schedule)."""
+    seen: dict[str, int] = {}
+    keys = []
+    for name in names:
+        keys.append((name, seen.get(name, 0)))
+        seen[name] = keys[-1][1] + 1
+    return keys
+
+
 def joined_communication(peers: list[list[MeasuredAction]]) -> list[list[MeasuredAction]]:
     """The communication actions of one step on every process of one data-parallel group (the same pipeline rank,
     one list per replica), each collective starting when its last peer started it.
@@ -70,17 +89,11 @@ def joined_communication(peers: list[list[MeasuredAction]]) -> list[list[Measure
     is the n-th of that name on its peers (every peer issues them in its row's order). Times: ms from each process's
     step origin, taken after a common barrier, so comparable across processes within the barrier's skew.
     """
+    keyed = [occurrence_keys([record.action for record in row]) for row in peers]
     latest: dict[tuple[str, int], float] = {}
-    keyed = []
-    for row in peers:
-        seen: dict[str, int] = {}
-        keys = []
-        for record in row:
-            key = (record.action, seen.get(record.action, 0))
-            seen[record.action] = key[1] + 1
+    for row, keys in zip(peers, keyed, strict=True):
+        for record, key in zip(row, keys, strict=True):
             latest[key] = max(latest.get(key, record.start), record.start)
-            keys.append(key)
-        keyed.append(keys)
     return [
         [r.model_copy(update={"start": min(max(r.start, latest[k]), r.end)}) for r, k in zip(row, keys, strict=True)]
         for row, keys in zip(peers, keyed, strict=True)

@@ -24,7 +24,7 @@ from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_communication
+from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_communication, occurrence_keys
 from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, measured_costs
 from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
 
@@ -206,6 +206,10 @@ def _order_mismatches(schedule: Schedule, results: list[RankResult]) -> list[Ord
     return mismatches
 
 
+#: The communication action kinds (UNSHARD, RESHARD, REDUCE_GRAD, …) as a schedule's actions name them.
+_COMMUNICATION = frozenset(kind.value for kind in COMMUNICATION_KINDS)
+
+
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, end in sorted(i for i in intervals if i[1] > i[0]):
@@ -228,50 +232,34 @@ def communication_overlap(
     return round(hidden, 6), round(total - hidden, 6)
 
 
-def _hidden(span: tuple[float, float], compute: list[tuple[float, float]]) -> float:
-    """The part of ``span`` during which one of ``compute`` (disjoint intervals, a rank's passes) ran, ms."""
-    start, end = span
-    return sum(max(0.0, min(end, c_end) - max(start, c_start)) for c_start, c_end in compute)
-
-
-def _keyed(names: list[str]) -> list[tuple[str, int]]:
-    """Each action name with its occurrence (the n-th action of a name on a rank is the n-th of its peers')."""
-    seen: dict[str, int] = {}
-    keys = []
-    for name in names:
-        keys.append((name, seen.get(name, 0)))
-        seen[name] = keys[-1][1] + 1
-    return keys
-
-
 def collective_spans(
     schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]]
 ) -> list[CollectiveSpan]:
     """Per communication action of the rank's step, predicted beside measured (:class:`CollectiveSpan`);
     ``joined``: per step, the rank's communication from each collective's last dp peer's start."""
-    kinds = {kind.value for kind in COMMUNICATION_KINDS}
     actions = schedule.ranks[result.pp_rank].actions
     passes = [(a.start, a.end) for a in actions if a.kind in "FIWB"]
-    planned = [a for a in actions if a.kind in kinds]
-    predicted = dict(zip(_keyed([str(a.action) for a in planned]), planned, strict=True))
+    planned = [a for a in actions if a.kind in _COMMUNICATION]
+    predicted = dict(zip(occurrence_keys([str(a.action) for a in planned]), planned, strict=True))
     steps = range(1, len(result.steps)) if len(result.steps) > 1 else range(len(result.steps))
     samples: dict[tuple[str, int], list[tuple[float, float, float, float]]] = {}
     for k in steps:
-        compute = _union([(a.start, a.end) for a in result.steps[k].actions])
+        compute = [(a.start, a.end) for a in result.steps[k].actions]
         raw = result.steps[k].communication
-        for key, span, own in zip(_keyed([c.action for c in joined[k]]), joined[k], raw, strict=True):
-            hidden = _hidden((span.start, span.end), compute)
+        for key, span, own in zip(occurrence_keys([c.action for c in joined[k]]), joined[k], raw, strict=True):
+            hidden, _ = communication_overlap(compute, [(span.start, span.end)])
             samples.setdefault(key, []).append((span.start, span.end, hidden, span.start - own.start))
     spans = []
     for key, values in samples.items():
         start, end, hidden, wait = (round(statistics.median(v[i] for v in values), 6) for i in range(4))
         plan = predicted.get(key)
+        predicted_hidden = None if plan is None else communication_overlap(passes, [(plan.start, plan.end)])[0]
         spans.append(
             CollectiveSpan(
                 action=key[0],
                 predicted_start=None if plan is None else plan.start,
                 predicted_end=None if plan is None else plan.end,
-                predicted_hidden_ms=None if plan is None else round(_hidden((plan.start, plan.end), passes), 6),
+                predicted_hidden_ms=predicted_hidden,
                 measured_start=start,
                 measured_end=end,
                 measured_hidden_ms=hidden,
@@ -282,28 +270,30 @@ def collective_spans(
 
 
 def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float | None]:
-    kinds = {kind.value for kind in COMMUNICATION_KINDS}
     actions = schedule.ranks[pp].actions
-    communication = [(a.start, a.end) for a in actions if a.kind in kinds]
+    communication = [(a.start, a.end) for a in actions if a.kind in _COMMUNICATION]
     if not communication:
         return None, None
     return communication_overlap([(a.start, a.end) for a in actions if a.kind in "FIWB"], communication)
 
 
-def _joined(result: RankResult, results: list[RankResult]) -> list[list[MeasuredAction]]:
-    """Per step, the process's communication with each collective from its last dp peer's start
-    (:func:`~pipesched.runtime.records.joined_communication`)."""
-    group = sorted((r for r in results if r.pp_rank == result.pp_rank), key=lambda r: r.dp_rank)
-    mine = group.index(result)
-    return [joined_communication([r.steps[k].communication for r in group])[mine] for k in range(len(result.steps))]
+def _joined(results: list[RankResult]) -> dict[int, list[list[MeasuredAction]]]:
+    """Per process (its global rank), per step, its communication with each collective from its last dp peer's
+    start (:func:`~pipesched.runtime.records.joined_communication`), each data-parallel group joined once."""
+    joined: dict[int, list[list[MeasuredAction]]] = {r.rank: [] for r in results}
+    for pp_rank in {r.pp_rank for r in results}:
+        group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
+        for k in range(min(len(r.steps) for r in group)):
+            for result, row in zip(group, joined_communication([r.steps[k].communication for r in group]), strict=True):
+                joined[result.rank].append(row)
+    return joined
 
 
-def _rank_report(schedule: Schedule, result: RankResult, results: list[RankResult]) -> RankReport:
+def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]]) -> RankReport:
+    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it."""
     pp = result.pp_rank
-    joined = _joined(result, results)
     communication_per_step = [sum(c.duration_ms for c in step) for step in joined]
-    kinds = {kind.value for kind in COMMUNICATION_KINDS}
-    predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in kinds]
+    predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in _COMMUNICATION]
     overlap = [
         communication_overlap([(a.start, a.end) for a in step.actions], [(c.start, c.end) for c in communication])
         for step, communication in zip(result.steps, joined, strict=True)
@@ -438,6 +428,7 @@ def build_report(
     tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
     verification = _verification(inst, m, results, reference, options, tolerance)
     mismatches = _order_mismatches(schedule, results)
+    joined = _joined(results)
     verification["verified"] = bool(verification["verified"] and not mismatches)
     versus_synchronous = None
     if synchronous_reference is not None:
@@ -449,7 +440,7 @@ def build_report(
         max_rel_param_error_vs_synchronous=versus_synchronous,
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
-        ranks=[_rank_report(prediction or schedule, r, results) for r in sorted(results, key=lambda r: r.rank)],
+        ranks=[_rank_report(prediction or schedule, r, joined[r.rank]) for r in sorted(results, key=lambda r: r.rank)],
         training=None if options is None else _training_fields(options),
         data_parallel=DataParallelReport(
             size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)

@@ -82,7 +82,7 @@ def test_each_collective_is_reported_predicted_beside_measured():
     results = [RankResult(rank=d, pp_rank=0, dp_rank=d, device="cpu", memory_measure="x") for d in (0, 1)]
     for replica, result in enumerate(results):
         result.steps = [step[replica] for step in steps]
-    spans = collective_spans(schedule, results[0], _joined(results[0], results))
+    spans = collective_spans(schedule, results[0], _joined(results)[results[0].rank])
     (span,) = spans
     assert span.action == "2REDUCE_GRAD"
     assert (span.predicted_start, span.predicted_end) == (reduce2.start, reduce2.end)
