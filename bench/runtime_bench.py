@@ -112,13 +112,6 @@ def _profile(shape: Shape, model: str, repeats: int) -> Any:
     return profile
 
 
-def _steady(case: Case, steps: list[float]) -> list[float]:
-    """The steps a case's time per step is read from: after the first (lazy initialisation, a pattern's warm-up),
-    and for a pattern run in steady state before the last (its drain): every case's steps then hold the same work,
-    m microbatches' F, I, W (or B) and one optimizer step per stage."""
-    return steps[1:-1] if case.two_weight_versions and len(steps) > 2 else steps[1:] or steps
-
-
 def _rank_row(ranks: list[Any]) -> dict[str, Any]:
     """One process over the rounds: hidden / exposed / replica wait as medians over every round's steps after the
     first, predicted beside, static memory."""
@@ -162,8 +155,10 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
     """What the bench prints of one case over its rounds: predicted beside measured. ``best``: the fastest step
     after the first over every round; ``median``: the median of the rounds' medians (the report's
     ``measured_step_time_ms``)."""
+    from pipesched.runtime.report import steady_steps
+
     predicted = reports[0].predicted_step_time_ms
-    steady = [_steady(case, report.measured_step_times_ms) for report in reports]
+    steady = [steady_steps(report.measured_step_times_ms, case.two_weight_versions) for report in reports]
     best = min(min(steps) for steps in steady)
     return {
         "case": case.label,

@@ -36,6 +36,7 @@ __all__ = [
     "communication_overlap",
     "print_report",
     "print_training_summary",
+    "steady_steps",
 ]
 
 
@@ -396,7 +397,7 @@ def _timing(schedule: Schedule, prediction: Schedule, results: list[RankResult],
         "measured_costs_ms": costs,
         "predicted_step_time_ms": predicted_step,
         "predicted_step_time_from": predicted_from,
-        "measured_step_time_ms": round(statistics.median(_steady(per_step, prediction is not schedule)), 6),
+        "measured_step_time_ms": round(statistics.median(steady_steps(per_step, prediction is not schedule)), 6),
         "measured_step_times_ms": per_step,
     }
 
@@ -464,8 +465,10 @@ def _last_step(prediction: Schedule, steps: int) -> range | None:
     return range((steps - 1) * m, steps * m)
 
 
-def _steady(per_step: list[float], pattern: bool) -> list[float]:
-    """The steps the measured step time is read from (:func:`_timing`)."""
+def steady_steps(per_step: list[float], pattern: bool) -> list[float]:
+    """The steps a run's time per step is read from (:func:`_timing`): after the first (lazy initialisation, a
+    pattern's warm-up), and for a no-flush ``pattern`` run in steady state before the last (its drain), so that
+    every step counted holds the same work, m microbatches and one optimizer step per stage."""
     if pattern and len(per_step) > 2:
         return per_step[1:-1]
     return per_step[1:] if len(per_step) > 1 else per_step
