@@ -45,7 +45,7 @@ from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, StepRecord, joined_communication
+from pipesched.runtime.records import MeasuredAction, StepRecord, joined_steps
 
 __all__ = [
     "SPREAD_WARNING",
@@ -442,10 +442,9 @@ def _join_calibration(results: list[RankProfile]) -> None:
     slower replica is left to the step: the calibration's per-pass overhead holds it."""
     for pp_rank in {r.pp_rank for r in results}:
         group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
-        steps = min(len(r.calibration_communication) for r in group)
-        joined = [joined_communication([r.calibration_communication[k] for r in group]) for k in range(steps)]
-        for replica, result in enumerate(group):
-            result.calibration_collectives = _collective_durations([step[replica] for step in joined])
+        joined = joined_steps([r.calibration_communication for r in group])
+        for result, steps in zip(group, joined, strict=True):
+            result.calibration_collectives = _collective_durations(steps)
 
 
 def _collective_durations(steps: list[list[MeasuredAction]]) -> dict[tuple[str, int], list[float]]:

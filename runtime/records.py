@@ -22,6 +22,7 @@ __all__ = [
     "StepCheck",
     "StepRecord",
     "joined_communication",
+    "joined_steps",
     "occurrence_keys",
 ]
 
@@ -98,6 +99,15 @@ def joined_communication(peers: list[list[MeasuredAction]]) -> list[list[Measure
         [r.model_copy(update={"start": min(max(r.start, latest[k]), r.end)}) for r, k in zip(row, keys, strict=True)]
         for row, keys in zip(peers, keyed, strict=True)
     ]
+
+
+def joined_steps(replicas: list[list[list[MeasuredAction]]]) -> list[list[list[MeasuredAction]]]:
+    """:func:`joined_communication` step by step: ``replicas``, per replica of one data-parallel group (dp order),
+    per step, its communication records; the same shape back over the steps every replica ran, each collective
+    from its last peer's start."""
+    steps = min(len(rows) for rows in replicas)
+    per_step = [joined_communication([rows[k] for rows in replicas]) for k in range(steps)]
+    return [[per_step[k][i] for k in range(steps)] for i in range(len(replicas))]
 
 
 class StepCheck(_WithoutNone):

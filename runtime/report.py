@@ -24,7 +24,7 @@ from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_communication, occurrence_keys
+from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_steps, occurrence_keys
 from pipesched.runtime.verify import TOLERANCE, Comparison, Reference, compare, measured_costs
 from pipesched.runtime.verify import simulate_with_measured_costs as simulate_measured
 
@@ -281,12 +281,11 @@ def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float
 def _joined(results: list[RankResult]) -> dict[int, list[list[MeasuredAction]]]:
     """Per process (its global rank), per step, its communication with each collective from its last dp peer's
     start (:func:`~pipesched.runtime.records.joined_communication`), each data-parallel group joined once."""
-    joined: dict[int, list[list[MeasuredAction]]] = {r.rank: [] for r in results}
+    joined: dict[int, list[list[MeasuredAction]]] = {}
     for pp_rank in {r.pp_rank for r in results}:
         group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
-        for k in range(min(len(r.steps) for r in group)):
-            for result, row in zip(group, joined_communication([r.steps[k].communication for r in group]), strict=True):
-                joined[result.rank].append(row)
+        rows = joined_steps([[step.communication for step in r.steps] for r in group])
+        joined.update((r.rank, steps) for r, steps in zip(group, rows, strict=True))
     return joined
 
 
