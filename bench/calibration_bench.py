@@ -33,6 +33,7 @@ from pipesched.optimizer.calibration.catalogue import (
     fit_memory_factor,
     fit_unknown_kernels,
     measured_mfu,
+    row_kernels_class,
 )
 from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
 from pipesched.optimizer.calibration.predict import predict
@@ -63,6 +64,11 @@ def summary(errors: list[float]) -> dict[str, float]:
     }
 
 
+def _inside(log_error: float, accelerator: tuple[float, float], framework: tuple[float, float]) -> bool:
+    """Whether log(published / predicted) lies inside the union of the accelerator's and the framework's interval."""
+    return min(accelerator[0], framework[0]) <= log_error <= max(accelerator[1], framework[1])
+
+
 def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
     """The rows of :data:`HOLDOUT`, never fitted, predicted with their own kernels mode and with "unknown":
     error, and whether the published figure lies inside the plan's 80% interval."""
@@ -73,7 +79,7 @@ def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
         for row, value in zip(rows, predicted, strict=True):
             low, high = catalogue.profiles[row.accelerator].held_out_log_error
             if mode == "unknown":
-                unknown_low, unknown_high = catalogue.software.unknown_kernels_log_error
+                unknown_low, unknown_high = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)]
                 low, high = min(low, unknown_low), max(high, unknown_high)
             ratio = math.log(row.measured.tokens_per_s_per_gpu / value)
             records.append(
@@ -109,7 +115,6 @@ def run(iterations: int) -> dict[str, Any]:
     fitted = f"bench/calibration_bench.py, {len(rows)} rows, {time.strftime('%Y-%m-%d')}"
     catalogue = build_catalogue(rows, result, factor, fitted=fitted)
     catalogue, unknown_errors = fit_unknown_kernels(rows, catalogue)
-    unknown_low, unknown_high = catalogue.software.unknown_kernels_log_error
     predicted = predict_rows(rows, catalogue)
     records = []
     with use_catalogue(catalogue):
@@ -127,9 +132,11 @@ def run(iterations: int) -> dict[str, Any]:
                     "loo_error": round(_percent(result.loo_log_error[i]), 4),
                     "group_error": round(_percent(result.group_log_error[i]), 4),
                     "unknown_kernels_error": round(_percent(unknown_errors[i]), 4),
-                    "unknown_kernels_in_interval": min(low, unknown_low)
-                    <= unknown_errors[i]
-                    <= max(high, unknown_high),
+                    "unknown_kernels_in_interval": _inside(
+                        unknown_errors[i],
+                        (low, high),
+                        catalogue.software.unknown_kernels_log_error[row_kernels_class(row)],
+                    ),
                     "in_interval": predicted[i] * math.exp(low)
                     <= row.measured.tokens_per_s_per_gpu
                     <= predicted[i] * math.exp(high),
@@ -151,7 +158,7 @@ def run(iterations: int) -> dict[str, Any]:
         "leave_one_out": summary(result.loo_log_error),
         "leave_one_group_out": summary(result.group_log_error),
         "unknown_kernels": summary(unknown_errors),
-        "unknown_kernels_traffic": round(catalogue.software.elementwise_traffic["unknown"], 4),
+        "unknown_kernels_shares": catalogue.software.unknown_kernels_shares,
         "unknown_kernels_in_interval": round(sum(r["unknown_kernels_in_interval"] for r in records) / len(records), 4),
         "in_interval": round(sum(r["in_interval"] for r in records) / len(records), 4),
         "holdout": holdout(catalogue),
@@ -177,7 +184,7 @@ def table(report: dict[str, Any]) -> str:
         "",
         f"Published figure inside the 80% interval: {report['in_interval']:.0%} of rows. "
         f"Activation memory factor {report['activation_memory_factor']:.2f}. Kernels 'unknown' (every row predicted "
-        f"with its framework ignored): elementwise traffic {report['unknown_kernels_traffic']:.3g}, published "
+        f"with its framework ignored): kernels shares by layout class {report['unknown_kernels_shares']}, published "
         f"figure inside that mode's 80% interval in {report['unknown_kernels_in_interval']:.0%} of rows.",
         "",
         "Held out (bench/data/calibration_holdout.json: published runs the fit never saw):",

@@ -14,7 +14,7 @@ and batch then gives the planner's own best layout for the cases of ``FREE_CASES
 the plan carries one).
 
 Run: ``python -m bench.cpep_bench [--time-limit S] [--free-time-limit S] [--only SUBSTRING] [--output FILE]
-[--default-kernels] [--fit-host | --fit-ring]``.
+[--default-kernels] [--fit-host]``.
 """
 
 from __future__ import annotations
@@ -255,21 +255,10 @@ def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) ->
 
 #: Candidate host times of one MoE layer's forward (ms) for ``--fit-host`` (``SoftwareProfile.moe_layer_host_ms``).
 HOST_GRID = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
-#: Candidate shares of PyTorch's FlashAttention-2 ring under kernels "unknown" for ``--fit-ring``
-#: (``SoftwareProfile.unknown_ring_flash_attention_2_share``).
-RING_GRID = (0.0, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
 
 def _median_log_error(predictions: list[dict[str, Any]]) -> float:
     return statistics.median(abs(math.log(p["ratio"])) for p in predictions) if predictions else 0.0
-
-
-def _source_weighted_log_error(predictions: list[dict[str, Any]]) -> float:
-    """The mean over sources of each source's median |log(published / predicted)| (every source weighing the
-    same, as ``optimizer/calibration/catalogue.py`` fits the elementwise traffic of kernels "unknown")."""
-    sources = sorted({p["source"] for p in predictions})
-    medians = [_median_log_error([p for p in predictions if p["source"] == s]) for s in sources]
-    return statistics.fmean(medians) if medians else 0.0
 
 
 def fit_software(
@@ -316,27 +305,13 @@ def _is_moe(row: dict[str, Any]) -> bool:
     return bool(request_for(row, 1.0).model.is_moe)
 
 
-def _fit(rows: list[dict[str, Any]], time_limit_s: float, *, ring: bool, default: bool) -> dict[str, Any]:
+def _fit(rows: list[dict[str, Any]], time_limit_s: float, *, default: bool) -> dict[str, Any]:
     """``--fit-host``: ``moe_layer_host_ms`` on the mixture-of-experts rows, each with its own kernels (with
-    ``default``: kernels "unknown"; median |log error| over the rows). ``--fit-ring``:
-    ``unknown_ring_flash_attention_2_share`` on the context-parallel rows with kernels "unknown" (every source
-    weighing the same). Written to ``bench/results/``."""
-    if ring:
-        cp_rows = [row for row in rows if row["layout"].get("context_parallel", 1) > 1]
-        fitted = fit_software(
-            cp_rows,
-            "unknown_ring_flash_attention_2_share",
-            RING_GRID,
-            time_limit_s,
-            default_kernels=True,
-            objective=_source_weighted_log_error,
-        )
-        name = "cpep_ring_unknown_fit.json"
-    else:
-        fitted = fit_software(
-            [row for row in rows if _is_moe(row)], "moe_layer_host_ms", HOST_GRID, time_limit_s, default_kernels=default
-        )
-        name = "cpep_moe_host_fit_default_kernels.json" if default else "cpep_moe_host_fit.json"
+    ``default``: kernels "unknown"; median |log error| over the rows). Written to ``bench/results/``."""
+    fitted = fit_software(
+        [row for row in rows if _is_moe(row)], "moe_layer_host_ms", HOST_GRID, time_limit_s, default_kernels=default
+    )
+    name = "cpep_moe_host_fit_default_kernels.json" if default else "cpep_moe_host_fit.json"
     (RESULTS / name).write_text(json.dumps(fitted, indent=1) + "\n")
     return fitted
 
@@ -349,12 +324,11 @@ def main() -> None:
     parser.add_argument("--no-free", action="store_true", help="skip the free searches")
     parser.add_argument("--output", type=Path, default=RESULTS / "cpep_bench.md")
     parser.add_argument("--fit-host", action="store_true", help="fit moe_layer_host_ms (leave one source out)")
-    parser.add_argument("--fit-ring", action="store_true", help="fit unknown_ring_flash_attention_2_share")
     parser.add_argument("--default-kernels", action="store_true", help="leave training.kernels to its default")
     args = parser.parse_args()
     rows = [row for row in load_rows() if args.only in row["id"]]
-    if args.fit_host or args.fit_ring:
-        fitted = _fit(rows, args.time_limit, ring=args.fit_ring, default=args.default_kernels)
+    if args.fit_host:
+        fitted = _fit(rows, args.time_limit, default=args.default_kernels)
         print(json.dumps({k: v for k, v in fitted.items() if k != "grid"}, indent=1))
         return
     predictions = []

@@ -10,16 +10,19 @@
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
   the framework, not the chip) to the published peaks, minimising Σ log(published / predicted)².
-- **Unknown kernels**: the elementwise traffic of kernels mode ``unknown`` (the default: a layout given without
-  its framework) is the one factor that best predicts every row with its own mode ignored (golden-section
-  search on its logarithm, least squares of log(published / predicted)). What is unknown is the framework, so
-  each kernels mode the rows ran (eager, compiled, fused) weighs the same, and within a mode each
-  source-and-accelerator group (:func:`framework_weights`): weighing groups alone counted tables, and the
-  fused Megatron/NeMo tables outnumber the torchtitan ones, which left every eager or compiled torchtitan run
-  predicted 14–30% too fast. The 10th and 90th percentile of those rows' log(published / predicted), with
-  the same weights (the spread between frameworks, not within MosaicML's many rows), become the least
-  interval of a plan in that mode (one parameter over hundreds of rows: its held-out error is its fit error
-  within a percent).
+- **Unknown kernels**: a layout given without its framework (kernels ``unknown``, the default) takes the
+  expected time over the frameworks that publish runs of its kind
+  (:func:`pipesched.optimizer.cost.stages.blended`). Its kind is its data-parallel sharding
+  (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`): fully sharded weights (FSDP, ZeRO-3) are
+  PyTorch's FSDP stacks (torchtitan, llm-foundry, NeMo AutoModel, Megatron's FSDP); replicated weights (DDP,
+  ZeRO-1/2) Megatron-LM and NeMo's distributed optimizer (torchtitan has none). The share of each kernels mode
+  in a class is that of the calibration data's source-and-accelerator groups of the class, each group one vote
+  (:func:`unknown_kernels_shares`): a stated prior from who published what, counted, not fitted to the errors.
+  Before, one elementwise-traffic factor was fitted over every row, each kernels mode weighing the same: it
+  predicted an eager torchtitan run 14–22% too fast (the unfused RMSNorm/RoPE/SwiGLU traffic of eager
+  PyTorch was in no mode's mix) and a fused Megatron/NeMo run 15% too slow. Each class's interval: the 10th and
+  90th percentile of its rows' log(published / predicted) as ``unknown``, every source, accelerator and mode
+  group weighing the same (:func:`class_weights`; no parameter is fitted, so these are held-out errors).
 - **MFU ceiling**: the highest MFU (the planner's definition, 6·N + 12·l·h·s per token over the bf16 peak) a row
   of the accelerator reached, by precision.
 """
@@ -34,17 +37,26 @@ from pipesched.optimizer.accelerators import CATALOGUE
 from pipesched.optimizer.calibration.fit import FitResult, predict_rows, quantile, weighted_quantile
 from pipesched.optimizer.calibration.predict import estimator, kernels_mode, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement
-from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, use_catalogue
+from pipesched.optimizer.cost.profile import (
+    RUN_KERNELS,
+    UNKNOWN_KERNELS_CLASSES,
+    AcceleratorProfile,
+    ProfileCatalogue,
+    unknown_kernels_class,
+    use_catalogue,
+)
 from pipesched.optimizer.planner.evaluate import model_flops_per_token
 
 __all__ = [
     "BORROWED",
     "MIN_ROWS_FOR_OWN_INTERVAL",
     "build_catalogue",
+    "class_weights",
     "fit_memory_factor",
     "fit_unknown_kernels",
-    "framework_weights",
     "measured_mfu",
+    "row_kernels_class",
+    "unknown_kernels_shares",
 ]
 
 #: Rows an accelerator needs for an interval of its own.
@@ -87,58 +99,55 @@ def fit_memory_factor(rows: Sequence[Measurement], catalogue: ProfileCatalogue) 
     return best, errors(best)
 
 
+def row_kernels_class(row: Measurement) -> str:
+    """The layout class of a row for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`
+    of its data-parallel sharding; none without data parallelism)."""
+    copies = row.layout.data_parallel * row.layout.context_parallel
+    return unknown_kernels_class(row.layout.sharding if copies > 1 else None)
+
+
+def unknown_kernels_shares(rows: Sequence[Measurement]) -> dict[str, dict[str, float]]:
+    """By layout class, the share of each kernels mode among the rows' source-and-accelerator groups of that
+    class, each group one vote (module docstring); a class without rows takes every mode's equal share."""
+    groups = {(row_kernels_class(row), kernels_mode(row), row.source, row.accelerator) for row in rows}
+    shares: dict[str, dict[str, float]] = {}
+    for name in UNKNOWN_KERNELS_CLASSES:
+        votes = Counter(mode for kind, mode, _, _ in groups if kind == name)
+        total = sum(votes.values())
+        shares[name] = {mode: round(votes[mode] / total, 4) if total else 1 / 3 for mode in RUN_KERNELS}
+    return shares
+
+
+def class_weights(rows: Sequence[Measurement]) -> list[float]:
+    """Each row's weight in its class's interval for kernels "unknown": within a class every source, accelerator
+    and kernels-mode group weighs the same (not every row: MosaicML's 216 rows are one framework)."""
+    groups = Counter((row_kernels_class(row), kernels_mode(row), row.source, row.accelerator) for row in rows)
+    return [1.0 / groups[(row_kernels_class(row), kernels_mode(row), row.source, row.accelerator)] for row in rows]
+
+
 def fit_unknown_kernels(
-    rows: Sequence[Measurement], catalogue: ProfileCatalogue, *, steps: int = 16
+    rows: Sequence[Measurement], catalogue: ProfileCatalogue
 ) -> tuple[ProfileCatalogue, list[float]]:
-    """``catalogue`` with the elementwise traffic of kernels ``unknown`` fitted and its interval set, and each
-    row's log(published / predicted) in that mode (module docstring)."""
-    weights = framework_weights(rows)
-
-    def trial(log_factor: float) -> ProfileCatalogue:
-        software = catalogue.software.model_copy(deep=True)
-        software.elementwise_traffic["unknown"] = math.exp(log_factor)
-        return catalogue.model_copy(update={"software": software})
-
-    def errors(log_factor: float) -> list[float]:
-        predicted = predict_rows(rows, trial(log_factor), kernels="unknown")
-        return [math.log(row.measured.tokens_per_s_per_gpu / p) for row, p in zip(rows, predicted, strict=True)]
-
-    def objective(log_factor: float) -> float:
-        return sum(w * e * e for w, e in zip(weights, errors(log_factor), strict=True))
-
-    low, high = math.log(0.3), math.log(8.0)
-    ratio = (math.sqrt(5) - 1) / 2
-    a, b = high - ratio * (high - low), low + ratio * (high - low)
-    fa, fb = objective(a), objective(b)
-    for _ in range(steps):
-        if fa <= fb:
-            high, b, fb = b, a, fa
-            a = high - ratio * (high - low)
-            fa = objective(a)
-        else:
-            low, a, fa = a, b, fb
-            b = low + ratio * (high - low)
-            fb = objective(b)
-    best = (low + high) / 2
-    fitted = errors(best)
-    result = trial(best)
-    result.software.unknown_kernels_log_error = (
-        round(weighted_quantile(fitted, weights, 0.1), 4),
-        round(weighted_quantile(fitted, weights, 0.9), 4),
-    )
-    return result, fitted
-
-
-def framework_weights(rows: Sequence[Measurement]) -> list[float]:
-    """Each row's weight in the fit of kernels ``unknown`` (module docstring): every kernels mode among the rows
-    weighs the same, and within a mode every source-and-accelerator group; the weights sum to 1."""
-    groups = Counter((kernels_mode(row), row.source, row.accelerator) for row in rows)
-    groups_per_mode = Counter(mode for mode, _, _ in groups)
-    modes = len(groups_per_mode)
-    return [
-        1.0 / (modes * groups_per_mode[mode] * groups[(mode, row.source, row.accelerator)])
-        for row, mode in ((row, kernels_mode(row)) for row in rows)
-    ]
+    """``catalogue`` with the shares and intervals of kernels ``unknown`` set from ``rows`` (module docstring),
+    and each row's log(published / predicted) in that mode."""
+    software = catalogue.software.model_copy(deep=True)
+    software.unknown_kernels_shares = unknown_kernels_shares(rows)
+    result = catalogue.model_copy(update={"software": software})
+    predicted = predict_rows(rows, result, kernels="unknown")
+    errors = [math.log(row.measured.tokens_per_s_per_gpu / p) for row, p in zip(rows, predicted, strict=True)]
+    weights = class_weights(rows)
+    intervals = {}
+    for name in UNKNOWN_KERNELS_CLASSES:
+        own = [i for i, row in enumerate(rows) if row_kernels_class(row) == name]
+        chosen, chosen_weights = [errors[i] for i in own], [weights[i] for i in own]
+        if not own:  # no published run of the class: every row's spread
+            chosen, chosen_weights = errors, weights
+        intervals[name] = (
+            round(weighted_quantile(chosen, chosen_weights, 0.1), 4),
+            round(weighted_quantile(chosen, chosen_weights, 0.9), 4),
+        )
+    software.unknown_kernels_log_error = intervals
+    return result, errors
 
 
 def _with_factor(catalogue: ProfileCatalogue, factor: float) -> ProfileCatalogue:

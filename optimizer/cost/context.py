@@ -35,8 +35,9 @@ dispatches each step to ATen's ``_scaled_dot_product_flash_attention`` (``_templ
 35% of an H100's bf16 peak against 75% for Hopper kernels (Shah et al. 2024, FlashAttention-3, §4.1). Its speed
 relative to today's kernels is the software's ``attention_kernel_speed`` of ``flash-attn-2023`` on that
 accelerator (fitted to MosaicML's 2023 FlashAttention-2 runs, none of them context-parallel):
-:func:`ring_kernel_speed`. With kernels ``unknown`` (the framework not said) the ring takes the expected time
-of the two kernels, PyTorch's with the fitted share ``unknown_ring_flash_attention_2_share`` of the runs.
+:func:`ring_kernel_speed`. With kernels ``unknown`` (the framework not said) the layer takes the expected time
+over the frameworks that run its layout (:func:`pipesched.optimizer.cost.stages.blended`): PyTorch's ring for
+the eager and compiled share of the runs, Transformer Engine's for the fused share.
 
 Activation memory and FLOPs divided by c are in :mod:`.memory` and :mod:`.flops`; the weights are replicated
 over the c ranks, so their gradients are reduced (and, sharded, gathered) over the d·c ranks holding the
@@ -111,17 +112,11 @@ def key_value_block_bytes(model: ModelConfig, tensor_parallel: int, context_para
 def ring_kernel_speed(model: ModelConfig, hardware: Hardware, context_parallel: int) -> float:
     """The ring's attention-kernel speed relative to the profile's attention (module docstring), with c > 1:
     PyTorch's FlashAttention-2 (``attention_kernel_speed`` of ``flash-attn-2023``, s₂) for kernels ``eager`` or
-    ``compiled``; 1 for ``fused``; for ``unknown`` the speed of the expected time, 1 / (p/s₂ + 1 − p), p the
-    software's fitted ``unknown_ring_flash_attention_2_share`` (the framework not said: PyTorch's ring with
-    probability p, Transformer Engine's otherwise). 1 without context parallelism."""
+    ``compiled``, 1 for ``fused`` (kernels ``unknown`` blend the layers of the modes:
+    :func:`pipesched.optimizer.cost.stages.blended`). 1 without context parallelism."""
     if context_parallel <= 1 or model.kernels == "fused":
         return 1.0
-    software = hardware.software
-    pytorch = software.attention_speed("flash-attn-2023", hardware.name)
-    if model.kernels in ("eager", "compiled"):
-        return pytorch
-    share = software.unknown_ring_flash_attention_2_share
-    return 1.0 / (share / pytorch + 1.0 - share)
+    return hardware.software.attention_speed("flash-attn-2023", hardware.name)
 
 
 def merge_bytes(model: ModelConfig, tensor_parallel: int, context_parallel: int) -> tuple[float, float]:

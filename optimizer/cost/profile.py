@@ -28,7 +28,9 @@ or to a user's own runs (``pipesched calibrate``). Where each enters the time of
 
 Software (the same on every accelerator, :class:`SoftwareProfile`): the elementwise traffic of eager PyTorch,
 ``torch.compile`` and hand-fused kernels relative to Megatron's fused kernels, kernels per layer pass and the
-CPU time of each (eager dispatch), and the bytes an FP8 cast moves per element.
+CPU time of each (eager dispatch), and the bytes an FP8 cast moves per element; for kernels not said
+("unknown"), the share of each mode among the published runs of a layout's class (its data-parallel sharding)
+and that class's interval.
 
 ``held_out_log_error`` (the 10th and 90th percentile of log(published / predicted) over the leave-one-out
 fits) gives every plan its 80% interval; ``max_measured_mfu`` the highest MFU in the calibration data.
@@ -45,12 +47,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipesched.optimizer.field_errors import StrictModel
 
 __all__ = [
     "KERNELS",
+    "RUN_KERNELS",
+    "UNKNOWN_KERNELS_CLASSES",
     "AcceleratorProfile",
     "ProfileCatalogue",
     "SoftwareProfile",
@@ -58,22 +62,36 @@ __all__ = [
     "builtin_catalogue",
     "default_profile",
     "load_catalogue",
+    "unknown_kernels_class",
     "use_catalogue",
 ]
 
 GIB = 1024**3
 
 #: How elementwise work runs: eager PyTorch ops, ``torch.compile`` (Inductor fuses them), hand-fused kernels, or
-#: not said ("unknown": one factor fitted over every calibration row, whatever its framework).
+#: not said ("unknown": the expected time over the frameworks that publish runs of the plan's data-parallel
+#: sharding, :func:`unknown_kernels_class`).
 KERNELS = ("unknown", "eager", "compiled", "fused")
 Kernels = Literal["unknown", "eager", "compiled", "fused"]
+#: The kernels modes a framework runs (every one but "unknown").
+RUN_KERNELS = ("eager", "compiled", "fused")
 #: The default of each per-mode factor (``SoftwareProfile``); a catalogue that lacks a mode takes it from here.
 _DEFAULTS: dict[str, dict[str, float]] = {
-    "elementwise_traffic": {"unknown": 1.0, "eager": 1.0, "compiled": 1.0, "fused": 1.0},
-    "kernels_per_layer": {"unknown": 14.0, "eager": 40.0, "compiled": 14.0, "fused": 12.0},
-    "cpu_us_per_kernel": {"unknown": 4.0, "eager": 10.0, "compiled": 4.0, "fused": 4.0},
-    "fp8_cast_bytes_per_element": {"unknown": 4.0, "eager": 5.0, "compiled": 3.0, "fused": 3.0},
+    "elementwise_traffic": {"eager": 1.0, "compiled": 1.0, "fused": 1.0},
+    "kernels_per_layer": {"eager": 40.0, "compiled": 14.0, "fused": 12.0},
+    "cpu_us_per_kernel": {"eager": 10.0, "compiled": 4.0, "fused": 4.0},
+    "fp8_cast_bytes_per_element": {"eager": 5.0, "compiled": 3.0, "fused": 3.0},
 }
+#: Classes of layouts by who publishes runs of them (:func:`unknown_kernels_class`).
+UNKNOWN_KERNELS_CLASSES = ("full", "replicated")
+
+
+def unknown_kernels_class(sharding: str | None) -> str:
+    """The class of a layout for kernels "unknown", by its data-parallel sharding: "full" (FSDP / ZeRO-3: the
+    weights sharded and gathered per unit, PyTorch's FSDP: torchtitan, llm-foundry, NeMo AutoModel, Megatron's
+    FSDP) or "replicated" (every rank holds the weights: DDP, ZeRO-1/2, Megatron's distributed optimizer, which
+    torchtitan does not run). ``None``: no data parallelism (replicated)."""
+    return "full" if sharding == "full" else "replicated"
 
 
 class SoftwareProfile(StrictModel):
@@ -148,17 +166,6 @@ class SoftwareProfile(StrictModel):
         "launch-bound MoE steps; fitted to the published micro-batch-1 MoE runs (bench/cpep_bench.py --fit-host, "
         "held out one source at a time).",
     )
-    unknown_ring_flash_attention_2_share: float = Field(
-        0.1,
-        ge=0,
-        le=1,
-        description="With kernels 'unknown' and context parallelism, the share of runs whose ring steps run on "
-        "PyTorch's FlashAttention-2 (PyTorch's context_parallel: torchtitan) rather than Transformer Engine's "
-        "kernels (Megatron-LM, NeMo): the ring's attention takes the expected time of the two "
-        "(pipesched.optimizer.cost.context.ring_kernel_speed). Fitted to the published context-parallel rows "
-        "predicted with kernels 'unknown', every source weighing the same, held out one source at a time "
-        "(bench/cpep_bench.py --fit-ring).",
-    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "
@@ -166,11 +173,27 @@ class SoftwareProfile(StrictModel):
         "from its LayerNorm-Linear and activation kernels (no separate cast) and casts each weight once per step "
         "for every microbatch (its FP8 weight cache), so it moves far fewer than 3 bytes per element.",
     )
-    unknown_kernels_log_error: tuple[float, float] = Field(
-        (-0.3, 0.3),
-        description="10th and 90th percentile of log(published / predicted) over every calibration row predicted "
-        "with kernels 'unknown': a plan of unknown kernels gets at least this interval.",
+    unknown_kernels_shares: dict[str, dict[str, float]] = Field(
+        default_factory=lambda: {name: dict.fromkeys(RUN_KERNELS, 1 / 3) for name in UNKNOWN_KERNELS_CLASSES},
+        description="Kernels 'unknown' (the framework not said): by layout class (unknown_kernels_class), the share "
+        "of each kernels mode among the published runs of that class, every source-and-accelerator group of the "
+        "calibration data one vote (pipesched.optimizer.calibration.catalogue.unknown_kernels_shares). A pass "
+        "takes the expected time over the modes, Σ share · time (pipesched.optimizer.cost.stages.blended).",
     )
+    unknown_kernels_log_error: dict[str, tuple[float, float]] = Field(
+        default_factory=lambda: dict.fromkeys(UNKNOWN_KERNELS_CLASSES, (-0.3, 0.3)),
+        description="By layout class, the 10th and 90th percentile of log(published / predicted) over the "
+        "calibration rows of that class predicted with kernels 'unknown', every source-and-accelerator group "
+        "weighing the same: a plan of unknown kernels gets at least this interval.",
+    )
+
+    @field_validator("unknown_kernels_log_error", mode="before")
+    @classmethod
+    def _one_interval_for_every_class(cls, value: object) -> object:
+        """A catalogue written with one interval for every layout (a pair) gives it to each class."""
+        if isinstance(value, (list, tuple)):
+            return dict.fromkeys(UNKNOWN_KERNELS_CLASSES, tuple(value))
+        return value
 
     @model_validator(mode="after")
     def _every_mode(self) -> SoftwareProfile:
@@ -180,6 +203,18 @@ class SoftwareProfile(StrictModel):
             for mode, value in defaults.items():
                 table.setdefault(mode, value)
         return self
+
+    def kernels_shares(self, kernels: str, sharding: str | None) -> dict[str, float]:
+        """The share of each kernels mode a pass of ``kernels`` runs with, for a layout of ``sharding``: the mode
+        itself, or for "unknown" the class's :attr:`unknown_kernels_shares` (zero shares left out)."""
+        if kernels != "unknown":
+            return {kernels: 1.0}
+        shares = self.unknown_kernels_shares[unknown_kernels_class(sharding)]
+        return {mode: share for mode, share in shares.items() if share > 0}
+
+    def unknown_interval(self, sharding: str | None) -> tuple[float, float]:
+        """:attr:`unknown_kernels_log_error` of the class of ``sharding``."""
+        return self.unknown_kernels_log_error[unknown_kernels_class(sharding)]
 
     def attention_speed(self, kernel: str, accelerator: str) -> float:
         """:attr:`attention_kernel_speed` of ``kernel`` on ``accelerator`` (its own entry, else the kernel's)."""

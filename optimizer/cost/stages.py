@@ -33,7 +33,9 @@ Sources and model:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
@@ -51,7 +53,13 @@ from pipesched.optimizer.cost.flops import (
     norm_parameters,
 )
 from pipesched.optimizer.cost.memory import LayerActivation, layer_activation, static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile, active_catalogue, default_profile
+from pipesched.optimizer.cost.profile import (
+    RUN_KERNELS,
+    AcceleratorProfile,
+    SoftwareProfile,
+    active_catalogue,
+    default_profile,
+)
 from pipesched.optimizer.cost.timing import (
     Hardware,
     PassTimes,
@@ -73,6 +81,7 @@ __all__ = [
     "DerivedProblem",
     "Hardware",
     "activation_reserve",
+    "blended",
     "derive_costs_and_memory",
     "derive_problem",
     "embedding_block",
@@ -309,13 +318,11 @@ def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
     allocator fragments); the software's ``fused_activation_memory_factor`` with hand-fused kernels —
     Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published Megatron
     layouts run where the eager factor would not fit them (Megatron Bridge's Qwen3-235B-A22B recipe on 256 H100s:
-    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation); kernels "unknown" take the larger of the two (a
-    plan that fits then fits whatever the framework)."""
-    fitted = hardware.profile.activation_memory_factor
-    fused = hardware.software.fused_activation_memory_factor
+    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation). Kernels "unknown" hold the larger of the modes'
+    (:func:`blended`): a plan that fits then fits whatever the framework."""
     if model.kernels == "fused":
-        return fused
-    return max(fitted, fused) if model.kernels == "unknown" else fitted
+        return hardware.software.fused_activation_memory_factor
+    return hardware.profile.activation_memory_factor
 
 
 def _cp(context_parallel: ContextParallel | None) -> int:
@@ -470,7 +477,7 @@ def _unfused_traffic(
 ) -> float:
     """Bytes eager PyTorch moves beyond fused kernels in one layer's forward (its backward: twice), for the
     operations Llama-style decoders add (:data:`UNFUSED_BYTES_PER_ELEMENT`, scaled by the software's fitted
-    ``unfused_traffic``); none when compiled or fused, and none when unknown (its fitted factor covers it).
+    ``unfused_traffic``); none when compiled or fused (kernels "unknown" blend the modes: :func:`blended`).
     A rank holds s·b/c tokens; a mixture-of-experts layer's SwiGLU runs over its active experts' width
     (k·imbalance routed plus the shared)."""
     if model.kernels != "eager":
@@ -500,6 +507,7 @@ def transformer_layer(
     moe: bool = False,
     context_parallel: ContextParallel | None = None,
     expert_parallel: ExpertParallel | None = None,
+    sharding: str | None = None,
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
@@ -521,8 +529,20 @@ def transformer_layer(
     ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
     added to F and I); ``expert_parallel`` shards the routed experts and adds the exposed all-to-alls to F and I.
     With expert parallelism the experts run whole on each rank, so tensor parallelism's collectives cover the
-    attention half only.
+    attention half only. Kernels "unknown": the expected layer over the frameworks that run the layout's
+    data-parallel ``sharding`` (:func:`blended`; ``None``: no data parallelism).
     """
+    if model.kernels == "unknown":
+        said = partial(
+            transformer_layer,
+            hardware=hardware,
+            tensor_parallel=tensor_parallel,
+            cluster=cluster,
+            moe=moe,
+            context_parallel=context_parallel,
+            expert_parallel=expert_parallel,
+        )
+        return blended(said, model, hardware, sharding)
     t, sequence_parallel = _tp(tensor_parallel)
     c = _cp(context_parallel)
     ep, _ = _ep(expert_parallel)
@@ -574,6 +594,35 @@ def transformer_layer(
     )
 
 
+def blended(
+    make: Callable[[ModelConfig], Block], model: ModelConfig, hardware: Hardware, sharding: str | None
+) -> Block:
+    """``make(model)``, or with kernels "unknown" the expected block over the frameworks that run the layout: the
+    times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's
+    data-parallel ``sharding``: the share of each mode among the published runs of that class), the memory the
+    largest of every mode's (a plan that fits then fits whatever the framework). The expected time, not the
+    expected speed: a pass's time is what its share of the runs spends."""
+    if model.kernels != "unknown":
+        return make(model)
+    shares = hardware.software.kernels_shares("unknown", sharding)
+    blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in RUN_KERNELS}
+    total = sum(shares.values())
+
+    def expected(name: str) -> float:
+        return sum(share * getattr(blocks[mode], name) for mode, share in shares.items()) / total
+
+    largest = max(blocks.values(), key=lambda block: block.activation_bytes)
+    return Block(
+        forward_ms=expected("forward_ms"),
+        backward_input_ms=expected("backward_input_ms"),
+        backward_weight_ms=expected("backward_weight_ms"),
+        activation_bytes=largest.activation_bytes,
+        retained_bytes=max(block.retained_bytes for block in blocks.values()),
+        parameters=largest.parameters,
+        expert_parameters=largest.expert_parameters,
+    )
+
+
 def embedding_block(
     model: ModelConfig,
     hardware: Hardware,
@@ -614,6 +663,7 @@ def head_block(
     *,
     separate_copy: bool = True,
     context_parallel: int = 1,
+    sharding: str | None = None,
 ) -> Block:
     """Final norm, LM head and cross-entropy loss on the last stage.
 
@@ -625,7 +675,17 @@ def head_block(
     input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
     ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
     rank computes the logits of s/c tokens.
+    ``sharding``: kernels "unknown" as in :func:`transformer_layer`.
     """
+    if model.kernels == "unknown":
+        return blended(
+            lambda of: head_block(
+                of, hardware, tensor_parallel, separate_copy=separate_copy, context_parallel=context_parallel
+            ),
+            model,
+            hardware,
+            sharding,
+        )
     t, _ = _tp(tensor_parallel)
     b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
     s = model.seq_length / context_parallel
@@ -844,6 +904,8 @@ def _stage_blocks(
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
 ) -> _StageBlocks:
+    sharding = data_parallel.sharding if data_parallel is not None and data_parallel.size > 1 else None
+
     def layer(moe: bool) -> Block:
         return transformer_layer(
             model,
@@ -853,10 +915,14 @@ def _stage_blocks(
             moe=moe,
             context_parallel=context_parallel,
             expert_parallel=expert_parallel,
+            sharding=sharding,
         )
 
     c = _cp(context_parallel)
     dense = layer(False)
+    head = head_block(
+        model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c, sharding=sharding
+    )
     return _StageBlocks(
         model,
         data_parallel,
@@ -864,7 +930,7 @@ def _stage_blocks(
         dense=dense,
         moe=layer(True) if model.is_moe else dense,
         embedding=embedding_block(model, hardware, tensor_parallel, cluster, context_parallel=c),
-        head=head_block(model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c),
+        head=head,
         per_parameter=_per_parameter_bytes(model, data_parallel),
         per_expert_parameter=_per_expert_parameter_bytes(model, data_parallel, tensor_parallel, expert_parallel),
         first_dense_layers=model.first_dense_layers if model.is_moe else model.num_layers,

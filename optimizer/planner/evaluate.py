@@ -186,9 +186,9 @@ def _plan(
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
     low, high = estimator.hardware.profile.held_out_log_error
     if estimator.model.kernels == "unknown":  # the framework's spread on top of the accelerator's
-        unknown_low, unknown_high = estimator.hardware.software.unknown_kernels_log_error
+        unknown_low, unknown_high = estimator.hardware.software.unknown_interval(estimator.sharding_of(config))
         low, high = min(low, unknown_low), max(high, unknown_high)
-        low -= estimator.ring_framework_log_spread(config)  # the ring, if it is PyTorch's
+        low -= estimator.framework_log_spread(config)  # a ring on PyTorch's FlashAttention-2
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,

@@ -30,6 +30,7 @@ from importlib import resources
 from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.profile import active_catalogue
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
 from pipesched.optimizer.planner.torchtitan_toml import ACTIVATION_CHECKPOINT_PREFIX
 
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from pipesched.optimizer.planner.request import Plan
 
 __all__ = [
-    "COMPILED_KERNELS",
     "CONFIG_MODULE_NAME",
     "TORCHTITAN_CONFIGS",
     "LaunchError",
@@ -48,6 +48,7 @@ __all__ = [
     "module_fqns_per_stage",
     "plan_configuration",
     "torchrun_command",
+    "torchtitan_compiles",
     "torchtitan_launch",
 ]
 
@@ -247,12 +248,18 @@ def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
     return args
 
 
-#: Kernels modes whose plans torchtitan runs with ``torch.compile``: "compiled", and "unknown" (kernels not said),
-#: whose fitted elementwise traffic lies nearest torch.compile's of torchtitan's modes
-#: (``optimizer/cost/calibration/profiles.json``), so that the job handed off runs the kernels its prediction
-#: assumed rather than eager PyTorch (about 14% slower on Llama 3.1 8B: torchtitan's Table 1, 5,762 eager against
-#: 6,667 compiled tokens/s per GPU).
-COMPILED_KERNELS = ("compiled", "unknown")
+def torchtitan_compiles(spec: LaunchSpec) -> bool:
+    """Whether torchtitan runs the plan with ``--compile.enable``: kernels "compiled"; with kernels "unknown", when
+    the prediction's larger PyTorch share for the plan's layout class
+    (:meth:`~pipesched.optimizer.cost.profile.SoftwareProfile.kernels_shares`) is torch.compile's rather than eager
+    PyTorch's, so that the job handed off runs the kernels its prediction leaned on. torchtitan's own default is
+    eager (``CompileConfig.enable = False``), as are most published FSDP runs: the shipped shares hand off eager."""
+    kernels = getattr(spec.model, "kernels", "eager")
+    if kernels != "unknown":
+        return kernels == "compiled"
+    copies = spec.layout.data_parallel_size * spec.context_parallel
+    shares = active_catalogue().software.kernels_shares("unknown", spec.layout.sharding if copies > 1 else None)
+    return shares.get("compiled", 0.0) > shares.get("eager", 0.0)
 
 
 def torchtitan_launch(
@@ -284,7 +291,7 @@ def torchtitan_launch(
     ]
     if spec.layout.pipeline_parallel > 1:
         args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
-    if getattr(spec.model, "kernels", "eager") in COMPILED_KERNELS:
+    if torchtitan_compiles(spec):
         args.append("--compile.enable")
     args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)

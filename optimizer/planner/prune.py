@@ -46,7 +46,7 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, cached_property
 from typing import Literal
 
@@ -60,6 +60,7 @@ from pipesched.optimizer.cost.collectives import (
 )
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.profile import unknown_kernels_class
 from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
@@ -144,6 +145,10 @@ class _Layout:
     max_chunk_activation: float = 0.0
 
 
+#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class[, "dense"]).
+_Key = tuple[int | str, ...]
+
+
 class Estimator:
     """Cheap figures for the configurations of one request (blocks cached per degree, size and recomputation)."""
 
@@ -163,7 +168,7 @@ class Estimator:
         self.sequence_parallel = sequence_parallel
         self.async_tensor_parallel = async_tensor_parallel
         self.reduce_dtype = reduce_dtype
-        self._blocks: dict[tuple[int | str, ...], tuple[Block, Block, Block, Block, ModelConfig]] = {}
+        self._blocks: dict[_Key, tuple[Block, Block, Block, Block, ModelConfig]] = {}
         self._layouts: dict[tuple[int | str, ...], _Layout] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
@@ -203,52 +208,68 @@ class Estimator:
             }
         )
 
+    def _key(self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str) -> _Key:
+        """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
+        only use a block has for it)."""
+        kernels_class = unknown_kernels_class(sharding) if self.model.kernels == "unknown" else ""
+        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class)
+
     def blocks(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
-        degree c and expert degree ep; a mixture-of-experts model's layer is its expert layer."""
-        key = (t, b, recompute, precision or self.model.precision, c, ep)
+        degree c, expert degree ep and the data-parallel ``sharding`` ("": no data parallelism; with kernels
+        "unknown" it names who runs the layout: :func:`pipesched.optimizer.cost.stages.blended`); a
+        mixture-of-experts model's layer is its expert layer."""
+        key = self._key(t, b, recompute, precision, c, ep, sharding)
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                self._layer(model, tp, c, ep, moe=model.is_moe),
+                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
-                head_block(model, self.hardware, tp, context_parallel=c),
-                self._layer(plain_model, tp, c, ep, moe=model.is_moe),
+                head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding),
                 model,
             )
         return self._blocks[key]
 
     def dense_layer(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
     ) -> Block:
         """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
-        key = (t, b, recompute, precision or self.model.precision, c, ep, "dense")
+        key = (*self._key(t, b, recompute, precision, c, ep, sharding), "dense")
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
-            layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False)
-            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep)[1:])
+            layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False, sharding=sharding)
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding)[1:])
         return self._blocks[key][0]
 
-    def ring_framework_log_spread(self, config: Configuration) -> float:
-        """log(layer time with PyTorch's FlashAttention-2 ring / layer time as planned) for kernels "unknown" with
-        context parallelism (:func:`pipesched.optimizer.cost.context.ring_kernel_speed`: the plan takes the
-        expected time of the two frameworks' rings; this is how much slower the layer is if the run is
-        PyTorch's), 0 otherwise. The plan's interval widens down by it."""
+    @staticmethod
+    def sharding_of(config: Configuration) -> str:
+        """The configuration's data-parallel sharding, "" without data parallelism (d·c = 1)."""
+        return config.sharding if config.weight_copies > 1 else ""
+
+    def framework_log_spread(self, config: Configuration) -> float:
+        """log(layer time of the slowest framework that runs the layout / layer time as planned) for kernels
+        "unknown" with context parallelism (the plan takes the expected time over the frameworks,
+        :func:`pipesched.optimizer.cost.stages.blended`; a ring on PyTorch's FlashAttention-2,
+        :func:`pipesched.optimizer.cost.context.ring_kernel_speed`, can be far slower than that), 0 otherwise.
+        The plan's interval widens down by it."""
         c = config.context_parallel
         if self.model.kernels != "unknown" or c <= 1:
             return 0.0
         t, b, ep = config.tensor_parallel, config.micro_batch_size, config.expert_parallel
-        layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep)
-        software = self.hardware.software.model_copy(update={"unknown_ring_flash_attention_2_share": 1.0})
-        hardware = replace(self.hardware, software=software)
-        pytorch = self._layer(model, self.tensor_parallel(t), c, ep, moe=model.is_moe, hardware=hardware)
+        sharding = self.sharding_of(config)
+        layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep, sharding)
         planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
-        slow = pytorch.forward_ms + pytorch.backward_input_ms + pytorch.backward_weight_ms
-        return math.log(slow / planned) if planned > 0 else 0.0
+        slowest = planned
+        for mode in self.hardware.software.kernels_shares("unknown", sharding):
+            said = model.model_copy(update={"kernels": mode})
+            own = self._layer(said, self.tensor_parallel(t), c, ep, moe=model.is_moe)
+            slowest = max(slowest, own.forward_ms + own.backward_input_ms + own.backward_weight_ms)
+        return math.log(slowest / planned) if planned > 0 else 0.0
 
     def _layer(
         self,
@@ -258,16 +279,17 @@ class Estimator:
         ep: int,
         *,
         moe: bool,
-        hardware: Hardware | None = None,
+        sharding: str | None = None,
     ) -> Block:
         return transformer_layer(
             model,
-            hardware or self.hardware,
+            self.hardware,
             tp,
             self.cluster,
             moe=moe,
             context_parallel=ContextParallel(size=c) if c > 1 else None,
             expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
+            sharding=sharding,
         )
 
     def tensor_parallel(self, size: int) -> TensorParallel | None:
@@ -287,6 +309,7 @@ class Estimator:
             config.precision,
             config.context_parallel,
             config.expert_parallel,
+            self.sharding_of(config),
         )
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
@@ -301,7 +324,14 @@ class Estimator:
         if num_stages == 1:  # a tied head shares the embedding's matrix on the same rank
             tp = self.tensor_parallel(config.tensor_parallel)
             model = self.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
-            head = head_block(model, self.hardware, tp, separate_copy=False, context_parallel=config.context_parallel)
+            head = head_block(
+                model,
+                self.hardware,
+                tp,
+                separate_copy=False,
+                context_parallel=config.context_parallel,
+                sharding=self.sharding_of(config),
+            )
         compute = [0.0] * p
         backward = [0.0] * p
         parameters = [0.0] * p

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from pipesched.api.cli import app
 from pipesched.api.launch.bundle import LaunchOptions, build_bundle
 from pipesched.api.launch.schedulers import SCHEDULER_FILES
+from pipesched.optimizer.cost.profile import builtin_catalogue, use_catalogue
 from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, megatron_args, torchtitan_launch
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest
@@ -256,12 +257,23 @@ def test_torchtitan_args_without_a_preset_config_name_the_fix() -> None:
 
 
 def test_torchtitan_compiles_where_the_prediction_assumed_compiled_kernels() -> None:
-    unsaid = spec()
-    assert unsaid.model.kernels == "unknown" and "--compile.enable" in torchtitan_launch(unsaid).args
+    unsaid = spec(sharding="full")
+    assert unsaid.model.kernels == "unknown"
+    # kernels not said: the prediction leans on eager PyTorch for an FSDP layout (most published FSDP runs),
+    # and so does torchtitan's own default; the hand-off leaves torch.compile off
+    shares = builtin_catalogue().software.kernels_shares("unknown", "full")
+    assert shares["eager"] > shares.get("compiled", 0.0)
+    assert "--compile.enable" not in torchtitan_launch(unsaid).args
+    assert "--compile.enable" not in torchtitan_launch(spec()).args  # replicated weights: Megatron's runs, fused
     eager = spec(model=unsaid.model.model_copy(update={"kernels": "eager"}))
     assert "--compile.enable" not in torchtitan_launch(eager).args
     compiled = spec(model=unsaid.model.model_copy(update={"kernels": "compiled"}))
     assert "--compile.enable" in torchtitan_launch(compiled).args
+    # where the published runs of the layout's class lean on torch.compile, the hand-off compiles
+    software = builtin_catalogue().software.model_copy(deep=True)
+    software.unknown_kernels_shares["full"] = {"eager": 0.2, "compiled": 0.6, "fused": 0.2}
+    with use_catalogue(builtin_catalogue().model_copy(update={"software": software})):
+        assert "--compile.enable" in torchtitan_launch(unsaid).args
 
 
 def test_fp8_plan_on_a_bf16_config_writes_a_config_module() -> None:
