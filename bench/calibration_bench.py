@@ -77,10 +77,8 @@ def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
     for mode in (None, "unknown"):
         predicted = predict_rows(rows, catalogue, kernels=mode)
         for row, value in zip(rows, predicted, strict=True):
-            low, high = catalogue.profiles[row.accelerator].held_out_log_error
-            if mode == "unknown":
-                unknown_low, unknown_high = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)]
-                low, high = min(low, unknown_low), max(high, unknown_high)
+            accelerator = catalogue.profiles[row.accelerator].held_out_log_error
+            framework = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)] if mode else accelerator
             ratio = math.log(row.measured.tokens_per_s_per_gpu / value)
             records.append(
                 {
@@ -89,7 +87,7 @@ def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
                     "published": row.measured.tokens_per_s_per_gpu,
                     "predicted": round(value, 1),
                     "error": round(value / row.measured.tokens_per_s_per_gpu - 1, 4),
-                    "in_interval": low <= ratio <= high,
+                    "in_interval": _inside(ratio, accelerator, framework),
                 }
             )
     summaries = {}

@@ -127,8 +127,8 @@ class ModelConfig(BaseModel):
         "unknown",
         description='How elementwise work runs: "eager" PyTorch (torchtitan\'s default), "compiled" '
         '(torch.compile), "fused" (hand-fused kernels: Megatron-LM, Transformer Engine), or "unknown" (the '
-        "default: the framework is not said; its traffic is the one factor that best predicts every calibration "
-        "row, whatever its framework, and the interval widens to that fit's spread).",
+        "default: the framework is not said; each pass takes the expected time over the frameworks that publish "
+        "runs of the plan's data-parallel sharding, and the interval widens to that class's spread).",
     )
     layers_per_stage: list[int] | None = Field(
         None,
