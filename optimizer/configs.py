@@ -130,6 +130,14 @@ class ModelConfig(BaseModel):
         "default: the framework is not said; each pass takes the expected time over the frameworks that publish "
         "runs of the plan's data-parallel sharding, and the interval widens to that class's spread).",
     )
+    kernels_prior: Literal["full", "replicated", "any"] | None = Field(
+        None,
+        description='With kernels "unknown": whose published runs the expected time counts. "full" (FSDP layouts: '
+        'mostly eager PyTorch), "replicated" (DDP, ZeRO-1/2, no data parallelism: mostly hand-fused), "any" (both '
+        'classes, each one vote). null: the class of the layout\'s own sharding. The planner sets "any" when '
+        "its search spans layouts of both classes, so that no layout is favoured for the frameworks that publish "
+        "it.",
+    )
     layers_per_stage: list[int] | None = Field(
         None,
         description="Layers per model stage (one entry per stage, summing to num_layers); null lets pipesched "

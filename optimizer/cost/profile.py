@@ -52,6 +52,7 @@ from pydantic import Field, field_validator, model_validator
 from pipesched.optimizer.field_errors import StrictModel
 
 __all__ = [
+    "ANY_KERNELS_CLASS",
     "KERNELS",
     "RUN_KERNELS",
     "UNKNOWN_KERNELS_CLASSES",
@@ -86,11 +87,19 @@ _DEFAULTS: dict[str, dict[str, float]] = {
 UNKNOWN_KERNELS_CLASSES = ("full", "replicated")
 
 
-def unknown_kernels_class(sharding: str | None) -> str:
+#: Kernels "unknown" over a search whose layouts span both classes: every published run (each class one vote).
+ANY_KERNELS_CLASS = "any"
+
+
+def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str:
     """The class of a layout for kernels "unknown", by its data-parallel sharding: "full" (FSDP / ZeRO-3: the
     weights sharded and gathered per unit, PyTorch's FSDP: torchtitan, llm-foundry, NeMo AutoModel, Megatron's
     FSDP) or "replicated" (every rank holds the weights: DDP, ZeRO-1/2, Megatron's distributed optimizer, which
-    torchtitan does not run). ``None``: no data parallelism (replicated)."""
+    torchtitan does not run). ``None``: no data parallelism (replicated). ``prior`` (the model's
+    ``kernels_prior``), when given, is the class whatever the sharding: a search over layouts of both classes
+    counts every published run ("any"), so that no layout is favoured for the frameworks that publish it."""
+    if prior is not None:
+        return prior
     return "full" if sharding == "full" else "replicated"
 
 
@@ -204,17 +213,28 @@ class SoftwareProfile(StrictModel):
                 table.setdefault(mode, value)
         return self
 
-    def kernels_shares(self, kernels: str, sharding: str | None) -> dict[str, float]:
+    def kernels_shares(self, kernels: str, sharding: str | None, prior: str | None = None) -> dict[str, float]:
         """The share of each kernels mode a pass of ``kernels`` runs with, for a layout of ``sharding``: the mode
-        itself, or for "unknown" the class's :attr:`unknown_kernels_shares` (zero shares left out)."""
+        itself, or for "unknown" the class's :attr:`unknown_kernels_shares` (:func:`unknown_kernels_class` with
+        ``prior``; class "any": the mean of the classes' shares, each class one vote), zero shares left out."""
         if kernels != "unknown":
             return {kernels: 1.0}
-        shares = self.unknown_kernels_shares[unknown_kernels_class(sharding)]
+        name = unknown_kernels_class(sharding, prior)
+        if name == ANY_KERNELS_CLASS:
+            classes = [self.unknown_kernels_shares[one] for one in UNKNOWN_KERNELS_CLASSES]
+            shares = {mode: sum(each.get(mode, 0.0) for each in classes) / len(classes) for mode in RUN_KERNELS}
+        else:
+            shares = self.unknown_kernels_shares[name]
         return {mode: share for mode, share in shares.items() if share > 0}
 
-    def unknown_interval(self, sharding: str | None) -> tuple[float, float]:
-        """:attr:`unknown_kernels_log_error` of the class of ``sharding``."""
-        return self.unknown_kernels_log_error[unknown_kernels_class(sharding)]
+    def unknown_interval(self, sharding: str | None, prior: str | None = None) -> tuple[float, float]:
+        """:attr:`unknown_kernels_log_error` of the class of ``sharding`` (or ``prior``); class "any": the union
+        of the classes' intervals."""
+        name = unknown_kernels_class(sharding, prior)
+        if name != ANY_KERNELS_CLASS:
+            return self.unknown_kernels_log_error[name]
+        intervals = [self.unknown_kernels_log_error[one] for one in UNKNOWN_KERNELS_CLASSES]
+        return min(low for low, _ in intervals), max(high for _, high in intervals)
 
     def attention_speed(self, kernel: str, accelerator: str) -> float:
         """:attr:`attention_kernel_speed` of ``kernel`` on ``accelerator`` (its own entry, else the kernel's)."""

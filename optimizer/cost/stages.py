@@ -599,12 +599,13 @@ def blended(
 ) -> Block:
     """``make(model)``, or with kernels "unknown" the expected block over the frameworks that run the layout: the
     times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's
-    data-parallel ``sharding``: the share of each mode among the published runs of that class), the memory the
+    data-parallel ``sharding``, or of the model's ``kernels_prior``: the share of each mode among the published
+    runs of that class), the memory the
     largest of every mode's (a plan that fits then fits whatever the framework). The expected time, not the
     expected speed: a pass's time is what its share of the runs spends."""
     if model.kernels != "unknown":
         return make(model)
-    shares = hardware.software.kernels_shares("unknown", sharding)
+    shares = hardware.software.kernels_shares("unknown", sharding, model.kernels_prior)
     blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in RUN_KERNELS}
     total = sum(shares.values())
 

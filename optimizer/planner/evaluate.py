@@ -186,7 +186,10 @@ def _plan(
     mfu = tokens_per_s_per_gpu * model_flops_per_token(estimator) / estimator.hardware.flops_per_s
     low, high = estimator.hardware.profile.held_out_log_error
     if estimator.model.kernels == "unknown":  # the framework's spread on top of the accelerator's
-        unknown_low, unknown_high = estimator.hardware.software.unknown_interval(estimator.sharding_of(config))
+        software = estimator.hardware.software
+        unknown_low, unknown_high = software.unknown_interval(
+            estimator.sharding_of(config), estimator.model.kernels_prior
+        )
         low, high = min(low, unknown_low), max(high, unknown_high)
         low -= estimator.framework_log_spread(config)  # a ring on PyTorch's FlashAttention-2
     return Plan(

@@ -258,7 +258,8 @@ def torchtitan_compiles(spec: LaunchSpec) -> bool:
     if kernels != "unknown":
         return kernels == "compiled"
     copies = spec.layout.data_parallel_size * spec.context_parallel
-    shares = active_catalogue().software.kernels_shares("unknown", spec.layout.sharding if copies > 1 else None)
+    sharding = spec.layout.sharding if copies > 1 else None
+    shares = active_catalogue().software.kernels_shares("unknown", sharding, spec.model.kernels_prior)
     return shares.get("compiled", 0.0) > shares.get("eager", 0.0)
 
 

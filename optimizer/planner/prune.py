@@ -211,7 +211,8 @@ class Estimator:
     def _key(self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str) -> _Key:
         """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
         only use a block has for it)."""
-        kernels_class = unknown_kernels_class(sharding) if self.model.kernels == "unknown" else ""
+        unknown = self.model.kernels == "unknown"
+        kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior) if unknown else ""
         return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class)
 
     def blocks(
@@ -265,7 +266,7 @@ class Estimator:
         layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep, sharding)
         planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
         slowest = planned
-        for mode in self.hardware.software.kernels_shares("unknown", sharding):
+        for mode in self.hardware.software.kernels_shares("unknown", sharding, self.model.kernels_prior):
             said = model.model_copy(update={"kernels": mode})
             own = self._layer(said, self.tensor_parallel(t), c, ep, moe=model.is_moe)
             slowest = max(slowest, own.forward_ms + own.backward_input_ms + own.backward_weight_ms)

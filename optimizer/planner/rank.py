@@ -22,6 +22,7 @@ from dataclasses import astuple, dataclass, field
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.profile import ANY_KERNELS_CLASS, unknown_kernels_class
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
@@ -224,6 +225,19 @@ def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldE
     ]
 
 
+def _one_framework_prior(estimator: Estimator, configurations: list[Configuration]) -> None:
+    """Kernels "unknown" over a search whose layouts span both layout classes (FSDP and replicated weights): every
+    configuration takes the frameworks of every published run (``kernels_prior`` "any"), not those that publish
+    its own class — the framework a user runs does not change with the layout the planner picks, so no layout
+    may be favoured for the frameworks that publish it. A search within one class keeps that class's prior."""
+    model = estimator.model
+    if model.kernels != "unknown" or model.kernels_prior is not None:
+        return
+    classes = {unknown_kernels_class(Estimator.sharding_of(config) or None) for config in configurations}
+    if len(classes) > 1:
+        estimator.model = model.model_copy(update={"kernels_prior": ANY_KERNELS_CLASS})
+
+
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
     calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
@@ -233,6 +247,18 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         notes.append(
             f"{estimator.hardware.name}: no calibrated profile (its efficiencies are datasheet-level guesses, "
             f"{profile.source}); the interval is wide"
+        )
+    if answer_plans and estimator.model.kernels == "unknown":
+        best = answer_plans[0]
+        sharding = best.data_parallel.sharding if best.data_parallel.size * best.context_parallel > 1 else None
+        shares = estimator.hardware.software.kernels_shares("unknown", sharding, estimator.model.kernels_prior)
+        mix = ", ".join(f"{mode} {share:.0%}" for mode, share in shares.items())
+        whose = {"full": "published FSDP runs", "replicated": "published runs with replicated weights"}.get(
+            unknown_kernels_class(sharding, estimator.model.kernels_prior), "all published runs"
+        )
+        notes.append(
+            f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}); "
+            "say training.kernels (eager, compiled, fused) for your framework's figure"
         )
     if answer_plans:
         best = answer_plans[0]
@@ -286,6 +312,7 @@ def prepare(request: PlanRequest) -> Prepared:
         )
     if not configurations:
         raise_field_errors("PlanRequest", _empty_space_errors(request))
+    _one_framework_prior(estimator, configurations)
     enumerated = len(configurations)
     if enumerated > MAX_CONFIGURATIONS:
         configurations = random.Random(0).sample(configurations, MAX_CONFIGURATIONS)
