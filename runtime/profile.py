@@ -8,7 +8,8 @@ and each process measures its own stages, all at once, as the run will run them:
   the executor's own calls: F under the saved-activation meter, I with PyTorch's ``stage_backward_input``, W with
   ``stage_backward_weight`` (on the first stage, whose input needs no gradient, I is empty and W does the whole
   backward, as in the runtime). Medians over ``repeats`` microbatches after ``warmup`` untimed ones, every process
-  starting each repeat together (a barrier), so that they share the cores as the run's ranks do.
+  starting each repeat together (a barrier), so that they share the cores as the run's ranks do; a process done
+  with its passes keeps its core busy until every process is done (:func:`_busy_until_every_process_is_done`).
 * **memory** per microbatch (contract, Problem): ``activation`` = saved bytes live after F;
   ``retained_for_weight`` = saved bytes still live after I. ``static`` per rank: what the run's update rule
   allocates (:meth:`pipesched.runtime.training.WeightUpdate.static_bytes` after one real optimizer step:
@@ -293,8 +294,8 @@ def _measure_passes(setup: _RankSetup) -> None:
         with torch.no_grad():
             boundary = x if target is not None else plain(x)  # the activation the stage passes on (or receives)
         result.boundary_bytes[stage] = boundary.numel() * boundary.element_size()
+    dist.barrier()
     for iteration in iterations:
-        dist.barrier()
         for stage in setup.stages:
             x, target = inputs[stage][iteration]
             times, after_forward, after_input = _measure_stage(
@@ -306,6 +307,28 @@ def _measure_passes(setup: _RankSetup) -> None:
                 result.passes.setdefault((kind, stage), []).append(value)
             result.activation.setdefault(stage, []).append(after_forward)
             result.retained.setdefault(stage, []).append(after_input)
+        _busy_until_every_process_is_done(setup.device)
+
+
+#: The filler's square matrix side: one product takes about a millisecond on one core.
+_FILLER_SIDE = 256
+
+
+def _busy_until_every_process_is_done(device: torch.device) -> None:
+    """Keep this process's core busy (matrix products) until every process has timed its passes of this repeat
+    (a barrier, polled), so that every pass is timed beside a busy process wherever processes share a core.
+
+    A run's ranks share the cores all along (``num_ranks × D`` processes pinned on fewer cores: the processes
+    of pipeline ranks 0 and 1 of one replica on one core), so a pass of the run runs beside another rank's pass;
+    without the filler, the passes a process times after its core's other process finished its repeat ran alone,
+    up to 2× faster than the run sees them (the last stage's W: 22 ms alone, 50 ms in the run, breadth-first
+    pp 2 × dp 2 on 2 cores). On a GPU the passes do not share a core: the barrier alone."""
+    done = dist.barrier(async_op=True)
+    if device.type == "cpu":
+        filler = torch.ones(_FILLER_SIDE, _FILLER_SIDE)
+        while not done.is_completed():
+            torch.mm(filler, filler)
+    done.wait()
 
 
 def _measure_collectives(setup: _RankSetup) -> None:
