@@ -30,7 +30,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from pipesched.optimizer.calibration.predict import power_limited
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
+from pipesched.optimizer.configs import ClusterConfig
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.planner.rank import plan
@@ -100,7 +102,9 @@ def request_for(
     """The plan request of a row: its model, cluster and batch, its layout pinned (or free); ``default_kernels``
     leaves ``training.kernels`` to its default ("unknown"), as a user who does not say how the framework runs its
     kernels would."""
-    cluster = {"accelerator": row["accelerator"], **row.get("cluster", {})}
+    fields = ClusterConfig.model_validate({"accelerator": row["accelerator"], **row.get("cluster", {})})
+    # GPUs run under a power limit (torchtitan's 500 W H100s) at the sustained peak the calibration fitted
+    cluster = power_limited(fields, row.get("power_limit_w")).model_dump(exclude_unset=True)
     search: dict[str, Any] = {"time_limit_s": time_limit_s, "top": 1}
     if pinned:
         search.update(pins(row))

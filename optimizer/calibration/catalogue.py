@@ -42,6 +42,7 @@ from pipesched.optimizer.cost.profile import (
     UNKNOWN_KERNELS_CLASSES,
     AcceleratorProfile,
     ProfileCatalogue,
+    SoftwareProfile,
     unknown_kernels_class,
     use_catalogue,
 )
@@ -207,4 +208,17 @@ def build_catalogue(
             }
         )
     ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
-    return ProfileCatalogue(software=result.catalogue.software, profiles=ordered, fitted=fitted)
+    software = _borrowed_kernel_speeds(result.catalogue.software)
+    return ProfileCatalogue(software=software, profiles=ordered, fitted=fitted)
+
+
+def _borrowed_kernel_speeds(software: SoftwareProfile) -> SoftwareProfile:
+    """``software`` with each unmeasured accelerator's attention-kernel speeds those of its sibling of the same
+    die (:data:`BORROWED` at scale 1: FlashAttention-2 runs as far from a Hopper's peak on an H200 as on an H100)."""
+    speeds = dict(software.attention_kernel_speed)
+    for name, (sibling, scale, _) in BORROWED.items():
+        for key, value in software.attention_kernel_speed.items():
+            kernel, _, accelerator = key.partition("/")
+            if accelerator == sibling and scale == 1.0:
+                speeds.setdefault(f"{kernel}/{name}", value)
+    return software.model_copy(update={"attention_kernel_speed": speeds})

@@ -89,8 +89,9 @@ PARAMETERS: tuple[Parameter, ...] = (
     Parameter("attention_efficiency", ("H100-SXM",), 0.5, 0.5, 0.1, 1.0, _on("H100-SXM")),
     Parameter("fp8_gemm_efficiency", ("B200",), 0.6, 0.3, 0.2, 1.0, _fp8_on("B200")),
     Parameter("attention_efficiency", ("B200",), 0.5, 0.5, 0.1, 1.0, _on("B200")),
-    # the 2023 kernels on Hopper: FlashAttention-3 (Shah et al. 2024, §4.1) measures them at about half its speed
-    # (on Ampere they are today's kernels: the A100 rows run them as "current")
+    # FlashAttention-2 on Hopper (the 2023 package, and PyTorch's SDPA in eager and compiled runs:
+    # cost.context.pytorch_attention_speed): FlashAttention-3 (Shah et al. 2024, §4.1) measures it at about half
+    # its speed (on Ampere it is today's kernel: the A100 rows run it at the profile's attention efficiency)
     Parameter(
         "attention.flash-attn-2023/H100-SXM",
         (),
@@ -98,7 +99,21 @@ PARAMETERS: tuple[Parameter, ...] = (
         0.5,
         0.1,
         2.0,
-        lambda row: row.software.attention_kernel == "flash-attn-2023" and row.accelerator == "H100-SXM",
+        lambda row: (
+            row.accelerator == "H100-SXM"
+            and (row.software.attention_kernel == "flash-attn-2023" or kernels_mode(row) != "fused")
+        ),
+    ),
+    # torchtitan's Grand Teton H100s ran at a 500 W power limit (700 W TDP): a peak between the SXM's and the
+    # NVL's (835 of 989 TFLOPS at 400 W), so the prior sits halfway
+    Parameter(
+        "power_limit.500",
+        ("H100-SXM",),
+        0.92,
+        0.1,
+        0.5,
+        1.0,
+        lambda row: row.accelerator == "H100-SXM" and row.power_limit_w == 500,
     ),
     Parameter("software.eager", (), 1.5, 0.7, 0.3, 8.0, _kernels("eager")),
     Parameter(
@@ -120,6 +135,19 @@ PARAMETERS: tuple[Parameter, ...] = (
         0.01,
         5.0,
         lambda row: row.training.precision == "fp8" and kernels_mode(row) == "fused",
+    ),
+    # torch.compile fuses torchao Float8Linear's absolute-max into the kernel that produces the operand (torchao
+    # issue 685: the FP8 layer without compile is slower than bf16; torchtitan's float8 docs call compile
+    # required): a cast reads bf16 (2) and writes FP8 (1); FSDP's float8 all-gather with precomputed scales casts
+    # each weight once a step, not per use, so 2 of the 6 operands a layer casts per microbatch drop out: 3 · 4/6
+    Parameter(
+        "fp8_cast.compiled",
+        (),
+        2.0,
+        1.0,
+        0.01,
+        5.0,
+        lambda row: row.training.precision == "fp8" and kernels_mode(row) == "compiled",
     ),
     # AsyncTP's chunked overlap leaves the first and last chunk exposed (SoftwareProfile.async_tensor_parallel_hidden)
     Parameter(
@@ -156,6 +184,11 @@ def apply_parameters(
             software.fp8_cast_bytes_per_element[parameter.name.split(".", 1)[1]] = value
         elif parameter.name.startswith("attention."):
             software.attention_kernel_speed[parameter.name.split(".", 1)[1]] = value
+        elif parameter.name.startswith("power_limit."):
+            for name in parameter.accelerators:
+                profile = profiles.setdefault(name, AcceleratorProfile(name=name, accelerator=name))
+                limits = {**profile.power_limited_peak, parameter.name.split(".", 1)[1]: value}
+                profiles[name] = profile.model_copy(update={"power_limited_peak": limits})
         elif parameter.name == "scale":
             for name in parameter.accelerators:
                 profile = profiles[name]

@@ -20,7 +20,7 @@ from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
 from pipesched.optimizer.planner.space import Configuration, methods_for
 
-__all__ = ["Prediction", "configuration", "estimator", "kernels_mode", "predict"]
+__all__ = ["Prediction", "configuration", "estimator", "kernels_mode", "power_limited", "predict"]
 
 
 def kernels_mode(row: Measurement) -> str:
@@ -61,13 +61,28 @@ def _model(row: Measurement, kernels: str | None = None) -> ModelConfig:
     return ModelConfig.model_validate(fields)
 
 
-def _cluster(row: Measurement, profile: str | None) -> ClusterConfig:
+def power_limited(cluster: ClusterConfig, power_limit_w: float | None) -> ClusterConfig:
+    """``cluster`` with its bf16 peak (``flops_per_s``, FP8 in proportion) the one its accelerator sustains under
+    ``power_limit_w`` (the profile's ``power_limited_peak``: 1 where not fitted); unchanged without a limit or
+    where the cluster states its own peak."""
+    if power_limit_w is None or cluster.flops_per_s is not None:
+        return cluster
+    hardware = resolve_hardware(cluster)
+    sustained = hardware.profile.power_limited_peak.get(f"{power_limit_w:g}", 1.0)
+    return cluster.model_copy(update={"flops_per_s": hardware.flops_per_s * sustained})
+
+
+def _cluster(row: Measurement, profile: str | None, kernels: str) -> ClusterConfig:
+    """The row's cluster, its peak the sustained one under a stated power limit (``power_limit_w``); a stated
+    attention kernel slows its attention where the kernels mode does not already
+    (eager and compiled PyTorch run FlashAttention-2:
+    :func:`~pipesched.optimizer.cost.context.pytorch_attention_speed`)."""
     fields: dict[str, Any] = {"accelerator": row.accelerator, **row.cluster}
     if profile is not None:
         fields["profile"] = profile
-    cluster = ClusterConfig.model_validate(fields)
+    cluster = power_limited(ClusterConfig.model_validate(fields), row.power_limit_w)
     speed = active_catalogue().software.attention_speed(row.software.attention_kernel, row.accelerator)
-    if speed != 1.0 and cluster.attention_efficiency is None:
+    if speed != 1.0 and kernels == "fused" and cluster.attention_efficiency is None:
         base = resolve_hardware(cluster).profile.attention_efficiency
         cluster = cluster.model_copy(update={"attention_efficiency": min(1.0, base * speed)})
     return cluster
@@ -76,9 +91,10 @@ def _cluster(row: Measurement, profile: str | None) -> ClusterConfig:
 def estimator(row: Measurement, profile: str | None = None, kernels: str | None = None) -> Estimator:
     """The planner's estimator for the row's model and cluster (``profile``: a ``cluster.profile`` name;
     ``kernels``: a kernels mode in place of the row's own, e.g. "unknown")."""
+    model = _model(row, kernels)
     return Estimator(
-        _model(row, kernels),
-        _cluster(row, profile),
+        model,
+        _cluster(row, profile, model.kernels),
         row.training.global_batch_size,
         sequence_parallel=row.layout.sequence_parallel,
         async_tensor_parallel=row.software.async_tensor_parallel,

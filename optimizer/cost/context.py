@@ -34,9 +34,10 @@ dispatches each step to ATen's ``_scaled_dot_product_flash_attention`` (``_templ
 ``torch/distributed/tensor/experimental/_attention.py``), PyTorch's FlashAttention-2 port, which reaches about
 35% of an H100's bf16 peak against 75% for Hopper kernels (Shah et al. 2024, FlashAttention-3, §4.1). Its speed
 relative to today's kernels is the software's ``attention_kernel_speed`` of ``flash-attn-2023`` on that
-accelerator (fitted to MosaicML's 2023 FlashAttention-2 runs, none of them context-parallel):
-:func:`ring_kernel_speed`. With kernels ``unknown`` (the framework not said) the layer takes the expected time
-over the frameworks that run its layout (:func:`pipesched.optimizer.cost.stages.blended`): PyTorch's ring for
+accelerator (fitted to MosaicML's and torchtitan's FlashAttention-2 runs): :func:`pytorch_attention_speed`, the
+same kernel PyTorch's attention runs without context parallelism. With kernels ``unknown`` (the framework not
+said) the layer takes the expected time over the frameworks that run its layout
+(:func:`pipesched.optimizer.cost.stages.blended`): PyTorch's ring for
 the eager and compiled share of the runs, Transformer Engine's for the fused share.
 
 Activation memory and FLOPs divided by c are in :mod:`.memory` and :mod:`.flops`; the weights are replicated
@@ -62,8 +63,8 @@ __all__ = [
     "RingAttention",
     "context_link",
     "key_value_block_bytes",
+    "pytorch_attention_speed",
     "ring_attention",
-    "ring_kernel_speed",
 ]
 
 #: Bytes per output element one merge step moves in F: the step's bf16 output read (2), the float32 running
@@ -109,12 +110,20 @@ def key_value_block_bytes(model: ModelConfig, tensor_parallel: int, context_para
     return tokens * width * model.dtype_bytes
 
 
-def ring_kernel_speed(model: ModelConfig, hardware: Hardware, context_parallel: int) -> float:
-    """The ring's attention-kernel speed relative to the profile's attention (module docstring), with c > 1:
-    PyTorch's FlashAttention-2 (``attention_kernel_speed`` of ``flash-attn-2023``, s₂) for kernels ``eager`` or
-    ``compiled``, 1 for ``fused`` (kernels ``unknown`` blend the layers of the modes:
-    :func:`pipesched.optimizer.cost.stages.blended`). 1 without context parallelism."""
-    if context_parallel <= 1 or model.kernels == "fused":
+def pytorch_attention_speed(model: ModelConfig, hardware: Hardware) -> float:
+    """FlashAttention's kernel speed relative to the profile's attention (today's kernels for the accelerator):
+    PyTorch's FlashAttention-2 (``attention_kernel_speed`` of ``flash-attn-2023`` on the accelerator, s₂) for
+    kernels ``eager`` or ``compiled``, 1 for ``fused`` (kernels ``unknown`` blend the layers of the modes:
+    :func:`pipesched.optimizer.cost.stages.blended`).
+
+    With context parallelism the ring calls ATen's ``_scaled_dot_product_flash_attention`` (module docstring);
+    without it ``torch.nn.functional.scaled_dot_product_attention`` picks its backend by a fixed priority that puts
+    FlashAttention before cuDNN on Hopper (meta-pytorch/tritonbench issue 41, November 2024: SDPA on an H100 runs
+    far slower than its cuDNN backend unless that backend is asked for; huggingface/transformers pull request
+    48163, 2026: cuDNN's Hopper kernels 1.7-2.3x faster than the default for training shapes). So torchtitan's
+    and llm-foundry's runs on an H100 ran FlashAttention-2 with or without context parallelism, while
+    Transformer Engine's fused attention (Megatron-Core, NeMo) runs cuDNN's Hopper kernels."""
+    if model.kernels == "fused":
         return 1.0
     return hardware.software.attention_speed("flash-attn-2023", hardware.name)
 

@@ -251,6 +251,12 @@ class AcceleratorProfile(StrictModel):
     fp8_gemm_efficiency: float = Field(0.6, gt=0, le=1)
     gemm_shape_dimension: float = Field(0.0, ge=0, description="d½, elements (module docstring).")
     attention_efficiency: float = Field(0.5, gt=0, le=1)
+    power_limited_peak: dict[str, float] = Field(
+        default_factory=dict,
+        description="Fraction of the datasheet's bf16 and FP8 peaks the accelerator sustains under a power limit "
+        "below its TDP, by the limit in W (e.g. '500'): a capped GPU lowers its clock under dense tensor-core work; "
+        "fitted where a calibration source ran capped GPUs (calibration rows' power_limit_w).",
+    )
     memory_efficiency: float = Field(0.8, gt=0, le=1)
     collective_efficiency_intra: float = Field(0.8, gt=0, le=1)
     collective_efficiency_inter: float = Field(0.85, gt=0, le=1)

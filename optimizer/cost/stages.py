@@ -41,7 +41,7 @@ from typing import Any
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
-from pipesched.optimizer.cost.context import ring_attention, ring_kernel_speed
+from pipesched.optimizer.cost.context import pytorch_attention_speed, ring_attention
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import (
     PassFlops,
@@ -297,16 +297,14 @@ def _tensor_parallel_ms(
     return total, total
 
 
-def _attention_ms(
-    flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False, context_parallel: int = 1
-) -> float:
+def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
     """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that; under
-    PyTorch's context parallelism at :func:`~pipesched.optimizer.cost.context.ring_kernel_speed` of it; heads
+    PyTorch's FlashAttention-2 at :func:`~pipesched.optimizer.cost.context.pytorch_attention_speed` of it; heads
     other than 128 wide scaled by :func:`~pipesched.optimizer.cost.timing.attention_head_size_factor`), eager
     attention's products at the matrix-multiply rate, ms."""
     if model.attention == "flash":
         speed = hardware.software.attention_backward_speed if backward else 1.0
-        speed *= ring_kernel_speed(model, hardware, context_parallel)
+        speed *= pytorch_attention_speed(model, hardware)
         head_size = attention_head_size_factor(model, hardware, backward=backward)
         return 1e3 * flops * head_size / (hardware.flops_per_s * hardware.profile.attention_efficiency * speed)
     return 1e3 * flops / hardware.effective_flops_per_s
@@ -376,10 +374,8 @@ def _parallel_communication_ms(
             cluster,
             t,
             c,
-            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware, context_parallel=c),
-            attention_backward_ms=_attention_ms(
-                flops.attention_backward, model, hardware, backward=True, context_parallel=c
-            ),
+            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
+            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware, backward=True),
             bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
         )
         forward = ring.forward_exposed_ms + elementwise_ms(ring.forward_merge_bytes, hardware)
@@ -565,14 +561,14 @@ def transformer_layer(
     )
     forward = PassTimes(
         gemm[0],
-        _attention_ms(flops.attention_forward, model, hardware, context_parallel=c),
+        _attention_ms(flops.attention_forward, model, hardware),
         forward_elementwise,
         gemm[1],
         kernels,
     )
     backward_input = PassTimes(
         gemm[0],
-        _attention_ms(flops.attention_backward, model, hardware, backward=True, context_parallel=c),
+        _attention_ms(flops.attention_backward, model, hardware, backward=True),
         elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + 2 * unfused, hardware),
         gemm[1],
         1.5 * kernels,

@@ -19,6 +19,7 @@ from pipesched.optimizer.calibration.catalogue import row_kernels_class, unknown
 from pipesched.optimizer.calibration.predict import predict
 from pipesched.optimizer.cost.calibration.measurements import (
     CONTEXT_EXPERT_SOURCES,
+    Measurement,
     builtin_measurements,
     fitting_measurements,
     parse_measurements,
@@ -73,9 +74,11 @@ def test_a_row_whose_batch_does_not_add_up_is_refused_with_the_fix() -> None:
 def test_shipped_profiles_predict_torchtitans_8b_fsdp_on_8_h100s_within_15_percent() -> None:
     predicted = predict(TORCHTITAN_8B).tokens_per_s_per_gpu
     assert predicted is not None and abs(predicted / 5762 - 1) <= 0.15
-    # the planner itself, torchtitan's layout pinned, gives the same figure
+    # the planner itself, torchtitan's layout pinned on its 500 W H100s (their sustained peak), gives the same figure
     pins = {"pipeline_parallel": [1], "tensor_parallel": [1], "sharding": ["full"], "micro_batch_size": [2]}
-    cluster = {"memory_bytes": 96 * GIB, "memory_bandwidth_bytes_per_s": 2.4e12}
+    sustained = builtin_catalogue().profiles["H100-SXM"].power_limited_peak["500"]
+    peak = CATALOGUE["H100-SXM"].flops_per_s * sustained
+    cluster = {"memory_bytes": 96 * GIB, "memory_bandwidth_bytes_per_s": 2.4e12, "flops_per_s": peak}
     search = {**pins, "activation_recomputation": ["selective"]}
     answer = plan(plan_request(search=search, cluster=cluster, training={"kernels": "eager"})).answer
     assert answer.plans[0].tokens_per_s_per_gpu == pytest.approx(predicted, rel=0.02)
@@ -268,6 +271,33 @@ def test_the_2023_attention_kernels_run_slower_on_hopper_than_on_ampere() -> Non
     hopper = software.attention_speed("flash-attn-2023", "H100-SXM")
     assert hopper < software.attention_speed("flash-attn-2023", "A100-80GB") <= 1.0
     assert software.attention_speed("current", "H100-SXM") == 1.0  # no entry: today's kernels
+
+
+def test_a_power_capped_run_is_predicted_at_its_sustained_peak() -> None:
+    """torchtitan's Grand Teton H100s ran at 500 W: the fitted sustained peak lies between the NVL's (835 of 989
+    TFLOPS at 400 W) and the SXM's, and only the compute-bound share of the step slows by it."""
+    assert TORCHTITAN_8B.power_limit_w == 500
+    sustained = builtin_catalogue().profiles["H100-SXM"].power_limited_peak["500"]
+    assert 835 / 989 <= sustained < 1.0
+    capped = predict(TORCHTITAN_8B).tokens_per_s_per_gpu
+    uncapped = predict(TORCHTITAN_8B.model_copy(update={"power_limit_w": None})).tokens_per_s_per_gpu
+    assert capped is not None and uncapped is not None
+    assert sustained < capped / uncapped < 1.0
+
+
+def test_pytorch_runs_on_hopper_spend_longer_in_attention_than_transformer_engine_runs() -> None:
+    """PyTorch's SDPA runs FlashAttention-2 on an H100 (cost.context.pytorch_attention_speed): at 32k tokens,
+    where attention is about half of the FLOPs, the eager prediction of torchtitan's row loses more to a fused
+    one than at 8k."""
+    long_row = ROWS["torchtitan-8b-8-fsdp-s32768"]
+
+    def eager_over_fused(row: Measurement) -> float:
+        eager = row.model_copy(update={"software": row.software.model_copy(update={"compile": False})})
+        fused = row.model_copy(update={"software": row.software.model_copy(update={"fused_kernels": True})})
+        return predict(fused).tokens_per_s_per_gpu / predict(eager).tokens_per_s_per_gpu  # type: ignore[operator]
+
+    short_row = long_row.model_copy(update={"model": long_row.model.model_copy(update={"seq_length": 8192})})
+    assert eager_over_fused(long_row) > eager_over_fused(short_row) > 1.0
 
 
 def test_async_tensor_parallel_hides_part_of_the_tensor_parallel_traffic() -> None:

@@ -105,6 +105,12 @@ class Measurement(StrictModel):
     model: ModelConfig
     accelerator: str
     cluster: dict[str, Any] = Field(default_factory=dict)
+    power_limit_w: float | None = Field(
+        None,
+        gt=0,
+        description="The power limit the GPUs ran under where the source states one below the datasheet's TDP (W): "
+        "their tensor cores sustain the profile's power_limited_peak of the datasheet peak.",
+    )
     layout: Layout = Field(default_factory=Layout)
     training: TrainingRun
     software: Software = Field(default_factory=Software)
