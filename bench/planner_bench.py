@@ -21,7 +21,8 @@ gets), and
 the planner's best layout for the same model, GPUs, global batch, precision and kernels (8B ran eager:
 ``training.kernels: eager``; 70B and 405B ran torch.compile with Float8: ``training.precision: fp8``,
 ``training.kernels: compiled``). The cluster is the
-benchmark's: H100 SXM peak (989.5 TFLOP/s dense bf16, the figure torchtitan's MFU uses), 96 GiB at 2.4 TB/s,
+benchmark's: H100s capped at 500 W, planned at the share of the SXM peak (989.5 TFLOP/s dense bf16) they
+sustain as the calibration fits it to torchtitan's runs (``power_limited_peak``), 96 GiB at 2.4 TB/s,
 NVLink 450 GB/s per direction inside a host, 50 GB/s per GPU between hosts; the H100-SXM profile calibrated by
 ``bench/calibration_bench.py`` (its 80% interval with every prediction). The best layout's gain is its
 prediction over the prediction for torchtitan's layout, its interval the best plan's interval over that same
@@ -38,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipesched.optimizer.calibration.predict import power_limited
+from pipesched.optimizer.configs import ClusterConfig
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanRequest
 
@@ -53,6 +56,9 @@ CLUSTER: dict[str, Any] = {
     "intra_node_bandwidth_bytes_per_s": 450e9,
     "inter_node_bandwidth_bytes_per_s": 50e9,
 }
+
+#: The hosts' power limit per GPU, W (the benchmark page: Grand Teton, H100s capped at 500 W).
+POWER_LIMIT_W = 500
 
 #: (name, preset, nodes, global batch, torchtitan's layout as search pins, published TPS/GPU, memory GiB, note)
 CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] = [
@@ -158,11 +164,13 @@ TRAINING: dict[str, dict[str, str]] = {
 def request(
     preset: str, nodes: int, batch: int, time_limit_s: float, pins: dict[str, Any], training: dict[str, str]
 ) -> PlanRequest:
-    """The plan request of one case."""
+    """The plan request of one case, its hosts' H100s at the sustained peak of their 500 W power limit (as the
+    calibration fits them: :func:`pipesched.optimizer.calibration.predict.power_limited`)."""
+    cluster = power_limited(ClusterConfig.model_validate({**CLUSTER, "num_nodes": nodes}), POWER_LIMIT_W)
     return PlanRequest.model_validate(
         {
             "model": {"preset": preset},
-            "cluster": {**CLUSTER, "num_nodes": nodes},
+            "cluster": cluster.model_dump(exclude_unset=True),
             "training": {"global_batch_size": batch, **training},
             "search": {"time_limit_s": time_limit_s, "top": 1, **pins},
         }
