@@ -46,4 +46,6 @@ def test_a_process_done_with_its_passes_keeps_its_core_busy_until_every_process_
     assert returned is not None
     (early_cpu, early_wall), (_, late_wall) = returned[0]
     assert early_wall >= 0.8 * LATE_S > late_wall
-    assert early_cpu >= 0.3 * early_wall, (early_cpu, early_wall)  # blocked in a barrier: about 0
+    # blocked in a barrier it would take about 0 (0.0002 s of 0.6); busy, its share of a core: a CI run with other
+    # test processes on the same 2 cores gave it 28%, a quiet machine about all of it
+    assert early_cpu >= 0.1 * early_wall, (early_cpu, early_wall)

@@ -218,7 +218,8 @@ def test_auto_never_worse_than_torch_at_its_memory(
     p: int, m: int, v: int, placement: str, costs: str, seed: int
 ) -> None:
     """For every PyTorch schedule of this placement: time its order, set memory.limit to its per-rank peak,
-    solve auto (0.5 s), and find auto at least as fast within that memory."""
+    solve auto (0.5 s; 3 s where a loaded machine left its local search short: a CI run beside other test
+    processes once stopped it 0.3% above PyTorch's ZB-V), and find auto at least as fast within that memory."""
     base = _versus_problem(p, m, v, placement, costs, seed * 7 + v)
     specs = torch_schedules_for(placement, v)
     assert specs
@@ -226,6 +227,8 @@ def test_auto_never_worse_than_torch_at_its_memory(
     for spec in specs:
         try:
             result = auto_versus_torch(peer_problem(base, spec), spec, time_limit_s=0.5)
+            if result.auto_value > result.torch_value + 1e-5:
+                result = auto_versus_torch(peer_problem(base, spec), spec, time_limit_s=3.0)
         except ValueError as error:  # PyTorch rejects the shape (DualPipeV needs m ≥ 2p)
             assert "rejects" in str(error)
             continue
