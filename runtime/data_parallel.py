@@ -123,8 +123,10 @@ class DataParallelStages:
         mirrors: MirrorGradients,
         stream: CommunicationStream,
         scheduled: frozenset[int] = frozenset(),
+        reshard_after_forward: bool = False,
     ) -> None:
         self.modules = modules
+        self.collectives_on_compute = sharded and reshard_after_forward
         self.scheduled = scheduled
         self.group = group
         self.size = size
@@ -179,6 +181,16 @@ class DataParallelStages:
         if self._complete[model_stage] < sum(1 for s in ids if s in self.modules):
             return None
         return self.mirrors.sum(model_stage, self.modules)
+
+    def before_pass(self, stage: int, timeout_s: float | None) -> None:
+        """Before a pass of ``stage`` on the compute stream. FSDP2 modules that reshard after forward gather their
+        weights again inside the pass (their pre-forward and pre-backward hooks) and reduce after its backward, on
+        the compute stream's thread: wait until the communication stream has run every action issued so far, so
+        that no two threads issue collectives on the data-parallel group at once (gloo and NCCL match a group's
+        collectives in issue order; two threads' orders differ between replicas: a mismatched all-gather
+        aborts the process). Without resharding after forward the pass runs no collective: no wait."""
+        if self.collectives_on_compute:
+            self.stream.wait_all(timeout_s)
 
     def stage_done(self, stage: int) -> None:
         """A stage's last backward ended. Without data parallelism (no REDUCE_GRAD in the row) a mirrored stage is

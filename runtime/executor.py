@@ -236,11 +236,15 @@ class WeightVersions(Protocol):
 class StageCommunication(Protocol):
     """A rank's data-parallel communication: issues an UNSHARD, RESHARD or REDUCE_GRAD on the rank's communication
     stream (:class:`~pipesched.runtime.streams.CommunicationStream`), and hears when a stage's gradients are
-    complete (``stage_done``: it may issue more). Both are called from the compute stream, in the row's order."""
+    complete (``stage_done``: it may issue more). Both are called from the compute stream, in the row's order;
+    ``before_pass`` before each pass of a stage (it may wait for the communication stream: see
+    :meth:`pipesched.runtime.data_parallel.DataParallelStages.before_pass`)."""
 
     def issue(self, action: Action) -> PendingCommunication: ...
 
     def stage_done(self, stage: int) -> None: ...
+
+    def before_pass(self, stage: int, timeout_s: float | None) -> None: ...
 
 
 @dataclass
@@ -480,6 +484,8 @@ class PipelineExecutor:
         self._post_receives(position)
         for gather in self._gathers.pop(stage, []):  # the stage's weights must be gathered
             gather.wait(self.timeout_s)
+        if self.communication is not None:
+            self.communication.before_pass(stage, self.timeout_s)
         if self.versions is not None:
             self.versions.before(action)
         started = self._passes[kind](stage, j, inputs)

@@ -402,6 +402,7 @@ class RankTrainer:
             mirrors=mirrors,
             stream=self.stream,
             scheduled=frozenset(a.stage for a in self.program.order if a.kind == ActionKind.REDUCE_GRAD),
+            reshard_after_forward=self.options is not None and self.options.reshard_after_forward,
         )
         self.versions = self._versions()
         self.params = self.versions.parameters() if self.versions else self._parameters()
