@@ -34,7 +34,7 @@ from pipesched.optimizer.calibration.predict import power_limited
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
 from pipesched.optimizer.configs import ClusterConfig
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
-from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
+from pipesched.optimizer.cost.profile import ProfileCatalogue, active_catalogue, use_catalogue
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanRequest
 
@@ -145,18 +145,30 @@ def unenforced(row: dict[str, Any], time_limit_s: float, default_kernels: bool =
     return calibration_predict(measurement, time_limit_s=time_limit_s, kernels=kernels_).tokens_per_s_per_gpu
 
 
+def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
+    """The active catalogue with the row's mixture-of-experts all-to-alls as they ran, which no request field
+    states: ``software.moe_dispatcher`` (the recipe's ``moe_token_dispatcher_type``; hierarchical where the source
+    does not say) and ``software.moe_all_to_all_overlap`` (its ``moe_a2a_overlap``). With ``--default-kernels``
+    the request says nothing of the framework, so these stay at the planner's defaults too."""
+    catalogue = active_catalogue()
+    fields = ("moe_dispatcher", "moe_all_to_all_overlap")
+    stated = {name: row.get("software", {}).get(name, getattr(catalogue.software, name)) for name in fields}
+    return catalogue.model_copy(update={"software": catalogue.software.model_copy(update=stated)})
+
+
 def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
     """The planner on the row's published layout, beside the published figure; where the planner's memory model
     refuses the layout, its time with memory not enforced (:func:`unenforced`), the refusal kept in
     ``over_memory``."""
     started = time.perf_counter()
-    try:
-        answer = plan(request_for(row, time_limit_s, default_kernels=default_kernels)).answer
-        best, error = (answer.plans[0] if answer.plans else None), answer.error
-    except ValidationError as exc:  # the layout does not fit the model of memory
-        best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
+    with use_catalogue(active_catalogue() if default_kernels else run_catalogue(row)):
+        try:
+            answer = plan(request_for(row, time_limit_s, default_kernels=default_kernels)).answer
+            best, error = (answer.plans[0] if answer.plans else None), answer.error
+        except ValidationError as exc:  # the layout does not fit the model of memory
+            best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
+        predicted = best.tokens_per_s_per_gpu if best else unenforced(row, time_limit_s, default_kernels)
     published = row["measured"]["tokens_per_s_per_gpu"]
-    predicted = best.tokens_per_s_per_gpu if best else unenforced(row, time_limit_s, default_kernels)
     return {
         "id": row["id"],
         "source": row["source"],

@@ -18,8 +18,11 @@ the expert mesh innermost after e_t, min(ep, gpus_per_node/e_t) of the ep GPUs s
 the (ep − 1)/ep share bound for peers crosses NVLink. An expert group over N nodes dispatches hierarchically,
 as DeepEP (DeepSeek-V3 report §3.2.2) and Megatron's flex dispatcher do: a token crosses the network once per
 other node holding one of its k experts — (N − 1)·(1 − (1 − 1/N)^k) nodes on average for uniformly spread
-experts — and fans out to its experts there over NVLink; combine is the mirror image. Network and NVLink legs
-run at once, so an all-to-all takes the longer of the two, plus one latency per peer group.
+experts — and fans out to its experts there over NVLink; combine is the mirror image. A flat all-to-all
+(Megatron-Core's ``alltoall`` dispatcher: one NCCL all-to-all over the ep ranks, the dispatcher of Megatron
+Bridge's Qwen3-235B H100 and GPT-OSS recipes) sends every one of a token's k copies to its expert's GPU, so
+k·(N − 1)/N of them cross the network. Network and NVLink legs run at once, so an all-to-all takes the longer of
+the two, plus one latency per peer group.
 
 **Overlap** (DeepSeek-V3 §3.2.1, DualPipe; Megatron's ``--overlap-moe-expert-parallel-comm``): a schedule that
 runs one microbatch's forward beside another's backward can hide the all-to-alls of one behind the compute
@@ -106,12 +109,15 @@ def expert_traffic(
     *,
     intra_bandwidth_bytes_per_s: float | None = None,
     inter_bandwidth_bytes_per_s: float | None = None,
+    hierarchical: bool = True,
 ) -> ExpertTraffic:
     """Dispatch and combine times of one MoE layer for one microbatch (module docstring).
 
     Args:
         intra_bandwidth_bytes_per_s, inter_bandwidth_bytes_per_s: achieved all-to-all bandwidth per GPU inside
             and between nodes; default the cluster's nominal links.
+        hierarchical: tokens cross the network once per remote node (DeepEP, the flex dispatcher); False: a flat
+            all-to-all sends each of the k copies (the ``alltoall`` dispatcher).
     """
     ep = groups.expert_parallel
     if ep <= 1 or not model.is_moe:
@@ -126,7 +132,7 @@ def expert_traffic(
     nodes = ep / in_node
     if nodes > 1:
         # each token crosses the network once per other node holding one of its experts, then fans out over NVLink
-        remote_nodes = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+        remote_nodes = (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k) if hierarchical else top_k * (nodes - 1) / nodes
         inter_ms = 1e3 * row * remote_nodes / inter
         intra_ms = 1e3 * sent * in_node / ep / intra
     else:

@@ -175,6 +175,22 @@ class SoftwareProfile(StrictModel):
         "launch-bound MoE steps; fitted to the published micro-batch-1 MoE runs (bench/cpep_bench.py --fit-host, "
         "held out one source at a time).",
     )
+    moe_dispatcher: Literal["hierarchical", "all-to-all"] = Field(
+        "hierarchical",
+        description="How a mixture-of-experts layer's tokens reach experts on other nodes: 'hierarchical' "
+        "(DeepEP, Megatron-Core's flex dispatcher: once per remote node, then over NVLink; DeepSeek-V3 report "
+        "§3.2.2) or 'all-to-all' (Megatron-Core's alltoall dispatcher: one NCCL all-to-all, each of the k copies "
+        "on its own). Not fitted: a published run states it (its recipe's moe_token_dispatcher_type); a plan "
+        "assumes the hierarchical dispatch of the current recipes (pipesched.optimizer.cost.experts).",
+    )
+    moe_all_to_all_overlap: bool = Field(
+        False,
+        description="The framework runs one microbatch's MoE all-to-alls beside another microbatch's compute in "
+        "the 1F1B steady state (Megatron-Core's --overlap-moe-expert-parallel-comm, Megatron Bridge's "
+        "moe_a2a_overlap; DualPipe does it by construction): a pass then exposes only what its all-to-alls exceed "
+        "of its own compute (ExpertParallel.overlap). Not fitted: a published run states it; a plan assumes it "
+        "only where its schedule overlaps microbatches.",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

@@ -383,7 +383,14 @@ def _parallel_communication_ms(
     if ep > 1 and moe and model.is_moe:
         groups = expert_groups(model, t, ep)
         traffic = expert_traffic(
-            model, cluster, groups, t, c, intra_bandwidth_bytes_per_s=intra, inter_bandwidth_bytes_per_s=inter
+            model,
+            cluster,
+            groups,
+            t,
+            c,
+            intra_bandwidth_bytes_per_s=intra,
+            inter_bandwidth_bytes_per_s=inter,
+            hierarchical=hardware.software.moe_dispatcher == "hierarchical",
         )
         if overlap:  # the other microbatch's pass hides up to its own length
             forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))

@@ -137,7 +137,9 @@ def build_problem(
         document["context_parallel"] = {"size": config.context_parallel}
     if config.expert_parallel > 1:
         estimate = get_family(config.method).planner if config.method != "auto" else None
-        overlap = estimate is not None and estimate.overlaps_microbatches
+        overlap = estimator.hardware.software.moe_all_to_all_overlap or (
+            estimate is not None and estimate.overlaps_microbatches
+        )
         document["expert_parallel"] = {"size": config.expert_parallel, "overlap": overlap}
     return load_problem(document)
 

@@ -19,8 +19,11 @@ from pipesched.optimizer.cost.context import (
 )
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import active_parameters, layer_flops, model_flops_per_token, model_parameters
+from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware, transformer_layer
 from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.planner.rank import plan
+from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.presets import PUBLISHED_PARAMETERS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +95,48 @@ def test_all_to_all_moves_tokens_times_top_k_times_hidden_on_the_expert_groups_l
     assert across.forward_ms == across.backward_input_ms == 2 * across.all_to_all_ms
     # tensor parallelism with sequence parallelism: each of the t ranks dispatches its s/t tokens
     assert expert_traffic(model, H100, expert_groups(model, 2, 8), 2, 1).bytes_per_all_to_all == tokens * 4 * 7168 * 2
+
+
+def test_a_flat_all_to_all_sends_every_copy_over_the_network() -> None:
+    model = ModelConfig(preset="deepseek-v3")
+    tokens = 4096
+    hierarchical = expert_traffic(model, H100, expert_groups(model, 1, 32), 1, 1)
+    flat = expert_traffic(model, H100, expert_groups(model, 1, 32), 1, 1, hierarchical=False)
+    # four nodes: 8 copies, 3/4 of them bound for experts on other nodes, against 3·(1 − 0.75⁸) ≈ 2.7 crossings
+    network = 1e3 * tokens * 7168 * 2 * 8 * 3 / 4 / H100.inter_node_bandwidth_bytes_per_s
+    assert flat.all_to_all_ms == pytest.approx(network + 2 * H100.collective_latency_ms, rel=0.01)
+    assert flat.all_to_all_ms > 2 * hierarchical.all_to_all_ms
+    # inside one node the two dispatchers move the same bytes over NVLink
+    one_node = expert_groups(model, 1, 8)
+    assert expert_traffic(model, H100, one_node, 1, 1, hierarchical=False) == expert_traffic(
+        model, H100, one_node, 1, 1
+    )
+
+
+def test_a_framework_that_overlaps_its_all_to_alls_hides_them_in_any_schedule() -> None:
+    request = PlanRequest.model_validate(
+        {
+            "model": {"preset": "qwen3-30b-a3b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 4, "gpus_per_node": 8},
+            "training": {"global_batch_size": 64, "kernels": "fused"},
+            "search": {
+                "time_limit_s": 5,
+                "top": 1,
+                "pipeline_parallel": [2],
+                "tensor_parallel": [1],
+                "expert_parallel": [16],
+                "stages_per_rank": [1],
+                "micro_batch_size": [4],
+                "method": ["1f1b"],
+            },
+        }
+    )
+    exposed = plan(request).answer.plans[0]
+    catalogue = active_catalogue()
+    software = catalogue.software.model_copy(update={"moe_all_to_all_overlap": True})
+    with use_catalogue(catalogue.model_copy(update={"software": software})):
+        hidden = plan(request).answer.plans[0]
+    assert hidden.step_time_ms < exposed.step_time_ms
 
 
 def test_overlapped_all_to_alls_expose_only_what_exceeds_the_compute() -> None:

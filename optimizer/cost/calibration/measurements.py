@@ -83,6 +83,8 @@ class Software(StrictModel):
     async_tensor_parallel: bool = False
     gradient_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     attention_kernel: Literal["current", "flash-attn-2023"] = "current"
+    moe_dispatcher: Literal["hierarchical", "all-to-all"] = "hierarchical"
+    moe_all_to_all_overlap: bool = False
     mixed_precision: str | None = None
     assumed: list[str] = Field(default_factory=list)
     notes: str | None = None
