@@ -43,6 +43,7 @@ from pipesched.optimizer.cost.profile import (
     AcceleratorProfile,
     ProfileCatalogue,
     SoftwareProfile,
+    layout_sharding,
     unknown_kernels_class,
     use_catalogue,
 )
@@ -103,14 +104,20 @@ def fit_memory_factor(rows: Sequence[Measurement], catalogue: ProfileCatalogue) 
 def row_kernels_class(row: Measurement) -> str:
     """The layout class of a row for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`
     of its data-parallel sharding; none without data parallelism)."""
-    copies = row.layout.data_parallel * row.layout.context_parallel
-    return unknown_kernels_class(row.layout.sharding if copies > 1 else None)
+    return unknown_kernels_class(
+        layout_sharding(row.layout.sharding, row.layout.data_parallel * row.layout.context_parallel)
+    )
+
+
+def _group(row: Measurement) -> tuple[str, str, str, str]:
+    """A row's vote for kernels "unknown": its layout class, kernels mode, source and accelerator."""
+    return row_kernels_class(row), kernels_mode(row), row.source, row.accelerator
 
 
 def unknown_kernels_shares(rows: Sequence[Measurement]) -> dict[str, dict[str, float]]:
     """By layout class, the share of each kernels mode among the rows' source-and-accelerator groups of that
     class, each group one vote (module docstring); a class without rows takes every mode's equal share."""
-    groups = {(row_kernels_class(row), kernels_mode(row), row.source, row.accelerator) for row in rows}
+    groups = {_group(row) for row in rows}
     shares: dict[str, dict[str, float]] = {}
     for name in UNKNOWN_KERNELS_CLASSES:
         votes = Counter(mode for kind, mode, _, _ in groups if kind == name)
@@ -122,8 +129,9 @@ def unknown_kernels_shares(rows: Sequence[Measurement]) -> dict[str, dict[str, f
 def class_weights(rows: Sequence[Measurement]) -> list[float]:
     """Each row's weight in its class's interval for kernels "unknown": within a class every source, accelerator
     and kernels-mode group weighs the same (not every row: MosaicML's 216 rows are one framework)."""
-    groups = Counter((row_kernels_class(row), kernels_mode(row), row.source, row.accelerator) for row in rows)
-    return [1.0 / groups[(row_kernels_class(row), kernels_mode(row), row.source, row.accelerator)] for row in rows]
+    keys = [_group(row) for row in rows]
+    groups = Counter(keys)
+    return [1.0 / groups[key] for key in keys]
 
 
 def fit_unknown_kernels(

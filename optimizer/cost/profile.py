@@ -62,6 +62,7 @@ __all__ = [
     "active_catalogue",
     "builtin_catalogue",
     "default_profile",
+    "layout_sharding",
     "load_catalogue",
     "unknown_kernels_class",
     "use_catalogue",
@@ -89,6 +90,12 @@ UNKNOWN_KERNELS_CLASSES = ("full", "replicated")
 
 #: Kernels "unknown" over a search whose layouts span both classes: every published run (each class one vote).
 ANY_KERNELS_CLASS = "any"
+
+
+def layout_sharding(sharding: str | None, copies: int) -> str | None:
+    """The data-parallel sharding that names a layout's class for kernels "unknown": ``sharding`` where ``copies``
+    (d·c GPUs holding the same weights) > 1, ``None`` (no data parallelism) otherwise."""
+    return sharding if copies > 1 else None
 
 
 def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str:

@@ -59,6 +59,7 @@ from pipesched.optimizer.cost.profile import (
     SoftwareProfile,
     active_catalogue,
     default_profile,
+    layout_sharding,
 )
 from pipesched.optimizer.cost.timing import (
     Hardware,
@@ -908,7 +909,7 @@ def _stage_blocks(
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
 ) -> _StageBlocks:
-    sharding = data_parallel.sharding if data_parallel is not None and data_parallel.size > 1 else None
+    sharding = layout_sharding(data_parallel.sharding, data_parallel.size) if data_parallel is not None else None
 
     def layer(moe: bool) -> Block:
         return transformer_layer(

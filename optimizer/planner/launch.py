@@ -30,7 +30,7 @@ from importlib import resources
 from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ModelConfig
-from pipesched.optimizer.cost.profile import active_catalogue
+from pipesched.optimizer.cost.profile import active_catalogue, layout_sharding
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
 from pipesched.optimizer.planner.torchtitan_toml import ACTIVATION_CHECKPOINT_PREFIX
 
@@ -254,11 +254,9 @@ def torchtitan_compiles(spec: LaunchSpec) -> bool:
     (:meth:`~pipesched.optimizer.cost.profile.SoftwareProfile.kernels_shares`) is torch.compile's rather than eager
     PyTorch's, so that the job handed off runs the kernels its prediction leaned on. torchtitan's own default is
     eager (``CompileConfig.enable = False``), as are most published FSDP runs: the shipped shares hand off eager."""
-    kernels = getattr(spec.model, "kernels", "eager")
-    if kernels != "unknown":
-        return kernels == "compiled"
-    copies = spec.layout.data_parallel_size * spec.context_parallel
-    sharding = spec.layout.sharding if copies > 1 else None
+    if spec.model.kernels != "unknown":
+        return spec.model.kernels == "compiled"
+    sharding = layout_sharding(spec.layout.sharding, spec.layout.data_parallel_size * spec.context_parallel)
     shares = active_catalogue().software.kernels_shares("unknown", sharding, spec.model.kernels_prior)
     return shares.get("compiled", 0.0) > shares.get("eager", 0.0)
 

@@ -60,7 +60,7 @@ from pipesched.optimizer.cost.collectives import (
 )
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import unknown_kernels_class
+from pipesched.optimizer.cost.profile import layout_sharding, unknown_kernels_class
 from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
@@ -250,7 +250,7 @@ class Estimator:
     @staticmethod
     def sharding_of(config: Configuration) -> str:
         """The configuration's data-parallel sharding, "" without data parallelism (d·c = 1)."""
-        return config.sharding if config.weight_copies > 1 else ""
+        return layout_sharding(config.sharding, config.weight_copies) or ""
 
     def framework_log_spread(self, config: Configuration) -> float:
         """log(layer time of the slowest framework that runs the layout / layer time as planned) for kernels

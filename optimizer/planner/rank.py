@@ -22,7 +22,7 @@ from dataclasses import astuple, dataclass, field
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import ANY_KERNELS_CLASS, unknown_kernels_class
+from pipesched.optimizer.cost.profile import ANY_KERNELS_CLASS, layout_sharding, unknown_kernels_class
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
@@ -233,7 +233,7 @@ def _one_framework_prior(estimator: Estimator, configurations: list[Configuratio
     model = estimator.model
     if model.kernels != "unknown" or model.kernels_prior is not None:
         return
-    classes = {unknown_kernels_class(Estimator.sharding_of(config) or None) for config in configurations}
+    classes = {unknown_kernels_class(layout_sharding(c.sharding, c.weight_copies)) for c in configurations}
     if len(classes) > 1:
         estimator.model = model.model_copy(update={"kernels_prior": ANY_KERNELS_CLASS})
 
@@ -250,7 +250,7 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         )
     if answer_plans and estimator.model.kernels == "unknown":
         best = answer_plans[0]
-        sharding = best.data_parallel.sharding if best.data_parallel.size * best.context_parallel > 1 else None
+        sharding = layout_sharding(best.data_parallel.sharding, best.data_parallel.size * best.context_parallel)
         shares = estimator.hardware.software.kernels_shares("unknown", sharding, estimator.model.kernels_prior)
         mix = ", ".join(f"{mode} {share:.0%}" for mode, share in shares.items())
         whose = {"full": "published FSDP runs", "replicated": "published runs with replicated weights"}.get(
