@@ -147,7 +147,9 @@ def _worker(
             torch.backends.cudnn.allow_tf32 = False
         else:
             device = torch.device("cpu")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=None)
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=timeout_s), device_id=device if backend == "nccl" else None
+        )
         results = []
         for job in jobs:
             result = entry(job, rank, device, timeout_s)
@@ -443,11 +445,12 @@ class NodeConfig:
 
 
 def _reference(
-    run: PlannedRun, training: TrainingOptions | None, seed: int, references: dict[str, Any]
+    run: PlannedRun, training: TrainingOptions | None, seed: int, references: dict[str, Any], backend: str = "gloo"
 ) -> tuple[Any, str]:
     """The single-process reference of ``run``'s model and problem under ``training`` (and the model's name),
     computed once per launch for equal inputs (``references``: a launch running a schedule in several rounds, or
-    two families on one problem, checks them against one reference)."""
+    two families on one problem, checks them against one reference); on the first GPU for NCCL runs, in float32
+    without TF32 as the ranks compute."""
     from pipesched.runtime.models import load_model
     from pipesched.runtime.verify import reference_training
 
@@ -456,8 +459,15 @@ def _reference(
     if key not in references:
         # A fresh model each time: a user model's build_stage may hand out the same (now trained) modules.
         pipeline_model = load_model(run.model, problem, seed=seed)
+        device = "cpu"
+        if backend == "nccl":
+            import torch
+
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            device = "cuda:0"
         references[key] = (
-            reference_training(pipeline_model, problem.pipeline.num_microbatches, training),
+            reference_training(pipeline_model, problem.pipeline.num_microbatches, training, device),
             pipeline_model.name,
         )
     return references[key]
@@ -471,10 +481,10 @@ def _report(
 
     from pipesched.runtime.report import build_report
 
-    reference, name = _reference(run, run.training, seed, references)
+    reference, name = _reference(run, run.training, seed, references, backend)
     synchronous = None
     if run.training is not None and run.training.two_weight_versions:
-        synchronous, _ = _reference(run, replace(run.training, weight_update="sync"), seed, references)
+        synchronous, _ = _reference(run, replace(run.training, weight_update="sync"), seed, references, backend)
     return build_report(
         run.schedule,
         results,

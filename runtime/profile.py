@@ -658,7 +658,8 @@ def _assemble(
         "forward": [medians["F", k] for k in stages],
         "backward_input": [medians["I", k] for k in stages],
         "backward_weight": [medians["W", k] for k in stages],
-        "p2p": p2p_ms if p2p_ms is not None or p2p_fit is None else [round(p2p_fit.ms(b), 6) for b in boundary],
+        # One pipeline rank passes nothing between processes: no p2p samples, no p2p cost.
+        "p2p": p2p_ms if p2p_ms is not None else [round(p2p_fit.ms(b), 6) for b in boundary] if p2p_fit else 0.0,
         "optimizer_step": [round(statistics.median(t), 6) for t in measured.per_rank(lambda r: r.optimizer_step)],
     }
     weights = measured.first(lambda r: r.weight_bytes)

@@ -159,7 +159,11 @@ def fsdp_reduce_grad(module: nn.Module) -> None:
         fsdp.set_requires_gradient_sync(True)
         state = fully_shard.state(fsdp)  # type: ignore[attr-defined]
         for member in state._state_ctx.all_states:
-            for group in member._fsdp_param_groups:
+            # torch 2.13 keeps a list of parameter groups per state; 2.11 one group or None
+            groups = getattr(member, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [group] if (group := getattr(member, "_fsdp_param_group", None)) is not None else []
+            for group in groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
 

@@ -71,11 +71,13 @@ class Reference:
     steps: list[StepCheck] = field(default_factory=list)
 
 
-def _reference_step(modules: list[torch.nn.Module], model: PipelineModel, first: int, total: int, nan_at: int | None):
+def _reference_step(
+    modules: list[torch.nn.Module], model: PipelineModel, first: int, total: int, nan_at: int | None, device: str
+):
     """Forward and backward of microbatches ``first … first + total − 1`` (mean loss); the losses."""
     losses = []
     for g in range(total):
-        x, target = model.make_microbatch(first + g)
+        x, target = (tensor.to(device) for tensor in model.make_microbatch(first + g))
         for module in modules:
             x = module(x)
         if nan_at == g:
@@ -86,13 +88,17 @@ def _reference_step(modules: list[torch.nn.Module], model: PipelineModel, first:
     return losses
 
 
-def reference_training(model: PipelineModel, num_microbatches: int, options: TrainingOptions | None) -> Reference:
+def reference_training(
+    model: PipelineModel, num_microbatches: int, options: TrainingOptions | None, device: str = "cpu"
+) -> Reference:
     """The same K steps in one process, without a pipeline: every model stage in order, the global batch of
     ``D · m`` microbatches per step (mean loss), the same optimizer, clipping, NaN check and update rule
     (synchronous; post-validation ≡ synchronous with clipping; 2BW: W(t+1) = W(t) − ν·∇f(W(t−1))). Without
-    ``options``: one step of m microbatches, no optimizer step.
+    ``options``: one step of m microbatches, no optimizer step. ``device``: where it computes (``cuda`` for a
+    run on GPUs: a model that takes the GPUs minutes would take the CPU hours); the tensors it returns are on
+    the CPU.
     """
-    modules = [model.build_stage(stage) for stage in range(model.num_model_stages)]
+    modules = [model.build_stage(stage).to(device) for stage in range(model.num_model_stages)]
     params = [p for module in modules for p in module.parameters()]
     names = [f"{stage}/{name}" for stage, module in enumerate(modules) for name, _ in module.named_parameters()]
     two_versions = options is not None and options.two_weight_versions
@@ -105,14 +111,14 @@ def reference_training(model: PipelineModel, num_microbatches: int, options: Tra
         for p in params:
             p.grad = None
         nan_at = options.inject_nan[1] if options and options.inject_nan and options.inject_nan[0] == step else None
-        losses = _reference_step(modules, model, step * total, total, nan_at)
+        losses = _reference_step(modules, model, step * total, total, nan_at, device)
         reference.losses.append(sum(losses) / total)
         norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)))
         finite = math.isfinite(norm)
         reference.steps.append(StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
         if step == steps - 1:
             reference.gradients = {
-                n: p.grad.detach().float().clone() for n, p in zip(names, params, strict=True) if p.grad is not None
+                n: p.grad.detach().float().cpu() for n, p in zip(names, params, strict=True) if p.grad is not None
             }
         if optimizer is None or options is None:
             continue
@@ -130,7 +136,7 @@ def reference_training(model: PipelineModel, num_microbatches: int, options: Tra
                 p.copy_(master)
         optimizer.step()
     final = masters or params
-    reference.parameters = {n: p.detach().float().clone() for n, p in zip(names, final, strict=True)}
+    reference.parameters = {n: p.detach().float().cpu().clone() for n, p in zip(names, final, strict=True)}
     return reference
 
 

@@ -44,3 +44,20 @@ def test_a_profiled_schedule_runs_with_the_static_memory_its_profile_predicted(m
     for rank in report.ranks:
         assert rank.static_bytes_measured == rank.static_bytes_predicted
         assert len(rank.communication_hidden_ms) == len(rank.communication_exposed_ms) == training.steps
+
+
+def test_one_pipeline_rank_closes_the_loop_without_p2p():
+    """The loop on a single process (one GPU): nothing crosses processes, so the profile records no p2p cost
+    (not a fit of no samples), and the run it predicts verifies with the static memory the profile measured."""
+    from pipesched.runtime.launch import run_schedule
+    from pipesched.runtime.profile import measure_model
+
+    profile = measure_model(num_ranks=1, num_microbatches=4, model="gpt-tiny", repeats=2, warmup=1)
+    problem = profile.problem
+    assert profile.p2p is None and problem.costs is not None and problem.costs.p2p == 0.0
+    schedule = solve_family(problem, "1f1b")
+    report = run_schedule(schedule, model="gpt-tiny", engine="pipesched", timeout_s=120)
+    assert report is not None and report.verified
+    assert [(rank.static_bytes_measured, rank.static_bytes_predicted) for rank in report.ranks] == [
+        (report.ranks[0].static_bytes_predicted,) * 2
+    ]
