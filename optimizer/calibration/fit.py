@@ -101,7 +101,10 @@ PARAMETERS: tuple[Parameter, ...] = (
         2.0,
         lambda row: (
             row.accelerator == "H100-SXM"
-            and (row.software.attention_kernel == "flash-attn-2023" or kernels_mode(row) != "fused")
+            and (
+                row.software.attention_kernel == "flash-attn-2023"
+                or (kernels_mode(row) != "fused" and row.software.attention_kernel != "cudnn")
+            )
         ),
     ),
     # torchtitan's Grand Teton H100s ran at a 500 W power limit (700 W TDP): a peak between the SXM's and the

@@ -13,7 +13,7 @@ from typing import Any
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
-from pipesched.optimizer.cost.profile import active_catalogue
+from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.planner.evaluate import evaluate
@@ -117,7 +117,14 @@ def predict(
     row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0, kernels: str | None = None
 ) -> Prediction:
     """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
-    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode."""
+    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode. A row
+    whose PyTorch attention ran cuDNN's kernels (``software.attention_kernel`` "cudnn") is timed with the software
+    profile's ``pytorch_sdpa_backend`` "cudnn"."""
+    if row.software.attention_kernel == "cudnn" and active_catalogue().software.pytorch_sdpa_backend != "cudnn":
+        catalogue = active_catalogue()
+        software = catalogue.software.model_copy(update={"pytorch_sdpa_backend": "cudnn"})
+        with use_catalogue(catalogue.model_copy(update={"software": software})):
+            return predict(row, profile, time_limit_s=time_limit_s, kernels=kernels)
     est = estimator(row, profile, kernels)
     config = configuration(row)
     estimate = est.estimate(config)

@@ -122,8 +122,11 @@ def pytorch_attention_speed(model: ModelConfig, hardware: Hardware) -> float:
     far slower than its cuDNN backend unless that backend is asked for; huggingface/transformers pull request
     48163, 2026: cuDNN's Hopper kernels 1.7-2.3x faster than the default for training shapes). So torchtitan's
     and llm-foundry's runs on an H100 ran FlashAttention-2 with or without context parallelism, while
-    Transformer Engine's fused attention (Megatron-Core, NeMo) runs cuDNN's Hopper kernels."""
-    if model.kernels == "fused":
+    Transformer Engine's fused attention (Megatron-Core, NeMo) runs cuDNN's Hopper kernels. torch 2.11 picks
+    cuDNN's kernels itself (measured on an H100 by ``bench/device_step_bench.py --breakdown``: the default ran
+    cuDNN at 57% / 47% of the bf16 peak forward / backward for 128-wide causal heads at 8,192 tokens, its
+    FlashAttention backend at 31% / 27%): the software profile's ``pytorch_sdpa_backend`` "cudnn" then gives 1."""
+    if model.kernels == "fused" or hardware.software.pytorch_sdpa_backend == "cudnn":
         return 1.0
     return hardware.software.attention_speed("flash-attn-2023", hardware.name)
 

@@ -134,6 +134,14 @@ class SoftwareProfile(StrictModel):
         "Shah et al. 2024, §1 and §4.1, measures FlashAttention-2 at about 35% of the H100's bf16 peak against "
         "70-75% for kernels using Hopper's WGMMA and TMA).",
     )
+    pytorch_sdpa_backend: Literal["flash", "cudnn"] = Field(
+        "flash",
+        description="The kernel eager and compiled PyTorch's scaled_dot_product_attention runs on Hopper: 'flash' "
+        "(FlashAttention-2, as the published torchtitan and llm-foundry runs ran it: the 'flash-attn-2023' speed on "
+        "the accelerator) or 'cudnn' (cuDNN's Hopper kernels at today's speed: torch 2.11's default on an H100, "
+        "measured by bench/device_step_bench.py, bench/results/device/; a calibration row that ran them says "
+        "software.attention_kernel 'cudnn').",
+    )
     unfused_traffic: float = Field(
         1.0,
         gt=0,

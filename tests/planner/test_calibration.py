@@ -300,6 +300,23 @@ def test_pytorch_runs_on_hopper_spend_longer_in_attention_than_transformer_engin
     assert eager_over_fused(long_row) > eager_over_fused(short_row) > 1.0
 
 
+def test_a_pytorch_run_on_cudnns_attention_kernels_times_attention_as_transformer_engine_does() -> None:
+    """torch 2.11's SDPA runs cuDNN's Hopper kernels (software.attention_kernel "cudnn", measured by
+    bench/device_step_bench.py): the eager row then gains on its FlashAttention-2 self, more at 32k tokens (about
+    half the FLOPs in attention) than at 8k."""
+
+    def gain(row: Measurement) -> float:
+        eager = row.model_copy(update={"software": row.software.model_copy(update={"compile": False})})
+        stated = eager.software.model_copy(update={"attention_kernel": "cudnn"})
+        fast, flash = predict(eager.model_copy(update={"software": stated})), predict(eager)
+        return fast.tokens_per_s_per_gpu / flash.tokens_per_s_per_gpu  # type: ignore[operator]
+
+    long_row = ROWS["torchtitan-8b-8-fsdp-s32768"]
+    short_row = long_row.model_copy(update={"model": long_row.model.model_copy(update={"seq_length": 8192})})
+    assert gain(long_row) > gain(short_row) > 1.02
+    assert gain(long_row) > 1.1
+
+
 def test_async_tensor_parallel_hides_part_of_the_tensor_parallel_traffic() -> None:
     vanilla = ROWS["torchtitan-70b-256-2d"]
     asynchronous = ROWS["torchtitan-70b-256-2d-asynctp"]

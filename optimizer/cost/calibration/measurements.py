@@ -82,7 +82,7 @@ class Software(StrictModel):
     fused_kernels: bool = False
     async_tensor_parallel: bool = False
     gradient_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
-    attention_kernel: Literal["current", "flash-attn-2023"] = "current"
+    attention_kernel: Literal["current", "flash-attn-2023", "cudnn"] = "current"
     moe_dispatcher: Literal["hierarchical", "all-to-all"] = "hierarchical"
     moe_all_to_all_overlap: bool = False
     mixed_precision: str | None = None
