@@ -8,12 +8,14 @@ step) and returns the predicted tokens/s per GPU and peak memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
-from pipesched.optimizer.cost.profile import active_catalogue
+from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.planner.evaluate import evaluate
@@ -113,15 +115,33 @@ class Prediction:
     reason: str | None = None
 
 
+@contextmanager
+def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]:
+    """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
+    (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST). With ``kernels`` given (the
+    framework ignored, as for a layout given without one) the planner's defaults stay."""
+    software = active_catalogue().software
+    stated = row.software.fsdp_backward_prefetch
+    if kernels is not None or stated == software.fsdp_backward_prefetch:
+        yield
+        return
+    catalogue = active_catalogue()
+    update = {"software": software.model_copy(update={"fsdp_backward_prefetch": stated})}
+    with use_catalogue(catalogue.model_copy(update=update)):
+        yield
+
+
 def predict(
     row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0, kernels: str | None = None
 ) -> Prediction:
     """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
-    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode."""
-    est = estimator(row, profile, kernels)
-    config = configuration(row)
-    estimate = est.estimate(config)
-    evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)
+    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode (and
+    the row's framework settings, :func:`run_software`, with the planner's)."""
+    with run_software(row, kernels):
+        est = estimator(row, profile, kernels)
+        config = configuration(row)
+        estimate = est.estimate(config)
+        evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)
     plan = evaluation.plan
     if plan is None:
         return Prediction(None, None, None, None, evaluation.reason)
