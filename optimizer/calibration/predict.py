@@ -120,14 +120,13 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
     (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST). With ``kernels`` given (the
     framework ignored, as for a layout given without one) the planner's defaults stay."""
-    software = active_catalogue().software
+    catalogue = active_catalogue()
     stated = row.software.fsdp_backward_prefetch
-    if kernels is not None or stated == software.fsdp_backward_prefetch:
+    if kernels is not None or stated == catalogue.software.fsdp_backward_prefetch:
         yield
         return
-    catalogue = active_catalogue()
-    update = {"software": software.model_copy(update={"fsdp_backward_prefetch": stated})}
-    with use_catalogue(catalogue.model_copy(update=update)):
+    software = catalogue.software.model_copy(update={"fsdp_backward_prefetch": stated})
+    with use_catalogue(catalogue.model_copy(update={"software": software})):
         yield
 
 
