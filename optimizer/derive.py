@@ -286,6 +286,7 @@ def _hide_behind_compute(
             num_microbatches=pipeline.num_microbatches,
             per_microbatch=per_microbatch,
             slowdown=derived.hardware.profile.overlap_slowdown,
+            prefetch_after_backward=derived.hardware.software.fsdp_backward_prefetch == "BACKWARD_POST",
         )
         new_unshard.append(round(exposure.unshard_ms, 6))
         new_reduce.append(round(exposure.reduce_grad_ms, 6))

@@ -8,6 +8,8 @@ step) and returns the predicted tokens/s per GPU and peak memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,22 +115,36 @@ class Prediction:
     reason: str | None = None
 
 
+@contextmanager
+def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]:
+    """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
+    (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST) and the attention kernel PyTorch
+    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``). With ``kernels``
+    given (the framework ignored, as for a layout given without one) the planner's defaults stay."""
+    catalogue = active_catalogue()
+    stated: dict[str, str] = {"fsdp_backward_prefetch": row.software.fsdp_backward_prefetch}
+    if row.software.attention_kernel == "cudnn":
+        stated["pytorch_sdpa_backend"] = "cudnn"
+    current = catalogue.software.model_dump()
+    if kernels is not None or all(current[field] == value for field, value in stated.items()):
+        yield
+        return
+    software = catalogue.software.model_copy(update=stated)
+    with use_catalogue(catalogue.model_copy(update={"software": software})):
+        yield
+
+
 def predict(
     row: Measurement, profile: str | None = None, *, time_limit_s: float = 10.0, kernels: str | None = None
 ) -> Prediction:
     """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
-    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode. A row
-    whose PyTorch attention ran cuDNN's kernels (``software.attention_kernel`` "cudnn") is timed with the software
-    profile's ``pytorch_sdpa_backend`` "cudnn"."""
-    if row.software.attention_kernel == "cudnn" and active_catalogue().software.pytorch_sdpa_backend != "cudnn":
-        catalogue = active_catalogue()
-        software = catalogue.software.model_copy(update={"pytorch_sdpa_backend": "cudnn"})
-        with use_catalogue(catalogue.model_copy(update={"software": software})):
-            return predict(row, profile, time_limit_s=time_limit_s, kernels=kernels)
-    est = estimator(row, profile, kernels)
-    config = configuration(row)
-    estimate = est.estimate(config)
-    evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)
+    ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode (and
+    the row's framework settings, :func:`run_software`, with the planner's)."""
+    with run_software(row, kernels):
+        est = estimator(row, profile, kernels)
+        config = configuration(row)
+        estimate = est.estimate(config)
+        evaluation = evaluate(est, config, estimate, time_limit_s=time_limit_s, enforce_memory=False)
     plan = evaluation.plan
     if plan is None:
         return Prediction(None, None, None, None, evaluation.reason)

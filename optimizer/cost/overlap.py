@@ -16,6 +16,10 @@ the compute), a reduction of R ms beside a backward of B ms for u·R + (1 − u)
   gradients (sharded gradients cannot be accumulated unsharded). The step model keeps one UNSHARD (the first
   unit, free of compute) and one REDUCE_GRAD (the last unit's reduction); every microbatch's F and I carry
   the rest of their exposed collectives, so the sum over the step is m times the per-microbatch exposure.
+- **Backward prefetch after the gradient** (PyTorch FSDP1's ``BackwardPrefetch.BACKWARD_POST``, MosaicML
+  Composer's default): unit i − 1's gather starts once unit i's gradients are computed, beside only unit i's
+  reduction, so every unit's backward waits for its own gather: the backward exposes all of G, and its compute
+  overlaps only the reductions, for (1 − u)·max(0, R − B) more.
 - **Beside compute**, every collective slows the compute it overlaps by ``overlap_slowdown`` of its own time
   (shared SMs and memory bandwidth), spread over the stage's passes.
 """
@@ -47,6 +51,7 @@ def stage_overlap(
     num_microbatches: int,
     per_microbatch: bool,
     slowdown: float,
+    prefetch_after_backward: bool = False,
 ) -> StageOverlap:
     """The module docstring's exposure of one stage.
 
@@ -58,6 +63,8 @@ def stage_overlap(
         per_microbatch: FSDP without pipelining, resharding after forward (every microbatch gathers twice and
             reduces once).
         slowdown: the profile's ``overlap_slowdown``.
+        prefetch_after_backward: FSDP's ``BACKWARD_POST`` prefetch (the software profile's
+            ``fsdp_backward_prefetch``): with ``per_microbatch``, the backward's gathers are not overlapped.
     """
     u = min(1.0, max(unit_fraction, 0.0))
     m = max(num_microbatches, 1)
@@ -67,8 +74,12 @@ def stage_overlap(
         spread = slowdown * (gather_ms + reduce_ms) / m
         return StageOverlap(unshard, reduce, spread / 2, spread / 2)
     forward_stall = (1 - u) * max(0.0, gather_ms - forward_ms)
-    backward_comm = gather_ms + reduce_ms
-    backward_stall = u * gather_ms + (1 - u) * max(0.0, backward_comm - backward_ms)
+    if prefetch_after_backward:  # every unit's gather waits for the gradients before it; compute hides reductions
+        backward_comm = reduce_ms
+        backward_stall = gather_ms + (1 - u) * max(0.0, reduce_ms - backward_ms)
+    else:
+        backward_comm = gather_ms + reduce_ms
+        backward_stall = u * gather_ms + (1 - u) * max(0.0, backward_comm - backward_ms)
     first_gather = u * gather_ms
     last_reduce = u * reduce_ms
     # every microbatch but the first waits for its first unit's gather; all but the last for its last reduction

@@ -206,6 +206,16 @@ class SoftwareProfile(StrictModel):
         "of its own compute (ExpertParallel.overlap). Not fitted: a published run states it; a plan assumes it "
         "only where its schedule overlaps microbatches.",
     )
+    fsdp_backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] = Field(
+        "BACKWARD_PRE",
+        description="When FSDP gathers the next unit's weights in the backward (PyTorch's BackwardPrefetch): "
+        "'BACKWARD_PRE' before the current unit's gradient computation, so the gather runs beside it (FSDP2's "
+        "implicit prefetch, torchtitan; Megatron's parameter gathers); 'BACKWARD_POST' after it, beside only the "
+        "current unit's reduction, so every unit's backward waits for its own gather (PyTorch FSDP1 docs: 'enables "
+        "less overlap but requires less memory'; MosaicML Composer's default, composer/trainer/dist_strategy.py "
+        "v0.13-v0.18). Not fitted: a published run states it; a plan assumes BACKWARD_PRE "
+        "(pipesched.optimizer.cost.overlap).",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

@@ -84,6 +84,7 @@ class Software(StrictModel):
     gradient_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     attention_kernel: Literal["current", "flash-attn-2023", "cudnn"] = "current"
     moe_dispatcher: Literal["hierarchical", "all-to-all"] = "hierarchical"
+    fsdp_backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] = "BACKWARD_PRE"
     moe_all_to_all_overlap: bool = False
     mixed_precision: str | None = None
     assumed: list[str] = Field(default_factory=list)
