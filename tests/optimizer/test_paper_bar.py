@@ -18,10 +18,10 @@ SETTINGS = [s for s in paper_settings() if s["num_ranks"] <= 16 and s["num_micro
 def test_auto_never_worse_than_the_papers_schedules(setting: dict) -> None:
     p, activation = setting["num_ranks"], setting["activation"]
     spans = {}
-    # 3.0× gets more time: its answer is the best of the authors' scheduler on four rungs, reached after the bound
-    # and the families' warm starts, which a CI run starving the solve of cores (torch processes beside it) can
-    # keep busy for all of 1.5 s.
-    for factor, published, limit_s in ((1.0, "ZB-1p", 1.5), (2.0, "ZB-2p", 1.5), (3.0, None, 3.0)):
+    # 2.0× and 3.0× get more time: their answers are the best of the authors' scheduler on two and four rungs,
+    # reached after the bound and the families' warm starts, which a run starving the solve of cores (torch
+    # processes beside it) can keep busy for all of 1.5 s (14.6B at p 16, m 64: 2,372 against ZB-2p's 1,973 once).
+    for factor, published, limit_s in ((1.0, "ZB-1p", 1.5), (2.0, "ZB-2p", 3.0), (3.0, None, 3.0)):
         problem = paper_problem(setting, **{"memory.limit": factor * p * activation, "solver.time_limit_s": limit_s})
         schedule = solve(problem)
         assert schedule.status in ("optimal", "feasible")
