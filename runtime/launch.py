@@ -377,6 +377,24 @@ def plan_runs(
     return runs
 
 
+def _check_gpus(backend: str, nproc: int) -> None:
+    """NCCL takes one GPU per process (it refuses two ranks on one GPU: "Duplicate GPU detected")."""
+    if backend != "nccl":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise ScheduleError("backend", "--backend nccl (--device cuda) needs CUDA GPUs; use gloo (--device cpu)")
+    if nproc > gpus:
+        raise ScheduleError(
+            "backend",
+            f"NCCL takes one GPU per process: {nproc} processes on this node but {gpus} GPU(s) visible; run fewer "
+            "pipeline ranks × data-parallel replicas per node (one GPU: --num-ranks 1, --data-parallel 1), more "
+            "nodes, or gloo on the CPU",
+        )
+
+
 def launch_jobs(
     entry: Callable[[Any, int, Any, float], Any],
     jobs: list[Any],
@@ -408,6 +426,7 @@ def launch_jobs(
             f"the schedule's ranks × data-parallel size = {world} processes but nnodes {nodes.nnodes} × "
             f"nproc_per_node {nproc} = {nproc * nodes.nnodes}: set --nproc-per-node {world // max(nodes.nnodes, 1)}",
         )
+    _check_gpus(backend, nproc)
     error_dir = Path(jobs[0].workdir, "errors")
     error_dir.mkdir()
     config = LaunchConfig(
@@ -532,8 +551,6 @@ def run_schedules(
         ScheduleError: bad input (rejected schedule, unknown engine/backend, rank count or data-parallel mismatch).
         RunFailed: a rank failed or a wait timed out; the message names the rank and the reason.
     """
-    import torch
-
     if not schedules:
         return []
     from pipesched.runtime.torch_compat import warn_if_unsupported_torch
@@ -542,8 +559,6 @@ def run_schedules(
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
     runs = plan_runs(schedules, model=model, engine=engine, training=training, seed=seed, validate=validate)
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ScheduleError("backend", "--backend nccl needs CUDA GPUs; use --backend gloo on CPU")
     options = runs[0].training
     world = runs[0].schedule.problem.pipeline.num_ranks * (options.data_parallel if options else 1)
     with tempfile.TemporaryDirectory(prefix="pipesched-run-") as workdir:

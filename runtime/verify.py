@@ -117,8 +117,10 @@ def reference_training(
         finite = math.isfinite(norm)
         reference.steps.append(StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
         if step == steps - 1:
-            reference.gradients = {
-                n: p.grad.detach().float().cpu() for n, p in zip(names, params, strict=True) if p.grad is not None
+            reference.gradients = {  # copies: clipping below scales the gradients in place
+                n: p.grad.detach().float().cpu().clone()
+                for n, p in zip(names, params, strict=True)
+                if p.grad is not None
             }
         if optimizer is None or options is None:
             continue

@@ -61,3 +61,12 @@ def test_one_pipeline_rank_closes_the_loop_without_p2p():
     assert [(rank.static_bytes_measured, rank.static_bytes_predicted) for rank in report.ranks] == [
         (report.ranks[0].static_bytes_predicted,) * 2
     ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without GPUs")
+def test_a_profile_on_cuda_without_gpus_names_the_fix_before_starting_processes():
+    from pipesched.runtime.launch import ScheduleError
+    from pipesched.runtime.profile import measure_model
+
+    with pytest.raises(ScheduleError, match="needs CUDA GPUs; use gloo"):
+        measure_model(num_ranks=2, num_microbatches=4, model="gpt-tiny", repeats=1, device="cuda")
