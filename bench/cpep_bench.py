@@ -99,9 +99,10 @@ def kernels(row: dict[str, Any]) -> str:
 def request_for(
     row: dict[str, Any], time_limit_s: float, *, pinned: bool = True, default_kernels: bool = False
 ) -> PlanRequest:
-    """The plan request of a row: its model, cluster and batch, its layout pinned (or free); ``default_kernels``
-    leaves ``training.kernels`` to its default ("unknown"), as a user who does not say how the framework runs its
-    kernels would."""
+    """The plan request of a row: its model, cluster and batch, its layout pinned (with the run's split of the
+    layers where the source states it: ``layout.pipeline_split``) or free, its gradient reduction in the dtype the
+    run states (``software.gradient_reduce_dtype``); ``default_kernels`` leaves ``training.kernels`` and the
+    reduction's dtype to their defaults ("unknown", fp32), as a user who does not say how the framework runs would."""
     fields = ClusterConfig.model_validate({"accelerator": row["accelerator"], **row.get("cluster", {})})
     # GPUs run under a power limit (torchtitan's 500 W H100s) at the sustained peak the calibration fitted
     cluster = power_limited(fields, row.get("power_limit_w")).model_dump(exclude_unset=True)
@@ -112,11 +113,14 @@ def request_for(
         "global_batch_size": row["training"]["global_batch_size"],
         "precision": row["training"].get("precision", "bf16"),
     }
-    if not default_kernels:
+    if not default_kernels:  # how the framework ran: its kernels and its gradient reduction's dtype
         training["kernels"] = kernels(row)
-    return PlanRequest.model_validate(
-        {"model": row["model"], "cluster": cluster, "training": training, "search": search}
-    )
+        training["gradient_reduce_dtype"] = row.get("software", {}).get("gradient_reduce_dtype", "fp32")
+    model = dict(row["model"])
+    split = Measurement.model_validate(row).layers_per_stage if pinned else None
+    if split is not None:  # the published layout's own split of the layers (layout.pipeline_split)
+        model["layers_per_stage"] = split
+    return PlanRequest.model_validate({"model": model, "cluster": cluster, "training": training, "search": search})
 
 
 def describe(plan_: Plan) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["PartitionError", "even_partition", "partition_layers", "slowest_stage"]
+__all__ = ["PartitionError", "even_partition", "megatron_partition", "partition_layers", "slowest_stage"]
 
 
 class PartitionError(ValueError):
@@ -28,6 +28,34 @@ def even_partition(num_layers: int, num_stages: int) -> list[int]:
         raise PartitionError(f"need at least one stage, got {num_stages}")
     base, extra = divmod(num_layers, num_stages)
     return [base + (1 if stage < extra else 0) for stage in range(num_stages)]
+
+
+def megatron_partition(
+    num_layers: int, num_stages: int, *, account_for_embedding: bool = False, account_for_loss: bool = False
+) -> list[int]:
+    """Megatron-Core's split of ``num_layers`` over ``num_stages`` model chunks (pipeline × virtual stages, in
+    model order) when no layout is given: the embedding and the loss each count as one more layer where the
+    run says so (``--account-for-embedding-in-pipeline-split``, ``--account-for-loss-in-pipeline-split``), the
+    total is split evenly, and the first chunk (the embedding's) and the last (the loss's) hold one layer fewer
+    (``get_transformer_layer_offset`` and ``get_num_layers_to_build`` in megatron/core/transformer/
+    transformer_block.py). Not time-balanced: the head's cost lands on the last chunk as the run placed it.
+
+    Raises:
+        PartitionError: the (counted) layers do not split evenly, which Megatron-Core refuses too.
+    """
+    counted = num_layers + int(account_for_embedding) + int(account_for_loss)
+    per_stage, rest = divmod(counted, num_stages)
+    if rest:
+        raise PartitionError(
+            f"{num_layers} layers (+ embedding {account_for_embedding}, + loss {account_for_loss}) do not split "
+            f"evenly over {num_stages} stages"
+        )
+    counts = [per_stage] * num_stages
+    counts[0] -= int(account_for_embedding)
+    counts[-1] -= int(account_for_loss)
+    if min(counts) < 1:
+        raise PartitionError(f"{num_layers} layers over {num_stages} stages leave a stage without a layer")
+    return counts
 
 
 def slowest_stage(layers_per_stage: Sequence[int], stage_time: Callable[[int, int], float]) -> float:

@@ -60,6 +60,8 @@ def configuration(row: Measurement) -> Configuration:
 def _model(row: Measurement, kernels: str | None = None) -> ModelConfig:
     fields: dict[str, Any] = row.model.model_dump(exclude_none=True)
     fields.update(precision=row.training.precision, kernels=kernels or kernels_mode(row))
+    if row.layers_per_stage is not None:  # the run's own split (Megatron's rules), kept for its layout
+        fields["layers_per_stage"] = row.layers_per_stage
     return ModelConfig.model_validate(fields)
 
 

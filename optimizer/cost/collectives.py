@@ -266,7 +266,7 @@ def data_parallel_costs(
             rank_params[rank] += params
             rank_buffers[rank] += buffer * (d - 1) / d if per_block else 0.0
     shard = d if sharding != "none" else 1
-    per_parameter = static_bytes_per_parameter_sharded(model, sharding, d)
+    per_parameter = static_bytes_per_parameter_sharded(model, sharding, d, gradient_bytes=reduce_bytes)
     optimizer_step = []
     static = []
     for params, buffers in zip(rank_params, rank_buffers, strict=True):

@@ -28,7 +28,8 @@ Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1,
 the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
 
 **Static bytes per parameter** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5), mixed precision with Adam: 2 B
-16-bit weights, 4 B fp32 gradients (reduced in fp32), 12 B fp32 master weights and two moments. ZeRO-1
+16-bit weights, 4 B fp32 gradients (reduced in fp32; 2 B where the reduction runs in bf16, as Megatron-Core keeps
+its gradient buffer in the reduction's dtype), 12 B fp32 master weights and two moments. ZeRO-1
 (``optimizer``) divides the 12 by the data-parallel size d, ZeRO-2 (``gradients``) the 4 + 12, ZeRO-3 /
 FSDP (``full``) all 18, plus the gathered 16-bit weights a rank holds while it computes (counted by the
 caller). fp32 training: 4 + 4 + 8.
@@ -199,16 +200,20 @@ def layer_activation(
     return LayerActivation(activation=activation, retained=min(retained, activation), scores=scores_bytes, full=full)
 
 
-def static_bytes_per_parameter_sharded(model: ModelConfig, sharding: str, data_parallel_size: int) -> float:
+def static_bytes_per_parameter_sharded(
+    model: ModelConfig, sharding: str, data_parallel_size: int, *, gradient_bytes: float = 4.0
+) -> float:
     """Bytes per parameter of weights, gradients and Adam state under ``sharding`` (module docstring).
 
     ``sharding``: ``none`` / ``optimizer`` / ``gradients`` / ``full`` (contract, Terms: data-parallel group);
-    ``full`` returns the sharded bytes only (the caller adds the gathered 16-bit weights).
+    ``full`` returns the sharded bytes only (the caller adds the gathered 16-bit weights). ``gradient_bytes``: the
+    gradient buffer's bytes per element, the reduction's dtype (Megatron-Core's DDP keeps its ``main_grad``
+    buffer in fp32 with ``grad_reduce_in_fp32``, otherwise in the parameters' 16-bit dtype: 2).
     """
     if model.dtype == "fp32":
         weights, gradients, optimizer = 4.0, 4.0, 8.0
     else:
-        weights, gradients, optimizer = float(model.dtype_bytes), 4.0, 12.0
+        weights, gradients, optimizer = float(model.dtype_bytes), gradient_bytes, 12.0
     d = float(data_parallel_size)
     if sharding == "optimizer":
         optimizer /= d

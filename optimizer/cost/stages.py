@@ -808,7 +808,12 @@ def _check_tensor_parallel(
 def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
     """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
     group = data_parallel or DataParallel()
-    return static_bytes_per_parameter_sharded(model, group.sharding, group.size)
+    return static_bytes_per_parameter_sharded(model, group.sharding, group.size, gradient_bytes=_gradient_bytes(group))
+
+
+def _gradient_bytes(data_parallel: DataParallel) -> float:
+    """Bytes per element of the gradient buffer: the reduction's dtype (``data_parallel.reduce_dtype``)."""
+    return 4.0 if data_parallel.reduce_dtype == "fp32" else 2.0
 
 
 def _per_expert_parameter_bytes(
@@ -824,7 +829,9 @@ def _per_expert_parameter_bytes(
         return _per_parameter_bytes(model, data_parallel)
     t, _ = _tp(tensor_parallel)
     group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
-    return static_bytes_per_parameter_sharded(model, data_parallel.sharding, group)
+    return static_bytes_per_parameter_sharded(
+        model, data_parallel.sharding, group, gradient_bytes=_gradient_bytes(data_parallel)
+    )
 
 
 def _transient_bytes(

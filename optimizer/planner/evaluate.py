@@ -109,6 +109,9 @@ def build_problem(
         pydantic.ValidationError: the model does not fit the configuration (no partition fits memory).
     """
     model = estimator.model_for(config.micro_batch_size, config.activation_recomputation, config.precision)
+    stated = estimator.model.layers_per_stage
+    if stated is not None and len(stated) == config.pipeline_parallel * config.stages_per_rank:
+        model = model.model_copy(update={"layers_per_stage": stated})  # the request's own split, where it applies
     update: dict[str, Any] = {"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)}
     if not enforce_memory:
         update.update(memory_bytes=1e18, memory_headroom_bytes=0.0)

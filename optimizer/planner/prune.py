@@ -394,7 +394,9 @@ class Estimator:
         pipelined = config.pipeline_parallel > 1
         per_unit = config.sharding in ("gradients", "full")
         for count, group in groups:
-            static += count * static_bytes_per_parameter_sharded(self.model, config.sharding, group)
+            static += count * static_bytes_per_parameter_sharded(
+                self.model, config.sharding, group, gradient_bytes=4.0 if self.reduce_dtype == "fp32" else 2.0
+            )
             if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
             if per_unit and group > 1 and pipelined:  # a pipelined stage accumulates its unsharded fp32

@@ -194,6 +194,7 @@ def estimator_for(request: PlanRequest) -> Estimator:
         request.cluster,
         request.training.global_batch_size,
         sequence_parallel=request.search.sequence_parallel,
+        reduce_dtype=request.training.gradient_reduce_dtype,
     )
 
 

@@ -62,6 +62,12 @@ class PlanTraining(StrictModel):
         ge=1,
         description="Tokens per optimizer step, instead of global_batch_size: a multiple of model.seq_length.",
     )
+    gradient_reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="The data-parallel gradient reduction's dtype: \"fp32\" (torchtitan's FSDP policy, Megatron's "
+        '--accumulate-allreduce-grads-in-fp32) or "bf16" (Megatron Bridge\'s performance recipes, '
+        "grad_reduce_in_fp32 = False): half the bytes on the wire.",
+    )
 
 
 def _batch_from_tokens(data: Any) -> Any:

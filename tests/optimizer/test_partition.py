@@ -9,7 +9,13 @@ from collections.abc import Iterator
 import pytest
 
 from pipesched.optimizer.derive import load_problem
-from pipesched.optimizer.partition import PartitionError, even_partition, partition_layers, slowest_stage
+from pipesched.optimizer.partition import (
+    PartitionError,
+    even_partition,
+    megatron_partition,
+    partition_layers,
+    slowest_stage,
+)
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.solve import solve
 
@@ -167,3 +173,16 @@ def test_interleaved_problem_is_partitioned_per_model_stage() -> None:
 def test_too_few_layers() -> None:
     with pytest.raises(PartitionError, match="3 layers cannot fill 4 stages"):
         partition_layers(3, 4, stage_time=lambda stage, count: float(count))
+
+
+def test_megatron_counts_the_embedding_and_the_loss_as_a_layer_each_and_refuses_what_does_not_divide() -> None:
+    # Qwen3-235B's 94 layers over PP 8 (Megatron Bridge's recipe accounts for both): 96 / 8 = 12, ends 11
+    assert megatron_partition(94, 8, account_for_embedding=True, account_for_loss=True) == [11] + [12] * 6 + [11]
+    # Llama 3.1 405B's 126 layers over PP 8 x VP 8 chunks: 128 / 64 = 2, the first and last chunk 1
+    assert megatron_partition(126, 64, account_for_embedding=True, account_for_loss=True) == [1] + [2] * 62 + [1]
+    assert megatron_partition(36, 4) == [9, 9, 9, 9]
+    assert megatron_partition(15, 4, account_for_loss=True) == [4, 4, 4, 3]
+    with pytest.raises(PartitionError, match="do not split evenly"):
+        megatron_partition(94, 8)
+    with pytest.raises(PartitionError, match="without a layer"):
+        megatron_partition(2, 4, account_for_embedding=True, account_for_loss=True)

@@ -435,3 +435,54 @@ def test_composers_backward_post_prefetch_slows_mosaicmls_2023_rows_and_not_a_pl
     large_scale = [r for r in fitting_measurements() if r.source == "mpt_llm_foundry" and "large-scale" in r.id]
     assert large_scale and {r.software.fsdp_backward_prefetch for r in large_scale} == {"BACKWARD_PRE"}
     assert builtin_catalogue().software.fsdp_backward_prefetch == "BACKWARD_PRE"
+
+
+GPT_OSS_H100 = ROWS["mbridge260401-gpt-oss-120b-64-h100-tp1pp4cp1vp1ep8-gbs1280-mbs1"]
+
+
+def test_a_published_runs_own_pipeline_split_is_timed_as_it_ran() -> None:
+    # Megatron splits GPT-OSS's 36 layers evenly over PP 4: the last stage also runs the 201k-vocabulary head
+    assert GPT_OSS_H100.layers_per_stage == [9, 9, 9, 9]
+    balanced = GPT_OSS_H100.model_copy(
+        update={"layout": GPT_OSS_H100.layout.model_copy(update={"pipeline_split": "balanced"})}
+    )
+    assert balanced.layers_per_stage is None
+    as_ran, own = predict(GPT_OSS_H100).tokens_per_s_per_gpu, predict(balanced).tokens_per_s_per_gpu
+    assert as_ran is not None and own is not None and as_ran < 0.95 * own
+
+
+def test_a_pipeline_split_that_does_not_cover_the_layers_is_refused_with_the_fix() -> None:
+    row = GPT_OSS_H100.model_dump(mode="json", exclude={"source"})
+    row["layout"]["pipeline_split"] = [10, 9, 9, 9]
+    with pytest.raises(ValidationError, match="pipeline_split"):
+        parse_measurements([row])
+    row["layout"]["pipeline_split"] = "embedding_and_loss"  # 38 counted layers do not split over 4 stages
+    with pytest.raises(ValidationError, match="do not split evenly"):
+        parse_measurements([row])
+
+
+def test_a_request_states_its_gradient_reduction_dtype_and_bf16_halves_the_traffic() -> None:
+    def best(dtype: str) -> Any:
+        request = plan_request(
+            "mixtral-8x7b",
+            nodes=8,
+            batch=256,
+            training={"precision": "fp8", "kernels": "fused", "gradient_reduce_dtype": dtype},
+            cluster={"accelerator": "B200"},
+            search={
+                "pipeline_parallel": [1],
+                "tensor_parallel": [1],
+                "expert_parallel": [8],
+                "micro_batch_size": [2],
+                "sharding": ["optimizer"],
+                "activation_recomputation": ["none"],
+            },
+        )
+        return plan(request).answer.plans[0]
+
+    fp32, bf16 = best("fp32"), best("bf16")
+    assert (fp32.data_parallel.reduce_dtype, bf16.data_parallel.reduce_dtype) == ("fp32", "bf16")
+    assert bf16.tokens_per_s_per_gpu > 1.1 * fp32.tokens_per_s_per_gpu  # the experts' reduction dominates here
+    # Megatron-Core keeps its gradient buffer in the reduction's dtype: 2 bytes fewer per parameter a GPU holds
+    # (the experts' 5.6B and 1/8 of the rest, about 11.5 GiB)
+    assert fp32.peak_memory_bytes - bf16.peak_memory_bytes > 10 * 2**30

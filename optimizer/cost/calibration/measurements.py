@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.field_errors import StrictModel
+from pipesched.optimizer.partition import megatron_partition
 
 __all__ = [
     "CONTEXT_EXPERT_SOURCES",
@@ -62,6 +63,13 @@ class Layout(StrictModel):
     )
     context_parallel: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)
+    pipeline_split: Literal["balanced", "even", "embedding_and_loss"] | list[int] = Field(
+        "balanced",
+        description="How the run split its layers over the pipeline × virtual stages (model order): "
+        '"balanced" (not stated: pipesched\'s own time-balanced partition), "even" (Megatron-Core without a '
+        'layout), "embedding_and_loss" (Megatron\'s --account-for-embedding/loss-in-pipeline-split), or the '
+        "layers of each stage as the run's layout states them.",
+    )
 
 
 class TrainingRun(StrictModel):
@@ -134,7 +142,28 @@ class Measurement(StrictModel):
                 f"row {self.id}: data_parallel {layout.data_parallel} × num_microbatches {run.num_microbatches} × "
                 f"micro_batch_size {run.micro_batch_size} ≠ global_batch_size {run.global_batch_size}: fix one of them"
             )
+        split = self.layers_per_stage  # a Megatron rule that does not divide raises here
+        stages = layout.pipeline_parallel * layout.stages_per_rank
+        if split is not None and (len(split) != stages or sum(split) != self.model.num_layers or min(split) < 1):
+            raise ValueError(
+                f"row {self.id}: layout.pipeline_split {split} is not {stages} stages of at least one layer summing "
+                f"to the model's {self.model.num_layers} layers"
+            )
         return self
+
+    @property
+    def layers_per_stage(self) -> list[int] | None:
+        """The run's layers per model stage (``layout.pipeline_split``: :func:`~pipesched.optimizer.partition.
+        megatron_partition` for Megatron's rules); None where pipesched balances them itself."""
+        layout = self.layout
+        split = layout.pipeline_split
+        if isinstance(split, list):
+            return list(split)
+        if split == "balanced" or layout.pipeline_parallel == 1:
+            return None
+        both = split == "embedding_and_loss"
+        stages = layout.pipeline_parallel * layout.stages_per_rank
+        return megatron_partition(self.model.num_layers, stages, account_for_embedding=both, account_for_loss=both)
 
     @property
     def num_gpus(self) -> int:
