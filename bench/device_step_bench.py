@@ -1,6 +1,6 @@
 """Training steps of a Llama-3-shaped decoder on the one GPU at hand, measured, beside pipesched's prediction.
 
-Two halves, so that the GPU machine needs nothing but torch:
+Three parts, so that the GPU machine needs nothing but torch (only the first runs there):
 
 * ``--measure`` (on the GPU): for each case, a decoder built as torchtitan builds Llama 3 (RMSNorm, rotary
   embeddings applied as complex products, grouped-query attention through ``scaled_dot_product_attention`` with the
@@ -12,6 +12,9 @@ Two halves, so that the GPU machine needs nothing but torch:
 * ``--predict ROWS.json`` (anywhere): pipesched's prediction of each row with the built-in profile (the kernels
   the row states, and kernels not said), the error beside the measurement, and a leave-one-out refit through
   ``pipesched calibrate``'s fit: each row predicted by a profile fitted on the others.
+* ``--components ROWS.json`` (anywhere): for rows measured with ``--breakdown``, the model's attention, matrix
+  multiplies and the rest of the step beside the profiler's attention, GEMM and elementwise kernels
+  (``--backward-speed R``: attention's backward at R of its forward's FLOP/s instead of the profile's).
 
 Run on CPU with ``--device cpu --tiny`` to check the script (gloo, float32 compute; the numbers mean nothing).
 """
@@ -458,6 +461,56 @@ def predict(rows_path: Path) -> None:
             print(f"{key}: median |error| {absolute[len(absolute) // 2] * 100:.1f}%, largest {absolute[-1] * 100:.1f}%")
 
 
+def components(rows_path: Path, backward_speed: float | None = None) -> None:
+    """The model's attention and matrix-multiply time per step beside the profiler's (rows with a
+    ``published.kernels`` breakdown, ``--breakdown``), and the rest of the predicted step (elementwise work,
+    the optimizer, FSDP's copies) beside the profiler's elementwise kernels: attention as the kernel the profiler
+    named (cuDNN's, or PyTorch's FlashAttention-2), its backward at the software profile's ratio or at
+    ``backward_speed``; the matrix multiplies of the layers and the output layer (forward and both backward
+    products) at the profile's shape-dependent efficiency. No recomputation, one rank."""
+    import dataclasses
+
+    from pipesched.optimizer.calibration.predict import estimator, predict, run_software
+    from pipesched.optimizer.cost.calibration.measurements import load_measurements
+    from pipesched.optimizer.cost.flops import layer_flops
+    from pipesched.optimizer.cost.stages import attention_ms, resolve_hardware
+    from pipesched.optimizer.cost.timing import gemm_ms, layer_gemm_times
+
+    named = {row["id"]: row["published"]["kernels"] for row in json.loads(rows_path.read_text())["rows"]}
+    print("| row | attention ms: model, profiler, error | matrix multiplies | the rest of the step : elementwise |")
+    print("|---|---:|---:|---:|")
+    for row in load_measurements(rows_path):
+        kernels = named.get(row.id)
+        if not kernels:
+            continue
+        cudnn = any("cudnn" in name for _, name, _ in kernels["top_kernels"] if name.startswith("attention"))
+        row = row.model_copy(
+            update={"software": row.software.model_copy(update={"attention_kernel": "cudnn" if cudnn else "current"})}
+        )
+        with run_software(row):
+            est = estimator(row)
+            model = est.model.model_copy(update={"micro_batch_size": row.training.micro_batch_size})
+            hardware = resolve_hardware(est.cluster)
+            flops = layer_flops(model)
+            tokens = model.seq_length * model.micro_batch_size
+            head = gemm_ms(tokens, model.vocab_size, model.hidden_size, hardware)
+            gemm = 3 * (model.num_layers * layer_gemm_times(model, hardware)[0] + head)
+            times = {}
+            for speed in (None, backward_speed):
+                software = hardware.software.model_copy(update={"attention_backward_speed": speed}) if speed else None
+                timed = dataclasses.replace(hardware, software=software) if software else hardware
+                backward = attention_ms(flops.attention_backward, model, timed, backward=True)
+                times[speed] = model.num_layers * (attention_ms(flops.attention_forward, model, timed) + backward)
+        step = predict(row).step_time_ms or 0.0
+        rest = step - times[None] - gemm
+        attention, measured = times[backward_speed], kernels["ms_per_step"]
+        print(
+            f"| {row.id} | {attention:.1f}, {measured['attention']:.1f}, {attention / measured['attention'] - 1:+.0%} "
+            f"| {gemm:.1f}, {measured['gemm']:.1f}, {gemm / measured['gemm'] - 1:+.0%} "
+            f"| {rest:.1f}, {measured['elementwise']:.1f}, {rest / measured['elementwise'] - 1:+.0%} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure", type=Path, help="measure every case, write the rows to this file")
@@ -471,7 +524,13 @@ def main() -> None:
     parser.add_argument(
         "--breakdown", action="store_true", help="also each case's GPU time by kernel class, and SDPA's backends"
     )
+    parser.add_argument("--components", type=Path, help="attention and matrix multiplies beside the profiler's")
+    parser.add_argument(
+        "--backward-speed", type=float, help="with --components: attention's backward ratio in place of the profile's"
+    )
     args = parser.parse_args()
+    if args.components:
+        components(args.components, args.backward_speed)
     if args.measure:
         if args.cases:
             chosen = set(args.cases.split(","))

@@ -175,7 +175,10 @@ class SoftwareProfile(StrictModel):
         gt=0,
         le=1,
         description="FlashAttention's backward FLOP/s relative to its forward's: FlashAttention-2 (Dao 2023, §4) "
-        "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward.",
+        "and -3 (Shah et al. 2024, §4.1) reach about 70% of their forward's throughput in the backward. torch "
+        "2.11 on an H100 measured 0.83 (cuDNN) and 0.86 (FlashAttention-2) for 128-wide causal heads at 8,192 "
+        "tokens (bench/results/device/rows_breakdown_sdpa.json); refitted with it, the published long-sequence "
+        "runs moved further off (bench/results/attention_backward_tried.md), so 0.7 stays.",
     )
     moe_layer_host_ms: float = Field(
         3.0,

@@ -82,6 +82,7 @@ __all__ = [
     "DerivedProblem",
     "Hardware",
     "activation_reserve",
+    "attention_ms",
     "blended",
     "derive_costs_and_memory",
     "derive_problem",
@@ -298,7 +299,7 @@ def _tensor_parallel_ms(
     return total, total
 
 
-def _attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
+def attention_ms(flops: float, model: ModelConfig, hardware: Hardware, *, backward: bool = False) -> float:
     """FlashAttention at the profile's efficiency (its backward at ``attention_backward_speed`` of that; under
     PyTorch's FlashAttention-2 at :func:`~pipesched.optimizer.cost.context.pytorch_attention_speed` of it; heads
     other than 128 wide scaled by :func:`~pipesched.optimizer.cost.timing.attention_head_size_factor`), eager
@@ -375,8 +376,8 @@ def _parallel_communication_ms(
             cluster,
             t,
             c,
-            attention_forward_ms=_attention_ms(flops.attention_forward, model, hardware),
-            attention_backward_ms=_attention_ms(flops.attention_backward, model, hardware, backward=True),
+            attention_forward_ms=attention_ms(flops.attention_forward, model, hardware),
+            attention_backward_ms=attention_ms(flops.attention_backward, model, hardware, backward=True),
             bandwidth_bytes_per_s=intra if t * c <= cluster.gpus_per_node else inter,
         )
         forward = ring.forward_exposed_ms + elementwise_ms(ring.forward_merge_bytes, hardware)
@@ -569,14 +570,14 @@ def transformer_layer(
     )
     forward = PassTimes(
         gemm[0],
-        _attention_ms(flops.attention_forward, model, hardware),
+        attention_ms(flops.attention_forward, model, hardware),
         forward_elementwise,
         gemm[1],
         kernels,
     )
     backward_input = PassTimes(
         gemm[0],
-        _attention_ms(flops.attention_backward, model, hardware, backward=True),
+        attention_ms(flops.attention_backward, model, hardware, backward=True),
         elementwise_ms(BACKWARD_INPUT_TRAFFIC_PER_ACTIVATION_BYTE * traffic * memory.full + 2 * unfused, hardware),
         gemm[1],
         1.5 * kernels,

@@ -158,6 +158,22 @@ def test_llama_8b_at_8192_fits_with_flash_where_eager_did_not() -> None:
         derive_problem(ModelConfig(preset="llama3.1-8b", attention="eager"), cluster, pipeline)
 
 
+def test_attention_backward_runs_at_the_profiles_ratio_of_its_forward() -> None:
+    """FlashAttention's backward (10d FLOPs per score, the forward 4d) at ``attention_backward_speed`` of the
+    forward's FLOP/s: 128-wide heads, where the head-size factor is 1, so equal FLOPs take 1/0.7 as long."""
+    from pipesched.optimizer.configs import ClusterConfig
+    from pipesched.optimizer.cost.stages import attention_ms
+
+    h100 = resolve_hardware(ClusterConfig(accelerator="H100-SXM"))
+    model = ModelConfig(preset="llama3.1-8b", seq_length=8192, kernels="fused")
+    flops = layer_flops(model)
+    assert flops.attention_backward == pytest.approx(2.5 * flops.attention_forward)
+    forward = attention_ms(flops.attention_forward, model, h100)
+    backward = attention_ms(flops.attention_backward, model, h100, backward=True)
+    assert h100.software.attention_backward_speed == 0.7
+    assert backward / forward == pytest.approx(2.5 / 0.7)
+
+
 def test_narrow_heads_run_attention_further_from_peak_through_the_exponentials() -> None:
     from pipesched.optimizer.configs import ClusterConfig
     from pipesched.optimizer.cost.timing import attention_head_size_factor
