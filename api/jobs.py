@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pipesched.api.lanes import Lane, LaneClosed, LaneFull, Ticket, WorkerDied
+from pipesched.api.solving import UnstorableSchedule, run_solve, unstorable_reason
 from pipesched.api.storage import Store, is_unreachable
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
@@ -32,6 +33,7 @@ __all__ = [
     "SolveTimeout",
     "SolverDied",
     "SolverPool",
+    "UnstorableSchedule",
     "retry_while_unreachable",
     "run_job",
     "run_solve",
@@ -63,10 +65,6 @@ class SolverDied(RuntimeError):
     """A solver process ended abruptly (killed, out of memory), or the service stopped while it ran."""
 
 
-class UnstorableSchedule(ValueError):
-    """The solver's schedule cannot be stored and read back as computed (non-finite numbers)."""
-
-
 class SolveTimeout(TimeoutError):
     """A synchronous solve gave no answer in time; the message says whether it waited or ran."""
 
@@ -80,43 +78,6 @@ class JobOutcome:
     status: str | None
     method: str
     solve_time_s: float
-
-
-def run_solve(problem_json: str, deadline_s: float) -> str:
-    """Solve in a worker process; ``deadline_s`` seconds from now the search is told to stop.
-
-    Returns:
-        The schedule's JSON.
-
-    Raises:
-        FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
-        UnstorableSchedule: the schedule would not read back as computed (:func:`unstorable_reason`).
-    """
-    problem = Problem.model_validate_json(problem_json)
-    stop_at = time.monotonic() + deadline_s
-    schedule = solve(problem, should_stop=lambda: time.monotonic() >= stop_at)
-    reason = unstorable_reason(schedule)
-    if reason is not None:
-        raise UnstorableSchedule(reason)
-    return schedule.model_dump_json()
-
-
-def unstorable_reason(schedule: Schedule) -> str | None:
-    """Why ``schedule`` cannot be stored and read back as it is (its JSON does not validate again, or
-    reads back different: a non-finite time or size is written as null), or None when it round-trips."""
-    try:
-        again = Schedule.model_validate_json(schedule.model_dump_json())
-    except ValueError as error:
-        return f"the solver's schedule cannot be stored: it does not read back ({error}); check the problem's costs"
-    if again == schedule:
-        return None
-    written, read = schedule.model_dump(), again.model_dump()
-    changed = [name for name in written if written[name] != read[name]] or ["a field"]
-    return (
-        f"the solver's schedule cannot be stored: {', '.join(changed[:3])} does not read back as computed (a "
-        "non-finite number, which JSON cannot hold); check the problem's costs and memory for values near the "
-        "float limits"
-    )
 
 
 def make_stop_check(store: Store, job_id: str, attempt: int, stop_at: float) -> Callable[[], bool]:
@@ -299,7 +260,9 @@ class SolverPool:
             FamilyDomainError: as :func:`pipesched.optimizer.solve.solve`.
         """
         deadline_s = problem.solver.time_limit_s + self.deadline_grace_s
-        ticket = self.solves.submit(run_solve, problem.model_dump_json(), deadline_s, expected_s=deadline_s)
+        ticket = self.solves.submit(
+            run_solve, problem.model_dump_json(), deadline_s, time.time(), expected_s=deadline_s
+        )
         try:
             text = ticket.future.result(timeout=timeout_s)
         except TimeoutError:

@@ -485,3 +485,18 @@ def test_a_synchronous_timeout_says_whether_it_waited_or_ran(tmp_path: Path) -> 
     finally:
         pool.shutdown()
         store.dispose()
+
+
+def test_a_late_solve_worker_takes_its_start_out_of_the_search_not_out_of_the_answers_limit() -> None:
+    """A request that waited 3.7 s of its 4 s limit for a worker (a cold process, a queue) gets a search of what
+    is left of limit + SEARCH_GRACE_S (0.8 s), not the 4 s its problem says: the same problem searches its whole
+    limit when it starts at once (the memory limit keeps it from proving optimality). The answer's own phases
+    after the search are the size gate's to bound (Problem's check against limit + 2 s), timed elsewhere."""
+    from pipesched.api.solving import SEARCH_GRACE_S, run_solve
+    from pipesched.optimizer.result import Schedule
+    from tests.optimizer.test_time_limits import _problem
+
+    problem = _problem(1024, 7, 1, "loop", 10.0, tl=4.0)
+    schedule = Schedule.model_validate_json(run_solve(problem.model_dump_json(), 6.0, time.time() - 3.7))
+    assert schedule.status in ("optimal", "feasible")
+    assert schedule.solve_time_s is not None and schedule.solve_time_s <= 4.0 + SEARCH_GRACE_S - 3.7 + 1.0
