@@ -340,9 +340,17 @@ class Estimator:
         activation = [0.0] * p
         # The ranks holding each model stage: two under "bidirectional" (ids s and num_stages + s).
         holders = [sorted({ranks[s], ranks[(s + num_stages) % len(ranks)]}) for s in range(num_stages)]
+        # An even split has at most two layer counts, and all but one stage are all dense or all MoE: a few
+        # distinct stages, built once each (a 126-stage pipeline would otherwise build 126 per configuration).
+        stages: dict[tuple[int, int], Block] = {}
+        before = 0
         for stage, count in enumerate(counts):
-            dense_count = max(0, min(count, first_dense - sum(counts[:stage])))
-            block = dense.times(dense_count) + layer.times(count - dense_count)
+            dense_count = max(0, min(count, first_dense - before))
+            before += count
+            shape = (dense_count, count - dense_count)
+            if shape not in stages:
+                stages[shape] = dense.times(dense_count) + layer.times(count - dense_count)
+            block = stages[shape]
             if stage == 0:
                 block = block + embedding
             for rank in holders[stage]:
