@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,20 +164,16 @@ def _measure_case(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def synchronize() -> None:
-        if on_gpu:
-            torch.cuda.synchronize(device)
-
     for _ in range(warmup):
         step()
-    synchronize()
+    _synchronize(device)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         step()
-        synchronize()
+        _synchronize(device)
         times.append(time.perf_counter() - started)
     median_s = sorted(times)[len(times) // 2]
     kernels = _profiled_step(step, on_gpu) if breakdown else None
@@ -258,7 +255,7 @@ def sdpa_backends(device: Any, tiny: bool) -> list[dict[str, Any]]:
             try:
                 times: dict[str, list[float]] = {"forward": [], "backward": []}
                 for repeat in range(6):
-                    with sdpa_kernel(backend) if backend is not None else _nothing():
+                    with sdpa_kernel(backend) if backend is not None else nullcontext():
                         started = time.perf_counter()
                         out = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
                         _synchronize(device)
@@ -285,14 +282,6 @@ def sdpa_backends(device: Any, tiny: bool) -> list[dict[str, Any]]:
                 results.append({"shape": [batch, heads, seq, head_dim], "backend": name, "error": str(error)[:160]})
             print(json.dumps(results[-1]), flush=True)
     return results
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None
 
 
 def _synchronize(device: Any) -> None:

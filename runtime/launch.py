@@ -143,8 +143,7 @@ def _worker(
         if backend == "nccl":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+            exact_float32()
         else:
             device = torch.device("cpu")
         dist.init_process_group(
@@ -377,6 +376,15 @@ def plan_runs(
     return runs
 
 
+def exact_float32() -> None:
+    """float32 matrix multiplies and convolutions without TF32 on the GPU, as the ranks and their reference
+    compute (the check's tolerance is float32's)."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def _check_gpus(backend: str, nproc: int) -> None:
     """NCCL takes one GPU per process (it refuses two ranks on one GPU: "Duplicate GPU detected")."""
     if backend != "nccl":
@@ -480,10 +488,7 @@ def _reference(
         pipeline_model = load_model(run.model, problem, seed=seed)
         device = "cpu"
         if backend == "nccl":
-            import torch
-
-            torch.backends.cuda.matmul.allow_tf32 = False
-            torch.backends.cudnn.allow_tf32 = False
+            exact_float32()
             device = "cuda:0"
         references[key] = (
             reference_training(pipeline_model, problem.pipeline.num_microbatches, training, device),

@@ -127,12 +127,11 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     stated: dict[str, str] = {"fsdp_backward_prefetch": row.software.fsdp_backward_prefetch}
     if row.software.attention_kernel == "cudnn":
         stated["pytorch_sdpa_backend"] = "cudnn"
-    current = catalogue.software.model_dump()
-    if kernels is not None or all(current[field] == value for field, value in stated.items()):
+    software = catalogue.software
+    if kernels is not None or all(getattr(software, field) == value for field, value in stated.items()):
         yield
         return
-    software = catalogue.software.model_copy(update=stated)
-    with use_catalogue(catalogue.model_copy(update={"software": software})):
+    with use_catalogue(catalogue.model_copy(update={"software": software.model_copy(update=stated)})):
         yield
 
 
