@@ -23,7 +23,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipesched.optimizer.calibration.catalogue import _with_factor
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement, fitting_measurements, parse_measurements
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
@@ -50,14 +49,15 @@ class Fullness:
 def fullness(rows: list[Measurement], held_out: bool) -> list[Fullness]:
     """Each row's :class:`Fullness` under the active catalogue (module docstring)."""
     catalogue = active_catalogue()
-    unscaled = _with_factor(catalogue, 1.0)
+    bare = {name: p.model_copy(update={"activation_memory_factor": 1.0}) for name, p in catalogue.profiles.items()}
+    unscaled = catalogue.model_copy(update={"profiles": bare})
     found = []
     for row in rows:
         memory = estimator(row).hardware.memory_bytes
         planned = predict(row)
         with use_catalogue(unscaled):
-            bare = predict(row)
-        assert planned.tokens_per_s_per_gpu and planned.peak_memory_bytes and bare.peak_memory_bytes, row.key
+            counted = predict(row)
+        assert planned.tokens_per_s_per_gpu and planned.peak_memory_bytes and counted.peak_memory_bytes, row.key
         published = row.measured.peak_memory_bytes
         found.append(
             Fullness(
@@ -65,7 +65,7 @@ def fullness(rows: list[Measurement], held_out: bool) -> list[Fullness]:
                 held_out,
                 planned.tokens_per_s_per_gpu / row.measured.tokens_per_s_per_gpu - 1,
                 planned.peak_memory_bytes / memory,
-                bare.peak_memory_bytes / memory,
+                counted.peak_memory_bytes / memory,
                 published / memory if published else None,
             )
         )
