@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +361,34 @@ def test_published_layout_rows_follow_the_calibration_row_format() -> None:
             assert row["measured"]["tokens_per_s_per_gpu"] > 0
             seen += 1
     assert seen >= 50
+
+
+def test_a_megatron_bridge_row_that_runs_another_layout_than_its_table_says_why() -> None:
+    """A Megatron Bridge row's id records the layout its table prints; where the row is timed on another one (the
+    25.11 tables repeat 25.09's columns; the starter pack committed with them says what ran), its notes say so."""
+    document = json.loads(
+        (REPO / "optimizer" / "cost" / "calibration" / "data" / "megatron_bridge_cp_ep.json").read_text()
+    )
+    printed = re.compile(r"tp(\d+)pp(\d+)cp(\d+)vp(\d+)ep(\d+)-gbs(\d+)-mbs(\d+)$")
+    read_otherwise = []
+    for row in document["rows"]:
+        match = printed.search(row["id"])
+        assert match, row["id"]
+        layout, run = row["layout"], row["training"]
+        ran = (
+            layout["tensor_parallel"],
+            layout["pipeline_parallel"],
+            layout["context_parallel"],
+            layout["stages_per_rank"],
+            layout["expert_parallel"],
+            run["global_batch_size"],
+            run["micro_batch_size"],
+        )
+        if ran != tuple(int(value) for value in match.groups()):
+            assert "layout read from the starter pack" in row["software"]["notes"], row["id"]
+            read_otherwise.append(row["id"].split("-")[0])
+    # only 25.11 rows are read so
+    assert read_otherwise and set(read_otherwise) == {"mbridge2511"}
 
 
 def test_tensor_parallel_helper_is_unchanged_for_dense_layers() -> None:
