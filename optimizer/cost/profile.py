@@ -142,6 +142,14 @@ class SoftwareProfile(StrictModel):
         "measured by bench/device_step_bench.py, bench/results/device/; a calibration row that ran them says "
         "software.attention_kernel 'cudnn').",
     )
+    pytorch_cross_entropy: Literal["fp32", "fused"] = Field(
+        "fp32",
+        description="How eager and compiled PyTorch stacks compute the loss (pipesched.optimizer.cost.memory, "
+        "CROSS_ENTROPY_BYTES): 'fp32' (F.cross_entropy on the logits cast to fp32, torchtitan's "
+        "torchtitan/components/loss.py: 4 bytes per logit held, 8 more in its backward) or 'fused' (flash-attn's "
+        "CrossEntropyLoss, llm-foundry's default loss_fn: 2 and 2); a calibration row of software.framework "
+        "'composer' states 'fused'. Megatron's fused plans run its vocab-parallel cross-entropy.",
+    )
     unfused_traffic: float = Field(
         1.0,
         gt=0,
