@@ -23,8 +23,9 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   warm-up), looped BFS all m·v, ZB-V 2p half-size chunks, V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1
   (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1); ``auto`` as 1F1B; the LM head's
   logits once on the last rank (each microbatch's backward follows its forward there) unless the family holds
-  every forward before any backward. An estimate: the simulator measures the real peak of every schedule it
-  evaluates.
+  every forward before any backward; on top, the largest transient of a pass on the rank (a recomputed layer's,
+  and on the last rank the loss's: the blocks' ``transient_bytes``, counted in the derived static memory too). An
+  estimate: the simulator measures the real peak of every schedule it evaluates.
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
