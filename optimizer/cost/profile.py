@@ -174,9 +174,9 @@ class SoftwareProfile(StrictModel):
         le=4,
         description="Stored activations over the modelled ones with hand-fused kernels (Megatron-LM, NeMo, "
         "Transformer Engine): Korthikanti et al. 2022 (§4) derived the modelled activations from Megatron's "
-        "fused implementation and measured them within a few percent. The fitted activation_memory_factor "
-        "(torchtitan's eager and compiled peaks) would put 18 of the 25 fused published runs above their GPU's "
-        "memory; at 1.0, 21 fit.",
+        "fused implementation and measured them within a few percent. At 1.0, with what Megatron-Core's fused "
+        "SwiGLU and Transformer Engine's FP8 inputs do not store (pipesched.optimizer.cost.memory), all 25 fitted "
+        "fused published runs fit their GPU (21 before those were modelled; 18 at the eager factor of 1.75).",
     )
     attention_backward_speed: float = Field(
         0.7,
