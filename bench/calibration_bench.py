@@ -36,6 +36,7 @@ from pipesched.optimizer.calibration.catalogue import (
     row_kernels_class,
 )
 from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
+from pipesched.optimizer.calibration.peaks import leave_one_out, peak_lines
 from pipesched.optimizer.calibration.predict import predict
 from pipesched.optimizer.cost.calibration.measurements import fitting_measurements, parse_measurements
 from pipesched.optimizer.cost.profile import ProfileCatalogue, use_catalogue
@@ -103,13 +104,23 @@ def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
     return {"rows": records, "summary": summaries}
 
 
+def _abs_median(errors: list[float]) -> float:
+    return statistics.median(abs(e) for e in errors) if errors else 0.0
+
+
+def _abs_max(errors: list[float]) -> float:
+    return max((abs(e) for e in errors), default=0.0)
+
+
 def run(iterations: int) -> dict[str, Any]:
     """Fit, evaluate, and return the report (module docstring)."""
     rows = fitting_measurements()  # the context/expert-parallel rows stay out: bench/cpep_bench.py's check
     started = time.perf_counter()
     result = fit(rows, ProfileCatalogue(), PARAMETERS, iterations=iterations, progress=lambda m: print(m, flush=True))
     fit_s = time.perf_counter() - started
-    factor, memory_errors = fit_memory_factor(rows, result.catalogue)
+    lines = peak_lines(rows, result.catalogue)
+    factor, memory_errors = fit_memory_factor(rows, result.catalogue, lines)
+    memory_loo = leave_one_out(lines)
     fitted = f"bench/calibration_bench.py, {len(rows)} rows, {time.strftime('%Y-%m-%d')}"
     catalogue = build_catalogue(rows, result, factor, fitted=fitted)
     catalogue, unknown_errors = fit_unknown_kernels(rows, catalogue)
@@ -152,6 +163,8 @@ def run(iterations: int) -> dict[str, Any]:
         ],
         "activation_memory_factor": factor,
         "memory_log_errors": [round(e, 4) for e in memory_errors],
+        "memory_loo_log_errors": [round(e, 4) for e in memory_loo],
+        "memory_ceiling": round(min(line.ceiling() for line in lines if line.ceiling() >= 1.0), 4),
         "fit": summary(final_errors),
         "leave_one_out": summary(result.loo_log_error),
         "leave_one_group_out": summary(result.group_log_error),
@@ -181,7 +194,11 @@ def table(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"Published figure inside the 80% interval: {report['in_interval']:.0%} of rows. "
-        f"Activation memory factor {report['activation_memory_factor']:.2f}. Kernels 'unknown' (every row predicted "
+        f"Activation memory factor {report['activation_memory_factor']:.2f} (every fitted run fits its GPU up to "
+        f"{report['memory_ceiling']:.2f}); published peaks, |log(published / predicted)| median / largest: fit "
+        f"{_abs_median(report['memory_log_errors']):.3f} / {_abs_max(report['memory_log_errors']):.3f}, leave one "
+        f"out {_abs_median(report['memory_loo_log_errors']):.3f} / {_abs_max(report['memory_loo_log_errors']):.3f}. "
+        f"Kernels 'unknown' (every row predicted "
         f"with its framework ignored): kernels shares by layout class {report['unknown_kernels_shares']}, published "
         f"figure inside that mode's 80% interval in {report['unknown_kernels_in_interval']:.0%} of rows.",
         "",

@@ -9,7 +9,7 @@ rows at the same fullness would be off alike.
 For every fitted row (and the held-out rows) with the shipped profiles (``profiles.json``, no refit) and its own
 kernels: the error (predicted / published − 1), the peak the planner predicts (static + activations × the
 profile's ``activation_memory_factor``, fitted to torchtitan's eager Llama peaks), the same peak with the modelled
-activations unscaled (factor 1: Korthikanti et al. 2022's tensors alone, for runs whose kernels store no more), and
+activations unscaled (factor 1: the modelled tensors and the passes' transients alone, no allocator reserve), and
 the published peak where the source gives one, each as a fraction of the GPU's memory. Then the errors by
 fraction: median signed error and rows beyond 15% per band.
 

@@ -254,7 +254,9 @@ def _add_collectives(
         memory = dict(document["memory"])
         memory["weights"] = [float(round(x)) for x in collectives.weights_bytes]
         memory["gradients"] = [float(round(x)) for x in collectives.gradients_bytes]
-        memory["static"] = collectives.static_bytes
+        # the passes' transients (the loss, a recomputed layer) on top, as derive_problem counts them
+        transient = derived.transient_bytes or [0.0] * len(collectives.static_bytes)
+        memory["static"] = [float(round(x + y)) for x, y in zip(collectives.static_bytes, transient, strict=True)]
         document["memory"] = memory
 
 

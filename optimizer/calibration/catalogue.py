@@ -9,7 +9,8 @@
 - **Interval**: the 10th and 90th percentile of the accelerator's leave-one-group-out log(published /
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
-  the framework, not the chip) to the published peaks, minimising Σ log(published / predicted)².
+  the framework, not the chip) to the published peaks, minimising Σ log(published / predicted)² with every row
+  fitting its GPU (:mod:`.peaks`).
 - **Unknown kernels**: a layout given without its framework (kernels ``unknown``, the default) takes the
   expected time over the frameworks that publish runs of its kind
   (:func:`pipesched.optimizer.cost.stages.blended`). Its kind is its data-parallel sharding
@@ -35,7 +36,8 @@ from collections.abc import Sequence
 
 from pipesched.optimizer.accelerators import CATALOGUE
 from pipesched.optimizer.calibration.fit import FitResult, predict_rows, quantile, weighted_quantile
-from pipesched.optimizer.calibration.predict import estimator, kernels_mode, predict
+from pipesched.optimizer.calibration.peaks import fit_memory_factor
+from pipesched.optimizer.calibration.predict import estimator, kernels_mode
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import (
     RUN_KERNELS,
@@ -45,7 +47,6 @@ from pipesched.optimizer.cost.profile import (
     SoftwareProfile,
     layout_sharding,
     unknown_kernels_class,
-    use_catalogue,
 )
 from pipesched.optimizer.planner.evaluate import model_flops_per_token
 
@@ -82,23 +83,6 @@ def measured_mfu(row: Measurement) -> float:
     """The row's MFU as the planner defines it (6·N + 12·l·h·s per token over the dense bf16 peak)."""
     est = estimator(row)
     return row.measured.tokens_per_s_per_gpu * model_flops_per_token(est) / est.hardware.flops_per_s
-
-
-def fit_memory_factor(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> tuple[float, list[float]]:
-    """The ``activation_memory_factor`` (one for every profile) that best matches the rows' published peaks, and
-    the log(published / predicted) peak of each row with a peak at that factor (module docstring)."""
-    with_peak = [row for row in rows if row.measured.peak_memory_bytes]
-    if not with_peak:
-        return 1.0, []
-
-    def errors(factor: float) -> list[float]:
-        trial = _with_factor(catalogue, factor)
-        with use_catalogue(trial):
-            predicted = [predict(row).peak_memory_bytes or 1.0 for row in with_peak]
-        return [math.log(row.measured.peak_memory_bytes / p) for row, p in zip(with_peak, predicted, strict=True)]  # type: ignore[operator]
-
-    best = min((1.0 + 0.05 * step for step in range(41)), key=lambda factor: sum(e * e for e in errors(factor)))
-    return best, errors(best)
 
 
 def row_kernels_class(row: Measurement) -> str:
@@ -157,14 +141,6 @@ def fit_unknown_kernels(
         )
     software.unknown_kernels_log_error = intervals
     return result, errors
-
-
-def _with_factor(catalogue: ProfileCatalogue, factor: float) -> ProfileCatalogue:
-    profiles = {
-        name: profile.model_copy(update={"activation_memory_factor": factor})
-        for name, profile in catalogue.profiles.items()
-    }
-    return catalogue.model_copy(update={"profiles": profiles})
 
 
 def _ridge(accelerator: str, scale: float) -> float:

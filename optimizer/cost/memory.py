@@ -33,6 +33,21 @@ its gradient buffer in the reduction's dtype), 12 B fp32 master weights and two 
 (``optimizer``) divides the 12 by the data-parallel size d, ZeRO-2 (``gradients``) the 4 + 12, ZeRO-3 /
 FSDP (``full``) all 18, plus the gathered 16-bit weights a rank holds while it computes (counted by the
 caller). fp32 training: 4 + 4 + 8.
+
+**The loss's logits** (s·b·V/t elements on the last stage, :func:`cross_entropy_bytes`): bytes per logit element
+held from the loss's forward to its backward, and the most its passes allocate and free on top (a transient the
+per-layer count does not hold), by how the framework computes the cross-entropy:
+
+- ``fp32`` (PyTorch's ``F.cross_entropy`` on ``logits.float()``: torchtitan, ``cross_entropy_loss``,
+  ``torchtitan/components/loss.py``; eager and compiled plans): log-softmax's fp32 output is saved (4); its
+  backward holds that, the fp32 gradient of its output and of its input at once (4 + 4 + 4): transient 8.
+- ``vocab_parallel`` (Megatron-Core's ``vocab_parallel_cross_entropy``, ``tensor_parallel/cross_entropy.py``: the
+  logits cast to fp32, the softmax computed in place and saved, its gradient written over it: fused plans): 4
+  held; the bf16 logits beside their fp32 copy in the forward, the gradient cast back to bf16 in the backward:
+  transient 2.
+- ``fused`` (flash-attn's ``CrossEntropyLoss``, llm-foundry's default ``loss_fn: fused_crossentropy``,
+  ``llmfoundry/models/mpt/modeling_mpt.py``): the bf16 logits saved (2), fp32 only per row; its backward
+  allocates their bf16 gradient (2): transient 2.
 """
 
 from __future__ import annotations
@@ -43,12 +58,32 @@ from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import attention_core_width
 
 __all__ = [
+    "CROSS_ENTROPY_BYTES",
     "LayerActivation",
     "SelectiveBytes",
+    "cross_entropy_bytes",
     "layer_activation",
     "megatron_selective_bytes",
     "static_bytes_per_parameter_sharded",
 ]
+
+
+#: Cross-entropy implementation → (bytes per logit element held until the backward, the most a pass adds on top):
+#: the module docstring, "The loss's logits".
+CROSS_ENTROPY_BYTES: dict[str, tuple[float, float]] = {
+    "fp32": (4.0, 8.0),
+    "vocab_parallel": (4.0, 2.0),
+    "fused": (2.0, 2.0),
+}
+
+
+def cross_entropy_bytes(implementation: str) -> tuple[float, float]:
+    """(held, transient) bytes per logit element of the cross-entropy ``implementation`` (module docstring).
+
+    Raises:
+        KeyError: an implementation not in :data:`CROSS_ENTROPY_BYTES`.
+    """
+    return CROSS_ENTROPY_BYTES[implementation]
 
 
 @dataclass(frozen=True)
@@ -145,6 +180,31 @@ def megatron_selective_bytes(model: ModelConfig, moe: bool) -> SelectiveBytes:
     return SelectiveBytes(norm_outputs=4.0 * h, inner=float(inner))
 
 
+def _fused_savings(model: ModelConfig, moe: bool) -> tuple[float, float]:
+    """Per token, the 16-bit bytes a dense layer does not store with hand-fused kernels (Megatron-Core with
+    Transformer Engine), as (whole, split by t) of the module docstring's terms. Stored bytes only: what the kernels
+    read and write (the elementwise traffic) stays the layer's ``full``.
+
+    - SwiGLU: Megatron-Core's ``bias_swiglu_impl`` (``megatron/core/fusions/fused_bias_swiglu.py``,
+      ``SwiGLUFunction``) saves only its input, the gate and up outputs, and reruns SiLU in its backward: of eager
+      PyTorch's gate, up, SiLU output and product (8f) it keeps 4f + the product 2f, 2f less.
+    - FP8: Transformer Engine's ``Linear`` and ``LayerNormLinear`` save their input as the FP8 copy the forward's
+      GEMM used (``transformer_engine/pytorch/module/linear.py``: ``saved_inputmat``/``saved_inputmat_t``), 1 byte
+      an element: the two norms' outputs (the QKV and first MLP inputs, h less each), the projection's input and
+      the second MLP matrix's input (half of each).
+    """
+    if model.kernels != "fused" or (moe and model.is_moe):
+        return 0.0, 0.0
+    whole, split = 0.0, 0.0
+    if model.ffn_type == "swiglu":
+        split += 2.0 * model.ffn_size
+    if model.precision == "fp8":
+        _, value = attention_core_width(model)
+        whole += 2.0 * model.hidden_size
+        split += value + model.ffn_size
+    return whole, split
+
+
 def layer_activation(
     model: ModelConfig,
     tensor_parallel: int = 1,
@@ -180,8 +240,13 @@ def layer_activation(
     retained = (attention_retained + mlp_retained) * tokens * scale / t
     scores_bytes = scores * scale / t
     recompute = model.activation_recomputation
+    whole_saving, split_saving = _fused_savings(model, moe)
+    if sequence_parallel or t == 1:
+        full_stored = full - (whole_saving + split_saving) * tokens * scale / t
+    else:
+        full_stored = full - (whole_saving + split_saving / t) * tokens * scale
     if recompute == "none":
-        activation = full
+        activation = full_stored
     elif recompute == "selective" and model.is_moe:
         dropped = megatron_selective_bytes(model, moe)
         norms = dropped.norm_outputs * tokens
@@ -192,7 +257,7 @@ def layer_activation(
         saved = (4 * h + attention_kept + mlp_kept) * tokens * scale + statistics * scale
         activation = min(full, saved / t if (sequence_parallel or t == 1) else saved)
     elif recompute == "selective":
-        activation = full - scores_bytes
+        activation = full_stored - scores_bytes
     else:
         layer_input = tokens * h * model.dtype_bytes
         activation = layer_input / t if (sequence_parallel or t == 1) else layer_input

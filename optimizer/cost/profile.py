@@ -142,6 +142,14 @@ class SoftwareProfile(StrictModel):
         "measured by bench/device_step_bench.py, bench/results/device/; a calibration row that ran them says "
         "software.attention_kernel 'cudnn').",
     )
+    pytorch_cross_entropy: Literal["fp32", "fused"] = Field(
+        "fp32",
+        description="How eager and compiled PyTorch stacks compute the loss (pipesched.optimizer.cost.memory, "
+        "CROSS_ENTROPY_BYTES): 'fp32' (F.cross_entropy on the logits cast to fp32, torchtitan's "
+        "torchtitan/components/loss.py: 4 bytes per logit held, 8 more in its backward) or 'fused' (flash-attn's "
+        "CrossEntropyLoss, llm-foundry's default loss_fn: 2 and 2); a calibration row of software.framework "
+        "'composer' states 'fused'. Megatron's fused plans run its vocab-parallel cross-entropy.",
+    )
     unfused_traffic: float = Field(
         1.0,
         gt=0,
@@ -166,9 +174,9 @@ class SoftwareProfile(StrictModel):
         le=4,
         description="Stored activations over the modelled ones with hand-fused kernels (Megatron-LM, NeMo, "
         "Transformer Engine): Korthikanti et al. 2022 (§4) derived the modelled activations from Megatron's "
-        "fused implementation and measured them within a few percent. The fitted activation_memory_factor "
-        "(torchtitan's eager and compiled peaks) would put 18 of the 25 fused published runs above their GPU's "
-        "memory; at 1.0, 21 fit.",
+        "fused implementation and measured them within a few percent. At 1.0, with what Megatron-Core's fused "
+        "SwiGLU and Transformer Engine's FP8 inputs do not store (pipesched.optimizer.cost.memory), all 25 fitted "
+        "fused published runs fit their GPU (21 before those were modelled; 18 at the eager factor of 1.75).",
     )
     attention_backward_speed: float = Field(
         0.7,

@@ -52,7 +52,12 @@ from pipesched.optimizer.cost.flops import (
     layer_parameters,
     norm_parameters,
 )
-from pipesched.optimizer.cost.memory import LayerActivation, layer_activation, static_bytes_per_parameter_sharded
+from pipesched.optimizer.cost.memory import (
+    LayerActivation,
+    cross_entropy_bytes,
+    layer_activation,
+    static_bytes_per_parameter_sharded,
+)
 from pipesched.optimizer.cost.profile import (
     RUN_KERNELS,
     AcceleratorProfile,
@@ -109,8 +114,11 @@ class Block:
     """Times (ms), memory (bytes) and parameters of one block (a layer, the embedding, the head) for one microbatch.
 
     ``activation_bytes`` is allocated by F; ``retained_bytes`` of it is still held after I until W.
-    ``parameters`` counts everything the rank holds, ``expert_parameters`` the routed experts among them (sharded
-    over the expert-data-parallel group rather than the data-parallel one).
+    ``transient_bytes``: the most one of its passes allocates and frees on top of what is held (a recomputed
+    layer's other activations, the loss's fp32 logits and their gradients); blocks in sequence run one pass at a
+    time, so their transient is the largest, not the sum. ``parameters`` counts everything the rank holds,
+    ``expert_parameters`` the routed experts among them (sharded over the expert-data-parallel group rather than
+    the data-parallel one).
     """
 
     forward_ms: float = 0.0
@@ -120,6 +128,7 @@ class Block:
     retained_bytes: float = 0.0
     parameters: float = 0.0
     expert_parameters: float = 0.0
+    transient_bytes: float = 0.0
 
     def times(self, count: int) -> Block:
         """``count`` copies of this block in sequence."""
@@ -131,6 +140,7 @@ class Block:
             self.retained_bytes * count,
             self.parameters * count,
             self.expert_parameters * count,
+            self.transient_bytes if count else 0.0,
         )
 
     def __add__(self, other: Block) -> Block:
@@ -142,6 +152,7 @@ class Block:
             self.retained_bytes + other.retained_bytes,
             self.parameters + other.parameters,
             self.expert_parameters + other.expert_parameters,
+            max(self.transient_bytes, other.transient_bytes),
         )
 
     @property
@@ -525,10 +536,10 @@ def transformer_layer(
     Recomputation: ``selective`` drops the attention scores (eager attention) and reruns the attention core
     inside I; with FlashAttention it is torchtitan's op-level policy (:mod:`pipesched.optimizer.cost.memory`),
     rerunning half of the forward's matrix multiplies and the elementwise ops inside I; ``full`` keeps only the
-    layer input until the backward, reruns the whole forward inside I and keeps that input until W
-    (the transient memory of the recomputation itself is not modelled here). Activation bytes are scaled by the
-    profile's ``activation_memory_factor`` (allocator reserve over the tensors, fitted to published peaks) with
-    eager or compiled kernels (:func:`activation_reserve`).
+    layer input until the backward, reruns the whole forward inside I and keeps that input until W; the
+    recomputed layer's activations beyond those kept are the block's ``transient_bytes`` (they live through its
+    I only). Activation bytes are scaled by the profile's ``activation_memory_factor`` (allocator reserve over the
+    tensors, fitted to published peaks) with eager or compiled kernels (:func:`activation_reserve`).
 
     ``moe``: a mixture-of-experts layer of ``model`` (its active experts' FLOPs, every expert's parameters);
     ``context_parallel`` shards the sequence (FLOPs and activations ÷ c, ring attention's exposed transfers
@@ -596,6 +607,7 @@ def transformer_layer(
         retained_bytes=memory.retained * reserve,
         parameters=parameters,
         expert_parameters=local_experts,
+        transient_bytes=(memory.full - memory.activation) * reserve,
     )
 
 
@@ -626,6 +638,7 @@ def blended(
         retained_bytes=max(block.retained_bytes for block in blocks.values()),
         parameters=largest.parameters,
         expert_parameters=largest.expert_parameters,
+        transient_bytes=max(block.transient_bytes for block in blocks.values()),
     )
 
 
@@ -677,8 +690,10 @@ def head_block(
     tensor parallelism over the vocabulary, one (s·b, V/t, h) matrix multiply each, in bf16 (FP8 recipes keep the
     output layer in bf16). Traffic: F writes the logits and the fp32 softmax ((2d + 4)·s·b·V bytes), I reads the
     softmax and writes the logits' gradient, scaled like the layers' by the kernels mode. Activation: the norm's
-    input and output (2·s·b·h·d) plus the fp32 softmax kept for the loss backward (4·s·b·V); W still needs the head
-    input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
+    input and output (2·s·b·h·d) plus what the cross-entropy keeps of the logits for its backward, its passes'
+    fp32 copies and gradients the block's ``transient_bytes``
+    (:func:`~pipesched.optimizer.cost.memory.cross_entropy_bytes` of :func:`cross_entropy_of`); W still needs the
+    head input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
     ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
     rank computes the logits of s/c tokens.
     ``sharding``: kernels "unknown" as in :func:`transformer_layer`.
@@ -700,14 +715,25 @@ def head_block(
     traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
     reserve = activation_reserve(model, hardware)
+    held, transient = cross_entropy_bytes(cross_entropy_of(model, hardware))
     return Block(
         forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
         backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
         backward_weight_ms=gemm,
-        activation_bytes=(2 * s * b * h * d + 4 * logits) * reserve,
+        activation_bytes=(2 * s * b * h * d + held * logits) * reserve,
         retained_bytes=(s * b * h * d + logits * d) * reserve,
         parameters=(head_parameters(model, separate_copy=separate_copy) - norm) / t + norm,
+        transient_bytes=transient * logits * reserve,
     )
+
+
+def cross_entropy_of(model: ModelConfig, hardware: Hardware) -> str:
+    """How the loss is computed (:data:`~pipesched.optimizer.cost.memory.CROSS_ENTROPY_BYTES`): Megatron-Core's
+    ``vocab_parallel`` with hand-fused kernels, else the software profile's ``pytorch_cross_entropy`` (torchtitan's
+    ``fp32`` for a plan; a calibration row of llm-foundry states flash-attn's ``fused``)."""
+    if model.kernels == "fused":
+        return "vocab_parallel"
+    return hardware.software.pytorch_cross_entropy
 
 
 @dataclass
@@ -723,6 +749,8 @@ class DerivedProblem:
         hardware: the resolved accelerator.
         largest_unit: per model stage, parameters of its largest FSDP unit (a transformer block, the token
             embedding, or the final norm with the head: torchtitan's ``fully_shard`` units).
+        transient_bytes: per rank, the largest pass transient of its stages (:func:`rank_transient_bytes`),
+            counted in ``static_bytes`` and ``memory.static``.
     """
 
     costs: Costs
@@ -733,6 +761,7 @@ class DerivedProblem:
     limit_bytes: float = math.inf
     hardware: Hardware | None = None
     largest_unit: list[float] = field(default_factory=list)
+    transient_bytes: list[float] = field(default_factory=list)
 
 
 def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
@@ -904,7 +933,7 @@ class _StageBlocks:
         """Bytes the stage holds while it computes one microbatch."""
         block = self.block(stage, count)
         transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
-        return self.static_bytes(block) + transient + block.activation_bytes
+        return self.static_bytes(block) + transient + block.activation_bytes + block.transient_bytes
 
 
 def _stage_blocks(
@@ -1047,6 +1076,8 @@ def derive_problem(
     for stage, block in enumerate(stages):
         for rank in holders[stage]:
             static[rank] += blocks.static_bytes(block)
+    transient = rank_transient_bytes(stages, holders, num_ranks)
+    static = [value + extra for value, extra in zip(static, transient, strict=True)]
     costs = Costs(
         forward=[round(block.forward_ms, 6) for block in stages],
         backward_input=[round(block.backward_input_ms, 6) for block in stages],
@@ -1060,7 +1091,18 @@ def derive_problem(
         static=[float(round(value)) for value in static],
     )
     units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units)
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units, transient)
+
+
+def rank_transient_bytes(stages: list[Block], holders: list[list[int]], num_ranks: int) -> list[float]:
+    """Per rank, the largest ``transient_bytes`` of its stages' passes (one pass runs at a time). The step model has
+    no per-pass allocation, so ``memory.static`` counts it: a bound, reached when the pass runs at the rank's
+    activation peak (the last layer's recomputation and the loss run there under every schedule)."""
+    transient = [0.0] * num_ranks
+    for stage, block in enumerate(stages):
+        for rank in holders[stage]:
+            transient[rank] = max(transient[rank], block.transient_bytes)
+    return transient
 
 
 def _check_room(

@@ -23,8 +23,9 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   warm-up), looped BFS all m·v, ZB-V 2p half-size chunks, V-Half p + 1, V-Min ⌈2p/3⌉ + 1, DualPipeV 2p + 1
   (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory", Table 1); ``auto`` as 1F1B; the LM head's
   logits once on the last rank (each microbatch's backward follows its forward there) unless the family holds
-  every forward before any backward. An estimate: the simulator measures the real peak of every schedule it
-  evaluates.
+  every forward before any backward; on top, the largest transient of a pass on the rank (a recomputed layer's,
+  and on the last rank the loss's: the blocks' ``transient_bytes``, counted in the derived static memory too). An
+  estimate: the simulator measures the real peak of every schedule it evaluates.
 - **Data-parallel time** (the planner's own estimate, to order and prune before simulation; an evaluated plan's
   step is the simulator's ``step_time`` with the step model's collectives): ring
   collectives of :mod:`pipesched.optimizer.cost.collectives` over the data-parallel group, on the intra-node
@@ -138,6 +139,7 @@ class _Layout:
     transient_bytes: float
     layer_parameters: float
     head_activation: float = 0.0
+    head_transient: float = 0.0
     first_expert_parameters: float = 0.0
     last_expert_parameters: float = 0.0
     max_expert_parameters: float = 0.0
@@ -315,7 +317,7 @@ class Estimator:
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
             return self._layouts[key]
-        layer, embedding, head, plain, _ = self.blocks(*degrees)
+        layer, embedding, head, _, _ = self.blocks(*degrees)
         dense = self.dense_layer(*degrees)
         first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
@@ -363,7 +365,7 @@ class Estimator:
                 backward[rank] += (block.backward_input_ms + block.backward_weight_ms) / len(holders[stage])
                 parameters[rank] += block.parameters
                 experts[rank] += block.expert_parameters
-        transient = plain.activation_bytes if config.activation_recomputation != "none" else 0.0
+        transient = max(layer.transient_bytes, dense.transient_bytes)  # a recomputed layer's
         busiest = max(range(p), key=lambda rank: compute[rank])
         last_rank = ranks[num_stages - 1]
         heaviest = max(range(p), key=lambda rank: parameters[rank])
@@ -376,6 +378,7 @@ class Estimator:
             first_chunk_activation=activation[0],
             last_chunk_activation=activation[last_rank] if last_rank != 0 else activation[0],
             transient_bytes=transient,
+            head_transient=max(transient, head.transient_bytes),
             layer_parameters=max(layer.parameters, dense.parameters),
             head_activation=head.activation_bytes,
             first_expert_parameters=experts[0],
@@ -494,7 +497,7 @@ class Estimator:
             static_last
             + last_count * layout.last_chunk_activation
             + heads * layout.head_activation
-            + layout.transient_bytes
+            + layout.head_transient
         )
         # the rank holding the most parameters (a middle one when the first layers are dense: DeepSeek-V3), its
         # activations in flight between the first rank's and the last's by its position (loop placements)

@@ -281,7 +281,8 @@ def test_expert_state_is_sharded_over_the_expert_data_parallel_group() -> None:
     sharded = load_problem(_document(**base, expert_parallel={"size": 8}))
     assert replicated.memory is not None and sharded.memory is not None
     # one expert eighth per GPU: static memory falls by far more than the optimizer's 1/8 alone would give
-    assert max(sharded.memory.static) < 0.4 * max(replicated.memory.static)
+    # (the first ranks: the last one's static also counts the loss's transient, alike in both)
+    assert max(sharded.memory.static[:-1]) < 0.4 * max(replicated.memory.static[:-1])
     assert sharded.costs is not None and replicated.costs is not None
     assert sharded.costs.forward != replicated.costs.forward  # the all-to-alls
 

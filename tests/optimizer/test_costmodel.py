@@ -161,7 +161,11 @@ def test_head_and_embedding_make_end_stages_uneven_and_p2p_and_static_follow() -
     static = problem.static_memory
     assert static[1] == pytest.approx(2 * layer_parameters * 18, rel=1e-9)
     assert static[0] == pytest.approx((2 * layer_parameters + 256_000 * h + s * h) * 18, rel=1e-9)
-    assert static[3] == pytest.approx((2 * layer_parameters + 256_000 * h + 2 * h) * 18, rel=1e-9)
+    # the last rank also counts the loss's transient: the fp32 logits' gradients (8 B per logit element, torchtitan's
+    # F.cross_entropy on logits.float(), the larger of the kernels modes) at the allocator reserve
+    b = SMALL_MODEL.get("micro_batch_size", 1)
+    loss = 8 * s * b * 256_000 * reserve("H100-SXM")
+    assert static[3] == pytest.approx((2 * layer_parameters + 256_000 * h + 2 * h) * 18 + loss, rel=1e-6)
     memory = get_accelerator("H100-SXM").memory_bytes
     assert problem.memory.limit == pytest.approx(memory - headroom("H100-SXM", memory), abs=1)
     # the head keeps the fp32 softmax: the last stage's activation exceeds a middle stage's

@@ -242,7 +242,9 @@ def test_kernels_not_said_widen_a_context_parallel_plans_interval_down_to_pytorc
 
     def ring_plan(**kernels: str) -> Any:
         request = {
-            "model": {"preset": "llama3.1-8b", "seq_length": 131072},
+            # 64k tokens: at 128k each CP rank's loss alone (32k tokens × 128k vocabulary, fp32 logits and their
+            # gradients: 12 B a logit element) would hold ~50 GB
+            "model": {"preset": "llama3.1-8b", "seq_length": 65536},
             "cluster": {"accelerator": "H100-SXM", "num_nodes": 1},
             "training": {"global_batch_size": 8, "precision": "fp8", **kernels},
             "search": search,
