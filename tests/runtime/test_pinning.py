@@ -1,6 +1,7 @@
 """Which core each process of a run is pinned to: with fewer cores than processes, the replicas of one pipeline
 rank share its core (processes numbered ``pp · D + dp``), so that they run the same passes side by side and a
-pipeline rank's bubble leaves its core idle; one replica keeps rank modulo the cores (real processes over gloo)."""
+pipeline rank's bubble leaves its core idle; one replica keeps rank modulo the cores (the launcher: real processes over
+gloo)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any
 import pytest
 
 from pipesched.runtime.launch import pinned_core
-
-torch = pytest.importorskip("torch")
 
 
 def test_replicas_of_a_pipeline_rank_share_its_core_when_processes_outnumber_cores():
@@ -39,6 +38,7 @@ def _affinity(job: _Job, global_rank: int, device: Any, timeout_s: float) -> lis
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
 def test_the_launcher_pins_replicas_of_a_pipeline_rank_together(tmp_path):
+    pytest.importorskip("torch")
     from pipesched.runtime.launch import launch_jobs
 
     cores = sorted(os.sched_getaffinity(0))
