@@ -41,6 +41,7 @@ __all__ = [
     "ScheduleError",
     "check_run",
     "launch_jobs",
+    "pinned_core",
     "plan_runs",
     "print_run_summary",
     "run_schedule",
@@ -110,13 +111,28 @@ def _free_port() -> int:
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
-def _pin_to_core(local_rank: int) -> None:
-    """Pin this process to one core (local rank modulo the cores it may use), so that ranks do not trade cores
-    mid-pass: a profile and a run then see the same placement (``os.sched_setaffinity``; no-op where absent)."""
+def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
+    """The core (index among ``cores``) local process ``local_rank`` of ``nproc`` is pinned to (processes numbered
+    ``pp · replicas + dp``, as on the run's pp × dp mesh).
+
+    With a core for every process, its own core. With fewer cores than processes, the replicas of one pipeline rank
+    share its core (pipeline rank modulo the cores) wherever there are at least as many pipeline ranks as cores: a
+    core then holds one pipeline rank's processes, which run the same passes at once and so share it evenly, and
+    a pipeline rank's bubble leaves its core idle, as the simulator's one timeline per rank has it (with one
+    replica: rank modulo the cores). Else (fewer pipeline ranks than cores) process modulo the cores."""
+    pipeline_ranks = max(1, nproc // max(1, replicas))
+    if nproc > cores and replicas > 1 and pipeline_ranks >= cores:
+        return (local_rank // replicas) % cores
+    return local_rank % cores
+
+
+def _pin_to_core(local_rank: int, nproc: int, replicas: int) -> None:
+    """Pin this process to one core (:func:`pinned_core`), so that ranks do not trade cores mid-pass: a profile and
+    a run then see the same placement (``os.sched_setaffinity``; no-op where absent)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+    os.sched_setaffinity(0, {cores[pinned_core(local_rank, nproc, replicas, len(cores))]})
 
 
 def _worker(
@@ -126,11 +142,12 @@ def _worker(
     timeout_s: float,
     error_dir: str,
     pin: bool = True,
+    replicas: int = 1,
 ) -> list[list[Any]] | None:
     """One process (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*): every job
     in turn (``entry(job, global_rank, device, timeout_s)``: a run's :func:`~pipesched.runtime.training.train_rank`,
     a profile's rank); process 0 gathers every process's result of each job. One intra-op thread per process,
-    pinned to a core (``pin``)."""
+    pinned to a core (``pin``; ``replicas``: the data-parallel size, :func:`pinned_core`)."""
     import torch
     import torch.distributed as dist
 
@@ -139,7 +156,7 @@ def _worker(
     try:
         torch.set_num_threads(1)
         if pin and backend == "gloo":
-            _pin_to_core(local_rank)
+            _pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), replicas)
         if backend == "nccl":
             device = torch.device("cuda", local_rank)
             torch.cuda.set_device(device)
@@ -413,10 +430,12 @@ def launch_jobs(
     timeout_s: float = 300,
     nodes: NodeConfig | None = None,
     pin: bool = True,
+    replicas: int = 1,
 ) -> list[list[Any]] | None:
     """Start ``world`` processes with the elastic launcher and run ``entry(job, global_rank, device, timeout_s)`` (a
     module-level function) for every job (each with a ``workdir`` every process sees); node 0 gets, per job, every
-    process's result.
+    process's result. ``pin``: each process on one core (gloo; :func:`pinned_core`, ``replicas`` the data-parallel
+    size D of the processes numbered ``pp · D + dp``).
 
     Raises:
         ScheduleError: the process count does not divide into the nodes.
@@ -450,7 +469,7 @@ def launch_jobs(
         start_method="spawn",
     )
     try:
-        returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin)
+        returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin, replicas)
     except SignalException as error:
         raise _interrupted(error.sigval) from None
     except KeyboardInterrupt:
@@ -581,6 +600,7 @@ def run_schedules(
             backend=backend,
             timeout_s=timeout_s,
             nodes=NodeConfig(nnodes, node_rank, master_addr, master_port),
+            replicas=options.data_parallel if options else 1,
         )
     if per_job is None:
         return [None for _ in runs]

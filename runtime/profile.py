@@ -318,11 +318,13 @@ def _busy_until_every_process_is_done(device: torch.device) -> None:
     """Keep this process's core busy (matrix products) until every process has timed its passes of this repeat
     (a barrier, polled), so that every pass is timed beside a busy process wherever processes share a core.
 
-    A run's ranks share the cores all along (``num_ranks × D`` processes pinned on fewer cores: the processes
-    of pipeline ranks 0 and 1 of one replica on one core), so a pass of the run runs beside another rank's pass;
-    without the filler, the passes a process times after its core's other process finished its repeat ran alone,
-    up to 2× faster than the run sees them (the last stage's W: 22 ms alone, 50 ms in the run, breadth-first
-    pp 2 × dp 2 on 2 cores). On a GPU the passes do not share a core: the barrier alone."""
+    A run's ranks share the cores all along (``num_ranks × D`` processes pinned on fewer cores,
+    :func:`pipesched.runtime.launch.pinned_core`: the replicas of one pipeline rank on its core, or with one
+    replica pipeline ranks r and r + cores), so a pass of the run runs beside another process's pass; without the
+    filler, the passes a process times after its core's other process finished its repeat ran alone, up to 2×
+    faster than the run sees them (the last stage's W: 22 ms alone, 50 ms in the run, breadth-first pp 2 × dp 2 on
+    2 cores, when one replica's pipeline ranks shared a core). On a GPU the passes do not share a core: the barrier
+    alone."""
     done = dist.barrier(async_op=True)
     if device.type == "cpu":
         filler = torch.ones(_FILLER_SIDE, _FILLER_SIDE)
@@ -561,6 +563,7 @@ def measure_model(
             world=num_ranks * options.data_parallel,
             backend="nccl" if device.startswith("cuda") else "gloo",
             timeout_s=timeout_s,
+            replicas=options.data_parallel,
         )
     assert returned is not None
     return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes)
