@@ -35,7 +35,6 @@ KNOWN_OVER = {
     "of norms and up-projections and FP8 activation caching are not modelled)",
     "megatron_bridge_cp_ep/mbridge260401-deepseek-v3-256-b200-tp1pp8cp1vp2ep32-gbs4096-mbs1": "mixture of experts",
     "megatron_bridge_cp_ep/mbridge2509-deepseek-v3-1024-h100-tp2pp8cp1vp4ep64-gbs8192-mbs1": "mixture of experts",
-    "megatron_bridge_cp_ep/mbridge2511-gpt-oss-120b-64-h100-tp1pp4cp1vp1ep8-gbs512-mbs4": "mixture of experts",
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s16384-cp1": "mixture of experts",
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s32768-cp2": "mixture of experts",
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s65536-cp4": "mixture of experts",
