@@ -25,7 +25,9 @@ its last dp peer's start (the simulator's span), against the schedule's timeline
 for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
 optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
 2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
-differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
+differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``). A profile
+that measured ``costs.overlap_slowdown`` (data parallelism) also prints the same run against the prediction without
+it (the slowdown 0, the per-pass overhead fitted again on the same calibration step): step and hidden / exposed.
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
