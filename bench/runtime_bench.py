@@ -25,7 +25,9 @@ its last dp peer's start (the simulator's span), against the schedule's timeline
 for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
 optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
 2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
-differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``).
+differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``). A profile
+that measured ``costs.overlap_slowdown`` (data parallelism) also prints the same run against the prediction without
+it (the slowdown 0, the per-pass overhead fitted again on the same calibration step): step and hidden / exposed.
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
@@ -37,6 +39,7 @@ results in ``bench/results/runtime_bench.txt``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -207,7 +210,8 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    for row in rows:
+    unslowed = _unslowed(profile)
+    for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
         if calibration is not None:
             row["calibration"] = {
@@ -215,7 +219,37 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int
                 "predicted_ms": calibration.predicted_ms,
                 "overhead_ms": calibration.overhead_ms,
             }
+            if calibration.overlap is not None:
+                row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
+        if unslowed is not None:
+            before = solve_family(unslowed.with_changes(**case.changes), case.family)
+            row["unslowed"] = _prediction(before) | {"same_orders": before.orders() == schedule.orders()}
     return rows
+
+
+def _unslowed(profile: Any) -> Any:
+    """The profile's problem as it would be without ``costs.overlap_slowdown``: the slowdown 0 and the per-pass
+    overhead fitted again on the same calibration step (what the profile wrote before it measured the slowdown);
+    ``None`` when the profile measured none."""
+    from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
+
+    calibration = profile.calibration
+    if calibration is None or calibration.overlap is None:
+        return None
+    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**{"costs.overlap_slowdown": 0.0})
+    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms))
+
+
+def _prediction(schedule: Schedule) -> dict[str, Any]:
+    """A schedule's predicted step and, per pipeline rank, hidden / exposed communication (ms)."""
+    from pipesched.runtime.report import communication_overlap
+
+    ranks = []
+    for rank in schedule.ranks:
+        compute = [(a.start, a.end) for a in rank.actions if a.kind in ("F", "I", "W", "B")]
+        communication = [(a.start, a.end) for a in rank.actions if a.kind in ("UNSHARD", "REDUCE_GRAD")]
+        ranks.append(communication_overlap(compute, communication))
+    return {"predicted_ms": schedule.objective_value, "ranks": ranks}
 
 
 def _percent(value: float | None) -> str:
@@ -255,10 +289,39 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
                 f"{calibration['overhead_ms']:+.2f} ms per pass"
             )
+        if calibration is not None and "overlap" in calibration:
+            overlap = calibration["overlap"]
+            lines.append(
+                f"  {name}: compute beside communication: {overlap['passes']} passes beside a collective for "
+                f"{overlap['overlapped_ms']:.1f} ms took {overlap['extra_ms']:+.1f} ms against the same passes alone "
+                f"({overlap['alone']} passes): overlap_slowdown {overlap['slowdown']:.3f}"
+            )
+    for row in rows:
+        lines += _unslowed_lines(row)
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
     return lines
+
+
+def _unslowed_lines(row: dict[str, Any]) -> list[str]:
+    """The same run against the prediction without the overlap slowdown (the profile before it measured it): the
+    step's error and per pipeline rank the predicted hidden / exposed, beside the measured ones above."""
+    unslowed = row.get("unslowed")
+    if unslowed is None:
+        return []
+    predicted = unslowed["predicted_ms"]
+    pipeline_ranks = unslowed["ranks"]
+    per_rank = "; ".join(
+        f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
+        f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
+        for k, r in enumerate(row["ranks"])
+    )
+    return [
+        f"  {row['case']} without the slowdown: predicted {predicted:.1f} ms, best "
+        f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
+        + ("" if unslowed["same_orders"] else " (another order than the one run)")
+    ]
 
 
 def _collective_lines(row: dict[str, Any]) -> list[str]:

@@ -221,6 +221,17 @@ class Costs(_Strict):
         description="REDUCE_GRAD: all-reduce or reduce-scatter of a stage's gradients over the data-parallel group, ms",
     )
     optimizer_step: PerRank | None = Field(None, description="OPTIMIZER_STEP: one rank's optimizer step, ms.")
+    overlap_slowdown: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description=(
+            "Compute beside communication (not in the contract): while a rank's communication stream runs an "
+            "UNSHARD or REDUCE_GRAD, that rank's passes and optimizer step progress at 1/(1 + overlap_slowdown) "
+            "speed (GPUs: shared SMs and memory bandwidth; CPUs: the collective's thread on the rank's core). "
+            "0 (default): no slowdown. `pipesched profile` measures it for data-parallel profiles."
+        ),
+    )
 
 
 class Memory(_Strict):

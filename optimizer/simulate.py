@@ -20,11 +20,20 @@ rank. Memory is then counted event by event in time order (frees before allocati
 ``step_time``: first start to the last OPTIMIZER_STEP's end, or under post-validation the max over ranks of
 (the rank's OPTIMIZER_STEP end − its first start); without step actions it is the makespan, or the
 stage_span under post-validation.
+
+Compute beside communication (``costs.overlap_slowdown`` = s > 0, step actions only): while a rank's communication
+stream runs an UNSHARD or REDUCE_GRAD, that rank's compute-stream actions progress at 1/(1 + s) speed, so an action
+of D ms that a collective overlaps for o ms of wall time ends o·s/(1 + s) ms later (D of work = (wall − o) + o/(1 + s)).
+The step is timed as above, then again with every compute action lengthened to what the rank's collectives of that
+timing make it, until no action lengthens by more than 1e-6 ms (at most :data:`SLOWDOWN_ROUNDS` timings). Actions
+only ever lengthen, so the step never shortens and every lower bound of the unslowed step still holds. With s = 0
+nothing of this runs.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +49,11 @@ __all__ = [
     "simulate",
     "simulate_indexed",
 ]
+
+#: Most timings of the overlap slowdown's fixed point (module docstring); the last is kept when it is reached.
+SLOWDOWN_ROUNDS = 20
+#: An action lengthened by less than this (ms) counts as settled.
+SLOWDOWN_TOLERANCE_MS = 1e-6
 
 
 class InvalidSchedule(ValueError):
@@ -320,6 +334,10 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
     start, end, issue = _time_streams(inst, orders, is_step)
     if any(e != e for e in end):
         raise _stream_deadlock(inst, orders, end, issue)
+    assert inst.problem.costs is not None
+    slowdown = inst.problem.costs.overlap_slowdown
+    if slowdown > 0:
+        start, end = _slowed_beside_collectives(inst, orders, is_step, slowdown, (start, end))
     first_start = min((min(start[i] for i in row) for row in orders if row), default=0.0)
     makespan = stage_span = step_time = 0.0
     for row in orders:
@@ -367,15 +385,17 @@ def _stream_lanes(inst: Instance, orders: list[list[int]]) -> tuple[list[list[li
 
 
 def _time_streams(
-    inst: Instance, orders: list[list[int]], is_step: list[bool]
+    inst: Instance, orders: list[list[int]], is_step: list[bool], duration: list[float] | None = None
 ) -> tuple[list[float], list[float], list[int]]:
     """Start and end (ms) of every action on two lanes per rank (NaN where a deadlock left it), and the issue
     points of :func:`_stream_lanes`. An optimizer step waits for every other action when the step synchronises
-    (``sync_before_step``); RESHARD takes no time and no lane."""
+    (``sync_before_step``); RESHARD takes no time and no lane. ``duration``: per action ms (default the
+    instance's)."""
     n = len(inst.actions)
     start = [math.nan] * n
     end = [math.nan] * n
-    preds, duration = inst.preds, inst.duration
+    preds = inst.preds
+    duration = inst.duration if duration is None else duration
     num_ranks = len(orders)
     instant = [inst.actions[i].kind == ActionKind.RESHARD for i in range(n)]
     queues, issue = _stream_lanes(inst, orders)
@@ -436,6 +456,67 @@ def _time_streams(
         if progressed:
             wake(rank)
     return start, end, issue
+
+
+def _slowed_beside_collectives(
+    inst: Instance,
+    orders: list[list[int]],
+    is_step: list[bool],
+    slowdown: float,
+    timing: tuple[list[float], list[float]],
+) -> tuple[list[float], list[float]]:
+    """Start and end (ms) of every action with compute slowed beside its rank's collectives: the module
+    docstring's fixed point, from ``timing`` (the unslowed start and end). Unsettled after the last round, each
+    action keeps the longer of its last two durations (never shorter than unslowed either way)."""
+    start, end = timing
+    duration = inst.duration
+    for round_ in range(SLOWDOWN_ROUNDS):
+        wanted = _slowed_durations(inst, orders, slowdown, start, end)
+        if all(abs(w - d) <= SLOWDOWN_TOLERANCE_MS for w, d in zip(wanted, duration, strict=True)):
+            break
+        if round_ == SLOWDOWN_ROUNDS - 1:
+            wanted = [max(w, d) for w, d in zip(wanted, duration, strict=True)]
+        duration = wanted
+        start, end, _ = _time_streams(inst, orders, is_step, duration)
+    return start, end
+
+
+def _slowed_durations(
+    inst: Instance, orders: list[list[int]], slowdown: float, start: list[float], end: list[float]
+) -> list[float]:
+    """Per action, the wall-clock ms it takes from its ``start`` beside its rank's collectives of this timing
+    (collectives and instants keep their own duration)."""
+    duration = list(inst.duration)
+    for row in orders:
+        busy = sorted((start[i], end[i]) for i in row if inst.stream[i] == 1 and end[i] > start[i])
+        if not busy:
+            continue
+        busy_ends = [b for _, b in busy]
+        for idx in row:
+            if inst.stream[idx] == 0 and duration[idx] > 0:
+                duration[idx] = _wall_time(start[idx], duration[idx], busy, busy_ends, slowdown)
+    return duration
+
+
+def _wall_time(
+    begin: float, work: float, busy: list[tuple[float, float]], busy_ends: list[float], slowdown: float
+) -> float:
+    """Wall-clock ms that ``work`` ms of compute started at ``begin`` takes when it progresses at 1/(1 + slowdown)
+    speed inside the ``busy`` intervals (disjoint, sorted; ``busy_ends`` their ends) and at full speed outside."""
+    t, left = begin, work
+    for k in range(bisect_right(busy_ends, begin), len(busy)):
+        low, high = busy[k]
+        if low > t:
+            if left <= low - t:
+                break
+            left -= low - t
+            t = low
+        inside = (high - t) / (1 + slowdown)
+        if left <= inside:
+            return t + left * (1 + slowdown) - begin
+        left -= inside
+        t = high
+    return t + left - begin
 
 
 def _scan_predecessors(

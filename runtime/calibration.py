@@ -12,13 +12,29 @@ profile is then a held-out prediction: its order was not the one fitted.
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
+
 from pipesched.optimizer.communication import with_communication
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
-from pipesched.optimizer.ir import Action, ActionKind, Orders
+from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_action
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import simulate
+from pipesched.runtime.records import MeasuredAction
 
-__all__ = ["calibration_orders", "calibration_problem", "fit_overhead", "with_overhead"]
+__all__ = [
+    "OverlapSlowdown",
+    "calibration_orders",
+    "calibration_problem",
+    "fit_overhead",
+    "fit_overlap_slowdown",
+    "with_overhead",
+]
+
+#: A pass counts as beside a collective from this much overlap (ms); below it, as alone when it has none at all.
+OVERLAP_MIN_MS = 1.0
+#: The largest slowdown the measurement reports (the problem field's bound).
+MAX_SLOWDOWN = 10.0
 
 
 def calibration_problem(skeleton: Problem, data_parallel: dict[str, object] | None) -> Problem:
@@ -81,3 +97,64 @@ def fit_overhead(problem: Problem, orders: Orders, measured_ms: float, *, iterat
         else:
             high = middle
     return round((low + high) / 2, 6)
+
+
+@dataclass(frozen=True)
+class OverlapSlowdown:
+    """How much a collective on a process's communication stream slowed the passes beside it, measured on the
+    calibration run (:func:`fit_overlap_slowdown`): ``passes`` passes overlapped collectives for ``overlapped_ms`` of
+    wall time in all and took ``extra_ms`` longer than the same passes (stage and kind) alone, ``alone`` passes
+    with no collective beside them; ``slowdown`` is the problem's ``costs.overlap_slowdown``."""
+
+    passes: int
+    alone: int
+    overlapped_ms: float
+    extra_ms: float
+    slowdown: float
+
+
+def fit_overlap_slowdown(steps: list[tuple[list[MeasuredAction], list[MeasuredAction]]]) -> OverlapSlowdown | None:
+    """The slowdown s of the simulator's rule (compute at 1/(1 + s) speed while the rank's communication stream
+    runs a collective: a pass overlapped for o ms takes o·s/(1 + s) ms more) from measured steps: per process and
+    step, its passes and its collectives (each from its last dp peer's start, the span the simulator times).
+
+    Each pass overlapped for at least :data:`OVERLAP_MIN_MS` is compared with the median of the same stage and kind
+    with no overlap at all: r = Σ (wall − that median) / Σ overlap, per overlapped ms, and s = r / (1 − r), between 0
+    and :data:`MAX_SLOWDOWN`. ``None`` when no pass overlapped a collective or none of those has a pass alone to be
+    compared with. Times in ms."""
+    alone: dict[tuple[int, str], list[float]] = {}
+    beside: list[tuple[tuple[int, str], float, float]] = []
+    for passes, collectives in steps:
+        busy = [
+            (c.start, c.end) for c in collectives if c.end > c.start and parse_action(c.action).kind in _COLLECTIVES
+        ]
+        for measured in passes:
+            action = parse_action(measured.action)
+            if action.kind not in _PASS_KINDS:
+                continue
+            key = (action.stage, action.kind.value)
+            overlap = sum(max(0.0, min(measured.end, b) - max(measured.start, a)) for a, b in busy)
+            if overlap == 0:
+                alone.setdefault(key, []).append(measured.end - measured.start)
+            elif overlap >= OVERLAP_MIN_MS:
+                beside.append((key, measured.end - measured.start, overlap))
+    baseline = {key: statistics.median(walls) for key, walls in alone.items()}
+    compared = [(wall - baseline[key], overlap) for key, wall, overlap in beside if key in baseline]
+    if not compared:
+        return None
+    extra = sum(e for e, _ in compared)
+    overlapped = sum(o for _, o in compared)
+    ratio = min(max(extra / overlapped, 0.0), MAX_SLOWDOWN / (1 + MAX_SLOWDOWN))
+    return OverlapSlowdown(
+        passes=len(compared),
+        alone=sum(len(walls) for key, walls in alone.items()),
+        overlapped_ms=round(overlapped, 6),
+        extra_ms=round(extra, 6),
+        slowdown=round(ratio / (1 - ratio), 6),
+    )
+
+
+_COLLECTIVES = frozenset({ActionKind.UNSHARD, ActionKind.REDUCE_GRAD})
+_PASS_KINDS = frozenset(
+    {ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT, ActionKind.BACKWARD}
+)

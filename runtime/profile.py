@@ -23,6 +23,10 @@ and each process measures its own stages, all at once, as the run will run them:
   ``costs.reduce_grad``), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
 * **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
   ``costs.optimizer_step``.
+* **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
+  collectives against the same passes (stage and kind) with none beside them, per overlapped ms
+  (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): ``costs.overlap_slowdown``, with which the
+  per-pass overhead is then fitted. One replica (no collectives): left at 0.
 """
 
 from __future__ import annotations
@@ -41,7 +45,14 @@ from pipesched.optimizer.ir import ActionKind, parse_action
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import simulate
 from pipesched.runtime import torch_compat
-from pipesched.runtime.calibration import calibration_orders, calibration_problem, fit_overhead, with_overhead
+from pipesched.runtime.calibration import (
+    OverlapSlowdown,
+    calibration_orders,
+    calibration_problem,
+    fit_overhead,
+    fit_overlap_slowdown,
+    with_overhead,
+)
 from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
@@ -195,6 +206,8 @@ class RankProfile:
     calibration_ms: list[float] = field(default_factory=list)
     calibration_communication: list[list[MeasuredAction]] = field(default_factory=list)
     calibration_collectives: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    calibration_passes: list[list[MeasuredAction]] = field(default_factory=list)
+    calibration_joined: list[list[MeasuredAction]] = field(default_factory=list)
 
 
 def _timed(device: torch.device, run: Any) -> tuple[Any, float]:
@@ -431,6 +444,7 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
         steps = _calibration_run(settings, global_rank, device, timeout_s)
         setup.result.calibration_ms = [step.time_ms for step in steps]
         setup.result.calibration_communication = [step.communication for step in steps[1:]]
+        setup.result.calibration_passes = [step.actions for step in steps[1:]]
     return setup.result
 
 
@@ -470,6 +484,7 @@ def _join_calibration(results: list[RankProfile]) -> None:
         joined = joined_steps([r.calibration_communication for r in group])
         for result, steps in zip(group, joined, strict=True):
             result.calibration_collectives = _collective_durations(steps)
+            result.calibration_joined = steps
 
 
 def _collective_durations(steps: list[list[MeasuredAction]]) -> dict[tuple[str, int], list[float]]:
@@ -677,8 +692,11 @@ def _assemble(
     if skeleton.pipeline.placement == "bidirectional" and "reduce_grad" not in data["costs"]:
         # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
         data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
+    overlap = _overlap_slowdown(results) if options.data_parallel > 1 else None
+    if overlap is not None:
+        data["costs"]["overlap_slowdown"] = overlap.slowdown
     problem = load_problem(data)
-    calibration = _calibrate(problem, results)
+    calibration = _calibrate(problem, results, overlap)
     if calibration is not None:
         problem = with_overhead(problem, calibration.overhead_ms)
     return Profile(problem, spreads, p2p_fit, collectives, calibration)
@@ -695,16 +713,28 @@ class Calibration:
     measured_ms: float
     predicted_ms: float
     overhead_ms: float
+    overlap: OverlapSlowdown | None = None
 
 
-def _calibrate(problem: Problem, results: list[RankProfile]) -> Calibration | None:
+def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
+    """The calibration run's passes beside collectives against the same passes alone (every process, steps after
+    the first; :func:`~pipesched.runtime.calibration.fit_overlap_slowdown`)."""
+    steps = [
+        (passes, joined)
+        for r in results
+        for passes, joined in zip(r.calibration_passes, r.calibration_joined, strict=False)
+    ]
+    return fit_overlap_slowdown(steps) if steps else None
+
+
+def _calibrate(problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None) -> Calibration | None:
     if not all(r.calibration_ms for r in results):
         return None
     steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
     measured = min(steps[1:] if len(steps) > 1 else steps)
     orders = calibration_orders(problem)
     predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
-    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured))
+    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured), overlap)
 
 
 def _collectives(

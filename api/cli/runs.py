@@ -364,6 +364,14 @@ def _print_transfers(measured: Profile) -> None:
             f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above",
             highlight=False,
         )
+        if calibration.overlap is not None:
+            overlap = calibration.overlap
+            console.print(
+                f"compute beside communication: {overlap.passes} passes beside a collective for "
+                f"{overlap.overlapped_ms:.1f} ms took {overlap.extra_ms:+.1f} ms against the same passes alone: "
+                f"costs.overlap_slowdown {overlap.slowdown:.3f}",
+                highlight=False,
+            )
     steps = problem.rank_values(problem.costs.optimizer_step, 0.0)
     console.print(
         "optimizer step "

@@ -282,6 +282,19 @@ def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
     assert "min–max over 3 runs" in " ".join(result.stdout.split())
 
 
+@pytest.mark.slow  # four processes (pp 2 × dp 2), a profile and its calibration run: 15–40 s on 2 shared cores
+def test_a_data_parallel_profile_says_how_much_compute_slowed_beside_its_collectives(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    shape = ["--num-ranks", "2", "--stages-per-rank", "2", "--data-parallel", "2", "--repeats", "2"]
+    result = pipesched("profile", *shape, "-o", "p.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "p.json").read_text())["costs"]["overlap_slowdown"]
+    said = " ".join(result.stdout.split())
+    # breadth-first's calibration runs stage 3's reduction beside stage 1's backwards: always some pass beside it
+    assert "compute beside communication:" in said and f"costs.overlap_slowdown {written:.3f}" in said
+    assert 0 <= written <= 10
+
+
 def test_the_field_reference_documents_every_model_and_cluster_field() -> None:
     from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 

@@ -7,7 +7,14 @@ import pytest
 
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.simulate import simulate
-from pipesched.runtime.calibration import calibration_orders, calibration_problem, fit_overhead, with_overhead
+from pipesched.runtime.calibration import (
+    calibration_orders,
+    calibration_problem,
+    fit_overhead,
+    fit_overlap_slowdown,
+    with_overhead,
+)
+from pipesched.runtime.records import MeasuredAction
 from tests.conftest import uniform_problem
 
 SHAPES = [
@@ -51,3 +58,47 @@ def test_the_fitted_overhead_meets_the_measured_step():
     assert -1.0 <= fit_overhead(problem, orders, 0.5 * step(0.0)) < 0
     shifted = with_overhead(problem, -2.5)
     assert min(shifted.stage_values(shifted.costs.backward_input)) == 0.0  # never below 0
+
+
+def _records(slowdown: float) -> list[tuple[list[MeasuredAction], list[MeasuredAction]]]:
+    """The simulator's calibration step of breadth-first pp 2 × dp 2 (stage 3's 4 ms reduction beside stage 1's
+    first backwards) with ``slowdown``, as each rank's measured passes and collectives."""
+    skeleton = uniform_problem(2, 8, stages_per_rank=2)
+    problem = calibration_problem(skeleton, {"size": 2, "sharding": "full"}).with_changes(
+        **{"costs.reduce_grad": 4.0, "costs.overlap_slowdown": slowdown}
+    )
+    orders = calibration_orders(problem)
+    inst = compile_for_orders(problem, orders)
+    sim = simulate(inst, orders, check_memory=False)
+    steps = []
+    for row in sim.orders:
+        records = [MeasuredAction(action=str(inst.actions[i]), start=sim.start[i], end=sim.end[i]) for i in row]
+        passes = [r for r, i in zip(records, row, strict=True) if inst.stream[i] == 0]
+        steps.append((passes, [r for r, i in zip(records, row, strict=True) if inst.stream[i] == 1]))
+    return steps
+
+
+@pytest.mark.parametrize("slowdown", [0.0, 0.25, 0.4, 1.5])
+def test_the_overlap_slowdown_measured_on_a_step_is_the_one_it_ran_with(slowdown: float) -> None:
+    fitted = fit_overlap_slowdown(_records(slowdown))
+    assert fitted is not None and fitted.passes >= 1 and fitted.alone > fitted.passes
+    assert fitted.slowdown == pytest.approx(slowdown, abs=1e-5)
+    assert fitted.extra_ms == pytest.approx(fitted.overlapped_ms * slowdown / (1 + slowdown), abs=1e-5)
+
+
+def test_the_overlap_slowdown_by_hand_and_what_it_leaves_out() -> None:
+    def record(action: str, start: float, end: float) -> MeasuredAction:
+        return MeasuredAction(action=action, start=start, end=end)
+
+    alone = [record("1I1", 20.0, 30.0), record("1I2", 30.0, 40.0), record("1W1", 40.0, 44.0)]
+    # 1I0 overlaps 10 ms of 3REDUCE_GRAD and takes 15 ms against 10 alone: r = 0.5, s = 1. 1W0 overlaps 0.5 ms
+    # (below the minimum: left out); the RESHARD takes no compute; 1W1 has nothing overlapped to compare with.
+    step = [record("1I0", 0.0, 15.0), record("1W0", 15.0, 19.0), *alone]
+    communication = [record("3REDUCE_GRAD", 5.0, 15.5), record("3RESHARD", 19.0, 25.0)]
+    fitted = fit_overlap_slowdown([(step, communication)])
+    assert fitted is not None
+    assert (fitted.passes, fitted.alone, fitted.overlapped_ms, fitted.extra_ms) == (1, 3, 10.0, 5.0)
+    assert fitted.slowdown == pytest.approx(1.0)
+    assert fit_overlap_slowdown([(alone, communication)]) is None
+    faster = [record("1I0", 0.0, 8.0), *alone]  # beside a collective yet faster than alone: no negative slowdown
+    assert fit_overlap_slowdown([(faster, [record("3REDUCE_GRAD", 0.0, 8.0)])]).slowdown == 0.0

@@ -34,9 +34,15 @@ def test_a_profiled_schedule_runs_with_the_static_memory_its_profile_predicted(m
     assert profile.calibration is not None and profile.p2p is not None
     assert profile.calibration.measured_ms > 0 and profile.p2p.bandwidth_bytes_per_s > 0
     problem = profile.problem
+    overlap = profile.calibration.overlap
+    assert problem.costs is not None
     if training.data_parallel > 1:
         assert problem.data_parallel is not None and problem.data_parallel.size == 2
         assert set(profile.collectives) == {"unshard", "reduce_grad"}
+        # the calibration's passes beside a collective, if any, against the same passes alone
+        assert problem.costs.overlap_slowdown == (0.0 if overlap is None else overlap.slowdown)
+    else:  # no collectives: the one-replica cases stay as they were
+        assert overlap is None and problem.costs.overlap_slowdown == 0.0
     schedule = solve_family(problem, family)
     report = run_schedule(schedule, model=model, engine="pipesched", training=training, timeout_s=300)
     assert report is not None and report.verified, report.model_dump(include={"max_rel_param_error", "losses"})
