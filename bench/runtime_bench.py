@@ -26,8 +26,10 @@ for a slower replica before its collectives could start (in neither split). Stat
 optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
 2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
 differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``). A profile
-that measured ``costs.overlap_slowdown`` (data parallelism) also prints the same run against the prediction without
-it (the slowdown 0, the per-pass overhead fitted again on the same calibration step): step and hidden / exposed.
+that measured a slowdown of compute beside its collectives (data parallelism; ``pipesched profile`` writes it as
+``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
+the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
+step): step and hidden / exposed.
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
@@ -210,7 +212,7 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    unslowed = _unslowed(profile)
+    other = _other_slowdown(profile)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
         if calibration is not None:
@@ -221,23 +223,29 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int
             }
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
-        if unslowed is not None:
-            before = solve_family(unslowed.with_changes(**case.changes), case.family)
-            row["unslowed"] = _prediction(before) | {"same_orders": before.orders() == schedule.orders()}
+        if other is not None:
+            problem, slowdown = other
+            alternative = solve_family(problem.with_changes(**case.changes), case.family)
+            row["other_slowdown"] = _prediction(alternative) | {
+                "overlap_slowdown": slowdown,
+                "same_orders": alternative.orders() == schedule.orders(),
+            }
     return rows
 
 
-def _unslowed(profile: Any) -> Any:
-    """The profile's problem as it would be without ``costs.overlap_slowdown``: the slowdown 0 and the per-pass
-    overhead fitted again on the same calibration step (what the profile wrote before it measured the slowdown);
-    ``None`` when the profile measured none."""
+def _other_slowdown(profile: Any) -> tuple[Any, float] | None:
+    """The profile's problem with the other choice of ``costs.overlap_slowdown`` (the measured slowdown where the
+    problem has 0, 0 where it has the measured one) and the per-pass overhead fitted again on the same calibration
+    step, with that slowdown; ``None`` when the profile measured none."""
     from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
 
     calibration = profile.calibration
     if calibration is None or calibration.overlap is None:
         return None
-    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**{"costs.overlap_slowdown": 0.0})
-    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms))
+    written = profile.problem.costs.overlap_slowdown
+    slowdown = 0.0 if written else calibration.overlap.slowdown
+    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**{"costs.overlap_slowdown": slowdown})
+    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms)), slowdown
 
 
 def _prediction(schedule: Schedule) -> dict[str, Any]:
@@ -297,30 +305,30 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"({overlap['alone']} passes): overlap_slowdown {overlap['slowdown']:.3f}"
             )
     for row in rows:
-        lines += _unslowed_lines(row)
+        lines += _other_slowdown_lines(row)
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
     return lines
 
 
-def _unslowed_lines(row: dict[str, Any]) -> list[str]:
-    """The same run against the prediction without the overlap slowdown (the profile before it measured it): the
-    step's error and per pipeline rank the predicted hidden / exposed, beside the measured ones above."""
-    unslowed = row.get("unslowed")
-    if unslowed is None:
+def _other_slowdown_lines(row: dict[str, Any]) -> list[str]:
+    """The same run against the prediction with the other choice of the overlap slowdown: the step's error and per
+    pipeline rank the predicted hidden / exposed, beside the measured ones above."""
+    other = row.get("other_slowdown")
+    if other is None:
         return []
-    predicted = unslowed["predicted_ms"]
-    pipeline_ranks = unslowed["ranks"]
+    predicted = other["predicted_ms"]
+    pipeline_ranks = other["ranks"]
     per_rank = "; ".join(
         f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
         f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
         for k, r in enumerate(row["ranks"])
     )
     return [
-        f"  {row['case']} without the slowdown: predicted {predicted:.1f} ms, best "
+        f"  {row['case']} with overlap_slowdown {other['overlap_slowdown']:.3f}: predicted {predicted:.1f} ms, best "
         f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
-        + ("" if unslowed["same_orders"] else " (another order than the one run)")
+        + ("" if other["same_orders"] else " (another order than the one run)")
     ]
 
 

@@ -25,8 +25,9 @@ and each process measures its own stages, all at once, as the run will run them:
   ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
   collectives against the same passes (stage and kind) with none beside them, per overlapped ms
-  (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): ``costs.overlap_slowdown``, with which the
-  per-pass overhead is then fitted. One replica (no collectives): left at 0.
+  (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): reported, and written as
+  ``costs.overlap_slowdown`` (the per-pass overhead then fitted with it) when asked (``overlap_slowdown=True``,
+  ``pipesched profile --overlap-slowdown``). One replica (no collectives): none.
 """
 
 from __future__ import annotations
@@ -534,6 +535,7 @@ def measure_model(
     like: Problem | None = None,
     engine: str = "pipesched",
     calibrate: bool = True,
+    overlap_slowdown: bool = False,
 ) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
     the problem to solve (module docstring).
@@ -546,7 +548,10 @@ def measure_model(
     ``engine`` (the engine the runs will use) and add its per-pass overhead to the problem's passes. ``device``:
     ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process). Returns a :class:`Profile`: its ``problem``
     (``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes``), every pass's samples, the fitted
-    transfers and the calibration.
+    transfers and the calibration. ``overlap_slowdown``: also write the slowdown of compute beside a collective
+    that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
+    ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
+    each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
@@ -581,7 +586,7 @@ def measure_model(
             replicas=options.data_parallel,
         )
     assert returned is not None
-    return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes)
+    return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes, overlap_slowdown)
 
 
 def _skeleton(
@@ -659,6 +664,7 @@ def _assemble(
     options: TrainingOptions,
     p2p_ms: float | None,
     limit: float | None,
+    write_overlap_slowdown: bool = False,
 ) -> Profile:
     """The problem from every process's measurements (module docstring)."""
     _join_calibration(results)
@@ -693,7 +699,7 @@ def _assemble(
         # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
         data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
     overlap = _overlap_slowdown(results) if options.data_parallel > 1 else None
-    if overlap is not None:
+    if overlap is not None and write_overlap_slowdown:
         data["costs"]["overlap_slowdown"] = overlap.slowdown
     problem = load_problem(data)
     calibration = _calibrate(problem, results, overlap)

@@ -249,6 +249,14 @@ def profile(
     ] = False,
     memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    overlap_slowdown: Annotated[
+        bool,
+        typer.Option(
+            "--overlap-slowdown/--no-overlap-slowdown",
+            help="Write the measured slowdown of compute beside a collective (data parallelism) as "
+            "costs.overlap_slowdown; measured and printed either way.",
+        ),
+    ] = False,
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
 ) -> None:
     """Measure what a run will see (each stage's F, I, W and activation memory, p2p, collectives, the optimizer step
@@ -280,6 +288,7 @@ def profile(
             memory_limit_bytes=memory_limit,
             device=device,
             training=training,
+            overlap_slowdown=overlap_slowdown,
         )
     except ValidationError as error:
         raise fail(format_validation_error(error)) from None
