@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipesched.optimizer.calibration.peaks import with_factor
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement, fitting_measurements, parse_measurements
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
@@ -49,8 +50,7 @@ class Fullness:
 def fullness(rows: list[Measurement], held_out: bool) -> list[Fullness]:
     """Each row's :class:`Fullness` under the active catalogue (module docstring)."""
     catalogue = active_catalogue()
-    bare = {name: p.model_copy(update={"activation_memory_factor": 1.0}) for name, p in catalogue.profiles.items()}
-    unscaled = catalogue.model_copy(update={"profiles": bare})
+    unscaled = with_factor(catalogue, 1.0)
     found = []
     for row in rows:
         memory = estimator(row).hardware.memory_bytes

@@ -14,9 +14,8 @@ import argparse
 import statistics
 from typing import Any
 
-from pipesched.optimizer.ir import ActionKind, parse_action
-
-COLLECTIVES = (ActionKind.UNSHARD, ActionKind.REDUCE_GRAD)
+from pipesched.optimizer.ir import parse_action
+from pipesched.runtime.calibration import pass_overlaps
 
 
 def _samples(results: list[Any]) -> dict[str, list[tuple[float, float]]]:
@@ -24,10 +23,8 @@ def _samples(results: list[Any]) -> dict[str, list[tuple[float, float]]]:
     samples: dict[str, list[tuple[float, float]]] = {}
     for result in results:
         for passes, joined in zip(result.calibration_passes, result.calibration_joined, strict=False):
-            busy = [(c.start, c.end) for c in joined if parse_action(c.action).kind in COLLECTIVES and c.end > c.start]
-            for measured in passes:
-                overlap = sum(max(0.0, min(measured.end, b) - max(measured.start, a)) for a, b in busy)
-                samples.setdefault(measured.action, []).append((measured.end - measured.start, overlap))
+            for measured, wall, overlap in pass_overlaps(passes, joined):
+                samples.setdefault(measured.action, []).append((wall, overlap))
     return samples
 
 

@@ -229,7 +229,8 @@ class Costs(_Strict):
             "Compute beside communication (not in the contract): while a rank's communication stream runs an "
             "UNSHARD or REDUCE_GRAD, that rank's passes and optimizer step progress at 1/(1 + overlap_slowdown) "
             "speed (GPUs: shared SMs and memory bandwidth; CPUs: the collective's thread on the rank's core). "
-            "0 (default): no slowdown. `pipesched profile` measures it for data-parallel profiles."
+            "0 (default): no slowdown. `pipesched profile` measures it for data-parallel profiles and writes it with "
+            "--overlap-slowdown."
         ),
     )
 

@@ -28,6 +28,7 @@ __all__ = [
     "calibration_problem",
     "fit_overhead",
     "fit_overlap_slowdown",
+    "pass_overlaps",
     "with_overhead",
 ]
 
@@ -125,19 +126,15 @@ def fit_overlap_slowdown(steps: list[tuple[list[MeasuredAction], list[MeasuredAc
     alone: dict[tuple[int, str], list[float]] = {}
     beside: list[tuple[tuple[int, str], float, float]] = []
     for passes, collectives in steps:
-        busy = [
-            (c.start, c.end) for c in collectives if c.end > c.start and parse_action(c.action).kind in _COLLECTIVES
-        ]
-        for measured in passes:
+        for measured, wall, overlap in pass_overlaps(passes, collectives):
             action = parse_action(measured.action)
             if action.kind not in _PASS_KINDS:
                 continue
             key = (action.stage, action.kind.value)
-            overlap = sum(max(0.0, min(measured.end, b) - max(measured.start, a)) for a, b in busy)
             if overlap == 0:
-                alone.setdefault(key, []).append(measured.end - measured.start)
+                alone.setdefault(key, []).append(wall)
             elif overlap >= OVERLAP_MIN_MS:
-                beside.append((key, measured.end - measured.start, overlap))
+                beside.append((key, wall, overlap))
     baseline = {key: statistics.median(walls) for key, walls in alone.items()}
     compared = [(wall - baseline[key], overlap) for key, wall, overlap in beside if key in baseline]
     if not compared:
@@ -147,11 +144,27 @@ def fit_overlap_slowdown(steps: list[tuple[list[MeasuredAction], list[MeasuredAc
     ratio = min(max(extra / overlapped, 0.0), MAX_SLOWDOWN / (1 + MAX_SLOWDOWN))
     return OverlapSlowdown(
         passes=len(compared),
-        alone=sum(len(walls) for key, walls in alone.items()),
+        alone=sum(len(walls) for walls in alone.values()),
         overlapped_ms=round(overlapped, 6),
         extra_ms=round(extra, 6),
         slowdown=round(ratio / (1 - ratio), 6),
     )
+
+
+def pass_overlaps(
+    passes: list[MeasuredAction], collectives: list[MeasuredAction]
+) -> list[tuple[MeasuredAction, float, float]]:
+    """Per measured action of one process's step: (the action, its wall time, how long the process's UNSHARD and
+    REDUCE_GRAD of that step ran beside it), ms."""
+    busy = [(c.start, c.end) for c in collectives if c.end > c.start and parse_action(c.action).kind in _COLLECTIVES]
+    return [
+        (
+            measured,
+            measured.end - measured.start,
+            sum(max(0.0, min(measured.end, b) - max(measured.start, a)) for a, b in busy),
+        )
+        for measured in passes
+    ]
 
 
 _COLLECTIVES = frozenset({ActionKind.UNSHARD, ActionKind.REDUCE_GRAD})

@@ -67,9 +67,8 @@ def peak_lines(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> list
     for factor in (1.0, 2.0):
         with use_catalogue(with_factor(catalogue, factor)):
             peaks.append([predict(row).peak_memory_bytes or 0.0 for row in rows])
-        if factor == 1.0:
-            with use_catalogue(catalogue):
-                memory = [estimator(row).hardware.memory_bytes for row in rows]
+    with use_catalogue(catalogue):
+        memory = [estimator(row).hardware.memory_bytes for row in rows]
     lines = []
     for i, row in enumerate(rows):
         scaled = max(peaks[1][i] - peaks[0][i], 0.0)
