@@ -400,3 +400,29 @@ def test_tensor_parallel_helper_is_unchanged_for_dense_layers() -> None:
     assert transformer_layer(model, hardware, tp, H100) == transformer_layer(
         model, hardware, tp, H100, expert_parallel=ExpertParallel(size=8)
     )
+
+
+@pytest.mark.parametrize(("preset", "share"), [("gpt-oss-120b", 0.105), ("gpt-oss-20b", 0.100)])
+def test_gpt_oss_causal_attention_core_is_a_tenth_of_its_flops(preset: str, share: float) -> None:
+    """The preset's docstring: at 4096 tokens the causal core, 3·s·(q + v) a layer (64 heads of 64 for q and v),
+    is a tenth of a token's model FLOPs; the 128-token window of half the layers is left out."""
+    model = ModelConfig(preset=preset)
+    core = 3 * 4096 * (64 * 64 + 64 * 64) * model.num_layers
+    assert model.seq_length == 4096
+    assert core / model_flops_per_token(model, causal=True) == pytest.approx(share, abs=0.001)
+
+
+def test_nemo_automodel_rows_state_the_recomputation_their_benchmark_configs_set() -> None:
+    """NeMo AutoModel's table prints no recomputation; the benchmark configs committed with it do
+    (``parallelizer.activation_checkpointing``: true wraps every block, full; false, none). Each row states it
+    and names its config, so the bench pins it instead of leaving it to the planner."""
+    path = REPO / "optimizer" / "cost" / "calibration" / "data" / "nemo_automodel_h100.json"
+    document = json.loads(path.read_text())
+    for row in document["rows"]:
+        software = row["software"]
+        assert not any(item.startswith("activation_recomputation") for item in software.get("assumed", [])), row["id"]
+        notes = software["notes"]
+        assert re.search(r"examples/benchmark/configs/\w+\.yaml at 01926a5c", notes), row["id"]
+        stated = "full" if "activation_checkpointing: true" in notes else "none"
+        assert "activation_checkpointing: false" in notes or stated == "full", row["id"]
+        assert row["training"]["activation_recomputation"] == stated, row["id"]

@@ -39,9 +39,8 @@ KNOWN_OVER = {
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s32768-cp2": "mixture of experts",
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s65536-cp4": "mixture of experts",
     "megatron_moe_model_zoo/modelzoo-h100-235b-long-s131072-cp8": "mixture of experts",
-    "nemo_automodel_h100/automodel-h100-deepseek-v3-1024": "mixture of experts (NeMo AutoModel's loss and "
+    "nemo_automodel_h100/automodel-h100-deepseek-v3-256": "mixture of experts (NeMo AutoModel's loss and "
     "expert kernels not modelled)",
-    "nemo_automodel_h100/automodel-h100-deepseek-v3-256": "as above",
     "nemo_automodel_h100/automodel-h100-qwen3-30b-a3b-8": "as above",
     "nemo_automodel_h100/automodel-h100-gpt-oss-120b-64": "as above",
     "nemo_automodel_h100/automodel-h100-gpt-oss-20b-8": "as above",
