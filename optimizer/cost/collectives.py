@@ -359,7 +359,8 @@ def tensor_parallel_layer_ms(
     ``float8_gathers``: the all-gathers move FP8 (1 byte per element), the reduce-scatters the model's dtype.
     torchao's Float8 tensor parallelism (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
     ``PrepareFloat8ModuleInput`` in ``torchao/float8/float8_tensor_parallel.py``, pytorch/ao eab345c, which
-    torchtitan 9dec370's ``apply_tp`` uses whenever Float8 is on) casts the sequence-sharded input to FP8 before
+    torchtitan 9dec370's ``apply_tp`` uses whenever Float8 is on; its ``docs/float8.md``: "float8 all-gather ... for
+    TP (by default for ``Float8Linear``)") casts the sequence-sharded input to FP8 before
     redistributing it to replicated (the forward's gathers), and casts the gradient to FP8 e5m2 before the
     rowwise output's backward gathers it (``NoopFwToFloat8BwDynamic`` applied after the redistribute); the
     partial outputs and the input gradients are reduce-scattered in bf16. Its per-cast amax all-reduces over the
