@@ -119,6 +119,7 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
             "pipeline_parallel": [8],
             "tensor_parallel": [8],
             "sharding": ["full"],
+            "context_parallel": [1],  # torchtitan ran FSDP 8 without CP (its Table 6 adds CP)
             "stages_per_rank": [1],
             "micro_batch_size": [4],
             "activation_recomputation": ["full"],
@@ -137,6 +138,7 @@ CASES: list[tuple[str, str, int, int, dict[str, list[Any]], float, float, str]] 
             "pipeline_parallel": [8],
             "tensor_parallel": [8],
             "sharding": ["full"],
+            "context_parallel": [1],
             "stages_per_rank": [2],
             "placement": ["loop"],
             "micro_batch_size": [4],

@@ -79,6 +79,7 @@ from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 
 __all__ = [
     "ADAM_BYTES_PER_PARAMETER",
+    "FLOAT8_GATHER_BYTES",
     "GRADIENT_REDUCE_BYTES",
     "DataParallelCosts",
     "all_gather_ms",
@@ -340,9 +341,35 @@ def describe(costs: DataParallelCosts) -> dict[str, Any]:
     }
 
 
+#: Bytes per element of the sequence-parallel all-gathers under torchao's Float8 tensor parallelism.
+FLOAT8_GATHER_BYTES = 1.0
+
+
 def tensor_parallel_layer_ms(
-    model: ModelConfig, tensor_parallel: int, bandwidth_bytes_per_s: float, latency_ms: float = 0.0
+    model: ModelConfig,
+    tensor_parallel: int,
+    bandwidth_bytes_per_s: float,
+    latency_ms: float = 0.0,
+    *,
+    float8_gathers: bool = False,
 ) -> float:
-    """Communication of one layer's F (equally of its I) for one microbatch: two all-reduces of s·b·h, ms."""
+    """Communication of one layer's F (equally of its I) for one microbatch, ms: two all-reduces of s·b·h in the
+    model's dtype, or with sequence parallelism two all-gathers and two reduce-scatters of the same volume.
+
+    ``float8_gathers``: the all-gathers move FP8 (1 byte per element), the reduce-scatters the model's dtype.
+    torchao's Float8 tensor parallelism (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+    ``PrepareFloat8ModuleInput`` in ``torchao/float8/float8_tensor_parallel.py``, pytorch/ao eab345c, which
+    torchtitan 9dec370's ``apply_tp`` uses whenever Float8 is on; its ``docs/float8.md``: "float8 all-gather ... for
+    TP (by default for ``Float8Linear``)") casts the sequence-sharded input to FP8 before
+    redistributing it to replicated (the forward's gathers), and casts the gradient to FP8 e5m2 before the
+    rowwise output's backward gathers it (``NoopFwToFloat8BwDynamic`` applied after the redistribute); the
+    partial outputs and the input gradients are reduce-scattered in bf16. Its per-cast amax all-reduces over the
+    tensor-parallel group (one scalar each, about eight a layer) are latency only and not counted."""
     activation_bytes = model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
-    return 2 * all_reduce_ms(activation_bytes, tensor_parallel, bandwidth_bytes_per_s, latency_ms)
+    if not float8_gathers:
+        return 2 * all_reduce_ms(activation_bytes, tensor_parallel, bandwidth_bytes_per_s, latency_ms)
+    gathered = activation_bytes * FLOAT8_GATHER_BYTES / model.dtype_bytes
+    return 2 * (
+        all_gather_ms(gathered, tensor_parallel, bandwidth_bytes_per_s, latency_ms)
+        + reduce_scatter_ms(activation_bytes, tensor_parallel, bandwidth_bytes_per_s, latency_ms)
+    )

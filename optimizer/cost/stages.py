@@ -295,15 +295,18 @@ def _tensor_parallel_ms(
 
     Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
     ``async_tensor_parallel_hidden`` share of it (net of what it costs the multiplies it overlaps) runs beside
-    the matrix multiplies, the rest stays exposed.
+    the matrix multiplies, the rest stays exposed. FP8 layers of PyTorch (kernels ``eager`` or ``compiled``:
+    torchao's Float8) with sequence parallelism gather in FP8
+    (:func:`~pipesched.optimizer.cost.collectives.tensor_parallel_layer_ms`).
     """
-    t, _ = _tp(tensor_parallel)
+    t, sequence_parallel = _tp(tensor_parallel)
     if t <= 1:
         return 0.0, 0.0
     bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
     latency = cluster.collective_latency_ms if cluster is not None else 0.0
     achieved = bandwidth * hardware.profile.collective_efficiency_intra
-    total = tensor_parallel_layer_ms(model, t, achieved, latency)
+    float8 = sequence_parallel and model.precision == "fp8" and model.kernels in ("eager", "compiled")
+    total = tensor_parallel_layer_ms(model, t, achieved, latency, float8_gathers=float8)
     if tensor_parallel is not None and tensor_parallel.async_communication:
         hidden = hardware.software.async_tensor_parallel_hidden
         return (1 - hidden) * total, total

@@ -159,6 +159,19 @@ class FamilySpec:
     gather_runs: bool = False
 
     @property
+    def runs_split_backward(self) -> bool:
+        """Whether the frameworks that run this family split its backward into I and W (the planner simulates
+        it so: ``split_backward``). False where the PyTorch class it mirrors runs a fused backward:
+        ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleGPipe`` and ``ScheduleLoopedBFS`` call
+        ``PipelineStage.backward_one_chunk`` with ``full_backward=True`` (input and weight gradients in one
+        autograd call) and post the input gradient's send only after it returns
+        (``torch/distributed/pipelining/schedules.py`` in every version read, mid-2024 to 2.13; torch 1963fc8 ran
+        torchtitan's Llama 3.1 405B benchmarks of December 2024), as Megatron-LM's ``backward_step`` does. Split
+        I then W would let the previous stage start its backward one W earlier on every hop: (p − 1)·W shorter for
+        1F1B. Families without a PyTorch class keep ``split_backward`` as the problem states it."""
+        return self.torch is None or self.torch.backward != "fused"
+
+    @property
     def domain(self) -> str:
         """One line saying which problems it admits (``GET /v1/methods``)."""
         parts = ["placement " + " or ".join(f'"{p}"' for p in self.placements)]

@@ -127,6 +127,8 @@ def build_problem(
         "cluster": cluster.model_dump(mode="json", exclude_none=True),
         "solver": {"method": config.method, "time_limit_s": time_limit_s},
     }
+    if config.method != "auto" and not get_family(config.method).runs_split_backward:
+        document["split_backward"] = False  # as torch's and Megatron's schedules run it (fused B)
     if config.method != "auto" and not get_family(config.method).flush:
         # PipeDream-2BW: no flush, two weight versions; its time per step is the step_period.
         document["training"] = {"flush": False, "weight_versions": 2}

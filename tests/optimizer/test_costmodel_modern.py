@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pipesched.optimizer.configs import ModelConfig, TensorParallel
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_gather_ms, all_reduce_ms, reduce_scatter_ms
 from pipesched.optimizer.cost.flops import layer_flops, model_parameters
 from pipesched.optimizer.cost.memory import layer_activation
-from pipesched.optimizer.cost.stages import derive_problem, resolve_hardware, transformer_layer
+from pipesched.optimizer.cost.stages import _tensor_parallel_ms, derive_problem, resolve_hardware, transformer_layer
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.presets import MODEL_PRESETS
 from pipesched.optimizer.problem import Pipeline
@@ -117,6 +117,29 @@ def test_tensor_parallel_splits_flops_memory_parameters_and_adds_collectives() -
     assert collective == pytest.approx(2 * 2 * 7 * (0.01 + 1e3 * 8192 * 8192 * 2 / (8 * achieved)))
     compute_ratio = eight.backward_weight_ms / one.backward_weight_ms
     assert eight.forward_ms - collective == pytest.approx(one.forward_ms * compute_ratio, rel=0.1)
+
+
+def test_float8_tensor_parallelism_of_pytorch_gathers_in_fp8() -> None:
+    """torchao's Float8 TP (torchtitan): the sequence-parallel all-gathers move FP8, the reduce-scatters bf16, so
+    a layer's collectives are 3/4 of bf16's; Transformer Engine's (kernels "fused") and bf16 layers keep 2 bytes."""
+    cluster = ClusterConfig(accelerator="H100-SXM", intra_node_bandwidth_bytes_per_s=450e9, collective_latency_ms=0)
+    hardware = resolve_hardware(cluster)
+    tp = TensorParallel(size=8, sequence_parallel=True)
+    exposed = {
+        (precision, kernels): _tensor_parallel_ms(
+            ModelConfig(preset="llama3.1-70b", precision=precision, kernels=kernels), hardware, tp, cluster
+        )[0]
+        for precision in ("bf16", "fp8")
+        for kernels in ("eager", "compiled", "fused")
+    }
+    bf16 = exposed[("bf16", "eager")]
+    assert bf16 > 0
+    assert exposed[("fp8", "eager")] == exposed[("fp8", "compiled")] == pytest.approx(0.75 * bf16)
+    assert exposed[("fp8", "fused")] == exposed[("bf16", "fused")] == pytest.approx(bf16)
+    # without sequence parallelism the all-reduces stay in the model's dtype
+    plain = TensorParallel(size=8, sequence_parallel=False)
+    fp8 = ModelConfig(preset="llama3.1-70b", precision="fp8", kernels="compiled")
+    assert _tensor_parallel_ms(fp8, hardware, plain, cluster)[0] == pytest.approx(bf16)
 
 
 def test_ring_formulas() -> None:

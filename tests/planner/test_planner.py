@@ -168,6 +168,24 @@ def test_plan_step_is_the_simulated_makespan_plus_data_parallel_and_optimizer() 
     assert evaluation.plan.peak_memory_bytes == pytest.approx(max(schedule.peak_memory), rel=1e-6)
 
 
+def test_schedules_run_their_backward_as_torchs_class_does() -> None:
+    """1F1B and Interleaved 1F1B run a fused backward in torch (and Megatron): the input gradient leaves a stage
+    only after its weight gradients, so each hop of the cool-down carries W too; zero-bubble families split it."""
+    prepared = prepare(PlanRequest.model_validate(request("llama3.1-70b", nodes=4, batch=32)))
+    spans = {}
+    for method in ("1f1b", "zb-h1"):
+        config = Configuration(8, 4, 1, "none", 1, "loop", 1, 32, "full", method)
+        problem = build_problem(prepared.estimator, config)
+        assert problem.split_backward is (method == "zb-h1")
+        split = problem.model_copy(update={"split_backward": True})
+        spans[method] = (solve_family(problem, method).makespan, solve_family(split, method).makespan)
+    fused, split = spans["1f1b"]
+    assert problem.costs is not None
+    weight = min(problem.costs.backward_weight)
+    assert fused >= split + 7 * weight * 0.99  # (p − 1) more W on the cool-down's chain
+    assert spans["zb-h1"][0] == spans["zb-h1"][1]
+
+
 def test_best_plan_is_never_slower_than_torchtitans_layout_on_the_same_gpus() -> None:
     """Llama 3.1 8B on 8 H100s, torchtitan's Table 1 layout: FSDP 8, local batch 2, selective checkpointing, on
     torchtitan's 96 GB H100s (its 82 GiB peak does not fit an 80 GB one)."""
