@@ -16,7 +16,7 @@ from pipesched.api.cli import app as cli_app
 from pipesched.optimizer.accelerators import CATALOGUE
 from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.catalogue import row_kernels_class, unknown_kernels_shares
-from pipesched.optimizer.calibration.predict import predict
+from pipesched.optimizer.calibration.predict import configuration, estimator, predict, run_software
 from pipesched.optimizer.cost.calibration.measurements import (
     CONTEXT_EXPERT_SOURCES,
     Measurement,
@@ -27,6 +27,7 @@ from pipesched.optimizer.cost.calibration.measurements import (
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.profile import RUN_KERNELS, SoftwareProfile, builtin_catalogue, load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
+from pipesched.optimizer.planner.prune import Estimate
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
 
@@ -486,6 +487,24 @@ def test_nemo_automodels_once_a_step_gradient_sync_speeds_its_run_and_holds_the_
     assert builtin_catalogue().software.fsdp_gradient_sync == "every_microbatch"
     mosaic = [r for r in fitting_measurements() if r.source == "mpt_llm_foundry"]
     assert mosaic and {r.software.fsdp_gradient_sync for r in mosaic} == {"every_microbatch"}
+
+
+def test_the_planners_bound_stays_below_the_step_when_fsdp_reduces_once_a_step() -> None:
+    """The search's cheap bound (prune.Estimator) charges one reduction a step under "last_microbatch": never more
+    exposed collective time than with a reduction every microbatch, and still below the simulated step."""
+    row = ROWS["automodel-h100-gpt-oss-120b-64"]
+    as_every = row.model_copy(
+        update={"software": row.software.model_copy(update={"fsdp_gradient_sync": "every_microbatch"})}
+    )
+
+    def estimate(measurement: Measurement) -> Estimate:
+        with run_software(measurement):
+            return estimator(measurement).estimate(configuration(measurement))
+
+    once, every = estimate(row), estimate(as_every)
+    assert 0 < once.data_parallel_exposed_ms <= every.data_parallel_exposed_ms
+    step = predict(row).step_time_ms
+    assert step is not None and once.bound_ms <= step
 
 
 GPT_OSS_H100 = ROWS["mbridge260401-gpt-oss-120b-64-h100-tp1pp4cp1vp1ep8-gbs1280-mbs1"]
