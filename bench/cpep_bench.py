@@ -152,10 +152,11 @@ def unenforced(row: dict[str, Any], time_limit_s: float, default_kernels: bool =
 def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
     """The active catalogue with the row's mixture-of-experts all-to-alls as they ran, which no request field
     states: ``software.moe_dispatcher`` (the recipe's ``moe_token_dispatcher_type``; hierarchical where the source
-    does not say) and ``software.moe_all_to_all_overlap`` (its ``moe_a2a_overlap``). With ``--default-kernels``
+    does not say) and ``software.moe_all_to_all_overlap`` (its ``moe_a2a_overlap``); and when its FSDP reduced the
+    gradients (``software.fsdp_gradient_sync``: NeMo AutoModel's trainer once a step). With ``--default-kernels``
     the request says nothing of the framework, so these stay at the planner's defaults too."""
     catalogue = active_catalogue()
-    fields = ("moe_dispatcher", "moe_all_to_all_overlap")
+    fields = ("moe_dispatcher", "moe_all_to_all_overlap", "fsdp_gradient_sync")
     stated = {name: row.get("software", {}).get(name, getattr(catalogue.software, name)) for name in fields}
     return catalogue.model_copy(update={"software": catalogue.software.model_copy(update=stated)})
 

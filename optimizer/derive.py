@@ -237,6 +237,7 @@ def _add_collectives(
         stage_largest_unit=derived.largest_unit,
         reshard_after_forward=dp.reshard_after_forward,
         reduce_bytes=4.0 if dp.reduce_dtype == "fp32" else 2.0,
+        reduce_every_microbatch=derived.hardware.software.fsdp_gradient_sync == "every_microbatch",
         **_expert_collectives(parts, derived, tp_size),
     )
     costs = dict(document["costs"])
@@ -289,6 +290,7 @@ def _hide_behind_compute(
             per_microbatch=per_microbatch,
             slowdown=derived.hardware.profile.overlap_slowdown,
             prefetch_after_backward=derived.hardware.software.fsdp_backward_prefetch == "BACKWARD_POST",
+            reduce_every_microbatch=derived.hardware.software.fsdp_gradient_sync == "every_microbatch",
         )
         new_unshard.append(round(exposure.unshard_ms, 6))
         new_reduce.append(round(exposure.reduce_grad_ms, 6))

@@ -120,13 +120,17 @@ class Prediction:
 @contextmanager
 def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]:
     """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
-    (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST) and the attention kernel PyTorch
+    (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST), when FSDP reduces the gradients
+    (``software.fsdp_gradient_sync``, e.g. NeMo AutoModel's once a step) and the attention kernel PyTorch
     ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``) and the loss it
     computed (llm-foundry's, ``software.framework`` "composer": flash-attn's fused cross-entropy, the software
     profile's ``pytorch_cross_entropy`` "fused"). With ``kernels``
     given (the framework ignored, as for a layout given without one) the planner's defaults stay."""
     catalogue = active_catalogue()
-    stated: dict[str, str] = {"fsdp_backward_prefetch": row.software.fsdp_backward_prefetch}
+    stated: dict[str, str] = {
+        "fsdp_backward_prefetch": row.software.fsdp_backward_prefetch,
+        "fsdp_gradient_sync": row.software.fsdp_gradient_sync,
+    }
     if row.software.attention_kernel == "cudnn":
         stated["pytorch_sdpa_backend"] = "cudnn"
     if row.software.framework == "composer":

@@ -193,6 +193,7 @@ def data_parallel_costs(
     stage_largest_unit: list[float] | None = None,
     reshard_after_forward: bool = False,
     reduce_bytes: float = GRADIENT_REDUCE_BYTES,
+    reduce_every_microbatch: bool = True,
     stage_expert_parameters: list[float] | None = None,
     expert_data_parallel_size: int | None = None,
     expert_group_stride: int = 1,
@@ -214,6 +215,10 @@ def data_parallel_costs(
             or the final norm with the head); ``None``: the whole stage is one unit.
         reshard_after_forward: with ``full``, units are freed after their forward (module docstring).
         reduce_bytes: bytes per gradient element on the wire (4 for fp32, 2 for a bf16 reduction).
+        reduce_every_microbatch: with ``gradients``/``full`` on one stage per rank, each microbatch reduces its
+            gradients unit by unit (one unit's unsharded gradient buffer at a time); False (the software profile's
+            ``fsdp_gradient_sync`` "last_microbatch": FSDP's no_sync) holds the stage's whole unsharded gradient
+            until the last microbatch's reduction, as a pipeline stage does.
         stage_expert_parameters: the routed-expert parameters among each stage's (expert parallelism,
             :mod:`pipesched.optimizer.cost.experts`): reduced, gathered and sharded over
             ``expert_data_parallel_size`` GPUs (the ranks holding the same experts, every
@@ -235,6 +240,7 @@ def data_parallel_costs(
             stage_largest_unit=stage_largest_unit,
             reshard_after_forward=reshard_after_forward,
             reduce_bytes=reduce_bytes,
+            reduce_every_microbatch=reduce_every_microbatch,
             stage_expert_parameters=stage_expert_parameters,
             expert_data_parallel_size=expert_data_parallel_size,
             expert_group_stride=expert_group_stride,
@@ -251,7 +257,8 @@ def data_parallel_costs(
         group = d * len(holders)
         gathered = min(params, 2 * unit) if reshard_after_forward else params
         weights.append(gathered * weight_bytes)
-        gradients.append((unit if per_block and num_ranks == 1 else params) * GRADIENT_REDUCE_BYTES)
+        one_unit = per_block and num_ranks == 1 and reduce_every_microbatch
+        gradients.append((unit if one_unit else params) * GRADIENT_REDUCE_BYTES)
         # one collective per FSDP unit, each paying its ring's steps (module docstring: Granularity)
         unit_latency = latency * max(1.0, params / unit) if per_block and unit > 0 else latency
         unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, unit_latency) if sharding == "full" else 0.0)

@@ -20,6 +20,10 @@ the compute), a reduction of R ms beside a backward of B ms for u·R + (1 − u)
   Composer's default): unit i − 1's gather starts once unit i's gradients are computed, beside only unit i's
   reduction, so every unit's backward waits for its own gather: the backward exposes all of G, and its compute
   overlaps only the reductions, for (1 − u)·max(0, R − B) more.
+- **Gradients reduced once a step** (FSDP2's ``set_requires_gradient_sync(False)``, FSDP1's ``no_sync``, on
+  all but the last microbatch: the software profile's ``fsdp_gradient_sync`` "last_microbatch"): the weights are
+  still gathered every microbatch, but only the last microbatch's backward carries the reduction; the others'
+  backward overlaps their gathers alone. The passes take the mean over the step's microbatches.
 - **Beside compute**, every collective slows the compute it overlaps by ``overlap_slowdown`` of its own time
   (shared SMs and memory bandwidth), spread over the stage's passes.
 """
@@ -52,6 +56,7 @@ def stage_overlap(
     per_microbatch: bool,
     slowdown: float,
     prefetch_after_backward: bool = False,
+    reduce_every_microbatch: bool = True,
 ) -> StageOverlap:
     """The module docstring's exposure of one stage.
 
@@ -65,6 +70,9 @@ def stage_overlap(
         slowdown: the profile's ``overlap_slowdown``.
         prefetch_after_backward: FSDP's ``BACKWARD_POST`` prefetch (the software profile's
             ``fsdp_backward_prefetch``): with ``per_microbatch``, the backward's gathers are not overlapped.
+        reduce_every_microbatch: with ``per_microbatch``, every microbatch's backward reduces its gradients
+            (PyTorch's default); False: only the last one's (the software profile's ``fsdp_gradient_sync``
+            "last_microbatch"), the others' backward gathers only.
     """
     u = min(1.0, max(unit_fraction, 0.0))
     m = max(num_microbatches, 1)
@@ -74,15 +82,20 @@ def stage_overlap(
         spread = slowdown * (gather_ms + reduce_ms) / m
         return StageOverlap(unshard, reduce, spread / 2, spread / 2)
     forward_stall = (1 - u) * max(0.0, gather_ms - forward_ms)
-    if prefetch_after_backward:  # every unit's gather waits for the gradients before it; compute hides reductions
-        backward_comm = reduce_ms
-        backward_stall = gather_ms + (1 - u) * max(0.0, reduce_ms - backward_ms)
-    else:
-        backward_comm = gather_ms + reduce_ms
-        backward_stall = u * gather_ms + (1 - u) * max(0.0, backward_comm - backward_ms)
+
+    def backward(reduce: float) -> float:
+        """One microbatch's backward stall and slowdown with ``reduce`` ms of reduction in it."""
+        if prefetch_after_backward:  # every unit's gather waits for the gradients before it; compute hides reductions
+            return gather_ms + (1 - u) * max(0.0, reduce - backward_ms) + slowdown * reduce
+        comm = gather_ms + reduce
+        return u * gather_ms + (1 - u) * max(0.0, comm - backward_ms) + slowdown * comm
+
     first_gather = u * gather_ms
     last_reduce = u * reduce_ms
     # every microbatch but the first waits for its first unit's gather; all but the last for its last reduction
     forward_extra = forward_stall + first_gather * (m - 1) / m + slowdown * gather_ms
-    backward_extra = backward_stall + last_reduce * (m - 1) / m + slowdown * backward_comm
+    if reduce_every_microbatch:
+        backward_extra = backward(reduce_ms) + last_reduce * (m - 1) / m
+    else:  # only the last microbatch reduces (its last unit's reduction is REDUCE_GRAD's)
+        backward_extra = ((m - 1) * backward(0.0) + backward(reduce_ms)) / m
     return StageOverlap(first_gather, last_reduce, forward_extra, backward_extra)

@@ -227,6 +227,18 @@ class SoftwareProfile(StrictModel):
         "v0.13-v0.18). Not fitted: a published run states it; a plan assumes BACKWARD_PRE "
         "(pipesched.optimizer.cost.overlap).",
     )
+    fsdp_gradient_sync: Literal["every_microbatch", "last_microbatch"] = Field(
+        "every_microbatch",
+        description="When fully sharded data parallelism without a pipeline reduce-scatters the gradients of a step "
+        "of several microbatches: 'every_microbatch' (PyTorch FSDP1/FSDP2 unless told otherwise, sharded gradients "
+        "cannot be accumulated unsharded; MosaicML Composer, which applies no_sync to DDP only, "
+        "composer/trainer/dist_strategy.py ddp_sync_context v0.13-v0.16; Megatron-FSDP's optim_grads_params, "
+        "megatron_fsdp.py grad_reduce_every_bprop, Megatron Bridge's FSDP recipes) or 'last_microbatch' (FSDP2's "
+        "set_requires_gradient_sync(False) or FSDP1's no_sync on all but the last microbatch, e.g. NeMo AutoModel's "
+        "get_sync_ctx; Megatron-FSDP's no_shard and optim): one reduction a step, the stage's whole unsharded "
+        "gradient held until it. Pipelines and replicated weights reduce once a step either way. Not fitted: a "
+        "published run states it; a plan assumes every_microbatch (pipesched.optimizer.cost.overlap).",
+    )
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "

@@ -453,8 +453,11 @@ class Estimator:
         layers_per_rank = max(1, self.model.num_layers // config.pipeline_parallel)
         if config.pipeline_parallel == 1:
             if config.sharding == "full":
-                per_microbatch = reduce + 2 * gather
                 compute = layout.rank_compute_ms
+                if self.hardware.software.fsdp_gradient_sync == "last_microbatch":  # one reduction a step
+                    exposed = config.num_microbatches * max(0.0, 2 * gather - compute) + max(0.0, reduce - compute)
+                    return exposed + (reduce + gather) / layers_per_rank
+                per_microbatch = reduce + 2 * gather
                 return (
                     config.num_microbatches * max(0.0, per_microbatch - compute) + (reduce + gather) / layers_per_rank
                 )

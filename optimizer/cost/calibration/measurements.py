@@ -93,6 +93,7 @@ class Software(StrictModel):
     attention_kernel: Literal["current", "flash-attn-2023", "cudnn"] = "current"
     moe_dispatcher: Literal["hierarchical", "all-to-all"] = "hierarchical"
     fsdp_backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST"] = "BACKWARD_PRE"
+    fsdp_gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch"
     moe_all_to_all_overlap: bool = False
     mixed_precision: str | None = None
     assumed: list[str] = Field(default_factory=list)
