@@ -4,14 +4,16 @@ Profiles breadth-first pp 2 × dp 2 (``bench.runtime_bench``'s third shape: gpt-
 microbatches, FSDP2) ``--profiles`` times in a row, each with ``--calibration-steps`` calibration steps, and keeps
 every process's raw records (``--raw DIR``, one pickle per profile). Then, per profile and per way of reading the
 calibration run (``--statistic``, :data:`pipesched.runtime.profile.COLLECTIVE_STATISTICS`), the table: each stage's
-``costs.unshard`` / ``costs.reduce_grad``, the fitted per-pass overhead, F / I / W medians, and the predicted hidden /
+``costs.unshard`` / ``costs.reduce_grad``, the fitted per-pass overhead, F / I / W medians
+(``--pass-source``: timed on their own, or from the calibration run), and the predicted hidden /
 exposed communication per pipeline rank of ONE fixed schedule (looped-bfs solved on the first profile, its orders
 re-simulated on every profile's problem). Below it, the spread (max − min over the profiles) of each pipeline rank's
 predicted hidden / exposed, and the same spread with one input held at its mean over the profiles (the collectives,
 the passes, the overhead): the input whose holding shrinks the spread most is the one that moves the prediction.
 
 Run: ``python -m bench.profile_spread --profiles 5 --raw /tmp/spread`` (collects, then tabulates);
-``python -m bench.profile_spread --raw /tmp/spread --no-collect`` (tabulates what is there).
+``python -m bench.profile_spread --raw /tmp/spread --no-collect`` (tabulates what is there); results in
+``bench/results/profile_spread.txt``.
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ def _prediction(problem: Any, orders: Any) -> list[tuple[float, float]]:
     return out
 
 
-def _assembled(record: dict[str, Any], statistic: str, steps: int | None) -> Any:
+def _assembled(record: dict[str, Any], statistic: str, steps: int | None, pass_source: str) -> Any:
     """The profile of ``record`` as ``_assemble`` makes it, from its first ``steps`` calibration steps (all: None)."""
     from pipesched.runtime.options import TrainingOptions
-    from pipesched.runtime.profile import _assemble, _skeleton
+    from pipesched.runtime.profile import _assemble, _calibration_pass_medians, _Measured, _skeleton
 
     options = TrainingOptions(data_parallel=DATA_PARALLEL, sharding="full")
     skeleton = _skeleton(NUM_RANKS, NUM_MICROBATCHES, STAGES_PER_RANK, "loop", options)
@@ -86,18 +88,21 @@ def _assembled(record: dict[str, Any], statistic: str, steps: int | None) -> Any
         )
         for r in record["results"]
     ]
-    return _assemble(skeleton, results, options, None, None, collective_statistic=statistic)
+    profile = _assemble(skeleton, results, options, None, None, collective_statistic=statistic, pass_source=pass_source)
+    medians = {(s.kind, s.stage): s.median for s in profile.spreads}
+    if pass_source == "calibration":
+        medians |= _calibration_pass_medians(_Measured(skeleton, results))
+    return profile, medians
 
 
 _PASSES = {"forward": "F", "backward_input": "I", "backward_weight": "W"}
 _COLLECTIVES = ("unshard", "reduce_grad")
 
 
-def _inputs(profile: Any) -> dict[str, Any]:
-    """A profile's inputs to the prediction: the collectives' costs, the passes' medians as timed (before the
+def _inputs(profile: Any, medians: dict[tuple[str, int], float]) -> dict[str, Any]:
+    """A profile's inputs to the prediction: the collectives' costs, the passes' medians (``medians``, before the
     overhead) and the per-pass overhead."""
     costs = profile.problem.costs
-    medians = {(s.kind, s.stage): s.median for s in profile.spreads}
     stages = range(profile.problem.pipeline.num_stages)
     return {
         **{name: list(getattr(costs, name)) for name in _COLLECTIVES},
@@ -123,16 +128,17 @@ def _mean(inputs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def tabulate(raw: Path, statistic: str, steps: int | None = None) -> list[str]:
+def tabulate(raw: Path, statistic: str, steps: int | None = None, pass_source: str = "timed") -> list[str]:
     """The table and the spreads (module docstring) for one way of reading the calibration run."""
     from pipesched.optimizer.solve import solve_family
 
     records = [pickle.loads(path.read_bytes()) for path in sorted(raw.glob("profile_*.pkl"))]
-    profiles = [_assembled(record, statistic, steps) for record in records]
+    assembled = [_assembled(record, statistic, steps, pass_source) for record in records]
+    profiles = [profile for profile, _ in assembled]
     orders = solve_family(profiles[0].problem, "looped-bfs").orders()
     lines = [
-        f"statistic {statistic!r}, {steps or 'all'} calibration steps: per profile (load before → after, s): "
-        "unshard / reduce_grad per stage · "
+        f"statistic {statistic!r}, passes {pass_source}, {steps or 'all'} calibration steps: per profile "
+        "(load before → after, s): unshard / reduce_grad per stage · "
         "overhead per pass · F / I / W per stage (with the overhead) · predicted hidden/exposed r0 (pp 0), r2 (pp 1)"
     ]
     predictions = []
@@ -147,7 +153,7 @@ def tabulate(raw: Path, statistic: str, steps: int | None = None) -> list[str]:
             + ", ".join(f"pp{r} {h:.1f}/{e:.1f}" for r, (h, e) in enumerate(predicted))
         )
     lines.append("  spread (max − min) of predicted hidden/exposed per pipeline rank: " + _spread(predictions))
-    inputs = [_inputs(p) for p in profiles]
+    inputs = [_inputs(profile, medians) for profile, medians in assembled]
     mean = _mean(inputs)
     for label, names in (
         ("collectives", _COLLECTIVES),
@@ -189,15 +195,22 @@ def main() -> None:
     parser.add_argument("--calibration-steps", type=int, default=16)
     parser.add_argument("--raw", type=Path, required=True, help="where the profiles' raw records are kept")
     parser.add_argument("--no-collect", action="store_true", help="only tabulate the records already in --raw")
-    parser.add_argument("--statistic", default="all", help="one of COLLECTIVE_STATISTICS, or all")
+    parser.add_argument("--statistic", default="all", help="comma-separated COLLECTIVE_STATISTICS, or all")
     parser.add_argument("--steps", default="8,all", help="calibration steps read (a prefix of those run), e.g. 8,all")
+    parser.add_argument("--pass-source", default="timed,calibration", help="comma-separated PASS_SOURCES")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     if not args.no_collect:
         collect(args.raw, args.profiles, args.calibration_steps, args.model)
-    statistics_ = COLLECTIVE_STATISTICS if args.statistic == "all" else (args.statistic,)
+    statistics_ = COLLECTIVE_STATISTICS if args.statistic == "all" else tuple(args.statistic.split(","))
     prefixes = [None if n == "all" else int(n) for n in args.steps.split(",")]
-    lines = [line for steps in prefixes for statistic in statistics_ for line in tabulate(args.raw, statistic, steps)]
+    lines = [
+        line
+        for source in args.pass_source.split(",")
+        for steps in prefixes
+        for statistic in statistics_
+        for line in tabulate(args.raw, statistic, steps, source)
+    ]
     print("\n".join(lines))
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")

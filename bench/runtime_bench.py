@@ -182,12 +182,20 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
 
 
 def run_shape(
-    shape: Shape, *, model: str, steps: int, repeats: int, rounds: int, calibration: dict[str, Any] | None = None
+    shape: Shape,
+    *,
+    model: str,
+    steps: int,
+    repeats: int,
+    rounds: int,
+    calibration: dict[str, Any] | None = None,
+    other_slowdown: bool = True,
 ) -> list[dict[str, Any]]:
     """Profile the shape, build its cases' schedules on the profile, run them in one launch: ``rounds`` rounds of
     every case one after another (1F1B, ZB-H1, 2BW, 1F1B, ZB-H1, 2BW, …), so that the cases share the machine's
-    load alike. ``calibration``: the profile's calibration settings (``calibration_steps``, ``collective_statistic``;
-    default: the profile's own)."""
+    load alike. ``calibration``: the profile's calibration settings (``calibration_steps``, ``collective_statistic``,
+    ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the other choice of the
+    overlap slowdown (minutes of simulation when the measured slowdown is large)."""
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
 
@@ -216,7 +224,7 @@ def run_shape(
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    other = _other_slowdown(profile)
+    other = _other_slowdown(profile) if other_slowdown else None
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
         row["collective_costs"] = {
@@ -389,6 +397,10 @@ def main() -> None:
     parser.add_argument("--profile-repeats", type=int, default=6, help="timed microbatches per pass (default 6)")
     parser.add_argument("--calibration-steps", type=int, default=None, help="the profile's (default its own)")
     parser.add_argument("--collective-statistic", default=None, help="the profile's (default its own)")
+    parser.add_argument("--pass-source", default=None, help="the profile's (default its own)")
+    parser.add_argument(
+        "--no-other-slowdown", action="store_true", help="skip the prediction with the other overlap_slowdown"
+    )
     parser.add_argument("--shapes", default="all", help="comma-separated shape indices (0, 1, 2), default all")
     parser.add_argument("--output", type=Path, default=None, help="also write the tables and rows (JSON) here")
     args = parser.parse_args()
@@ -398,6 +410,7 @@ def main() -> None:
         for name, value in (
             ("calibration_steps", args.calibration_steps),
             ("collective_statistic", args.collective_statistic),
+            ("pass_source", args.pass_source),
         )
         if value is not None
     }
@@ -415,6 +428,7 @@ def main() -> None:
                 repeats=args.profile_repeats,
                 rounds=args.rounds,
                 calibration=calibration,
+                other_slowdown=not args.no_other_slowdown,
             )
         ]
         after = os.getloadavg()

@@ -19,8 +19,10 @@ and each process measures its own stages, all at once, as the run will run them:
   the tensor) between pipeline ranks 0 and 1, ping-pong at several sizes, fitted as latency + bytes / bandwidth
   (:class:`LinearFit`); ``costs.p2p`` of a stage is the fit at the size of the activation it passes on.
 * **collectives** (D > 1): each stage's UNSHARD and REDUCE_GRAD as the run runs them (FSDP2's all-gather and
-  reduce-scatter, or the all-reduce of the flattened gradients), medians per stage (``costs.unshard``,
-  ``costs.reduce_grad``), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
+  reduce-scatter, or the all-reduce of the flattened gradients), taken from the calibration run (beside the passes
+  of the same order, each from its last dp peer's start): per step the mean of the replicas, the steps a load burst
+  slowed left out, the median over the steps kept (``costs.unshard``, ``costs.reduce_grad``;
+  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
 * **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
   ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
@@ -97,6 +99,12 @@ COLLECTIVE_STATISTICS = ("pooled_median", "step_median", "step_total")
 
 #: A calibration step slower than this many median absolute deviations above the median step is left out.
 OUTLIER_MADS = 3.0
+#: Where a profile's F, I, W come from: ``timed``, each pass timed on its own (every process starting each repeat
+#: together, :func:`_measure_passes`); ``calibration``, the calibration run's passes (the medians over its steps
+#: kept, microbatches and replicas: :func:`_calibration_pass_medians`).
+PASS_SOURCES = ("timed", "calibration")
+DEFAULT_PASS_SOURCE = "calibration"
+
 #: The statistic a profile uses unless told.
 DEFAULT_COLLECTIVE_STATISTIC = "step_median"
 
@@ -553,6 +561,7 @@ def measure_model(
     overlap_slowdown: bool = False,
     calibration_steps: int = CALIBRATION_STEPS,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
+    pass_source: str = DEFAULT_PASS_SOURCE,
 ) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
     the problem to solve (module docstring).
@@ -571,7 +580,8 @@ def measure_model(
     each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
     ``calibration_steps``: the calibration run's training steps (the first left out; :data:`CALIBRATION_STEPS`).
     ``collective_statistic``: how its collectives become ``costs.unshard`` / ``costs.reduce_grad``
-    (:data:`COLLECTIVE_STATISTICS`; default ``step_median``).
+    (:data:`COLLECTIVE_STATISTICS`; default ``step_median``). ``pass_source``: where F, I, W come from
+    (:data:`PASS_SOURCES`; default ``calibration``, the calibration run's passes; without a calibration run, timed).
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
@@ -589,6 +599,8 @@ def measure_model(
     if calibrate and calibration_steps < 2:
         raise ValueError(f"calibration_steps {calibration_steps}: give at least 2 (the first step is left out)")
     _check_statistic(collective_statistic)
+    if pass_source not in PASS_SOURCES:
+        raise ValueError(f"pass_source {pass_source!r}: use one of {', '.join(PASS_SOURCES)}")
     options = training or TrainingOptions(sharding="none")
     options.check(num_microbatches)
     if like is not None:
@@ -620,7 +632,16 @@ def measure_model(
             replicas=options.data_parallel,
         )
     assert returned is not None
-    return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes, overlap_slowdown, collective_statistic)
+    return _assemble(
+        skeleton,
+        returned[0],
+        options,
+        p2p_ms,
+        memory_limit_bytes,
+        overlap_slowdown,
+        collective_statistic,
+        pass_source if calibrate else "timed",
+    )
 
 
 def _skeleton(
@@ -700,13 +721,17 @@ def _assemble(
     limit: float | None,
     write_overlap_slowdown: bool = False,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
+    pass_source: str = DEFAULT_PASS_SOURCE,
 ) -> Profile:
     """The problem from every process's measurements (module docstring); ``collective_statistic``: how the
-    calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`)."""
+    calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`);
+    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`)."""
     _join_calibration(results)
     measured = _Measured(skeleton, results)
     spreads = measured.spreads()
     medians = {(x.kind, x.stage): round(x.median, 6) for x in spreads}
+    if pass_source == "calibration":
+        medians |= _calibration_pass_medians(measured)
     stages = range(skeleton.pipeline.num_stages)
     samples = [sample for r in results for sample in r.p2p]
     p2p_fit = LinearFit.fit(samples) if samples else None
@@ -857,3 +882,23 @@ def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[s
 def _collective_steps(steps: list[list[MeasuredAction]]) -> list[dict[tuple[str, int], float]]:
     """Per step, per ``("unshard" | "reduce_grad", stage id)``, the summed duration of such actions (ms)."""
     return [{key: sum(values) for key, values in _collective_durations([step]).items()} for step in steps]
+
+
+def _calibration_pass_medians(measured: _Measured) -> dict[tuple[str, int], float]:
+    """Per (``"F"`` | ``"I"`` | ``"W"``, model stage), the median wall time (ms, from the pass's input at hand to its
+    end) of the calibration run's passes over the steps :func:`_steady_steps` keeps, every microbatch and replica;
+    empty without a calibration run."""
+    results = measured.results
+    steps = min((len(r.calibration_passes) for r in results), default=0)
+    if not steps:
+        return {}
+    step_ms = [max(r.calibration_ms[k + 1] for r in results) for k in range(steps)]
+    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
+    walls: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for k in _steady_steps(step_ms):
+            for action in r.calibration_passes[k]:
+                parsed = parse_action(action.action)
+                if parsed.kind.value in ("F", "I", "W"):
+                    walls.setdefault((parsed.kind.value, stage_of[parsed.stage]), []).append(action.end - action.start)
+    return {key: round(statistics.median(values), 6) for key, values in walls.items()}

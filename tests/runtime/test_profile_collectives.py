@@ -14,6 +14,7 @@ from pipesched.runtime.profile import (
     COLLECTIVE_STATISTICS,
     RankProfile,
     _calibration_collective_costs,
+    _calibration_pass_medians,
     _join_calibration,
     _Measured,
     _skeleton,
@@ -21,55 +22,24 @@ from pipesched.runtime.profile import (
 )
 from pipesched.runtime.records import MeasuredAction
 
-#: Per calibration step after the first: its step time (ms) and, per (collective, stage), the two replicas' durations.
-STEPS = [
-    (
-        2000.0,
-        {
-            ("UNSHARD", 0): (20, 22),
-            ("REDUCE_GRAD", 0): (30, 34),
-            ("UNSHARD", 1): (10, 10),
-            ("REDUCE_GRAD", 1): (60, 64),
-        },
-    ),
-    (
-        2050.0,
-        {
-            ("UNSHARD", 0): (24, 26),
-            ("REDUCE_GRAD", 0): (36, 32),
-            ("UNSHARD", 1): (12, 14),
-            ("REDUCE_GRAD", 1): (50, 52),
-        },
-    ),
-    (
-        1980.0,
-        {
-            ("UNSHARD", 0): (18, 20),
-            ("REDUCE_GRAD", 0): (28, 30),
-            ("UNSHARD", 1): (16, 12),
-            ("REDUCE_GRAD", 1): (70, 66),
-        },
-    ),
-    (
-        2020.0,
-        {
-            ("UNSHARD", 0): (22, 24),
-            ("REDUCE_GRAD", 0): (40, 38),
-            ("UNSHARD", 1): (11, 13),
-            ("REDUCE_GRAD", 1): (58, 62),
-        },
-    ),
-    # a load burst: the step 60 % slower, its collectives 4× longer
-    (
-        3200.0,
-        {
-            ("UNSHARD", 0): (90, 95),
-            ("REDUCE_GRAD", 0): (130, 120),
-            ("UNSHARD", 1): (50, 40),
-            ("REDUCE_GRAD", 1): (240, 250),
-        },
-    ),
+#: The collectives of every calibration step, (kind, stage) in this order, and per step after the first: its step time
+#: (ms) and each collective's two replicas' durations (ms).
+COLLECTIVES = (("UNSHARD", 0), ("REDUCE_GRAD", 0), ("UNSHARD", 1), ("REDUCE_GRAD", 1))
+ROWS = [
+    (2000.0, ((20, 22), (30, 34), (10, 10), (60, 64))),
+    (2050.0, ((24, 26), (36, 32), (12, 14), (50, 52))),
+    (1980.0, ((18, 20), (28, 30), (16, 12), (70, 66))),
+    (2020.0, ((22, 24), (40, 38), (11, 13), (58, 62))),
+    (3200.0, ((90, 95), (130, 120), (50, 40), (240, 250))),  # a load burst: 60 % slower, collectives 4× longer
 ]
+STEPS = [(step_ms, dict(zip(COLLECTIVES, durations, strict=True))) for step_ms, durations in ROWS]
+
+
+def _wall(kind: str, step: int, dp_rank: int, microbatch: int) -> float:
+    """A calibration pass's wall time (ms): each kind its own, varying by step, replica and microbatch; 3× in the
+    load burst."""
+    wall = {"F": 30.0, "I": 40.0, "W": 20.0}[kind] + 2 * step + dp_rank + 0.5 * microbatch
+    return 3 * wall if step == len(STEPS) - 1 else wall
 
 
 def _records() -> tuple[_Measured, dict[tuple[str, int], list[float]]]:
@@ -88,6 +58,17 @@ def _records() -> tuple[_Measured, dict[tuple[str, int], list[float]]]:
                     step.append(MeasuredAction(action=f"{stage}{kind}", start=start, end=start + values[dp_rank]))
                     start += 100.0
             result.calibration_communication.append(step)
+            result.calibration_passes.append(
+                [
+                    MeasuredAction(
+                        action=f"{pp_rank}{kind}{j}",
+                        start=0.0,
+                        end=_wall(kind, len(result.calibration_passes), dp_rank, j),
+                    )
+                    for kind in ("F", "I", "W")
+                    for j in range(4)
+                ]
+            )
         results.append(result)
     _join_calibration(results)
     return _Measured(skeleton, results), {key: [v for _, d in STEPS for v in d[key]] for key in STEPS[0][1]}
@@ -130,3 +111,26 @@ def test_an_unknown_statistic_is_named_with_the_choices():
     measured, _ = _records()
     with pytest.raises(ValueError, match="collective_statistic 'mean'.*" + ", ".join(COLLECTIVE_STATISTICS)):
         _calibration_collective_costs(measured, "mean")
+
+
+def test_the_passes_from_the_calibration_run_are_the_medians_of_its_steps_kept():
+    measured, _ = _records()
+    medians = _calibration_pass_medians(measured)
+    for kind in ("F", "I", "W"):
+        steady = [_wall(kind, k, dp, j) for k in range(4) for dp in (0, 1) for j in range(4)]  # the burst left out
+        assert medians[kind, 0] == medians[kind, 1] == pytest.approx(statistics.median(steady))
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"calibration_steps": 1}, "calibration_steps 1: give at least 2"),
+        ({"collective_statistic": "mean"}, "collective_statistic 'mean'"),
+        ({"pass_source": "alone"}, "pass_source 'alone': use one of timed, calibration"),
+    ],
+)
+def test_a_profile_names_a_calibration_setting_out_of_range_before_starting_processes(option, message):
+    from pipesched.runtime.profile import measure_model
+
+    with pytest.raises(ValueError, match=message):
+        measure_model(num_ranks=2, num_microbatches=4, **option)
