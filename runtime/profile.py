@@ -10,6 +10,9 @@ and each process measures its own stages, all at once, as the run will run them:
   backward, as in the runtime). Medians over ``repeats`` microbatches after ``warmup`` untimed ones, every process
   starting each repeat together (a barrier), so that they share the cores as the run's ranks do; a process done
   with its passes keeps its core busy until every process is done (:func:`_busy_until_every_process_is_done`).
+  The problem's F, I, W come from the calibration run's passes (below; ``pass_source="calibration"``, the default:
+  the medians of 8 microbatches × 15 steps × D replicas stayed put where these swung up to 2.4× with the load) or,
+  with ``pass_source="timed"`` or no calibration run, from these.
 * **memory** per microbatch (contract, Problem): ``activation`` = saved bytes live after F;
   ``retained_for_weight`` = saved bytes still live after I. ``static`` per rank: what the run's update rule
   allocates (:meth:`pipesched.runtime.training.WeightUpdate.static_bytes` after one real optimizer step:
