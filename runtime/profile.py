@@ -842,6 +842,8 @@ def _steady_steps(step_ms: list[float]) -> list[int]:
     that far above the others ran beside another process's burst, not what the run's median step sees."""
     middle = statistics.median(step_ms)
     spread = 1.4826 * statistics.median(abs(t - middle) for t in step_ms)
+    if spread == 0:  # half the steps or more alike: none stands out
+        return list(range(len(step_ms)))
     return [k for k, t in enumerate(step_ms) if t <= middle + OUTLIER_MADS * spread]
 
 
