@@ -100,7 +100,7 @@ SHAPES = (
 )
 
 
-def _profile(shape: Shape, model: str, repeats: int) -> Any:
+def _profile(shape: Shape, model: str, repeats: int, calibration: dict[str, Any]) -> Any:
     from pipesched.runtime.options import TrainingOptions
     from pipesched.runtime.profile import measure_model
 
@@ -113,6 +113,7 @@ def _profile(shape: Shape, model: str, repeats: int) -> Any:
         model=model,
         repeats=repeats,
         training=options,
+        **calibration,
     )
     return profile
 
@@ -180,15 +181,26 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
     }
 
 
-def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int) -> list[dict[str, Any]]:
+def run_shape(
+    shape: Shape,
+    *,
+    model: str,
+    steps: int,
+    repeats: int,
+    rounds: int,
+    calibration: dict[str, Any] | None = None,
+    other_slowdown: bool = True,
+) -> list[dict[str, Any]]:
     """Profile the shape, build its cases' schedules on the profile, run them in one launch: ``rounds`` rounds of
     every case one after another (1F1B, ZB-H1, 2BW, 1F1B, ZB-H1, 2BW, …), so that the cases share the machine's
-    load alike."""
+    load alike. ``calibration``: the profile's calibration settings (``calibration_steps``, ``collective_statistic``,
+    ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the other choice of the
+    overlap slowdown (minutes of simulation when the measured slowdown is large)."""
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
 
     started = time.perf_counter()
-    profile = _profile(shape, model, repeats)
+    profile = _profile(shape, model, repeats, calibration or {})
     problem = profile.problem
     profiled_s = time.perf_counter() - started
     schedules = [solve_family(problem.with_changes(**case.changes), case.family) for case in shape.cases]
@@ -212,9 +224,14 @@ def run_shape(shape: Shape, *, model: str, steps: int, repeats: int, rounds: int
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    other = _other_slowdown(profile)
+    other = _other_slowdown(profile) if other_slowdown else None
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
+        row["collective_costs"] = {
+            name: getattr(profile.problem.costs, name)
+            for name in ("unshard", "reduce_grad")
+            if shape.data_parallel > 1 and getattr(profile.problem.costs, name) is not None
+        }
         if calibration is not None:
             row["calibration"] = {
                 "measured_ms": calibration.measured_ms,
@@ -296,6 +313,10 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"  {name}: profiled in {row['profile_s']:.0f} s; calibration run {calibration['measured_ms']:.1f} ms "
                 f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
                 f"{calibration['overhead_ms']:+.2f} ms per pass"
+                + "".join(
+                    f"; {name} " + " ".join(f"{v:.1f}" for v in values)
+                    for name, values in row.get("collective_costs", {}).items()
+                )
             )
         if calibration is not None and "overlap" in calibration:
             overlap = calibration["overlap"]
@@ -374,10 +395,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="the whole loop, this many times (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every case per launch, interleaved (default 3)")
     parser.add_argument("--profile-repeats", type=int, default=6, help="timed microbatches per pass (default 6)")
+    parser.add_argument("--calibration-steps", type=int, default=None, help="the profile's (default its own)")
+    parser.add_argument("--collective-statistic", default=None, help="the profile's (default its own)")
+    parser.add_argument("--pass-source", default=None, help="the profile's (default its own)")
+    parser.add_argument(
+        "--no-other-slowdown", action="store_true", help="skip the prediction with the other overlap_slowdown"
+    )
     parser.add_argument("--shapes", default="all", help="comma-separated shape indices (0, 1, 2), default all")
     parser.add_argument("--output", type=Path, default=None, help="also write the tables and rows (JSON) here")
     args = parser.parse_args()
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    calibration = {
+        name: value
+        for name, value in (
+            ("calibration_steps", args.calibration_steps),
+            ("collective_statistic", args.collective_statistic),
+            ("pass_source", args.pass_source),
+        )
+        if value is not None
+    }
     lines: list[str] = []
     all_rows = []
     for repeat in range(args.repeats):
@@ -386,13 +422,20 @@ def main() -> None:
             row
             for shape in shapes
             for row in run_shape(
-                shape, model=args.model, steps=args.steps, repeats=args.profile_repeats, rounds=args.rounds
+                shape,
+                model=args.model,
+                steps=args.steps,
+                repeats=args.profile_repeats,
+                rounds=args.rounds,
+                calibration=calibration,
+                other_slowdown=not args.no_other_slowdown,
             )
         ]
         after = os.getloadavg()
         header = (
             f"repeat {repeat + 1}/{args.repeats} · {args.model} · p={NUM_RANKS} m={NUM_MICROBATCHES} · "
-            f"{args.steps} steps × {args.rounds} rounds · load average {before[0]:.1f} before, "
+            f"{args.steps} steps × {args.rounds} rounds · calibration {calibration or 'as the profile'} · "
+            f"load average {before[0]:.1f} before, "
             f"{after[0]:.1f} after (2 cores)"
         )
         block = [header, *format_rows(rows), ""]

@@ -10,6 +10,9 @@ and each process measures its own stages, all at once, as the run will run them:
   backward, as in the runtime). Medians over ``repeats`` microbatches after ``warmup`` untimed ones, every process
   starting each repeat together (a barrier), so that they share the cores as the run's ranks do; a process done
   with its passes keeps its core busy until every process is done (:func:`_busy_until_every_process_is_done`).
+  The problem's F, I, W come from the calibration run's passes (below; ``pass_source="calibration"``, the default:
+  the medians of 8 microbatches × 15 steps × D replicas stayed put where these swung up to 2.4× with the load) or,
+  with ``pass_source="timed"`` or no calibration run, from these.
 * **memory** per microbatch (contract, Problem): ``activation`` = saved bytes live after F;
   ``retained_for_weight`` = saved bytes still live after I. ``static`` per rank: what the run's update rule
   allocates (:meth:`pipesched.runtime.training.WeightUpdate.static_bytes` after one real optimizer step:
@@ -19,8 +22,10 @@ and each process measures its own stages, all at once, as the run will run them:
   the tensor) between pipeline ranks 0 and 1, ping-pong at several sizes, fitted as latency + bytes / bandwidth
   (:class:`LinearFit`); ``costs.p2p`` of a stage is the fit at the size of the activation it passes on.
 * **collectives** (D > 1): each stage's UNSHARD and REDUCE_GRAD as the run runs them (FSDP2's all-gather and
-  reduce-scatter, or the all-reduce of the flattened gradients), medians per stage (``costs.unshard``,
-  ``costs.reduce_grad``), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
+  reduce-scatter, or the all-reduce of the flattened gradients), taken from the calibration run (beside the passes
+  of the same order, each from its last dp peer's start): per step the mean of the replicas, the steps a load burst
+  slowed left out, the median over the steps kept (``costs.unshard``, ``costs.reduce_grad``;
+  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
 * **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
   ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
@@ -81,6 +86,30 @@ def _sync(device: torch.device) -> None:
 
 #: A pass whose interquartile range exceeds this fraction of its median is reported as unsteady.
 SPREAD_WARNING = 0.25
+
+#: Training steps of the calibration run (the first is left out: lazy initialisation). 16: the 15 steps after the
+#: first are as many as a run report's medians read in the bench (3 rounds × 5 steps after the first); with 8, a
+#: collective's median over 7 steps moved twice as far between profiles as the run's measurement did (docs/RUNTIME.md,
+#: "A steady prediction").
+CALIBRATION_STEPS = 16
+
+#: How :func:`_calibration_collective_costs` reads the calibration run's collectives (``bench/profile_spread.py``
+#: compares them): ``pooled_median``, the median of every sample (steps after the first, both replicas pooled);
+#: ``step_median``, per step the mean over the replicas, steps disturbed by load left out (:func:`_steady_steps`),
+#: the median over the steps kept; ``step_total``, those medians scaled, per pipeline rank, so that their sum is
+#: the median over the steps kept of the rank's per-step sum (what a run report's hidden + exposed is a median of).
+COLLECTIVE_STATISTICS = ("pooled_median", "step_median", "step_total")
+
+#: A calibration step slower than this many median absolute deviations above the median step is left out.
+OUTLIER_MADS = 3.0
+#: Where a profile's F, I, W come from: ``timed``, each pass timed on its own (every process starting each repeat
+#: together, :func:`_measure_passes`); ``calibration``, the calibration run's passes (the medians over its steps
+#: kept, microbatches and replicas: :func:`_calibration_pass_medians`).
+PASS_SOURCES = ("timed", "calibration")
+DEFAULT_PASS_SOURCE = "calibration"
+
+#: The statistic a profile uses unless told.
+DEFAULT_COLLECTIVE_STATISTIC = "step_median"
 
 
 @dataclass(frozen=True)
@@ -180,6 +209,7 @@ class ProfileSettings:
     measure_p2p: bool = True
     engine: str = "pipesched"
     calibrate: bool = True
+    calibration_steps: int = CALIBRATION_STEPS
 
 
 @dataclass
@@ -449,10 +479,6 @@ def profile_rank(settings: ProfileSettings, global_rank: int, device: torch.devi
     return setup.result
 
 
-#: Training steps of the calibration run (the first is left out: lazy initialisation).
-CALIBRATION_STEPS = 8
-
-
 def _calibration_run(
     settings: ProfileSettings, global_rank: int, device: torch.device, timeout_s: float
 ) -> list[StepRecord]:
@@ -469,7 +495,7 @@ def _calibration_run(
     schedule = build_schedule(
         problem, calibration_orders(problem), method="calibration", backend="profile", check_memory=False
     )
-    options = replace(settings.options, steps=CALIBRATION_STEPS, inject_nan=None)
+    options = replace(settings.options, steps=settings.calibration_steps, inject_nan=None)
     engine = resolve_engine(settings.engine, schedule)
     job = RankJob(schedule, settings.model, settings.seed, engine, settings.workdir, 1, options)
     return train_rank(job, global_rank, device, timeout_s).steps
@@ -536,6 +562,9 @@ def measure_model(
     engine: str = "pipesched",
     calibrate: bool = True,
     overlap_slowdown: bool = False,
+    calibration_steps: int = CALIBRATION_STEPS,
+    collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
+    pass_source: str = DEFAULT_PASS_SOURCE,
 ) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
     the problem to solve (module docstring).
@@ -552,12 +581,17 @@ def measure_model(
     that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
     ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
     each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
+    ``calibration_steps``: the calibration run's training steps (the first left out; :data:`CALIBRATION_STEPS`).
+    ``collective_statistic``: how its collectives become ``costs.unshard`` / ``costs.reduce_grad``
+    (:data:`COLLECTIVE_STATISTICS`; default ``step_median``). ``pass_source``: where F, I, W come from
+    (:data:`PASS_SOURCES`; default ``calibration``, the calibration run's passes; without a calibration run, timed).
 
     With a torch outside :data:`pipesched.runtime.torch_compat.SUPPORTED_TORCH` it warns (``RuntimeWarning``) and
     measures anyway.
 
     Raises:
-        ValueError: unknown model, a model that cannot be split into that many stages, options out of range.
+        ValueError: unknown model, a model that cannot be split into that many stages, options out of range
+            (``calibration_steps`` below 2, an unknown ``collective_statistic``).
         pipesched.runtime.launch.RunFailed: a profiling process failed (its rank and reason named).
     """
     import tempfile
@@ -565,6 +599,11 @@ def measure_model(
     from pipesched.runtime.launch import launch_jobs
 
     torch_compat.warn_if_unsupported_torch()
+    if calibrate and calibration_steps < 2:
+        raise ValueError(f"calibration_steps {calibration_steps}: give at least 2 (the first step is left out)")
+    _check_statistic(collective_statistic)
+    if pass_source not in PASS_SOURCES:
+        raise ValueError(f"pass_source {pass_source!r}: use one of {', '.join(PASS_SOURCES)}")
     options = training or TrainingOptions(sharding="none")
     options.check(num_microbatches)
     if like is not None:
@@ -575,7 +614,17 @@ def measure_model(
     load_model(model, skeleton, seed=seed)  # fail here, not in every process
     with tempfile.TemporaryDirectory(prefix="pipesched-profile-") as workdir:
         settings = ProfileSettings(
-            skeleton, model, seed, repeats, warmup, options, workdir, p2p_ms is None, engine, calibrate
+            skeleton,
+            model,
+            seed,
+            repeats,
+            warmup,
+            options,
+            workdir,
+            p2p_ms is None,
+            engine,
+            calibrate,
+            calibration_steps,
         )
         returned = launch_jobs(
             profile_rank,
@@ -586,7 +635,16 @@ def measure_model(
             replicas=options.data_parallel,
         )
     assert returned is not None
-    return _assemble(skeleton, returned[0], options, p2p_ms, memory_limit_bytes, overlap_slowdown)
+    return _assemble(
+        skeleton,
+        returned[0],
+        options,
+        p2p_ms,
+        memory_limit_bytes,
+        overlap_slowdown,
+        collective_statistic,
+        pass_source if calibrate else "timed",
+    )
 
 
 def _skeleton(
@@ -665,12 +723,18 @@ def _assemble(
     p2p_ms: float | None,
     limit: float | None,
     write_overlap_slowdown: bool = False,
+    collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
+    pass_source: str = DEFAULT_PASS_SOURCE,
 ) -> Profile:
-    """The problem from every process's measurements (module docstring)."""
+    """The problem from every process's measurements (module docstring); ``collective_statistic``: how the
+    calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`);
+    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`)."""
     _join_calibration(results)
     measured = _Measured(skeleton, results)
     spreads = measured.spreads()
     medians = {(x.kind, x.stage): round(x.median, 6) for x in spreads}
+    if pass_source == "calibration":
+        medians |= _calibration_pass_medians(measured)
     stages = range(skeleton.pipeline.num_stages)
     samples = [sample for r in results for sample in r.p2p]
     p2p_fit = LinearFit.fit(samples) if samples else None
@@ -694,7 +758,7 @@ def _assemble(
         "static": [float(max(s)) for s in measured.per_rank(lambda r: [r.static_bytes])],
         "weights": weights,
     }
-    collectives = _collectives(data, measured, weights, options)
+    collectives = _collectives(data, measured, weights, options, collective_statistic)
     if skeleton.pipeline.placement == "bidirectional" and "reduce_grad" not in data["costs"]:
         # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
         data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
@@ -744,22 +808,102 @@ def _calibrate(problem: Problem, results: list[RankProfile], overlap: OverlapSlo
 
 
 def _collectives(
-    data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions
+    data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions, statistic: str
 ) -> dict[str, LinearFit]:
-    """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (medians), and each
-    collective fitted over the stages' sizes (their unsharded weight bytes)."""
+    """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (from the calibration
+    run by ``statistic``, else the medians of the collectives timed alone), and each collective fitted over the
+    stages' sizes (their unsharded weight bytes)."""
     if options.data_parallel == 1:
         return {}
     data["data_parallel"] = _data_parallel_section(options)
+    calibrated = _calibration_collective_costs(measured, statistic)
     fits = {}
     for name in ("unshard", "reduce_grad"):
         # as the calibration run saw them (beside the passes, sharing the cores) where it ran them, else alone
-        per_stage = measured.pooled(lambda r, name=name: _of_kind(r.calibration_collectives, name))
-        if not all(per_stage):
+        costs = calibrated.get(name)
+        if costs is None:
             per_stage = measured.pooled(lambda r, name=name: getattr(r, name))
-        if not all(per_stage):
-            continue
-        medians = [statistics.median(samples) for samples in per_stage]
-        data["costs"][name] = [round(m, 6) for m in medians]
-        fits[name] = LinearFit.fit(list(zip(weights, medians, strict=True)))
+            if not all(per_stage):
+                continue
+            costs = [statistics.median(samples) for samples in per_stage]
+        data["costs"][name] = [round(m, 6) for m in costs]
+        fits[name] = LinearFit.fit(list(zip(weights, costs, strict=True)))
     return fits
+
+
+def _check_statistic(statistic: str) -> None:
+    if statistic not in COLLECTIVE_STATISTICS:
+        raise ValueError(f"collective_statistic {statistic!r}: use one of {', '.join(COLLECTIVE_STATISTICS)}")
+
+
+def _steady_steps(step_ms: list[float]) -> list[int]:
+    """The indices of the steps kept: those no slower than the median + :data:`OUTLIER_MADS` × the median absolute
+    deviation (scaled to a normal's σ, 1.4826; Leys et al. 2013). On a shared machine load only adds time: a step
+    that far above the others ran beside another process's burst, not what the run's median step sees."""
+    middle = statistics.median(step_ms)
+    spread = 1.4826 * statistics.median(abs(t - middle) for t in step_ms)
+    if spread == 0:  # half the steps or more alike: none stands out
+        return list(range(len(step_ms)))
+    return [k for k, t in enumerate(step_ms) if t <= middle + OUTLIER_MADS * spread]
+
+
+def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[str, list[float]]:
+    """Per ``"unshard"`` / ``"reduce_grad"``, each model stage's cost (ms) from the calibration run by ``statistic``
+    (:data:`COLLECTIVE_STATISTICS`); empty without a calibration run's collectives."""
+    _check_statistic(statistic)
+    results = measured.results
+    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
+    steps = min((len(r.calibration_joined) for r in results), default=0)
+    # per step, per (name, model stage): the durations on every process that holds it
+    table: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(steps)]
+    holder: dict[tuple[str, int], int] = {}
+    for r in results:
+        for k, durations in enumerate(_collective_steps(r.calibration_joined[:steps])):
+            for (name, stage), value in durations.items():
+                table[k].setdefault((name, stage_of[stage]), []).append(value)
+                holder[name, stage_of[stage]] = r.pp_rank
+    keys = sorted(holder)
+    if not steps or not keys or any(len(keys) != len(row) for row in table):
+        return {}
+    if statistic == "pooled_median":
+        costs = {key: statistics.median(v for row in table for v in row[key]) for key in keys}
+    else:
+        step_ms = [max(r.calibration_ms[k + 1] for r in results) for k in range(steps)]
+        kept = [{key: statistics.mean(table[k][key]) for key in keys} for k in _steady_steps(step_ms)]
+        costs = {key: statistics.median(row[key] for row in kept) for key in keys}
+        if statistic == "step_total":
+            for rank in set(holder.values()):
+                mine = [key for key in keys if holder[key] == rank]
+                total = statistics.median(sum(row[key] for key in mine) for row in kept)
+                scale = total / max(sum(costs[key] for key in mine), 1e-9)
+                costs |= {key: costs[key] * scale for key in mine}
+    return {
+        name: [costs[name, k] for k in range(len(measured.ids))]
+        for name in ("unshard", "reduce_grad")
+        if all((name, k) in costs for k in range(len(measured.ids)))
+    }
+
+
+def _collective_steps(steps: list[list[MeasuredAction]]) -> list[dict[tuple[str, int], float]]:
+    """Per step, per ``("unshard" | "reduce_grad", stage id)``, the summed duration of such actions (ms)."""
+    return [{key: sum(values) for key, values in _collective_durations([step]).items()} for step in steps]
+
+
+def _calibration_pass_medians(measured: _Measured) -> dict[tuple[str, int], float]:
+    """Per (``"F"`` | ``"I"`` | ``"W"``, model stage), the median wall time (ms, from the pass's input at hand to its
+    end) of the calibration run's passes over the steps :func:`_steady_steps` keeps, every microbatch and replica;
+    empty without a calibration run."""
+    results = measured.results
+    steps = min((len(r.calibration_passes) for r in results), default=0)
+    if not steps:
+        return {}
+    step_ms = [max(r.calibration_ms[k + 1] for r in results) for k in range(steps)]
+    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
+    walls: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for k in _steady_steps(step_ms):
+            for action in r.calibration_passes[k]:
+                parsed = parse_action(action.action)
+                if parsed.kind.value in ("F", "I", "W"):
+                    walls.setdefault((parsed.kind.value, stage_of[parsed.stage]), []).append(action.end - action.start)
+    return {key: round(statistics.median(values), 6) for key, values in walls.items()}

@@ -370,7 +370,8 @@ def _print_transfers(measured: Profile) -> None:
         console.print(
             f"calibration run (every rank's forwards, then its backwards): best step {calibration.measured_ms:.3f} ms "
             f"per step against {calibration.predicted_ms:.3f} ms from the pieces alone: "
-            f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above",
+            f"{calibration.overhead_ms:+.3f} ms per pass, added to every pass above (the passes: the calibration "
+            "run's medians; min–max: timed on their own)",
             highlight=False,
         )
         if calibration.overlap is not None:

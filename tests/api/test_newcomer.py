@@ -263,7 +263,8 @@ def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     from pipesched.runtime.profile import PassSpread, measure_model
 
-    measured = measure_model(num_ranks=2, num_microbatches=4, repeats=4, warmup=1)
+    # passes timed on their own: the problem's F, I, W from the spreads (by default they come from the calibration run)
+    measured = measure_model(num_ranks=2, num_microbatches=4, repeats=4, warmup=1, pass_source="timed")
     assert {(x.kind, x.stage) for x in measured.spreads} == {(k, s) for k in "FIW" for s in range(2)}
     assert all(len(x.samples) == 4 and x.low <= x.median <= x.high for x in measured.spreads)
     forward = measured.problem.stage_values(measured.problem.costs.forward)  # type: ignore[union-attr]
