@@ -30,6 +30,7 @@ __all__ = [
     "SolverOptions",
     "TensorParallel",
     "Training",
+    "least_time_limit_s",
     "raise_field_errors",
     "stage_to_rank",
 ]
@@ -47,9 +48,18 @@ SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
 MAX_STAGE_MICROBATCHES = 1_000_000
 
 #: Forward passes (num_stages × num_microbatches) pipesched compiles, searches minimally and answers per second
-#: of ``solver.time_limit_s + 2`` on a busy 2-core machine (about 240 µs a pass measured for compile,
-#: sequential schedule and answer): a larger problem is refused, naming the time limit it needs.
-PASSES_PER_SECOND = 3_000
+#: of ``solver.time_limit_s + 2``: a larger problem is refused, naming the time limit it needs. The work no search
+#: can skip (compile, the sequential schedule, its bound and the answer) takes about 140 µs a pass on a quiet
+#: 2-core machine and 350 µs with four busy processes beside it (8 ranks × 2 bidirectional stages × 460
+#: microbatches: 1.0 s and 2.6 s); 2,000 a second keeps that loaded case within the limit + 2 s (3,000 did not).
+PASSES_PER_SECOND = 2_000
+
+
+def least_time_limit_s(num_stages: int, num_microbatches: int) -> float:
+    """The least ``solver.time_limit_s`` (s) admitted for ``num_stages × num_microbatches`` forward passes:
+    ``passes / PASSES_PER_SECOND − 2``, 0 when any limit is."""
+    return max(0.0, num_stages * num_microbatches / PASSES_PER_SECOND - 2.0)
+
 
 #: The most work (ms) one step may hold in total: num_microbatches × Σ over stages of F + I + W + 2·p2p. About
 #: 31 years; above it costs were surely given in another unit, and sums of them lose float precision.
@@ -529,7 +539,7 @@ class Problem(_Strict):
         most = int(PASSES_PER_SECOND * (time_limit + 2.0))
         if passes <= most:
             return
-        needed = math.ceil(passes / PASSES_PER_SECOND - 2.0)
+        needed = math.ceil(least_time_limit_s(self.pipeline.num_stages, self.pipeline.num_microbatches))
         raise_field_errors(
             "Problem",
             [

@@ -33,7 +33,7 @@ from pipesched.optimizer.communication import add_communication
 from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.instance import Instance, compile_for_orders, compile_problem, compute_instance
 from pipesched.optimizer.ir import Orders, compute_only
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Problem, least_time_limit_s
 from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule, schedule_from_simulation
 from pipesched.optimizer.simulate import InvalidSchedule, SimulationResult, action_orders, simulate
@@ -217,7 +217,9 @@ def solve_step(
             break
         search.offer(orders, backend, PREFETCH_DISTANCES[1:], gather_runs)
     remaining = search.remaining() - search.step_s  # leave room to place the collectives in its answer
-    if remaining > 0.05 and not search.should_stop():
+    # the compute-only search only with the time its size is admitted with (else it cannot even answer)
+    least = least_time_limit_s(problem.pipeline.num_stages, problem.pipeline.num_microbatches)
+    if remaining > max(0.05, least) and not search.should_stop():
         proxy = compute_problem(problem, gathered_in_static=True)
         proxy = proxy.model_copy(update={"solver": proxy.solver.model_copy(update={"time_limit_s": remaining})})
         result = solve_auto(proxy, should_stop=should_stop)

@@ -24,16 +24,16 @@ from tests.conftest import uniform_problem
 
 # Adversarial shapes: many ranks and stages with one microbatch (the bound's worst case before it was
 # deadline-aware: 64 × 64 × 1 took 15–120 s at a 1 s limit), many microbatches, V and bidirectional placements,
-# all at sizes the validation admits for a limit of 0.5 s (7,500 passes).
+# all at sizes the validation admits for a limit of 0.5 s (5,000 passes).
 SHAPES = [
     # (num_ranks, num_microbatches, stages_per_rank, placement, limit in activations per rank or None)
     (64, 1, 64, "loop", None),
-    (1024, 1, 7, "loop", None),
-    (1024, 7, 1, "loop", 10.0),
-    (16, 460, 1, "loop", 30.0),
-    (8, 460, 2, "v", 30.0),
-    (8, 460, 2, "bidirectional", 30.0),
-    (512, 7, 2, "v", None),
+    (1024, 1, 4, "loop", None),
+    (1024, 4, 1, "loop", 10.0),
+    (16, 300, 1, "loop", 30.0),
+    (8, 300, 2, "v", 30.0),
+    (8, 300, 2, "bidirectional", 30.0),
+    (512, 4, 2, "v", None),
 ]
 
 
@@ -98,11 +98,11 @@ def test_a_problem_too_large_for_its_limit_is_refused_naming_the_limit_it_needs(
 FAMILY_SHAPES = [
     (64, 1, 64, "loop", "interleaved-1f1b"),
     (64, 1, 64, "loop", "looped-bfs"),
-    (512, 7, 2, "v", "v-half"),
-    (512, 7, 2, "v", "zb-v"),
-    (512, 7, 2, "v", "dualpipe-v"),
+    (512, 4, 2, "v", "v-half"),
+    (512, 4, 2, "v", "zb-v"),
+    (512, 4, 2, "v", "dualpipe-v"),
     (16, 64, 2, "bidirectional", "bitpipe"),  # the authors' order: an even p dividing m
-    (8, 460, 2, "v", "v-min"),
+    (8, 300, 2, "v", "v-min"),
 ]
 
 
