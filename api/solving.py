@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Problem, least_time_limit_s
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve
 
@@ -39,7 +39,11 @@ def run_solve(problem_json: str, deadline_s: float, arrived_at: float | None = N
     spent = max(0.0, time.time() - arrived_at) if arrived_at is not None else 0.0
     limit = problem.solver.time_limit_s
     if spent > SEARCH_GRACE_S:
-        solver = problem.solver.model_copy(update={"time_limit_s": max(0.05 * limit, limit + SEARCH_GRACE_S - spent)})
+        # never below the limit its size is admitted with (the answer re-validates its problem); the stop flag
+        # below still ends the search at the request's deadline
+        least = least_time_limit_s(problem.pipeline.num_stages, problem.pipeline.num_microbatches)
+        shortened = max(0.05 * limit, limit + SEARCH_GRACE_S - spent, least)
+        solver = problem.solver.model_copy(update={"time_limit_s": shortened})
         problem = problem.model_copy(update={"solver": solver})
     stop_at = time.monotonic() + max(0.0, deadline_s - spent)
     schedule = solve(problem, should_stop=lambda: time.monotonic() >= stop_at)

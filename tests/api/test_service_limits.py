@@ -496,7 +496,7 @@ def test_a_late_solve_worker_takes_its_start_out_of_the_search_not_out_of_the_an
     from pipesched.optimizer.result import Schedule
     from tests.optimizer.test_time_limits import _problem
 
-    problem = _problem(1024, 7, 1, "loop", 10.0, tl=4.0)
+    problem = _problem(1024, 4, 1, "loop", 10.0, tl=4.0)
     schedule = Schedule.model_validate_json(run_solve(problem.model_dump_json(), 6.0, time.time() - 3.7))
     assert schedule.status in ("optimal", "feasible")
     assert schedule.solve_time_s is not None and schedule.solve_time_s <= 4.0 + SEARCH_GRACE_S - 3.7 + 1.0
