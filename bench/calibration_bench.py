@@ -13,8 +13,14 @@ the leave-one-out error (linearised refit without the row) and the leave-one-gro
 of the same source, accelerator, precision and model), their medians and the rows beyond 15%; and every row
 predicted with kernels "unknown" (its framework ignored, as for a layout given without one).
 
+Held out twice: ``bench/data/calibration_holdout.json`` (torchtitan's later tables) and
+``bench/data/calibration_holdout_external.json`` (other stacks, GPUs and eras: MaxText, NeMo BF16 at scale, IBM's
+FSDP), each row's error, interval and predicted peak against 95% of its GPU's memory.
+
 Run: ``python -m bench.calibration_bench [--write] [--iterations N]``; ``--write`` stores the catalogue the
 planner ships (``optimizer/cost/calibration/profiles.json``). Output: ``bench/results/calibration_bench.{md,json}``.
+``--held-out-only`` predicts both held-out files with the shipped catalogue, no fit (seconds):
+``bench/results/calibration_held_out.{md,json}``.
 """
 
 from __future__ import annotations
@@ -37,13 +43,16 @@ from pipesched.optimizer.calibration.catalogue import (
 )
 from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
 from pipesched.optimizer.calibration.peaks import leave_one_out, peak_lines
-from pipesched.optimizer.calibration.predict import predict
+from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import fitting_measurements, parse_measurements
-from pipesched.optimizer.cost.profile import ProfileCatalogue, use_catalogue
+from pipesched.optimizer.cost.profile import ProfileCatalogue, builtin_catalogue, use_catalogue
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Published runs kept out of the fit: the check of layouts the fit was not given.
 HOLDOUT = Path(__file__).resolve().parent / "data" / "calibration_holdout.json"
+#: Published runs of other stacks, GPUs and eras (MaxText, NeMo BF16 at scale, IBM's FSDP), also never fitted:
+#: the check of layouts written by someone else (``--external`` predicts them with the shipped profiles).
+EXTERNAL = Path(__file__).resolve().parent / "data" / "calibration_holdout_external.json"
 GIB = 1024**3
 
 
@@ -70,27 +79,37 @@ def _inside(log_error: float, accelerator: tuple[float, float], framework: tuple
     return min(accelerator[0], framework[0]) <= log_error <= max(accelerator[1], framework[1])
 
 
-def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
-    """The rows of :data:`HOLDOUT`, never fitted, predicted with their own kernels mode and with "unknown":
-    error, and whether the published figure lies inside the plan's 80% interval."""
-    rows = [row for entry in json.loads(HOLDOUT.read_text())["files"] for row in parse_measurements(entry)]
+def holdout(catalogue: ProfileCatalogue, path: Path = HOLDOUT) -> dict[str, Any]:
+    """The rows of ``path`` (:data:`HOLDOUT` or :data:`EXTERNAL`), never fitted, predicted with their own kernels
+    mode and with "unknown": error, whether the published figure lies inside the plan's 80% interval, and the
+    predicted peak memory against 95% of the GPU's memory (the issue's bound on every plan)."""
+    rows = [row for entry in json.loads(path.read_text())["files"] for row in parse_measurements(entry)]
     records = []
-    for mode in (None, "unknown"):
-        predicted = predict_rows(rows, catalogue, kernels=mode)
-        for row, value in zip(rows, predicted, strict=True):
-            accelerator = catalogue.profiles[row.accelerator].held_out_log_error
-            framework = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)] if mode else accelerator
-            ratio = math.log(row.measured.tokens_per_s_per_gpu / value)
-            records.append(
-                {
-                    "row": row.key,
-                    "kernels": mode or "own",
-                    "published": row.measured.tokens_per_s_per_gpu,
-                    "predicted": round(value, 1),
-                    "error": round(value / row.measured.tokens_per_s_per_gpu - 1, 4),
-                    "in_interval": _inside(ratio, accelerator, framework),
-                }
-            )
+    with use_catalogue(catalogue):
+        for mode in (None, "unknown"):
+            for row in rows:
+                prediction = predict(row, kernels=mode)
+                if prediction.tokens_per_s_per_gpu is None or prediction.peak_memory_bytes is None:
+                    raise ValueError(f"row {row.key} cannot be predicted: {prediction.reason}")
+                value = prediction.tokens_per_s_per_gpu
+                accelerator = catalogue.profiles[row.accelerator].held_out_log_error
+                framework = accelerator
+                if mode:
+                    framework = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)]
+                ratio = math.log(row.measured.tokens_per_s_per_gpu / value)
+                memory = estimator(row).hardware.memory_bytes
+                records.append(
+                    {
+                        "row": row.key,
+                        "kernels": mode or "own",
+                        "published": row.measured.tokens_per_s_per_gpu,
+                        "predicted": round(value, 1),
+                        "error": round(value / row.measured.tokens_per_s_per_gpu - 1, 4),
+                        "in_interval": _inside(ratio, accelerator, framework),
+                        "peak_gib": round(prediction.peak_memory_bytes / GIB, 1),
+                        "memory_share": round(prediction.peak_memory_bytes / memory, 4),
+                    }
+                )
     summaries = {}
     sources = sorted({r["row"].split("/")[0] for r in records})
     for mode in ("own", "unknown"):
@@ -100,6 +119,7 @@ def holdout(catalogue: ProfileCatalogue) -> dict[str, Any]:
             summaries[mode if source == "all" else f"{mode}, {source}"] = {
                 **summary(errors),
                 "in_interval": round(sum(r["in_interval"] for r in chosen) / len(chosen), 4),
+                "above_95_percent_memory": sum(r["memory_share"] > 0.95 for r in chosen),
             }
     return {"rows": records, "summary": summaries}
 
@@ -173,10 +193,46 @@ def run(iterations: int) -> dict[str, Any]:
         "unknown_kernels_in_interval": round(sum(r["unknown_kernels_in_interval"] for r in records) / len(records), 4),
         "in_interval": round(sum(r["in_interval"] for r in records) / len(records), 4),
         "holdout": holdout(catalogue),
+        "external": holdout(catalogue, EXTERNAL),
         "fit_s": round(fit_s, 1),
         "iterations": result.iterations,
         "catalogue": catalogue.model_dump(mode="json"),
     }
+
+
+def holdout_table(held: dict[str, Any], title: str) -> list[str]:
+    """Markdown lines of a held-out check (:func:`holdout`): summaries by kernels mode and source, then every row."""
+    lines = [
+        f"Held out ({title}):",
+        "",
+        "| kernels (, source) | median | max | within 15% | within 20% | in 80% interval "
+        "| peaks above 95% of the GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, s in held["summary"].items():
+        lines.append(
+            f"| {mode} | {s['median']:.1%} | {s['max']:.1%} | {s['within_15']:.0%} | {s['within_20']:.0%} "
+            f"| {s['in_interval']:.0%} | {s['above_95_percent_memory']} |"
+        )
+    lines += ["", "| held-out row | kernels | published | predicted | error | in 80% interval | peak GiB (of GPU) |"]
+    lines.append("|---|---|---:|---:|---:|---|---:|")
+    for r in held["rows"]:
+        lines.append(
+            f"| {r['row']} | {r['kernels']} | {r['published']:,.0f} | {r['predicted']:,.0f} | {r['error']:+.1%} "
+            f"| {'yes' if r['in_interval'] else 'no'} | {r['peak_gib']} ({r['memory_share']:.0%}) |"
+        )
+    return lines
+
+
+def held_out_tables(report: dict[str, Any]) -> list[str]:
+    """Markdown lines of both held-out checks of a report: torchtitan's later tables, then the external one."""
+    return [
+        *holdout_table(report["holdout"], "bench/data/calibration_holdout.json: published runs the fit never saw"),
+        "",
+        *holdout_table(
+            report["external"], "bench/data/calibration_holdout_external.json: other stacks, GPUs, eras; never fitted"
+        ),
+    ]
 
 
 def table(report: dict[str, Any]) -> str:
@@ -202,23 +258,8 @@ def table(report: dict[str, Any]) -> str:
         f"with its framework ignored): kernels shares by layout class {report['unknown_kernels_shares']}, published "
         f"figure inside that mode's 80% interval in {report['unknown_kernels_in_interval']:.0%} of rows.",
         "",
-        "Held out (bench/data/calibration_holdout.json: published runs the fit never saw):",
-        "",
-        "| kernels (, source) | median | max | within 15% | within 20% | in 80% interval |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
-    for mode, s in report["holdout"]["summary"].items():
-        lines.append(
-            f"| {mode} | {s['median']:.1%} | {s['max']:.1%} | {s['within_15']:.0%} | {s['within_20']:.0%} "
-            f"| {s['in_interval']:.0%} |"
-        )
-    lines += ["", "| held-out row | kernels | published | predicted | error | in 80% interval |"]
-    lines.append("|---|---|---:|---:|---:|---|")
-    for r in report["holdout"]["rows"]:
-        lines.append(
-            f"| {r['row']} | {r['kernels']} | {r['published']:,.0f} | {r['predicted']:,.0f} | {r['error']:+.1%} "
-            f"| {'yes' if r['in_interval'] else 'no'} |"
-        )
+    lines += held_out_tables(report)
     lines += [
         "",
         "| parameter | accelerators | fitted | prior |",
@@ -243,12 +284,33 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def held_out_only(output: Path) -> None:
+    """Both held-out checks under the shipped catalogue (``profiles.json``), without a refit: seconds, no lock."""
+    catalogue = builtin_catalogue()
+    report = {"fitted": catalogue.fitted, "holdout": holdout(catalogue), "external": holdout(catalogue, EXTERNAL)}
+    lines = [f"Shipped profiles ({catalogue.fitted}), no refit.", ""]
+    lines += held_out_tables(report)
+    text = "\n".join(lines)
+    output.write_text(text + "\n")
+    output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=12, help="Gauss–Newton iterations at most")
     parser.add_argument("--write", action="store_true", help="store the catalogue the planner ships")
     parser.add_argument("--output", type=Path, default=RESULTS / "calibration_bench.md")
+    parser.add_argument(
+        "--held-out-only",
+        action="store_true",
+        help="no fit: predict the two held-out files with the shipped profiles.json "
+        "(bench/results/calibration_held_out.{md,json})",
+    )
     args = parser.parse_args()
+    if args.held_out_only:
+        held_out_only(RESULTS / "calibration_held_out.md")
+        return
     report = run(args.iterations)
     text = table(report)
     args.output.write_text(text + "\n")

@@ -33,6 +33,7 @@ from pipesched.optimizer.planner.request import PlanRequest
 
 GIB = 1024**3
 HOLDOUT = Path(__file__).resolve().parents[2] / "bench" / "data" / "calibration_holdout.json"
+EXTERNAL = HOLDOUT.with_name("calibration_holdout_external.json")
 OWN_H100 = Path(__file__).resolve().parents[2] / "bench" / "results" / "device" / "rows.json"
 ROWS = {row.id: row for row in builtin_measurements()}
 TORCHTITAN_8B = ROWS["torchtitan-8b-8-fsdp"]
@@ -382,6 +383,27 @@ def test_held_out_rows_stay_out_of_the_fit_and_unknown_kernels_count_who_publish
     assert shares["replicated"]["fused"] > 0.5 and shares["full"]["eager"] > 0.5
     full = {(row.source, row.accelerator) for row in fitted if row_kernels_class(row) == "full"}
     assert ("torchtitan_h100_202412", "H100-SXM") in full
+
+
+def test_external_held_out_rows_parse_and_stay_out_of_the_fit_and_of_the_torchtitan_holdout() -> None:
+    # the check of layouts written by someone else: other stacks (MaxText, NeMo BF16 at scale, IBM's FSDP)
+    entries = json.loads(EXTERNAL.read_text())["files"]
+    external = [row for entry in entries for row in parse_measurements(entry)]
+    torchtitan = [row for entry in json.loads(HOLDOUT.read_text())["files"] for row in parse_measurements(entry)]
+    assert len(external) >= 20 and len({row.key for row in external}) == len(external)
+    assert len({row.source for row in external}) >= 4
+    assert {row.accelerator for row in external} >= {"A100-80GB", "H100-SXM"}
+    shipped = {row.source for row in builtin_measurements()} | {row.source for row in torchtitan}
+    assert not {row.source for row in external} & shipped
+    assert all(entry["source"]["commit"] and entry["source"]["url"].startswith("https://") for entry in entries)
+
+
+def test_every_external_held_out_run_fits_its_gpu_under_the_memory_model() -> None:
+    # each ran, so its predicted peak (own kernels) stays under 95% of its GPU's memory, the bound on every plan
+    for entry in json.loads(EXTERNAL.read_text())["files"]:
+        for row in parse_measurements(entry):
+            memory = estimator(row).hardware.memory_bytes
+            assert predict(row).peak_memory_bytes <= 0.95 * memory, row.key  # type: ignore[operator]
 
 
 def test_mosaicmls_64_wide_heads_at_long_sequences_are_predicted_as_closely_as_the_128_wide() -> None:
