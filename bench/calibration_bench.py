@@ -15,7 +15,8 @@ predicted with kernels "unknown" (its framework ignored, as for a layout given w
 
 Held out twice: ``bench/data/calibration_holdout.json`` (torchtitan's later tables) and
 ``bench/data/calibration_holdout_external.json`` (other stacks, GPUs and eras: MaxText, NeMo BF16 at scale, IBM's
-FSDP), each row's error, interval and predicted peak against 95% of its GPU's memory.
+FSDP, BLOOM's Megatron-DeepSpeed), each row's error, interval, predicted peak against 95% of its GPU's memory and
+published MFU against the fitted rows' highest.
 
 Run: ``python -m bench.calibration_bench [--write] [--iterations N]``; ``--write`` stores the catalogue the
 planner ships (``optimizer/cost/calibration/profiles.json``). Output: ``bench/results/calibration_bench.{md,json}``.
@@ -50,8 +51,9 @@ from pipesched.optimizer.cost.profile import ProfileCatalogue, builtin_catalogue
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Published runs kept out of the fit: the check of layouts the fit was not given.
 HOLDOUT = Path(__file__).resolve().parent / "data" / "calibration_holdout.json"
-#: Published runs of other stacks, GPUs and eras (MaxText, NeMo BF16 at scale, IBM's FSDP), also never fitted:
-#: the check of layouts written by someone else (``--external`` predicts them with the shipped profiles).
+#: Published runs of other stacks, GPUs and eras (MaxText, NeMo BF16 at scale, IBM's FSDP, BLOOM's
+#: Megatron-DeepSpeed), also never fitted: the check of layouts written by someone else (``--held-out-only``
+#: predicts both files with the shipped profiles).
 EXTERNAL = Path(__file__).resolve().parent / "data" / "calibration_holdout_external.json"
 GIB = 1024**3
 
