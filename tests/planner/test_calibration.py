@@ -397,6 +397,24 @@ def test_external_held_out_rows_parse_and_stay_out_of_the_fit_and_of_the_torchti
     assert not {row.source for row in external} & shipped
     assert all(entry["source"]["commit"] and entry["source"]["url"].startswith("https://") for entry in entries)
 
+    def run(row: Measurement) -> tuple[object, ...]:  # the same run republished under another source's name
+        layout, model = row.layout, row.model
+        return (
+            row.accelerator,
+            row.training.precision,
+            row.num_gpus,
+            layout.tensor_parallel,
+            layout.pipeline_parallel,
+            layout.stages_per_rank,
+            row.training.micro_batch_size,
+            row.training.global_batch_size,
+            model.num_layers,
+            model.hidden_size,
+            model.seq_length,
+        )
+
+    assert not {run(row) for row in external} & {run(row) for row in [*builtin_measurements(), *torchtitan]}
+
 
 def test_every_external_held_out_run_fits_its_gpu_under_the_memory_model() -> None:
     # each ran, so its predicted peak (own kernels) stays under 95% of its GPU's memory, the bound on every plan
