@@ -64,6 +64,7 @@ __all__ = [
     "default_profile",
     "layout_sharding",
     "load_catalogue",
+    "memory_kernels",
     "unknown_kernels_class",
     "use_catalogue",
 ]
@@ -108,6 +109,33 @@ def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str
     if prior is not None:
         return prior
     return "full" if sharding == "full" else "replicated"
+
+
+def memory_kernels(sharding: str | None, pipeline_parallel: int = 1, stages_per_rank: int = 1) -> tuple[str, ...]:
+    """The kernels modes whose frameworks can run a layout at all: kernels "unknown" bounds its memory by the
+    largest of theirs (:func:`pipesched.optimizer.cost.stages.blended`; its time stays the class's share-weighted
+    mix). ``sharding`` is the layout's data-parallel sharding (:func:`layout_sharding`; ``None``: none).
+
+    Optimizer state or gradients sharded over replicated weights (ZeRO-1/2: ``optimizer``, ``gradients``) beside
+    a pipeline that the PyTorch-native stacks (eager or compiled kernels) do not pair with them is Megatron-Core's
+    (hand-fused kernels: Megatron-LM, NeMo, Megatron Bridge) alone:
+
+    - torchtitan shards state only by sharding the weights (FSDP2 ``fully_shard``, over a replicate × shard mesh;
+      with tensor or pipeline parallelism data parallelism is FSDP/HSDP, DDP being 1-D only until it too became
+      ``fully_shard`` over a replicate mesh: ``torchtitan/models/llama3/infra/parallelize.py`` at 81c1243,
+      ``torchtitan/models/llama3/parallelize.py`` at b5bcd76): no ZeRO-1/2;
+    - llm-foundry/Composer (FSDP ``SHARD_GRAD_OP``, the ZeRO-2 runs of the calibration data) has no pipeline;
+    - DeepSpeed refuses ZeRO-2 with its pipeline ("ZeRO-2 and ZeRO-3 are incompatible with pipeline
+      parallelism", ``deepspeed/runtime/pipe/engine.py``) and its ``TrainSchedule`` runs one stage per rank, so
+      ZeRO-1 with virtual stages is not DeepSpeed's either (its ZeRO-1/2 with tensor parallelism alone, AutoTP
+      on eager Hugging Face models, ``docs/_tutorials/autotp-training.md``, is: those layouts keep every mode).
+
+    So ZeRO-1/2 with virtual pipeline stages, and ZeRO-2 with any pipeline, take the fused mode's memory; every
+    other layout every mode's (a plan that fits then fits whatever framework runs it)."""
+    beside_pipeline = pipeline_parallel > 1 and (stages_per_rank > 1 or sharding == "gradients")
+    if sharding in ("optimizer", "gradients") and beside_pipeline:
+        return ("fused",)
+    return RUN_KERNELS
 
 
 class SoftwareProfile(StrictModel):

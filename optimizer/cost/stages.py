@@ -65,6 +65,7 @@ from pipesched.optimizer.cost.profile import (
     active_catalogue,
     default_profile,
     layout_sharding,
+    memory_kernels,
 )
 from pipesched.optimizer.cost.timing import (
     Hardware,
@@ -332,8 +333,8 @@ def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
     allocator fragments); the software's ``fused_activation_memory_factor`` with hand-fused kernels —
     Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published Megatron
     layouts run where the eager factor would not fit them (Megatron Bridge's Qwen3-235B-A22B recipe on 256 H100s:
-    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation). Kernels "unknown" hold the larger of the modes'
-    (:func:`blended`): a plan that fits then fits whatever the framework."""
+    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation). Kernels "unknown" hold the largest of the modes
+    whose frameworks run the layout (:func:`blended`): a plan that fits then fits whatever framework runs it."""
     if model.kernels == "fused":
         return hardware.software.fused_activation_memory_factor
     return hardware.profile.activation_memory_factor
@@ -527,6 +528,7 @@ def transformer_layer(
     context_parallel: ContextParallel | None = None,
     expert_parallel: ExpertParallel | None = None,
     sharding: str | None = None,
+    memory_modes: tuple[str, ...] = RUN_KERNELS,
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
@@ -549,7 +551,8 @@ def transformer_layer(
     added to F and I); ``expert_parallel`` shards the routed experts and adds the exposed all-to-alls to F and I.
     With expert parallelism the experts run whole on each rank, so tensor parallelism's collectives cover the
     attention half only. Kernels "unknown": the expected layer over the frameworks that run the layout's
-    data-parallel ``sharding`` (:func:`blended`; ``None``: no data parallelism).
+    data-parallel ``sharding`` (:func:`blended`; ``None``: no data parallelism), its memory the largest of
+    ``memory_modes`` (:func:`~pipesched.optimizer.cost.profile.memory_kernels` of the layout).
     """
     if model.kernels == "unknown":
         said = partial(
@@ -561,7 +564,7 @@ def transformer_layer(
             context_parallel=context_parallel,
             expert_parallel=expert_parallel,
         )
-        return blended(said, model, hardware, sharding)
+        return blended(said, model, hardware, sharding, memory_modes)
     t, sequence_parallel = _tp(tensor_parallel)
     c = _cp(context_parallel)
     ep, _ = _ep(expert_parallel)
@@ -615,14 +618,19 @@ def transformer_layer(
 
 
 def blended(
-    make: Callable[[ModelConfig], Block], model: ModelConfig, hardware: Hardware, sharding: str | None
+    make: Callable[[ModelConfig], Block],
+    model: ModelConfig,
+    hardware: Hardware,
+    sharding: str | None,
+    memory_modes: tuple[str, ...] = RUN_KERNELS,
 ) -> Block:
     """``make(model)``, or with kernels "unknown" the expected block over the frameworks that run the layout: the
     times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's
     data-parallel ``sharding``, or of the model's ``kernels_prior``: the share of each mode among the published
-    runs of that class), the memory the
-    largest of every mode's (a plan that fits then fits whatever the framework). The expected time, not the
-    expected speed: a pass's time is what its share of the runs spends."""
+    runs of that class), the memory the largest of ``memory_modes``' (the modes whose frameworks can run the
+    layout at all, :func:`~pipesched.optimizer.cost.profile.memory_kernels`: a plan that fits then fits whatever
+    framework runs it). The expected time, not the expected speed: a pass's time is what its share of the runs
+    spends. The block's partition into stages, and so the schedule's peak, still follows the expected times."""
     if model.kernels != "unknown":
         return make(model)
     shares = hardware.software.kernels_shares("unknown", sharding, model.kernels_prior)
@@ -632,16 +640,17 @@ def blended(
     def expected(name: str) -> float:
         return sum(share * getattr(blocks[mode], name) for mode, share in shares.items()) / total
 
-    largest = max(blocks.values(), key=lambda block: block.activation_bytes)
+    running = [blocks[mode] for mode in memory_modes]
+    largest = max(running, key=lambda block: block.activation_bytes)
     return Block(
         forward_ms=expected("forward_ms"),
         backward_input_ms=expected("backward_input_ms"),
         backward_weight_ms=expected("backward_weight_ms"),
         activation_bytes=largest.activation_bytes,
-        retained_bytes=max(block.retained_bytes for block in blocks.values()),
+        retained_bytes=max(block.retained_bytes for block in running),
         parameters=largest.parameters,
         expert_parameters=largest.expert_parameters,
-        transient_bytes=max(block.transient_bytes for block in blocks.values()),
+        transient_bytes=max(block.transient_bytes for block in running),
     )
 
 
@@ -686,6 +695,7 @@ def head_block(
     separate_copy: bool = True,
     context_parallel: int = 1,
     sharding: str | None = None,
+    memory_modes: tuple[str, ...] = RUN_KERNELS,
 ) -> Block:
     """Final norm, LM head and cross-entropy loss on the last stage.
 
@@ -699,7 +709,7 @@ def head_block(
     head input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
     ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
     rank computes the logits of s/c tokens.
-    ``sharding``: kernels "unknown" as in :func:`transformer_layer`.
+    ``sharding``, ``memory_modes``: kernels "unknown" as in :func:`transformer_layer`.
     """
     if model.kernels == "unknown":
         return blended(
@@ -709,6 +719,7 @@ def head_block(
             model,
             hardware,
             sharding,
+            memory_modes,
         )
     t, _ = _tp(tensor_parallel)
     b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
@@ -943,13 +954,15 @@ def _stage_blocks(
     model: ModelConfig,
     cluster: ClusterConfig,
     hardware: Hardware,
-    num_stages: int,
+    pipeline: Pipeline,
     tensor_parallel: TensorParallel | None,
     data_parallel: DataParallel | None,
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
 ) -> _StageBlocks:
     sharding = layout_sharding(data_parallel.sharding, data_parallel.size) if data_parallel is not None else None
+    memory_modes = memory_kernels(sharding, pipeline.num_ranks, pipeline.stages_per_rank)
+    num_stages = pipeline.num_stages
 
     def layer(moe: bool) -> Block:
         return transformer_layer(
@@ -961,12 +974,19 @@ def _stage_blocks(
             context_parallel=context_parallel,
             expert_parallel=expert_parallel,
             sharding=sharding,
+            memory_modes=memory_modes,
         )
 
     c = _cp(context_parallel)
     dense = layer(False)
     head = head_block(
-        model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c, sharding=sharding
+        model,
+        hardware,
+        tensor_parallel,
+        separate_copy=num_stages > 1,
+        context_parallel=c,
+        sharding=sharding,
+        memory_modes=memory_modes,
     )
     return _StageBlocks(
         model,
@@ -1066,7 +1086,7 @@ def derive_problem(
         + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
     )
     blocks = _stage_blocks(
-        model, cluster, hardware, num_stages, tensor_parallel, data_parallel, context_parallel, expert_parallel
+        model, cluster, hardware, pipeline, tensor_parallel, data_parallel, context_parallel, expert_parallel
     )
     headroom = headroom_bytes(cluster, hardware)
     limit = hardware.memory_bytes - headroom

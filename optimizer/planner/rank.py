@@ -22,7 +22,13 @@ from dataclasses import astuple, dataclass, field
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import ANY_KERNELS_CLASS, layout_sharding, unknown_kernels_class
+from pipesched.optimizer.cost.profile import (
+    ANY_KERNELS_CLASS,
+    RUN_KERNELS,
+    layout_sharding,
+    memory_kernels,
+    unknown_kernels_class,
+)
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
@@ -257,9 +263,15 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         whose = {"full": "published FSDP runs", "replicated": "published runs with replicated weights"}.get(
             unknown_kernels_class(sharding, estimator.model.kernels_prior), "all published runs"
         )
+        memory = memory_kernels(sharding, best.pipeline_parallel, best.stages_per_rank)
+        held = (
+            "the largest of the three kernels modes'"
+            if memory == RUN_KERNELS
+            else f"that of {' and '.join(memory)} kernels alone (only their frameworks run the best plan's layout)"
+        )
         notes.append(
-            f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}); "
-            "say training.kernels (eager, compiled, fused) for your framework's figure"
+            f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}), "
+            f"its peak memory {held}; say training.kernels (eager, compiled, fused) for your framework's figure"
         )
     if answer_plans:
         best = answer_plans[0]

@@ -25,7 +25,13 @@ from pipesched.optimizer.cost.calibration.measurements import (
     parse_measurements,
 )
 from pipesched.optimizer.cost.overlap import stage_overlap
-from pipesched.optimizer.cost.profile import RUN_KERNELS, SoftwareProfile, builtin_catalogue, load_catalogue
+from pipesched.optimizer.cost.profile import (
+    RUN_KERNELS,
+    SoftwareProfile,
+    builtin_catalogue,
+    load_catalogue,
+    memory_kernels,
+)
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.prune import Estimate
 from pipesched.optimizer.planner.rank import plan
@@ -422,6 +428,49 @@ def test_every_external_held_out_run_fits_its_gpu_under_the_memory_model() -> No
         for row in parse_measurements(entry):
             memory = estimator(row).hardware.memory_bytes
             assert predict(row).peak_memory_bytes <= 0.95 * memory, row.key  # type: ignore[operator]
+
+
+NEMO_70B_FP8 = "dgxc2504-llama31-70b-512-fp8"
+
+
+def test_kernels_not_said_bound_memory_by_the_frameworks_that_run_the_layout() -> None:
+    # NeMo 25.02's Llama 3.1 70B FP8 on 512 H100s (TP 4 x PP 8 x VP 5, ZeRO-1, no recomputation) ran: with kernels
+    # not said its memory was every mode's largest (85 GiB, 107% of the GPU; torch.compile's), though no eager or
+    # compiled PyTorch stack runs ZeRO-1 with virtual pipeline stages: Megatron-Core's fused kernels bound it
+    rows = {row.id: row for entry in json.loads(EXTERNAL.read_text())["files"] for row in parse_measurements(entry)}
+    row = rows[NEMO_70B_FP8]
+    memory = estimator(row).hardware.memory_bytes
+    peaks = {mode: predict(row, kernels=mode).peak_memory_bytes for mode in ("unknown", *RUN_KERNELS)}
+    assert peaks["unknown"] == pytest.approx(peaks["fused"], rel=1e-6)
+    assert peaks["unknown"] <= 0.95 * memory < max(peaks["eager"], peaks["compiled"])  # type: ignore[operator]
+    assert memory_kernels("optimizer", 8, 5) == ("fused",) == memory_kernels("gradients", 8, 1)
+    # the layouts PyTorch stacks run keep every mode's memory: ZeRO-1 without virtual stages (DeepSpeed's
+    # pipeline), FSDP with them (torchtitan), replicated weights without a pipeline
+    assert memory_kernels("optimizer", 8, 1) == memory_kernels("full", 8, 5) == memory_kernels(None, 1, 1)
+    assert memory_kernels("optimizer", 1, 1) == RUN_KERNELS
+    # the plan request pinned to the run's layout, framework not said, now plans it, within the GPU less headroom;
+    # said eager it is still refused (memory limits hold)
+    pins = {
+        "tensor_parallel": [4],
+        "pipeline_parallel": [8],
+        "stages_per_rank": [5],
+        "data_parallel_size": [16],
+        "sharding": ["optimizer"],
+        "micro_batch_size": [1],
+        "activation_recomputation": ["none"],
+        "method": ["interleaved-1f1b"],
+        "precision": ["fp8"],
+    }
+    fields: dict[str, Any] = {"search": pins, "cluster": {"gpus_per_node": 8}}
+    answer = plan(plan_request("llama3.1-70b", 64, 1024, training={"precision": "fp8"}, **fields)).answer
+    assert answer.plans and answer.plans[0].peak_memory_bytes <= 0.95 * memory
+    assert any("that of fused kernels alone" in note for note in answer.notes)
+    with pytest.raises(ValidationError, match="no configuration fits"):
+        plan(plan_request("llama3.1-70b", 64, 1024, training={"precision": "fp8", "kernels": "eager"}, **fields))
+    # without virtual stages the same ZeRO-1 layout keeps eager PyTorch's memory (DeepSpeed's pipeline runs it)
+    layout = row.layout.model_copy(update={"stages_per_rank": 1, "schedule": "1f1b"})
+    flat = {mode: predict(row.model_copy(update={"layout": layout}), kernels=mode) for mode in ("unknown", "eager")}
+    assert flat["unknown"].peak_memory_bytes >= 0.999 * flat["eager"].peak_memory_bytes  # type: ignore[operator]
 
 
 def test_mosaicmls_64_wide_heads_at_long_sequences_are_predicted_as_closely_as_the_128_wide() -> None:
