@@ -267,7 +267,9 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         held = (
             "the largest of the three kernels modes'"
             if memory == RUN_KERNELS
-            else f"that of {' and '.join(memory)} kernels alone (only their frameworks run the best plan's layout)"
+            else f"that of {' and '.join(memory)} kernels alone: only Megatron-Core runs the best plan's layout "
+            "(`pipesched launch --target megatron`; torchtitan's hand-off keeps the weights gathered under FSDP on "
+            "its own kernels, which need more)"
         )
         notes.append(
             f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}), "
