@@ -18,7 +18,7 @@
   PyTorch's FSDP stacks (torchtitan, llm-foundry, NeMo AutoModel, Megatron's FSDP); replicated weights (DDP,
   ZeRO-1/2) Megatron-LM and NeMo's distributed optimizer (torchtitan has none); each with model parallelism (a
   tensor, pipeline, context or expert degree > 1) a class of its own, which fewer frameworks run (Composer has no
-  pipeline, context or expert parallelism; torchtitan's DDP no second dimension). The share of each kernels mode
+  pipeline or context parallelism; torchtitan's DDP refused a second mesh dimension). The share of each kernels mode
   in a class is that of the calibration data's source-and-accelerator groups of the class, each group one vote
   (:func:`unknown_kernels_shares`): a stated prior from who published what, counted, not fitted to the errors.
   Before, one elementwise-traffic factor was fitted over every row, each kernels mode weighing the same: it

@@ -94,8 +94,8 @@ SHARDING_CLASSES = ("full", "replicated")
 #: Tag of a layout with model parallelism (tensor, pipeline, context or expert degree > 1), :func:`layout_sharding`.
 MODEL_PARALLEL = "model-parallel"
 #: Classes of layouts by who publishes runs of them (:func:`unknown_kernels_class`): each sharding class, and its
-#: layouts with model parallelism, which fewer frameworks run (Composer runs no pipeline, context or expert
-#: parallelism; torchtitan's DDP refuses any other dimension beside it).
+#: layouts with model parallelism, which fewer frameworks run (Composer has no pipeline or context parallelism;
+#: torchtitan's DDP refused a second mesh dimension).
 UNKNOWN_KERNELS_CLASSES = (*SHARDING_CLASSES, *(f"{name}+{MODEL_PARALLEL}" for name in SHARDING_CLASSES))
 
 
@@ -124,9 +124,10 @@ def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str
     (FSDP / ZeRO-3: the weights sharded and gathered per unit, PyTorch's FSDP: torchtitan, llm-foundry, NeMo
     AutoModel, Megatron's FSDP) or "replicated" (every rank holds the weights: DDP, ZeRO-1/2, Megatron's
     distributed optimizer, which torchtitan does not run; ``None``: no data parallelism), each with
-    "+model-parallel" where the layout has tensor, pipeline, context or expert parallelism: Composer (llm-foundry)
-    runs none of pipeline, context or expert parallelism, and torchtitan's DDP refuses any dimension beside it
-    (``parallelize_llama``: "DDP has not supported > 1D parallelism"), so fewer frameworks publish such layouts.
+    "+model-parallel" where the layout has tensor, pipeline, context or expert parallelism, which fewer frameworks
+    publish: MosaicML's runs (Composer: no pipeline or context parallelism) are data parallel only, and torchtitan's
+    DDP refused a second mesh dimension (``parallelize_llama`` through 2025: "DDP has not supported > 1D
+    parallelism"), so every published replicated-weight layout with model parallelism is Megatron's or NeMo's.
     ``prior`` (the model's ``kernels_prior``), when given, is the class whatever the layout: a search over layouts
     of several classes counts the runs of their sharding class, or of both ("any"), so that no layout is favoured
     for the frameworks that publish it."""

@@ -385,7 +385,7 @@ def test_held_out_rows_stay_out_of_the_fit_and_unknown_kernels_count_who_publish
 
 
 def test_a_layout_with_model_parallelism_takes_the_frameworks_that_publish_such_layouts() -> None:
-    # Composer runs no pipeline, context or expert parallelism and torchtitan's DDP no second dimension: every
+    # MosaicML's runs are data parallel only and torchtitan's DDP refused a second mesh dimension: every
     # published replicated-weight layout with model parallelism is Megatron's or NeMo's (fused), MosaicML's eager
     # ZeRO-2 runs vote for data-parallel-only layouts only
     fitted = fitting_measurements()
