@@ -115,7 +115,7 @@ def layout_sharding(sharding: str | None, copies: int, *, model_parallel: bool =
 
 
 def is_model_parallel(*degrees: int) -> bool:
-    """Whether a layout of these tensor, pipeline (stages), context and expert degrees has model parallelism."""
+    """Whether a layout of these tensor, pipeline, context and expert degrees has model parallelism."""
     return max(degrees, default=1) > 1
 
 
