@@ -59,11 +59,11 @@ from pipesched.optimizer.cost.memory import (
     static_bytes_per_parameter_sharded,
 )
 from pipesched.optimizer.cost.profile import (
-    RUN_KERNELS,
     AcceleratorProfile,
     SoftwareProfile,
     active_catalogue,
     default_profile,
+    is_model_parallel,
     layout_sharding,
 )
 from pipesched.optimizer.cost.timing import (
@@ -618,15 +618,16 @@ def blended(
     make: Callable[[ModelConfig], Block], model: ModelConfig, hardware: Hardware, sharding: str | None
 ) -> Block:
     """``make(model)``, or with kernels "unknown" the expected block over the frameworks that run the layout: the
-    times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's
-    data-parallel ``sharding``, or of the model's ``kernels_prior``: the share of each mode among the published
-    runs of that class), the memory the
-    largest of every mode's (a plan that fits then fits whatever the framework). The expected time, not the
-    expected speed: a pass's time is what its share of the runs spends."""
+    times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's class,
+    ``sharding`` as :func:`~pipesched.optimizer.cost.profile.layout_sharding` gives it, or of the model's
+    ``kernels_prior``: the share of each mode among the published runs of that class), the memory the largest of
+    those modes' (a plan that fits then fits whichever of those frameworks runs it; a mode no published run of the
+    class ran neither times nor sizes it). The expected time, not the expected speed: a pass's time is what its
+    share of the runs spends."""
     if model.kernels != "unknown":
         return make(model)
     shares = hardware.software.kernels_shares("unknown", sharding, model.kernels_prior)
-    blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in RUN_KERNELS}
+    blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in shares}
     total = sum(shares.values())
 
     def expected(name: str) -> float:
@@ -939,6 +940,19 @@ class _StageBlocks:
         return self.static_bytes(block) + transient + block.activation_bytes + block.transient_bytes
 
 
+def _layout_sharding(
+    data_parallel: DataParallel | None,
+    degrees: tuple[TensorParallel | None, int, ContextParallel | None, ExpertParallel | None],
+) -> str | None:
+    """The layout's class key for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.layout_sharding`) from
+    its data parallelism and its (tensor, pipeline ranks, context, expert) parallelism."""
+    tensor, pipeline, context, expert = degrees
+    parallel = is_model_parallel(_tp(tensor)[0], pipeline, _cp(context), _ep(expert)[0])
+    if data_parallel is None:
+        return layout_sharding(None, 1, model_parallel=parallel)
+    return layout_sharding(data_parallel.sharding, data_parallel.size, model_parallel=parallel)
+
+
 def _stage_blocks(
     model: ModelConfig,
     cluster: ClusterConfig,
@@ -948,8 +962,8 @@ def _stage_blocks(
     data_parallel: DataParallel | None,
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
+    sharding: str | None,
 ) -> _StageBlocks:
-    sharding = layout_sharding(data_parallel.sharding, data_parallel.size) if data_parallel is not None else None
 
     def layer(moe: bool) -> Block:
         return transformer_layer(
@@ -1066,7 +1080,15 @@ def derive_problem(
         + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
     )
     blocks = _stage_blocks(
-        model, cluster, hardware, num_stages, tensor_parallel, data_parallel, context_parallel, expert_parallel
+        model,
+        cluster,
+        hardware,
+        num_stages,
+        tensor_parallel,
+        data_parallel,
+        context_parallel,
+        expert_parallel,
+        _layout_sharding(data_parallel, (tensor_parallel, num_ranks, context_parallel, expert_parallel)),
     )
     headroom = headroom_bytes(cluster, hardware)
     limit = hardware.memory_bytes - headroom
