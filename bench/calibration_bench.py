@@ -21,7 +21,8 @@ published MFU against the fitted rows' highest.
 Run: ``python -m bench.calibration_bench [--write] [--iterations N]``; ``--write`` stores the catalogue the
 planner ships (``optimizer/cost/calibration/profiles.json``). Output: ``bench/results/calibration_bench.{md,json}``.
 ``--held-out-only`` predicts both held-out files with the shipped catalogue, no fit (seconds):
-``bench/results/calibration_held_out.{md,json}``.
+``bench/results/calibration_held_out.{md,json}``. ``--unknown-only`` refits nothing and recounts kernels
+"unknown" over the shipped fit (``bench/results/calibration_unknown_kernels.json``).
 """
 
 from __future__ import annotations
@@ -97,9 +98,7 @@ def holdout(catalogue: ProfileCatalogue, path: Path = HOLDOUT) -> dict[str, Any]
                     raise ValueError(f"row {row.key} cannot be predicted: {prediction.reason}")
                 value = prediction.tokens_per_s_per_gpu
                 accelerator = catalogue.profiles[row.accelerator].held_out_log_error
-                framework = accelerator
-                if mode:
-                    framework = catalogue.software.unknown_kernels_log_error[row_kernels_class(row)]
+                framework = catalogue.software.class_log_error(row_kernels_class(row)) if mode else accelerator
                 ratio = math.log(row.measured.tokens_per_s_per_gpu / value)
                 memory = estimator(row).hardware.memory_bytes
                 ceiling = catalogue.profiles[row.accelerator].max_measured_mfu
@@ -172,7 +171,7 @@ def run(iterations: int) -> dict[str, Any]:
                     "unknown_kernels_in_interval": _inside(
                         unknown_errors[i],
                         (low, high),
-                        catalogue.software.unknown_kernels_log_error[row_kernels_class(row)],
+                        catalogue.software.class_log_error(row_kernels_class(row)),
                     ),
                     "in_interval": predicted[i] * math.exp(low)
                     <= row.measured.tokens_per_s_per_gpu
@@ -305,6 +304,30 @@ def held_out_only(output: Path) -> None:
     print(text)
 
 
+def unknown_only(write: bool) -> None:
+    """``--unknown-only``: kernels "unknown" recounted over the shipped fit (the fit predicts every row with its own
+    kernels, so no fitted value depends on them), the held-out rows predicted before and after."""
+    shipped = builtin_catalogue()
+    catalogue, _ = fit_unknown_kernels(fitting_measurements(), shipped)
+    software = catalogue.software
+    report = {
+        "unknown_kernels_shares": software.unknown_kernels_shares,
+        "unknown_kernels_log_error": software.unknown_kernels_log_error,
+        "holdout_before": holdout(shipped)["summary"],
+        "holdout_after": holdout(catalogue),
+    }
+    (RESULTS / "calibration_unknown_kernels.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({key: value for key, value in report.items() if key != "holdout_after"}, indent=1))
+    print(json.dumps(report["holdout_after"]["summary"], indent=1))
+    if write:
+        target = Path(str(resources.files("pipesched.optimizer.cost.calibration") / "profiles.json"))
+        document = json.loads(target.read_text())
+        for name in ("unknown_kernels_shares", "unknown_kernels_log_error"):
+            document["software"][name] = report[name]
+        target.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {target}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=12, help="Gauss–Newton iterations at most")
@@ -316,9 +339,18 @@ def main() -> None:
         help="no fit: predict the two held-out files with the shipped profiles.json "
         "(bench/results/calibration_held_out.{md,json})",
     )
+    parser.add_argument(
+        "--unknown-only",
+        action="store_true",
+        help="no refit: the shipped catalogue's kernels-'unknown' shares and intervals recounted, and the held-out "
+        "rows predicted (with --write, only those fields stored)",
+    )
     args = parser.parse_args()
     if args.held_out_only:
         held_out_only(RESULTS / "calibration_held_out.md")
+        return
+    if args.unknown_only:
+        unknown_only(args.write)
         return
     report = run(args.iterations)
     text = table(report)

@@ -134,9 +134,11 @@ class ModelConfig(BaseModel):
         None,
         description='With kernels "unknown": whose published runs the expected time counts. "full" (FSDP layouts: '
         'mostly eager PyTorch), "replicated" (DDP, ZeRO-1/2, no data parallelism: mostly hand-fused), "any" (both '
-        'classes, each one vote). null: the class of the layout\'s own sharding. The planner sets "any" when '
-        "its search spans layouts of both classes, so that no layout is favoured for the frameworks that publish "
-        "it.",
+        "classes, each one vote). null: the class of the layout's own sharding and, where it has tensor, pipeline, "
+        "context or expert parallelism, of the published runs with model parallelism in that class. The planner "
+        'sets "any" when its search spans layouts of both sharding classes, the sharding class when it spans '
+        "layouts with and without model parallelism in one, so that no layout is favoured for the frameworks that "
+        "publish it.",
     )
     layers_per_stage: list[int] | None = Field(
         None,

@@ -16,7 +16,9 @@
   (:func:`pipesched.optimizer.cost.stages.blended`). Its kind is its data-parallel sharding
   (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`): fully sharded weights (FSDP, ZeRO-3) are
   PyTorch's FSDP stacks (torchtitan, llm-foundry, NeMo AutoModel, Megatron's FSDP); replicated weights (DDP,
-  ZeRO-1/2) Megatron-LM and NeMo's distributed optimizer (torchtitan has none). The share of each kernels mode
+  ZeRO-1/2) Megatron-LM and NeMo's distributed optimizer (torchtitan has none); each with model parallelism (a
+  tensor, pipeline, context or expert degree > 1) a class of its own, which fewer frameworks run (Composer has no
+  pipeline or context parallelism; torchtitan's DDP refused a second mesh dimension). The share of each kernels mode
   in a class is that of the calibration data's source-and-accelerator groups of the class, each group one vote
   (:func:`unknown_kernels_shares`): a stated prior from who published what, counted, not fitted to the errors.
   Before, one elementwise-traffic factor was fitted over every row, each kernels mode weighing the same: it
@@ -41,11 +43,14 @@ from pipesched.optimizer.calibration.predict import estimator, kernels_mode
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import (
     RUN_KERNELS,
+    SHARDING_CLASSES,
     UNKNOWN_KERNELS_CLASSES,
     AcceleratorProfile,
     ProfileCatalogue,
     SoftwareProfile,
+    is_model_parallel,
     layout_sharding,
+    sharding_class,
     unknown_kernels_class,
 )
 from pipesched.optimizer.planner.evaluate import model_flops_per_token
@@ -87,21 +92,28 @@ def measured_mfu(row: Measurement) -> float:
 
 def row_kernels_class(row: Measurement) -> str:
     """The layout class of a row for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`
-    of its data-parallel sharding; none without data parallelism)."""
-    return unknown_kernels_class(
-        layout_sharding(row.layout.sharding, row.layout.data_parallel * row.layout.context_parallel)
+    of its data-parallel sharding, none without data parallelism, tagged where it has model parallelism)."""
+    layout = row.layout
+    parallel = is_model_parallel(
+        layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
     )
+    copies = layout.data_parallel * layout.context_parallel
+    return unknown_kernels_class(layout_sharding(layout.sharding, copies, model_parallel=parallel))
 
 
-def _group(row: Measurement) -> tuple[str, str, str, str]:
-    """A row's vote for kernels "unknown": its layout class, kernels mode, source and accelerator."""
-    return row_kernels_class(row), kernels_mode(row), row.source, row.accelerator
+def _group(row: Measurement, *, whole: bool = False) -> tuple[str, str, str, str]:
+    """A row's vote for kernels "unknown": its layout class (``whole``: its sharding class, model parallelism or
+    not), kernels mode, source and accelerator."""
+    name = row_kernels_class(row)
+    return sharding_class(name) if whole else name, kernels_mode(row), row.source, row.accelerator
 
 
 def unknown_kernels_shares(rows: Sequence[Measurement]) -> dict[str, dict[str, float]]:
     """By layout class, the share of each kernels mode among the rows' source-and-accelerator groups of that
-    class, each group one vote (module docstring); a class without rows takes every mode's equal share."""
-    groups = {_group(row) for row in rows}
+    class, each group one vote (module docstring): a sharding class counts all its rows' groups, its
+    model-parallel class only those of rows with model parallelism; a class without rows takes every mode's equal
+    share."""
+    groups = {_group(row) for row in rows} | {_group(row, whole=True) for row in rows}
     shares: dict[str, dict[str, float]] = {}
     for name in UNKNOWN_KERNELS_CLASSES:
         votes = Counter(mode for kind, mode, _, _ in groups if kind == name)
@@ -110,35 +122,53 @@ def unknown_kernels_shares(rows: Sequence[Measurement]) -> dict[str, dict[str, f
     return shares
 
 
-def class_weights(rows: Sequence[Measurement]) -> list[float]:
-    """Each row's weight in its class's interval for kernels "unknown": within a class every source, accelerator
-    and kernels-mode group weighs the same (not every row: MosaicML's 216 rows are one framework)."""
-    keys = [_group(row) for row in rows]
+def class_weights(rows: Sequence[Measurement], *, whole: bool = False) -> list[float]:
+    """Each row's weight in its class's interval for kernels "unknown" (``whole``: its sharding class's): within a
+    class every source, accelerator and kernels-mode group weighs the same (not every row: MosaicML's 216 rows are
+    one framework)."""
+    keys = [_group(row, whole=whole) for row in rows]
     groups = Counter(keys)
     return [1.0 / groups[key] for key in keys]
+
+
+def _log_errors(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> list[float]:
+    predicted = predict_rows(rows, catalogue, kernels="unknown")
+    return [math.log(row.measured.tokens_per_s_per_gpu / p) for row, p in zip(rows, predicted, strict=True)]
+
+
+def _interval(errors: list[float], weights: list[float], members: list[int]) -> tuple[float, float]:
+    """The weighted 10th and 90th percentile of ``errors`` over ``members`` (every row where there are none)."""
+    chosen = [errors[i] for i in members] or errors
+    chosen_weights = [weights[i] for i in members] or weights
+    return (
+        round(weighted_quantile(chosen, chosen_weights, 0.1), 4),
+        round(weighted_quantile(chosen, chosen_weights, 0.9), 4),
+    )
 
 
 def fit_unknown_kernels(
     rows: Sequence[Measurement], catalogue: ProfileCatalogue
 ) -> tuple[ProfileCatalogue, list[float]]:
     """``catalogue`` with the shares and intervals of kernels ``unknown`` set from ``rows`` (module docstring),
-    and each row's log(published / predicted) in that mode."""
+    and each row's log(published / predicted) in that mode. A sharding class's interval is that of its rows
+    predicted with its own shares (as a search over both its model-parallel and other layouts predicts them:
+    :func:`pipesched.optimizer.planner.rank.plan`), a model-parallel class's that of its rows with theirs."""
     software = catalogue.software.model_copy(deep=True)
     software.unknown_kernels_shares = unknown_kernels_shares(rows)
     result = catalogue.model_copy(update={"software": software})
-    predicted = predict_rows(rows, result, kernels="unknown")
-    errors = [math.log(row.measured.tokens_per_s_per_gpu / p) for row, p in zip(rows, predicted, strict=True)]
-    weights = class_weights(rows)
+    errors = _log_errors(rows, result)
+    whole_shares = {name: software.unknown_kernels_shares[name] for name in SHARDING_CLASSES}
+    whole = software.model_copy(update={"unknown_kernels_shares": whole_shares})
+    whole_errors = _log_errors(rows, result.model_copy(update={"software": whole}))
+    kinds = [row_kernels_class(row) for row in rows]
     intervals = {}
     for name in UNKNOWN_KERNELS_CLASSES:
-        own = [i for i, row in enumerate(rows) if row_kernels_class(row) == name]
-        chosen, chosen_weights = [errors[i] for i in own], [weights[i] for i in own]
-        if not own:  # no published run of the class: every row's spread
-            chosen, chosen_weights = errors, weights
-        intervals[name] = (
-            round(weighted_quantile(chosen, chosen_weights, 0.1), 4),
-            round(weighted_quantile(chosen, chosen_weights, 0.9), 4),
-        )
+        if name in SHARDING_CLASSES:
+            members = [i for i, kind in enumerate(kinds) if sharding_class(kind) == name]
+            intervals[name] = _interval(whole_errors, class_weights(rows, whole=True), members)
+        else:
+            members = [i for i, kind in enumerate(kinds) if kind == name]
+            intervals[name] = _interval(errors, class_weights(rows), members)
     software.unknown_kernels_log_error = intervals
     return result, errors
 

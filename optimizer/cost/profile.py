@@ -29,8 +29,8 @@ or to a user's own runs (``pipesched calibrate``). Where each enters the time of
 Software (the same on every accelerator, :class:`SoftwareProfile`): the elementwise traffic of eager PyTorch,
 ``torch.compile`` and hand-fused kernels relative to Megatron's fused kernels, kernels per layer pass and the
 CPU time of each (eager dispatch), and the bytes an FP8 cast moves per element; for kernels not said
-("unknown"), the share of each mode among the published runs of a layout's class (its data-parallel sharding)
-and that class's interval.
+("unknown"), the share of each mode among the published runs of a layout's class (its data-parallel sharding,
+and whether it has model parallelism) and that class's interval.
 
 ``held_out_log_error`` (the 10th and 90th percentile of log(published / predicted) over the leave-one-out
 fits) gives every plan its 80% interval; ``max_measured_mfu`` the highest MFU in the calibration data.
@@ -54,7 +54,9 @@ from pipesched.optimizer.field_errors import StrictModel
 __all__ = [
     "ANY_KERNELS_CLASS",
     "KERNELS",
+    "MODEL_PARALLEL",
     "RUN_KERNELS",
+    "SHARDING_CLASSES",
     "UNKNOWN_KERNELS_CLASSES",
     "AcceleratorProfile",
     "ProfileCatalogue",
@@ -62,9 +64,10 @@ __all__ = [
     "active_catalogue",
     "builtin_catalogue",
     "default_profile",
+    "is_model_parallel",
     "layout_sharding",
     "load_catalogue",
-    "memory_kernels",
+    "sharding_class",
     "unknown_kernels_class",
     "use_catalogue",
 ]
@@ -85,57 +88,60 @@ _DEFAULTS: dict[str, dict[str, float]] = {
     "cpu_us_per_kernel": {"eager": 10.0, "compiled": 4.0, "fused": 4.0},
     "fp8_cast_bytes_per_element": {"eager": 5.0, "compiled": 3.0, "fused": 3.0},
 }
-#: Classes of layouts by who publishes runs of them (:func:`unknown_kernels_class`).
-UNKNOWN_KERNELS_CLASSES = ("full", "replicated")
+#: Classes of layouts by their data-parallel sharding alone (:func:`unknown_kernels_class`): a request's
+#: ``kernels_prior`` names one, and a catalogue without the model-parallel classes falls back to them.
+SHARDING_CLASSES = ("full", "replicated")
+#: Tag of a layout with model parallelism (tensor, pipeline, context or expert degree > 1), :func:`layout_sharding`.
+MODEL_PARALLEL = "model-parallel"
+#: Classes of layouts by who publishes runs of them (:func:`unknown_kernels_class`): each sharding class, and its
+#: layouts with model parallelism, which fewer frameworks run (Composer has no pipeline or context parallelism;
+#: torchtitan's DDP refused a second mesh dimension).
+UNKNOWN_KERNELS_CLASSES = (*SHARDING_CLASSES, *(f"{name}+{MODEL_PARALLEL}" for name in SHARDING_CLASSES))
 
 
 #: Kernels "unknown" over a search whose layouts span both classes: every published run (each class one vote).
 ANY_KERNELS_CLASS = "any"
 
 
-def layout_sharding(sharding: str | None, copies: int) -> str | None:
+def layout_sharding(sharding: str | None, copies: int, *, model_parallel: bool = False) -> str | None:
     """The data-parallel sharding that names a layout's class for kernels "unknown": ``sharding`` where ``copies``
-    (d·c GPUs holding the same weights) > 1, ``None`` (no data parallelism) otherwise."""
-    return sharding if copies > 1 else None
+    (d·c GPUs holding the same weights) > 1, ``None`` (no data parallelism) otherwise; with ``model_parallel``
+    (a tensor, pipeline, context or expert degree > 1) tagged ``"<sharding>+model-parallel"`` (``"model-parallel"``
+    without data parallelism), which :func:`unknown_kernels_class` reads."""
+    base = sharding if copies > 1 else None
+    if not model_parallel:
+        return base
+    return f"{base}+{MODEL_PARALLEL}" if base else MODEL_PARALLEL
+
+
+def is_model_parallel(*degrees: int) -> bool:
+    """Whether a layout of these tensor, pipeline, context and expert degrees has model parallelism."""
+    return max(degrees, default=1) > 1
 
 
 def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str:
-    """The class of a layout for kernels "unknown", by its data-parallel sharding: "full" (FSDP / ZeRO-3: the
-    weights sharded and gathered per unit, PyTorch's FSDP: torchtitan, llm-foundry, NeMo AutoModel, Megatron's
-    FSDP) or "replicated" (every rank holds the weights: DDP, ZeRO-1/2, Megatron's distributed optimizer, which
-    torchtitan does not run). ``None``: no data parallelism (replicated). ``prior`` (the model's
-    ``kernels_prior``), when given, is the class whatever the sharding: a search over layouts of both classes
-    counts every published run ("any"), so that no layout is favoured for the frameworks that publish it."""
+    """The class of a layout for kernels "unknown", by its data-parallel sharding (:func:`layout_sharding`): "full"
+    (FSDP / ZeRO-3: the weights sharded and gathered per unit, PyTorch's FSDP: torchtitan, llm-foundry, NeMo
+    AutoModel, Megatron's FSDP) or "replicated" (every rank holds the weights: DDP, ZeRO-1/2, Megatron's
+    distributed optimizer, which torchtitan does not run; ``None``: no data parallelism), each with
+    "+model-parallel" where the layout has tensor, pipeline, context or expert parallelism, which fewer frameworks
+    publish: MosaicML's runs (Composer: no pipeline or context parallelism) are data parallel only, and torchtitan's
+    DDP refused a second mesh dimension (``parallelize_llama`` through 2025: "DDP has not supported > 1D
+    parallelism"), so every published replicated-weight layout with model parallelism is Megatron's or NeMo's.
+    ``prior`` (the model's ``kernels_prior``), when given, is the class whatever the layout: a search over layouts
+    of several classes counts the runs of their sharding class, or of both ("any"), so that no layout is favoured
+    for the frameworks that publish it."""
     if prior is not None:
         return prior
-    return "full" if sharding == "full" else "replicated"
+    tagged = sharding is not None and sharding.endswith(MODEL_PARALLEL)
+    base = sharding.removesuffix(MODEL_PARALLEL).removesuffix("+") if sharding is not None else None
+    name = "full" if base == "full" else "replicated"
+    return f"{name}+{MODEL_PARALLEL}" if tagged else name
 
 
-def memory_kernels(sharding: str | None, pipeline_parallel: int = 1, stages_per_rank: int = 1) -> tuple[str, ...]:
-    """The kernels modes whose frameworks can run a layout at all: kernels "unknown" bounds its memory by the
-    largest of theirs (:func:`pipesched.optimizer.cost.stages.blended`; its time stays the class's share-weighted
-    mix). ``sharding`` is the layout's data-parallel sharding (:func:`layout_sharding`; ``None``: none).
-
-    Optimizer state or gradients sharded over replicated weights (ZeRO-1/2: ``optimizer``, ``gradients``) beside
-    a pipeline that the PyTorch-native stacks (eager or compiled kernels) do not pair with them is Megatron-Core's
-    (hand-fused kernels: Megatron-LM, NeMo, Megatron Bridge) alone:
-
-    - torchtitan shards state only by sharding the weights (FSDP2 ``fully_shard``, over a replicate × shard mesh;
-      with tensor or pipeline parallelism data parallelism is FSDP/HSDP, DDP being 1-D only until it too became
-      ``fully_shard`` over a replicate mesh: ``torchtitan/models/llama3/infra/parallelize.py`` at 81c1243,
-      ``torchtitan/models/llama3/parallelize.py`` at b5bcd76): no ZeRO-1/2;
-    - llm-foundry/Composer (FSDP ``SHARD_GRAD_OP``, the ZeRO-2 runs of the calibration data) has no pipeline;
-    - DeepSpeed refuses ZeRO-2 with its pipeline ("ZeRO-2 and ZeRO-3 are incompatible with pipeline
-      parallelism", ``deepspeed/runtime/pipe/engine.py``) and its ``TrainSchedule`` runs one stage per rank, so
-      ZeRO-1 with virtual stages is not DeepSpeed's either (its ZeRO-1/2 with tensor parallelism alone, AutoTP
-      on eager Hugging Face models, ``docs/_tutorials/autotp-training.md``, is: those layouts keep every mode).
-
-    So ZeRO-1/2 with virtual pipeline stages, and ZeRO-2 with any pipeline, take the fused mode's memory; every
-    other layout every mode's (a plan that fits then fits whatever framework runs it)."""
-    beside_pipeline = pipeline_parallel > 1 and (stages_per_rank > 1 or sharding == "gradients")
-    if sharding in ("optimizer", "gradients") and beside_pipeline:
-        return ("fused",)
-    return RUN_KERNELS
+def sharding_class(name: str) -> str:
+    """The sharding class of a class of :data:`UNKNOWN_KERNELS_CLASSES` (itself, less its model-parallel tag)."""
+    return name.removesuffix(f"+{MODEL_PARALLEL}")
 
 
 class SoftwareProfile(StrictModel):
@@ -144,7 +150,7 @@ class SoftwareProfile(StrictModel):
     elementwise_traffic: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["elementwise_traffic"]),
         description="Elementwise bytes moved relative to Megatron's fused kernels (the Zero Bubble paper's "
-        "profiles), by kernels mode; 'unknown' fitted over every row with its own mode ignored.",
+        "profiles), by kernels mode (kernels 'unknown' blend the modes: pipesched.optimizer.cost.stages.blended).",
     )
     kernels_per_layer: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["kernels_per_layer"]),
@@ -270,7 +276,8 @@ class SoftwareProfile(StrictModel):
     fp8_cast_bytes_per_element: dict[str, float] = Field(
         default_factory=lambda: dict(_DEFAULTS["fp8_cast_bytes_per_element"]),
         description="Bytes an FP8 cast moves per element: absolute-max read (2) when not fused, bf16 read (2), "
-        "fp8 write (1); 'unknown' between the two. 'fused' is fitted: Transformer Engine writes the FP8 input "
+        "fp8 write (1); kernels 'unknown' take each mode's at the layout class's shares "
+        "(pipesched.optimizer.cost.stages.blended). 'fused' is fitted: Transformer Engine writes the FP8 input "
         "from its LayerNorm-Linear and activation kernels (no separate cast) and casts each weight once per step "
         "for every microbatch (its FP8 weight cache), so it moves far fewer than 3 bytes per element.",
     )
@@ -313,10 +320,10 @@ class SoftwareProfile(StrictModel):
             return {kernels: 1.0}
         name = unknown_kernels_class(sharding, prior)
         if name == ANY_KERNELS_CLASS:
-            classes = [self.unknown_kernels_shares[one] for one in UNKNOWN_KERNELS_CLASSES]
+            classes = [self.unknown_kernels_shares[one] for one in SHARDING_CLASSES]
             shares = {mode: sum(each.get(mode, 0.0) for each in classes) / len(classes) for mode in RUN_KERNELS}
         else:
-            shares = self.unknown_kernels_shares[name]
+            shares = self.unknown_kernels_shares.get(name) or self.unknown_kernels_shares[sharding_class(name)]
         return {mode: share for mode, share in shares.items() if share > 0}
 
     def unknown_interval(self, sharding: str | None, prior: str | None = None) -> tuple[float, float]:
@@ -324,9 +331,15 @@ class SoftwareProfile(StrictModel):
         of the classes' intervals."""
         name = unknown_kernels_class(sharding, prior)
         if name != ANY_KERNELS_CLASS:
-            return self.unknown_kernels_log_error[name]
-        intervals = [self.unknown_kernels_log_error[one] for one in UNKNOWN_KERNELS_CLASSES]
+            return self.class_log_error(name)
+        intervals = [self.unknown_kernels_log_error[one] for one in SHARDING_CLASSES]
         return min(low for low, _ in intervals), max(high for _, high in intervals)
+
+    def class_log_error(self, name: str) -> tuple[float, float]:
+        """:attr:`unknown_kernels_log_error` of the layout class ``name``; a catalogue without the model-parallel
+        classes gives their sharding class's."""
+        errors = self.unknown_kernels_log_error
+        return errors.get(name) or errors[sharding_class(name)]
 
     def attention_speed(self, kernel: str, accelerator: str) -> float:
         """:attr:`attention_kernel_speed` of ``kernel`` on ``accelerator`` (its own entry, else the kernel's)."""

@@ -59,13 +59,12 @@ from pipesched.optimizer.cost.memory import (
     static_bytes_per_parameter_sharded,
 )
 from pipesched.optimizer.cost.profile import (
-    RUN_KERNELS,
     AcceleratorProfile,
     SoftwareProfile,
     active_catalogue,
     default_profile,
+    is_model_parallel,
     layout_sharding,
-    memory_kernels,
 )
 from pipesched.optimizer.cost.timing import (
     Hardware,
@@ -333,8 +332,8 @@ def activation_reserve(model: ModelConfig, hardware: Hardware) -> float:
     allocator fragments); the software's ``fused_activation_memory_factor`` with hand-fused kernels —
     Megatron-Core's activations are what Korthikanti et al. (2022, §6) count and measure, and published Megatron
     layouts run where the eager factor would not fit them (Megatron Bridge's Qwen3-235B-A22B recipe on 256 H100s:
-    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation). Kernels "unknown" hold the largest of the modes
-    whose frameworks run the layout (:func:`blended`): a plan that fits then fits whatever framework runs it."""
+    TP 2, PP 8 × 4 virtual stages, EP 32, no recomputation). Kernels "unknown" hold the larger of the modes'
+    (:func:`blended`): a plan that fits then fits whatever the framework."""
     if model.kernels == "fused":
         return hardware.software.fused_activation_memory_factor
     return hardware.profile.activation_memory_factor
@@ -528,7 +527,6 @@ def transformer_layer(
     context_parallel: ContextParallel | None = None,
     expert_parallel: ExpertParallel | None = None,
     sharding: str | None = None,
-    memory_modes: tuple[str, ...] = RUN_KERNELS,
 ) -> Block:
     """One transformer layer for one microbatch on one tensor-parallel rank (see the module docstring).
 
@@ -551,8 +549,7 @@ def transformer_layer(
     added to F and I); ``expert_parallel`` shards the routed experts and adds the exposed all-to-alls to F and I.
     With expert parallelism the experts run whole on each rank, so tensor parallelism's collectives cover the
     attention half only. Kernels "unknown": the expected layer over the frameworks that run the layout's
-    data-parallel ``sharding`` (:func:`blended`; ``None``: no data parallelism), its memory the largest of
-    ``memory_modes`` (:func:`~pipesched.optimizer.cost.profile.memory_kernels` of the layout).
+    data-parallel ``sharding`` (:func:`blended`; ``None``: no data parallelism).
     """
     if model.kernels == "unknown":
         said = partial(
@@ -564,7 +561,7 @@ def transformer_layer(
             context_parallel=context_parallel,
             expert_parallel=expert_parallel,
         )
-        return blended(said, model, hardware, sharding, memory_modes)
+        return blended(said, model, hardware, sharding)
     t, sequence_parallel = _tp(tensor_parallel)
     c = _cp(context_parallel)
     ep, _ = _ep(expert_parallel)
@@ -618,39 +615,34 @@ def transformer_layer(
 
 
 def blended(
-    make: Callable[[ModelConfig], Block],
-    model: ModelConfig,
-    hardware: Hardware,
-    sharding: str | None,
-    memory_modes: tuple[str, ...] = RUN_KERNELS,
+    make: Callable[[ModelConfig], Block], model: ModelConfig, hardware: Hardware, sharding: str | None
 ) -> Block:
     """``make(model)``, or with kernels "unknown" the expected block over the frameworks that run the layout: the
-    times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's
-    data-parallel ``sharding``, or of the model's ``kernels_prior``: the share of each mode among the published
-    runs of that class), the memory the largest of ``memory_modes``' (the modes whose frameworks can run the
-    layout at all, :func:`~pipesched.optimizer.cost.profile.memory_kernels`: a plan that fits then fits whatever
-    framework runs it). The expected time, not the expected speed: a pass's time is what its share of the runs
-    spends. The block's partition into stages, and so the schedule's peak, still follows the expected times."""
+    times Σ share · time over the kernels modes (the software's ``kernels_shares`` for the layout's class,
+    ``sharding`` as :func:`~pipesched.optimizer.cost.profile.layout_sharding` gives it, or of the model's
+    ``kernels_prior``: the share of each mode among the published runs of that class), the memory the largest of
+    those modes' (a plan that fits then fits whichever of those frameworks runs it; a mode no published run of the
+    class ran neither times nor sizes it). The expected time, not the expected speed: a pass's time is what its
+    share of the runs spends."""
     if model.kernels != "unknown":
         return make(model)
     shares = hardware.software.kernels_shares("unknown", sharding, model.kernels_prior)
-    blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in RUN_KERNELS}
+    blocks = {mode: make(model.model_copy(update={"kernels": mode})) for mode in shares}
     total = sum(shares.values())
 
     def expected(name: str) -> float:
         return sum(share * getattr(blocks[mode], name) for mode, share in shares.items()) / total
 
-    running = [blocks[mode] for mode in memory_modes]
-    largest = max(running, key=lambda block: block.activation_bytes)
+    largest = max(blocks.values(), key=lambda block: block.activation_bytes)
     return Block(
         forward_ms=expected("forward_ms"),
         backward_input_ms=expected("backward_input_ms"),
         backward_weight_ms=expected("backward_weight_ms"),
         activation_bytes=largest.activation_bytes,
-        retained_bytes=max(block.retained_bytes for block in running),
+        retained_bytes=max(block.retained_bytes for block in blocks.values()),
         parameters=largest.parameters,
         expert_parameters=largest.expert_parameters,
-        transient_bytes=max(block.transient_bytes for block in running),
+        transient_bytes=max(block.transient_bytes for block in blocks.values()),
     )
 
 
@@ -695,7 +687,6 @@ def head_block(
     separate_copy: bool = True,
     context_parallel: int = 1,
     sharding: str | None = None,
-    memory_modes: tuple[str, ...] = RUN_KERNELS,
 ) -> Block:
     """Final norm, LM head and cross-entropy loss on the last stage.
 
@@ -709,7 +700,7 @@ def head_block(
     head input and the logits' gradient (s·b·h·d + s·b·V·d). A tied head holds the V·h matrix only as a
     ``separate_copy`` (the last stage of a pipeline keeps a copy, as Megatron does). ``context_parallel`` c: each
     rank computes the logits of s/c tokens.
-    ``sharding``, ``memory_modes``: kernels "unknown" as in :func:`transformer_layer`.
+    ``sharding``: kernels "unknown" as in :func:`transformer_layer`.
     """
     if model.kernels == "unknown":
         return blended(
@@ -719,7 +710,6 @@ def head_block(
             model,
             hardware,
             sharding,
-            memory_modes,
         )
     t, _ = _tp(tensor_parallel)
     b, h, v, d = model.micro_batch_size, model.hidden_size, model.vocab_size, model.dtype_bytes
@@ -950,19 +940,30 @@ class _StageBlocks:
         return self.static_bytes(block) + transient + block.activation_bytes + block.transient_bytes
 
 
+def _layout_sharding(
+    data_parallel: DataParallel | None,
+    degrees: tuple[TensorParallel | None, int, ContextParallel | None, ExpertParallel | None],
+) -> str | None:
+    """The layout's class key for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.layout_sharding`) from
+    its data parallelism and its (tensor, pipeline ranks, context, expert) parallelism."""
+    tensor, pipeline, context, expert = degrees
+    parallel = is_model_parallel(_tp(tensor)[0], pipeline, _cp(context), _ep(expert)[0])
+    if data_parallel is None:
+        return layout_sharding(None, 1, model_parallel=parallel)
+    return layout_sharding(data_parallel.sharding, data_parallel.size, model_parallel=parallel)
+
+
 def _stage_blocks(
     model: ModelConfig,
     cluster: ClusterConfig,
     hardware: Hardware,
-    pipeline: Pipeline,
+    num_stages: int,
     tensor_parallel: TensorParallel | None,
     data_parallel: DataParallel | None,
     context_parallel: ContextParallel | None,
     expert_parallel: ExpertParallel | None,
+    sharding: str | None,
 ) -> _StageBlocks:
-    sharding = layout_sharding(data_parallel.sharding, data_parallel.size) if data_parallel is not None else None
-    memory_modes = memory_kernels(sharding, pipeline.num_ranks, pipeline.stages_per_rank)
-    num_stages = pipeline.num_stages
 
     def layer(moe: bool) -> Block:
         return transformer_layer(
@@ -974,19 +975,12 @@ def _stage_blocks(
             context_parallel=context_parallel,
             expert_parallel=expert_parallel,
             sharding=sharding,
-            memory_modes=memory_modes,
         )
 
     c = _cp(context_parallel)
     dense = layer(False)
     head = head_block(
-        model,
-        hardware,
-        tensor_parallel,
-        separate_copy=num_stages > 1,
-        context_parallel=c,
-        sharding=sharding,
-        memory_modes=memory_modes,
+        model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c, sharding=sharding
     )
     return _StageBlocks(
         model,
@@ -1086,7 +1080,15 @@ def derive_problem(
         + _check_context_expert(model, tensor_parallel, data_parallel, context_parallel, expert_parallel),
     )
     blocks = _stage_blocks(
-        model, cluster, hardware, pipeline, tensor_parallel, data_parallel, context_parallel, expert_parallel
+        model,
+        cluster,
+        hardware,
+        num_stages,
+        tensor_parallel,
+        data_parallel,
+        context_parallel,
+        expert_parallel,
+        _layout_sharding(data_parallel, (tensor_parallel, num_ranks, context_parallel, expert_parallel)),
     )
     headroom = headroom_bytes(cluster, hardware)
     limit = hardware.memory_bytes - headroom

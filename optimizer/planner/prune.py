@@ -61,7 +61,7 @@ from pipesched.optimizer.cost.collectives import (
 )
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import RUN_KERNELS, layout_sharding, memory_kernels, unknown_kernels_class
+from pipesched.optimizer.cost.profile import is_model_parallel, layout_sharding, unknown_kernels_class
 from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
@@ -147,10 +147,8 @@ class _Layout:
     max_chunk_activation: float = 0.0
 
 
-#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class[, memory modes][, "dense"]).
+#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class[, "dense"]).
 _Key = tuple[int | str, ...]
-#: A configuration's degrees as :meth:`Estimator.blocks` takes them: (t, b, recompute, precision, c, ep, sharding).
-_Degrees = tuple[int, int, str, str, int, int, str]
 
 
 class Estimator:
@@ -212,71 +210,54 @@ class Estimator:
             }
         )
 
-    def _key(
-        self,
-        t: int,
-        b: int,
-        recompute: str,
-        precision: str | None,
-        c: int,
-        ep: int,
-        sharding: str,
-        memory_modes: tuple[str, ...] = RUN_KERNELS,
-    ) -> _Key:
-        """The cache key of a block: the precision resolved, for kernels "unknown" the sharding as its class and the
-        modes bounding its memory (the only uses a block has for them)."""
-        if self.model.kernels != "unknown":
-            return (t, b, recompute, precision or self.model.precision, c, ep, "")
-        kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior)
-        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class, "+".join(memory_modes))
+    def _key(self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str) -> _Key:
+        """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
+        only use a block has for it)."""
+        unknown = self.model.kernels == "unknown"
+        kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior) if unknown else ""
+        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class)
 
     def blocks(
-        self,
-        t: int,
-        b: int,
-        recompute: str,
-        precision: str | None = None,
-        c: int = 1,
-        ep: int = 1,
-        sharding: str = "",
-        memory_modes: tuple[str, ...] = RUN_KERNELS,
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
         degree c, expert degree ep and the data-parallel ``sharding`` ("": no data parallelism; with kernels
-        "unknown" it names who runs the layout, and ``memory_modes`` the modes whose memory bounds it:
-        :func:`pipesched.optimizer.cost.stages.blended`); a mixture-of-experts model's layer is its expert layer."""
-        key = self._key(t, b, recompute, precision, c, ep, sharding, memory_modes)
+        "unknown" it names who runs the layout: :func:`pipesched.optimizer.cost.stages.blended`); a
+        mixture-of-experts model's layer is its expert layer."""
+        key = self._key(t, b, recompute, precision, c, ep, sharding)
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
-            modes = memory_modes
             self._blocks[key] = (
-                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding, memory_modes=modes),
+                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
-                head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding, memory_modes=modes),
-                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding, memory_modes=modes),
+                head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding),
                 model,
             )
         return self._blocks[key]
 
-    def dense_layer(self, degrees: _Degrees, memory_modes: tuple[str, ...] = RUN_KERNELS) -> Block:
-        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the degrees of :meth:`blocks`
-        (t, b, recompute, precision, c, ep, sharding) and ``memory_modes``."""
-        t, b, recompute, precision, c, ep, sharding = degrees
-        key = (*self._key(t, b, recompute, precision, c, ep, sharding, memory_modes), "dense")
+    def dense_layer(
+        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
+    ) -> Block:
+        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
+        key = (*self._key(t, b, recompute, precision, c, ep, sharding), "dense")
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
-            tp = self.tensor_parallel(t)
-            layer = self._layer(model, tp, c, ep, moe=False, sharding=sharding, memory_modes=memory_modes)
-            rest = self.blocks(t, b, recompute, str(key[3]), c, ep, sharding, memory_modes)[1:]
-            self._blocks[key] = (layer, *rest)
+            layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False, sharding=sharding)
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding)[1:])
         return self._blocks[key][0]
 
     @staticmethod
     def sharding_of(config: Configuration) -> str:
-        """The configuration's data-parallel sharding, "" without data parallelism (d·c = 1)."""
-        return layout_sharding(config.sharding, config.weight_copies) or ""
+        """The configuration's data-parallel sharding, "" without data parallelism (d·c = 1), tagged where it has
+        model parallelism: its class for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.layout_sharding`).
+        """
+        parallel = is_model_parallel(
+            config.tensor_parallel, config.pipeline_parallel, config.context_parallel, config.expert_parallel
+        )
+        return layout_sharding(config.sharding, config.weight_copies, model_parallel=parallel) or ""
 
     def framework_log_spread(self, config: Configuration) -> float:
         """log(layer time of the slowest framework that runs the layout / layer time as planned) for kernels
@@ -307,7 +288,6 @@ class Estimator:
         *,
         moe: bool,
         sharding: str | None = None,
-        memory_modes: tuple[str, ...] = RUN_KERNELS,
     ) -> Block:
         return transformer_layer(
             model,
@@ -318,7 +298,6 @@ class Estimator:
             context_parallel=ContextParallel(size=c) if c > 1 else None,
             expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
             sharding=sharding,
-            memory_modes=memory_modes,
         )
 
     def tensor_parallel(self, size: int) -> TensorParallel | None:
@@ -331,7 +310,7 @@ class Estimator:
 
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks (the dense ones first), summed per rank."""
-        degrees: _Degrees = (
+        degrees = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
@@ -343,10 +322,8 @@ class Estimator:
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
             return self._layouts[key]
-        # kernels "unknown": the memory of the frameworks that run the layout (its sharding and pipeline, in the key)
-        memory = memory_kernels(self.sharding_of(config) or None, config.pipeline_parallel, config.stages_per_rank)
-        layer, embedding, head, _, _ = self.blocks(*degrees, memory)
-        dense = self.dense_layer(degrees, memory)
+        layer, embedding, head, _, _ = self.blocks(*degrees)
+        dense = self.dense_layer(*degrees)
         first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
@@ -362,7 +339,6 @@ class Estimator:
                 separate_copy=False,
                 context_parallel=config.context_parallel,
                 sharding=self.sharding_of(config),
-                memory_modes=memory,
             )
         compute = [0.0] * p
         backward = [0.0] * p

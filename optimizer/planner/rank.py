@@ -24,9 +24,10 @@ from pipesched.optimizer.cost.flops import active_parameters, model_parameters
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import (
     ANY_KERNELS_CLASS,
-    RUN_KERNELS,
+    MODEL_PARALLEL,
+    is_model_parallel,
     layout_sharding,
-    memory_kernels,
+    sharding_class,
     unknown_kernels_class,
 )
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
@@ -233,16 +234,31 @@ def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldE
 
 
 def _one_framework_prior(estimator: Estimator, configurations: list[Configuration]) -> None:
-    """Kernels "unknown" over a search whose layouts span both layout classes (FSDP and replicated weights): every
-    configuration takes the frameworks of every published run (``kernels_prior`` "any"), not those that publish
-    its own class — the framework a user runs does not change with the layout the planner picks, so no layout
-    may be favoured for the frameworks that publish it. A search within one class keeps that class's prior."""
+    """Kernels "unknown" over a search whose layouts span several layout classes: every configuration takes the
+    frameworks of every published run of the search's sharding classes (``kernels_prior`` "any" over FSDP and
+    replicated weights; within one sharding class, that class whether or not a layout has model parallelism), not
+    those that publish its own class — the framework a user runs does not change with the layout the planner
+    picks, so no layout may be favoured for the frameworks that publish it. A search within one class (a pinned
+    layout) keeps that class's prior."""
     model = estimator.model
     if model.kernels != "unknown" or model.kernels_prior is not None:
         return
-    classes = {unknown_kernels_class(layout_sharding(c.sharding, c.weight_copies)) for c in configurations}
+    classes = {unknown_kernels_class(estimator.sharding_of(c)) for c in configurations}
     if len(classes) > 1:
-        estimator.model = model.model_copy(update={"kernels_prior": ANY_KERNELS_CLASS})
+        shardings = {sharding_class(name) for name in classes}
+        prior = shardings.pop() if len(shardings) == 1 else ANY_KERNELS_CLASS
+        estimator.model = model.model_copy(update={"kernels_prior": prior})
+
+
+#: A plan of kernels not said sized as Megatron-Core's (fused kernels, its distributed optimizer) whose default
+#: launch is torchtitan's: torchtitan has no ZeRO-1/2 (optimizer state is sharded only with the weights, FSDP2's
+#: ``fully_shard``), so its hand-off keeps the weights gathered under FSDP on PyTorch's kernels, whose activations
+#: the plan's peak does not bound (docs/CALIBRATION.md, "Who can run a layout").
+_ZERO_LAUNCH_NOTE = (
+    "its peak memory is Megatron-Core's (fused kernels, distributed optimizer): run it with "
+    "`pipesched launch --target megatron`; the torchtitan launch runs ZeRO-1/2 as FSDP on PyTorch's own kernels, "
+    "which hold more activation memory than this plan counts"
+)
 
 
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
@@ -257,24 +273,25 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         )
     if answer_plans and estimator.model.kernels == "unknown":
         best = answer_plans[0]
-        sharding = layout_sharding(best.data_parallel.sharding, best.data_parallel.size * best.context_parallel)
+        parallel = is_model_parallel(
+            best.tensor_parallel, best.pipeline_parallel, best.context_parallel, best.expert_parallel
+        )
+        copies = best.data_parallel.size * best.context_parallel
+        sharding = layout_sharding(best.data_parallel.sharding, copies, model_parallel=parallel)
         shares = estimator.hardware.software.kernels_shares("unknown", sharding, estimator.model.kernels_prior)
         mix = ", ".join(f"{mode} {share:.0%}" for mode, share in shares.items())
+        name = unknown_kernels_class(sharding, estimator.model.kernels_prior)
         whose = {"full": "published FSDP runs", "replicated": "published runs with replicated weights"}.get(
-            unknown_kernels_class(sharding, estimator.model.kernels_prior), "all published runs"
+            sharding_class(name), "all published runs"
         )
-        memory = memory_kernels(sharding, best.pipeline_parallel, best.stages_per_rank)
-        held = (
-            "the largest of the three kernels modes'"
-            if memory == RUN_KERNELS
-            else f"that of {' and '.join(memory)} kernels alone: only Megatron-Core runs the best plan's layout "
-            "(`pipesched launch --target megatron`; torchtitan's hand-off keeps the weights gathered under FSDP on "
-            "its own kernels, which need more)"
-        )
+        if name.endswith(MODEL_PARALLEL):
+            whose += " with model parallelism"
         notes.append(
-            f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}), "
-            f"its peak memory {held}; say training.kernels (eager, compiled, fused) for your framework's figure"
+            f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}); "
+            "say training.kernels (eager, compiled, fused) for your framework's figure"
         )
+        if set(shares) == {"fused"} and best.data_parallel.sharding in ("optimizer", "gradients"):
+            notes.append(_ZERO_LAUNCH_NOTE)
     if answer_plans:
         best = answer_plans[0]
         measured = profile.max_measured_mfu.get(best.precision)

@@ -257,13 +257,19 @@ def test_torchtitan_args_without_a_preset_config_name_the_fix() -> None:
 
 
 def test_torchtitan_compiles_where_the_prediction_assumed_compiled_kernels() -> None:
-    unsaid = spec(sharding="full")
+    data_parallel_only = {"pipeline_parallel": 1, "tensor_parallel": 1, "stages_per_rank": 1, "method": "1f1b"}
+    unsaid = spec(sharding="full", data_parallel_size=32, layers_per_stage=None, **data_parallel_only)
     assert unsaid.model.kernels == "unknown"
     # kernels not said: the prediction leans on eager PyTorch for an FSDP layout (most published FSDP runs),
     # and so does torchtitan's own default; the hand-off leaves torch.compile off
     shares = builtin_catalogue().software.kernels_shares("unknown", "full")
     assert shares["eager"] > shares.get("compiled", 0.0)
     assert "--compile.enable" not in torchtitan_launch(unsaid).args
+    # FSDP with a pipeline and tensor parallelism: the published runs of such layouts (torchtitan's 70B and 405B
+    # tables) ran torch.compile, and so does the hand-off
+    shares = builtin_catalogue().software.kernels_shares("unknown", "full+model-parallel")
+    assert shares["compiled"] > shares.get("eager", 0.0)
+    assert "--compile.enable" in torchtitan_launch(spec(sharding="full")).args
     assert "--compile.enable" not in torchtitan_launch(spec()).args  # replicated weights: Megatron's runs, fused
     eager = spec(model=unsaid.model.model_copy(update={"kernels": "eager"}))
     assert "--compile.enable" not in torchtitan_launch(eager).args

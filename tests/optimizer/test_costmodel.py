@@ -147,7 +147,7 @@ def test_flops_alone_give_table_1_ratios() -> None:
 
 
 def test_head_and_embedding_make_end_stages_uneven_and_p2p_and_static_follow() -> None:
-    model = {**SMALL_MODEL, "vocab_size": 256_000, "layers_per_stage": [2, 2, 2, 2]}
+    model = {**SMALL_MODEL, "vocab_size": 256_000, "layers_per_stage": [2, 2, 2, 2], "kernels": "eager"}
     cluster = {"accelerator": "H100-SXM", "p2p_bandwidth_bytes_per_s": 25e9, "p2p_latency_ms": 0.02}
     problem = model_problem(model, cluster)
     assert problem.costs is not None and problem.memory is not None
@@ -162,9 +162,9 @@ def test_head_and_embedding_make_end_stages_uneven_and_p2p_and_static_follow() -
     assert static[1] == pytest.approx(2 * layer_parameters * 18, rel=1e-9)
     assert static[0] == pytest.approx((2 * layer_parameters + 256_000 * h + s * h) * 18, rel=1e-9)
     # the last rank also counts the loss's transient: the fp32 logits' gradients (8 B per logit element, torchtitan's
-    # F.cross_entropy on logits.float(), the larger of the kernels modes) at the allocator reserve
+    # F.cross_entropy on logits.float(), eager PyTorch's) at the allocator reserve
     b = SMALL_MODEL.get("micro_batch_size", 1)
-    loss = 8 * s * b * 256_000 * reserve("H100-SXM")
+    loss = 8 * s * b * 256_000 * reserve("H100-SXM", "eager")
     assert static[3] == pytest.approx((2 * layer_parameters + 256_000 * h + 2 * h) * 18 + loss, rel=1e-6)
     memory = get_accelerator("H100-SXM").memory_bytes
     assert problem.memory.limit == pytest.approx(memory - headroom("H100-SXM", memory), abs=1)
@@ -182,18 +182,17 @@ def test_sharded_optimizer_state_divides_master_weights_and_moments() -> None:
 
 def test_recomputation_trades_memory_for_backward_time() -> None:
     cluster = {"accelerator": "A100-40GB"}
-    base = model_problem({**SMALL_MODEL, "layers_per_stage": [2, 2, 2, 2]}, cluster)
-    selective = model_problem(
-        {**SMALL_MODEL, "layers_per_stage": [2, 2, 2, 2], "activation_recomputation": "selective"}, cluster
-    )
-    full = model_problem({**SMALL_MODEL, "layers_per_stage": [2, 2, 2, 2], "activation_recomputation": "full"}, cluster)
+    model = {**SMALL_MODEL, "layers_per_stage": [2, 2, 2, 2], "kernels": "eager"}
+    base = model_problem(model, cluster)
+    selective = model_problem({**model, "activation_recomputation": "selective"}, cluster)
+    full = model_problem({**model, "activation_recomputation": "full"}, cluster)
     s, b, h = SMALL_MODEL["seq_length"], 1, SMALL_MODEL["hidden_size"]
 
     def stage1(problem: Problem, field: str) -> float:
         section = problem.costs if hasattr(problem.costs, field) else problem.memory
         return problem.stage_values(getattr(section, field))[1]
 
-    factor = reserve("A100-40GB", SMALL_MODEL.get("kernels", "eager"))
+    factor = reserve("A100-40GB", "eager")
     assert stage1(selective, "activation") == pytest.approx(2 * 34 * s * b * h * factor, abs=1)
     assert stage1(full, "activation") == pytest.approx(2 * s * b * h * 2 * factor, abs=1)
     assert stage1(full, "retained_for_weight") == stage1(full, "activation")
