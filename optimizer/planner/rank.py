@@ -250,14 +250,14 @@ def _one_framework_prior(estimator: Estimator, configurations: list[Configuratio
         estimator.model = model.model_copy(update={"kernels_prior": prior})
 
 
-#: A plan of kernels not said sized as Megatron-Core's (fused kernels, its distributed optimizer) whose default
-#: launch is torchtitan's: torchtitan has no ZeRO-1/2 (optimizer state is sharded only with the weights, FSDP2's
-#: ``fully_shard``), so its hand-off keeps the weights gathered under FSDP on PyTorch's kernels, whose activations
-#: the plan's peak does not bound (docs/CALIBRATION.md, "Who can run a layout").
-_ZERO_LAUNCH_NOTE = (
-    "its peak memory is Megatron-Core's (fused kernels, distributed optimizer): run it with "
-    "`pipesched launch --target megatron`; the torchtitan launch runs ZeRO-1/2 as FSDP on PyTorch's own kernels, "
-    "which hold more activation memory than this plan counts"
+#: A plan of kernels not said sized as Megatron-Core's (fused kernels: replicated weights with model parallelism)
+#: whose default launch is torchtitan's: that runs it on PyTorch's own kernels, whose activations the plan's peak
+#: does not bound, and ZeRO-1/2 as FSDP with the weights kept gathered (torchtitan shards optimizer state only with
+#: the weights, FSDP2's ``fully_shard``): docs/CALIBRATION.md, "Who can run a layout, for its memory".
+_FUSED_LAUNCH_NOTE = (
+    "its peak memory is Megatron-Core's (fused kernels): run it with `pipesched launch --target megatron`; the "
+    "torchtitan launch runs it on PyTorch's own kernels (ZeRO-1/2 as FSDP), which hold more activation memory than "
+    "this plan counts"
 )
 
 
@@ -290,8 +290,8 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
             f"training.kernels not said: each figure is the expected time over the frameworks of {whose} ({mix}); "
             "say training.kernels (eager, compiled, fused) for your framework's figure"
         )
-        if set(shares) == {"fused"} and best.data_parallel.sharding in ("optimizer", "gradients"):
-            notes.append(_ZERO_LAUNCH_NOTE)
+        if set(shares) == {"fused"}:
+            notes.append(_FUSED_LAUNCH_NOTE)
     if answer_plans:
         best = answer_plans[0]
         measured = profile.max_measured_mfu.get(best.precision)
