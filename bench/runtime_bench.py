@@ -13,8 +13,10 @@ microbatches, ``--model``, gpt-small by default):
 * ``ZB-V``: V placement, two stages per rank;
 * ``BF×dp2``: breadth-first (looped-bfs, two stages per rank) × data-parallel 2 with FSDP2, 4 processes.
 
-Every launch runs each case ``--rounds`` times, interleaved (1F1B, ZB-H1, 2BW, 1F1B, …), so that the cases of a
-shape share the machine's load alike; the runs of one launch are checked against one reference per problem.
+Every launch runs each case ``--rounds`` times, interleaved, the order turned by one case each round (1F1B, ZB-H1,
+2BW; ZB-H1, 2BW, 1F1B; 2BW, 1F1B, ZB-H1; …), so that the cases of a shape share the machine's load alike and none
+always runs first or last in its round (a load that rises or falls through a round would fall on one case); the
+runs of one launch are checked against one reference per problem.
 
 Measured step: the best step after the first over every round (``best``; its error against the prediction is the
 issue's bar, −20 % … +25 %) and the median of the rounds' ``measured_step_time_ms`` (``median``: over the steps
@@ -24,9 +26,11 @@ steps after the first of the time the rank's collectives ran beside its passes, 
 its last dp peer's start (the simulator's span), against the schedule's timeline; ``wait``: the rank's median wait
 for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
 optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
-2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
-differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``). A profile
-that measured a slowdown of compute beside its collectives (data parallelism; ``pipesched profile`` writes it as
+2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (the median of the rounds'
+differences of medians: the statistic the bar is read on — paired within a round, the two runs share its load; a
+run's median leaves out a step's burst, the median over rounds a round's), against the predicted gain (1F1B's
+``step_time`` minus 2BW's ``step_period``). A profile that measured a slowdown of compute beside its collectives (data
+parallelism; ``pipesched profile`` writes it as
 ``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
 the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
 step): step and hidden / exposed.
@@ -192,9 +196,10 @@ def run_shape(
     other_slowdown: bool = True,
 ) -> list[dict[str, Any]]:
     """Profile the shape, build its cases' schedules on the profile, run them in one launch: ``rounds`` rounds of
-    every case one after another (1F1B, ZB-H1, 2BW, 1F1B, ZB-H1, 2BW, …), so that the cases share the machine's
-    load alike. ``calibration``: the profile's calibration settings (``calibration_steps``, ``collective_statistic``,
-    ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the other choice of the
+    every case one after another, the order turned by one each round (:func:`round_order`), so that the cases
+    share the machine's load alike. ``calibration``: the profile's calibration settings (``calibration_steps``,
+    ``collective_statistic``, ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the
+    other choice of the
     overlap slowdown (minutes of simulation when the measured slowdown is large)."""
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
@@ -215,12 +220,16 @@ def run_shape(
         )
         for case in shape.cases
     ]
+    order = [k for r in range(rounds) for k in round_order(len(shape.cases), r)]
     reports = run_schedules(
-        schedules * rounds, engine="pipesched", model=model, training=options * rounds, timeout_s=900
+        [schedules[k] for k in order],
+        engine="pipesched",
+        model=model,
+        training=[options[k] for k in order],
+        timeout_s=900,
     )
-    count = len(shape.cases)
     rows = [
-        _row(case, schedule, reports[k::count])
+        _row(case, schedule, [report for report, case_of in zip(reports, order, strict=True) if case_of == k])
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
@@ -248,6 +257,11 @@ def run_shape(
                 "same_orders": alternative.orders() == schedule.orders(),
             }
     return rows
+
+
+def round_order(count: int, round_index: int) -> list[int]:
+    """The cases' indices in round ``round_index``: ``0 … count − 1`` turned left by the round's index."""
+    return [(round_index + k) % count for k in range(count)]
 
 
 def _other_slowdown(profile: Any) -> tuple[Any, float] | None:

@@ -63,7 +63,8 @@ from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, StepRecord, joined_steps
+from pipesched.runtime.records import MeasuredAction, StepCheck, StepRecord, joined_steps
+from pipesched.runtime.verify import squared_norm
 
 __all__ = [
     "SPREAD_WARNING",
@@ -405,8 +406,9 @@ def _measure_collectives(setup: _RankSetup) -> None:
 
 
 def _measure_update(setup: _RankSetup) -> None:
-    """The run's optimizer step (its update rule, the global norm's all-reduce included) and the static bytes it
-    leaves: parameters, gradients, optimizer state, the rollback copy."""
+    """The run's optimizer step and the static bytes it leaves (parameters, gradients, optimizer state, the rollback
+    copy). The step as a run's step ends: this rank's share of the squared gradient norm (in the step's time on
+    every rank: ``RankTrainer.step``, PipeDream-2BW's check), its all-reduce, the update rule."""
     from pipesched.runtime.training import weight_update
 
     settings, result = setup.settings, setup.result
@@ -419,11 +421,12 @@ def _measure_update(setup: _RankSetup) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        partial = torch.zeros((), dtype=torch.float64, device=setup.device)
-        for p in params:
-            partial += local_tensor(p.grad).double().pow(2).sum()
         dist.barrier()
-        _, step_ms = _timed(setup.device, lambda partial=partial, iteration=iteration: update.apply(iteration, partial))
+
+        def step(iteration: int = iteration) -> StepCheck:
+            return update.apply(iteration, squared_norm((local_tensor(p.grad) for p in params), setup.device))
+
+        _, step_ms = _timed(setup.device, step)
         if iteration >= settings.warmup:
             result.optimizer_step.append(step_ms)
     # PipeDream-2BW's second version of the weights is the optimizer's to add (memory.weights, weight_versions).
