@@ -33,7 +33,8 @@ run's median leaves out a step's burst, the median over rounds a round's), again
 parallelism; ``pipesched profile`` writes it as
 ``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
 the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
-step): step and hidden / exposed.
+step): step and hidden / exposed; a profile that measured its collectives' wait for the last replica
+(``costs.unshard_wait`` / ``costs.reduce_grad_wait``), the same against the prediction without it.
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
@@ -233,12 +234,12 @@ def run_shape(
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    other = _other_slowdown(profile) if other_slowdown else None
+    alternatives = _alternatives(profile, other_slowdown)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
         row["collective_costs"] = {
             name: getattr(profile.problem.costs, name)
-            for name in ("unshard", "reduce_grad")
+            for name in ("unshard", "reduce_grad", "unshard_wait", "reduce_grad_wait")
             if shape.data_parallel > 1 and getattr(profile.problem.costs, name) is not None
         }
         if calibration is not None:
@@ -249,14 +250,40 @@ def run_shape(
             }
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
-        if other is not None:
-            problem, slowdown = other
+        for key, (label, problem) in alternatives.items():
             alternative = solve_family(problem.with_changes(**case.changes), case.family)
-            row["other_slowdown"] = _prediction(alternative) | {
-                "overlap_slowdown": slowdown,
+            row[key] = _prediction(alternative) | {
+                "label": label,
                 "same_orders": alternative.orders() == schedule.orders(),
             }
     return rows
+
+
+def _alternatives(profile: Any, other_slowdown: bool) -> dict[str, tuple[str, Any]]:
+    """The profile's problem otherwise, each with the per-pass overhead fitted again on the same calibration step:
+    ``other_slowdown`` (:func:`_other_slowdown`, when asked) and ``without_waits`` (no wait for the last replica,
+    ``costs.unshard_wait`` / ``costs.reduce_grad_wait``, where the profile measured one); key → (label, problem)."""
+    found = {}
+    other = _other_slowdown(profile) if other_slowdown else None
+    if other is not None:
+        found["other_slowdown"] = (f"with overlap_slowdown {other[1]:.3f}", other[0])
+    costs = profile.problem.costs
+    if profile.calibration is not None and (costs.unshard_wait is not None or costs.reduce_grad_wait is not None):
+        found["without_waits"] = (
+            "without the replicas' waits",
+            _refitted(profile, unshard_wait=None, reduce_grad_wait=None),
+        )
+    return found
+
+
+def _refitted(profile: Any, **costs: Any) -> Any:
+    """The profile's problem with ``costs`` changed and the per-pass overhead fitted again on its calibration step."""
+    from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
+
+    calibration = profile.calibration
+    changes = {f"costs.{name}": value for name, value in costs.items()}
+    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**changes)
+    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms))
 
 
 def round_order(count: int, round_index: int) -> list[int]:
@@ -268,15 +295,11 @@ def _other_slowdown(profile: Any) -> tuple[Any, float] | None:
     """The profile's problem with the other choice of ``costs.overlap_slowdown`` (the measured slowdown where the
     problem has 0, 0 where it has the measured one) and the per-pass overhead fitted again on the same calibration
     step, with that slowdown; ``None`` when the profile measured none."""
-    from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
-
     calibration = profile.calibration
     if calibration is None or calibration.overlap is None:
         return None
-    written = profile.problem.costs.overlap_slowdown
-    slowdown = 0.0 if written else calibration.overlap.slowdown
-    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**{"costs.overlap_slowdown": slowdown})
-    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms)), slowdown
+    slowdown = 0.0 if profile.problem.costs.overlap_slowdown else calibration.overlap.slowdown
+    return _refitted(profile, overlap_slowdown=slowdown), slowdown
 
 
 def _prediction(schedule: Schedule) -> dict[str, Any]:
@@ -340,31 +363,31 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"({overlap['alone']} passes): overlap_slowdown {overlap['slowdown']:.3f}"
             )
     for row in rows:
-        lines += _other_slowdown_lines(row)
+        lines += _alternative_lines(row)
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
     return lines
 
 
-def _other_slowdown_lines(row: dict[str, Any]) -> list[str]:
-    """The same run against the prediction with the other choice of the overlap slowdown: the step's error and per
-    pipeline rank the predicted hidden / exposed, beside the measured ones above."""
-    other = row.get("other_slowdown")
-    if other is None:
-        return []
-    predicted = other["predicted_ms"]
-    pipeline_ranks = other["ranks"]
-    per_rank = "; ".join(
-        f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
-        f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
-        for k, r in enumerate(row["ranks"])
-    )
-    return [
-        f"  {row['case']} with overlap_slowdown {other['overlap_slowdown']:.3f}: predicted {predicted:.1f} ms, best "
-        f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
-        + ("" if other["same_orders"] else " (another order than the one run)")
-    ]
+def _alternative_lines(row: dict[str, Any]) -> list[str]:
+    """The same run against each other prediction (:func:`_alternatives`): the step's error and per pipeline rank
+    the predicted hidden / exposed, beside the measured ones above."""
+    lines = []
+    for other in (row[key] for key in ("other_slowdown", "without_waits") if key in row):
+        predicted = other["predicted_ms"]
+        pipeline_ranks = other["ranks"]
+        per_rank = "; ".join(
+            f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
+            f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
+            for k, r in enumerate(row["ranks"])
+        )
+        lines.append(
+            f"  {row['case']} {other['label']}: predicted {predicted:.1f} ms, best "
+            f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
+            + ("" if other["same_orders"] else " (another order than the one run)")
+        )
+    return lines
 
 
 def _collective_lines(row: dict[str, Any]) -> list[str]:

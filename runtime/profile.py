@@ -25,9 +25,12 @@ and each process measures its own stages, all at once, as the run will run them:
   reduce-scatter, or the all-reduce of the flattened gradients), taken from the calibration run (beside the passes
   of the same order, each from its last dp peer's start): per step the mean of the replicas, the steps a load burst
   slowed left out, the median over the steps kept (``costs.unshard``, ``costs.reduce_grad``;
-  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
-* **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
-  ``costs.optimizer_step``.
+  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record; and
+  each one's wait for its last replica (the replicas of a pipeline rank enter it at different instants: per step the
+  mean over the replicas of the time from its own entry to the last one's, the same steps, the median:
+  ``costs.unshard_wait``, ``costs.reduce_grad_wait``; the simulator starts the collective that much later).
+* **the optimizer step** of each rank (the global norm's partial sum, its all-reduce and the run's update rule, as a
+  run's step ends): ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
   collectives against the same passes (stage and kind) with none beside them, per overlapped ms
   (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): reported, and written as
@@ -508,7 +511,8 @@ def _join_calibration(results: list[RankProfile]) -> None:
     """Every process's ``calibration_collectives`` from its calibration run's communication, each collective timed
     from the instant its last dp peer entered it (:func:`~pipesched.runtime.records.joined_communication`): the span
     the simulator's ``costs.unshard`` / ``costs.reduce_grad`` stand for and the run report measures. The wait for a
-    slower replica is left to the step: the calibration's per-pass overhead holds it."""
+    slower replica before it becomes ``costs.unshard_wait`` / ``costs.reduce_grad_wait``
+    (:func:`_calibration_collective_waits`)."""
     for pp_rank in {r.pp_rank for r in results}:
         group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
         joined = joined_steps([r.calibration_communication for r in group])
@@ -814,8 +818,9 @@ def _collectives(
     data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions, statistic: str
 ) -> dict[str, LinearFit]:
     """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (from the calibration
-    run by ``statistic``, else the medians of the collectives timed alone), and each collective fitted over the
-    stages' sizes (their unsharded weight bytes)."""
+    run by ``statistic``, else the medians of the collectives timed alone) and, from the calibration run, their waits
+    for the last replica (``unshard_wait`` / ``reduce_grad_wait``); each collective fitted over the stages' sizes
+    (their unsharded weight bytes)."""
     if options.data_parallel == 1:
         return {}
     data["data_parallel"] = _data_parallel_section(options)
@@ -831,6 +836,7 @@ def _collectives(
             costs = [statistics.median(samples) for samples in per_stage]
         data["costs"][name] = [round(m, 6) for m in costs]
         fits[name] = LinearFit.fit(list(zip(weights, costs, strict=True)))
+    data["costs"] |= _calibration_collective_waits(measured)
     return fits
 
 
@@ -854,25 +860,14 @@ def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[s
     """Per ``"unshard"`` / ``"reduce_grad"``, each model stage's cost (ms) from the calibration run by ``statistic``
     (:data:`COLLECTIVE_STATISTICS`); empty without a calibration run's collectives."""
     _check_statistic(statistic)
-    results = measured.results
-    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
-    steps = min((len(r.calibration_joined) for r in results), default=0)
-    # per step, per (name, model stage): the durations on every process that holds it
-    table: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(steps)]
-    holder: dict[tuple[str, int], int] = {}
-    for r in results:
-        for k, durations in enumerate(_collective_steps(r.calibration_joined[:steps])):
-            for (name, stage), value in durations.items():
-                table[k].setdefault((name, stage_of[stage]), []).append(value)
-                holder[name, stage_of[stage]] = r.pp_rank
+    table, holder = _calibration_table(measured, lambda r: _collective_steps(r.calibration_joined))
     keys = sorted(holder)
-    if not steps or not keys or any(len(keys) != len(row) for row in table):
+    if not table or not keys or any(len(keys) != len(row) for row in table):
         return {}
     if statistic == "pooled_median":
         costs = {key: statistics.median(v for row in table for v in row[key]) for key in keys}
     else:
-        step_ms = [max(r.calibration_ms[k + 1] for r in results) for k in range(steps)]
-        kept = [{key: statistics.mean(table[k][key]) for key in keys} for k in _steady_steps(step_ms)]
+        kept = _steady_replica_means(measured, table, keys)
         costs = {key: statistics.median(row[key] for row in kept) for key in keys}
         if statistic == "step_total":
             for rank in set(holder.values()):
@@ -884,6 +879,59 @@ def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[s
         name: [costs[name, k] for k in range(len(measured.ids))]
         for name in ("unshard", "reduce_grad")
         if all((name, k) in costs for k in range(len(measured.ids)))
+    }
+
+
+def _calibration_table(
+    measured: _Measured, steps_of: Any
+) -> tuple[list[dict[tuple[str, int], list[float]]], dict[tuple[str, int], int]]:
+    """Per calibration step (after the first), per ``(name, model stage)``: the values on every process that holds
+    it (``steps_of(rank_profile)``: per step, ``(name, stage id)`` → value), and the pipeline rank holding each."""
+    results = measured.results
+    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
+    steps = min((len(r.calibration_joined) for r in results), default=0)
+    table: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(steps)]
+    holder: dict[tuple[str, int], int] = {}
+    for r in results:
+        for k, values in enumerate(steps_of(r)[:steps]):
+            for (name, stage), value in values.items():
+                table[k].setdefault((name, stage_of[stage]), []).append(value)
+                holder[name, stage_of[stage]] = r.pp_rank
+    return table, holder
+
+
+def _steady_replica_means(
+    measured: _Measured, table: list[dict[tuple[str, int], list[float]]], keys: list[tuple[str, int]]
+) -> list[dict[tuple[str, int], float]]:
+    """Per step :func:`_steady_steps` keeps, per key the mean over the processes (the replicas) that hold it."""
+    step_ms = [max(r.calibration_ms[k + 1] for r in measured.results) for k in range(len(table))]
+    return [{key: statistics.mean(table[k][key]) for key in keys} for k in _steady_steps(step_ms)]
+
+
+def _calibration_collective_waits(measured: _Measured) -> dict[str, list[float]]:
+    """Per ``"unshard_wait"`` / ``"reduce_grad_wait"``, each model stage's wait for its last data-parallel replica
+    (ms): per step the mean over the replicas of each one's wait (the collective from its own entry minus from its
+    last peer's), the median over the steps :func:`_steady_steps` keeps, as ``costs.unshard`` / ``reduce_grad``
+    (``step_median``); empty without a calibration run's collectives."""
+
+    def waits(r: RankProfile) -> list[dict[tuple[str, int], float]]:
+        own = _collective_steps(r.calibration_communication)
+        joined = _collective_steps(r.calibration_joined)
+        return [
+            {key: max(0.0, mine[key] - value) for key, value in last.items()}
+            for mine, last in zip(own, joined, strict=True)
+        ]
+
+    table, holder = _calibration_table(measured, waits)
+    keys = sorted(holder)
+    if not table or not keys or any(len(keys) != len(row) for row in table):
+        return {}
+    kept = _steady_replica_means(measured, table, keys)
+    medians = {key: statistics.median(row[key] for row in kept) for key in keys}
+    return {
+        f"{name}_wait": [round(medians[name, k], 6) for k in range(len(measured.ids))]
+        for name in ("unshard", "reduce_grad")
+        if all((name, k) in medians for k in range(len(measured.ids)))
     }
 
 
