@@ -33,8 +33,9 @@ run's median leaves out a step's burst, the median over rounds a round's), again
 parallelism; ``pipesched profile`` writes it as
 ``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
 the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
-step): step and hidden / exposed; a profile that measured its collectives' wait for the last replica
-(``costs.unshard_wait`` / ``costs.reduce_grad_wait``), the same against the prediction without it.
+step): step and hidden / exposed; likewise with the other choice of the collectives' wait for their last replica
+(``costs.unshard_wait`` / ``costs.reduce_grad_wait``: the calibration run's, written only with ``pipesched profile
+--replica-wait``, or none).
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
@@ -237,11 +238,11 @@ def run_shape(
     alternatives = _alternatives(profile, other_slowdown)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
-        row["collective_costs"] = {
+        row["collective_costs"] = {  # the waits as measured, whether the problem carries them or not
             name: getattr(profile.problem.costs, name)
-            for name in ("unshard", "reduce_grad", "unshard_wait", "reduce_grad_wait")
+            for name in ("unshard", "reduce_grad")
             if shape.data_parallel > 1 and getattr(profile.problem.costs, name) is not None
-        }
+        } | (calibration.replica_waits if calibration is not None else {})
         if calibration is not None:
             row["calibration"] = {
                 "measured_ms": calibration.measured_ms,
@@ -261,18 +262,19 @@ def run_shape(
 
 def _alternatives(profile: Any, other_slowdown: bool) -> dict[str, tuple[str, Any]]:
     """The profile's problem otherwise, each with the per-pass overhead fitted again on the same calibration step:
-    ``other_slowdown`` (:func:`_other_slowdown`, when asked) and ``without_waits`` (no wait for the last replica,
-    ``costs.unshard_wait`` / ``costs.reduce_grad_wait``, where the profile measured one); key → (label, problem)."""
+    ``other_slowdown`` (:func:`_other_slowdown`, when asked) and ``replica_waits`` (the other choice of the
+    collectives' wait for their last replica, ``costs.unshard_wait`` / ``costs.reduce_grad_wait``: without it where
+    the problem has it, with the calibration run's where it has not); key → (label, problem)."""
     found = {}
     other = _other_slowdown(profile) if other_slowdown else None
     if other is not None:
         found["other_slowdown"] = (f"with overlap_slowdown {other[1]:.3f}", other[0])
-    costs = profile.problem.costs
-    if profile.calibration is not None and (costs.unshard_wait is not None or costs.reduce_grad_wait is not None):
-        found["without_waits"] = (
-            "without the replicas' waits",
-            _refitted(profile, unshard_wait=None, reduce_grad_wait=None),
-        )
+    costs, calibration = profile.problem.costs, profile.calibration
+    if calibration is not None and (costs.unshard_wait is not None or costs.reduce_grad_wait is not None):
+        waits = _refitted(profile, unshard_wait=None, reduce_grad_wait=None)
+        found["replica_waits"] = ("without the replicas' waits", waits)
+    elif calibration is not None and calibration.replica_waits:
+        found["replica_waits"] = ("with the replicas' waits", _refitted(profile, **calibration.replica_waits))
     return found
 
 
@@ -374,7 +376,7 @@ def _alternative_lines(row: dict[str, Any]) -> list[str]:
     """The same run against each other prediction (:func:`_alternatives`): the step's error and per pipeline rank
     the predicted hidden / exposed, beside the measured ones above."""
     lines = []
-    for other in (row[key] for key in ("other_slowdown", "without_waits") if key in row):
+    for other in (row[key] for key in ("other_slowdown", "replica_waits") if key in row):
         predicted = other["predicted_ms"]
         pipeline_ranks = other["ranks"]
         per_rank = "; ".join(

@@ -27,8 +27,10 @@ and each process measures its own stages, all at once, as the run will run them:
   slowed left out, the median over the steps kept (``costs.unshard``, ``costs.reduce_grad``;
   :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record; and
   each one's wait for its last replica (the replicas of a pipeline rank enter it at different instants: per step the
-  mean over the replicas of the time from its own entry to the last one's, the same steps, the median:
-  ``costs.unshard_wait``, ``costs.reduce_grad_wait``; the simulator starts the collective that much later).
+  mean over the replicas of the time from its own entry to the last one's, the same steps, the median): reported
+  (``Calibration.replica_waits``), and written as ``costs.unshard_wait`` / ``costs.reduce_grad_wait`` (the
+  simulator then starts each collective that much later) when asked (``replica_wait=True``, ``pipesched profile
+  --replica-wait``): on this machine the calibration run's waits were 2–4× the run's (docs/RUNTIME.md).
 * **the optimizer step** of each rank (the global norm's partial sum, its all-reduce and the run's update rule, as a
   run's step ends): ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
@@ -569,6 +571,7 @@ def measure_model(
     engine: str = "pipesched",
     calibrate: bool = True,
     overlap_slowdown: bool = False,
+    replica_wait: bool = False,
     calibration_steps: int = CALIBRATION_STEPS,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
@@ -588,6 +591,9 @@ def measure_model(
     that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
     ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
     each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
+    ``replica_wait``: also write each collective's wait for its last replica that the calibration run measured
+    (D > 1) as ``costs.unshard_wait`` / ``costs.reduce_grad_wait``; reported in ``calibration.replica_waits`` either
+    way. Off by default: here the calibration run's waits were 2–4× the run's (docs/RUNTIME.md).
     ``calibration_steps``: the calibration run's training steps (the first left out; :data:`CALIBRATION_STEPS`).
     ``collective_statistic``: how its collectives become ``costs.unshard`` / ``costs.reduce_grad``
     (:data:`COLLECTIVE_STATISTICS`; default ``step_median``). ``pass_source``: where F, I, W come from
@@ -651,6 +657,7 @@ def measure_model(
         overlap_slowdown,
         collective_statistic,
         pass_source if calibrate else "timed",
+        replica_wait,
     )
 
 
@@ -732,10 +739,12 @@ def _assemble(
     write_overlap_slowdown: bool = False,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
+    write_replica_wait: bool = False,
 ) -> Profile:
     """The problem from every process's measurements (module docstring); ``collective_statistic``: how the
     calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`);
-    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`)."""
+    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`); ``write_replica_wait``: write the collectives'
+    waits for the last replica (``costs.unshard_wait`` / ``costs.reduce_grad_wait``; measured either way)."""
     _join_calibration(results)
     measured = _Measured(skeleton, results)
     spreads = measured.spreads()
@@ -772,8 +781,11 @@ def _assemble(
     overlap = _overlap_slowdown(results) if options.data_parallel > 1 else None
     if overlap is not None and write_overlap_slowdown:
         data["costs"]["overlap_slowdown"] = overlap.slowdown
+    waits = _calibration_collective_waits(measured) if options.data_parallel > 1 else {}
+    if write_replica_wait:
+        data["costs"] |= waits
     problem = load_problem(data)
-    calibration = _calibrate(problem, results, overlap)
+    calibration = _calibrate(problem, results, overlap, waits)
     if calibration is not None:
         problem = with_overhead(problem, calibration.overhead_ms)
     return Profile(problem, spreads, p2p_fit, collectives, calibration)
@@ -791,6 +803,9 @@ class Calibration:
     predicted_ms: float
     overhead_ms: float
     overlap: OverlapSlowdown | None = None
+    #: ``"unshard_wait"`` / ``"reduce_grad_wait"`` → per model stage, the collectives' wait for their last replica
+    #: on this run, ms (:func:`_calibration_collective_waits`; D > 1), whether the problem carries them or not.
+    replica_waits: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
@@ -804,23 +819,25 @@ def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
     return fit_overlap_slowdown(steps) if steps else None
 
 
-def _calibrate(problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None) -> Calibration | None:
+def _calibrate(
+    problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None, waits: dict[str, list[float]]
+) -> Calibration | None:
     if not all(r.calibration_ms for r in results):
         return None
     steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
     measured = min(steps[1:] if len(steps) > 1 else steps)
     orders = calibration_orders(problem)
     predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
-    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured), overlap)
+    overhead = fit_overhead(problem, orders, measured)
+    return Calibration(round(measured, 6), round(predicted, 6), overhead, overlap, waits)
 
 
 def _collectives(
     data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions, statistic: str
 ) -> dict[str, LinearFit]:
     """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (from the calibration
-    run by ``statistic``, else the medians of the collectives timed alone) and, from the calibration run, their waits
-    for the last replica (``unshard_wait`` / ``reduce_grad_wait``); each collective fitted over the stages' sizes
-    (their unsharded weight bytes)."""
+    run by ``statistic``, else the medians of the collectives timed alone), and each collective fitted over the
+    stages' sizes (their unsharded weight bytes)."""
     if options.data_parallel == 1:
         return {}
     data["data_parallel"] = _data_parallel_section(options)
@@ -836,7 +853,6 @@ def _collectives(
             costs = [statistics.median(samples) for samples in per_stage]
         data["costs"][name] = [round(m, 6) for m in costs]
         fits[name] = LinearFit.fit(list(zip(weights, costs, strict=True)))
-    data["costs"] |= _calibration_collective_waits(measured)
     return fits
 
 
