@@ -13,8 +13,10 @@ microbatches, ``--model``, gpt-small by default):
 * ``ZB-V``: V placement, two stages per rank;
 * ``BF×dp2``: breadth-first (looped-bfs, two stages per rank) × data-parallel 2 with FSDP2, 4 processes.
 
-Every launch runs each case ``--rounds`` times, interleaved (1F1B, ZB-H1, 2BW, 1F1B, …), so that the cases of a
-shape share the machine's load alike; the runs of one launch are checked against one reference per problem.
+Every launch runs each case ``--rounds`` times, interleaved, the order turned by one case each round (1F1B, ZB-H1,
+2BW; ZB-H1, 2BW, 1F1B; 2BW, 1F1B, ZB-H1; …), so that the cases of a shape share the machine's load alike and none
+always runs first or last in its round (a load that rises or falls through a round would fall on one case); the
+runs of one launch are checked against one reference per problem.
 
 Measured step: the best step after the first over every round (``best``; its error against the prediction is the
 issue's bar, −20 % … +25 %) and the median of the rounds' ``measured_step_time_ms`` (``median``: over the steps
@@ -24,12 +26,16 @@ steps after the first of the time the rank's collectives ran beside its passes, 
 its last dp peer's start (the simulator's span), against the schedule's timeline; ``wait``: the rank's median wait
 for a slower replica before its collectives could start (in neither split). Static: weights, gradients and
 optimizer state measured on every rank against the problem's ``memory.static`` (and the second weight version for
-2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (median of the rounds'
-differences of medians), against the predicted gain (1F1B's ``step_time`` minus 2BW's ``step_period``). A profile
-that measured a slowdown of compute beside its collectives (data parallelism; ``pipesched profile`` writes it as
+2BW). 2BW's gain: 1F1B's measured step minus 2BW's, best against best and per round (the median of the rounds'
+differences of medians: the statistic the bar is read on — paired within a round, the two runs share its load; a
+run's median leaves out a step's burst, the median over rounds a round's), against the predicted gain (1F1B's
+``step_time`` minus 2BW's ``step_period``). A profile that measured a slowdown of compute beside its collectives (data
+parallelism; ``pipesched profile`` writes it as
 ``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
 the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
-step): step and hidden / exposed.
+step): step and hidden / exposed; likewise with the other choice of the collectives' wait for their last replica
+(``costs.unshard_wait`` / ``costs.reduce_grad_wait``: the calibration run's, written only with ``pipesched profile
+--replica-wait``, or none).
 
 Timing on a shared 2-core machine is noisy: the load average is printed before and after every repeat; read the
 rounds and repeats side by side.
@@ -192,9 +198,10 @@ def run_shape(
     other_slowdown: bool = True,
 ) -> list[dict[str, Any]]:
     """Profile the shape, build its cases' schedules on the profile, run them in one launch: ``rounds`` rounds of
-    every case one after another (1F1B, ZB-H1, 2BW, 1F1B, ZB-H1, 2BW, …), so that the cases share the machine's
-    load alike. ``calibration``: the profile's calibration settings (``calibration_steps``, ``collective_statistic``,
-    ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the other choice of the
+    every case one after another, the order turned by one each round (:func:`round_order`), so that the cases
+    share the machine's load alike. ``calibration``: the profile's calibration settings (``calibration_steps``,
+    ``collective_statistic``, ``pass_source``; default: the profile's own). ``other_slowdown``: also predict with the
+    other choice of the
     overlap slowdown (minutes of simulation when the measured slowdown is large)."""
     from pipesched.runtime.launch import run_schedules
     from pipesched.runtime.options import TrainingOptions
@@ -215,23 +222,27 @@ def run_shape(
         )
         for case in shape.cases
     ]
+    order = [k for r in range(rounds) for k in round_order(len(shape.cases), r)]
     reports = run_schedules(
-        schedules * rounds, engine="pipesched", model=model, training=options * rounds, timeout_s=900
+        [schedules[k] for k in order],
+        engine="pipesched",
+        model=model,
+        training=[options[k] for k in order],
+        timeout_s=900,
     )
-    count = len(shape.cases)
     rows = [
-        _row(case, schedule, reports[k::count])
+        _row(case, schedule, [report for report, case_of in zip(reports, order, strict=True) if case_of == k])
         for k, (case, schedule) in enumerate(zip(shape.cases, schedules, strict=True))
     ]
     calibration = profile.calibration
-    other = _other_slowdown(profile) if other_slowdown else None
+    alternatives = _alternatives(profile, other_slowdown)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
-        row["collective_costs"] = {
+        row["collective_costs"] = {  # the waits as measured, whether the problem carries them or not
             name: getattr(profile.problem.costs, name)
             for name in ("unshard", "reduce_grad")
             if shape.data_parallel > 1 and getattr(profile.problem.costs, name) is not None
-        }
+        } | (calibration.replica_waits if calibration is not None else {})
         if calibration is not None:
             row["calibration"] = {
                 "measured_ms": calibration.measured_ms,
@@ -240,29 +251,57 @@ def run_shape(
             }
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
-        if other is not None:
-            problem, slowdown = other
+        for key, (label, problem) in alternatives.items():
             alternative = solve_family(problem.with_changes(**case.changes), case.family)
-            row["other_slowdown"] = _prediction(alternative) | {
-                "overlap_slowdown": slowdown,
+            row[key] = _prediction(alternative) | {
+                "label": label,
                 "same_orders": alternative.orders() == schedule.orders(),
             }
     return rows
+
+
+def _alternatives(profile: Any, other_slowdown: bool) -> dict[str, tuple[str, Any]]:
+    """The profile's problem otherwise, each with the per-pass overhead fitted again on the same calibration step:
+    ``other_slowdown`` (:func:`_other_slowdown`, when asked) and ``replica_waits`` (the other choice of the
+    collectives' wait for their last replica, ``costs.unshard_wait`` / ``costs.reduce_grad_wait``: without it where
+    the problem has it, with the calibration run's where it has not); key → (label, problem)."""
+    found = {}
+    other = _other_slowdown(profile) if other_slowdown else None
+    if other is not None:
+        found["other_slowdown"] = (f"with overlap_slowdown {other[1]:.3f}", other[0])
+    costs, calibration = profile.problem.costs, profile.calibration
+    if calibration is not None and (costs.unshard_wait is not None or costs.reduce_grad_wait is not None):
+        waits = _refitted(profile, unshard_wait=None, reduce_grad_wait=None)
+        found["replica_waits"] = ("without the replicas' waits", waits)
+    elif calibration is not None and calibration.replica_waits:
+        found["replica_waits"] = ("with the replicas' waits", _refitted(profile, **calibration.replica_waits))
+    return found
+
+
+def _refitted(profile: Any, **costs: Any) -> Any:
+    """The profile's problem with ``costs`` changed and the per-pass overhead fitted again on its calibration step."""
+    from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
+
+    calibration = profile.calibration
+    changes = {f"costs.{name}": value for name, value in costs.items()}
+    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**changes)
+    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms))
+
+
+def round_order(count: int, round_index: int) -> list[int]:
+    """The cases' indices in round ``round_index``: ``0 … count − 1`` turned left by the round's index."""
+    return [(round_index + k) % count for k in range(count)]
 
 
 def _other_slowdown(profile: Any) -> tuple[Any, float] | None:
     """The profile's problem with the other choice of ``costs.overlap_slowdown`` (the measured slowdown where the
     problem has 0, 0 where it has the measured one) and the per-pass overhead fitted again on the same calibration
     step, with that slowdown; ``None`` when the profile measured none."""
-    from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
-
     calibration = profile.calibration
     if calibration is None or calibration.overlap is None:
         return None
-    written = profile.problem.costs.overlap_slowdown
-    slowdown = 0.0 if written else calibration.overlap.slowdown
-    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**{"costs.overlap_slowdown": slowdown})
-    return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms)), slowdown
+    slowdown = 0.0 if profile.problem.costs.overlap_slowdown else calibration.overlap.slowdown
+    return _refitted(profile, overlap_slowdown=slowdown), slowdown
 
 
 def _prediction(schedule: Schedule) -> dict[str, Any]:
@@ -326,31 +365,31 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"({overlap['alone']} passes): overlap_slowdown {overlap['slowdown']:.3f}"
             )
     for row in rows:
-        lines += _other_slowdown_lines(row)
+        lines += _alternative_lines(row)
     by_case = {row["case"]: row for row in rows}
     if "1F1B" in by_case and "2BW" in by_case:
         lines += _gain_lines(by_case["1F1B"], by_case["2BW"])
     return lines
 
 
-def _other_slowdown_lines(row: dict[str, Any]) -> list[str]:
-    """The same run against the prediction with the other choice of the overlap slowdown: the step's error and per
-    pipeline rank the predicted hidden / exposed, beside the measured ones above."""
-    other = row.get("other_slowdown")
-    if other is None:
-        return []
-    predicted = other["predicted_ms"]
-    pipeline_ranks = other["ranks"]
-    per_rank = "; ".join(
-        f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
-        f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
-        for k, r in enumerate(row["ranks"])
-    )
-    return [
-        f"  {row['case']} with overlap_slowdown {other['overlap_slowdown']:.3f}: predicted {predicted:.1f} ms, best "
-        f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
-        + ("" if other["same_orders"] else " (another order than the one run)")
-    ]
+def _alternative_lines(row: dict[str, Any]) -> list[str]:
+    """The same run against each other prediction (:func:`_alternatives`): the step's error and per pipeline rank
+    the predicted hidden / exposed, beside the measured ones above."""
+    lines = []
+    for other in (row[key] for key in ("other_slowdown", "replica_waits") if key in row):
+        predicted = other["predicted_ms"]
+        pipeline_ranks = other["ranks"]
+        per_rank = "; ".join(
+            f"r{r['rank']} ({pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][0]:.1f}/"
+            f"{pipeline_ranks[k * len(pipeline_ranks) // len(row['ranks'])][1]:.1f})"
+            for k, r in enumerate(row["ranks"])
+        )
+        lines.append(
+            f"  {row['case']} {other['label']}: predicted {predicted:.1f} ms, best "
+            f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
+            + ("" if other["same_orders"] else " (another order than the one run)")
+        )
+    return lines
 
 
 def _collective_lines(row: dict[str, Any]) -> list[str]:

@@ -100,6 +100,9 @@ class Instance:
         sync_before_step: whether every OPTIMIZER_STEP waits for every other action (no post-validation).
         num_passes: with step actions, how many passes come first in ``actions`` (−1 without).
         frames: with sharding ``full``, per stage id the passes of each UNSHARD … RESHARD frame.
+        replica_wait: index → ms a collective's communication stream holds it, once it could start, before it runs
+            (the wait for the last data-parallel replica: ``costs.unshard_wait`` / ``costs.reduce_grad_wait``);
+            absent: 0.
     """
 
     problem: Problem
@@ -127,6 +130,7 @@ class Instance:
     sync_before_step: bool = False
     num_passes: int = -1
     frames: Frames = field(default_factory=dict)
+    replica_wait: dict[int, float] = field(default_factory=dict)
 
     @property
     def backward_kind(self) -> ActionKind:
@@ -440,6 +444,8 @@ class _Collectives:
     reduces: bool
     unshard: list[float]
     reduce_grad: list[float]
+    unshard_wait: list[float]
+    reduce_grad_wait: list[float]
     weights: list[float]
     gradients: list[float]
 
@@ -459,6 +465,8 @@ class _Collectives:
             reduces=group.size > 1 or problem.replicas_synchronise,
             unshard=values(costs.unshard),
             reduce_grad=values(costs.reduce_grad),
+            unshard_wait=values(costs.unshard_wait),
+            reduce_grad_wait=values(costs.reduce_grad_wait),
             weights=values(memory.weights),
             gradients=values(memory.gradients),
         )
@@ -483,6 +491,12 @@ def _add_step_action(inst: Instance, action: Action, rank: int, duration: float,
     return idx
 
 
+def _wait_for_replicas(inst: Instance, idx: int, wait_ms: float) -> None:
+    """The collective ``idx`` starts ``wait_ms`` after it could (:attr:`Instance.replica_wait`)."""
+    if wait_ms > 0:
+        inst.replica_wait[idx] = wait_ms
+
+
 def _add_stage_collectives(inst: Instance, group: _Collectives, s: int, microbatches: list[int]) -> int | None:
     """Stage ``s``'s UNSHARD/RESHARD frames (sharding ``full``: :attr:`Instance.frames`, each gathered before its
     passes and freed after them, one after the other) and REDUCE_GRAD (after its last backward: d > 1, or the
@@ -495,6 +509,7 @@ def _add_stage_collectives(inst: Instance, group: _Collectives, s: int, microbat
         previous = -1
         for n, frame in enumerate(inst.frames[s]):
             gather = _add_step_action(inst, Action(s, ActionKind.UNSHARD, n), rank, group.unshard[ms], held, 1)
+            _wait_for_replicas(inst, gather, group.unshard_wait[ms])
             free = _add_step_action(inst, Action(s, ActionKind.RESHARD, n), rank, 0.0, -held, 1)
             if previous >= 0:
                 inst.link(previous, gather)
@@ -506,6 +521,7 @@ def _add_stage_collectives(inst: Instance, group: _Collectives, s: int, microbat
         return None
     freed = -group.gradients[ms] * fraction if group.sharding in ("gradients", "full") else 0.0
     reduce = _add_step_action(inst, Action(s, ActionKind.REDUCE_GRAD, 0), rank, group.reduce_grad[ms], freed, 1)
+    _wait_for_replicas(inst, reduce, group.reduce_grad_wait[ms])
     for idx in finals:
         inst.link(idx, reduce)
     return reduce

@@ -439,6 +439,7 @@ def _add_step_communication(inst: Instance, problem: Problem, steps: int) -> Non
     m = problem.pipeline.num_microbatches
     reduces = problem.data_parallel_size > 1
     reduce_grad = problem.stage_values(problem.costs.reduce_grad or 0.0)
+    reduce_grad_wait = problem.stage_values(problem.costs.reduce_grad_wait or 0.0)
     optimizer = problem.rank_values(problem.costs.optimizer_step, 0.0)
     inst.num_passes = len(inst.actions)
     inst.stream = [0] * inst.num_passes
@@ -468,6 +469,8 @@ def _add_step_communication(inst: Instance, problem: Problem, steps: int) -> Non
             for stage, rank in enumerate(inst.stage_ranks):
                 duration = reduce_grad[inst.model_stage[stage]]
                 add(Action(stage, ActionKind.REDUCE_GRAD, t), rank, duration, 1, finals[stage])
+                if reduce_grad_wait[inst.model_stage[stage]] > 0:  # as the flushed step's (instance.py)
+                    inst.replica_wait[len(inst.actions) - 1] = reduce_grad_wait[inst.model_stage[stage]]
         for rank in range(inst.num_ranks):
             local = _local_stages(inst, rank)
             if reduces:

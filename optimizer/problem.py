@@ -231,6 +231,22 @@ class Costs(_Strict):
         description="REDUCE_GRAD: all-reduce or reduce-scatter of a stage's gradients over the data-parallel group, ms",
     )
     optimizer_step: PerRank | None = Field(None, description="OPTIMIZER_STEP: one rank's optimizer step, ms.")
+    unshard_wait: PerStage | None = Field(
+        None,
+        description=(
+            "A stage's UNSHARD waits this long for its last data-parallel replica before it runs (not in the "
+            "contract): the replicas of a rank reach a collective at different instants and it starts when the last "
+            "one enters it; the mean over replicas of (last entry − own entry), ms. None or 0: it starts at once. "
+            "`pipesched profile --data-parallel D` measures it on its calibration run."
+        ),
+    )
+    reduce_grad_wait: PerStage | None = Field(
+        None,
+        description=(
+            "A stage's REDUCE_GRAD waits this long for its last data-parallel replica before it runs, as "
+            "unshard_wait (not in the contract), ms."
+        ),
+    )
     overlap_slowdown: float = Field(
         0.0,
         ge=0,

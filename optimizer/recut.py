@@ -29,6 +29,7 @@ _PER_STAGE_COSTS = ("forward", "backward_input", "backward_weight")
 _PER_STAGE_MEMORY = ("activation", "retained_for_weight")
 _PER_STAGE_OPTIONAL_COSTS = ("unshard", "reduce_grad")  # collectives over a stage's weights: split by layers too
 _PER_STAGE_OPTIONAL_MEMORY = ("weights", "gradients")
+_PER_STAGE_WAITS = ("unshard_wait", "reduce_grad_wait")  # a collective's wait for its last replica: as p2p, not split
 
 
 def recut_values(values: list[float], new_count: int, *, extensive: bool = True) -> list[float]:
@@ -83,6 +84,11 @@ def recut_problem(problem: Problem, placement: Literal["loop", "v"], stages_per_
     for name in _PER_STAGE_OPTIONAL_COSTS:
         if getattr(problem.costs, name) is not None:
             data["costs"][name] = recut_values(problem.stage_values(getattr(problem.costs, name)), new_count)
+    for name in _PER_STAGE_WAITS:
+        if getattr(problem.costs, name) is not None:
+            data["costs"][name] = recut_values(
+                problem.stage_values(getattr(problem.costs, name)), new_count, extensive=False
+            )
     for name in _PER_STAGE_MEMORY:
         data["memory"][name] = recut_values(problem.stage_values(getattr(problem.memory, name)), new_count)
     for name in _PER_STAGE_OPTIONAL_MEMORY:

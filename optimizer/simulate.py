@@ -14,7 +14,10 @@ The training step (contract, step_time): an instance with communication actions 
 list is then two in-order queues: its passes and OPTIMIZER_STEP on the compute stream, UNSHARD and
 REDUCE_GRAD on the communication stream (they overlap compute, not each other), and RESHARD, a free that
 takes no time and occupies neither. A communication action is issued where it stands in the list: it starts
-no earlier than the pass before it in the list (PyTorch's runtime issues it when it reaches it). With
+no earlier than the pass before it in the list (PyTorch's runtime issues it when it reaches it), and a collective
+with a replica wait (``costs.unshard_wait`` / ``costs.reduce_grad_wait``: the data-parallel replicas of a rank reach
+it at different instants and it runs once the last one has entered) starts that many ms after it could, its stream
+held meanwhile. With
 synchronisation (no ``training.post_validation``) every OPTIMIZER_STEP waits for every other action of every
 rank. Memory is then counted event by event in time order (frees before allocations at the same instant).
 ``step_time``: first start to the last OPTIMIZER_STEP's end, or under post-validation the max over ranks of
@@ -398,6 +401,7 @@ def _time_streams(
     duration = inst.duration if duration is None else duration
     num_ranks = len(orders)
     instant = [inst.actions[i].kind == ActionKind.RESHARD for i in range(n)]
+    replica_wait = inst.replica_wait
     queues, issue = _stream_lanes(inst, orders)
     pos = [[0, 0] for _ in range(num_ranks)]
     free = [[0.0, 0.0] for _ in range(num_ranks)]
@@ -437,8 +441,8 @@ def _time_streams(
             if not _scan_predecessors(preds[idx], end, idx, scanned, arrival):
                 break
             ready = max(ready, arrival[idx])
-            start[idx] = ready
-            end[idx] = ready + duration[idx]
+            start[idx] = ready + replica_wait.get(idx, 0.0)
+            end[idx] = start[idx] + duration[idx]
             if not instant[idx]:
                 free[rank][lane] = end[idx]
             k += 1

@@ -30,7 +30,7 @@ from torch import nn
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.runtime.options import TrainingOptions
 from pipesched.runtime.records import StepCheck
-from pipesched.runtime.verify import clip_coefficient, make_optimizer
+from pipesched.runtime.verify import clip_coefficient, make_optimizer, squared_norm
 
 __all__ = ["TwoBufferedWeights"]
 
@@ -69,6 +69,7 @@ class TwoBufferedWeights:
         self._remaining = {t: set(modules) for t in range(steps)}
         self._norms: dict[int, tuple[torch.Tensor, Any]] = {}
         self._applied: set[tuple[int, int]] = set()
+        self._done: set[int] = set()  # steps applied on every stage
         self.checks: dict[int, StepCheck] = {}
         self.last_gradients: dict[str, torch.Tensor] = {}
         self.static_peak = 0
@@ -98,12 +99,16 @@ class TwoBufferedWeights:
 
     def _issue_check(self, step: int) -> None:
         """Every stage of this rank has step t's gradient: all-reduce the squared norm's partial sum, not waited."""
-        partial = torch.zeros((), dtype=torch.float64, device=self.device)
-        for stage, slots in self.slots.items():
-            if stage in self.first_ids:
-                for p in slots[step % 2].parameters():
-                    if p.grad is not None:
-                        partial += p.grad.double().pow(2).sum()
+        partial = squared_norm(
+            (
+                p.grad
+                for stage, slots in self.slots.items()
+                if stage in self.first_ids
+                for p in slots[step % 2].parameters()
+                if p.grad is not None
+            ),
+            self.device,
+        )
         self._norms[step] = (partial, dist.all_reduce(partial, async_op=True))
         if step == self.steps - 1:
             self.last_gradients = {
@@ -116,9 +121,11 @@ class TwoBufferedWeights:
 
     def _apply_arrived(self) -> None:
         for step, (_, work) in list(self._norms.items()):
-            if work.is_completed():
+            if step not in self._done and work.is_completed():
                 for stage in self.slots:
                     self._apply(stage, step, wait=False)
+                if all((stage, step) in self._applied for stage in self.slots):
+                    self._done.add(step)
 
     def _apply(self, stage: int, step: int, *, wait: bool) -> None:
         """U(t+2) = U(t+1) − ν·c·g(t) into step t's slot of ``stage`` (skipped for a non-finite norm); U(t+1) first."""
@@ -139,12 +146,12 @@ class TwoBufferedWeights:
         finite = math.isfinite(norm)
         self.checks.setdefault(step, StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
         old, current = self.slots[stage][step % 2], self.slots[stage][(step + 1) % 2]
-        coefficient = clip_coefficient(norm, self.options.clip_norm) if finite else 0.0
-        with torch.no_grad():
+        coefficient = clip_coefficient(norm, self.options.clip_norm) if finite else 1.0
+        with torch.no_grad():  # the gradient stays where it is (scaled in place when clipped), U(t+1) copied under it
             for p, q in zip(old.parameters(), current.parameters(), strict=True):
-                gradient = None if p.grad is None or not finite else p.grad.mul(coefficient)
                 p.copy_(q)
-                p.grad = gradient
+                if p.grad is not None and coefficient < 1.0:
+                    p.grad.mul_(coefficient)
         if finite:
             self._step(stage, step % 2)
         for p in old.parameters():

@@ -25,9 +25,14 @@ and each process measures its own stages, all at once, as the run will run them:
   reduce-scatter, or the all-reduce of the flattened gradients), taken from the calibration run (beside the passes
   of the same order, each from its last dp peer's start): per step the mean of the replicas, the steps a load burst
   slowed left out, the median over the steps kept (``costs.unshard``, ``costs.reduce_grad``;
-  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record.
-* **the optimizer step** of each rank (the run's update rule, the global norm's all-reduce included):
-  ``costs.optimizer_step``.
+  :data:`COLLECTIVE_STATISTICS`), with latency + bytes / bandwidth fitted over the stages' sizes for the record; and
+  each one's wait for its last replica (the replicas of a pipeline rank enter it at different instants: per step the
+  mean over the replicas of the time from its own entry to the last one's, the same steps, the median): reported
+  (``Calibration.replica_waits``), and written as ``costs.unshard_wait`` / ``costs.reduce_grad_wait`` (the
+  simulator then starts each collective that much later) when asked (``replica_wait=True``, ``pipesched profile
+  --replica-wait``): on this machine the calibration run's waits were 2–4× the run's (docs/RUNTIME.md).
+* **the optimizer step** of each rank (the global norm's partial sum, its all-reduce and the run's update rule, as a
+  run's step ends): ``costs.optimizer_step``.
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
   collectives against the same passes (stage and kind) with none beside them, per overlapped ms
   (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): reported, and written as
@@ -63,7 +68,8 @@ from pipesched.runtime.data_parallel import local_tensor, reduce_stage_gradients
 from pipesched.runtime.executor import PointToPoint, SavedActivationMeter
 from pipesched.runtime.models import load_model
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import MeasuredAction, StepRecord, joined_steps
+from pipesched.runtime.records import MeasuredAction, StepCheck, StepRecord, joined_steps
+from pipesched.runtime.verify import squared_norm
 
 __all__ = [
     "SPREAD_WARNING",
@@ -405,8 +411,9 @@ def _measure_collectives(setup: _RankSetup) -> None:
 
 
 def _measure_update(setup: _RankSetup) -> None:
-    """The run's optimizer step (its update rule, the global norm's all-reduce included) and the static bytes it
-    leaves: parameters, gradients, optimizer state, the rollback copy."""
+    """The run's optimizer step and the static bytes it leaves (parameters, gradients, optimizer state, the rollback
+    copy). The step as a run's step ends: this rank's share of the squared gradient norm (in the step's time on
+    every rank: ``RankTrainer.step``, PipeDream-2BW's check), its all-reduce, the update rule."""
     from pipesched.runtime.training import weight_update
 
     settings, result = setup.settings, setup.result
@@ -419,11 +426,12 @@ def _measure_update(setup: _RankSetup) -> None:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        partial = torch.zeros((), dtype=torch.float64, device=setup.device)
-        for p in params:
-            partial += local_tensor(p.grad).double().pow(2).sum()
         dist.barrier()
-        _, step_ms = _timed(setup.device, lambda partial=partial, iteration=iteration: update.apply(iteration, partial))
+
+        def step(iteration: int = iteration) -> StepCheck:
+            return update.apply(iteration, squared_norm((local_tensor(p.grad) for p in params), setup.device))
+
+        _, step_ms = _timed(setup.device, step)
         if iteration >= settings.warmup:
             result.optimizer_step.append(step_ms)
     # PipeDream-2BW's second version of the weights is the optimizer's to add (memory.weights, weight_versions).
@@ -505,7 +513,8 @@ def _join_calibration(results: list[RankProfile]) -> None:
     """Every process's ``calibration_collectives`` from its calibration run's communication, each collective timed
     from the instant its last dp peer entered it (:func:`~pipesched.runtime.records.joined_communication`): the span
     the simulator's ``costs.unshard`` / ``costs.reduce_grad`` stand for and the run report measures. The wait for a
-    slower replica is left to the step: the calibration's per-pass overhead holds it."""
+    slower replica before it becomes ``costs.unshard_wait`` / ``costs.reduce_grad_wait``
+    (:func:`_calibration_collective_waits`)."""
     for pp_rank in {r.pp_rank for r in results}:
         group = sorted((r for r in results if r.pp_rank == pp_rank), key=lambda r: r.dp_rank)
         joined = joined_steps([r.calibration_communication for r in group])
@@ -562,6 +571,7 @@ def measure_model(
     engine: str = "pipesched",
     calibrate: bool = True,
     overlap_slowdown: bool = False,
+    replica_wait: bool = False,
     calibration_steps: int = CALIBRATION_STEPS,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
@@ -581,6 +591,9 @@ def measure_model(
     that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
     ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
     each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
+    ``replica_wait``: also write each collective's wait for its last replica that the calibration run measured
+    (D > 1) as ``costs.unshard_wait`` / ``costs.reduce_grad_wait``; reported in ``calibration.replica_waits`` either
+    way. Off by default: here the calibration run's waits were 2–4× the run's (docs/RUNTIME.md).
     ``calibration_steps``: the calibration run's training steps (the first left out; :data:`CALIBRATION_STEPS`).
     ``collective_statistic``: how its collectives become ``costs.unshard`` / ``costs.reduce_grad``
     (:data:`COLLECTIVE_STATISTICS`; default ``step_median``). ``pass_source``: where F, I, W come from
@@ -644,6 +657,7 @@ def measure_model(
         overlap_slowdown,
         collective_statistic,
         pass_source if calibrate else "timed",
+        replica_wait,
     )
 
 
@@ -725,10 +739,12 @@ def _assemble(
     write_overlap_slowdown: bool = False,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
+    write_replica_wait: bool = False,
 ) -> Profile:
     """The problem from every process's measurements (module docstring); ``collective_statistic``: how the
     calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`);
-    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`)."""
+    ``pass_source``: where F, I, W come from (:data:`PASS_SOURCES`); ``write_replica_wait``: write the collectives'
+    waits for the last replica (``costs.unshard_wait`` / ``costs.reduce_grad_wait``; measured either way)."""
     _join_calibration(results)
     measured = _Measured(skeleton, results)
     spreads = measured.spreads()
@@ -765,8 +781,11 @@ def _assemble(
     overlap = _overlap_slowdown(results) if options.data_parallel > 1 else None
     if overlap is not None and write_overlap_slowdown:
         data["costs"]["overlap_slowdown"] = overlap.slowdown
+    waits = _calibration_collective_waits(measured) if options.data_parallel > 1 else {}
+    if write_replica_wait:
+        data["costs"] |= waits
     problem = load_problem(data)
-    calibration = _calibrate(problem, results, overlap)
+    calibration = _calibrate(problem, results, overlap, waits)
     if calibration is not None:
         problem = with_overhead(problem, calibration.overhead_ms)
     return Profile(problem, spreads, p2p_fit, collectives, calibration)
@@ -784,6 +803,9 @@ class Calibration:
     predicted_ms: float
     overhead_ms: float
     overlap: OverlapSlowdown | None = None
+    #: ``"unshard_wait"`` / ``"reduce_grad_wait"`` → per model stage, the collectives' wait for their last replica
+    #: on this run, ms (:func:`_calibration_collective_waits`; D > 1), whether the problem carries them or not.
+    replica_waits: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
@@ -797,14 +819,17 @@ def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
     return fit_overlap_slowdown(steps) if steps else None
 
 
-def _calibrate(problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None) -> Calibration | None:
+def _calibrate(
+    problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None, waits: dict[str, list[float]]
+) -> Calibration | None:
     if not all(r.calibration_ms for r in results):
         return None
     steps = [max(r.calibration_ms[k] for r in results) for k in range(len(results[0].calibration_ms))]
     measured = min(steps[1:] if len(steps) > 1 else steps)
     orders = calibration_orders(problem)
     predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
-    return Calibration(round(measured, 6), round(predicted, 6), fit_overhead(problem, orders, measured), overlap)
+    overhead = fit_overhead(problem, orders, measured)
+    return Calibration(round(measured, 6), round(predicted, 6), overhead, overlap, waits)
 
 
 def _collectives(
@@ -851,25 +876,14 @@ def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[s
     """Per ``"unshard"`` / ``"reduce_grad"``, each model stage's cost (ms) from the calibration run by ``statistic``
     (:data:`COLLECTIVE_STATISTICS`); empty without a calibration run's collectives."""
     _check_statistic(statistic)
-    results = measured.results
-    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
-    steps = min((len(r.calibration_joined) for r in results), default=0)
-    # per step, per (name, model stage): the durations on every process that holds it
-    table: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(steps)]
-    holder: dict[tuple[str, int], int] = {}
-    for r in results:
-        for k, durations in enumerate(_collective_steps(r.calibration_joined[:steps])):
-            for (name, stage), value in durations.items():
-                table[k].setdefault((name, stage_of[stage]), []).append(value)
-                holder[name, stage_of[stage]] = r.pp_rank
+    table, holder = _calibration_table(measured, lambda r: _collective_steps(r.calibration_joined))
     keys = sorted(holder)
-    if not steps or not keys or any(len(keys) != len(row) for row in table):
+    if not table or not keys or any(len(keys) != len(row) for row in table):
         return {}
     if statistic == "pooled_median":
         costs = {key: statistics.median(v for row in table for v in row[key]) for key in keys}
     else:
-        step_ms = [max(r.calibration_ms[k + 1] for r in results) for k in range(steps)]
-        kept = [{key: statistics.mean(table[k][key]) for key in keys} for k in _steady_steps(step_ms)]
+        kept = _steady_replica_means(measured, table, keys)
         costs = {key: statistics.median(row[key] for row in kept) for key in keys}
         if statistic == "step_total":
             for rank in set(holder.values()):
@@ -881,6 +895,59 @@ def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[s
         name: [costs[name, k] for k in range(len(measured.ids))]
         for name in ("unshard", "reduce_grad")
         if all((name, k) in costs for k in range(len(measured.ids)))
+    }
+
+
+def _calibration_table(
+    measured: _Measured, steps_of: Any
+) -> tuple[list[dict[tuple[str, int], list[float]]], dict[tuple[str, int], int]]:
+    """Per calibration step (after the first), per ``(name, model stage)``: the values on every process that holds
+    it (``steps_of(rank_profile)``: per step, ``(name, stage id)`` → value), and the pipeline rank holding each."""
+    results = measured.results
+    stage_of = {s: k for k, ids in enumerate(measured.ids) for s in ids}
+    steps = min((len(r.calibration_joined) for r in results), default=0)
+    table: list[dict[tuple[str, int], list[float]]] = [{} for _ in range(steps)]
+    holder: dict[tuple[str, int], int] = {}
+    for r in results:
+        for k, values in enumerate(steps_of(r)[:steps]):
+            for (name, stage), value in values.items():
+                table[k].setdefault((name, stage_of[stage]), []).append(value)
+                holder[name, stage_of[stage]] = r.pp_rank
+    return table, holder
+
+
+def _steady_replica_means(
+    measured: _Measured, table: list[dict[tuple[str, int], list[float]]], keys: list[tuple[str, int]]
+) -> list[dict[tuple[str, int], float]]:
+    """Per step :func:`_steady_steps` keeps, per key the mean over the processes (the replicas) that hold it."""
+    step_ms = [max(r.calibration_ms[k + 1] for r in measured.results) for k in range(len(table))]
+    return [{key: statistics.mean(table[k][key]) for key in keys} for k in _steady_steps(step_ms)]
+
+
+def _calibration_collective_waits(measured: _Measured) -> dict[str, list[float]]:
+    """Per ``"unshard_wait"`` / ``"reduce_grad_wait"``, each model stage's wait for its last data-parallel replica
+    (ms): per step the mean over the replicas of each one's wait (the collective from its own entry minus from its
+    last peer's), the median over the steps :func:`_steady_steps` keeps, as ``costs.unshard`` / ``reduce_grad``
+    (``step_median``); empty without a calibration run's collectives."""
+
+    def waits(r: RankProfile) -> list[dict[tuple[str, int], float]]:
+        own = _collective_steps(r.calibration_communication)
+        joined = _collective_steps(r.calibration_joined)
+        return [
+            {key: max(0.0, mine[key] - value) for key, value in last.items()}
+            for mine, last in zip(own, joined, strict=True)
+        ]
+
+    table, holder = _calibration_table(measured, waits)
+    keys = sorted(holder)
+    if not table or not keys or any(len(keys) != len(row) for row in table):
+        return {}
+    kept = _steady_replica_means(measured, table, keys)
+    medians = {key: statistics.median(row[key] for row in kept) for key in keys}
+    return {
+        f"{name}_wait": [round(medians[name, k], 6) for k in range(len(measured.ids))]
+        for name in ("unshard", "reduce_grad")
+        if all((name, k) in medians for k in range(len(measured.ids)))
     }
 
 

@@ -57,7 +57,7 @@ from pipesched.runtime.pipedream import TwoBufferedWeights
 from pipesched.runtime.records import RankJob, RankResult, StepCheck, StepRecord
 from pipesched.runtime.report import print_training_summary
 from pipesched.runtime.streams import CommunicationStream
-from pipesched.runtime.verify import clip_coefficient, make_optimizer, nan_hook
+from pipesched.runtime.verify import clip_coefficient, make_optimizer, nan_hook, squared_norm
 
 __all__ = [
     "OPTIMIZERS",
@@ -195,9 +195,10 @@ class TwoVersionUpdate(WeightUpdate):
                 p.copy_(master)
 
     def _step(self, coefficient: float) -> None:
+        _scale_gradients(self.params, coefficient)
         with torch.no_grad():
             for p, master in zip(self.params, self.masters, strict=True):
-                master.grad = None if p.grad is None else p.grad.mul(coefficient)
+                master.grad = p.grad  # the same tensor: W(t−1)'s gradient steps W(t)
                 p.copy_(master)  # the modules now hold W(t), for step t + 1
         self.optimizer.step()
 
@@ -557,17 +558,19 @@ class RankTrainer:
     def _norm_partial(self) -> torch.Tensor:
         """This rank's share of the squared global norm: each model stage counted once (its first id), each shard
         once (sharded: every dp rank holds a different shard; replicated: dp rank 0 speaks)."""
-        partial = torch.zeros((), dtype=torch.float64, device=self.device)
         if not (self.data_parallel.sharded or self.dp_rank == 0):
-            return partial
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         first_ids = {ms: self.program.model_stage.index(ms) for ms in set(self.program.model_stage)}
-        for stage in self.program.stages:
-            if first_ids[self.program.model_stage[stage]] != stage:
-                continue
-            for p in self.modules[stage].parameters():
-                if p.grad is not None:
-                    partial += local_tensor(p.grad).double().pow(2).sum()
-        return partial
+        return squared_norm(
+            (
+                local_tensor(p.grad)
+                for stage in self.program.stages
+                if first_ids[self.program.model_stage[stage]] == stage
+                for p in self.modules[stage].parameters()
+                if p.grad is not None
+            ),
+            self.device,
+        )
 
     def _gathered(self, tensor_of: Any) -> dict[str, Any]:
         """``"{stage}/{name}"`` → the full tensor (fp32, CPU) of every parameter of this rank's stages."""

@@ -257,6 +257,14 @@ def profile(
             "costs.overlap_slowdown; measured and printed either way.",
         ),
     ] = False,
+    replica_wait: Annotated[
+        bool,
+        typer.Option(
+            "--replica-wait/--no-replica-wait",
+            help="Write each collective's measured wait for its last replica (data parallelism) as "
+            "costs.unshard_wait / costs.reduce_grad_wait; measured and printed either way.",
+        ),
+    ] = False,
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
 ) -> None:
     """Measure what a run will see (each stage's F, I, W and activation memory, p2p, collectives, the optimizer step
@@ -289,6 +297,7 @@ def profile(
             device=device,
             training=training,
             overlap_slowdown=overlap_slowdown,
+            replica_wait=replica_wait,
         )
     except ValidationError as error:
         raise fail(format_validation_error(error)) from None
@@ -380,6 +389,11 @@ def _print_transfers(measured: Profile) -> None:
                 f"compute beside communication: {overlap.passes} passes beside a collective for "
                 f"{overlap.overlapped_ms:.1f} ms took {overlap.extra_ms:+.1f} ms against the same passes alone: "
                 f"costs.overlap_slowdown {overlap.slowdown:.3f}",
+                highlight=False,
+            )
+        for name, waits in calibration.replica_waits.items():
+            console.print(
+                f"wait for the last replica: costs.{name} " + " ".join(f"{w:.1f}" for w in waits) + " ms",
                 highlight=False,
             )
     steps = problem.rank_values(problem.costs.optimizer_step, 0.0)

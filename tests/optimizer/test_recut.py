@@ -87,3 +87,23 @@ def test_cli_compare_across_placements(tmp_path: Path) -> None:
     assert "derived again from model and cluster" in result.stdout
     bad = pipesched("compare", str(path), "--placements", "ring", cwd=tmp_path)
     assert bad.returncode == 2 and "--placements" in bad.stderr
+
+
+def test_recut_keeps_each_collective_s_wait_for_its_last_replica() -> None:
+    problem = load_problem(
+        {
+            "pipeline": {"num_ranks": 2, "num_microbatches": 4},
+            "costs": {
+                "forward": 2.0,
+                "backward_input": 2.0,
+                "backward_weight": 2.0,
+                "reduce_grad": [4.0, 6.0],
+                "reduce_grad_wait": [1.0, 3.0],
+            },
+            "memory": {"activation": 1.0},
+            "data_parallel": {"size": 2, "sharding": "none"},
+        }
+    )
+    recut, _ = recut_problem(problem, "loop", 2)
+    assert recut.stage_values(recut.costs.reduce_grad) == pytest.approx([2.0, 2.0, 3.0, 3.0])  # split by layers
+    assert recut.stage_values(recut.costs.reduce_grad_wait) == [1.0, 1.0, 3.0, 3.0]  # a wait, not split

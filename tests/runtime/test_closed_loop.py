@@ -42,8 +42,15 @@ def test_a_profiled_schedule_runs_with_the_static_memory_its_profile_predicted(m
         # the calibration's passes beside a collective, if any, against the same passes alone: measured and
         # reported, written into the problem only when asked (measure_model's overlap_slowdown)
         assert problem.costs.overlap_slowdown == 0.0
+        # each collective's wait for its last replica, from the same calibration run: a wait per stage, ≥ 0;
+        # reported, written into the problem only when asked (measure_model's replica_wait)
+        waits = profile.calibration.replica_waits
+        assert set(waits) == {"unshard_wait", "reduce_grad_wait"}
+        assert all(len(values) == 2 and min(values) >= 0 for values in waits.values())
+        assert problem.costs.unshard_wait is None and problem.costs.reduce_grad_wait is None
     else:  # no collectives: the one-replica cases stay as they were
         assert overlap is None and problem.costs.overlap_slowdown == 0.0
+        assert not profile.calibration.replica_waits and problem.costs.reduce_grad_wait is None
     schedule = solve_family(problem, family)
     report = run_schedule(schedule, model=model, engine="pipesched", training=training, timeout_s=300)
     assert report is not None and report.verified, report.model_dump(include={"max_rel_param_error", "losses"})

@@ -14,6 +14,7 @@ from pipesched.runtime.profile import (
     COLLECTIVE_STATISTICS,
     RankProfile,
     _calibration_collective_costs,
+    _calibration_collective_waits,
     _calibration_pass_medians,
     _join_calibration,
     _Measured,
@@ -42,20 +43,24 @@ def _wall(kind: str, step: int, dp_rank: int, microbatch: int) -> float:
     return 3 * wall if step == len(STEPS) - 1 else wall
 
 
-def _records() -> tuple[_Measured, dict[tuple[str, int], list[float]]]:
+def _records(lags: list[float] | None = None) -> tuple[_Measured, dict[tuple[str, int], list[float]]]:
     """Four processes (pp · 2 + dp; pipeline rank 0 holds stage 0, rank 1 stage 1: one stage per rank keeps the
-    table small) and, per (collective, stage), every step's replica durations."""
+    table small) and, per (collective, stage), every step's replica durations. ``lags``: per step, how much later
+    replica 1 enters every collective than replica 0 (ms; default 0)."""
     options = TrainingOptions(data_parallel=2, sharding="full")
     skeleton = _skeleton(2, 4, 1, "loop", options)
     results = []
     for global_rank in range(4):
         pp_rank, dp_rank = divmod(global_rank, 2)
         result = RankProfile(global_rank, pp_rank, dp_rank, calibration_ms=[2500.0] + [t for t, _ in STEPS])
-        for _, durations in STEPS:
+        for k, (_, durations) in enumerate(STEPS):
             step, start = [], 0.0
+            lag = lags[k] if lags and dp_rank else 0.0
             for (kind, stage), values in durations.items():
                 if stage == pp_rank:
-                    step.append(MeasuredAction(action=f"{stage}{kind}", start=start, end=start + values[dp_rank]))
+                    step.append(
+                        MeasuredAction(action=f"{stage}{kind}", start=start + lag, end=start + lag + values[dp_rank])
+                    )
                     start += 100.0
             result.calibration_communication.append(step)
             result.calibration_passes.append(
@@ -93,6 +98,14 @@ def test_per_step_the_replicas_mean_and_the_median_of_the_steps_kept():
     steady = [d for _, d in STEPS[:4]]  # the burst left out
     for name, kind in (("unshard", "UNSHARD"), ("reduce_grad", "REDUCE_GRAD")):
         assert costs[name] == pytest.approx([statistics.median(sum(d[kind, k]) / 2 for d in steady) for k in (0, 1)])
+
+
+def test_the_wait_for_the_last_replica_is_the_replicas_mean_over_the_steps_kept():
+    lags = [4.0, 8.0, 2.0, 6.0, 50.0]  # replica 1 enters every collective this much later; the burst's left out
+    waits = _calibration_collective_waits(_records(lags)[0])
+    expected = statistics.median(lag / 2 for lag in lags[:4])  # replica 0 waits the lag, replica 1 nothing
+    assert waits == {"unshard_wait": [expected, expected], "reduce_grad_wait": [expected, expected]}
+    assert _calibration_collective_waits(_records()[0]) == {"unshard_wait": [0.0, 0.0], "reduce_grad_wait": [0.0, 0.0]}
 
 
 def test_the_step_total_keeps_each_rank_s_median_per_step_sum():
