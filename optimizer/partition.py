@@ -6,12 +6,25 @@ holds the embedding and the last stage the LM head, which is what makes even spl
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Callable, Sequence
 
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["PartitionError", "even_partition", "megatron_partition", "partition_layers", "slowest_stage"]
+__all__ = [
+    "TIE_TOLERANCE",
+    "PartitionError",
+    "even_partition",
+    "megatron_partition",
+    "partition_layers",
+    "slowest_stage",
+]
+
+#: Stage times within this relative difference are a tie (:func:`partition_layers` gives the layer to the latest
+#: stage). Summation-order noise only (the middle stages' times are computed the same way and come out equal to
+#: the bit): 1e-9 of a 10–100 ms stage is 1e-8–1e-7 ms, below the 1e-6 ms the problem's costs are rounded to.
+TIE_TOLERANCE = 1e-9
 
 
 class PartitionError(ValueError):
@@ -98,8 +111,21 @@ def partition_layers(
     stage per rank the memory constraint is per stage and the result stays optimal. With several stages per
     rank the shared memory makes it a heuristic.
 
-    Cost: O((L + S) log S) calls and heap steps for S stages, each memory check O(ranks holding the stage)
-    (every rank's held bytes are kept up to date, never summed again).
+    Ties go to the latest stage: among stages whose time after taking the layer is the same (within
+    ``TIE_TOLERANCE``, relative), the one latest in model order takes it, so the split's extra layers sit on
+    the stages with the fewest microbatches in flight. Under every schedule a microbatch's forward reaches
+    stage s before s + 1 and its backward leaves s + 1 before s, so its activations on s + 1 live within its
+    span on s: at any instant a later stage holds no more microbatches than an earlier one (1F1B: S − s at
+    stage s; interleaved: a rank's first chunk the most). That is about model order, not ranks, so it holds
+    for any placement (loop, V, bidirectional); a rank's peak sums its stages at one instant, which the
+    partition does not see (under V the last stage shares rank 0 with the first; with several stages per rank
+    the stages left short can move to other ranks: docs/CALIBRATION.md), and ``limit`` still bounds it. A tie
+    costs nothing in the objective (the slowest stage is as fast up to the tolerance); the schedule's
+    makespan can still move with where a rank's extra work sits in its order.
+
+    Cost: O((L + S) log S) calls and heap steps for S stages (a time's tie key: a search among the distinct
+    times seen), each memory check O(ranks holding the stage) (every rank's held bytes are kept up to date,
+    never summed again).
 
     Raises:
         PartitionError: fewer layers than ``num_stages * min_layers``, or no split fits the memory (the
@@ -124,7 +150,8 @@ def partition_layers(
                     f"rank {rank} needs {format_bytes(held[rank])} with {min_layers} layer(s) per stage, "
                     f"over its limit {format_bytes(limit)}"
                 )
-    heap = [(stage_time(stage, counts[stage] + 1), stage) for stage in range(num_stages)]
+    levels = _TieLevels()  # ties (within the tolerance) pop latest stage first: (time, -stage)
+    heap = [(levels.key(stage_time(stage, counts[stage] + 1)), -stage) for stage in range(num_stages)]
     heapq.heapify(heap)
     remaining = num_layers - sum(counts)
     while remaining > 0:
@@ -134,7 +161,7 @@ def partition_layers(
                 f"{remaining} of {num_layers} layers do not fit: with {counts} layers per stage rank {worst} "
                 f"already holds {format_bytes(held[worst])} of {format_bytes(limit)}"
             )
-        _, stage = heapq.heappop(heap)
+        stage = -heapq.heappop(heap)[1]
         if stage_memory is not None:
             growth = stage_memory(stage, counts[stage] + 1) - stage_memory(stage, counts[stage])
             if any(held[rank] + growth > limit for rank in holders[stage]):
@@ -143,5 +170,21 @@ def partition_layers(
                 held[rank] += growth
         counts[stage] += 1
         remaining -= 1
-        heapq.heappush(heap, (stage_time(stage, counts[stage] + 1), stage))
+        heapq.heappush(heap, (levels.key(stage_time(stage, counts[stage] + 1)), -stage))
     return counts
+
+
+class _TieLevels:
+    """Stage times keyed for the heap: a time within ``TIE_TOLERANCE`` of one already seen takes that one's key,
+    so a near tie orders as an exact one (the latest stage first) at O(log levels) a key."""
+
+    def __init__(self) -> None:
+        self.levels: list[float] = []
+
+    def key(self, time: float) -> float:
+        index = bisect.bisect_left(self.levels, time)
+        for near in self.levels[max(index - 1, 0) : index + 1]:
+            if abs(near - time) <= TIE_TOLERANCE * abs(time):
+                return near
+        self.levels.insert(index, time)
+        return time

@@ -309,5 +309,6 @@ def test_megatron_target_writes_megatron_args(plan_file: Path) -> None:
     assert set(bundle.files) == {"schedule.csv", "megatron.args", "job.sbatch"}
     assert '"${MEGATRON_LM:-.}/pretrain_gpt.py"' in bundle.files["job.sbatch"]
     assert "Megatron-LM runs its own" in bundle.notes[-1]
+    vee = answer.plans[0].model_copy(update={"placement": "v", "stages_per_rank": 2})  # not Megatron's: refused
     with pytest.raises(LaunchError, match="placement loop"):
-        build_bundle(answer.request, answer.plans[0], 1, None, LaunchOptions(target="megatron"))
+        build_bundle(answer.request, vee, 1, None, LaunchOptions(target="megatron"))

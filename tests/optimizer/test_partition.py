@@ -10,6 +10,7 @@ import pytest
 
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.partition import (
+    TIE_TOLERANCE,
     PartitionError,
     even_partition,
     megatron_partition,
@@ -114,6 +115,47 @@ def test_greedy_is_exact_against_enumeration() -> None:
         assert sum(split) == num_layers and min(split) >= 1
         assert all(stage_memory(k, n) <= limit for k, n in enumerate(split))
         assert slowest_stage(split, stage_time) == pytest.approx(best)
+
+
+def test_a_tie_goes_to_the_latest_stage_and_a_real_difference_does_not() -> None:
+    # 5 equal layers over 4 equal stages: the extra layer goes where the fewest microbatches are in flight
+    assert partition_layers(5, 4, stage_time=lambda stage, count: float(count)) == [1, 1, 1, 2]
+    # within the tolerance (summation noise) still a tie; twice the tolerance apart it is not
+    noisy = [1.0, 1.0 - 0.5 * TIE_TOLERANCE, 1.0, 1.0 + 0.5 * TIE_TOLERANCE]
+    assert partition_layers(5, 4, stage_time=lambda stage, count: count * noisy[stage]) == [1, 1, 1, 2]
+    faster = [1.0, 1.0 - 2 * TIE_TOLERANCE, 1.0, 1.0]
+    assert partition_layers(5, 4, stage_time=lambda stage, count: count * faster[stage]) == [1, 2, 1, 1]
+
+
+def test_ties_put_the_extra_layers_latest_at_no_cost_in_the_slowest_stage() -> None:
+    # The stages mirrored give the split the lowest-index tie-break would: ours has at least as many layers
+    # in every suffix of stages (fewer microbatches in flight on them), and its slowest stage is as fast
+    rng = random.Random(11)
+    moved = 0
+    for _ in range(400):
+        num_stages = rng.randint(2, 6)
+        num_layers = rng.randint(num_stages, 14)
+        fixed = [rng.choice([0.0, 0.0, 1.0, 2.0]) for _ in range(num_stages)]
+        per_layer = [rng.choice([1.0, 1.0, 2.0]) for _ in range(num_stages)]
+        noise = [1.0 + rng.uniform(-0.1, 0.1) * TIE_TOLERANCE for _ in range(num_stages)]
+
+        def stage_time(
+            stage: int,
+            count: int,
+            fixed: list[float] = fixed,
+            per_layer: list[float] = per_layer,
+            noise: list[float] = noise,
+        ) -> float:
+            return (fixed[stage] + per_layer[stage] * count) * noise[stage]
+
+        split = partition_layers(num_layers, num_stages, stage_time=stage_time)
+        earliest = partition_layers(
+            num_layers, num_stages, stage_time=lambda stage, count, last=num_stages - 1: stage_time(last - stage, count)
+        )[::-1]
+        moved += split != earliest
+        assert slowest_stage(split, stage_time) <= slowest_stage(earliest, stage_time) * (1 + TIE_TOLERANCE)
+        assert all(sum(split[k:]) >= sum(earliest[k:]) for k in range(num_stages)), (split, earliest)
+    assert moved >= 100  # ties are common here: the check is not vacuous
 
 
 def test_memory_moves_layers_off_a_full_rank() -> None:

@@ -27,6 +27,8 @@ from pipesched.optimizer.cost.calibration.measurements import (
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.profile import RUN_KERNELS, SoftwareProfile, builtin_catalogue, load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
+from pipesched.optimizer.partition import TIE_TOLERANCE
+from pipesched.optimizer.planner.evaluate import build_problem
 from pipesched.optimizer.planner.prune import Estimate
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
@@ -478,6 +480,31 @@ def test_kernels_not_said_plan_the_nemo_70b_fp8_layout_within_the_gpu_and_say_ho
     request["training"]["kernels"] = "eager"
     with pytest.raises(ValidationError, match="no configuration fits"):
         plan(PlanRequest.model_validate(request))
+
+
+def test_the_70b_fp8_layouts_time_tie_goes_to_the_stage_with_the_fewest_microbatches_in_flight() -> None:
+    # Llama 3.1 70B FP8 on TP 4 x PP 8 x VP 5 (Megatron Bridge, fused): the LM head in bf16 makes the last of the
+    # 40 stages give a layer up and the 38 middle stages tie to the bit. The lowest-index tie-break put the layer
+    # on stage 1 (rank 1's first chunk, the one interleaved 1F1B keeps the most microbatches of); the latest
+    # stage takes it now: a lower peak, the slowest stage as fast
+    row = ROWS["mbridge2509-llama3-70b-64-h100"]
+    assert row.layers_per_stage is None  # the run's split is not stated: pipesched balances it
+    earliest = [2, 3] + [2] * 37 + [1]  # the split the lowest-index tie-break gave
+    pinned = row.model_copy(update={"layout": row.layout.model_copy(update={"pipeline_split": earliest})})
+    balanced = build_problem(estimator(row), configuration(row), enforce_memory=False)
+    before = build_problem(estimator(pinned), configuration(pinned), enforce_memory=False)
+    assert balanced.model is not None and before.model is not None
+    split = balanced.model.layers_per_stage
+    assert split is not None and split != earliest and sorted(split) == sorted(earliest)
+
+    def slowest_ms(problem: Any) -> float:
+        costs = problem.costs
+        passes = (costs.forward, costs.backward_input, costs.backward_weight)
+        return max(sum(values) for values in zip(*(problem.stage_values(p) for p in passes), strict=True))
+
+    assert slowest_ms(balanced) <= slowest_ms(before) * (1 + TIE_TOLERANCE) + 3e-6  # costs are rounded to 1e-6 ms
+    peak, peak_before = predict(row).peak_memory_bytes, predict(pinned).peak_memory_bytes
+    assert peak is not None and peak_before is not None and peak < peak_before - 4 * GIB  # 70.2 -> 65.5 GiB
 
 
 def test_mosaicmls_64_wide_heads_at_long_sequences_are_predicted_as_closely_as_the_128_wide() -> None:
