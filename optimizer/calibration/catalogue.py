@@ -48,7 +48,6 @@ from pipesched.optimizer.cost.profile import (
     AcceleratorProfile,
     ProfileCatalogue,
     SoftwareProfile,
-    is_model_parallel,
     layout_sharding,
     sharding_class,
     unknown_kernels_class,
@@ -94,11 +93,9 @@ def row_kernels_class(row: Measurement) -> str:
     """The layout class of a row for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.unknown_kernels_class`
     of its data-parallel sharding, none without data parallelism, tagged where it has model parallelism)."""
     layout = row.layout
-    parallel = is_model_parallel(
-        layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel
-    )
+    degrees = (layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.expert_parallel)
     copies = layout.data_parallel * layout.context_parallel
-    return unknown_kernels_class(layout_sharding(layout.sharding, copies, model_parallel=parallel))
+    return unknown_kernels_class(layout_sharding(layout.sharding, copies, *degrees))
 
 
 def _group(row: Measurement, *, whole: bool = False) -> tuple[str, str, str, str]:

@@ -64,7 +64,6 @@ __all__ = [
     "active_catalogue",
     "builtin_catalogue",
     "default_profile",
-    "is_model_parallel",
     "layout_sharding",
     "load_catalogue",
     "sharding_class",
@@ -103,20 +102,16 @@ UNKNOWN_KERNELS_CLASSES = (*SHARDING_CLASSES, *(f"{name}+{MODEL_PARALLEL}" for n
 ANY_KERNELS_CLASS = "any"
 
 
-def layout_sharding(sharding: str | None, copies: int, *, model_parallel: bool = False) -> str | None:
+def layout_sharding(sharding: str | None, copies: int, *model_degrees: int) -> str | None:
     """The data-parallel sharding that names a layout's class for kernels "unknown": ``sharding`` where ``copies``
-    (d·c GPUs holding the same weights) > 1, ``None`` (no data parallelism) otherwise; with ``model_parallel``
-    (a tensor, pipeline, context or expert degree > 1) tagged ``"<sharding>+model-parallel"`` (``"model-parallel"``
-    without data parallelism), which :func:`unknown_kernels_class` reads."""
+    (d·c GPUs holding the same weights) > 1, ``None`` (no data parallelism) otherwise; where any of
+    ``model_degrees`` (the layout's tensor, pipeline, context and expert degrees) is > 1, tagged
+    ``"<sharding>+model-parallel"`` (``"model-parallel"`` without data parallelism), which
+    :func:`unknown_kernels_class` reads."""
     base = sharding if copies > 1 else None
-    if not model_parallel:
+    if max(model_degrees, default=1) <= 1:
         return base
     return f"{base}+{MODEL_PARALLEL}" if base else MODEL_PARALLEL
-
-
-def is_model_parallel(*degrees: int) -> bool:
-    """Whether a layout of these tensor, pipeline, context and expert degrees has model parallelism."""
-    return max(degrees, default=1) > 1
 
 
 def unknown_kernels_class(sharding: str | None, prior: str | None = None) -> str:

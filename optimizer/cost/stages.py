@@ -63,7 +63,6 @@ from pipesched.optimizer.cost.profile import (
     SoftwareProfile,
     active_catalogue,
     default_profile,
-    is_model_parallel,
     layout_sharding,
 )
 from pipesched.optimizer.cost.timing import (
@@ -947,10 +946,10 @@ def _layout_sharding(
     """The layout's class key for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.layout_sharding`) from
     its data parallelism and its (tensor, pipeline ranks, context, expert) parallelism."""
     tensor, pipeline, context, expert = degrees
-    parallel = is_model_parallel(_tp(tensor)[0], pipeline, _cp(context), _ep(expert)[0])
+    model_degrees = (_tp(tensor)[0], pipeline, _cp(context), _ep(expert)[0])
     if data_parallel is None:
-        return layout_sharding(None, 1, model_parallel=parallel)
-    return layout_sharding(data_parallel.sharding, data_parallel.size, model_parallel=parallel)
+        return layout_sharding(None, 1, *model_degrees)
+    return layout_sharding(data_parallel.sharding, data_parallel.size, *model_degrees)
 
 
 def _stage_blocks(

@@ -30,7 +30,7 @@ from importlib import resources
 from typing import TYPE_CHECKING
 
 from pipesched.optimizer.configs import ModelConfig
-from pipesched.optimizer.cost.profile import active_catalogue, is_model_parallel, layout_sharding
+from pipesched.optimizer.cost.profile import active_catalogue, layout_sharding
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration
 from pipesched.optimizer.planner.torchtitan_toml import ACTIVATION_CHECKPOINT_PREFIX
 
@@ -257,11 +257,8 @@ def torchtitan_compiles(spec: LaunchSpec) -> bool:
     if spec.model.kernels != "unknown":
         return spec.model.kernels == "compiled"
     layout = spec.layout
-    parallel = is_model_parallel(
-        layout.tensor_parallel, layout.pipeline_parallel, spec.context_parallel, spec.expert_parallel
-    )
-    copies = layout.data_parallel_size * spec.context_parallel
-    sharding = layout_sharding(layout.sharding, copies, model_parallel=parallel)
+    degrees = (layout.tensor_parallel, layout.pipeline_parallel, spec.context_parallel, spec.expert_parallel)
+    sharding = layout_sharding(layout.sharding, layout.data_parallel_size * spec.context_parallel, *degrees)
     shares = active_catalogue().software.kernels_shares("unknown", sharding, spec.model.kernels_prior)
     return shares.get("compiled", 0.0) > shares.get("eager", 0.0)
 

@@ -61,7 +61,7 @@ from pipesched.optimizer.cost.collectives import (
 )
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
-from pipesched.optimizer.cost.profile import is_model_parallel, layout_sharding, unknown_kernels_class
+from pipesched.optimizer.cost.profile import layout_sharding, unknown_kernels_class
 from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
@@ -254,10 +254,8 @@ class Estimator:
         """The configuration's data-parallel sharding, "" without data parallelism (d·c = 1), tagged where it has
         model parallelism: its class for kernels "unknown" (:func:`~pipesched.optimizer.cost.profile.layout_sharding`).
         """
-        parallel = is_model_parallel(
-            config.tensor_parallel, config.pipeline_parallel, config.context_parallel, config.expert_parallel
-        )
-        return layout_sharding(config.sharding, config.weight_copies, model_parallel=parallel) or ""
+        degrees = (config.tensor_parallel, config.pipeline_parallel, config.context_parallel, config.expert_parallel)
+        return layout_sharding(config.sharding, config.weight_copies, *degrees) or ""
 
     def framework_log_spread(self, config: Configuration) -> float:
         """log(layer time of the slowest framework that runs the layout / layer time as planned) for kernels

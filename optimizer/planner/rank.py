@@ -25,7 +25,6 @@ from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import (
     ANY_KERNELS_CLASS,
     MODEL_PARALLEL,
-    is_model_parallel,
     layout_sharding,
     sharding_class,
     unknown_kernels_class,
@@ -273,11 +272,9 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
         )
     if answer_plans and estimator.model.kernels == "unknown":
         best = answer_plans[0]
-        parallel = is_model_parallel(
-            best.tensor_parallel, best.pipeline_parallel, best.context_parallel, best.expert_parallel
-        )
+        degrees = (best.tensor_parallel, best.pipeline_parallel, best.context_parallel, best.expert_parallel)
         copies = best.data_parallel.size * best.context_parallel
-        sharding = layout_sharding(best.data_parallel.sharding, copies, model_parallel=parallel)
+        sharding = layout_sharding(best.data_parallel.sharding, copies, *degrees)
         shares = estimator.hardware.software.kernels_shares("unknown", sharding, estimator.model.kernels_prior)
         mix = ", ".join(f"{mode} {share:.0%}" for mode, share in shares.items())
         name = unknown_kernels_class(sharding, estimator.model.kernels_prior)
