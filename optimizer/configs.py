@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from pipesched.optimizer.field_errors import raise_field_errors
+from pipesched.optimizer.field_errors import NumbersModel, raise_field_errors
 from pipesched.optimizer.presets import MODEL_PRESETS
 
 __all__ = ["DTYPE_BYTES", "ClusterConfig", "ContextParallel", "ExpertParallel", "ModelConfig", "TensorParallel"]
@@ -19,7 +19,7 @@ __all__ = ["DTYPE_BYTES", "ClusterConfig", "ContextParallel", "ExpertParallel", 
 DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(NumbersModel):
     """A decoder-only transformer (Zero Bubble paper, Table 1 notation: h, a, s, b, L, V).
 
     Stage 0 also holds the embedding, the last stage the final norm, the LM head and the loss. The defaults
@@ -312,7 +312,7 @@ MIN_EFFICIENCY = 1e-3
 MAX_HARDWARE_VALUE = 1e30
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(NumbersModel):
     """The accelerators and links: a catalogue name (:mod:`pipesched.optimizer.accelerators`) or explicit numbers.
 
     Explicit ``memory_bytes``, ``flops_per_s`` or ``memory_bandwidth_bytes_per_s`` override the
@@ -423,7 +423,7 @@ class ClusterConfig(BaseModel):
         return self.num_nodes * self.gpus_per_node
 
 
-class TensorParallel(BaseModel):
+class TensorParallel(NumbersModel):
     """Megatron tensor parallelism inside a node (contract, Problem: ``tensor_parallel``).
 
     ``size`` GPUs split every layer's matrices (attention by heads, the FFN by columns then rows) and the
@@ -442,7 +442,7 @@ class TensorParallel(BaseModel):
     )
 
 
-class ContextParallel(BaseModel):
+class ContextParallel(NumbersModel):
     """Context parallelism: the sequence of every microbatch sharded over ``size`` GPUs (contract, Plan:
     ``context_parallel``; Megatron-LM ``--context-parallel-size``, torchtitan
     ``parallelism.context_parallel_degree``).
@@ -459,7 +459,7 @@ class ContextParallel(BaseModel):
     size: int = Field(1, ge=1, le=1024, description="Context-parallel degree c (GPUs sharing one sequence).")
 
 
-class ExpertParallel(BaseModel):
+class ExpertParallel(NumbersModel):
     """Expert parallelism: the routed experts of every mixture-of-experts layer sharded over ``size`` GPUs
     (contract, Plan: ``expert_parallel``; Megatron-LM ``--expert-model-parallel-size``, torchtitan
     ``parallelism.expert_parallel_degree``).

@@ -36,6 +36,31 @@ def test_negative_cost_is_rejected() -> None:
     assert "must not be negative" in text
 
 
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("pipeline", "num_ranks", True),
+        ("pipeline", "num_microbatches", False),
+        ("costs", "forward", [True, 1.0]),
+        ("memory", "limit", True),
+        ("solver", "time_limit_s", True),
+    ],
+)
+def test_a_boolean_given_for_a_number_names_the_field(section: str, field: str, value: object) -> None:
+    """pydantic's lax mode read ``"num_ranks": true`` as one rank and solved that: a wrong type is an error."""
+    document = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+        "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.1},
+        "memory": {"activation": 100, "retained_for_weight": 40, "limit": 400},
+        "solver": {"time_limit_s": 5},
+    }
+    document[section][field] = value  # type: ignore[index]
+    with pytest.raises(ValidationError) as error:
+        Problem.model_validate(document)
+    assert [item["loc"] for item in error.value.errors()] == [(section, field)]
+    assert "expected a number, got" in str(error.value) and "(a boolean)" in str(error.value)
+
+
 def test_retained_over_activation_is_rejected() -> None:
     locs, text = _error_text(activation=10.0, retained_for_weight=20.0)
     assert ("memory", "retained_for_weight") in locs

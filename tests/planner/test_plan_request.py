@@ -41,3 +41,32 @@ def test_tokens_beside_a_different_batch_and_no_batch_at_all_are_refused() -> No
     assert loc == ("training", "global_batch_tokens") and "16 sequences" in message
     ((loc, message),) = errors({})
     assert loc == ("training", "global_batch_size") and "global_batch_tokens" in message
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "loc"),
+    [
+        ({"training": {"global_batch_size": True}}, ("training", "global_batch_size")),
+        (
+            {"training": {"global_batch_size": 8}, "search": {"pipeline_parallel": [True]}},
+            ("search", "pipeline_parallel"),
+        ),
+        (
+            {"training": {"global_batch_size": 8}, "model": {"preset": "llama3.1-8b", "seq_length": True}},
+            ("model", "seq_length"),
+        ),
+        (
+            {"training": {"global_batch_size": 8}, "cluster": {"accelerator": "H100-SXM", "num_nodes": True}},
+            ("cluster", "num_nodes"),
+        ),
+    ],
+)
+def test_a_boolean_given_for_a_number_is_refused_naming_the_field(
+    request_fields: dict[str, object], loc: tuple[str, ...]
+) -> None:
+    """``"global_batch_size": true`` had planned a batch of one sequence (pydantic's lax mode reads true as 1)."""
+    with pytest.raises(ValidationError) as caught:
+        PlanRequest.model_validate({**BASE, **request_fields})
+    found = [(tuple(item["loc"]), item["msg"]) for item in caught.value.errors()]
+    assert [where for where, _ in found] == [loc], found
+    assert "(a boolean)" in found[0][1]
