@@ -13,12 +13,23 @@ from concurrent.futures import Future
 
 from pipesched.api.jobs import POLL_INTERVAL_S, SolverPool, _store
 from pipesched.api.storage import Store
+from pipesched.optimizer.cost.profile import AcceleratorProfile
+from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
-__all__ = ["run_plan", "submit_plan"]
+__all__ = ["register_stored_profiles", "run_plan", "submit_plan"]
 
 log = logging.getLogger("pipesched.plans")
+
+
+def register_stored_profiles(store: Store) -> int:
+    """Make every profile registered with the service (``POST /v1/profiles``, stored) selectable in this
+    process by ``cluster.profile``: the solver processes that run plans, and a service starting; how many."""
+    stored = store.profile_jsons()
+    for text in stored:
+        register_profile(AcceleratorProfile.model_validate_json(text))
+    return len(stored)
 
 
 def run_plan(database_url: str, plan_id: str) -> str | None:
@@ -27,6 +38,7 @@ def run_plan(database_url: str, plan_id: str) -> str | None:
     row = store.plan(plan_id)
     if row is None:
         return None
+    register_stored_profiles(store)  # registered after this process started, in the service's process
     request = PlanRequest.model_validate_json(row.request_json)
     started = time.monotonic()
     last_write = [0.0]

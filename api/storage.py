@@ -36,6 +36,7 @@ __all__ = [
     "DatabaseUnavailable",
     "JobRow",
     "PlanRow",
+    "ProfileRow",
     "ScheduleRow",
     "Store",
     "is_unreachable",
@@ -141,6 +142,17 @@ class PlanRow(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class ProfileRow(Base):
+    """An accelerator profile registered with ``POST /v1/profiles`` (what ``pipesched calibrate`` writes), kept
+    so that the solver processes that run plans, and the service's next start, know its name."""
+
+    __tablename__ = "profiles"
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    profile_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
 
 
 class CallbackRow(Base):
@@ -594,3 +606,15 @@ class Store:
                 )
             )
             return int(getattr(result, "rowcount", 0) or 0)
+
+    # --- profiles --------------------------------------------------------------------------------
+
+    def put_profile(self, name: str, profile_json: str) -> None:
+        """Store a registered profile under ``name`` (case-insensitive), replacing one of the same name."""
+        with self.transaction() as session:
+            session.merge(ProfileRow(name=name.lower(), profile_json=profile_json, created_at=time.time()))
+
+    def profile_jsons(self) -> list[str]:
+        """Every registered profile's JSON, oldest first."""
+        with self._sessions() as session:
+            return list(session.scalars(select(ProfileRow.profile_json).order_by(ProfileRow.created_at)))

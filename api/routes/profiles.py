@@ -1,7 +1,8 @@
 """``/v1/profiles``: the accelerator profiles plans can use (``cluster.profile``), and registering a calibrated one.
 
-``POST /v1/profiles`` takes what ``pipesched calibrate`` writes; plans submitted afterwards to this service process
-may name it in ``cluster.profile``. Registered profiles live in the service process (a restart forgets them).
+``POST /v1/profiles`` takes what ``pipesched calibrate`` writes; plans submitted afterwards may name it in
+``cluster.profile``. Registered profiles are stored in the service's database: the solver processes that run plans
+read them there, and the service registers them again when it starts.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, ValidationError
 
-from pipesched.api.routes._common import require_token
+from pipesched.api.routes._common import Services, require_token, services
 from pipesched.api.schemas import error_responses
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.cost.profile import AcceleratorProfile, builtin_catalogue
@@ -71,7 +72,7 @@ def list_profiles() -> Profiles:
     response_model=ProfileInfo,
     responses=error_responses(401, 422),
 )
-def post_profile(profile: AcceleratorProfile) -> ProfileInfo:
+def post_profile(profile: AcceleratorProfile, svc: Services = Depends(services)) -> ProfileInfo:
     """Register a profile from ``pipesched calibrate``; ``cluster.profile`` may then name it.
 
     Raises:
@@ -105,5 +106,6 @@ def post_profile(profile: AcceleratorProfile) -> ProfileInfo:
         from fastapi.exceptions import RequestValidationError
 
         raise RequestValidationError(error.errors()) from None
+    svc.store.put_profile(profile.name, profile.model_dump_json())
     register_profile(profile)
     return _info(profile, False)

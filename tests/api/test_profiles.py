@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from pipesched.api.app import create_app
 from pipesched.api.settings import Settings
+from pipesched.api.storage import Store
 from pipesched.optimizer.cost.profile import builtin_catalogue
 
 
@@ -63,3 +66,39 @@ def test_bad_profiles_are_422_naming_the_field(client: TestClient, change: dict[
     answer = client.post("/v1/profiles", json={**h100.model_dump(mode="json"), **change})
     assert answer.status_code == 422
     assert answer.json()["detail"][0]["loc"][-1] == field
+
+
+def test_a_plan_the_service_runs_uses_a_registered_profile(client: TestClient) -> None:
+    """The plan search runs in a solver process, not the one that took the POST: the profile must reach it.
+
+    Before the profiles were stored, this plan failed ("unknown profile 'worker-h100s'") after a 202."""
+    h100 = builtin_catalogue().get("H100-SXM")
+    assert h100 is not None
+    mine = h100.model_copy(update={"name": "worker-h100s", "gemm_efficiency": 0.5}).model_dump(mode="json")
+    assert client.post("/v1/profiles", json=mine).status_code == 201
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "profile": "worker-h100s"},
+        "training": {"global_batch_size": 16},
+        "search": {"time_limit_s": 3, "top": 1, "pipeline_parallel": [1], "tensor_parallel": [1]},
+    }
+    created = client.post("/v1/plans", json=request)
+    assert created.status_code == 202, created.text
+    deadline = time.monotonic() + 60
+    while (answer := client.get(f"/v1/plans/{created.json()['id']}").json())["status"] in ("queued", "running"):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.2)
+    assert answer["status"] == "done", answer["error"]
+    assert "worker-h100s" in answer["profile"], answer["profile"]
+
+
+def test_a_registered_profile_is_stored_for_the_next_start(client: TestClient) -> None:
+    """A restart (a new app on the same database) lists what was registered before, and keeps it on a 422."""
+    h100 = builtin_catalogue().get("H100-SXM")
+    assert h100 is not None
+    mine = h100.model_copy(update={"name": "kept-h100s"}).model_dump(mode="json")
+    assert client.post("/v1/profiles", json=mine).status_code == 201
+    assert client.post("/v1/profiles", json={**mine, "accelerator": "H900"}).status_code == 422
+    database_url = client.app.state.services.settings.database_url  # type: ignore[attr-defined]
+    stored = {json.loads(text)["name"]: json.loads(text) for text in Store(database_url).profile_jsons()}
+    assert stored["kept-h100s"]["accelerator"] == "H100-SXM"
