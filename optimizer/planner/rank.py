@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
+from typing import Any
 
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.flops import active_parameters, model_parameters
@@ -140,17 +141,55 @@ def _empty_space_errors(request: PlanRequest) -> list[FieldError]:
                 None,
             )
         ]
-    named = culprits or pinned
     together = ", ".join(f"search.{name} = {getattr(request.search, name)}" for name in pinned)
+    others = f" together with the other pins ({together})" if len(pinned) > 1 else ""
+    if not culprits:
+        return [
+            (
+                ("search", name),
+                f"search.{name} = {getattr(request.search, name)} admits no configuration{others} on "
+                f"{request.cluster.num_gpus} GPUs: widen or drop it",
+                getattr(request.search, name),
+            )
+            for name in pinned
+        ]
     return [
         (
             ("search", name),
-            f"search.{name} = {getattr(request.search, name)} admits no configuration together with the other "
-            f"pins ({together}) on {request.cluster.num_gpus} GPUs: widen or drop it",
+            f"search.{name} = {getattr(request.search, name)} admits no configuration{others} on "
+            f"{request.cluster.num_gpus} GPUs ({_degree_reason(request, name)}): use values among "
+            f"{_admitted_values(request, name)}, or drop it",
             getattr(request.search, name),
         )
-        for name in named
+        for name in culprits
     ]
+
+
+def _admitted_values(request: PlanRequest, name: str) -> list[Any]:
+    """The values of search dimension ``name`` some configuration takes when it is not pinned (the others are)."""
+    search = request.search.model_copy(update={name: None})
+    space = enumerate_space(
+        request.model, request.cluster, request.training.global_batch_size, search, ignore_batch=True
+    )
+    return sorted({getattr(config, name) for config in itertools.islice(space, MAX_CONFIGURATIONS)})
+
+
+def _degree_reason(request: PlanRequest, name: str) -> str:
+    """Why a pinned parallel degree fits no configuration, where the GPU count says it: else what was asked."""
+    degrees = getattr(request.search, name) or []
+    gpus, per_node = request.cluster.num_gpus, request.cluster.gpus_per_node
+    if name in ("pipeline_parallel", "tensor_parallel", "data_parallel_size", "context_parallel", "expert_parallel"):
+        if all(isinstance(degree, int) and degree > gpus for degree in degrees):
+            return f"{' or '.join(map(str, degrees))} is more than the {gpus} GPUs"
+        if not any(isinstance(degree, int) and gpus % degree == 0 for degree in degrees):
+            return f"{' or '.join(map(str, degrees))} does not divide the {gpus} GPUs"
+        if name == "tensor_parallel" and not any(per_node % degree == 0 for degree in degrees):
+            return f"tensor parallelism stays within a node of {per_node} GPUs"
+    return (
+        "given the other pins"
+        if sum(getattr(request.search, other) is not None for other in DIMENSIONS) > 1
+        else "for this model"
+    )
 
 
 def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Estimate]], limit: float) -> FieldError:

@@ -230,6 +230,25 @@ def test_contradictory_pins_name_the_fields() -> None:
     assert {("search", "placement"), ("search", "method")} & set(field_errors(excinfo))
 
 
+@pytest.mark.parametrize(
+    ("pin", "degrees", "reason"),
+    [
+        ("tensor_parallel", [3], "3 does not divide the 8 GPUs"),
+        ("pipeline_parallel", [16], "16 is more than the 8 GPUs"),
+        ("data_parallel_size", [3, 5], "3 or 5 does not divide the 8 GPUs"),
+    ],
+)
+def test_a_degree_that_does_not_divide_the_gpus_says_why_and_the_degrees_that_do(
+    pin: str, degrees: list[int], reason: str
+) -> None:
+    """The answer had been "admits no configuration …: widen or drop it", naming neither the cause nor the fix."""
+    with pytest.raises(ValidationError) as excinfo:
+        prepare(PlanRequest.model_validate(request(**{pin: degrees})))
+    ((loc, message),) = field_errors(excinfo).items()
+    assert loc == ("search", pin)
+    assert reason in message and "use values among [1, 2, 4, 8]" in message, message
+
+
 def test_a_cluster_too_small_for_the_model_says_the_least_memory_and_gpus() -> None:
     with pytest.raises(ValidationError) as excinfo:
         prepare(PlanRequest.model_validate(request("llama3.1-405b", nodes=1, batch=8)))
