@@ -82,12 +82,18 @@ def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def _derive_and_validate(document: dict[str, Any]) -> Problem:
-    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing."""
+    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing.
+
+    A ``memory`` without ``activation`` beside ``model``/``cluster`` (e.g. only a ``limit``) is derived and the
+    fields it gives replace the derived ones."""
+    memory_part = document.get("memory")
+    memory_part = dict(memory_part) if isinstance(memory_part, Mapping) and "activation" not in memory_part else None
     if (
-        (document.get("costs") is None or document.get("memory") is None or _lacks_collectives(document))
-        and document.get("model") is not None
-        and document.get("cluster") is not None
-    ):
+        (document.get("costs") is None or document.get("memory") is None or memory_part is not None)
+        or _lacks_collectives(document)
+    ) and (document.get("model") is not None and document.get("cluster") is not None):
+        if memory_part is not None:
+            document["memory"] = None
         parts = _DerivationInput.model_validate(document)
         dp = parts.data_parallel
         try:
@@ -111,13 +117,21 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
             document["memory"] = derived.memory.model_dump(mode="json")
         if (dp is not None and dp.size > 1) or _bidirectional(document):
             _add_collectives(document, parts, derived, costs_given=costs_given, memory_given=memory_given)
+        if memory_part is not None:
+            document["memory"] = {**document["memory"], **memory_part}
         document["model"] = parts.model.model_copy(update={"layers_per_stage": derived.layers_per_stage}).model_dump(
             mode="json", exclude_none=True
         )
         try:
             return Problem.model_validate(document)
         except ValidationError as error:
-            sections = {str(entry["loc"][0]) for entry in error.errors() if entry["loc"]}
+            given = set(memory_part or ())
+            sections = {
+                str(entry["loc"][0])
+                for entry in error.errors()
+                if entry["loc"]
+                and not (entry["loc"][0] == "memory" and len(entry["loc"]) > 1 and entry["loc"][1] in given)
+            }
             for section in sorted(sections & derived_sections):
                 _blame_inputs(error, parts.cluster, section)
             raise

@@ -217,6 +217,24 @@ def test_derived_problem_round_trips_and_edits_are_kept() -> None:
     assert edited.model == problem.model
 
 
+def test_a_memory_limit_beside_model_and_cluster_keeps_the_derived_memory() -> None:
+    """``"memory": {"limit": …}`` with model and cluster had been "memory.activation: Field required": the
+    derived activations and static memory are kept, the limit given replaces the GPU's."""
+    document = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8},
+        "model": SMALL_MODEL,
+        "cluster": {"accelerator": "H100-SXM"},
+    }
+    derived = load_problem(document)
+    limited = load_problem({**document, "memory": {"limit": 2e9}})
+    assert limited.memory is not None and derived.memory is not None
+    assert limited.memory.limit == 2e9 != derived.memory.limit
+    assert limited.memory.model_dump(exclude={"limit"}) == derived.memory.model_dump(exclude={"limit"})
+    with pytest.raises(ValidationError) as excinfo:
+        load_problem({**document, "memory": {"limit": -1}})
+    assert list(field_errors(excinfo)) == [("memory", "limit")]
+
+
 def test_explicit_numbers_and_catalogue() -> None:
     assert {"A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "MI300X", "L40S"} <= set(CATALOGUE)
     explicit = {"flops_per_s": 100e12, "memory_bytes": 24 * GIB, "memory_bandwidth_bytes_per_s": 1e12}
