@@ -12,7 +12,14 @@ from pipesched.optimizer.derive import load_problem as derive_and_validate
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 
-__all__ = ["InputError", "format_validation_error", "load_problem_file", "load_schedule_file"]
+__all__ = [
+    "InputError",
+    "document_kind",
+    "format_validation_error",
+    "load_problem_file",
+    "load_schedule_file",
+    "wrong_kind",
+]
 
 
 class InputError(Exception):
@@ -27,6 +34,36 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{prefix}{path}: {message}")
     return "\n".join(lines)
+
+
+def document_kind(data: Any) -> str | None:
+    """Which of the contract's documents ``data`` looks like: ``problem``, ``schedule``, ``plan request`` or
+    ``plan answer`` (by its top-level fields), else None."""
+    if not isinstance(data, dict):
+        return None
+    if "ranks" in data and "status" in data:
+        return "schedule"
+    if "plans" in data and "status" in data:
+        return "plan answer"
+    if "pipeline" in data:
+        return "problem"
+    if "training" in data and "model" in data and "cluster" in data:
+        return "plan request"
+    return None
+
+
+def wrong_kind(path: Path, data: Any, wanted: str) -> str:
+    """A line for a file of another kind than ``wanted``, with the command that takes or makes it; "" else."""
+    kind = document_kind(data)
+    if kind is None or kind == wanted:
+        return ""
+    command = {
+        ("problem", "schedule"): f"make one with `pipesched solve {path} -o schedule.json`",
+        ("plan request", "plan answer"): f"make one with `pipesched plan {path} -o plans.json`",
+        ("plan request", "problem"): f"plan it with `pipesched plan {path}`",
+        ("schedule", "plan answer"): f"run it with `pipesched run {path}`",
+    }.get((kind, wanted), f"give the {wanted} file")
+    return f"{path} is a {kind}, not a {wanted}: {command}\n"
 
 
 def _read_json(path: Path) -> Any:
@@ -68,7 +105,9 @@ def load_problem_file(path: Path, **overrides: Any) -> Problem:
     try:
         return derive_and_validate(data)
     except ValidationError as error:
-        raise InputError(f"{path} is not a valid problem:\n{format_validation_error(error, '  ')}") from None
+        raise InputError(
+            f"{wrong_kind(path, data, 'problem')}{path} is not a valid problem:\n{format_validation_error(error, '  ')}"
+        ) from None
 
 
 def load_schedule_file(path: Path) -> Schedule:
@@ -81,7 +120,10 @@ def load_schedule_file(path: Path) -> Schedule:
     try:
         schedule = Schedule.model_validate(data)
     except ValidationError as error:
-        raise InputError(f"{path} is not a valid schedule:\n{format_validation_error(error, '  ')}") from None
+        raise InputError(
+            f"{wrong_kind(path, data, 'schedule')}{path} is not a valid schedule:\n"
+            f"{format_validation_error(error, '  ')}"
+        ) from None
     if schedule.status == "infeasible" or not schedule.ranks:
         raise InputError(f"{path} holds no schedule (status {schedule.status}: {schedule.reason})")
     return schedule

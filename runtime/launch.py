@@ -446,7 +446,7 @@ def launch_jobs(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nodes = nodes or NodeConfig()
-    nproc = nproc_per_node or max(1, world // nodes.nnodes)
+    nproc = nproc_per_node if nproc_per_node is not None else max(1, world // nodes.nnodes)
     if nproc * nodes.nnodes != world:
         raise ScheduleError(
             "nproc_per_node",

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from pipesched.api.cli.common import err_console, fail
 from pipesched.api.launch.bundle import SCHEDULERS, TARGETS, LaunchBundle, LaunchOptions, build_bundle, pick_plan
-from pipesched.api.loading import format_validation_error
+from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
 __all__ = ["launch_command", "load_plan_answer", "write_bundle"]
@@ -40,7 +40,10 @@ def load_plan_answer(path: Path, request_path: Path | None) -> tuple[PlanAnswer,
     try:
         answer = PlanAnswer.model_validate(data)
     except ValidationError as error:
-        raise fail(f"{path} is not a plan answer:\n{format_validation_error(error, '  ')}") from None
+        raise fail(
+            f"{wrong_kind(path, data, 'plan answer')}{path} is not a plan answer:\n"
+            f"{format_validation_error(error, '  ')}"
+        ) from None
     request = answer.request
     if request_path is not None:
         try:

@@ -91,3 +91,34 @@ def test_compare_shows_peak_memory_per_rank(problem_file: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "peak memory per rank" in result.stdout
     assert "zb-h1" in result.stdout and "auto" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "kind", "fix"),
+    [
+        (["run", "{problem}"], "is a problem, not a schedule", "pipesched solve"),
+        (["plot", "{problem}", "-o", "g.png"], "is a problem, not a schedule", "pipesched solve"),
+        (["launch", "{request}", "-o", "job"], "is a plan request, not a plan answer", "pipesched plan"),
+        (["solve", "{request}"], "is a plan request, not a problem", "pipesched plan"),
+    ],
+)
+def test_a_file_of_another_kind_says_which_and_the_command_it_needs(
+    problem_file: Path, command: list[str], kind: str, fix: str
+) -> None:
+    """A newcomer's first mistake, a problem given to `run`, had answered only "status: Field required" …"""
+    request = problem_file.parent / "plan.json"
+    request.write_text(json.dumps({"model": {"preset": "gpt2"}, "cluster": {}, "training": {"global_batch_size": 8}}))
+    args = [arg.format(problem=problem_file, request=request) for arg in command]
+    result = pipesched(*args, cwd=problem_file.parent)
+    assert result.returncode == 2, result.stderr
+    assert kind in result.stderr and fix in result.stderr, result.stderr
+
+
+def test_run_with_zero_processes_per_node_exits_2_with_the_count_it_needs(problem_file: Path) -> None:
+    """--nproc-per-node 0 had been read as not given and the run went ahead."""
+    schedule = problem_file.parent / "schedule.json"
+    solved = pipesched("solve", str(problem_file), "--method", "1f1b", "-o", str(schedule), cwd=problem_file.parent)
+    assert solved.returncode == 0, solved.stderr
+    result = pipesched("run", str(schedule), "--nproc-per-node", "0", cwd=problem_file.parent)
+    assert result.returncode == 2, result.stderr
+    assert "set --nproc-per-node 4" in result.stderr
