@@ -93,6 +93,20 @@ PerStage = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 PerRank = Annotated[float | list[float], BeforeValidator(_number_or_list)]
 
 
+def _placement_kind(value: Any) -> Any:
+    """One message for a placement that is neither a known name nor a list (pydantic gave one per union member)."""
+    if isinstance(value, str) and value not in get_args(PlacementName):
+        raise ValueError(
+            f'{value!r} is not a placement: use "loop", "v", "bidirectional" or a list of ranks, one per stage'
+        )
+    if not isinstance(value, str | list):
+        raise ValueError(f'expected "loop", "v", "bidirectional" or a list of ranks, one per stage; got {value!r}')
+    for stage, rank in enumerate(value if isinstance(value, list) else []):
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ValueError(f"entry {stage}: expected the rank of stage {stage} (an integer), got {rank!r}")
+    return value
+
+
 def stage_to_rank(num_ranks: int, stages_per_rank: int, placement: str | list[int]) -> list[int]:
     """The rank of every stage id: the one placement rule (contract, Terms: placement).
 
@@ -134,7 +148,7 @@ class Pipeline(_Strict):
     num_ranks: int = Field(ge=1, le=1024, description="Pipeline-parallel ranks (GPUs).")
     num_microbatches: int = Field(ge=1, le=100_000, description="Microbatches per training step.")
     stages_per_rank: int = Field(1, ge=1, le=64, description="Model stages (chunks) held by each rank.")
-    placement: PlacementName | list[int] = Field(
+    placement: Annotated[PlacementName | list[int], BeforeValidator(_placement_kind)] = Field(
         "loop", description='"loop", "v", "bidirectional", or an explicit stage→rank list.'
     )
 

@@ -61,6 +61,28 @@ def test_a_boolean_given_for_a_number_names_the_field(section: str, field: str, 
     assert "expected a number, got" in str(error.value) and "(a boolean)" in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("placement", "words"),
+    [
+        ("zigzag", "'zigzag' is not a placement"),
+        (5, "got 5"),
+        ([0, 1, 2, "x"], "entry 3: expected the rank of stage 3"),
+    ],
+)
+def test_a_bad_placement_is_one_error_on_the_field(placement: object, words: str) -> None:
+    """It had been one error per union member, at ``pipeline.placement.literal['loop','v','bidirectional']`` and
+    ``pipeline.placement.list[int]``."""
+    document = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8, "placement": placement},
+        "costs": {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0, "p2p": 0.1},
+        "memory": {"activation": 100, "retained_for_weight": 40},
+    }
+    with pytest.raises(ValidationError) as error:
+        Problem.model_validate(document)
+    assert [item["loc"] for item in error.value.errors()] == [("pipeline", "placement")]
+    assert words in str(error.value)
+
+
 def test_retained_over_activation_is_rejected() -> None:
     locs, text = _error_text(activation=10.0, retained_for_weight=20.0)
     assert ("memory", "retained_for_weight") in locs
