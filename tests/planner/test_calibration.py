@@ -170,6 +170,16 @@ def test_calibrate_refuses_rows_of_two_accelerators(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "measured" in result.output
 
 
+def test_calibrate_names_an_unknown_accelerator_on_its_row(tmp_path: Path) -> None:
+    """It had said "the rows span H100-SXM, H900: … calibrate each separately", on ``rows``, for a typo."""
+    good = ROWS["mpt-a100-80gb-7b-s2048-g8-b6x2"].model_dump(mode="json", exclude={"source"})
+    measurements = tmp_path / "runs.json"
+    measurements.write_text(json.dumps({"rows": [good, {**good, "id": "typo", "accelerator": "A100-80G"}]}))
+    result = CliRunner().invoke(cli_app, ["calibrate", str(measurements)])
+    assert result.exit_code == 2, result.output
+    assert "rows.1.accelerator: unknown accelerator 'A100-80G'" in result.output and "A100-80GB" in result.output
+
+
 def _sharding(chosen: Any) -> str | None:
     """The plan's data-parallel sharding, None without data parallelism."""
     copies = chosen.data_parallel.size * chosen.context_parallel

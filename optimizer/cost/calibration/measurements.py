@@ -12,8 +12,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.field_errors import StrictModel
 from pipesched.optimizer.partition import megatron_partition
@@ -129,6 +130,18 @@ class Measurement(StrictModel):
     measured: Measured
     published: dict[str, Any] = Field(default_factory=dict)
     source: str = Field("", description="The source's id (filled from the file).")
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, name: str) -> str:
+        try:
+            get_accelerator(name)
+        except KeyError:
+            raise ValueError(
+                f"unknown accelerator {name!r}: use one of {', '.join(accelerator_names())} (the catalogue, "
+                "pipesched.optimizer.accelerators), with cluster.memory_bytes / flops_per_s where the part differs"
+            ) from None
+        return name
 
     @model_validator(mode="after")
     def _check_batch(self) -> Measurement:
