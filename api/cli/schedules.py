@@ -458,9 +458,11 @@ def check(
         if result.valid:
             assert result.peak_memory is not None
             unit_name, unit = common_unit(result.peak_memory)
+            spans = f"makespan {result.makespan:.3f} ms · stage_span {result.stage_span:.3f} ms"
+            if problem.objective not in ("makespan", "stage_span"):  # else the objective is one of the two
+                spans = f"{problem.objective} {result.objective_value:.3f} ms · {spans}"
             console.print(
-                f"valid · {problem.objective} {result.objective_value:.3f} ms · makespan {result.makespan:.3f} ms · "
-                f"stage_span {result.stage_span:.3f} ms · bubble rate {result.bubble_rate:.4f}",
+                f"valid · objective {problem.objective} · {spans} · bubble rate {result.bubble_rate:.4f}",
                 highlight=False,
             )
             console.print(

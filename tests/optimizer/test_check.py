@@ -168,6 +168,7 @@ def test_cli_check_valid_invalid_and_bad_input(tmp_path: Path) -> None:
     result = pipesched("check", str(problem_path), str(good), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "valid" in result.stdout and "peak memory per rank" in result.stdout
+    assert "valid · objective makespan · makespan " in result.stdout  # "valid · makespan X ms · makespan X ms" before
 
     result = pipesched("check", str(problem_path), str(bad), cwd=tmp_path)
     assert result.returncode == 1
