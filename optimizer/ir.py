@@ -104,7 +104,7 @@ def parse_action(text: str) -> Action:
         if text == _OPTIMIZER_STEP:
             return Action(-1, ActionKind.OPTIMIZER_STEP, 0)
         raise ValueError(
-            f"{text!r} is not an action: write {{stage}}{{kind}}{{microbatch}} with kind one of F, I, W, B, "
+            f"{text!r} is not an action: write {{stage}}{{kind}}{{microbatch}} with kind one of F, I, W, B "
             '(e.g. "3F12"), or {stage}UNSHARD, {stage}RESHARD, {stage}REDUCE_GRAD, OPTIMIZER_STEP'
         )
     return Action(int(match.group(1)), ActionKind(match.group(2)), int(match.group(3)))

@@ -91,8 +91,9 @@ def test_retained_over_activation_is_rejected() -> None:
 
 @pytest.mark.parametrize("text", ["0F1x", "01F1", " 0F1", "0X1", "0F", "F1", "0f1", "0F01", ""])
 def test_parse_action_is_strict(text: str) -> None:
-    with pytest.raises(ValueError, match="is not an action"):
+    with pytest.raises(ValueError, match="is not an action") as error:
         parse_action(text)
+    assert 'one of F, I, W, B (e.g. "3F12")' in str(error.value)  # "B, (e.g." before
 
 
 def test_parse_action_round_trip() -> None:
