@@ -429,13 +429,46 @@ def _this_machine(
     steps = report.measured_step_times_ms
     measured = min(steps[1:]) if len(steps) > 1 else steps[0]
     error = measured / here.step_time - 1
-    summary["this_machine"] = {"predicted_step_ms": here.step_time, "measured_step_ms": measured, "error": error}
+    static = _static_here(here, report)
+    summary["this_machine"] = {
+        "predicted_step_ms": here.step_time,
+        "measured_step_ms": measured,
+        "error": error,
+        "static_bytes": static,
+    }
+    (folder / "this-machine.json").write_text(json.dumps(summary["this_machine"], indent=1))
     console.print(
         f"On this machine the same order, re-timed from its profile ({folder / 'profile.json'}), predicts "
         f"{here.step_time:.1f} ms per step; the run measured {measured:.1f} ms (best step after the first): "
         f"{100 * error:+.0f}% off. The plan's {schedule.step_time:.1f} ms is for its GPU cluster, not this CPU.",
         highlight=False,
     )
+    console.print(
+        "Static memory (weights, gradients, optimizer state) per pipeline rank, predicted from the profile against "
+        "measured: "
+        + ", ".join(
+            f"pp {pp} {row['predicted']:,.0f} B / {row['measured']:,.0f} B ({100 * row['error']:+.0f}%)"
+            for pp, row in sorted(static.items())
+        )
+        + ". The run report's static figures above are the plan's, for the training it plans (Adam's states "
+        f"beside the weights and gradients); the run trains with {DEMO_OPTIMIZER}, which keeps no state.",
+        highlight=False,
+    )
+
+
+def _static_here(here: Schedule, report: Any) -> dict[int, dict[str, float]]:
+    """Per pipeline rank: static bytes predicted from this machine's profile (``memory.static`` plus the extra
+    weight versions, as the run report counts them) beside the largest measured over that rank's data-parallel
+    peers, and the relative error (measured / predicted − 1)."""
+    from pipesched.optimizer.pattern import weight_version_memory
+
+    versions = weight_version_memory(here.problem)
+    rows: dict[int, dict[str, float]] = {}
+    for rank in report.ranks:
+        predicted = here.problem.static_memory[rank.pp_rank] + versions[rank.pp_rank]
+        measured = max(float(rank.static_bytes_measured), rows.get(rank.pp_rank, {}).get("measured", 0.0))
+        rows[rank.pp_rank] = {"predicted": predicted, "measured": measured, "error": measured / predicted - 1}
+    return rows
 
 
 def demo(
