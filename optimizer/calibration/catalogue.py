@@ -56,7 +56,9 @@ from pipesched.optimizer.planner.evaluate import model_flops_per_token
 
 __all__ = [
     "BORROWED",
+    "CDNA3",
     "MIN_ROWS_FOR_OWN_INTERVAL",
+    "borrowed_profile",
     "build_catalogue",
     "class_weights",
     "fit_memory_factor",
@@ -64,23 +66,47 @@ __all__ = [
     "measured_mfu",
     "row_kernels_class",
     "unknown_kernels_shares",
+    "with_borrowed",
 ]
 
 #: Rows an accelerator needs for an interval of its own.
 MIN_ROWS_FOR_OWN_INTERVAL = 20
 
-#: Unmeasured accelerator → (measured sibling, scale of its matrix-multiply and attention efficiencies, why).
+#: Unmeasured accelerator → (measured sibling, scale of its matrix-multiply and attention efficiencies, its profile's
+#: ``source``: why).
 BORROWED: dict[str, tuple[str, float, str]] = {
-    "H100-PCIe": ("H100-SXM", 1.0, "the H100-SXM's efficiencies (same GH100 die) over the PCIe card's peaks"),
-    "H200": ("H100-SXM", 1.0, "the H100-SXM's efficiencies (same GH100 die) over the H200's bandwidth and memory"),
-    "L40S": ("A100-80GB", 1.0, "the A100's efficiencies (no public training run with a layout found)"),
+    "H100-PCIe": (
+        "H100-SXM",
+        1.0,
+        "not fitted: the H100-SXM's efficiencies (same GH100 die) over the PCIe card's peaks",
+    ),
+    "H200": (
+        "H100-SXM",
+        1.0,
+        "not fitted: the H100-SXM's efficiencies (same GH100 die) over the H200's bandwidth and memory",
+    ),
+    "L40S": ("A100-80GB", 1.0, "not fitted: the A100's efficiencies (no public training run with a layout found)"),
     "MI300X": (
         "H100-SXM",
         0.7,
-        "0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in public "
-        "GEMM sweeps; no public training run with a layout found): an estimate, not a fit",
+        "not fitted: 0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in "
+        "public GEMM sweeps): an estimate, not a fit. The one public MI300X run with a layout found (an untuned ROCm "
+        "Megatron-LM build: no hipBLASLt tuning, no flash-attn package; bench/data/calibration_amd.json) runs 30% "
+        "below it and is not fitted; the MI325X's fitted 0.7745 (same CDNA3 die, 1,000 W against 750 W) is not "
+        "transferred: no tuned MI300X run checks it (bench/amd_bench.py)",
+    ),
+    "MI325X": (
+        "H100-SXM",
+        0.7745,
+        "one scale fitted, not the efficiencies: 0.7745 × the H100-SXM's efficiencies over the MI325X's peaks and "
+        "bandwidth, the scale fitted to 3 published FP8 runs in 2 sources (Primus and ROCm Megatron-LM v25.9, 16-64 "
+        "GPUs; bench/data/calibration_amd.json), leave one source out 1.9% / 5.1% / 8.2% against 3.7% / 8.5% / 11.2% "
+        "at the 0.7 estimate (bench/amd_bench.py); how the efficiencies vary with shape and precision is the H100's",
     ),
 }
+
+#: AMD's CDNA3 accelerators (one die: the MI325X is the MI300X's compute with HBM3E), borrowed at one scale.
+CDNA3 = ("MI300X", "MI325X")
 
 
 def measured_mfu(row: Measurement) -> float:
@@ -201,33 +227,64 @@ def build_catalogue(
         )
     wide = (round(1.5 * pooled[0], 4), round(1.5 * pooled[1], 4))
     for name, (sibling, scale, why) in BORROWED.items():
-        if name in profiles or sibling not in profiles:
-            continue
-        base = profiles[sibling]
-        profiles[name] = base.model_copy(
-            update={
-                "name": name,
-                "accelerator": name,
-                "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(sibling, 1.0),
-                "gemm_efficiency": base.gemm_efficiency * scale,
-                "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
-                "attention_efficiency": base.attention_efficiency * scale,
-                "held_out_log_error": wide,
-                "max_measured_mfu": {},
-                "fitted_rows": 0,
-                "source": f"not fitted: {why}",
-            }
-        )
+        if name not in profiles and sibling in profiles:
+            profiles[name] = borrowed_profile(profiles[sibling], name, scale, why, wide)
     ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
     software = _borrowed_kernel_speeds(result.catalogue.software)
     return ProfileCatalogue(software=software, profiles=ordered, fitted=fitted)
 
 
-def _borrowed_kernel_speeds(software: SoftwareProfile) -> SoftwareProfile:
+def borrowed_profile(
+    base: AcceleratorProfile, name: str, scale: float, why: str, interval: tuple[float, float]
+) -> AcceleratorProfile:
+    """``name``'s profile borrowed from its measured sibling ``base`` (module docstring): the sibling's
+    matrix-multiply and attention efficiencies times ``scale`` over ``name``'s own peaks, d½ moved with the
+    roofline's ridge point, the widened ``interval``, no MFU ceiling, ``why`` as its ``source``."""
+    return base.model_copy(
+        update={
+            "name": name,
+            "accelerator": name,
+            "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(base.accelerator, 1.0),
+            "gemm_efficiency": base.gemm_efficiency * scale,
+            "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
+            "attention_efficiency": base.attention_efficiency * scale,
+            "held_out_log_error": interval,
+            "max_measured_mfu": {},
+            "fitted_rows": 0,
+            "source": why,
+        }
+    )
+
+
+def with_borrowed(
+    catalogue: ProfileCatalogue, borrowed: dict[str, tuple[str, float, str]] | None = None
+) -> ProfileCatalogue:
+    """``catalogue`` (a shipped one: its fitted profiles kept as they are) with every unmeasured accelerator's
+    profile borrowed again by ``borrowed`` (default :data:`BORROWED`), over the same widened interval the
+    catalogue's borrowed profiles carry: a borrowed scale changed without refitting the measured ones."""
+    table = BORROWED if borrowed is None else borrowed
+    measured = {name: p for name, p in catalogue.profiles.items() if name not in table}
+    wide = next((p.held_out_log_error for name, p in catalogue.profiles.items() if name in table), None)
+    if wide is None:
+        raise ValueError("the catalogue has no borrowed profile to take the widened interval from")
+    profiles = dict(measured)
+    for name, (sibling, scale, why) in table.items():
+        if sibling in measured:
+            profiles[name] = borrowed_profile(measured[sibling], name, scale, why, wide)
+    ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
+    software = catalogue.software.model_copy(
+        update={"attention_kernel_speed": _borrowed_kernel_speeds(catalogue.software, table).attention_kernel_speed}
+    )
+    return catalogue.model_copy(update={"profiles": ordered, "software": software})
+
+
+def _borrowed_kernel_speeds(
+    software: SoftwareProfile, borrowed: dict[str, tuple[str, float, str]] | None = None
+) -> SoftwareProfile:
     """``software`` with each unmeasured accelerator's attention-kernel speeds those of its sibling of the same
     die (:data:`BORROWED` at scale 1: FlashAttention-2 runs as far from a Hopper's peak on an H200 as on an H100)."""
     speeds = dict(software.attention_kernel_speed)
-    for name, (sibling, scale, _) in BORROWED.items():
+    for name, (sibling, scale, _) in (BORROWED if borrowed is None else borrowed).items():
         for key, value in software.attention_kernel_speed.items():
             kernel, _, accelerator = key.partition("/")
             if accelerator == sibling and scale == 1.0:
