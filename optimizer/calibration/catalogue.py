@@ -90,10 +90,10 @@ BORROWED: dict[str, tuple[str, float, str]] = {
         "H100-SXM",
         0.7,
         "not fitted: 0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in "
-        "public GEMM sweeps): an estimate, not a fit. The one public MI300X run with a layout found (an untuned ROCm "
-        "Megatron-LM build: no hipBLASLt tuning, no flash-attn package; bench/data/calibration_amd.json) runs 30% "
-        "below it and is not fitted; the MI325X's fitted 0.7745 (same CDNA3 die, 1,000 W against 750 W) is not "
-        "transferred: no tuned MI300X run checks it (bench/amd_bench.py)",
+        "public GEMM sweeps), an estimate checked since by the one tuned MI300X run with a layout found (Primus, "
+        "Llama 3.1 8B FP8 on 8 GPUs: predicted +2.2%; bench/data/calibration_amd.json, bench/amd_bench.py); the "
+        "MI325X's fitted 0.7745 (same CDNA3 die at 1,000 W against 750 W) would predict it +10.5%; an untuned ROCm "
+        "Megatron-LM build (no hipBLASLt tuning, no flash-attn package) runs 30% below the estimate",
     ),
     "MI325X": (
         "H100-SXM",
