@@ -228,23 +228,23 @@ def build_catalogue(
     wide = (round(1.5 * pooled[0], 4), round(1.5 * pooled[1], 4))
     for name, (sibling, scale, why) in BORROWED.items():
         if name not in profiles and sibling in profiles:
-            profiles[name] = borrowed_profile(profiles[sibling], name, scale, why, wide)
+            profiles[name] = borrowed_profile(profiles[sibling], name, sibling, scale, why, wide)
     ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
     software = _borrowed_kernel_speeds(result.catalogue.software)
     return ProfileCatalogue(software=software, profiles=ordered, fitted=fitted)
 
 
 def borrowed_profile(
-    base: AcceleratorProfile, name: str, scale: float, why: str, interval: tuple[float, float]
+    base: AcceleratorProfile, name: str, sibling: str, scale: float, why: str, interval: tuple[float, float]
 ) -> AcceleratorProfile:
-    """``name``'s profile borrowed from its measured sibling ``base`` (module docstring): the sibling's
+    """``name``'s profile borrowed from ``base``, its measured ``sibling``'s (module docstring): the sibling's
     matrix-multiply and attention efficiencies times ``scale`` over ``name``'s own peaks, d½ moved with the
     roofline's ridge point, the widened ``interval``, no MFU ceiling, ``why`` as its ``source``."""
     return base.model_copy(
         update={
             "name": name,
             "accelerator": name,
-            "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(base.accelerator, 1.0),
+            "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(sibling, 1.0),
             "gemm_efficiency": base.gemm_efficiency * scale,
             "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
             "attention_efficiency": base.attention_efficiency * scale,
@@ -270,7 +270,7 @@ def with_borrowed(
     profiles = dict(measured)
     for name, (sibling, scale, why) in table.items():
         if sibling in measured:
-            profiles[name] = borrowed_profile(measured[sibling], name, scale, why, wide)
+            profiles[name] = borrowed_profile(measured[sibling], name, sibling, scale, why, wide)
     ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
     software = catalogue.software.model_copy(
         update={"attention_kernel_speed": _borrowed_kernel_speeds(catalogue.software, table).attention_kernel_speed}
