@@ -3,9 +3,11 @@
 - **Fitted** accelerators take the fitted efficiencies (:mod:`.fit`).
 - **Unmeasured** ones (no public run with a layout in ``data/``) borrow from their nearest measured sibling,
   said in their ``source``: H100-PCIe and H200 are the H100's die (GH100) and take its efficiencies over their
-  own peaks and bandwidth; L40S takes the A100's; MI300X takes the H100's matrix-multiply efficiencies scaled
-  by 0.7 (AMD's hipBLASLt reaches about 70% of what cuBLAS does of its peak in public GEMM sweeps; an estimate,
-  not a fit). Their interval is the pooled one widened by half.
+  own peaks and bandwidth; L40S takes the A100's; AMD's CDNA3 chips take the H100's matrix-multiply and attention
+  efficiencies times one scale a chip: the MI300X 0.7 (AMD's hipBLASLt reaches about 70% of what cuBLAS does of its
+  peak in public GEMM sweeps; an estimate, checked since by a tuned run), the MI325X that scale fitted to its
+  published runs (``bench/amd_bench.py``, :mod:`.scale`; a few runs carry one number, not the efficiencies). Their
+  interval is the pooled one widened by half; :func:`with_borrowed` re-borrows them from a shipped catalogue.
 - **Interval**: the 10th and 90th percentile of the accelerator's leave-one-group-out log(published /
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
