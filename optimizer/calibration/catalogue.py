@@ -102,12 +102,14 @@ BORROWED: dict[str, tuple[str, float, str]] = {
         0.7745,
         "one scale fitted, not the efficiencies: 0.7745 × the H100-SXM's efficiencies over the MI325X's peaks and "
         "bandwidth, the scale fitted to 3 published FP8 runs in 2 sources (Primus and ROCm Megatron-LM v25.9, 16-64 "
-        "GPUs; bench/data/calibration_amd.json), leave one source out 1.9% / 5.1% / 8.2% against 3.7% / 8.5% / 11.2% "
-        "at the 0.7 estimate (bench/amd_bench.py); how the efficiencies vary with shape and precision is the H100's",
+        "GPUs; bench/data/calibration_amd.json), each source held out: median 5.1%, largest 8.2%, against 8.5% and "
+        "11.2% at the 0.7 estimate (bench/amd_bench.py); how the efficiencies vary with shape and precision is the "
+        "H100's",
     ),
 }
 
-#: AMD's CDNA3 accelerators (one die: the MI325X is the MI300X's compute with HBM3E), borrowed at one scale.
+#: AMD's CDNA3 accelerators (one die: the MI325X is the MI300X's compute with HBM3E), each borrowed at a scale of
+#: its own.
 CDNA3 = ("MI300X", "MI325X")
 
 
