@@ -110,6 +110,9 @@ CATALOGUE: dict[str, Accelerator] = {
         Accelerator("B200", 2.25e15, 180 * GIB, 8.0e12, "NVIDIA DGX B200 datasheet, per GPU", 4.5e15),
         # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS dense, FP8 2,614.9 dense; 192GB HBM3, 5.3 TB/s.
         Accelerator("MI300X", 1307.4e12, 192 * GIB, 5.3e12, "AMD Instinct MI300X datasheet", 2614.9e12),
+        # AMD Instinct MI325X datasheet: the MI300X's CDNA3 compute (304 CUs; BF16 1,307.4 TFLOPS dense, FP8 2,614.9
+        # dense) with 256GB HBM3E at 6 TB/s.
+        Accelerator("MI325X", 1307.4e12, 256 * GIB, 6.0e12, "AMD Instinct MI325X datasheet", 2614.9e12),
         # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS dense (733 with sparsity), FP8 733 dense (1,466 with
         # sparsity); 48GB GDDR6, 864 GB/s.
         Accelerator("L40S", 362.05e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet", 733e12),

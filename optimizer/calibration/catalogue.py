@@ -3,9 +3,11 @@
 - **Fitted** accelerators take the fitted efficiencies (:mod:`.fit`).
 - **Unmeasured** ones (no public run with a layout in ``data/``) borrow from their nearest measured sibling,
   said in their ``source``: H100-PCIe and H200 are the H100's die (GH100) and take its efficiencies over their
-  own peaks and bandwidth; L40S takes the A100's; MI300X takes the H100's matrix-multiply efficiencies scaled
-  by 0.7 (AMD's hipBLASLt reaches about 70% of what cuBLAS does of its peak in public GEMM sweeps; an estimate,
-  not a fit). Their interval is the pooled one widened by half.
+  own peaks and bandwidth; L40S takes the A100's; AMD's CDNA3 chips take the H100's matrix-multiply and attention
+  efficiencies times one scale a chip: the MI300X 0.7 (AMD's hipBLASLt reaches about 70% of what cuBLAS does of its
+  peak in public GEMM sweeps; an estimate, checked since by a tuned run), the MI325X that scale fitted to its
+  published runs (``bench/amd_bench.py``, :mod:`.scale`; a few runs carry one number, not the efficiencies). Their
+  interval is the pooled one widened by half; :func:`with_borrowed` re-borrows them from a shipped catalogue.
 - **Interval**: the 10th and 90th percentile of the accelerator's leave-one-group-out log(published /
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
@@ -56,7 +58,9 @@ from pipesched.optimizer.planner.evaluate import model_flops_per_token
 
 __all__ = [
     "BORROWED",
+    "CDNA3",
     "MIN_ROWS_FOR_OWN_INTERVAL",
+    "borrowed_profile",
     "build_catalogue",
     "class_weights",
     "fit_memory_factor",
@@ -64,23 +68,49 @@ __all__ = [
     "measured_mfu",
     "row_kernels_class",
     "unknown_kernels_shares",
+    "with_borrowed",
 ]
 
 #: Rows an accelerator needs for an interval of its own.
 MIN_ROWS_FOR_OWN_INTERVAL = 20
 
-#: Unmeasured accelerator → (measured sibling, scale of its matrix-multiply and attention efficiencies, why).
+#: Unmeasured accelerator → (measured sibling, scale of its matrix-multiply and attention efficiencies, its profile's
+#: ``source``: why).
 BORROWED: dict[str, tuple[str, float, str]] = {
-    "H100-PCIe": ("H100-SXM", 1.0, "the H100-SXM's efficiencies (same GH100 die) over the PCIe card's peaks"),
-    "H200": ("H100-SXM", 1.0, "the H100-SXM's efficiencies (same GH100 die) over the H200's bandwidth and memory"),
-    "L40S": ("A100-80GB", 1.0, "the A100's efficiencies (no public training run with a layout found)"),
+    "H100-PCIe": (
+        "H100-SXM",
+        1.0,
+        "not fitted: the H100-SXM's efficiencies (same GH100 die) over the PCIe card's peaks",
+    ),
+    "H200": (
+        "H100-SXM",
+        1.0,
+        "not fitted: the H100-SXM's efficiencies (same GH100 die) over the H200's bandwidth and memory",
+    ),
+    "L40S": ("A100-80GB", 1.0, "not fitted: the A100's efficiencies (no public training run with a layout found)"),
     "MI300X": (
         "H100-SXM",
         0.7,
-        "0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in public "
-        "GEMM sweeps; no public training run with a layout found): an estimate, not a fit",
+        "not fitted: 0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in "
+        "public GEMM sweeps), an estimate checked since by the one tuned MI300X run with a layout found (Primus, "
+        "Llama 3.1 8B FP8 on 8 GPUs: predicted +2.2%; bench/data/calibration_amd.json, bench/amd_bench.py); the "
+        "MI325X's fitted 0.7745 (same CDNA3 die at 1,000 W against 750 W) would predict it +10.5%; an untuned ROCm "
+        "Megatron-LM build (no hipBLASLt tuning, no flash-attn package) runs 30% below the estimate",
+    ),
+    "MI325X": (
+        "H100-SXM",
+        0.7745,
+        "one scale fitted, not the efficiencies: 0.7745 × the H100-SXM's efficiencies over the MI325X's peaks and "
+        "bandwidth, the scale fitted to 3 published FP8 runs in 2 sources (Primus and ROCm Megatron-LM v25.9, 16-64 "
+        "GPUs; bench/data/calibration_amd.json), each source held out: median 5.1%, largest 8.2%, against 8.5% and "
+        "11.2% at the 0.7 estimate (bench/amd_bench.py); how the efficiencies vary with shape and precision is the "
+        "H100's",
     ),
 }
+
+#: AMD's CDNA3 accelerators (one die: the MI325X is the MI300X's compute with HBM3E), each borrowed at a scale of
+#: its own.
+CDNA3 = ("MI300X", "MI325X")
 
 
 def measured_mfu(row: Measurement) -> float:
@@ -201,33 +231,64 @@ def build_catalogue(
         )
     wide = (round(1.5 * pooled[0], 4), round(1.5 * pooled[1], 4))
     for name, (sibling, scale, why) in BORROWED.items():
-        if name in profiles or sibling not in profiles:
-            continue
-        base = profiles[sibling]
-        profiles[name] = base.model_copy(
-            update={
-                "name": name,
-                "accelerator": name,
-                "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(sibling, 1.0),
-                "gemm_efficiency": base.gemm_efficiency * scale,
-                "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
-                "attention_efficiency": base.attention_efficiency * scale,
-                "held_out_log_error": wide,
-                "max_measured_mfu": {},
-                "fitted_rows": 0,
-                "source": f"not fitted: {why}",
-            }
-        )
+        if name not in profiles and sibling in profiles:
+            profiles[name] = borrowed_profile(profiles[sibling], name, sibling, scale, why, wide)
     ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
     software = _borrowed_kernel_speeds(result.catalogue.software)
     return ProfileCatalogue(software=software, profiles=ordered, fitted=fitted)
 
 
-def _borrowed_kernel_speeds(software: SoftwareProfile) -> SoftwareProfile:
+def borrowed_profile(
+    base: AcceleratorProfile, name: str, sibling: str, scale: float, why: str, interval: tuple[float, float]
+) -> AcceleratorProfile:
+    """``name``'s profile borrowed from ``base``, its measured ``sibling``'s (module docstring): the sibling's
+    matrix-multiply and attention efficiencies times ``scale`` over ``name``'s own peaks, d½ moved with the
+    roofline's ridge point, the widened ``interval``, no MFU ceiling, ``why`` as its ``source``."""
+    return base.model_copy(
+        update={
+            "name": name,
+            "accelerator": name,
+            "gemm_shape_dimension": base.gemm_shape_dimension * _ridge(name, scale) / _ridge(sibling, 1.0),
+            "gemm_efficiency": base.gemm_efficiency * scale,
+            "fp8_gemm_efficiency": base.fp8_gemm_efficiency * scale,
+            "attention_efficiency": base.attention_efficiency * scale,
+            "held_out_log_error": interval,
+            "max_measured_mfu": {},
+            "fitted_rows": 0,
+            "source": why,
+        }
+    )
+
+
+def with_borrowed(
+    catalogue: ProfileCatalogue, borrowed: dict[str, tuple[str, float, str]] | None = None
+) -> ProfileCatalogue:
+    """``catalogue`` (a shipped one: its fitted profiles kept as they are) with every unmeasured accelerator's
+    profile borrowed again by ``borrowed`` (default :data:`BORROWED`), over the same widened interval the
+    catalogue's borrowed profiles carry: a borrowed scale changed without refitting the measured ones."""
+    table = BORROWED if borrowed is None else borrowed
+    measured = {name: p for name, p in catalogue.profiles.items() if name not in table}
+    wide = next((p.held_out_log_error for name, p in catalogue.profiles.items() if name in table), None)
+    if wide is None:
+        raise ValueError("the catalogue has no borrowed profile to take the widened interval from")
+    profiles = dict(measured)
+    for name, (sibling, scale, why) in table.items():
+        if sibling in measured:
+            profiles[name] = borrowed_profile(measured[sibling], name, sibling, scale, why, wide)
+    ordered = {name: profiles[name] for name in CATALOGUE if name in profiles}
+    software = catalogue.software.model_copy(
+        update={"attention_kernel_speed": _borrowed_kernel_speeds(catalogue.software, table).attention_kernel_speed}
+    )
+    return catalogue.model_copy(update={"profiles": ordered, "software": software})
+
+
+def _borrowed_kernel_speeds(
+    software: SoftwareProfile, borrowed: dict[str, tuple[str, float, str]] | None = None
+) -> SoftwareProfile:
     """``software`` with each unmeasured accelerator's attention-kernel speeds those of its sibling of the same
     die (:data:`BORROWED` at scale 1: FlashAttention-2 runs as far from a Hopper's peak on an H200 as on an H100)."""
     speeds = dict(software.attention_kernel_speed)
-    for name, (sibling, scale, _) in BORROWED.items():
+    for name, (sibling, scale, _) in (BORROWED if borrowed is None else borrowed).items():
         for key, value in software.attention_kernel_speed.items():
             kernel, _, accelerator = key.partition("/")
             if accelerator == sibling and scale == 1.0:

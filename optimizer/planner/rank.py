@@ -264,7 +264,7 @@ def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldE
         (
             loc,
             f"{estimator.hardware.name} has no FP8 tensor cores: use bf16, or an accelerator with FP8 (H100-SXM, "
-            "H100-PCIe, H200, B200, MI300X, L40S)",
+            "H100-PCIe, H200, B200, MI300X, MI325X, L40S)",
             "fp8",
         )
         for loc in asked
@@ -306,8 +306,7 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     notes = []
     if profile.fitted_rows == 0:
         notes.append(
-            f"{estimator.hardware.name}: no calibrated profile (its efficiencies are datasheet-level guesses, "
-            f"{profile.source}); the interval is wide"
+            f"{estimator.hardware.name}: no profile fitted to its own rows ({profile.source}); the interval is wide"
         )
     if answer_plans and estimator.model.kernels == "unknown":
         best = answer_plans[0]
