@@ -172,6 +172,13 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
     predicted = reports[0].predicted_step_time_ms
     steady = [steady_steps(report.measured_step_times_ms, case.two_weight_versions) for report in reports]
     best = min(min(steps) for steps in steady)
+    # Per round, per step counted, the most any process's passes waited for their core (the machine's other load).
+    delays = [
+        steady_steps([max(step) for step in zip(*(r.run_delay_ms for r in report.ranks), strict=True)], pattern)
+        if all(r.run_delay_ms for r in report.ranks)
+        else []
+        for report, pattern in ((report, case.two_weight_versions) for report in reports)
+    ]
     return {
         "case": case.label,
         "method": schedule.method,
@@ -180,6 +187,11 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
         "predicted_from": reports[0].predicted_step_time_from,
         "measured_ms": [report.measured_step_times_ms for report in reports],
         "round_medians_ms": [statistics.median(steps) for steps in steady],
+        "round_run_delay_ms": delays,
+        # per round, per process, the last step's passes (action, start, end ms): which ran beside another rank's
+        "last_step_actions": [
+            [[(a.action, a.start, a.end) for a in rank.actions] for rank in report.ranks] for report in reports
+        ],
         "best_ms": best,
         "median_ms": statistics.median(report.measured_step_time_ms for report in reports),
         "best_error": best / predicted - 1 if predicted else None,
@@ -343,6 +355,16 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['best_ms']:9.1f} {row['median_ms']:9.1f} {_percent(row['best_error']):>6}  {ranks}"
         )
     for row in rows:
+        if any(row.get("round_run_delay_ms", [])):
+            lines.append(
+                f"  {row['case']} per round: median step / the passes' wait for their core (ms per step, the most "
+                "of any rank; median, max): "
+                + "; ".join(
+                    f"{median:.0f} / {statistics.median(delay):.0f}, {max(delay):.0f}" if delay else f"{median:.0f}"
+                    for median, delay in zip(row["round_medians_ms"], row["round_run_delay_ms"], strict=True)
+                )
+            )
+    for row in rows:
         lines += _collective_lines(row)
     shapes = {row["shape"]: row for row in rows}
     for name, row in shapes.items():
@@ -424,6 +446,16 @@ def _gain_lines(flushed: dict[str, Any], steady: dict[str, Any]) -> list[str]:
             f"({100 * share:.0f}% of predicted; the bar: ≥ 50%)"
         )
     lines.append("  per round: " + ", ".join(f"{gain:+.0f}" for gain in per_round) + " ms")
+    delays = [flushed.get("round_run_delay_ms") or [], steady.get("round_run_delay_ms") or []]
+    if all(delays) and all(all(rounds) for rounds in delays):
+        lines.append(
+            "  per round, the passes' wait for their core (ms per step, the most of any rank; median / max), "
+            "1F1B · 2BW: "
+            + ", ".join(
+                f"{statistics.median(a):.0f}/{max(a):.0f} · {statistics.median(b):.0f}/{max(b):.0f}"
+                for a, b in zip(*delays, strict=True)
+            )
+        )
     return lines
 
 

@@ -115,6 +115,12 @@ def test_k_steps_match_the_reference(runs, case):
         # D = 1: nothing to reduce but a bidirectional placement's mirrored stages (BitPipe's eager sum)
         assert (rank.measured_communication_ms > 0) == (case == "sgd-bitpipe")
         assert rank.predicted_communication_ms is None  # no communication actions in the schedule
+        # the own executor times each pass's wait for its core (Linux schedstat); PyTorch's runtime does not
+        if report.engine == "pipesched":
+            assert len(rank.run_delay_ms) == training["steps"] and all(d >= 0 for d in rank.run_delay_ms)
+            assert all(a.run_delay_ms is not None and a.run_delay_ms >= 0 for a in rank.actions)
+        else:
+            assert rank.run_delay_ms == []
 
 
 def test_adamw_steps_change_the_parameters(runs):
