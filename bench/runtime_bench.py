@@ -179,9 +179,30 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
         else []
         for report, pattern in ((report, case.two_weight_versions) for report in reports)
     ]
+    # Per round, the median over the steps counted of the step less its busiest process's passes: what the schedule
+    # leaves idle or spends between passes, at whatever speed the machine ran the passes (the same work in every
+    # case of the shape); predicted likewise from the schedule's timeline.
+    rests = [
+        statistics.median(
+            steady_steps(
+                [
+                    step - max(per_rank)
+                    for step, *per_rank in zip(
+                        report.measured_step_times_ms, *(r.compute_ms for r in report.ranks), strict=True
+                    )
+                ],
+                case.two_weight_versions,
+            )
+        )
+        if all(r.compute_ms for r in report.ranks)
+        else None
+        for report in reports
+    ]
     return {
         "case": case.label,
         "method": schedule.method,
+        "round_rest_ms": rests,
+        "predicted_rest_ms": predicted - max(_passes_per_step(schedule, rank) for rank in range(len(schedule.ranks))),
         "verified": all(report.verified for report in reports),
         "predicted_ms": predicted,
         "predicted_from": reports[0].predicted_step_time_from,
@@ -197,6 +218,15 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
         "best_error": best / predicted - 1 if predicted else None,
         "ranks": [_rank_row([report.ranks[k] for report in reports]) for k in range(len(reports[0].ranks))],
     }
+
+
+def _passes_per_step(schedule: Schedule, rank: int) -> float:
+    """The predicted time of one step's passes on pipeline rank ``rank`` (a pattern's period holds one step's)."""
+    actions = schedule.ranks[rank].actions
+    forwards = sum(1 for a in actions if a.kind == "F")
+    stages = len({a.stage for a in actions if a.kind == "F"})
+    busy = sum(a.end - a.start for a in actions if a.kind in ("F", "I", "W", "B"))
+    return busy * schedule.problem.pipeline.num_microbatches * stages / forwards if forwards else 0.0
 
 
 def run_shape(
@@ -446,6 +476,17 @@ def _gain_lines(flushed: dict[str, Any], steady: dict[str, Any]) -> list[str]:
             f"({100 * share:.0f}% of predicted; the bar: ≥ 50%)"
         )
     lines.append("  per round: " + ", ".join(f"{gain:+.0f}" for gain in per_round) + " ms")
+    rests = [flushed.get("round_rest_ms") or [], steady.get("round_rest_ms") or []]
+    if all(rests) and None not in rests[0] + rests[1]:
+        gained = [a - b for a, b in zip(*rests, strict=True)]
+        expected = flushed["predicted_rest_ms"] - steady["predicted_rest_ms"]
+        lines.append(
+            "2BW's gain over 1F1B outside the passes (per round the median step less its busiest process's passes, "
+            f"1F1B's less 2BW's; median over rounds): predicted {expected:.1f} ms "
+            f"(1F1B {flushed['predicted_rest_ms']:.1f}, 2BW {steady['predicted_rest_ms']:.1f}), measured "
+            f"{statistics.median(gained):.1f} ms ({100 * statistics.median(gained) / expected:.0f}% of predicted); "
+            "per round: " + ", ".join(f"{a:.0f} − {b:.0f} = {a - b:+.0f}" for a, b in zip(*rests, strict=True)) + " ms"
+        )
     delays = [flushed.get("round_run_delay_ms") or [], steady.get("round_run_delay_ms") or []]
     if all(delays) and all(all(rounds) for rounds in delays):
         lines.append(

@@ -70,7 +70,8 @@ class RankReport(BaseModel):
     stream held a collective before its last peer entered it (the wait for a slower replica: in the step time,
     in neither split). ``run_delay_ms``, per step (the own executor, where Linux reports it): the time the rank's
     passes were ready to run but waited for their core (:attr:`MeasuredAction.run_delay_ms`): what other processes
-    took of the step. ``static_bytes_…``:
+    took of the step. ``compute_ms``, per step: the time the rank's passes of that step ran (the sum of their
+    spans); its step time less it is what the schedule leaves idle or spends between passes. ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
     ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
     (:class:`CollectiveSpan`).
@@ -91,6 +92,7 @@ class RankReport(BaseModel):
     communication_exposed_ms: list[float]
     communication_replica_wait_ms: list[float] = []
     run_delay_ms: list[float] = []
+    compute_ms: list[float] = []
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
@@ -327,6 +329,7 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         run_delay_ms=[round(sum(a.run_delay_ms or 0.0 for a in step.actions), 6) for step in result.steps]
         if any(a.run_delay_ms is not None for step in result.steps for a in step.actions)
         else [],
+        compute_ms=[round(sum(a.end - a.start for a in step.actions), 6) for step in result.steps],
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,

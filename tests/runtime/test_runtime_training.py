@@ -121,6 +121,10 @@ def test_k_steps_match_the_reference(runs, case):
             assert all(a.run_delay_ms is not None and a.run_delay_ms >= 0 for a in rank.actions)
         else:
             assert rank.run_delay_ms == []
+        # a flushed step's passes ran for less than the step (the rest: the schedule's idle time and the update)
+        assert len(rank.compute_ms) == training["steps"] and all(busy > 0 for busy in rank.compute_ms)
+        if schedule.shape != "pattern":
+            assert all(busy < step for busy, step in zip(rank.compute_ms, rank.step_times_ms, strict=True))
 
 
 def test_adamw_steps_change_the_parameters(runs):
