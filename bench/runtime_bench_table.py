@@ -3,7 +3,9 @@
 Per launch: the load average before and after, each case's best step after the first against its prediction (bar 1
 for 1F1B and ZB-H1: −20 % … +25 %), the static memory's worst error over every rank (bar: within 15 %), 2BW's gain
 over 1F1B measured against predicted both ways the bench prints (best step against best step; the median over rounds
-of the per-round difference of the two cases' medians; bar 2: at least half the predicted gain), and for BF × dp 2
+of the per-round difference of the two cases' medians; and, where the bench recorded each step's passes, the same
+paired median of each round's median step less its busiest process's passes: the gain outside the passes, the same
+work in both cases, whatever speed the machine ran them at; bar 2: at least half the predicted gain), and for BF × dp 2
 each process's hidden / exposed ms per step against predicted (bar 3: hidden > 0 on every rank and every figure within
 30 %). The verdict counts, per bar, the launches that met it.
 
@@ -59,6 +61,11 @@ def summary(launch: dict[str, Any]) -> dict[str, Any]:
             "paired_median": statistics.median(per_round),
             "per_round": per_round,
         }
+        rests = [flushed.get("round_rest_ms") or [], steady.get("round_rest_ms") or []]
+        if all(rests) and None not in rests[0] + rests[1]:
+            outside = [a - b for a, b in zip(*rests, strict=True)]
+            found["gain"]["outside_passes"] = statistics.median(outside)
+            found["gain"]["outside_per_round"] = outside
     if "BF×dp2" in by_case:
         ranks = by_case["BF×dp2"]["ranks"]
         found["split"] = [
@@ -78,8 +85,10 @@ def bars(found: dict[str, Any]) -> dict[str, bool | None]:
         "1: static": found["static"] <= STATIC_BAR,
     }
     gain = found.get("gain")
-    for name in ("best", "paired_median"):
-        met[f"2: gain, {name}"] = None if gain is None else gain[name] >= GAIN_BAR * gain["predicted"]
+    for name in ("best", "paired_median", "outside_passes"):
+        met[f"2: gain, {name}"] = (
+            None if gain is None or name not in gain else gain[name] >= GAIN_BAR * gain["predicted"]
+        )
     split = found.get("split")
     met["3: BF×dp2 split"] = (
         None
@@ -98,8 +107,8 @@ def table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
     cases = ("1F1B", "ZB-H1", "2BW", "ZB-V", "BF×dp2")
     lines = [
         "| launch (load) | " + " / ".join(cases) + " best vs predicted | static | 2BW gain predicted · best · paired "
-        "median (per round) | BF×dp2 hidden/exposed measured (predicted) r0 · r1 · r2 · r3 | bars 1 step, 1 static, "
-        "2 best, 2 paired, 3 |",
+        "median (per round) · outside the passes (per round) | BF×dp2 hidden/exposed measured (predicted) "
+        "r0 · r1 · r2 · r3 | bars 1 step, 1 static, 2 best, 2 paired, 2 outside, 3 |",
         "|---|---|---|---|---|---|",
     ]
     counts: dict[str, list[int]] = {}
@@ -113,6 +122,14 @@ def table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
             f"{gain['paired_median']:+.0f} ({100 * gain['paired_median'] / gain['predicted']:.0f} %; "
             + ", ".join(f"{g:+.0f}" for g in gain["per_round"])
             + ")"
+            + (
+                ""
+                if "outside_passes" not in gain
+                else f" · outside the passes {gain['outside_passes']:+.0f} "
+                f"({100 * gain['outside_passes'] / gain['predicted']:.0f} %; "
+                + ", ".join(f"{g:+.0f}" for g in gain["outside_per_round"])
+                + ")"
+            )
         )
         split = found.get("split")
         split_text = (

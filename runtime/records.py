@@ -168,13 +168,18 @@ class RankJob:
 @dataclass
 class StepRecord:
     """One step of one rank: its compute actions and communication, the losses of the microbatches whose last
-    stage it holds, its time (ms, from the common start to the end of its optimizer step) and its check."""
+    stage it holds, its time (ms, from the common start to the end of its optimizer step), its check, and its
+    update's own time apart from the update's wait for the global check."""
 
     actions: list[MeasuredAction] = field(default_factory=list)
     communication: list[MeasuredAction] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     time_ms: float = 0.0
     check: StepCheck | None = None
+    #: The update's own work (the squared norm's partial sum, the rule's copies and ``optimizer.step()``), ms, and
+    #: its wait for the global check's all-reduce (for the other ranks to reach it), ms.
+    update_ms: float = 0.0
+    update_wait_ms: float = 0.0
 
 
 @dataclass

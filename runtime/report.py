@@ -71,7 +71,10 @@ class RankReport(BaseModel):
     in neither split). ``run_delay_ms``, per step (the own executor, where Linux reports it): the time the rank's
     passes were ready to run but waited for their core (:attr:`MeasuredAction.run_delay_ms`): what other processes
     took of the step. ``compute_ms``, per step: the time the rank's passes of that step ran (the sum of their
-    spans); its step time less it is what the schedule leaves idle or spends between passes. ``static_bytes_…``:
+    spans); its step time less it is what the schedule leaves idle or spends between passes. ``update_ms`` /
+    ``update_wait_ms``, per step: the update's own work (the squared norm's partial sum, the rule's copies,
+    ``optimizer.step()``; what ``costs.optimizer_step`` stands for) and its wait for the global check's all-reduce
+    (for the other ranks to reach it: the simulator's timeline, not a cost). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
     ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
     (:class:`CollectiveSpan`).
@@ -93,6 +96,8 @@ class RankReport(BaseModel):
     communication_replica_wait_ms: list[float] = []
     run_delay_ms: list[float] = []
     compute_ms: list[float] = []
+    update_ms: list[float] = []
+    update_wait_ms: list[float] = []
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
@@ -330,6 +335,8 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         if any(a.run_delay_ms is not None for step in result.steps for a in step.actions)
         else [],
         compute_ms=[round(sum(a.end - a.start for a in step.actions), 6) for step in result.steps],
+        update_ms=[step.update_ms for step in result.steps],
+        update_wait_ms=[step.update_wait_ms for step in result.steps],
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,

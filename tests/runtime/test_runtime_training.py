@@ -125,6 +125,9 @@ def test_k_steps_match_the_reference(runs, case):
         assert len(rank.compute_ms) == training["steps"] and all(busy > 0 for busy in rank.compute_ms)
         if schedule.shape != "pattern":
             assert all(busy < step for busy, step in zip(rank.compute_ms, rank.step_times_ms, strict=True))
+        # every step's update did its own work (the norm's partial sum at least) apart from its wait for the check
+        assert len(rank.update_ms) == len(rank.update_wait_ms) == training["steps"]
+        assert all(own > 0 for own in rank.update_ms) and all(wait >= 0 for wait in rank.update_wait_ms)
 
 
 def test_adamw_steps_change_the_parameters(runs):
