@@ -220,6 +220,16 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
     }
 
 
+def case_changes(case: Case, profile: Any) -> dict[str, Any]:
+    """The case's changes to the profile's problem; PipeDream-2BW's case also takes the optimizer step under its own
+    rule (the profile's step plus the copy into the second weight version, :attr:`Profile.two_version_optimizer_step`),
+    where the shape was profiled under the synchronous rule: its update does that copy every step."""
+    changes = dict(case.changes)
+    if case.two_weight_versions and profile.two_version_optimizer_step is not None:
+        changes["costs.optimizer_step"] = profile.two_version_optimizer_step
+    return changes
+
+
 def _passes_per_step(schedule: Schedule, rank: int) -> float:
     """The predicted time of one step's passes on pipeline rank ``rank`` (a pattern's period holds one step's)."""
     actions = schedule.ranks[rank].actions
@@ -252,7 +262,7 @@ def run_shape(
     profile = _profile(shape, model, repeats, calibration or {})
     problem = profile.problem
     profiled_s = time.perf_counter() - started
-    schedules = [solve_family(problem.with_changes(**case.changes), case.family) for case in shape.cases]
+    schedules = [solve_family(problem.with_changes(**case_changes(case, profile)), case.family) for case in shape.cases]
     sharding = "full" if shape.data_parallel > 1 else "none"
     options = [
         TrainingOptions(
@@ -280,6 +290,10 @@ def run_shape(
     alternatives = _alternatives(profile, other_slowdown)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
+        row["optimizer_step"] = {
+            "profiled": list(problem.costs.optimizer_step) if isinstance(problem.costs.optimizer_step, list) else [],
+            "two_versions": profile.two_version_optimizer_step,
+        }
         row["collective_costs"] = {  # the waits as measured, whether the problem carries them or not
             name: getattr(profile.problem.costs, name)
             for name in ("unshard", "reduce_grad")
@@ -294,7 +308,7 @@ def run_shape(
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
         for key, (label, problem) in alternatives.items():
-            alternative = solve_family(problem.with_changes(**case.changes), case.family)
+            alternative = solve_family(problem.with_changes(**case_changes(case, profile)), case.family)
             row[key] = _prediction(alternative) | {
                 "label": label,
                 "same_orders": alternative.orders() == schedule.orders(),
@@ -404,6 +418,19 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"  {name}: profiled in {row['profile_s']:.0f} s; calibration run {calibration['measured_ms']:.1f} ms "
                 f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
                 f"{calibration['overhead_ms']:+.2f} ms per pass"
+                + (
+                    "; optimizer_step "
+                    + " ".join(f"{v:.1f}" for v in row["optimizer_step"]["profiled"])
+                    + (
+                        ""
+                        if not row["optimizer_step"]["two_versions"]
+                        else " (2BW's rule, with the second version's copy: "
+                        + " ".join(f"{v:.1f}" for v in row["optimizer_step"]["two_versions"])
+                        + ")"
+                    )
+                    if "optimizer_step" in row
+                    else ""
+                )
                 + "".join(
                     f"; {name} " + " ".join(f"{v:.1f}" for v in values)
                     for name, values in row.get("collective_costs", {}).items()

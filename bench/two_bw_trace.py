@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.runtime_bench import NUM_MICROBATCHES, NUM_RANKS, SHAPES, round_order
+from bench.runtime_bench import NUM_MICROBATCHES, NUM_RANKS, SHAPES, case_changes, round_order
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.solve import solve_family
 
@@ -79,7 +79,7 @@ def trace(model: str, rounds: int, steps: int, repeats: int, labels: tuple[str, 
         num_ranks=NUM_RANKS, num_microbatches=NUM_MICROBATCHES, model=model, repeats=repeats, training=TrainingOptions()
     )
     problem = profile.problem
-    schedules = [solve_family(problem.with_changes(**c.changes), c.family) for c in cases]
+    schedules = [solve_family(problem.with_changes(**case_changes(c, profile)), c.family) for c in cases]
     options = [
         TrainingOptions(steps=steps, lr=0.01, weight_update="2bw" if c.two_weight_versions else "sync") for c in cases
     ]
