@@ -172,19 +172,71 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
     predicted = reports[0].predicted_step_time_ms
     steady = [steady_steps(report.measured_step_times_ms, case.two_weight_versions) for report in reports]
     best = min(min(steps) for steps in steady)
+    # Per round, per step counted, the most any process's passes waited for their core (the machine's other load).
+    delays = [
+        steady_steps([max(step) for step in zip(*(r.run_delay_ms for r in report.ranks), strict=True)], pattern)
+        if all(r.run_delay_ms for r in report.ranks)
+        else []
+        for report, pattern in ((report, case.two_weight_versions) for report in reports)
+    ]
+    # Per round, the median over the steps counted of the step less its busiest process's passes: what the schedule
+    # leaves idle or spends between passes, at whatever speed the machine ran the passes (the same work in every
+    # case of the shape); predicted likewise from the schedule's timeline.
+    rests = [
+        statistics.median(
+            steady_steps(
+                [
+                    step - max(per_rank)
+                    for step, *per_rank in zip(
+                        report.measured_step_times_ms, *(r.compute_ms for r in report.ranks), strict=True
+                    )
+                ],
+                case.two_weight_versions,
+            )
+        )
+        if all(r.compute_ms for r in report.ranks)
+        else None
+        for report in reports
+    ]
     return {
         "case": case.label,
         "method": schedule.method,
+        "round_rest_ms": rests,
+        "predicted_rest_ms": predicted - max(_passes_per_step(schedule, rank) for rank in range(len(schedule.ranks))),
         "verified": all(report.verified for report in reports),
         "predicted_ms": predicted,
         "predicted_from": reports[0].predicted_step_time_from,
         "measured_ms": [report.measured_step_times_ms for report in reports],
         "round_medians_ms": [statistics.median(steps) for steps in steady],
+        "round_run_delay_ms": delays,
+        # per round, per process, the last step's passes (action, start, end ms): which ran beside another rank's
+        "last_step_actions": [
+            [[(a.action, a.start, a.end) for a in rank.actions] for rank in report.ranks] for report in reports
+        ],
         "best_ms": best,
         "median_ms": statistics.median(report.measured_step_time_ms for report in reports),
         "best_error": best / predicted - 1 if predicted else None,
         "ranks": [_rank_row([report.ranks[k] for report in reports]) for k in range(len(reports[0].ranks))],
     }
+
+
+def case_changes(case: Case, profile: Any) -> dict[str, Any]:
+    """The case's changes to the profile's problem; PipeDream-2BW's case also takes the optimizer step under its own
+    rule (the profile's step plus the copy into the second weight version, :attr:`Profile.two_version_optimizer_step`),
+    where the shape was profiled under the synchronous rule: its update does that copy every step."""
+    changes = dict(case.changes)
+    if case.two_weight_versions and profile.two_version_optimizer_step is not None:
+        changes["costs.optimizer_step"] = profile.two_version_optimizer_step
+    return changes
+
+
+def _passes_per_step(schedule: Schedule, rank: int) -> float:
+    """The predicted time of one step's passes on pipeline rank ``rank`` (a pattern's period holds one step's)."""
+    actions = schedule.ranks[rank].actions
+    forwards = sum(1 for a in actions if a.kind == "F")
+    stages = len({a.stage for a in actions if a.kind == "F"})
+    busy = sum(a.end - a.start for a in actions if a.kind in ("F", "I", "W", "B"))
+    return busy * schedule.problem.pipeline.num_microbatches * stages / forwards if forwards else 0.0
 
 
 def run_shape(
@@ -210,7 +262,7 @@ def run_shape(
     profile = _profile(shape, model, repeats, calibration or {})
     problem = profile.problem
     profiled_s = time.perf_counter() - started
-    schedules = [solve_family(problem.with_changes(**case.changes), case.family) for case in shape.cases]
+    schedules = [solve_family(problem.with_changes(**case_changes(case, profile)), case.family) for case in shape.cases]
     sharding = "full" if shape.data_parallel > 1 else "none"
     options = [
         TrainingOptions(
@@ -238,6 +290,10 @@ def run_shape(
     alternatives = _alternatives(profile, other_slowdown)
     for row, case, schedule in zip(rows, shape.cases, schedules, strict=True):
         row["shape"], row["profile_s"] = shape.name, round(profiled_s, 1)
+        row["optimizer_step"] = {
+            "profiled": list(problem.costs.optimizer_step) if isinstance(problem.costs.optimizer_step, list) else [],
+            "two_versions": profile.two_version_optimizer_step,
+        }
         row["collective_costs"] = {  # the waits as measured, whether the problem carries them or not
             name: getattr(profile.problem.costs, name)
             for name in ("unshard", "reduce_grad")
@@ -252,7 +308,7 @@ def run_shape(
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
         for key, (label, problem) in alternatives.items():
-            alternative = solve_family(problem.with_changes(**case.changes), case.family)
+            alternative = solve_family(problem.with_changes(**case_changes(case, profile)), case.family)
             row[key] = _prediction(alternative) | {
                 "label": label,
                 "same_orders": alternative.orders() == schedule.orders(),
@@ -343,6 +399,16 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             f"{row['best_ms']:9.1f} {row['median_ms']:9.1f} {_percent(row['best_error']):>6}  {ranks}"
         )
     for row in rows:
+        if any(row.get("round_run_delay_ms", [])):
+            lines.append(
+                f"  {row['case']} per round: median step / the passes' wait for their core (ms per step, the most "
+                "of any rank; median, max): "
+                + "; ".join(
+                    f"{median:.0f} / {statistics.median(delay):.0f}, {max(delay):.0f}" if delay else f"{median:.0f}"
+                    for median, delay in zip(row["round_medians_ms"], row["round_run_delay_ms"], strict=True)
+                )
+            )
+    for row in rows:
         lines += _collective_lines(row)
     shapes = {row["shape"]: row for row in rows}
     for name, row in shapes.items():
@@ -352,6 +418,19 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"  {name}: profiled in {row['profile_s']:.0f} s; calibration run {calibration['measured_ms']:.1f} ms "
                 f"per step against {calibration['predicted_ms']:.1f} ms from the pieces: "
                 f"{calibration['overhead_ms']:+.2f} ms per pass"
+                + (
+                    "; optimizer_step "
+                    + " ".join(f"{v:.1f}" for v in row["optimizer_step"]["profiled"])
+                    + (
+                        ""
+                        if not row["optimizer_step"]["two_versions"]
+                        else " (2BW's rule, with the second version's copy: "
+                        + " ".join(f"{v:.1f}" for v in row["optimizer_step"]["two_versions"])
+                        + ")"
+                    )
+                    if "optimizer_step" in row
+                    else ""
+                )
                 + "".join(
                     f"; {name} " + " ".join(f"{v:.1f}" for v in values)
                     for name, values in row.get("collective_costs", {}).items()
@@ -424,6 +503,27 @@ def _gain_lines(flushed: dict[str, Any], steady: dict[str, Any]) -> list[str]:
             f"({100 * share:.0f}% of predicted; the bar: ≥ 50%)"
         )
     lines.append("  per round: " + ", ".join(f"{gain:+.0f}" for gain in per_round) + " ms")
+    rests = [flushed.get("round_rest_ms") or [], steady.get("round_rest_ms") or []]
+    if all(rests) and None not in rests[0] + rests[1]:
+        gained = [a - b for a, b in zip(*rests, strict=True)]
+        expected = flushed["predicted_rest_ms"] - steady["predicted_rest_ms"]
+        lines.append(
+            "2BW's gain over 1F1B outside the passes (per round the median step less its busiest process's passes, "
+            f"1F1B's less 2BW's; median over rounds): predicted {expected:.1f} ms "
+            f"(1F1B {flushed['predicted_rest_ms']:.1f}, 2BW {steady['predicted_rest_ms']:.1f}), measured "
+            f"{statistics.median(gained):.1f} ms ({100 * statistics.median(gained) / expected:.0f}% of predicted); "
+            "per round: " + ", ".join(f"{a:.0f} − {b:.0f} = {a - b:+.0f}" for a, b in zip(*rests, strict=True)) + " ms"
+        )
+    delays = [flushed.get("round_run_delay_ms") or [], steady.get("round_run_delay_ms") or []]
+    if all(delays) and all(all(rounds) for rounds in delays):
+        lines.append(
+            "  per round, the passes' wait for their core (ms per step, the most of any rank; median / max), "
+            "1F1B · 2BW: "
+            + ", ".join(
+                f"{statistics.median(a):.0f}/{max(a):.0f} · {statistics.median(b):.0f}/{max(b):.0f}"
+                for a, b in zip(*delays, strict=True)
+            )
+        )
     return lines
 
 

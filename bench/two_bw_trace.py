@@ -24,19 +24,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.runtime_bench import NUM_MICROBATCHES, NUM_RANKS, SHAPES, round_order
+from bench.runtime_bench import NUM_MICROBATCHES, NUM_RANKS, SHAPES, case_changes, round_order
 from pipesched.optimizer.ir import parse_action
 from pipesched.optimizer.solve import solve_family
 
 
-def _per_step(results: list[Any], steady: bool) -> dict[int, list[tuple[float, float]]]:
-    """Per pipeline rank, ``(step ms, passes ms)`` of every step counted (module docstring)."""
-    found: dict[int, list[tuple[float, float]]] = {}
+def _per_step(results: list[Any], steady: bool) -> dict[int, list[tuple[float, ...]]]:
+    """Per pipeline rank, ``(step, passes, waits, update, update's wait)`` ms of every step counted (module
+    docstring): ``waits`` the passes' waits before their compute (their input's receive; 2BW: its update too, which
+    runs before a pass), ``update`` the update's own work, ``update's wait`` its wait for the global check."""
+    found: dict[int, list[tuple[float, ...]]] = {}
     for result in results:
         steps = result.steps[1:-1] if steady else result.steps[1:]
         for step in steps:
             passes = sum(a.duration_ms for a in step.actions)
-            found.setdefault(result.pp_rank, []).append((step.time_ms, passes))
+            waits = sum(a.wait_ms or 0.0 for a in step.actions)
+            found.setdefault(result.pp_rank, []).append(
+                (step.time_ms, passes, waits, step.update_ms, step.update_wait_ms)
+            )
     return found
 
 
@@ -74,7 +79,7 @@ def trace(model: str, rounds: int, steps: int, repeats: int, labels: tuple[str, 
         num_ranks=NUM_RANKS, num_microbatches=NUM_MICROBATCHES, model=model, repeats=repeats, training=TrainingOptions()
     )
     problem = profile.problem
-    schedules = [solve_family(problem.with_changes(**c.changes), c.family) for c in cases]
+    schedules = [solve_family(problem.with_changes(**case_changes(c, profile)), c.family) for c in cases]
     options = [
         TrainingOptions(steps=steps, lr=0.01, weight_update="2bw" if c.two_weight_versions else "sync") for c in cases
     ]
@@ -103,7 +108,8 @@ def trace(model: str, rounds: int, steps: int, repeats: int, labels: tuple[str, 
         f"profile: F {costs.forward} I {costs.backward_input} W {costs.backward_weight} (ms per stage, with the "
         f"calibration's per-pass overhead {profile.calibration.overhead_ms:+.2f}); optimizer_step "
         f"{costs.optimizer_step} ms",
-        f"{'case':>5} {'rank':>4} {'step':>8} {'passes':>8} {'rest':>7}   predicted: {'step':>7} {'passes':>8}",
+        f"{'case':>5} {'rank':>4} {'step':>8} {'passes':>8} {'rest':>7}   predicted: {'step':>7} {'passes':>8}"
+        "   rest: waits before passes (2BW: with its update), update's own work, update's wait for the check",
     ]
     medians = {}
     for k, (case, schedule) in enumerate(zip(cases, schedules, strict=True)):
@@ -112,11 +118,12 @@ def trace(model: str, rounds: int, steps: int, repeats: int, labels: tuple[str, 
         predicted_step = schedule.step_period if steady else schedule.step_time
         predicted_passes = _predicted_passes(schedule)
         for rank, samples in sorted(_per_step(results, steady).items()):
-            step = statistics.median(s for s, _ in samples)
-            passes = statistics.median(p for _, p in samples)
+            columns = zip(*samples, strict=True)
+            step, passes, waits, update, update_wait = (statistics.median(column) for column in columns)
             lines.append(
                 f"{case.label:>5} {rank:>4} {step:8.1f} {passes:8.1f} {step - passes:7.1f}   "
                 f"{'':>10} {predicted_step:7.1f} {predicted_passes[rank]:8.1f}"
+                f"   {waits:6.1f} {update:6.1f} {update_wait:6.1f}"
             )
         for result in results:
             lines.append(

@@ -53,7 +53,7 @@ from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.result import Schedule
 from pipesched.runtime import torch_compat
-from pipesched.runtime.records import MeasuredAction, StepRecord
+from pipesched.runtime.records import MeasuredAction, StepRecord, run_delay_ms
 from pipesched.runtime.streams import PendingCommunication
 
 __all__ = [
@@ -488,9 +488,11 @@ class PipelineExecutor:
             self.communication.before_pass(stage, self.timeout_s)
         if self.versions is not None:
             self.versions.before(action)
+        delayed = run_delay_ms()
         started = self._passes[kind](stage, j, inputs)
         synchronize(self.device)
         ended = time.perf_counter()
+        delay = run_delay_ms()
         memory = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else self.meter.live_bytes
         microbatch = self._state[stage, j]
         if microbatch.backward_done and microbatch.output is None:
@@ -504,6 +506,7 @@ class PipelineExecutor:
                 ended,
                 wait_ms=round((started - waited) * 1e3, 6),
                 memory_bytes=int(memory),
+                run_delay_ms=None if delay is None or delayed is None else round(delay - delayed, 6),
             )
         )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import torch
@@ -73,6 +74,14 @@ class TwoBufferedWeights:
         self.checks: dict[int, StepCheck] = {}
         self.last_gradients: dict[str, torch.Tensor] = {}
         self.static_peak = 0
+        #: Per step, the update's own time (the check's partial sum, the copies, ``optimizer.step()``) and its wait for
+        #: the check's all-reduce, ms, summed over the rank's stages.
+        self.update_ms: dict[int, tuple[float, float]] = {}
+
+    def _timed(self, step: int, started: float, waited_s: float = 0.0) -> None:
+        own, wait = self.update_ms.get(step, (0.0, 0.0))
+        total = time.perf_counter() - started
+        self.update_ms[step] = (round(own + (total - waited_s) * 1e3, 6), round(wait + waited_s * 1e3, 6))
 
     def module(self, stage: int, microbatch: int) -> nn.Module:
         """The version microbatch ``microbatch`` (global id, step ``microbatch // m``) computes with."""
@@ -99,6 +108,7 @@ class TwoBufferedWeights:
 
     def _issue_check(self, step: int) -> None:
         """Every stage of this rank has step t's gradient: all-reduce the squared norm's partial sum, not waited."""
+        started = time.perf_counter()
         partial = squared_norm(
             (
                 p.grad
@@ -110,6 +120,7 @@ class TwoBufferedWeights:
             self.device,
         )
         self._norms[step] = (partial, dist.all_reduce(partial, async_op=True))
+        self._timed(step, started)
         if step == self.steps - 1:
             self.last_gradients = {
                 f"{stage}/{name}": p.grad.detach().float().cpu().clone()
@@ -140,8 +151,10 @@ class TwoBufferedWeights:
                     "versions need every stage's step t to end before step t + 2 begins (m ≥ p)"
                 )
             return
+        started = time.perf_counter()
         partial, work = self._norms[step]
         work.wait()
+        waited_s = time.perf_counter() - started
         norm = float(partial.sqrt())
         finite = math.isfinite(norm)
         self.checks.setdefault(step, StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
@@ -157,6 +170,7 @@ class TwoBufferedWeights:
         for p in old.parameters():
             p.grad = None
         self._applied.add((stage, step))
+        self._timed(step, started, waited_s)
 
     def _step(self, stage: int, slot: int) -> None:
         """The optimizer step on ``slot``'s parameters (its state moved from the other slot's)."""

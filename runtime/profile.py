@@ -192,6 +192,10 @@ class Profile:
     p2p: LinearFit | None = None
     collectives: dict[str, LinearFit] = field(default_factory=dict)
     calibration: Calibration | None = None
+    #: Per pipeline rank, the optimizer step under PipeDream-2BW's rule (ms): the problem's ``costs.optimizer_step``
+    #: plus the copy of the weights into the second version's buffer that the rule adds every step
+    #: (:mod:`pipesched.runtime.pipedream`), timed beside it; ``None`` where the problem's step already is 2BW's.
+    two_version_optimizer_step: list[float] | None = None
 
     def unsteady(self, threshold: float = SPREAD_WARNING) -> list[PassSpread]:
         """Passes whose IQR is above ``threshold`` × their median (at least 0.05 ms, below which timer noise
@@ -238,6 +242,7 @@ class RankProfile:
     unshard: dict[int, list[float]] = field(default_factory=dict)
     reduce_grad: dict[int, list[float]] = field(default_factory=dict)
     optimizer_step: list[float] = field(default_factory=list)
+    second_version_copy: list[float] = field(default_factory=list)
     static_bytes: int = 0
     p2p: list[tuple[float, float]] = field(default_factory=list)
     calibration_ms: list[float] = field(default_factory=list)
@@ -434,6 +439,19 @@ def _measure_update(setup: _RankSetup) -> None:
         _, step_ms = _timed(setup.device, step)
         if iteration >= settings.warmup:
             result.optimizer_step.append(step_ms)
+    if not settings.options.two_weight_versions:  # what 2BW's rule adds: U(t+1) copied into the other buffer
+        buffers = [local_tensor(p).detach().clone() for p in params]
+        for iteration in range(settings.warmup + settings.repeats):
+
+            def copy_version() -> None:
+                with torch.no_grad():
+                    for buffer, p in zip(buffers, params, strict=True):
+                        buffer.copy_(local_tensor(p))
+
+            _, copy_ms = _timed(setup.device, copy_version)
+            if iteration >= settings.warmup:
+                result.second_version_copy.append(copy_ms)
+        del buffers
     # PipeDream-2BW's second version of the weights is the optimizer's to add (memory.weights, weight_versions).
     second_version = 0
     if settings.options.two_weight_versions and not settings.skeleton.training.flush:
@@ -788,7 +806,13 @@ def _assemble(
     calibration = _calibrate(problem, results, overlap, waits)
     if calibration is not None:
         problem = with_overhead(problem, calibration.overhead_ms)
-    return Profile(problem, spreads, p2p_fit, collectives, calibration)
+    copies = measured.per_rank(lambda r: r.second_version_copy)
+    two_versions = (
+        [round(step + statistics.median(c), 6) for step, c in zip(data["costs"]["optimizer_step"], copies, strict=True)]
+        if all(copies)
+        else None
+    )
+    return Profile(problem, spreads, p2p_fit, collectives, calibration, two_versions)
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,25 @@ class _WithoutNone(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+def run_delay_ms() -> float | None:
+    """The calling thread's time so far ready to run but waiting for a core (ms; Linux's ``schedstat``, second
+    field), ``None`` where the kernel does not report it. The difference over a pass is what the machine's other
+    load (or the process's other threads) took of it."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class MeasuredAction(_WithoutNone):
     """One action as a rank ran it: ``start``/``end`` in ms from the step's common start (a barrier).
 
     ``wait_ms``: the own executor's wait for the action's input before its compute (a receive, a collective).
     ``memory_bytes``: live saved-activation bytes after the action (CPU) or ``torch.cuda.memory_allocated``.
+    ``run_delay_ms``: the own executor's passes only, where Linux reports it (:func:`run_delay_ms`): the time its
+    thread was ready to run but waited for its core, from the wait for the pass's input to the pass's end (the core
+    taken by the machine's other processes or the process's own other threads).
     """
 
     action: str
@@ -52,6 +66,7 @@ class MeasuredAction(_WithoutNone):
     end: float
     wait_ms: float | None = None
     memory_bytes: int | None = None
+    run_delay_ms: float | None = None
 
     @classmethod
     def timed(cls, action: str, origin: float, started: float, ended: float, **measured: Any) -> MeasuredAction:
@@ -153,13 +168,18 @@ class RankJob:
 @dataclass
 class StepRecord:
     """One step of one rank: its compute actions and communication, the losses of the microbatches whose last
-    stage it holds, its time (ms, from the common start to the end of its optimizer step) and its check."""
+    stage it holds, its time (ms, from the common start to the end of its optimizer step), its check, and its
+    update's own time apart from the update's wait for the global check."""
 
     actions: list[MeasuredAction] = field(default_factory=list)
     communication: list[MeasuredAction] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
     time_ms: float = 0.0
     check: StepCheck | None = None
+    #: The update's own work (the squared norm's partial sum, the rule's copies and ``optimizer.step()``), ms, and
+    #: its wait for the global check's all-reduce (for the other ranks to reach it), ms.
+    update_ms: float = 0.0
+    update_wait_ms: float = 0.0
 
 
 @dataclass

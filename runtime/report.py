@@ -68,7 +68,13 @@ class RankReport(BaseModel):
     and the rest (the passes waited, or nothing ran); ``predicted_…``: the same of the schedule's timeline
     (:func:`communication_overlap`). ``communication_replica_wait_ms``, per step: the time the rank's communication
     stream held a collective before its last peer entered it (the wait for a slower replica: in the step time,
-    in neither split). ``static_bytes_…``:
+    in neither split). ``run_delay_ms``, per step (the own executor, where Linux reports it): the time the rank's
+    passes were ready to run but waited for their core (:attr:`MeasuredAction.run_delay_ms`): what other processes
+    took of the step. ``compute_ms``, per step: the time the rank's passes of that step ran (the sum of their
+    spans); its step time less it is what the schedule leaves idle or spends between passes. ``update_ms`` /
+    ``update_wait_ms``, per step: the update's own work (the squared norm's partial sum, the rule's copies,
+    ``optimizer.step()``; what ``costs.optimizer_step`` stands for) and its wait for the global check's all-reduce
+    (for the other ranks to reach it: the simulator's timeline, not a cost). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
     ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
     (:class:`CollectiveSpan`).
@@ -88,6 +94,10 @@ class RankReport(BaseModel):
     communication_hidden_ms: list[float]
     communication_exposed_ms: list[float]
     communication_replica_wait_ms: list[float] = []
+    run_delay_ms: list[float] = []
+    compute_ms: list[float] = []
+    update_ms: list[float] = []
+    update_wait_ms: list[float] = []
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
@@ -321,6 +331,12 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         communication_hidden_ms=[hidden for hidden, _ in overlap],
         communication_exposed_ms=[exposed for _, exposed in overlap],
         communication_replica_wait_ms=replica_wait,
+        run_delay_ms=[round(sum(a.run_delay_ms or 0.0 for a in step.actions), 6) for step in result.steps]
+        if any(a.run_delay_ms is not None for step in result.steps for a in step.actions)
+        else [],
+        compute_ms=[round(sum(a.end - a.start for a in step.actions), 6) for step in result.steps],
+        update_ms=[step.update_ms for step in result.steps],
+        update_wait_ms=[step.update_wait_ms for step in result.steps],
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,

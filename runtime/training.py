@@ -140,9 +140,14 @@ class WeightUpdate:
         self.optimizer.param_groups[0]["params"] = current
         self.params = current
 
+    #: The last :meth:`apply`'s wait for the global check's all-reduce, ms.
+    waited_ms = 0.0
+
     def apply(self, step: int, partial: torch.Tensor) -> StepCheck:
         """The global check and the step; ``partial``: this rank's share of the squared gradient norm."""
+        waiting = time.perf_counter()
         dist.all_reduce(partial)
+        self.waited_ms = (time.perf_counter() - waiting) * 1e3
         norm = float(partial.sqrt())
         if not math.isfinite(norm):
             self._skip()
@@ -481,7 +486,9 @@ class RankTrainer:
             end = max(a.end for a in actions)
             losses = {g % m: value for g, value in record.losses.items() if g // m == step}
             check = versions.checks.get(step, StepCheck(step=step))
-            self.result.steps.append(StepRecord(actions, [], losses, round(end - ended, 6), check))
+            record_of_step = StepRecord(actions, [], losses, round(end - ended, 6), check)
+            record_of_step.update_ms, record_of_step.update_wait_ms = versions.update_ms.get(step, (0.0, 0.0))
+            self.result.steps.append(record_of_step)
             ended = end
         self.result.gradients = versions.last_gradients
         self.modules, self.params = final, [p for s in self.program.stages for p in final[s].parameters()]
@@ -508,6 +515,7 @@ class RankTrainer:
         self.stream.wait_all(self.timeout_s)  # the optimizer step waits for every reduction
         record.communication += self.stream.take(origin)
         self._follow_parameters(step, recorded)
+        updating = time.perf_counter()
         partial = self._norm_partial()
         verification_s = 0.0  # the copy of the last step's gradients for the check is no part of the step
         if recorded and last:
@@ -516,9 +524,12 @@ class RankTrainer:
             verification_s = time.perf_counter() - copying
         if self.update is not None:
             record.check = self.update.apply(step, partial)
+            record.update_wait_ms = round(self.update.waited_ms, 6)
         else:
             record.check = StepCheck(step=step)
-        record.time_ms = round((time.perf_counter() - origin - verification_s) * 1e3, 6)
+        ended = time.perf_counter()
+        record.update_ms = round((ended - updating - verification_s) * 1e3 - record.update_wait_ms, 6)
+        record.time_ms = round((ended - origin - verification_s) * 1e3, 6)
         static = (
             self.update.static_bytes() if self.update else tensor_bytes(self.params + [p.grad for p in self.params])
         )

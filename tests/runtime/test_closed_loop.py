@@ -36,6 +36,11 @@ def test_a_profiled_schedule_runs_with_the_static_memory_its_profile_predicted(m
     problem = profile.problem
     overlap = profile.calibration.overlap
     assert problem.costs is not None
+    # PipeDream-2BW's rule adds a copy of every weight into its second version each step: its optimizer step is
+    # the synchronous one plus that copy, on every pipeline rank
+    two_versions = profile.two_version_optimizer_step
+    assert two_versions is not None and len(two_versions) == 2
+    assert all(b > a > 0 for a, b in zip(problem.costs.optimizer_step, two_versions, strict=True))
     if training.data_parallel > 1:
         assert problem.data_parallel is not None and problem.data_parallel.size == 2
         assert set(profile.collectives) == {"unshard", "reduce_grad"}

@@ -47,3 +47,47 @@ def test_the_launcher_pins_replicas_of_a_pipeline_rank_together(tmp_path):
     assert returned[0] == [[cores[pinned_core(rank, 4, 2, len(cores))]] for rank in range(4)]
     if len(cores) == 2:
         assert returned[0] == [[cores[0]], [cores[0]], [cores[1]], [cores[1]]]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux schedstat only")
+def test_a_pass_beside_a_process_on_its_core_waits_for_it_and_the_wait_is_read():
+    """What the runtime records as a pass's ``run_delay_ms``: the thread's time ready to run but waiting for its
+    core. Alone on its core a busy loop waits almost nothing; beside a process spinning on the same core it waits
+    for about the other's share (the scheduler splits the core)."""
+    import subprocess
+    import sys
+    import time
+
+    from pipesched.runtime.records import run_delay_ms
+
+    core = min(os.sched_getaffinity(0))
+    before_affinity = os.sched_getaffinity(0)
+
+    def spin_delay(seconds: float) -> float:
+        delayed = run_delay_ms()
+        assert delayed is not None
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+        after = run_delay_ms()
+        assert after is not None and after >= delayed
+        return after - delayed
+
+    os.sched_setaffinity(0, {core})
+    try:
+        spinner = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import os,time\nos.sched_setaffinity(0,{{{core}}})\nt=time.time()+1.5\nwhile time.time()<t: pass",
+            ]
+        )
+        try:
+            time.sleep(0.1)
+            beside = spin_delay(0.6)
+        finally:
+            spinner.wait()
+    finally:
+        os.sched_setaffinity(0, before_affinity)
+    # sharing the core for 0.6 s of wall time: about 0.3 s waited (the other's half)
+    assert beside > 150

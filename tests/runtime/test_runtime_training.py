@@ -115,6 +115,19 @@ def test_k_steps_match_the_reference(runs, case):
         # D = 1: nothing to reduce but a bidirectional placement's mirrored stages (BitPipe's eager sum)
         assert (rank.measured_communication_ms > 0) == (case == "sgd-bitpipe")
         assert rank.predicted_communication_ms is None  # no communication actions in the schedule
+        # the own executor times each pass's wait for its core (Linux schedstat); PyTorch's runtime does not
+        if report.engine == "pipesched":
+            assert len(rank.run_delay_ms) == training["steps"] and all(d >= 0 for d in rank.run_delay_ms)
+            assert all(a.run_delay_ms is not None and a.run_delay_ms >= 0 for a in rank.actions)
+        else:
+            assert rank.run_delay_ms == []
+        # a flushed step's passes ran for less than the step (the rest: the schedule's idle time and the update)
+        assert len(rank.compute_ms) == training["steps"] and all(busy > 0 for busy in rank.compute_ms)
+        if schedule.shape != "pattern":
+            assert all(busy < step for busy, step in zip(rank.compute_ms, rank.step_times_ms, strict=True))
+        # every step's update did its own work (the norm's partial sum at least) apart from its wait for the check
+        assert len(rank.update_ms) == len(rank.update_wait_ms) == training["steps"]
+        assert all(own > 0 for own in rank.update_ms) and all(wait >= 0 for wait in rank.update_wait_ms)
 
 
 def test_adamw_steps_change_the_parameters(runs):
