@@ -248,13 +248,15 @@ SMALL_MODEL = {
 }
 
 
-def chunked_problem(layers_per_stage: list[int] | None = None, method: str = "interleaved-1f1b") -> Problem:
+def chunked_problem(
+    layers_per_stage: list[int] | None = None, method: str = "interleaved-1f1b", time_limit_s: float = 5.0
+) -> Problem:
     return load_problem(
         {
             "pipeline": {"num_ranks": 4, "num_microbatches": 8, "stages_per_rank": 2},
             "model": {**SMALL_MODEL, "num_layers": 11, "layers_per_stage": layers_per_stage},
             "cluster": {"accelerator": "H100-SXM"},
-            "solver": {"method": method, "time_limit_s": 5.0},
+            "solver": {"method": method, "time_limit_s": time_limit_s},
         }
     )
 
@@ -277,6 +279,8 @@ def test_a_time_tie_goes_to_the_split_whose_schedule_peaks_lowest_not_to_the_lat
     # a split the request gives is kept; auto has no order to judge before its search: the model-order rule
     assert chunked_problem(list(latest)).model.layers_per_stage == list(latest)
     assert chunked_problem(method="auto").model.layers_per_stage == list(latest)
+    # judging keeps within its share of the time limit (0.1 ms here): what it cannot judge, it leaves
+    assert chunked_problem(time_limit_s=1e-3).model.layers_per_stage == list(latest)
 
 
 def test_memory_moves_layers_off_a_full_rank() -> None:
