@@ -8,6 +8,7 @@ chunks from the same split), and validates the whole document.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -18,12 +19,19 @@ from pipesched.optimizer.cost.collectives import data_parallel_costs
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
-from pipesched.optimizer.families import method_field_errors, registry
+from pipesched.optimizer.families import FamilyDomainError, method_field_errors, registry
 from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
+from pipesched.optimizer.partition import TieVerdict, break_tie
 from pipesched.optimizer.problem import DataParallel, Pipeline, Problem
+from pipesched.optimizer.progress import Deadline, SearchStopped, active_deadline, check_deadline
+from pipesched.optimizer.solve import family_peaks
 from pipesched.optimizer.solvers.base import backend_names
 
-__all__ = ["ProblemDocument", "load_problem"]
+__all__ = ["TIE_JUDGE_SHARE", "ProblemDocument", "load_problem"]
+
+#: Share of ``solver.time_limit_s`` that judging a partition's time-tied splits may take (:func:`_settle_tie`):
+#: the solve that follows keeps the rest, and no judgement starts that would end past it.
+TIE_JUDGE_SHARE = 0.1
 
 
 class _DerivationInput(StrictModel):
@@ -82,7 +90,8 @@ def _with_method_training(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def _derive_and_validate(document: dict[str, Any]) -> Problem:
-    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing.
+    """The document validated, ``costs``/``memory`` (and the collectives) derived where missing; a partition's
+    time tie settled by the schedule's memory (:func:`_settle_tie`).
 
     A ``memory`` without ``activation`` beside ``model``/``cluster`` (e.g. only a ``limit``) is derived and the
     fields it gives replace the derived ones."""
@@ -92,6 +101,7 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
         (document.get("costs") is None or document.get("memory") is None or memory_part is not None)
         or _lacks_collectives(document)
     ) and (document.get("model") is not None and document.get("cluster") is not None):
+        given = dict(document)
         if memory_part is not None:
             document["memory"] = None
         parts = _DerivationInput.model_validate(document)
@@ -123,19 +133,68 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
             mode="json", exclude_none=True
         )
         try:
-            return Problem.model_validate(document)
+            problem = Problem.model_validate(document)
         except ValidationError as error:
-            given = set(memory_part or ())
+            kept = set(memory_part or ())
             sections = {
                 str(entry["loc"][0])
                 for entry in error.errors()
                 if entry["loc"]
-                and not (entry["loc"][0] == "memory" and len(entry["loc"]) > 1 and entry["loc"][1] in given)
+                and not (entry["loc"][0] == "memory" and len(entry["loc"]) > 1 and entry["loc"][1] in kept)
             }
             for section in sorted(sections & derived_sections):
                 _blame_inputs(error, parts.cluster, section)
             raise
+        if derived_sections == {"costs", "memory"}:
+            return _settle_tie(given, parts, derived, problem)
+        return problem
     return Problem.model_validate(document)
+
+
+def _settle_tie(given: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, problem: Problem) -> Problem:
+    """``problem``, or where its partition chose among time-tied splits (``derived.tie``) for a named family, the
+    problem of the split whose simulated schedule peaks lowest over the ranks
+    (:func:`~pipesched.optimizer.partition.break_tie`; each split judged by deriving its problem from ``given``
+    with the split pinned and simulating the family's schedule on it, :func:`~pipesched.optimizer.solve.
+    family_peaks`). The stage times cannot tell the tied splits apart; the peak depends on which rank's stages
+    hold the most microbatches at one instant, which the family's order decides. ``auto`` has no order before
+    its search: its problem keeps the model-order split. Judging takes at most :data:`TIE_JUDGE_SHARE` of
+    ``solver.time_limit_s`` (and stops at an active deadline); what it has not judged by then it leaves."""
+    method = problem.solver.method
+    if derived.tie is None or method == "auto" or method not in registry():
+        return problem
+    started = time.perf_counter()
+    deadline = Deadline(started + TIE_JUDGE_SHARE * problem.solver.time_limit_s)
+    problems = {tuple(derived.layers_per_stage): problem}
+    longest_s = 0.0
+
+    def should_stop() -> bool:
+        try:
+            check_deadline()  # the caller's, if any
+        except SearchStopped:
+            return True
+        return deadline.remaining() < longest_s
+
+    def judge(split: list[int]) -> TieVerdict | None:
+        nonlocal longest_s
+        began = time.perf_counter()
+        try:
+            candidate = problems.get(tuple(split))
+            if candidate is None:
+                model = parts.model.model_copy(update={"layers_per_stage": split})
+                candidate = _derive_and_validate({**given, "model": model.model_dump(mode="json", exclude_none=True)})
+                problems[tuple(split)] = candidate
+            with active_deadline(deadline):
+                peaks, step_ms = family_peaks(candidate, method)
+        except (FamilyDomainError, SearchStopped, ValidationError):
+            return None
+        longest_s = max(longest_s, time.perf_counter() - began)
+        return TieVerdict(peaks, step_ms)
+
+    split = break_tie(
+        derived.tie, judge, stage_ranks=parts.pipeline.stage_holders(), fits=derived.fits, should_stop=should_stop
+    )
+    return problems[tuple(split)]
 
 
 def _blame_inputs(error: ValidationError, cluster: ClusterConfig, section: str | None) -> None:

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from pipesched.optimizer.units import format_bytes
 
 __all__ = [
     "TIE_TOLERANCE",
+    "LayerTie",
     "PartitionError",
+    "TieVerdict",
+    "break_tie",
     "even_partition",
+    "layer_tie",
     "megatron_partition",
     "partition_layers",
     "slowest_stage",
@@ -121,7 +126,9 @@ def partition_layers(
     partition does not see (under V the last stage shares rank 0 with the first; with several stages per rank
     the stages left short can move to other ranks: docs/CALIBRATION.md), and ``limit`` still bounds it. A tie
     costs nothing in the objective (the slowest stage is as fast up to the tolerance); the schedule's
-    makespan can still move with where a rank's extra work sits in its order.
+    makespan can still move with where a rank's extra work sits in its order. This rule is the default only: where
+    a family's schedule is known, :func:`layer_tie` names the tie and :func:`break_tie` lets the simulated
+    schedule choose among the tied splits by the peak over ranks (``load_problem`` does, for a named family).
 
     Cost: O((L + S) log S) calls and heap steps for S stages (a time's tie key: a search among the distinct
     times seen), each memory check O(ranks holding the stage) (every rank's held bytes are kept up to date,
@@ -172,6 +179,173 @@ def partition_layers(
         remaining -= 1
         heapq.heappush(heap, (levels.key(stage_time(stage, counts[stage] + 1)), -stage))
     return counts
+
+
+def layer_tie(
+    layers_per_stage: Sequence[int], stage_time: Callable[[int, int], float], *, min_layers: int = 1
+) -> LayerTie | None:
+    """The tie of :func:`partition_layers`' last level in its split ``layers_per_stage``, ``None`` without one.
+
+    The water-filling places layers in nondecreasing order of the time their stage reaches with them, so its
+    last level is the highest such time among the stages above ``min_layers``; the stages whose last layer
+    reached it took one there, and those whose next layer would reach it too (within :data:`TIE_TOLERANCE`) were
+    left short only because the layers ran out, or their rank's memory (:func:`break_tie` takes a ``fits``).
+    ``None`` as well when a stage reaches the level with two layers (times flat in the layers: not a one-layer
+    choice)."""
+    levels = _TieLevels()
+    reached = {
+        stage: levels.key(stage_time(stage, count))
+        for stage, count in enumerate(layers_per_stage)
+        if count > min_layers
+    }
+    if not reached:
+        return None
+    level = max(reached.values())
+    took = [stage for stage, time in reached.items() if time == level]
+    short = [stage for stage, count in enumerate(layers_per_stage) if levels.key(stage_time(stage, count + 1)) == level]
+    flat = [stage for stage in took if levels.key(stage_time(stage, layers_per_stage[stage] - 1)) == level]
+    if not short or flat:
+        return None
+    base = [count - (stage in took) for stage, count in enumerate(layers_per_stage)]
+    return LayerTie(tuple(base), tuple(sorted(took + short)), len(took), tuple(took))
+
+
+@dataclass(frozen=True)
+class LayerTie:
+    """The time-tied splits of the water-filling: its last level's layers are fewer than the stages tied there.
+
+    Every split ``base`` + one layer on each of ``extra`` of ``stages`` has the same slowest stage (up to
+    :data:`TIE_TOLERANCE`): each of ``stages`` reaches the same time with its next layer, and the water-filling
+    left no other stage below that level that could take one. Which ``extra`` stages take it is free as far as
+    the stage times go; a schedule's memory can tell the splits apart (:func:`break_tie`).
+
+    Attributes:
+        base: layers per stage without the tied level's layers.
+        stages: the stages tied at the last level, in model order (more than ``extra`` of them).
+        extra: how many of them take one more layer (≥ 1).
+        taken: the ``extra`` stages :func:`partition_layers` gave them to (its rule: the latest, by model order,
+            among those their ranks' memory left open).
+    """
+
+    base: tuple[int, ...]
+    stages: tuple[int, ...]
+    extra: int
+    taken: tuple[int, ...]
+
+    def split(self, taken: Collection[int]) -> list[int]:
+        """Layers per stage with one more on each stage of ``taken`` (``extra`` of :attr:`stages`).
+
+        Raises:
+            ValueError: ``taken`` is not ``extra`` of the tied stages.
+        """
+        if len(set(taken)) != self.extra or not set(taken) <= set(self.stages):
+            raise ValueError(f"take {self.extra} of the tied stages {list(self.stages)}, not {sorted(taken)}")
+        return [count + (stage in taken) for stage, count in enumerate(self.base)]
+
+
+@dataclass(frozen=True)
+class TieVerdict:
+    """A schedule's judgement of one split: per rank its peak bytes (static included), and its step, ms."""
+
+    peak_bytes: Sequence[float]
+    step_ms: float
+
+    def key(self) -> tuple[float, int, float]:
+        """What :func:`break_tie` minimises, in this order: the peak over ranks (bytes), the number of ranks at
+        it (within :data:`TIE_TOLERANCE`, relative), the step (ms)."""
+        peak = max(self.peak_bytes, default=0.0)
+        return peak, sum(1 for value in self.peak_bytes if value >= peak * (1 - TIE_TOLERANCE)), self.step_ms
+
+    def better_than(self, other: TieVerdict) -> bool:
+        """Lower by :meth:`key`; peaks and steps within :data:`TIE_TOLERANCE` (relative) are equal."""
+        peak, at_peak, step = self.key()
+        other_peak, other_at_peak, other_step = other.key()
+        if abs(peak - other_peak) > TIE_TOLERANCE * max(peak, other_peak):
+            return peak < other_peak
+        if at_peak != other_at_peak:
+            return at_peak < other_at_peak
+        return step < other_step * (1 - TIE_TOLERANCE)
+
+
+def break_tie(
+    tie: LayerTie,
+    judge: Callable[[list[int]], TieVerdict | None],
+    *,
+    stage_ranks: Sequence[Sequence[int]],
+    fits: Callable[[list[int]], bool] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> list[int]:
+    """Among ``tie``'s splits (one slowest-stage time), the one whose schedule peaks lowest over the ranks.
+
+    ``judge`` simulates the schedule of a split and gives each rank's peak and the step; it is the one judge: the
+    split returned is the best judged by :meth:`TieVerdict.key` (the peak over ranks, then how many ranks sit at
+    it, then the step). Why the schedule must judge: a rank's peak sums the stages it holds at one instant, and
+    which of its stages holds the most microbatches then depends on the placement and the family's order, which
+    the partition does not see (NeMo AutoModel's DeepSeek-V3 on 4 ranks × 8 chunks, interleaved 1F1B: the
+    model-order rule put 17 layers on rank 0, 86.3 GiB against the lowest index's 81.7; judged, 79.3 GiB, the
+    least of all 4,060 tied splits).
+
+    Which splits are judged, bounded: a descent from the partition's own split (:attr:`LayerTie.taken`). Which of a
+    rank's own stages takes a layer needs no schedule: a microbatch's activations on a later stage live within
+    its span on an earlier one, so a later stage of a rank never holds more of them at any instant. So a move
+    takes a layer from a rank at the peak (its earliest taken stage) to another rank (its latest stage left
+    short), the other ranks lowest peak first;
+    the first move the judge finds better is kept. The descent ends when no move from a rank at the peak is
+    better, or after ``len(tie.stages)`` kept moves; a step judges at most (ranks at the peak) × (other ranks)
+    splits, none twice. ``fits`` (the partition's memory bound) leaves a split out unjudged; ``should_stop``
+    is polled before each judgement (a time limit), and ``None`` from the judge (it cannot judge) ends it too.
+
+    Returns:
+        The best judged split; the partition's own when nothing judged beats it or it could not be judged.
+    """
+    holders = [list(ranks) for ranks in stage_ranks]
+    taken = set(tie.taken)
+    best_split = tie.split(taken)
+    best = None if should_stop is not None and should_stop() else judge(best_split)
+    if best is None:
+        return best_split
+    judged = {frozenset(taken)}
+    for _ in range(len(tie.stages)):
+        for source, target in _moves(tie, taken, holders, best):
+            candidate = (taken - {source}) | {target}
+            if frozenset(candidate) in judged:
+                continue
+            judged.add(frozenset(candidate))
+            split = tie.split(candidate)
+            if fits is not None and not fits(split):
+                continue
+            verdict = None if should_stop is not None and should_stop() else judge(split)
+            if verdict is None:
+                return best_split
+            if verdict.better_than(best):
+                taken, best, best_split = candidate, verdict, split
+                break
+        else:
+            break
+    return best_split
+
+
+def _moves(tie: LayerTie, taken: set[int], holders: list[list[int]], verdict: TieVerdict) -> list[tuple[int, int]]:
+    """The moves :func:`break_tie` tries from ``taken``, in order, as (the tied stage that gives its layer up, the
+    one that takes it): from each rank at the peak (highest first) its earliest taken stage, to each other rank
+    holding a tied stage left short (lowest peak first) its latest such stage."""
+    peaks = verdict.peak_bytes
+    peak = max(peaks, default=0.0)
+    at_peak = sorted(
+        (rank for rank, value in enumerate(peaks) if value >= peak * (1 - TIE_TOLERANCE)), key=lambda r: -peaks[r]
+    )
+    short_by_rank: dict[int, list[int]] = {}
+    taken_by_rank: dict[int, list[int]] = {}
+    for stage in tie.stages:
+        for rank in holders[stage]:
+            (taken_by_rank if stage in taken else short_by_rank).setdefault(rank, []).append(stage)
+    moves = []
+    for source_rank in at_peak:
+        if source_rank not in taken_by_rank:
+            continue
+        targets = sorted(set(short_by_rank) - {source_rank}, key=lambda rank: (peaks[rank], rank))
+        moves += [(taken_by_rank[source_rank][0], short_by_rank[rank][-1]) for rank in targets]
+    return moves
 
 
 class _TieLevels:

@@ -16,10 +16,11 @@ from pipesched.optimizer.pattern import repeating_schedule
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Deadline, Progress, ProgressCallback, SearchStopped, StopCheck, active_deadline
 from pipesched.optimizer.result import Schedule, build_schedule, infeasible_schedule
+from pipesched.optimizer.simulate import simulate
 from pipesched.optimizer.solvers.no_flush import solve_steady_state
 from pipesched.optimizer.solvers.portfolio import solve_auto
 
-__all__ = ["Progress", "ProgressCallback", "StopCheck", "solve", "solve_family"]
+__all__ = ["Progress", "ProgressCallback", "StopCheck", "family_peaks", "solve", "solve_family"]
 
 
 def solve(
@@ -116,3 +117,24 @@ def solve_family(problem: Problem, name: str, *, enforce_memory: bool = True) ->
             solve_time_s=time.perf_counter() - started,
         )
     return schedule
+
+
+def family_peaks(problem: Problem, name: str) -> tuple[list[float], float]:
+    """Family ``name``'s schedule for ``problem``, simulated as :func:`solve_family` does (memory not enforced)
+    without building the answer: each rank's peak bytes (static included) and the objective, ms (without a
+    flush, the step period). The family's generation polls the caller's active deadline
+    (:func:`~pipesched.optimizer.progress.active_deadline`).
+
+    Raises:
+        FamilyDomainError: when the family does not admit the problem.
+        SearchStopped: when the active deadline passes while the family generates.
+    """
+    family = get_family(name)
+    if not family.flush:
+        schedule = solve_family(problem, name, enforce_memory=False)
+        assert schedule.step_period is not None
+        return list(schedule.peak_memory), schedule.step_period
+    inst = compile_problem(problem)
+    orders = add_communication(inst, family.generate(problem), gather_runs=family.gather_runs)
+    simulation = simulate(compile_for_orders(problem, orders, base=inst), orders, check_memory=False)
+    return simulation.peak_memory, simulation.objective_value(problem.objective)

@@ -75,7 +75,7 @@ from pipesched.optimizer.cost.timing import (
     layer_gemm_times,
 )
 from pipesched.optimizer.field_errors import raise_field_errors
-from pipesched.optimizer.partition import PartitionError, partition_layers
+from pipesched.optimizer.partition import LayerTie, PartitionError, layer_tie, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
 from pipesched.optimizer.units import format_bytes
 
@@ -754,6 +754,10 @@ class DerivedProblem:
             embedding, or the final norm with the head: torchtitan's ``fully_shard`` units).
         transient_bytes: per rank, the largest pass transient of its stages (:func:`rank_transient_bytes`),
             counted in ``static_bytes`` and ``memory.static``.
+        tie: when the partition chose among time-tied splits (:class:`~pipesched.optimizer.partition.LayerTie`;
+            ``layers_per_stage`` is its model-order choice), the tie; ``None`` for a split given or without a tie.
+        fits: whether a split fits every rank by the partition's memory bound (static + one microbatch of each
+            of its stages within ``limit_bytes``).
     """
 
     costs: Costs
@@ -765,6 +769,8 @@ class DerivedProblem:
     hardware: Hardware | None = None
     largest_unit: list[float] = field(default_factory=list)
     transient_bytes: list[float] = field(default_factory=list)
+    tie: LayerTie | None = None
+    fits: Callable[[list[int]], bool] | None = None
 
 
 def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
@@ -1055,7 +1061,8 @@ def derive_problem(
 
     Stage 0 holds the embedding, the last stage the head; ``model.layers_per_stage`` fixes the partition,
     otherwise :func:`pipesched.optimizer.partition.partition_layers` minimises the slowest stage's F+I+W time subject to
-    every rank fitting static memory plus one microbatch's activations of each of its stages.
+    every rank fitting static memory plus one microbatch's activations of each of its stages (a time tie to the
+    latest stages; the tie in ``tie``, for the schedule to settle: :func:`pipesched.optimizer.derive.load_problem`).
 
     Returns:
         A :class:`DerivedProblem`: per-stage ``costs`` (ms) with ``p2p`` = latency + s·b·h·dtype bytes /
@@ -1093,7 +1100,7 @@ def derive_problem(
     limit = hardware.memory_bytes - headroom
     holders = pipeline.stage_holders()
     _check_room(blocks, cluster, hardware, headroom, num_ranks, copies=max(len(ranks) for ranks in holders))
-    layers_per_stage = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
+    layers_per_stage, tie = _layers_per_stage(blocks, cluster, holders, num_ranks, limit)
     firsts = [sum(layers_per_stage[:stage]) for stage in range(num_stages)]
     stages = [blocks.block(stage, count, firsts[stage]) for stage, count in enumerate(layers_per_stage)]
     static = [0.0] * num_ranks
@@ -1115,7 +1122,15 @@ def derive_problem(
         static=[float(round(value)) for value in static],
     )
     units = [blocks.largest_unit(stage, count) for stage, count in enumerate(layers_per_stage)]
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units, transient)
+
+    def fits(split: list[int]) -> bool:
+        held = [0.0] * num_ranks
+        for stage, count in enumerate(split):
+            for rank in holders[stage]:
+                held[rank] += blocks.memory(stage, count)
+        return max(held) <= limit
+
+    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units, transient, tie, fits)
 
 
 def rank_transient_bytes(stages: list[Block], holders: list[list[int]], num_ranks: int) -> list[float]:
@@ -1181,21 +1196,26 @@ def _check_room(
 
 def _layers_per_stage(
     blocks: _StageBlocks, cluster: ClusterConfig, holders: list[list[int]], num_ranks: int, limit: float
-) -> list[int]:
-    """``model.layers_per_stage`` when given, else :func:`partition_layers` (slowest stage least, every rank
-    within its limit).
+) -> tuple[list[int], LayerTie | None]:
+    """``model.layers_per_stage`` when given (no tie), else :func:`~pipesched.optimizer.partition.partition_layers`
+    (slowest stage least, every rank within its limit; a time tie to the latest stages) and its tie
+    (:func:`~pipesched.optimizer.partition.layer_tie`).
 
     Raises:
         pydantic.ValidationError: no partition fits (on the accelerator, with the fixes).
     """
     model = blocks.model
     if model.layers_per_stage is not None:
-        return list(model.layers_per_stage)
+        return list(model.layers_per_stage), None
+
+    def stage_time(stage: int, count: int) -> float:
+        return blocks.block(stage, count).compute_ms
+
     try:
-        return partition_layers(
+        split = partition_layers(
             model.num_layers,
             blocks.num_stages,
-            stage_time=lambda stage, count: blocks.block(stage, count).compute_ms,
+            stage_time=stage_time,
             stage_memory=blocks.memory,
             stage_ranks=holders,
             num_ranks=num_ranks,
@@ -1214,6 +1234,7 @@ def _layers_per_stage(
             ],
         )
         raise
+    return split, layer_tie(split, stage_time)
 
 
 def _p2p_ms(

@@ -11,8 +11,12 @@ import pytest
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.partition import (
     TIE_TOLERANCE,
+    LayerTie,
     PartitionError,
+    TieVerdict,
+    break_tie,
     even_partition,
+    layer_tie,
     megatron_partition,
     partition_layers,
     slowest_stage,
@@ -156,6 +160,127 @@ def test_ties_put_the_extra_layers_latest_at_no_cost_in_the_slowest_stage() -> N
         assert slowest_stage(split, stage_time) <= slowest_stage(earliest, stage_time) * (1 + TIE_TOLERANCE)
         assert all(sum(split[k:]) >= sum(earliest[k:]) for k in range(num_stages)), (split, earliest)
     assert moved >= 100  # ties are common here: the check is not vacuous
+
+
+def test_the_partition_names_its_last_levels_tie() -> None:
+    # 5 equal layers over 4 equal stages: the fifth may go to any stage; the rule gives it to the latest
+    def equal(stage: int, count: int) -> float:
+        return float(count)
+
+    split = partition_layers(5, 4, stage_time=equal)
+    tie = layer_tie(split, equal)
+    assert split == [1, 1, 1, 2] and tie == LayerTie(base=(1, 1, 1, 1), stages=(0, 1, 2, 3), extra=1, taken=(3,))
+    assert tie.split(tie.taken) == split and tie.split([1]) == [1, 2, 1, 1]
+    with pytest.raises(ValueError, match="take 1 of the tied stages"):
+        tie.split([1, 2])
+    # every stage reaches the level, or none is above the least: no choice
+    assert layer_tie(partition_layers(8, 4, stage_time=equal), equal) is None
+    assert layer_tie([1, 1, 1, 1], equal) is None
+
+    # stage 0 is slower per layer (its levels 1.2, 2.4, 3.6): the last level, 3, ties the other three only
+    def slow_first(stage: int, count: int) -> float:
+        return count * (1.2 if stage == 0 else 1.0)
+
+    split = partition_layers(9, 4, stage_time=slow_first)
+    assert split == [2, 2, 2, 3] and layer_tie(split, slow_first) == LayerTie((2, 2, 2, 2), (1, 2, 3), 1, (3,))
+    # times flat in the layers (stage 3's second and third layer cost nothing): not a one-layer choice
+    assert layer_tie([1, 1, 1, 3], lambda stage, count: float(min(count, 2))) is None
+    # a stage its rank's memory closed (stage 3: 15 + 10 > 24 bytes) ties by time; the memory bound leaves it out
+    split = partition_layers(
+        6, 4, stage_time=equal, stage_memory=lambda stage, count: 10.0 * count + 5.0 * (stage == 3), limit=24.0
+    )
+    tie = layer_tie(split, equal)
+    assert split == [1, 2, 2, 1] and tie == LayerTie(base=(1, 1, 1, 1), stages=(0, 1, 2, 3), extra=2, taken=(1, 2))
+
+    def judge(split: list[int]) -> TieVerdict:  # a layer costs its rank 10 bytes, but none on stage 3
+        return TieVerdict([10.0 * count for count in split[:3]] + [0.0], 1.0)
+
+    holders = [[0], [1], [2], [3]]
+    assert break_tie(tie, judge, stage_ranks=holders)[3] == 2
+    assert break_tie(tie, judge, stage_ranks=holders, fits=lambda split: split[3] == 1) == split
+
+
+#: Microbatches in flight on each stage at two instants of its rank (rank = stage % 2). Within a rank a later stage
+#: holds no more than an earlier one (stage 2 ≤ stage 0, 3 ≤ 1); across ranks the counts differ as a schedule
+#: makes them, which the model order cannot see: stage 2 holds more than stage 1.
+IN_FLIGHT = {0: [4, 3], 1: [1, 1], 2: [3, 2], 3: [1, 0]}
+
+
+def judge_in_flight(split: list[int]) -> TieVerdict:
+    """Rank r holds stages r and r + 2; a layer holds 1 byte of weights and 1 per microbatch in flight."""
+    peaks = [
+        max(sum(split[stage] * (1 + IN_FLIGHT[stage][instant]) for stage in (rank, rank + 2)) for instant in (0, 1))
+        for rank in (0, 1)
+    ]
+    return TieVerdict(peaks, step_ms=1.0)
+
+
+def test_a_tie_goes_where_the_judged_peak_is_lowest_and_each_rank_keeps_its_latest_stages() -> None:
+    tie = LayerTie(base=(1, 1, 1, 1), stages=(0, 1, 2, 3), extra=2, taken=(2, 3))
+    holders = [[0], [1], [0], [1]]
+    # the model-order rule: stages 2 and 3; rank 0 takes a layer on stage 2 (3 in flight) and peaks at 13
+    assert judge_in_flight(tie.split(tie.taken)).key()[0] == 13
+    splits = [tie.split(taken) for taken in itertools.combinations(tie.stages, 2)]
+    best = min(splits, key=lambda split: judge_in_flight(split).key())
+    assert judge_in_flight(best).key()[0] == 9  # stages 1 and 3: rank 1 takes both
+    assert break_tie(tie, judge_in_flight, stage_ranks=holders) == best == [1, 2, 1, 2]
+    # judged never: the rule's split; the judge cannot judge: the rule's split
+    assert break_tie(tie, judge_in_flight, stage_ranks=holders, should_stop=lambda: True) == [1, 1, 2, 2]
+    assert break_tie(tie, lambda split: None, stage_ranks=holders) == [1, 1, 2, 2]
+    # a split that does not fit the memory bound is not judged
+    judged: list[list[int]] = []
+
+    def recording(split: list[int]) -> TieVerdict:
+        judged.append(split)
+        return judge_in_flight(split)
+
+    assert break_tie(tie, recording, stage_ranks=holders, fits=lambda split: split[1] == 1) == [1, 1, 2, 2]
+    assert all(split[1] == 1 for split in judged)
+
+
+#: A small model whose embedding and head keep stages 0 and 7 of 4 ranks × 2 chunks at one layer.
+SMALL_MODEL = {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "seq_length": 1024,
+    "vocab_size": 32_000,
+    "micro_batch_size": 2,
+}
+
+
+def chunked_problem(
+    layers_per_stage: list[int] | None = None, method: str = "interleaved-1f1b", time_limit_s: float = 5.0
+) -> Problem:
+    return load_problem(
+        {
+            "pipeline": {"num_ranks": 4, "num_microbatches": 8, "stages_per_rank": 2},
+            "model": {**SMALL_MODEL, "num_layers": 11, "layers_per_stage": layers_per_stage},
+            "cluster": {"accelerator": "H100-SXM"},
+            "solver": {"method": method, "time_limit_s": time_limit_s},
+        }
+    )
+
+
+def test_a_time_tie_goes_to_the_split_whose_schedule_peaks_lowest_not_to_the_latest_stage() -> None:
+    # 11 layers over 4 ranks × 2 chunks (loop: stage s on rank s % 4): stages 1–6 tie, three take a second layer.
+    # The model-order rule gives them to stages 4, 5, 6: ranks 0–2's second chunks, beside their first chunks at
+    # the warm-up's end, where interleaved 1F1B holds the most microbatches on a rank; the judged split differs
+    tied = [[1, *middle, 1] for middle in itertools.product((1, 2), repeat=6) if sum(middle) == 9]
+    problems = {tuple(split): chunked_problem(split) for split in tied}
+    slowest = [max(compute_ms(problem)) for problem in problems.values()]
+    assert len(tied) == 20 and max(slowest) <= min(slowest) * (1 + TIE_TOLERANCE)  # one slowest stage: all tied
+    peaks = {split: max(solve(problem).peak_memory) for split, problem in problems.items()}
+    latest = (1, 1, 1, 1, 2, 2, 2, 1)
+    chosen = chunked_problem()
+    assert chosen.model is not None and chosen.model.layers_per_stage is not None
+    split = tuple(chosen.model.layers_per_stage)
+    assert peaks[split] == min(peaks.values()) < 0.8 * peaks[latest]  # 4.55 → 3.56 GiB
+    assert solve(chosen).peak_memory == solve(problems[split]).peak_memory  # the problem of the split it names
+    # a split the request gives is kept; auto has no order to judge before its search: the model-order rule
+    assert chunked_problem(list(latest)).model.layers_per_stage == list(latest)
+    assert chunked_problem(method="auto").model.layers_per_stage == list(latest)
+    # judging keeps within its share of the time limit (0.1 ms here): what it cannot judge, it leaves
+    assert chunked_problem(time_limit_s=1e-3).model.layers_per_stage == list(latest)
 
 
 def test_memory_moves_layers_off_a_full_rank() -> None:
