@@ -27,11 +27,15 @@ from pipesched.optimizer.progress import Deadline, SearchStopped, active_deadlin
 from pipesched.optimizer.solve import family_peaks
 from pipesched.optimizer.solvers.base import backend_names
 
-__all__ = ["TIE_JUDGE_SHARE", "ProblemDocument", "load_problem"]
+__all__ = ["TIE_JUDGE_MAX_S", "TIE_JUDGE_SHARE", "ProblemDocument", "load_problem"]
 
-#: Share of ``solver.time_limit_s`` that judging a partition's time-tied splits may take (:func:`_settle_tie`):
-#: the solve that follows keeps the rest, and no judgement starts that would end past it.
+#: Share of ``solver.time_limit_s`` that judging a partition's time-tied splits may take (:func:`_settle_tie`),
+#: at most :data:`TIE_JUDGE_MAX_S`: the solve that follows starts its own ``time_limit_s`` after it, so the
+#: judgement's seconds are what the answer may come late by (the contract allows 2 s), and no judgement starts
+#: that would end past it.
 TIE_JUDGE_SHARE = 0.1
+#: The most seconds judging a tie may take, whatever the time limit (see :data:`TIE_JUDGE_SHARE`).
+TIE_JUDGE_MAX_S = 1.0
 
 
 class _DerivationInput(StrictModel):
@@ -159,12 +163,13 @@ def _settle_tie(given: dict[str, Any], parts: _DerivationInput, derived: Derived
     family_peaks`). The stage times cannot tell the tied splits apart; the peak depends on which rank's stages
     hold the most microbatches at one instant, which the family's order decides. ``auto`` has no order before
     its search: its problem keeps the model-order split. Judging takes at most :data:`TIE_JUDGE_SHARE` of
-    ``solver.time_limit_s`` (and stops at an active deadline); what it has not judged by then it leaves."""
+    ``solver.time_limit_s``, never more than :data:`TIE_JUDGE_MAX_S` (and stops at an active deadline); what it
+    has not judged by then it leaves."""
     method = problem.solver.method
     if derived.tie is None or method == "auto" or method not in registry():
         return problem
     started = time.perf_counter()
-    deadline = Deadline(started + TIE_JUDGE_SHARE * problem.solver.time_limit_s)
+    deadline = Deadline(started + min(TIE_JUDGE_SHARE * problem.solver.time_limit_s, TIE_JUDGE_MAX_S))
     problems = {tuple(derived.layers_per_stage): problem}
     longest_s = 0.0
 
