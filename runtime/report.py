@@ -21,6 +21,7 @@ from rich.table import Table
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only
 from pipesched.optimizer.pattern import weight_version_memory
+from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
@@ -34,10 +35,17 @@ __all__ = [
     "RunReport",
     "build_report",
     "communication_overlap",
+    "predicted_static_bytes",
     "print_report",
     "print_training_summary",
     "steady_steps",
 ]
+
+
+def predicted_static_bytes(problem: Problem, pp: int) -> float:
+    """Pipeline rank ``pp``'s static bytes as the run report predicts them: ``memory.static`` plus the extra weight
+    versions (:func:`~pipesched.optimizer.pattern.weight_version_memory`)."""
+    return problem.static_memory[pp] + weight_version_memory(problem)[pp]
 
 
 class CollectiveSpan(BaseModel):
@@ -313,7 +321,7 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         for step, communication in zip(result.steps, joined, strict=True)
     ]
     predicted_hidden, predicted_exposed = _predicted_overlap(schedule, pp)
-    static = schedule.problem.static_memory[pp] + weight_version_memory(schedule.problem)[pp]
+    static = predicted_static_bytes(schedule.problem, pp)
     peak = schedule.peak_memory[pp] if schedule.peak_memory else None
     return RankReport(
         rank=result.rank,

@@ -460,12 +460,11 @@ def _static_here(here: Schedule, report: Any) -> dict[int, dict[str, float]]:
     """Per pipeline rank: static bytes predicted from this machine's profile (``memory.static`` plus the extra
     weight versions, as the run report counts them) beside the largest measured over that rank's data-parallel
     peers, and the relative error (measured / predicted − 1)."""
-    from pipesched.optimizer.pattern import weight_version_memory
+    from pipesched.runtime.report import predicted_static_bytes
 
-    versions = weight_version_memory(here.problem)
     rows: dict[int, dict[str, float]] = {}
     for rank in report.ranks:
-        predicted = here.problem.static_memory[rank.pp_rank] + versions[rank.pp_rank]
+        predicted = predicted_static_bytes(here.problem, rank.pp_rank)
         measured = max(float(rank.static_bytes_measured), rows.get(rank.pp_rank, {}).get("measured", 0.0))
         rows[rank.pp_rank] = {"predicted": predicted, "measured": measured, "error": measured / predicted - 1}
     return rows
