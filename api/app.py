@@ -28,7 +28,7 @@ from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Admission, Lane
 from pipesched.api.metrics import Metrics, method_label, status_label
-from pipesched.api.plans import register_stored_profiles
+from pipesched.api.plans import refresh_stored_profiles
 from pipesched.api.queue import make_runner
 from pipesched.api.routes import check, health, jobs, launch, methods, plans, profiles, schedules
 from pipesched.api.routes._common import Services
@@ -278,7 +278,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.services = services
         pool.recover()
         store.fail_unfinished_plans()
-        register_stored_profiles(store)
+        services.profiles_seen = refresh_stored_profiles(store, None)
         callbacks = CallbackSender(store, settings, lambda kind, target_id: _finished_body(services, kind, target_id))
         callbacks.start()
         try:

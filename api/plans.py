@@ -18,7 +18,7 @@ from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
-__all__ = ["register_stored_profiles", "run_plan", "submit_plan"]
+__all__ = ["refresh_stored_profiles", "register_stored_profiles", "run_plan", "submit_plan"]
 
 log = logging.getLogger("pipesched.plans")
 
@@ -30,6 +30,16 @@ def register_stored_profiles(store: Store) -> int:
     for text in stored:
         register_profile(AcceleratorProfile.model_validate_json(text))
     return len(stored)
+
+
+def refresh_stored_profiles(store: Store, seen: tuple[int, float] | None) -> tuple[int, float]:
+    """Register the stored profiles again when any changed since ``seen`` (:meth:`Store.profiles_stamp`: one
+    query of a count and a time), so that a profile another replica on the same database registered, or
+    replaced, is selectable here at once; the stamp to pass next time."""
+    stamp = store.profiles_stamp()
+    if stamp != seen:
+        register_stored_profiles(store)
+    return stamp
 
 
 def run_plan(database_url: str, plan_id: str) -> str | None:

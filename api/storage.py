@@ -614,6 +614,13 @@ class Store:
         with self.transaction() as session:
             session.merge(ProfileRow(name=name.lower(), profile_json=profile_json, created_at=time.time()))
 
+    def profiles_stamp(self) -> tuple[int, float]:
+        """(how many profiles are stored, when the newest was stored): changes whenever any replica registers or
+        replaces one (``put_profile``), so a replica can tell that it must read them again."""
+        with self._sessions() as session:
+            count, newest = session.execute(select(func.count(), func.max(ProfileRow.created_at))).one()
+            return int(count), float(newest or 0.0)
+
     def profile_jsons(self) -> list[str]:
         """Every registered profile's JSON, oldest first."""
         with self._sessions() as session:

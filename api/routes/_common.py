@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pipesched.api.jobs import SolverPool
 from pipesched.api.lanes import Admission, Lane, LaneFull
 from pipesched.api.metrics import Metrics
+from pipesched.api.plans import refresh_stored_profiles
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
 from pipesched.optimizer.families import FamilyDomainError, UnknownMethodError, check_method
@@ -38,6 +39,8 @@ class Services:
     renders: Lane
     checks: Lane
     check_admission: Admission
+    #: :meth:`Store.profiles_stamp` when this replica last registered the stored profiles.
+    profiles_seen: tuple[int, float] | None = None
     health: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(HEALTH_THREADS, thread_name_prefix="pipesched-health")
     )
@@ -79,6 +82,14 @@ def too_busy(error: LaneFull, alternative: str = "") -> HTTPException:
 def services(request: Request) -> Services:
     """The app's :class:`Services` (a FastAPI dependency: ``svc: Services = Depends(services)``)."""
     return request.app.state.services
+
+
+def stored_profiles(request: Request) -> None:
+    """Make the profiles stored by any replica selectable here before a request that may name one
+    (``cluster.profile``) is read (a FastAPI dependency of the routes that take a model and cluster, and of
+    ``GET /v1/profiles``)."""
+    svc = services(request)
+    svc.profiles_seen = refresh_stored_profiles(svc.store, svc.profiles_seen)
 
 
 _bearer = HTTPBearer(auto_error=False, description="Needed only when the service is started with an API token.")

@@ -16,7 +16,15 @@ from pydantic import BaseModel, Field
 
 from pipesched.api.checks import ScheduleInputError, run_check
 from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
-from pipesched.api.routes._common import Services, field_error, prepare_problem, require_token, services, too_busy
+from pipesched.api.routes._common import (
+    Services,
+    field_error,
+    prepare_problem,
+    require_token,
+    services,
+    stored_profiles,
+    too_busy,
+)
 from pipesched.api.schemas import error_responses
 from pipesched.optimizer.derive import ProblemDocument
 from pipesched.optimizer.field_errors import StrictModel
@@ -84,6 +92,7 @@ class CheckAnswer(BaseModel):
 @router.post(
     "/check",
     operation_id="check_schedule",
+    dependencies=[Depends(stored_profiles)],
     summary="Time and check a schedule written elsewhere (action lists or PyTorch CSV)",
     response_model=CheckAnswer,
     responses=error_responses(400, 401, 413, 422, 429, 503, 504),

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, HTTPException, Response
 
 from pipesched.api.callbacks import callback_url, callback_view, record_callback
 from pipesched.api.lanes import LaneClosed, LaneFull
-from pipesched.api.routes._common import Services, prepare_problem, require_token, services, too_busy
+from pipesched.api.routes._common import Services, prepare_problem, require_token, services, stored_profiles, too_busy
 from pipesched.api.schemas import JobCreated, JobDocument, JobProgress, JobStatus, error_responses
 from pipesched.api.storage import JobRow, problem_key
 
@@ -56,6 +56,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     "",
     status_code=202,
     operation_id="create_job",
+    dependencies=[Depends(stored_profiles)],
     summary="Queue a solve; poll GET /v1/jobs/{id}",
     response_model=JobCreated,
     responses=error_responses(400, 401, 413, 422, 429, 503),

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field, ValidationError
 from pipesched.api.callbacks import CallbackView, callback_url, callback_view, record_callback
 from pipesched.api.lanes import LaneFull
 from pipesched.api.plans import submit_plan
-from pipesched.api.routes._common import Services, require_token, services, too_busy
+from pipesched.api.routes._common import Services, require_token, services, stored_profiles, too_busy
 from pipesched.api.schemas import JobCreated, PlanDocument, error_responses
 from pipesched.api.storage import PlanRow
 from pipesched.optimizer.planner.rank import prepare
@@ -39,6 +39,7 @@ class PlanStatus(PlanAnswer):
     "",
     status_code=202,
     operation_id="create_plan",
+    dependencies=[Depends(stored_profiles)],
     summary="Queue a plan search; poll GET /v1/plans/{id}",
     response_model=JobCreated,
     responses=error_responses(400, 401, 413, 422, 429),

@@ -2,7 +2,8 @@
 
 ``POST /v1/profiles`` takes what ``pipesched calibrate`` writes; plans submitted afterwards may name it in
 ``cluster.profile``. Registered profiles are stored in the service's database: the solver processes that run plans
-read them there, and the service registers them again when it starts.
+read them there, and every replica on the same database reads them again before a request that may name one
+whenever any was registered or replaced since it last looked (a count and a time, one query).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field, ValidationError
 
-from pipesched.api.routes._common import Services, require_token, services
+from pipesched.api.routes._common import Services, require_token, services, stored_profiles
 from pipesched.api.schemas import error_responses
 from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.cost.profile import AcceleratorProfile, builtin_catalogue
@@ -54,6 +55,7 @@ def _info(profile: AcceleratorProfile, built_in: bool) -> ProfileInfo:
 @router.get(
     "",
     operation_id="list_profiles",
+    dependencies=[Depends(stored_profiles)],
     summary="Accelerator profiles",
     response_model=Profiles,
     responses=error_responses(401),

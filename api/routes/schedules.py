@@ -17,6 +17,7 @@ from pipesched.api.routes._common import (
     prepare_problem,
     require_token,
     services,
+    stored_profiles,
     too_busy,
 )
 from pipesched.api.schemas import ChromeTrace, ScheduleAnswer, error_responses
@@ -79,6 +80,7 @@ def with_cache_field(schedule_json: str, hit: bool) -> str:
 @router.post(
     "",
     operation_id="solve_schedule",
+    dependencies=[Depends(stored_profiles)],
     summary="Solve a problem within its time limit and answer the schedule",
     response_model=ScheduleAnswer,
     responses=error_responses(400, 401, 413, 422, 429, 503, 504),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -13,6 +14,7 @@ from pipesched.api.app import create_app
 from pipesched.api.settings import Settings
 from pipesched.api.storage import Store
 from pipesched.optimizer.cost.profile import builtin_catalogue
+from tests.api.test_api_served import ServedApi
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,42 @@ def test_a_registered_profile_is_stored_for_the_next_start(client: TestClient) -
     database_url = client.app.state.services.settings.database_url  # type: ignore[attr-defined]
     stored = {json.loads(text)["name"]: json.loads(text) for text in Store(database_url).profile_jsons()}
     assert stored["kept-h100s"]["accelerator"] == "H100-SXM"
+
+
+def test_another_replica_on_the_same_database_uses_a_profile_at_once(tmp_path: Path) -> None:
+    """Two ``pipesched serve`` processes on one database: a profile registered (then replaced) on one is listed
+    and planned with on the other without a restart. Before, the other answered 422 "unknown profile" until it
+    restarted, and kept a replaced profile's old figures."""
+    database_url = f"sqlite:///{tmp_path / 'pipesched.sqlite3'}"
+    first = ServedApi(database_url, tmp_path / "first.log")
+    second = ServedApi(database_url, tmp_path / "second.log")
+    try:
+        h100 = builtin_catalogue().get("H100-SXM")
+        assert h100 is not None
+        mine = h100.model_copy(update={"name": "shared-h100s", "source": "our runs, week 1"}).model_dump(mode="json")
+        assert first.client.post("/v1/profiles", json=mine).status_code == 201
+        request = {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "profile": "shared-h100s"},
+            "training": {"global_batch_size": 16},
+            "search": {"time_limit_s": 3, "top": 1, "pipeline_parallel": [1], "tensor_parallel": [1]},
+        }
+        created = second.client.post("/v1/plans", json=request)
+        assert created.status_code == 202, created.text
+        deadline = time.monotonic() + 60
+        while (answer := second.client.get(f"/v1/plans/{created.json()['id']}").json())["status"] in (
+            "queued",
+            "running",
+        ):
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.2)
+        assert answer["status"] == "done", answer["error"]
+        assert "shared-h100s" in answer["profile"], answer["profile"]
+
+        replaced = {**mine, "source": "our runs, week 2"}
+        assert first.client.post("/v1/profiles", json=replaced).status_code == 201
+        listed = {item["name"]: item for item in second.client.get("/v1/profiles").json()["profiles"]}
+        assert listed["shared-h100s"]["source"] == "our runs, week 2"
+    finally:
+        first.stop()
+        second.stop()
