@@ -362,8 +362,9 @@ def _plan_and_schedule(folder: Path, limit: float, console: Console, summary: di
 
 
 def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summary: dict[str, Any]) -> None:
-    """Screens 3 and 4: train the schedule on gloo processes, verify it against the single-process reference,
-    print predicted against measured.
+    """Screens 3 and 4: profile this machine on the run's processes and re-time the chosen order from it, train
+    that order on gloo processes, verify it against the single-process reference, and print what this machine's
+    profile predicted against what the run measured (the plan's figures are for its GPU cluster).
 
     Raises:
         RuntimeError: the run did not verify.
@@ -378,13 +379,12 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
         f"(pipeline {DEMO_PIPELINE} × data-parallel {DEMO_DATA_PARALLEL}, FSDP)"
     )
     options = training_options(schedule.problem, steps=DEMO_STEPS, optimizer=DEMO_OPTIMIZER, lr=DEMO_LR)
+    here = _this_machine(schedule, options, folder, console)
     with console.status(
         f"{processes} processes on a (pp {DEMO_PIPELINE}, dp {DEMO_DATA_PARALLEL}) device mesh, then the "
         "single-process reference over the whole global batch …"
     ):
-        report = run_schedule(
-            schedule, backend="gloo", model="problem", output=folder / "report.json", training=options
-        )
+        report = run_schedule(here, backend="gloo", model="problem", output=folder / "report.json", training=options)
     assert report is not None  # one node: node 0 reports
     print_run_summary(report)
     console.rule("[bold]4/4 predicted against measured")
@@ -399,19 +399,17 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
         f"(relative); loss {report.loss:.6g} against {report.reference_loss:.6g}.",
         highlight=False,
     )
-    _this_machine(schedule, report, options, folder, console, summary)
+    _predicted_against_measured(schedule, here, report, folder, console, summary)
 
 
-def _this_machine(
-    schedule: Schedule, report: Any, options: Any, folder: Path, console: Console, summary: dict[str, Any]
-) -> None:
-    """The end of screen 4: the plan predicted a GPU cluster; here the same order is re-timed from this machine's
-    profile (``pipesched profile`` on the run's processes: passes, p2p, collectives, optimizer step) and put beside
-    the step the run measured, with the error."""
+def _this_machine(schedule: Schedule, options: Any, folder: Path, console: Console) -> Schedule:
+    """The plan predicted a GPU cluster; the run is on this machine's CPU cores. Profile this machine on the run's
+    processes (``pipesched profile``: passes, p2p, collectives, optimizer step, static memory as the runtime
+    allocates it) and re-time the chosen order from it: the schedule the run executes and is measured against."""
     from pipesched.optimizer.result import build_schedule
     from pipesched.runtime.profile import measure_model
 
-    with console.status("profiling this machine on the run's 4 processes (pipesched profile) …"):
+    with console.status(f"profiling this machine on the run's {DEMO_PIPELINE * DEMO_DATA_PARALLEL} processes …"):
         profile = measure_model(
             num_ranks=DEMO_PIPELINE,
             num_microbatches=schedule.problem.pipeline.num_microbatches,
@@ -420,17 +418,33 @@ def _this_machine(
             warmup=1,
             training=options,
             like=schedule.problem,
-            engine="auto",  # the engine the run above used: PyTorch's runtime for loop and V placement
+            engine="auto",  # the engine the run uses: PyTorch's runtime for loop and V placement
         )
     (folder / "profile.json").write_text(profile.problem.model_dump_json(indent=1, exclude_none=True))
     here = build_schedule(
         profile.problem, schedule.orders(), method=schedule.method, backend="profile", check_memory=False
     )
+    (folder / "schedule-this-machine.json").write_text(here.model_dump_json(indent=1))
+    console.print(
+        f"The plan's step ({schedule.step_time:.1f} ms) is for its GPU cluster. This machine, profiled on the run's "
+        f"processes ({folder / 'profile.json'}), runs the same order in {here.step_time:.1f} ms predicted: the run "
+        "below executes that order and is measured against this machine's prediction.",
+        highlight=False,
+    )
+    return here
+
+
+def _predicted_against_measured(
+    schedule: Schedule, here: Schedule, report: Any, folder: Path, console: Console, summary: dict[str, Any]
+) -> None:
+    """The end of screen 4: this machine's predicted step and static memory per pipeline rank beside the run's,
+    with the errors, written to ``this-machine.json``."""
     steps = report.measured_step_times_ms
     measured = min(steps[1:]) if len(steps) > 1 else steps[0]
     error = measured / here.step_time - 1
-    static = _static_here(here, report)
+    static = _static_here(report)
     summary["this_machine"] = {
+        "plan_step_ms": schedule.step_time,
         "predicted_step_ms": here.step_time,
         "measured_step_ms": measured,
         "error": error,
@@ -438,33 +452,25 @@ def _this_machine(
     }
     (folder / "this-machine.json").write_text(json.dumps(summary["this_machine"], indent=1))
     console.print(
-        f"On this machine the same order, re-timed from its profile ({folder / 'profile.json'}), predicts "
-        f"{here.step_time:.1f} ms per step; the run measured {measured:.1f} ms (best step after the first): "
-        f"{100 * error:+.0f}% off. The plan's {schedule.step_time:.1f} ms is for its GPU cluster, not this CPU.",
-        highlight=False,
-    )
-    console.print(
-        "Static memory (weights, gradients, optimizer state) per pipeline rank, predicted from the profile against "
-        "measured: "
+        f"Step on this machine: predicted {here.step_time:.1f} ms from its profile, measured {measured:.1f} ms "
+        f"(best step after the first): {100 * error:+.0f}%. Static memory (weights, gradients, optimizer state) "
+        "per pipeline rank, predicted against measured: "
         + ", ".join(
             f"pp {pp} {row['predicted']:,.0f} B / {row['measured']:,.0f} B ({100 * row['error']:+.0f}%)"
             for pp, row in sorted(static.items())
         )
-        + ". The run report's static figures above are the plan's, for the training it plans (Adam's states "
-        f"beside the weights and gradients); the run trains with {DEMO_OPTIMIZER}, which keeps no state.",
+        + f". The plan's {schedule.step_time:.1f} ms and its memory are for its GPU cluster and the training it "
+        f"plans (Adam's states beside the weights); this run trains with {DEMO_OPTIMIZER}, which keeps none.",
         highlight=False,
     )
 
 
-def _static_here(here: Schedule, report: Any) -> dict[int, dict[str, float]]:
-    """Per pipeline rank: static bytes predicted from this machine's profile (``memory.static`` plus the extra
-    weight versions, as the run report counts them) beside the largest measured over that rank's data-parallel
-    peers, and the relative error (measured / predicted − 1)."""
-    from pipesched.runtime.report import predicted_static_bytes
-
+def _static_here(report: Any) -> dict[int, dict[str, float]]:
+    """Per pipeline rank: the static bytes the run report predicted (from this machine's profile) beside the
+    largest measured over that rank's data-parallel peers, and the relative error (measured / predicted − 1)."""
     rows: dict[int, dict[str, float]] = {}
     for rank in report.ranks:
-        predicted = predicted_static_bytes(here.problem, rank.pp_rank)
+        predicted = float(rank.static_bytes_predicted)
         measured = max(float(rank.static_bytes_measured), rows.get(rank.pp_rank, {}).get("measured", 0.0))
         rows[rank.pp_rank] = {"predicted": predicted, "measured": measured, "error": measured / predicted - 1}
     return rows
