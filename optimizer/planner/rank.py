@@ -443,9 +443,21 @@ class _PlanSearch(SearchContext[Evaluation]):
 
     def ranked(self) -> list[Evaluation]:
         """The evaluations with a plan, best step first (then least memory), one per configuration (the auto
-        phase may reach a configuration the family phase evaluated)."""
+        phase may reach a configuration the family phase evaluated); an ``auto`` plan only where it beats every
+        named family's plan of its layout (:data:`AUTO_GAIN_TOLERANCE`): auto's portfolio holds those families'
+        schedules, so the same step is the same plan listed twice."""
         done = {item.configuration: item for item in self.evaluations if item.plan is not None}
-        return sorted(done.values(), key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
+        named: dict[Configuration, float] = {}
+        for config, item in done.items():
+            if config.method != "auto":
+                layout, step = dataclasses.replace(config, method="auto"), item.plan.step_time_ms  # type: ignore[union-attr]
+                named[layout] = min(step, named.get(layout, step))
+        kept = [
+            item
+            for config, item in done.items()
+            if config.method != "auto" or _faster(item.plan.step_time_ms, named.get(config))  # type: ignore[union-attr]
+        ]
+        return sorted(kept, key=lambda item: (item.plan.step_time_ms, item.plan.peak_memory_bytes))  # type: ignore[union-attr]
 
     def report_plans(self, phase: str, evaluated: int) -> None:
         """Send a :class:`PlanProgress` with the best plans so far."""
@@ -578,6 +590,15 @@ class _PlanSearch(SearchContext[Evaluation]):
         )
         self.report_plans("done", self.total)
         return PlanOutcome(answer, schedules)
+
+
+#: An ``auto`` plan is listed beside its layout's family plans only when faster than each by more than this
+#: (relative).
+AUTO_GAIN_TOLERANCE = 1e-6
+
+
+def _faster(step_ms: float, than_ms: float | None) -> bool:
+    return than_ms is None or step_ms < than_ms * (1 - AUTO_GAIN_TOLERANCE)
 
 
 def _allows_auto(request: PlanRequest) -> bool:

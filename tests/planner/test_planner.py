@@ -410,6 +410,31 @@ def test_no_plan_is_returned_twice() -> None:
     assert len(keys) == len(set(keys))
 
 
+def test_auto_is_listed_only_where_it_beats_the_family_of_its_layout() -> None:
+    """The auto phase searches the best layouts again; where its portfolio's best is the family's own schedule,
+    the same plan was listed twice (once as the family, once as "auto", the same step)."""
+    plans = plan(_papers_request(["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v", "auto"])).answer.plans
+    layout_fields = {
+        "pipeline_parallel",
+        "tensor_parallel",
+        "data_parallel",
+        "stages_per_rank",
+        "placement",
+        "micro_batch_size",
+        "num_microbatches",
+        "activation_recomputation",
+    }
+    named: dict[str, float] = {}
+    for p in plans:
+        if p.method != "auto":
+            layout = p.model_dump_json(include=layout_fields)
+            named[layout] = min(named.get(layout, p.step_time_ms), p.step_time_ms)
+    for p in plans:
+        layout = p.model_dump_json(include=layout_fields)
+        if p.method == "auto" and layout in named:
+            assert p.step_time_ms < named[layout], (p.step_time_ms, named[layout])
+
+
 def test_fsdp_gradient_accumulation_without_a_pipeline() -> None:
     """torchtitan's default layout, pure FSDP with gradient accumulation (pp = 1, reshard after forward), is
     planned (it was refused: 1F1B's weights were freed after the forward with no gather before the backward)."""
