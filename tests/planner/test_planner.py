@@ -386,27 +386,23 @@ def test_stages_per_rank_up_to_layers_over_the_pipeline_degree() -> None:
     assert plans and all(p.stages_per_rank == 12 for p in plans)
 
 
+#: What tells two plans' layouts apart (their method aside).
+LAYOUT_FIELDS = {
+    "pipeline_parallel",
+    "tensor_parallel",
+    "data_parallel",
+    "stages_per_rank",
+    "placement",
+    "micro_batch_size",
+    "num_microbatches",
+    "activation_recomputation",
+}
+
+
 def test_no_plan_is_returned_twice() -> None:
     """The auto phase re-evaluates the best layouts with auto: a layout auto already had is not added again."""
     plans = plan(_papers_request(["1f1b", "zb-h1", "interleaved-1f1b", "auto"])).answer.plans
-    keys = [
-        (
-            p.model_dump_json(
-                include={
-                    "pipeline_parallel",
-                    "tensor_parallel",
-                    "data_parallel",
-                    "stages_per_rank",
-                    "placement",
-                    "micro_batch_size",
-                    "num_microbatches",
-                    "activation_recomputation",
-                    "method",
-                }
-            )
-        )
-        for p in plans
-    ]
+    keys = [p.model_dump_json(include={*LAYOUT_FIELDS, "method"}) for p in plans]
     assert len(keys) == len(set(keys))
 
 
@@ -414,23 +410,13 @@ def test_auto_is_listed_only_where_it_beats_the_family_of_its_layout() -> None:
     """The auto phase searches the best layouts again; where its portfolio's best is the family's own schedule,
     the same plan was listed twice (once as the family, once as "auto", the same step)."""
     plans = plan(_papers_request(["1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "dualpipe-v", "auto"])).answer.plans
-    layout_fields = {
-        "pipeline_parallel",
-        "tensor_parallel",
-        "data_parallel",
-        "stages_per_rank",
-        "placement",
-        "micro_batch_size",
-        "num_microbatches",
-        "activation_recomputation",
-    }
     named: dict[str, float] = {}
     for p in plans:
         if p.method != "auto":
-            layout = p.model_dump_json(include=layout_fields)
+            layout = p.model_dump_json(include=LAYOUT_FIELDS)
             named[layout] = min(named.get(layout, p.step_time_ms), p.step_time_ms)
     for p in plans:
-        layout = p.model_dump_json(include=layout_fields)
+        layout = p.model_dump_json(include=LAYOUT_FIELDS)
         if p.method == "auto" and layout in named:
             assert p.step_time_ms < named[layout], (p.step_time_ms, named[layout])
 
