@@ -124,9 +124,55 @@ def _profile(shape: Shape, model: str, repeats: int, calibration: dict[str, Any]
     return profile
 
 
-def _rank_row(ranks: list[Any]) -> dict[str, Any]:
+def _same_steps(ranks: list[Any], suffix: str = "") -> dict[str, Any] | None:
+    """One process over the rounds, read on the same steps: per step after the first (every round), the measured
+    hidden / exposed ms against the run report's ``same_step_predicted_…{suffix}`` of that step (the simulator re-run
+    with the step's passes as they ran); the medians of both and of the per-step errors (measured / predicted − 1).
+    ``None`` when the reports carry no such prediction."""
+    name = f"same_step_predicted_hidden_ms{suffix}"
+    if not all(getattr(r, name) for r in ranks):
+        return None
+    pairs: dict[str, list[tuple[float, float]]] = {"hidden": [], "exposed": []}
+    for report in ranks:
+        for split in pairs:
+            measured = getattr(report, f"communication_{split}_ms")
+            predicted = getattr(report, f"same_step_predicted_{split}_ms{suffix}")
+            pairs[split] += list(zip(measured, predicted, strict=True))[1:]
+    found: dict[str, Any] = {}
+    for split, values in pairs.items():
+        found[f"{split}_ms"] = statistics.median(m for m, _ in values)
+        found[f"predicted_{split}_ms"] = statistics.median(p for _, p in values)
+        errors = [m / p - 1 for m, p in values if p > 0]
+        found[f"{split}_error"] = statistics.median(errors) if errors else None
+        found[f"{split}_within"] = sum(abs(e) <= 0.30 for e in errors), len(errors)
+    return found
+
+
+def _update_parts(ranks: list[Any], pattern: bool) -> dict[str, float]:
+    """One process over the rounds: the median over the steps counted (:func:`steady_steps`) of its update's own
+    time (``update``) and of each part of it (``StepRecord.update_parts_ms``; ``other``: the rest of the update)."""
+    from pipesched.runtime.report import steady_steps
+
+    steps = [
+        (own, parts)
+        for report in ranks
+        for own, parts in steady_steps(list(zip(report.update_ms, report.update_parts_ms, strict=True)), pattern)
+    ]
+    if not steps or not all(parts for _, parts in steps):
+        return {}
+    names = sorted({name for _, parts in steps for name in parts})
+    found = {"update": statistics.median(own for own, _ in steps)}
+    found |= {name: statistics.median(parts.get(name, 0.0) for _, parts in steps) for name in names}
+    found["other"] = statistics.median(
+        own - sum(v for k, v in parts.items() if k != "run_delay") for own, parts in steps
+    )
+    return found
+
+
+def _rank_row(ranks: list[Any], pattern: bool = False) -> dict[str, Any]:
     """One process over the rounds: hidden / exposed / replica wait as medians over every round's steps after the
-    first, predicted beside, static memory."""
+    first, predicted beside (the profile's, and on the same steps: :func:`_same_steps`), static memory, the update's
+    parts."""
 
     def median(values_of: Any) -> float:
         values = [v for rank in ranks for v in values_of(rank)[1:] or values_of(rank)]
@@ -151,6 +197,9 @@ def _rank_row(ranks: list[Any]) -> dict[str, Any]:
             for action, spans in collectives.items()
         ],
         "rank": rank.rank,
+        "same_steps": _same_steps(ranks),
+        "same_steps_measured_collectives": _same_steps(ranks, "_measured_collectives"),
+        "update_parts": _update_parts(ranks, pattern),
         "hidden_ms": median(lambda r: r.communication_hidden_ms),
         "exposed_ms": median(lambda r: r.communication_exposed_ms),
         "replica_wait_ms": median(lambda r: r.communication_replica_wait_ms),
@@ -216,7 +265,10 @@ def _row(case: Case, schedule: Schedule, reports: list[Any]) -> dict[str, Any]:
         "best_ms": best,
         "median_ms": statistics.median(report.measured_step_time_ms for report in reports),
         "best_error": best / predicted - 1 if predicted else None,
-        "ranks": [_rank_row([report.ranks[k] for report in reports]) for k in range(len(reports[0].ranks))],
+        "ranks": [
+            _rank_row([report.ranks[k] for report in reports], case.two_weight_versions)
+            for k in range(len(reports[0].ranks))
+        ],
     }
 
 
@@ -410,6 +462,10 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
             )
     for row in rows:
         lines += _collective_lines(row)
+    for row in rows:
+        lines += _same_step_lines(row)
+    for row in rows:
+        lines += _update_lines(row)
     shapes = {row["shape"]: row for row in rows}
     for name, row in shapes.items():
         calibration = row.get("calibration")
@@ -468,6 +524,44 @@ def _alternative_lines(row: dict[str, Any]) -> list[str]:
             f"{_percent(row['best_ms'] / predicted - 1)}; hidden/exposed predicted {per_rank}"
             + ("" if other["same_orders"] else " (another order than the one run)")
         )
+    return lines
+
+
+def _same_step_lines(row: dict[str, Any]) -> list[str]:
+    """Per process of a case with communication actions: hidden / exposed measured against the prediction of the
+    same steps (the passes as each step ran them; the profile's collectives, then the collectives as measured too):
+    medians, the median per-step error and the steps within 30 %."""
+    lines = []
+    for rank in row["ranks"]:
+        for key, label in (
+            ("same_steps", "the profile's collectives"),
+            ("same_steps_measured_collectives", "the collectives as measured"),
+        ):
+            found = rank.get(key)
+            if not found:
+                continue
+            lines.append(
+                f"  {row['case']} r{rank['rank']} on the same steps ({label}): "
+                + "; ".join(
+                    f"{split} {found[f'{split}_ms']:.1f} ({found[f'predicted_{split}_ms']:.1f}) "
+                    f"per step {_percent(found[f'{split}_error'])}, {found[f'{split}_within'][0]} of "
+                    f"{found[f'{split}_within'][1]} within 30%"
+                    for split in ("hidden", "exposed")
+                )
+            )
+    return lines
+
+
+def _update_lines(row: dict[str, Any]) -> list[str]:
+    """Per process, where the update's own time went (medians over the steps counted, ms)."""
+    lines = []
+    for rank in row["ranks"]:
+        parts = rank.get("update_parts") or {}
+        if parts:
+            lines.append(
+                f"  {row['case']} r{rank['rank']} update {parts['update']:.1f} ms: "
+                + ", ".join(f"{name} {value:.1f}" for name, value in parts.items() if name != "update")
+            )
     return lines
 
 

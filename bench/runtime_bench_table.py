@@ -7,7 +7,12 @@ of the per-round difference of the two cases' medians; and, where the bench reco
 paired median of each round's median step less its busiest process's passes: the gain outside the passes, the same
 work in both cases, whatever speed the machine ran them at; bar 2: at least half the predicted gain), and for BF × dp 2
 each process's hidden / exposed ms per step against predicted (bar 3: hidden > 0 on every rank and every figure within
-30 %). The verdict counts, per bar, the launches that met it.
+30 %), and, where the launch's run reports carry it, the same read on the same steps: per step after the first, the
+measured hidden / exposed against the prediction of that step given its passes as they ran (the run report's
+``same_step_predicted_…``: the simulator re-run with the step's measured F, I, W, B and the profile's collectives),
+bar 3 met when on every process hidden > 0 and the median per-step error of both is within 30 % (``3 same steps``;
+``3 same, coll.``: the collectives at their measured spans too, the placement alone — a diagnostic). The verdict
+counts, per bar, the launches that met it. Then, per launch, where each case's update went (1F1B against 2BW).
 
 Run: ``python -m bench.runtime_bench_table bench/results/runtime_bench_r10_launch*.txt``.
 """
@@ -24,6 +29,7 @@ STEP_BAR = (-0.20, 0.25)
 STATIC_BAR = 0.15
 GAIN_BAR = 0.5
 SPLIT_BAR = 0.30
+SPLITS = ("hidden", "exposed")
 
 
 def launches(path: Path) -> list[dict[str, Any]]:
@@ -71,6 +77,9 @@ def summary(launch: dict[str, Any]) -> dict[str, Any]:
         found["split"] = [
             (r["hidden_ms"], r["exposed_ms"], r["predicted_hidden_ms"], r["predicted_exposed_ms"]) for r in ranks
         ]
+        for key in ("same_steps", "same_steps_measured_collectives"):
+            if all(r.get(key) for r in ranks):
+                found[key] = [r[key] for r in ranks]
     return found
 
 
@@ -95,7 +104,17 @@ def bars(found: dict[str, Any]) -> dict[str, bool | None]:
         if split is None
         else all(h > 0 and _within(h, ph, SPLIT_BAR) and _within(e, pe, SPLIT_BAR) for h, e, ph, pe in split)
     )
+    for key, name in (("same_steps", "3: same steps"), ("same_steps_measured_collectives", "3: same, coll.")):
+        met[name] = None if key not in found else all(_same_step_met(rank) for rank in found[key])
     return met
+
+
+def _same_step_met(rank: dict[str, Any]) -> bool:
+    """One process read on the same steps: hidden > 0 and both median per-step errors within the bar."""
+    return bool(
+        rank["hidden_ms"] > 0
+        and all(rank[f"{split}_error"] is not None and abs(rank[f"{split}_error"]) <= SPLIT_BAR for split in SPLITS)
+    )
 
 
 def _cell(value: bool | None) -> str:
@@ -108,8 +127,10 @@ def table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
     lines = [
         "| launch (load) | " + " / ".join(cases) + " best vs predicted | static | 2BW gain predicted · best · paired "
         "median (per round) · outside the passes (per round) | BF×dp2 hidden/exposed measured (predicted) "
-        "r0 · r1 · r2 · r3 | bars 1 step, 1 static, 2 best, 2 paired, 2 outside, 3 |",
-        "|---|---|---|---|---|---|",
+        "r0 · r1 · r2 · r3 | the same on the same steps: median per-step error hidden/exposed, r0 · r1 · r2 · r3 "
+        "(with the collectives as measured) | bars 1 step, 1 static, 2 best, 2 paired, 2 outside, 3, 3 same steps, "
+        "3 same coll. |",
+        "|---|---|---|---|---|---|---|",
     ]
     counts: dict[str, list[int]] = {}
     for name, found in named:
@@ -135,6 +156,22 @@ def table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
         split_text = (
             "—" if split is None else " · ".join(f"{h:.0f}/{e:.0f} ({ph:.0f}/{pe:.0f})" for h, e, ph, pe in split)
         )
+        same = found.get("same_steps")
+        same_text = (
+            "—"
+            if same is None
+            else " · ".join(f"{_signed(r['hidden_error'])}/{_signed(r['exposed_error'])}" for r in same)
+            + (
+                ""
+                if "same_steps_measured_collectives" not in found
+                else " ("
+                + " · ".join(
+                    f"{_signed(r['hidden_error'])}/{_signed(r['exposed_error'])}"
+                    for r in found["same_steps_measured_collectives"]
+                )
+                + ")"
+            )
+        )
         met = bars(found)
         for bar, value in met.items():
             if value is not None:
@@ -144,10 +181,31 @@ def table(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
         load = found["load"]
         lines.append(
             f"| {name} ({load[0]:.1f} → {load[1]:.1f}) | {steps} % | {100 * found['static']:+.0f} % | {gain_text} | "
-            f"{split_text} | " + " ".join(_cell(v) for v in met.values()) + " |"
+            f"{split_text} | {same_text} | " + " ".join(_cell(v) for v in met.values()) + " |"
         )
     lines.append("")
     lines += [f"bar {bar}: met in {met} of {total} launches" for bar, (met, total) in counts.items()]
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:+.0f} %"
+
+
+def update_parts(launch: dict[str, Any], cases: tuple[str, ...] = ("1F1B", "2BW")) -> list[str]:
+    """Per case and process, the median update and its parts (ms per step; the bench's ``update_parts``)."""
+    lines = []
+    for row in launch["rows"]:
+        if row["case"] not in cases:
+            continue
+        for rank in row["ranks"]:
+            parts = rank.get("update_parts") or {}
+            if parts:
+                lines.append(
+                    f"  {row['case']} r{rank['rank']}: update {parts['update']:.1f} ms = "
+                    + " + ".join(f"{name} {v:.1f}" for name, v in parts.items() if name not in ("update", "run_delay"))
+                    + f" (of which run delay {parts.get('run_delay', 0.0):.1f})"
+                )
     return lines
 
 
@@ -208,12 +266,16 @@ def main() -> None:
         for k, launch in enumerate(found)
     ]
     print("\n".join(table(named)))
-    for path in args.files:
-        for launch in launches(path):
-            lines = passes_beside_an_idle_core(launch)
-            if lines:
-                print(f"{path.stem}: passes of the last step, alone on the machine or beside the other rank's")
-                print("\n".join(lines))
+    for read, title in (
+        (update_parts, "the update's own time, median per step, by part"),
+        (passes_beside_an_idle_core, "passes of the last step, alone on the machine or beside the other rank's"),
+    ):
+        for path in args.files:
+            for launch in launches(path):
+                lines = read(launch)
+                if lines:
+                    print(f"{path.stem}: {title}")
+                    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from torch import nn
 
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.runtime.options import TrainingOptions
-from pipesched.runtime.records import StepCheck
+from pipesched.runtime.records import StepCheck, timed_part
 from pipesched.runtime.verify import clip_coefficient, make_optimizer, squared_norm
 
 __all__ = ["TwoBufferedWeights"]
@@ -77,6 +77,8 @@ class TwoBufferedWeights:
         #: Per step, the update's own time (the check's partial sum, the copies, ``optimizer.step()``) and its wait for
         #: the check's all-reduce, ms, summed over the rank's stages.
         self.update_ms: dict[int, tuple[float, float]] = {}
+        #: Per step, where the update's own time goes (:attr:`~pipesched.runtime.records.StepRecord.update_parts_ms`).
+        self.update_parts: dict[int, dict[str, float]] = {}
 
     def _timed(self, step: int, started: float, waited_s: float = 0.0) -> None:
         own, wait = self.update_ms.get(step, (0.0, 0.0))
@@ -109,17 +111,20 @@ class TwoBufferedWeights:
     def _issue_check(self, step: int) -> None:
         """Every stage of this rank has step t's gradient: all-reduce the squared norm's partial sum, not waited."""
         started = time.perf_counter()
-        partial = squared_norm(
-            (
-                p.grad
-                for stage, slots in self.slots.items()
-                if stage in self.first_ids
-                for p in slots[step % 2].parameters()
-                if p.grad is not None
-            ),
-            self.device,
-        )
-        self._norms[step] = (partial, dist.all_reduce(partial, async_op=True))
+        parts = self.update_parts.setdefault(step, {})
+        with timed_part(parts, "norm"):
+            partial = squared_norm(
+                (
+                    p.grad
+                    for stage, slots in self.slots.items()
+                    if stage in self.first_ids
+                    for p in slots[step % 2].parameters()
+                    if p.grad is not None
+                ),
+                self.device,
+            )
+        with timed_part(parts, "issue"):
+            self._norms[step] = (partial, dist.all_reduce(partial, async_op=True))
         self._timed(step, started)
         if step == self.steps - 1:
             self.last_gradients = {
@@ -160,15 +165,19 @@ class TwoBufferedWeights:
         self.checks.setdefault(step, StepCheck(step=step, norm=norm if finite else None, skipped=not finite))
         old, current = self.slots[stage][step % 2], self.slots[stage][(step + 1) % 2]
         coefficient = clip_coefficient(norm, self.options.clip_norm) if finite else 1.0
-        with torch.no_grad():  # the gradient stays where it is (scaled in place when clipped), U(t+1) copied under it
+        parts = self.update_parts.setdefault(step, {})
+        # the gradient stays where it is (scaled in place when clipped), U(t+1) copied under it
+        with torch.no_grad(), timed_part(parts, "copy"):
             for p, q in zip(old.parameters(), current.parameters(), strict=True):
                 p.copy_(q)
                 if p.grad is not None and coefficient < 1.0:
                     p.grad.mul_(coefficient)
         if finite:
-            self._step(stage, step % 2)
-        for p in old.parameters():
-            p.grad = None
+            with timed_part(parts, "step"):
+                self._step(stage, step % 2)
+        with timed_part(parts, "release"):
+            for p in old.parameters():
+                p.grad = None
         self._applied.add((stage, step))
         self._timed(step, started, waited_s)
 

@@ -7,6 +7,9 @@ with :class:`MeasuredAction` per action, ms from the step's common start). The r
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ __all__ = [
     "joined_communication",
     "joined_steps",
     "occurrence_keys",
+    "timed_part",
 ]
 
 #: Digits kept of measured times (ms): nanoseconds.
@@ -49,6 +53,22 @@ def run_delay_ms() -> float | None:
             return int(stat.read().split()[1]) / 1e6
     except (OSError, IndexError, ValueError):
         return None
+
+
+@contextmanager
+def timed_part(parts: dict[str, float], name: str) -> Iterator[None]:
+    """Add the wall-clock ms of the ``with`` block to ``parts[name]``, and the calling thread's run delay over it
+    (:func:`run_delay_ms`: the block was ready to run but waited for its core) to ``parts["run_delay"]``: where an
+    update's own time goes (:attr:`StepRecord.update_parts_ms`)."""
+    delay = run_delay_ms()
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        parts[name] = round(parts.get(name, 0.0) + (time.perf_counter() - started) * 1e3, _DIGITS)
+        after = run_delay_ms()
+        if delay is not None and after is not None:
+            parts["run_delay"] = round(parts.get("run_delay", 0.0) + after - delay, _DIGITS)
 
 
 class MeasuredAction(_WithoutNone):
@@ -180,6 +200,11 @@ class StepRecord:
     #: its wait for the global check's all-reduce (for the other ranks to reach it), ms.
     update_ms: float = 0.0
     update_wait_ms: float = 0.0
+    #: Where ``update_ms`` goes, ms per part summed over the step's stages (:func:`timed_part`): ``norm`` (the
+    #: squared norm's partial sum), ``issue`` (PipeDream-2BW: issuing the check's all-reduce), ``copy`` (2BW: U(t+1)
+    #: into the other buffer), ``step`` (``optimizer.step()``, with a flushed 2BW's copy), ``release`` (2BW: the
+    #: applied version's gradients freed), ``run_delay`` (of those parts, the time the thread waited for its core).
+    update_parts_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

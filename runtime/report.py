@@ -19,10 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from pipesched.optimizer.instance import compile_for_orders
-from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only
+from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only, parse_action
 from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.simulate import indexed_orders, simulate_indexed
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
 from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_steps, occurrence_keys
@@ -38,6 +39,7 @@ __all__ = [
     "predicted_static_bytes",
     "print_report",
     "print_training_summary",
+    "same_step_overlap",
     "steady_steps",
 ]
 
@@ -85,7 +87,16 @@ class RankReport(BaseModel):
     (for the other ranks to reach it: the simulator's timeline, not a cost). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
     ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
-    (:class:`CollectiveSpan`).
+    (:class:`CollectiveSpan`). ``update_parts_ms``, per step: where ``update_ms`` went
+    (:attr:`~pipesched.runtime.records.StepRecord.update_parts_ms`).
+
+    ``same_step_predicted_hidden_ms`` / ``same_step_predicted_exposed_ms``, per step (a schedule with communication
+    actions run step by step): the prediction of that step's split given the passes as the step ran them — the
+    simulator re-run on the schedule's order with every F, I, W, B of the rank's data-parallel replica at its measured
+    duration in that step and the problem's collective costs (:func:`same_step_overlap`): the model of overlap judged
+    apart from the passes' speed, beside ``predicted_communication_hidden_ms`` (the profile's passes, one figure).
+    ``…_measured_collectives``: the same with each collective also at its measured span in that step (from its last dp
+    peer's start): the placement judged apart from the collectives' speed too.
     """
 
     rank: int
@@ -106,6 +117,11 @@ class RankReport(BaseModel):
     compute_ms: list[float] = []
     update_ms: list[float] = []
     update_wait_ms: list[float] = []
+    update_parts_ms: list[dict[str, float]] = []
+    same_step_predicted_hidden_ms: list[float] = []
+    same_step_predicted_exposed_ms: list[float] = []
+    same_step_predicted_hidden_ms_measured_collectives: list[float] = []
+    same_step_predicted_exposed_ms_measured_collectives: list[float] = []
     predicted_communication_hidden_ms: float | None
     predicted_communication_exposed_ms: float | None
     communication: list[MeasuredAction]
@@ -296,6 +312,63 @@ def _predicted_overlap(schedule: Schedule, pp: int) -> tuple[float | None, float
     return communication_overlap([(a.start, a.end) for a in actions if a.kind in "FIWB"], communication)
 
 
+def same_step_overlap(
+    schedule: Schedule, passes: list[list[MeasuredAction]], collectives: list[list[MeasuredAction]] | None = None
+) -> list[tuple[float, float]]:
+    """Per pipeline rank, ``(hidden, exposed)`` ms of the schedule's order simulated with its passes as one step of
+    one data-parallel replica ran them: ``passes[pp]``, pipeline rank ``pp``'s compute actions of that step (each F,
+    I, W, B at its measured duration; an action not measured keeps the problem's cost); the collectives at the
+    problem's costs, or, with ``collectives[pp]``, at their measured spans. ``costs.overlap_slowdown`` is left out: a
+    measured pass already ran at whatever speed the collectives beside it left it. The split is
+    :func:`communication_overlap` of the simulated timeline, as the schedule's own prediction is of its timeline."""
+    problem = schedule.problem
+    assert problem.costs is not None
+    if problem.costs.overlap_slowdown:
+        problem = problem.with_changes(**{"costs.overlap_slowdown": 0.0})
+    orders = schedule.orders()
+    inst = compile_for_orders(problem, orders)
+    indexed = indexed_orders(inst, orders)
+    duration = list(inst.duration)
+    for row in [*passes, *(collectives or [])]:
+        for record in row:
+            idx = inst.index.get(parse_action(record.action))
+            if idx is not None:  # a REDUCE_GRAD the runtime added after the schedule's actions has none
+                duration[idx] = record.duration_ms
+    inst.duration = duration
+    timed = simulate_indexed(inst, indexed, check_memory=False)
+    found = []
+    for row in indexed:
+        kinds = [(inst.actions[i].kind.value, (timed.start[i], timed.end[i])) for i in row]
+        found.append(
+            communication_overlap(
+                [span for kind, span in kinds if kind in "FIWB"],
+                [span for kind, span in kinds if kind in _COMMUNICATION],
+            )
+        )
+    return found
+
+
+def _same_step_predictions(
+    schedule: Schedule, results: list[RankResult], joined: dict[int, list[list[MeasuredAction]]]
+) -> dict[int, dict[str, list[float]]]:
+    """Per process (global rank), per step, :func:`same_step_overlap` of its replica's passes: the
+    ``same_step_predicted_…`` fields of :class:`RankReport`; empty when the schedule has no communication action."""
+    if not any(a.kind in _COMMUNICATION for rank in schedule.ranks for a in rank.actions):
+        return {}
+    found: dict[int, dict[str, list[float]]] = {r.rank: {} for r in results}
+    for replica in sorted({r.dp_rank for r in results}):
+        group = sorted((r for r in results if r.dp_rank == replica), key=lambda r: r.pp_rank)
+        if [r.pp_rank for r in group] != list(range(len(schedule.ranks))):
+            return {}
+        for k in range(min(len(r.steps) for r in group)):
+            passes = [r.steps[k].actions for r in group]
+            for suffix, collectives in (("", None), ("_measured_collectives", [joined[r.rank][k] for r in group])):
+                for r, (hidden, exposed) in zip(group, same_step_overlap(schedule, passes, collectives), strict=True):
+                    found[r.rank].setdefault(f"same_step_predicted_hidden_ms{suffix}", []).append(hidden)
+                    found[r.rank].setdefault(f"same_step_predicted_exposed_ms{suffix}", []).append(exposed)
+    return found
+
+
 def _joined(results: list[RankResult]) -> dict[int, list[list[MeasuredAction]]]:
     """Per process (its global rank), per step, its communication with each collective from its last dp peer's
     start (:func:`~pipesched.runtime.records.joined_communication`), each data-parallel group joined once."""
@@ -307,8 +380,14 @@ def _joined(results: list[RankResult]) -> dict[int, list[list[MeasuredAction]]]:
     return joined
 
 
-def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]]) -> RankReport:
-    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it."""
+def _rank_report(
+    schedule: Schedule,
+    result: RankResult,
+    joined: list[list[MeasuredAction]],
+    same_step: dict[str, list[float]] | None = None,
+) -> RankReport:
+    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it; ``same_step``: its
+    ``same_step_predicted_…`` fields (:func:`_same_step_predictions`)."""
     pp = result.pp_rank
     communication_per_step = [sum(c.duration_ms for c in step) for step in joined]
     predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in _COMMUNICATION]
@@ -345,6 +424,8 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         compute_ms=[round(sum(a.end - a.start for a in step.actions), 6) for step in result.steps],
         update_ms=[step.update_ms for step in result.steps],
         update_wait_ms=[step.update_wait_ms for step in result.steps],
+        update_parts_ms=[step.update_parts_ms for step in result.steps],
+        **(same_step or {}),
         predicted_communication_hidden_ms=predicted_hidden,
         predicted_communication_exposed_ms=predicted_exposed,
         communication=result.last.communication,
@@ -453,6 +534,10 @@ def build_report(
     verification = _verification(inst, m, results, reference, options, tolerance)
     mismatches = _order_mismatches(schedule, results)
     joined = _joined(results)
+    # A steady no-flush run's steps are cut from one order (its prediction the pattern): not step by step.
+    same_step = (
+        _same_step_predictions(schedule, results, joined) if prediction is None or prediction is schedule else {}
+    )
     verification["verified"] = bool(verification["verified"] and not mismatches)
     versus_synchronous = None
     if synchronous_reference is not None:
@@ -464,7 +549,10 @@ def build_report(
         max_rel_param_error_vs_synchronous=versus_synchronous,
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
-        ranks=[_rank_report(prediction or schedule, r, joined[r.rank]) for r in sorted(results, key=lambda r: r.rank)],
+        ranks=[
+            _rank_report(prediction or schedule, r, joined[r.rank], same_step.get(r.rank))
+            for r in sorted(results, key=lambda r: r.rank)
+        ],
         training=None if options is None else _training_fields(options),
         data_parallel=DataParallelReport(
             size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)

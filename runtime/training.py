@@ -54,7 +54,7 @@ from pipesched.runtime.executor import (
 from pipesched.runtime.models import PipelineModel, load_model
 from pipesched.runtime.options import OPTIMIZERS, SHARDINGS, TrainingError, TrainingOptions, training_options
 from pipesched.runtime.pipedream import TwoBufferedWeights
-from pipesched.runtime.records import RankJob, RankResult, StepCheck, StepRecord
+from pipesched.runtime.records import RankJob, RankResult, StepCheck, StepRecord, timed_part
 from pipesched.runtime.report import print_training_summary
 from pipesched.runtime.streams import CommunicationStream
 from pipesched.runtime.verify import clip_coefficient, make_optimizer, nan_hook, squared_norm
@@ -125,6 +125,8 @@ class WeightUpdate:
         self.params = params
         self.optimizer = make_optimizer(options.optimizer, self.trained, options.lr)
         self.kept_bytes = 0
+        #: The last :meth:`apply`'s own time by part (:attr:`StepRecord.update_parts_ms`), ms.
+        self.parts: dict[str, float] = {}
 
     @property
     def trained(self) -> list[Any]:
@@ -145,6 +147,7 @@ class WeightUpdate:
 
     def apply(self, step: int, partial: torch.Tensor) -> StepCheck:
         """The global check and the step; ``partial``: this rank's share of the squared gradient norm."""
+        self.parts = {}
         waiting = time.perf_counter()
         dist.all_reduce(partial)
         self.waited_ms = (time.perf_counter() - waiting) * 1e3
@@ -153,7 +156,8 @@ class WeightUpdate:
             self._skip()
             return StepCheck(step=step, norm=None, skipped=True)
         coefficient = clip_coefficient(norm, self.options.clip_norm)
-        self._step(coefficient)
+        with timed_part(self.parts, "step"):
+            self._step(coefficient)
         return StepCheck(step=step, norm=norm, clip_coefficient=coefficient)
 
     def validate(self) -> None:
@@ -488,6 +492,7 @@ class RankTrainer:
             check = versions.checks.get(step, StepCheck(step=step))
             record_of_step = StepRecord(actions, [], losses, round(end - ended, 6), check)
             record_of_step.update_ms, record_of_step.update_wait_ms = versions.update_ms.get(step, (0.0, 0.0))
+            record_of_step.update_parts_ms = versions.update_parts.get(step, {})
             self.result.steps.append(record_of_step)
             ended = end
         self.result.gradients = versions.last_gradients
@@ -516,7 +521,9 @@ class RankTrainer:
         record.communication += self.stream.take(origin)
         self._follow_parameters(step, recorded)
         updating = time.perf_counter()
-        partial = self._norm_partial()
+        parts: dict[str, float] = {}
+        with timed_part(parts, "norm"):
+            partial = self._norm_partial()
         verification_s = 0.0  # the copy of the last step's gradients for the check is no part of the step
         if recorded and last:
             copying = time.perf_counter()
@@ -525,10 +532,13 @@ class RankTrainer:
         if self.update is not None:
             record.check = self.update.apply(step, partial)
             record.update_wait_ms = round(self.update.waited_ms, 6)
+            for name, value in self.update.parts.items():
+                parts[name] = round(parts.get(name, 0.0) + value, 6)
         else:
             record.check = StepCheck(step=step)
         ended = time.perf_counter()
         record.update_ms = round((ended - updating - verification_s) * 1e3 - record.update_wait_ms, 6)
+        record.update_parts_ms = parts
         record.time_ms = round((ended - origin - verification_s) * 1e3, 6)
         static = (
             self.update.static_bytes() if self.update else tensor_bytes(self.params + [p.grad for p in self.params])

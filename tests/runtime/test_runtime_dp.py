@@ -173,6 +173,13 @@ def test_breadth_first_hides_communication_behind_the_backward_passes(runs):
     # (tests two at a time on 2 cores) one rank may see none; bench/runtime_bench.py measures it on every rank.
     hidden = {rank.rank: max(rank.communication_hidden_ms) for rank in report.ranks}
     assert any(value > 0 for value in hidden.values()), hidden
+    # per step, the prediction from the step's own passes (the simulator re-run on them), both ways
+    for rank in report.ranks:
+        for name in ("hidden", "exposed"):
+            for suffix in ("", "_measured_collectives"):
+                values = getattr(rank, f"same_step_predicted_{name}_ms{suffix}")
+                assert len(values) == report.steps and all(v >= 0 for v in values)
+        assert all(v > 0 for v in rank.same_step_predicted_hidden_ms)
 
 
 def test_full_sharding_halves_the_static_memory(runs):

@@ -128,6 +128,11 @@ def test_k_steps_match_the_reference(runs, case):
         # every step's update did its own work (the norm's partial sum at least) apart from its wait for the check
         assert len(rank.update_ms) == len(rank.update_wait_ms) == training["steps"]
         assert all(own > 0 for own in rank.update_ms) and all(wait >= 0 for wait in rank.update_wait_ms)
+        # where the update went: its norm's partial sum and its optimizer step, timed apart, within its own time
+        assert len(rank.update_parts_ms) == training["steps"]
+        for own, parts in zip(rank.update_ms, rank.update_parts_ms, strict=True):
+            assert parts["norm"] > 0 and parts.get("step", 0.0) >= 0
+            assert sum(v for k, v in parts.items() if k != "run_delay") <= own + 0.5
 
 
 def test_adamw_steps_change_the_parameters(runs):
@@ -217,6 +222,9 @@ def test_the_pipedream_2bw_family_runs_in_steady_state_with_the_delayed_update(r
         assert [a.action for a in rank.actions] == last_step
         assert [check.step for check in rank.steps] == [0, 1, 2, 3]
         assert all(check.norm is not None for check in rank.steps)
+        # 2BW's update, every step: the norm, the check's issue, the copy into the other version, the step, the release
+        for parts in rank.update_parts_ms:
+            assert {"norm", "issue", "copy", "step", "release"} <= parts.keys() and parts["copy"] > 0
     # the steps overlap: rank 0 runs step 1's first forward before step 0's last backward
     first = [str(a) for a in unrolled[0]]
     assert first.index(f"0F{NUM_MICROBATCHES}") < first.index(f"0W{NUM_MICROBATCHES - 1}")
