@@ -49,3 +49,21 @@ def test_a_process_done_with_its_passes_keeps_its_core_busy_until_every_process_
     # blocked in a barrier it would take about 0 (0.0002 s of 0.6); busy, its share of a core: a CI run with other
     # test processes on the same 2 cores gave it 28%, a quiet machine about all of it
     assert early_cpu >= 0.1 * early_wall, (early_cpu, early_wall)
+
+
+def test_the_second_version_copy_is_timed_after_a_sweep_of_twice_the_last_level_cache():
+    """PipeDream-2BW's copy is timed as its run meets it, after other memory traffic: the sweep before each repeat is
+    twice the CPU's last-level cache as Linux reports it (64 MiB where it does not), at most 1 GiB; none on a GPU."""
+    from pathlib import Path
+
+    from pipesched.runtime.profile import _SWEEP_DEFAULT_BYTES, _SWEEP_MOST_BYTES, _cache_sweep
+
+    sweep = _cache_sweep(torch.device("cpu"))
+    assert sweep is not None and sweep.dtype == torch.float32
+    size = Path("/sys/devices/system/cpu/cpu0/cache/index3/size")
+    if size.exists() and size.read_text().strip().endswith("K"):
+        expected = min(2 * int(size.read_text().strip()[:-1]) * 1024, _SWEEP_MOST_BYTES)
+    else:
+        expected = _SWEEP_DEFAULT_BYTES
+    assert sweep.numel() * 4 == expected
+    assert _cache_sweep(torch.device("meta")) is None
