@@ -22,7 +22,7 @@ from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only
 from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule, peak_activation_bytes
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
 from pipesched.runtime.records import MeasuredAction, RankResult, StepCheck, joined_steps, occurrence_keys
@@ -84,7 +84,10 @@ class RankReport(BaseModel):
     ``optimizer.step()``; what ``costs.optimizer_step`` stands for) and its wait for the global check's all-reduce
     (for the other ranks to reach it: the simulator's timeline, not a cost). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
-    ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
+    ``memory.static``. ``predicted_peak_activation_bytes``: the most bytes the rank's passes hold at once on the
+    schedule's timeline (:func:`~pipesched.optimizer.result.peak_activation_bytes`; without the gathered weights and
+    static memory), the figure ``peak_memory_bytes`` measures where ``memory_measure`` is ``saved-activations``
+    (CPU). ``collectives``: each communication action of the step, predicted beside measured
     (:class:`CollectiveSpan`).
     """
 
@@ -307,8 +310,11 @@ def _joined(results: list[RankResult]) -> dict[int, list[list[MeasuredAction]]]:
     return joined
 
 
-def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]]) -> RankReport:
-    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it."""
+def _rank_report(
+    schedule: Schedule, result: RankResult, joined: list[list[MeasuredAction]], activations: list[float]
+) -> RankReport:
+    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it; ``activations``:
+    the schedule's :func:`~pipesched.optimizer.result.peak_activation_bytes`."""
     pp = result.pp_rank
     communication_per_step = [sum(c.duration_ms for c in step) for step in joined]
     predicted_communication = [a.end - a.start for a in schedule.ranks[pp].actions if a.kind in _COMMUNICATION]
@@ -330,8 +336,8 @@ def _rank_report(schedule: Schedule, result: RankResult, joined: list[list[Measu
         peak_memory_bytes=result.peak_memory_bytes,
         static_bytes_measured=result.static_memory_bytes,
         predicted_peak_memory_bytes=peak,
-        # Saved activations exclude weights, so they compare with the predicted peak less static.
-        predicted_peak_activation_bytes=None if peak is None else peak - static,
+        # Saved activations exclude weights (static and gathered): they compare with the passes' activations alone.
+        predicted_peak_activation_bytes=activations[pp] if activations else None,
         static_bytes_predicted=static,
         memory_measure=result.memory_measure,
         measured_communication_ms=round(statistics.mean(communication_per_step), 6) if communication_per_step else 0.0,
@@ -447,6 +453,7 @@ def build_report(
     rule's reference, reported as ``max_rel_param_error_vs_synchronous``.
     """
     inst = compile_for_orders(schedule.problem, schedule.orders())
+    activations = peak_activation_bytes(prediction or schedule) if (prediction or schedule).peak_memory else []
     size = options.data_parallel if options else 1
     m = (prediction or schedule).problem.pipeline.num_microbatches
     tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
@@ -464,7 +471,10 @@ def build_report(
         max_rel_param_error_vs_synchronous=versus_synchronous,
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
-        ranks=[_rank_report(prediction or schedule, r, joined[r.rank]) for r in sorted(results, key=lambda r: r.rank)],
+        ranks=[
+            _rank_report(prediction or schedule, r, joined[r.rank], activations)
+            for r in sorted(results, key=lambda r: r.rank)
+        ],
         training=None if options is None else _training_fields(options),
         data_parallel=DataParallelReport(
             size=size, sharding=options.sharding if options and size > 1 else "none", world_size=len(results)
