@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
+from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.problem import DataParallel, Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
 
@@ -254,10 +255,19 @@ def peak_activation_bytes(schedule: Schedule) -> list[float]:
     allocation at the same instant, as the simulator counts them. ``peak_memory`` less static memory is not this
     figure where the schedule gathers weights: sharding ``full`` adds each UNSHARD's gathered weights (and frees
     gradient shards at REDUCE_GRAD); a run's saved activations hold neither (dualpipe-v, pp 2 × dp 2 FSDP: 400–470 KB
-    of gathered weights in a 1.7–1.8 MB "peak less static")."""
+    of gathered weights in a 1.7–1.8 MB "peak less static"). A pattern (no flush) holds its passes' activations
+    beside static memory and the extra weight versions only (:meth:`pipesched.optimizer.pattern.SteadyStateEvaluator
+    .peak_memory`, from its warm-up copy on): its peak less those two."""
     if not schedule.ranks:
         return []
-    inst = compile_for_orders(schedule.problem, schedule.orders())
+    problem = schedule.problem
+    if schedule.shape == "pattern":
+        extra = weight_version_memory(problem)
+        return [
+            peak - static - versions
+            for peak, static, versions in zip(schedule.peak_memory, problem.static_memory, extra, strict=True)
+        ]
+    inst = compile_for_orders(problem, schedule.orders())
     peaks: list[float] = []
     for rank, order in zip(schedule.ranks, schedule.orders(), strict=True):
         events = []

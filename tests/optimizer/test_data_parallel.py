@@ -613,3 +613,16 @@ def test_peak_activations_leave_out_the_gathered_weights_the_peak_holds(method: 
     gathered = 800 * 7 / 8 * spr
     for peak, static, held in zip(sharded.peak_memory, sharded.problem.static_memory, activations, strict=True):
         assert peak - static == pytest.approx(held + gathered)
+
+
+def test_a_patterns_peak_activations_leave_out_its_second_weight_version() -> None:
+    """PipeDream-2BW's pattern (no flush) holds static memory, its second weight version and its passes'
+    activations: its peak activations are p − r microbatches of 100 B on rank r, whatever the weights."""
+    from pipesched.optimizer.result import peak_activation_bytes
+
+    body = dp_body(4, 8, size=1, sharding="none", method="pipedream-2bw")
+    body["training"], body["objective"] = {"flush": False, "weight_versions": 2}, "step_period"
+    schedule = solve_family(load_problem(body), "pipedream-2bw")
+    assert schedule.shape == "pattern"
+    assert peak_activation_bytes(schedule) == [400, 300, 200, 100]
+    assert schedule.peak_memory == [4000 + 800 + held for held in (400, 300, 200, 100)]  # static, second version
