@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
+from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.problem import DataParallel, Problem
 from pipesched.optimizer.simulate import SimulationResult, simulate
 
@@ -19,6 +20,7 @@ __all__ = [
     "ScheduleShape",
     "build_schedule",
     "infeasible_schedule",
+    "peak_activation_bytes",
     "schedule_from_simulation",
 ]
 
@@ -241,3 +243,41 @@ def infeasible_schedule(
         min_memory_limit=min_memory_limit,
         fits_memory=False,
     )
+
+
+#: The passes, whose memory is the microbatches' activations (contract, Problem: F allocates, I, W and B free).
+_PASS_KINDS = frozenset({"F", "I", "W", "B"})
+
+
+def peak_activation_bytes(schedule: Schedule) -> list[float]:
+    """Per rank, the most activation bytes its passes hold at once on the schedule's timeline: ``memory.activation``
+    from each F's start, freed by its I (less ``retained_for_weight``), W and B at their ends, a free before an
+    allocation at the same instant, as the simulator counts them. ``peak_memory`` less static memory is not this
+    figure where the schedule gathers weights: sharding ``full`` adds each UNSHARD's gathered weights (and frees
+    gradient shards at REDUCE_GRAD); a run's saved activations hold neither (dualpipe-v, pp 2 × dp 2 FSDP: 400–470 KB
+    of gathered weights in a 1.7–1.8 MB "peak less static"). A pattern (no flush) holds its passes' activations
+    beside static memory and the extra weight versions only (:meth:`pipesched.optimizer.pattern.SteadyStateEvaluator
+    .peak_memory`, from its warm-up copy on): its peak less those two."""
+    if not schedule.ranks:
+        return []
+    problem = schedule.problem
+    if schedule.shape == "pattern":
+        extra = weight_version_memory(problem)
+        return [
+            peak - static - versions
+            for peak, static, versions in zip(schedule.peak_memory, problem.static_memory, extra, strict=True)
+        ]
+    inst = compile_for_orders(problem, schedule.orders())
+    peaks: list[float] = []
+    for rank, order in zip(schedule.ranks, schedule.orders(), strict=True):
+        events = []
+        for position, (timing, action) in enumerate(zip(rank.actions, order, strict=True)):
+            delta = inst.mem_delta[inst.index[action]] if timing.kind in _PASS_KINDS else 0.0
+            if delta:
+                events.append((timing.start if delta > 0 else timing.end, delta > 0, position, delta))
+        held = peak = 0.0
+        for *_, delta in sorted(events):
+            held += delta
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks

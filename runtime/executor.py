@@ -88,12 +88,23 @@ class _Saved:
         self.tensor = tensor
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a parameter or a view of one (a linear layer saves its weight transposed)."""
+    return isinstance(tensor._base if tensor._is_view() else tensor, nn.Parameter)
+
+
 class SavedActivationMeter:
     """Live bytes of tensors autograd saved for backward (activation memory), and their peak.
 
     Installed as ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor is counted once per
     storage (views of one storage count once) until the last saved reference to it is released (the
-    graph freed by a backward without ``retain_graph``). Parameters are not counted (static memory).
+    graph freed by a backward without ``retain_graph``). Parameters are not counted, in any form: those of
+    ``exclude`` (static memory) and every other ``nn.Parameter`` a saved tensor is or views — FSDP2's gathered
+    weights above all: its unsharded parameters are new tensors at every UNSHARD, in storage the all-gather
+    allocates, and a linear layer saves its weight (a view of it) for the backward. Counted as activations they
+    added each stage's weight matrices from its first F until its last W of the step (the demo's dualpipe-v, pp 2 ×
+    dp 2 FSDP: about 0.4 MB per stage, two stages a rank, in a 2.1–2.2 MB peak); the gathered weights are the
+    UNSHARD's memory, not the microbatches'.
     """
 
     def __init__(self, exclude: list[torch.Tensor]) -> None:
@@ -115,7 +126,7 @@ class SavedActivationMeter:
     def pack(self, tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
         pointer, size = storage.data_ptr(), storage.nbytes()
-        if pointer in self.exclude or size == 0:
+        if pointer in self.exclude or size == 0 or _is_parameter(tensor):
             return tensor
         entry = self._refs.get(pointer)
         if entry is None:

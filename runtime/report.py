@@ -22,7 +22,7 @@ from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only, parse_action
 from pipesched.optimizer.pattern import weight_version_memory
 from pipesched.optimizer.problem import Problem
-from pipesched.optimizer.result import Schedule
+from pipesched.optimizer.result import Schedule, peak_activation_bytes
 from pipesched.optimizer.simulate import indexed_orders, simulate_indexed
 from pipesched.optimizer.units import common_unit
 from pipesched.runtime.options import TrainingOptions
@@ -86,7 +86,10 @@ class RankReport(BaseModel):
     ``optimizer.step()``; what ``costs.optimizer_step`` stands for) and its wait for the global check's all-reduce
     (for the other ranks to reach it: the simulator's timeline, not a cost). ``static_bytes_…``:
     weights, gradients, optimizer state, second weight versions and rollback copies, against the problem's
-    ``memory.static``. ``collectives``: each communication action of the step, predicted beside measured
+    ``memory.static``. ``predicted_peak_activation_bytes``: the most bytes the rank's passes hold at once on the
+    schedule's timeline (:func:`~pipesched.optimizer.result.peak_activation_bytes`; without the gathered weights and
+    static memory), the figure ``peak_memory_bytes`` measures where ``memory_measure`` is ``saved-activations``
+    (CPU). ``collectives``: each communication action of the step, predicted beside measured
     (:class:`CollectiveSpan`). ``update_parts_ms``, per step: where ``update_ms`` went
     (:attr:`~pipesched.runtime.records.StepRecord.update_parts_ms`).
 
@@ -384,9 +387,11 @@ def _rank_report(
     schedule: Schedule,
     result: RankResult,
     joined: list[list[MeasuredAction]],
+    activations: list[float],
     same_step: dict[str, list[float]] | None = None,
 ) -> RankReport:
-    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it; ``same_step``: its
+    """One process's report; ``joined``: its communication per step as :func:`_joined` gives it; ``activations``:
+    the schedule's :func:`~pipesched.optimizer.result.peak_activation_bytes`; ``same_step``: its
     ``same_step_predicted_…`` fields (:func:`_same_step_predictions`)."""
     pp = result.pp_rank
     communication_per_step = [sum(c.duration_ms for c in step) for step in joined]
@@ -409,8 +414,8 @@ def _rank_report(
         peak_memory_bytes=result.peak_memory_bytes,
         static_bytes_measured=result.static_memory_bytes,
         predicted_peak_memory_bytes=peak,
-        # Saved activations exclude weights, so they compare with the predicted peak less static.
-        predicted_peak_activation_bytes=None if peak is None else peak - static,
+        # Saved activations exclude weights (static and gathered): they compare with the passes' activations alone.
+        predicted_peak_activation_bytes=activations[pp] if activations else None,
         static_bytes_predicted=static,
         memory_measure=result.memory_measure,
         measured_communication_ms=round(statistics.mean(communication_per_step), 6) if communication_per_step else 0.0,
@@ -528,6 +533,7 @@ def build_report(
     rule's reference, reported as ``max_rel_param_error_vs_synchronous``.
     """
     inst = compile_for_orders(schedule.problem, schedule.orders())
+    activations = peak_activation_bytes(prediction or schedule) if (prediction or schedule).peak_memory else []
     size = options.data_parallel if options else 1
     m = (prediction or schedule).problem.pipeline.num_microbatches
     tolerance = TOLERANCE["cuda" if device.startswith("cuda") else "cpu"]
@@ -550,7 +556,7 @@ def build_report(
         executed_order_matches=not mismatches,
         order_mismatches=mismatches,
         ranks=[
-            _rank_report(prediction or schedule, r, joined[r.rank], same_step.get(r.rank))
+            _rank_report(prediction or schedule, r, joined[r.rank], activations, same_step.get(r.rank))
             for r in sorted(results, key=lambda r: r.rank)
         ],
         training=None if options is None else _training_fields(options),

@@ -588,3 +588,41 @@ def test_every_fsdp_unit_is_its_own_ring_and_pays_its_latency() -> None:
     assert units.reduce_grad_ms[0] - whole.reduce_grad_ms[0] == pytest.approx(9 * ring_steps, rel=1e-6)
     # DDP's all-reduce is not split by FSDP units
     assert costs("none", 1e8).reduce_grad_ms == costs("none", None).reduce_grad_ms
+
+
+@pytest.mark.parametrize("method", ["1f1b", "zb-h1", "dualpipe-v"])
+def test_peak_activations_leave_out_the_gathered_weights_the_peak_holds(method: str) -> None:
+    """A rank's peak activations are its passes' bytes alone (what a run's saved-activation meter counts): without
+    sharding they are the peak less static; with FSDP (sharding full) the peak also holds each UNSHARD's gathered
+    weights, 800·7/8 B per stage here, which ``peak − static`` would count as activations."""
+    from pipesched.optimizer.result import peak_activation_bytes
+
+    spr = 2 if method == "dualpipe-v" else 1
+    bodies = {sharding: dp_body(4, 8, spr, sharding=sharding, method=method) for sharding in ("none", "full")}
+    for body in bodies.values():
+        body["pipeline"]["placement"] = "v" if spr == 2 else "loop"
+    schedules = {sharding: solve(load_problem(body)) for sharding, body in bodies.items()}
+    plain, sharded = schedules["none"], schedules["full"]
+    activations = peak_activation_bytes(plain)
+    assert activations == [
+        peak - static for peak, static in zip(plain.peak_memory, plain.problem.static_memory, strict=True)
+    ]
+    if method == "1f1b":  # p − r microbatches of 100 B on rank r
+        assert activations == [400, 300, 200, 100]
+    assert peak_activation_bytes(sharded) == activations  # the same passes in the same order: the same bytes
+    gathered = 800 * 7 / 8 * spr
+    for peak, static, held in zip(sharded.peak_memory, sharded.problem.static_memory, activations, strict=True):
+        assert peak - static == pytest.approx(held + gathered)
+
+
+def test_a_patterns_peak_activations_leave_out_its_second_weight_version() -> None:
+    """PipeDream-2BW's pattern (no flush) holds static memory, its second weight version and its passes'
+    activations: its peak activations are p − r microbatches of 100 B on rank r, whatever the weights."""
+    from pipesched.optimizer.result import peak_activation_bytes
+
+    body = dp_body(4, 8, size=1, sharding="none", method="pipedream-2bw")
+    body["training"], body["objective"] = {"flush": False, "weight_versions": 2}, "step_period"
+    schedule = solve_family(load_problem(body), "pipedream-2bw")
+    assert schedule.shape == "pattern"
+    assert peak_activation_bytes(schedule) == [400, 300, 200, 100]
+    assert schedule.peak_memory == [4000 + 800 + held for held in (400, 300, 200, 100)]  # static, second version
