@@ -11,11 +11,12 @@ borrows the H100-SXM's matrix-multiply and attention efficiencies times one scal
   the MI325X at 0.7745, its scale fitted to its first two sources; no MI355X, so its run is not predicted there);
 - **the fits**: the scale minimising Σ log(published / predicted)² over a set of runs, every other parameter the
   shipped one (a one-parameter fit: the MI325X's shipped scale is fitted to its FP8 runs, three sources; its BF16
-  runs, one source, are never fitted; :data:`UNTUNED` never fitted; the MI355X's one run never fitted: it takes the
-  MI325X's scale by rule and is its check);
+  runs, one source, are never fitted; :data:`UNTUNED` never fitted; the MI355X's scale is fitted to its four MLPerf
+  submissions, one recipe on four vendors' servers);
 - **leave one source out**: the scale fitted without a source (to the other sources' FP8 runs for the shipped
   fit), every run of that source predicted, BF16 ones included (its held-out error);
-- **what-ifs**, in-sample and not shipped: the scale the BF16 runs alone would take, and the MI355X's run alone;
+- **what-ifs**, in-sample and not shipped: the scale the BF16 runs alone would take; the MI355X's runs at the
+  MI325X's scale (carrying the CDNA3 scale to CDNA 4 by rule, as shipped before its runs were read);
 - **after**: the catalogue as shipped now (``--write`` stores it, :func:`with_borrowed`: the measured profiles
   untouched).
 
@@ -85,15 +86,17 @@ def report(catalogue: ProfileCatalogue) -> dict[str, Any]:
         "fit_mi325x_every_run": fit_scale(mi325x, catalogue, CDNA3),
         "fit_bf16_alone": bf16_alone,
         "fit_mi300x_tuned": fit_scale([row for row in mi300x if row.source not in UNTUNED], catalogue, CDNA3),
-        "fit_mi355x_alone": fit_scale(mi355x, catalogue, ("MI355X",)),
+        "fit_mi355x": fit_scale(mi355x, catalogue, ("MI355X",)),
         "fit_tuned_fp8": fit_scale([row for row in tuned if _is_fp8(row)], catalogue, CDNA3),
         "fit_all_cdna3": fit_scale([row for row in rows if row.accelerator in CDNA3], catalogue, CDNA3),
         "bf16_at_their_own_scale": _errors(bf16, scaled(catalogue, dict.fromkeys(CDNA3, bf16_alone))),
         "mi300x_at_the_mi325x_scale": _errors(mi300x, scaled(catalogue, dict.fromkeys(CDNA3, fitted))),
+        "mi355x_at_the_mi325x_scale": _errors(mi355x, scaled(catalogue, {"MI355X": fitted})),
         "untuned_with_unfused_attention": _errors(eager, with_borrowed(catalogue)),
         "leave_one_source_out_mi325x_fp8_fit": leave_one_source_out(mi325x, catalogue, CDNA3, _is_fp8),
         "leave_one_source_out_mi325x_every_run": leave_one_source_out(mi325x, catalogue, CDNA3),
         "leave_one_source_out_tuned_fp8_fit": leave_one_source_out(tuned, catalogue, CDNA3, _is_fp8),
+        "leave_one_source_out_mi355x": leave_one_source_out(mi355x, catalogue, ("MI355X",)),
         "leave_one_source_out_all": leave_one_source_out(
             [row for row in rows if row.accelerator in CDNA3], catalogue, CDNA3
         ),
@@ -104,16 +107,20 @@ def markdown(result: dict[str, Any]) -> str:
     """The report as Markdown: the fits, leave one source out, the what-ifs, then before and after row by row."""
     lines = [
         f"Borrowed scales (× the H100-SXM's efficiencies): before {result['before_scales']}; shipped "
-        f"{result['shipped_scales']} (the MI325X's fitted to its FP8 runs, {result['fit_mi325x_fp8']}; the MI355X "
-        f"takes it by rule).",
+        f"{result['shipped_scales']} (the MI325X's fitted to its FP8 runs, {result['fit_mi325x_fp8']}; the MI355X's "
+        f"to its four MLPerf submissions, {result['fit_mi355x']}).",
         "",
         f"Other fits: every MI325X run, BF16 included, {result['fit_mi325x_every_run']}; the BF16 runs alone (one "
         f"source, in-sample) {result['fit_bf16_alone']}; the MI300X's tuned run alone {result['fit_mi300x_tuned']}; "
         f"every tuned CDNA3 FP8 run {result['fit_tuned_fp8']}; every CDNA3 run (the untuned MI300X build included) "
-        f"{result['fit_all_cdna3']}; the MI355X's one run alone (in-sample) {result['fit_mi355x_alone']}.",
+        f"{result['fit_all_cdna3']}.",
         "",
         "BF16 rows at the scale they alone would fit (in-sample, not shipped): "
         + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["bf16_at_their_own_scale"])
+        + ".",
+        "",
+        "MI355X rows at the MI325X's fitted scale (carried to CDNA 4 by rule, not fitted): "
+        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["mi355x_at_the_mi325x_scale"])
         + ".",
         "",
         "MI300X rows at the MI325X's fitted scale (what transferring it would predict): "
@@ -128,7 +135,7 @@ def markdown(result: dict[str, Any]) -> str:
         "| leave one source out, over | row | scale fitted without its source | error (predicted/published − 1) |",
         "|---|---|---:|---:|",
     ]
-    for name in ("mi325x_fp8_fit", "mi325x_every_run", "tuned_fp8_fit", "all"):
+    for name in ("mi325x_fp8_fit", "mi355x", "mi325x_every_run", "tuned_fp8_fit", "all"):
         for r in result[f"leave_one_source_out_{name}"]:
             lines.append(f"| {name} | {r['row']} | {r['scale_without_source']} | {r['error']:+.1%} |")
     lines += ["", *holdout_table(result["before"], f"before: the catalogue main shipped, {result['before_scales']}")]
@@ -136,8 +143,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *holdout_table(
             result["after"],
-            "after: the catalogue as shipped (bench/amd_bench.py --write); the MI325X FP8 rows are its scale's own "
-            "rows, their held-out errors the leave-one-source-out ones above; the BF16 and MI355X rows are never "
+            "after: the catalogue as shipped (bench/amd_bench.py --write); the MI325X FP8 and MI355X rows are their "
+            "scales' own rows, their held-out errors the leave-one-source-out ones above; the BF16 rows are never "
             "fitted",
         ),
     ]

@@ -1,5 +1,5 @@
-"""AMD Instinct profiles: the published AMD runs, kept out of the main fit, the one borrowed scale fitted to the
-MI325X's FP8 runs, its BF16 runs and the MI355X's run predicted, never fitted (``bench/amd_bench.py``,
+"""AMD Instinct profiles: the published AMD runs, kept out of the main fit, a borrowed scale a chip fitted to the
+MI325X's FP8 runs and to the MI355X's MLPerf runs, the BF16 runs predicted, never fitted (``bench/amd_bench.py``,
 ``bench/data/calibration_amd.json``)."""
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ def test_the_shipped_cdna3_profiles_are_the_h100s_times_their_borrowed_scale() -
     # CDNA 4: twice a CDNA3 compute unit's BF16 and FP8 FLOP a clock (4,096 BF16), 256 compute units at 2.4 GHz
     assert CATALOGUE["MI355X"].flops_per_s == pytest.approx(256 * 4096 * 2.4e9, rel=1e-5)
     assert CATALOGUE["MI355X"].fp8_flops_per_s == pytest.approx(2 * CATALOGUE["MI355X"].flops_per_s)
-    assert BORROWED["MI355X"][1] == BORROWED["MI325X"][1]  # by rule, not fitted to its run
 
 
 def test_the_mi325x_scale_is_the_one_its_fp8_runs_fit_and_each_source_held_out_is_within_10_percent() -> None:
@@ -98,14 +97,20 @@ def test_the_mi325x_scale_is_the_one_its_fp8_runs_fit_and_each_source_held_out_i
     assert all(p < row.measured.tokens_per_s_per_gpu for row, p in zip(rows, predict_rows(rows, before), strict=True))
 
 
-def test_the_mi355x_run_is_a_check_of_the_carried_scale_not_fitted() -> None:
+def test_the_mi355x_scale_is_its_mlperf_runs_fit_and_each_submitter_held_out_is_within_5_percent() -> None:
+    shipped = builtin_catalogue()
     rows = [row for row in amd_rows() if row.accelerator == "MI355X"]
-    assert len(rows) == 1 and rows[0].source == "mlperf_training_v51_amd_mi355x"
-    (error,) = errors(rows)
-    low, high = builtin_catalogue().profiles["MI355X"].held_out_log_error
-    assert -0.15 < error < -0.10  # predicted 13% slow at the MI325X's scale
-    assert low < -math.log1p(error) < high  # inside the borrowed profile's interval
-    assert fit_scale(rows, builtin_catalogue(), ("MI355X",)) > BORROWED["MI355X"][1] + 0.1  # what it alone would take
+    assert len({row.source for row in rows}) == len(rows) >= 4  # AMD and three vendors' servers, one recipe
+    assert fit_scale(rows, shipped, ("MI355X",)) == pytest.approx(BORROWED["MI355X"][1], abs=2e-3)
+    held_out = leave_one_source_out(rows, shipped, ("MI355X",))
+    assert max(abs(float(str(r["error"]))) for r in held_out) < 0.05
+    # the MI325X's scale carried to CDNA 4 by rule would predict every one of them over 8% slow
+    carried = scaled(shipped, {"MI355X": BORROWED["MI325X"][1]})
+    assert all(
+        p < 0.92 * row.measured.tokens_per_s_per_gpu for row, p in zip(rows, predict_rows(rows, carried), strict=True)
+    )
+    low, high = shipped.profiles["MI355X"].held_out_log_error
+    assert all(low < -math.log1p(error) < high for error in errors(rows))
 
 
 def test_the_mi300x_keeps_its_estimate_which_its_tuned_run_checks_and_the_mi325x_scale_would_overshoot() -> None:
