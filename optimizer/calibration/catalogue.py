@@ -7,7 +7,7 @@
   efficiencies times one scale a chip: the MI300X 0.7 (AMD's hipBLASLt reaches about 70% of what cuBLAS does of its
   peak in public GEMM sweeps; an estimate, checked since by a tuned run), the MI325X that scale fitted to its
   published FP8 runs (``bench/amd_bench.py``, :mod:`.scale`; a few runs carry one number, not the efficiencies), the
-  CDNA 4 MI355X its own scale fitted to four MLPerf submissions of one recipe. Their
+  CDNA 4 MI355X and MI350X each its own scale fitted to MLPerf submissions of one recipe. Their
   interval is the pooled one widened by half; :func:`with_borrowed` re-borrows them from a shipped catalogue.
 - **Interval**: the 10th and 90th percentile of the accelerator's leave-one-group-out log(published /
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
@@ -120,13 +120,24 @@ BORROWED: dict[str, tuple[str, float, str]] = {
         "MI325X's 0.7982 (bench/amd_bench.py); one workload and one software stack, so how the efficiencies vary "
         "with shape, layout and precision (BF16 included) is the H100's",
     ),
+    "MI350X": (
+        "H100-SXM",
+        0.777,
+        "one scale fitted, not the efficiencies: 0.777 × the H100-SXM's efficiencies over the MI350X's own peaks "
+        "(the MI355X's CDNA 4 die at 2.2 GHz and 1,000 W: BF16 2,306.9 / FP8 4,613.7 TFLOPS dense), the scale fitted "
+        "to 2 MLPerf Training v5.1 submissions (AMD, Cisco: AMD's Llama 3.1 8B FP8 recipe, DP 8 on one node; "
+        "bench/data/calibration_amd.json), each held out: -3.2%, +3.4%; the MI355X's 0.9387 would predict them "
+        "12-16% fast (its 1,400 W sustains more of its peak; bench/amd_bench.py); one workload, so how the "
+        "efficiencies vary with shape, layout and precision is the H100's",
+    ),
 }
 
 #: AMD's CDNA3 accelerators (one die: the MI325X is the MI300X's compute with HBM3E), each borrowed at a scale of
 #: its own.
 CDNA3 = ("MI300X", "MI325X")
-#: AMD's Instinct accelerators in the catalogue: CDNA3 and the CDNA 4 MI355X (borrowed at a scale of its own).
-INSTINCT = (*CDNA3, "MI355X")
+#: AMD's Instinct accelerators in the catalogue: CDNA3 and the CDNA 4 MI355X and MI350X (each borrowed at a scale of
+#: its own).
+INSTINCT = (*CDNA3, "MI355X", "MI350X")
 
 
 def measured_mfu(row: Measurement) -> float:

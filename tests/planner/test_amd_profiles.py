@@ -1,6 +1,6 @@
 """AMD Instinct profiles: the published AMD runs, kept out of the main fit, a borrowed scale a chip fitted to the
-MI325X's FP8 runs and to the MI355X's MLPerf runs, the BF16 runs predicted, never fitted (``bench/amd_bench.py``,
-``bench/data/calibration_amd.json``)."""
+MI325X's FP8 runs and to the MI355X's and MI350X's MLPerf runs, the BF16 runs predicted, never fitted
+(``bench/amd_bench.py``, ``bench/data/calibration_amd.json``)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,20 @@ def test_the_mi355x_scale_is_its_mlperf_runs_fit_and_each_submitter_held_out_is_
     )
     low, high = shipped.profiles["MI355X"].held_out_log_error
     assert all(low < -math.log1p(error) < high for error in errors(rows))
+
+
+def test_the_mi350x_has_a_scale_of_its_own_the_mi355xs_would_predict_it_over_10_percent_fast() -> None:
+    shipped = builtin_catalogue()
+    rows = [row for row in amd_rows() if row.accelerator == "MI350X"]
+    assert len({row.source for row in rows}) == len(rows) >= 2
+    assert fit_scale(rows, shipped, ("MI350X",)) == pytest.approx(BORROWED["MI350X"][1], abs=2e-3)
+    assert max(abs(float(str(r["error"]))) for r in leave_one_source_out(rows, shipped, ("MI350X",))) < 0.05
+    # the same CDNA 4 die at 1,000 W sustains less of its (lower) peak than the MI355X at 1,400 W
+    assert CATALOGUE["MI350X"].flops_per_s < CATALOGUE["MI355X"].flops_per_s
+    carried = scaled(shipped, {"MI350X": BORROWED["MI355X"][1]})
+    assert all(
+        p > 1.1 * row.measured.tokens_per_s_per_gpu for row, p in zip(rows, predict_rows(rows, carried), strict=True)
+    )
 
 
 def test_the_mi300x_keeps_its_estimate_which_its_tuned_run_checks_and_the_mi325x_scale_would_overshoot() -> None:
