@@ -32,6 +32,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Collection
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -82,13 +83,16 @@ def _inside(log_error: float, accelerator: tuple[float, float], framework: tuple
     return min(accelerator[0], framework[0]) <= log_error <= max(accelerator[1], framework[1])
 
 
-def holdout(catalogue: ProfileCatalogue, path: Path = HOLDOUT) -> dict[str, Any]:
-    """The rows of ``path`` (:data:`HOLDOUT` or :data:`EXTERNAL`), never fitted, predicted with their own kernels
-    mode and with "unknown": error, whether the published figure lies inside the plan's 80% interval, the
-    predicted peak memory against 95% of the GPU's memory (the issue's bound on every plan), and whether the
-    published MFU is above the highest the calibration data measured on that accelerator in that precision (where a
-    plan's answer calls its MFU optimistic)."""
+def holdout(
+    catalogue: ProfileCatalogue, path: Path = HOLDOUT, accelerators: Collection[str] | None = None
+) -> dict[str, Any]:
+    """The rows of ``path`` (:data:`HOLDOUT` or :data:`EXTERNAL`; of ``accelerators`` only, where given), never
+    fitted, predicted with their own kernels mode and with "unknown": error, whether the published figure lies inside
+    the plan's 80% interval, the predicted peak memory against 95% of the GPU's memory (the issue's bound on every
+    plan), and whether the published MFU is above the highest the calibration data measured on that accelerator in
+    that precision (where a plan's answer calls its MFU optimistic)."""
     rows = [row for entry in json.loads(path.read_text())["files"] for row in parse_measurements(entry)]
+    rows = [row for row in rows if accelerators is None or row.accelerator in accelerators]
     records = []
     with use_catalogue(catalogue):
         for mode in (None, "unknown"):

@@ -113,6 +113,13 @@ CATALOGUE: dict[str, Accelerator] = {
         # AMD Instinct MI325X datasheet: the MI300X's CDNA3 compute (304 CUs; BF16 1,307.4 TFLOPS dense, FP8 2,614.9
         # dense) with 256GB HBM3E at 6 TB/s.
         Accelerator("MI325X", 1307.4e12, 256 * GIB, 6.0e12, "AMD Instinct MI325X datasheet", 2614.9e12),
+        # AMD Instinct MI355X datasheet: CDNA 4, 256 CUs at up to 2.4 GHz; BF16 2.5 PFLOPS dense (256 × 4,096 FLOP a
+        # CU a clock × 2.4 GHz = 2,516.6 TFLOPS), FP8 5.0 dense (8,192 a CU a clock: 5,033.2); 288GB HBM3E, 8 TB/s;
+        # 1,400 W.
+        Accelerator("MI355X", 2516.6e12, 288 * GIB, 8.0e12, "AMD Instinct MI355X datasheet", 5033.2e12),
+        # AMD Instinct MI350X datasheet: the MI355X's CDNA 4 die at up to 2.2 GHz and 1,000 W (air-cooled); BF16 2.3
+        # PFLOPS dense (256 × 4,096 × 2.2 GHz = 2,306.9 TFLOPS), FP8 4.6 (4,613.7); 288GB HBM3E, 8 TB/s.
+        Accelerator("MI350X", 2306.9e12, 288 * GIB, 8.0e12, "AMD Instinct MI350X datasheet", 4613.7e12),
         # NVIDIA L40S datasheet: BF16 Tensor Core 362.05 TFLOPS dense (733 with sparsity), FP8 733 dense (1,466 with
         # sparsity); 48GB GDDR6, 864 GB/s.
         Accelerator("L40S", 362.05e12, 48 * GIB, 864e9, "NVIDIA L40S datasheet", 733e12),

@@ -10,7 +10,7 @@ every other parameter the shipped catalogue's, and :func:`leave_one_source_out` 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipesched.optimizer.calibration.catalogue import BORROWED, with_borrowed
 from pipesched.optimizer.calibration.fit import predict_rows
@@ -69,17 +69,23 @@ def fit_scale(rows: Sequence[Measurement], catalogue: ProfileCatalogue, names: S
 
 
 def leave_one_source_out(
-    rows: Sequence[Measurement], catalogue: ProfileCatalogue, names: Sequence[str]
+    rows: Sequence[Measurement],
+    catalogue: ProfileCatalogue,
+    names: Sequence[str],
+    fit_on: Callable[[Measurement], bool] | None = None,
 ) -> list[dict[str, object]]:
-    """Every source of ``rows`` held out in turn: the scale fitted to the others' rows, and each held-out row's
-    error as predicted/published − 1 at that scale (``rows`` of one source: nothing to hold out against)."""
+    """Every source of ``rows`` held out in turn: the scale fitted to the other sources' rows (those of them
+    ``fit_on`` accepts, default all: e.g. only their FP8 rows, so a source's bf16 rows are predicted by an FP8 fit),
+    and each held-out row's error as predicted/published − 1 at that scale (every row of the source, whether
+    ``fit_on`` accepts it or not; ``rows`` of one source: nothing to hold out against)."""
     sources = sorted({row.source for row in rows})
     if len(sources) < 2:
         raise ValueError(f"leaving a source out needs two sources, not {sources}")
     records: list[dict[str, object]] = []
     for source in sources:
         held = [row for row in rows if row.source == source]
-        scale = fit_scale([row for row in rows if row.source != source], catalogue, names)
+        others = [row for row in rows if row.source != source and (fit_on is None or fit_on(row))]
+        scale = fit_scale(others, catalogue, names)
         for row, error in zip(held, scale_log_errors(held, catalogue, names, scale), strict=True):
             records.append({"row": row.key, "scale_without_source": scale, "error": round(math.exp(-error) - 1, 4)})
     return records

@@ -264,7 +264,7 @@ def _precision_errors(request: PlanRequest, estimator: Estimator) -> list[FieldE
         (
             loc,
             f"{estimator.hardware.name} has no FP8 tensor cores: use bf16, or an accelerator with FP8 (H100-SXM, "
-            "H100-PCIe, H200, B200, MI300X, MI325X, L40S)",
+            "H100-PCIe, H200, B200, MI300X, MI325X, MI355X, MI350X, L40S)",
             "fp8",
         )
         for loc in asked
