@@ -141,11 +141,7 @@ def build_problem(
     if config.context_parallel > 1:
         document["context_parallel"] = {"size": config.context_parallel}
     if config.expert_parallel > 1:
-        estimate = get_family(config.method).planner if config.method != "auto" else None
-        overlap = estimator.hardware.software.moe_all_to_all_overlap or (
-            estimate is not None and estimate.overlaps_microbatches
-        )
-        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": overlap}
+        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": estimator.expert_overlap(config)}
     return load_problem(document)
 
 

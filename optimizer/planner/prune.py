@@ -40,8 +40,11 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   all of the after-step gather with ``optimizer``/``gradients``).
 - **Optimizer step**: Adam is memory-bound: 30 bytes per local parameter (fp32 master, two moments read and
   written, the fp32 gradient read, the 16-bit weight written) over the memory bandwidth.
-- **Lower bound** of the step: m × the busiest rank's F + I + W per microbatch + the optimizer step; no
-  schedule of this configuration is faster under this cost model.
+- **Lower bound** of the step: m × the mean rank's F + I + W per microbatch + the mean rank's optimizer step.
+  Every rank runs its microbatches' work then its optimizer step, and the ranks' work sums to the same total
+  under any partition of the layers, so no schedule of this configuration is faster under this cost model
+  whatever split the evaluation picks (the even split's busiest rank is not a bound: the evaluation
+  partitions by time, and moves layers off the LM head's stage).
 """
 
 from __future__ import annotations
@@ -145,9 +148,15 @@ class _Layout:
     max_expert_parameters: float = 0.0
     heaviest_position: float = 0.0
     max_chunk_activation: float = 0.0
+    mean_compute_ms: float = 0.0
+    mean_parameters: float = 0.0
+    mean_expert_parameters: float = 0.0
 
 
-#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class[, "dense"]).
+#: A block's degrees, as :meth:`Estimator.blocks` takes them: (t, b, recompute, precision, c, ep, sharding, overlap).
+_Degrees = tuple[int, int, str, str | None, int, int, str, bool]
+
+#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class, "overlap" or ""[, "dense"]).
 _Key = tuple[int | str, ...]
 
 
@@ -171,7 +180,7 @@ class Estimator:
         self.async_tensor_parallel = async_tensor_parallel
         self.reduce_dtype = reduce_dtype
         self._blocks: dict[_Key, tuple[Block, Block, Block, Block, ModelConfig]] = {}
-        self._layouts: dict[tuple[int | str, ...], _Layout] = {}
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -210,43 +219,64 @@ class Estimator:
             }
         )
 
-    def _key(self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str) -> _Key:
+    def expert_overlap(self, config: Configuration) -> bool:
+        """Whether the configuration's expert all-to-alls hide behind another microbatch's pass
+        (:class:`~pipesched.optimizer.configs.ExpertParallel` ``overlap``): the framework overlaps them, or the
+        family runs one microbatch's forward beside another's backward (DualPipe)."""
+        if config.expert_parallel <= 1:
+            return False
+        estimate = get_family(config.method).planner if config.method != "auto" else None
+        return self.hardware.software.moe_all_to_all_overlap or (
+            estimate is not None and estimate.overlaps_microbatches
+        )
+
+    def _key(
+        self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str, overlap: bool
+    ) -> _Key:
         """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
         only use a block has for it)."""
         unknown = self.model.kernels == "unknown"
         kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior) if unknown else ""
-        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class)
+        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class, "overlap" if overlap else "")
 
     def blocks(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
+        self,
+        t: int,
+        b: int,
+        recompute: str,
+        precision: str | None = None,
+        c: int = 1,
+        ep: int = 1,
+        sharding: str = "",
+        overlap: bool = False,
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
         degree c, expert degree ep and the data-parallel ``sharding`` ("": no data parallelism; with kernels
         "unknown" it names who runs the layout: :func:`pipesched.optimizer.cost.stages.blended`); a
-        mixture-of-experts model's layer is its expert layer."""
-        key = self._key(t, b, recompute, precision, c, ep, sharding)
+        mixture-of-experts model's layer is its expert layer, its all-to-alls hidden where ``overlap``."""
+        key = self._key(t, b, recompute, precision, c, ep, sharding, overlap)
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding),
+                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
                 head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding),
-                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
                 model,
             )
         return self._blocks[key]
 
-    def dense_layer(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
-    ) -> Block:
-        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
-        key = (*self._key(t, b, recompute, precision, c, ep, sharding), "dense")
+    def dense_layer(self, degrees: _Degrees) -> Block:
+        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the degrees of
+        :meth:`blocks`, in its order."""
+        t, b, recompute, precision, c, ep, sharding, overlap = degrees
+        key = (*self._key(t, b, recompute, precision, c, ep, sharding, overlap), "dense")
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False, sharding=sharding)
-            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding)[1:])
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding, overlap)[1:])
         return self._blocks[key][0]
 
     @staticmethod
@@ -286,6 +316,7 @@ class Estimator:
         *,
         moe: bool,
         sharding: str | None = None,
+        overlap: bool = False,
     ) -> Block:
         return transformer_layer(
             model,
@@ -294,7 +325,7 @@ class Estimator:
             self.cluster,
             moe=moe,
             context_parallel=ContextParallel(size=c) if c > 1 else None,
-            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
+            expert_parallel=ExpertParallel(size=ep, overlap=overlap) if ep > 1 else None,
             sharding=sharding,
         )
 
@@ -308,7 +339,7 @@ class Estimator:
 
     def layout(self, config: Configuration) -> _Layout:
         """Even split of the layers over the chunks (the dense ones first), summed per rank."""
-        degrees = (
+        degrees: _Degrees = (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
@@ -316,12 +347,13 @@ class Estimator:
             config.context_parallel,
             config.expert_parallel,
             self.sharding_of(config),
+            self.expert_overlap(config),
         )
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
             return self._layouts[key]
         layer, embedding, head, _, _ = self.blocks(*degrees)
-        dense = self.dense_layer(*degrees)
+        dense = self.dense_layer(degrees)
         first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
@@ -389,6 +421,9 @@ class Estimator:
             max_expert_parameters=experts[heaviest],
             heaviest_position=heaviest / (p - 1) if p > 1 else 0.0,
             max_chunk_activation=max(activation),
+            mean_compute_ms=sum(compute) / p,
+            mean_parameters=sum(parameters) / p,
+            mean_expert_parameters=sum(experts) / p,
         )
         self._layouts[key] = figures
         return figures
@@ -472,15 +507,20 @@ class Estimator:
         return reduce / v + gather
 
     def optimizer_ms(self, config: Configuration, layout: _Layout) -> float:
-        """Adam's step on a rank's local parameters, ms (module docstring)."""
-        local = layout.max_parameters
+        """Adam's step on the heaviest rank's local parameters, ms (module docstring)."""
+        return self._optimizer_ms(config, layout.max_parameters, layout.max_expert_parameters)
+
+    def _optimizer_ms(self, config: Configuration, parameters: float, experts: float) -> float:
+        """Adam's step on a rank holding ``parameters``, ``experts`` of them routed experts, ms: the step model's
+        bytes per parameter (:func:`pipesched.optimizer.cost.collectives`: 28 B for an fp32 model, else 30 B)."""
+        local = parameters
         if config.sharding != "none":
-            experts = layout.max_expert_parameters
             local = (local - experts) / config.weight_copies
             if experts:
                 t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
                 local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
-        return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
+        adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
+        return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s
 
     def estimate(self, config: Configuration) -> Estimate:
         """Memory, bound and estimated step of ``config`` (module docstring)."""
@@ -518,7 +558,11 @@ class Estimator:
         static = max(static_first, static_last, static_heaviest)
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
-        bound = m * layout.rank_compute_ms + optimizer
+        # A rank runs its m microbatches' F + I + W, then its optimizer step; ranks sum to the same total under
+        # any partition, so the mean rank's is a bound whatever split the evaluation picks (the even split's
+        # busiest rank is not: the evaluation partitions by time and moves layers off the head's stage).
+        mean_optimizer = self._optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+        bound = m * layout.mean_compute_ms + mean_optimizer
         model = self.model
         p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
         p2p_bytes /= config.context_parallel
