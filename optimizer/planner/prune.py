@@ -40,11 +40,23 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   all of the after-step gather with ``optimizer``/``gradients``).
 - **Optimizer step**: Adam is memory-bound: 30 bytes per local parameter (fp32 master, two moments read and
   written, the fp32 gradient read, the 16-bit weight written) over the memory bandwidth.
-- **Lower bound** of the step: m × the mean rank's F + I + W per microbatch + the mean rank's optimizer step.
-  Every rank runs its microbatches' work then its optimizer step, and the ranks' work sums to the same total
-  under any partition of the layers, so no schedule of this configuration is faster under this cost model
-  whatever split the evaluation picks (the even split's busiest rank is not a bound: the evaluation
-  partitions by time, and moves layers off the LM head's stage).
+- **Lower bound** of the step, valid for whatever layer split the evaluation picks (by time and memory, a tie
+  settled by the schedule, or the request's ``layers_per_stage``): the least, over the splits, of the busiest
+  rank (:mod:`pipesched.optimizer.planner.bound`). With a flush every rank's optimizer step waits for the last
+  pass of any rank (the simulator's synchronised step), so the bound is the least busiest rank's passes plus
+  the mean rank's optimizer step (at most the heaviest's). A rank's passes are its m microbatches' F + I + W
+  and the pipeline's fill and drain it cannot avoid: its first pass (on its first stage r, loop or V) waits for
+  one microbatch's forwards on stages 0..r−1 and the hops between them, and with a fused backward its last pass
+  (a backward of stage r: a later stage's would need stage r's after it) is followed by that microbatch's
+  backwards on stages r−1..0. One stage per rank: exact over the contiguous splits. Several: each rank may
+  hold any number of layers, the stages before its first charged one layer each. Without a flush
+  (PipeDream-2BW) the step period: the least busiest rank's passes, plus the estimated optimizer step the plan
+  adds to it without data parallelism (with it, the simulated period holds the steps: at least the mean
+  rank's passes and step). Expert all-to-alls are charged as the problem charges them (hidden where the
+  framework or the family overlaps microbatches: :meth:`Estimator.expert_overlap`). Data-parallel collectives
+  are not charged (the simulator may hide them). Bidirectional placements: the mean rank's passes and step.
+  The quick bound every estimate carries (:attr:`Estimate.bound_ms`) is the mean rank's passes and step; the
+  search prunes with it first, then with the tight one (:meth:`Estimator.bound_ms`, cached).
 """
 
 from __future__ import annotations
@@ -76,6 +88,7 @@ from pipesched.optimizer.cost.stages import (
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
+from pipesched.optimizer.planner.bound import LayerCosts, contiguous_min_max, count_min_max
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import DataParallel, stage_to_rank
 from pipesched.optimizer.units import format_bytes
@@ -116,7 +129,8 @@ def in_flight(method: str, p: int, v: int, m: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A configuration's cheap figures (ms, bytes) and, when it cannot fit, why."""
+    """A configuration's cheap figures (ms, bytes) and, when it cannot fit, why. ``bound_ms`` is the quick lower
+    bound of its step (the mean rank's passes and optimizer step); :meth:`Estimator.bound_ms` the tight one."""
 
     peak_memory_bytes: float
     static_bytes: float
@@ -181,6 +195,7 @@ class Estimator:
         self.reduce_dtype = reduce_dtype
         self._blocks: dict[_Key, tuple[Block, Block, Block, Block, ModelConfig]] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
+        self._bounds: dict[tuple[object, ...], float] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -337,9 +352,9 @@ class Estimator:
             size=size, sequence_parallel=self.sequence_parallel, async_communication=self.async_tensor_parallel
         )
 
-    def layout(self, config: Configuration) -> _Layout:
-        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
-        degrees: _Degrees = (
+    def degrees(self, config: Configuration) -> _Degrees:
+        """The degrees of ``config``'s blocks, in :meth:`blocks`' order."""
+        return (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
@@ -349,6 +364,10 @@ class Estimator:
             self.sharding_of(config),
             self.expert_overlap(config),
         )
+
+    def layout(self, config: Configuration) -> _Layout:
+        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
+        degrees = self.degrees(config)
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
             return self._layouts[key]
@@ -508,9 +527,9 @@ class Estimator:
 
     def optimizer_ms(self, config: Configuration, layout: _Layout) -> float:
         """Adam's step on the heaviest rank's local parameters, ms (module docstring)."""
-        return self._optimizer_ms(config, layout.max_parameters, layout.max_expert_parameters)
+        return self.rank_optimizer_ms(config, layout.max_parameters, layout.max_expert_parameters)
 
-    def _optimizer_ms(self, config: Configuration, parameters: float, experts: float) -> float:
+    def rank_optimizer_ms(self, config: Configuration, parameters: float, experts: float) -> float:
         """Adam's step on a rank holding ``parameters``, ``experts`` of them routed experts, ms: the step model's
         bytes per parameter (:func:`pipesched.optimizer.cost.collectives`: 28 B for an fp32 model, else 30 B)."""
         local = parameters
@@ -521,6 +540,113 @@ class Estimator:
                 local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
         adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
         return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s
+
+    @staticmethod
+    def _rounding_ms(config: Configuration) -> float:
+        """What the problem's rounding may take off a bound, ms: it rounds every cost to 1e-6 ms (half of it
+        either way), a rank's F, I, W of m microbatches on v stages, the chain's passes and hops before it, its
+        optimizer step's terms, each maybe that much less."""
+        m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
+        return 5e-7 * (3 * m * v + 4 * p * v + 4)
+
+    def p2p_ms(self, config: Configuration) -> float:
+        """One activation between neighbouring pipeline ranks, ms (as the problem derives it)."""
+        model = self.model
+        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        p2p_bytes /= config.context_parallel
+        if self.sequence_parallel:
+            p2p_bytes /= config.tensor_parallel
+        return self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
+
+    def bound_ms(self, config: Configuration) -> float:
+        """The lower bound of ``config``'s step, ms (module docstring): the least busiest rank over the layer
+        splits (:mod:`pipesched.optimizer.planner.bound`), its passes with the pipeline's fill and drain, plus
+        the mean rank's optimizer step; without a flush the least busiest rank's passes (plus the estimated step
+        the plan adds without data parallelism).
+        Cached; at least :attr:`Estimate.bound_ms` (the mean rank's), costlier (a bisection over the splits)."""
+        layout = self.layout(config)
+        p2p_ms = self.p2p_ms(config)
+        m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
+        rounding = self._rounding_ms(config)
+        if p == 1:  # one rank holds every layer: no split to choose
+            return max(0.0, m * layout.rank_compute_ms + self.optimizer_ms(config, layout) - rounding)
+        family = get_family(config.method) if config.method != "auto" else None
+        flush = family is None or family.flush
+        fused = family is not None and not family.runs_split_backward
+        degrees = self.degrees(config)
+        key: tuple[object, ...] = (*degrees, p, v, config.placement, m, config.sharding, config.weight_copies)
+        key = (*key, config.data_parallel_size, flush, fused, p2p_ms)
+        if key in self._bounds:
+            return self._bounds[key]
+        if config.placement == "bidirectional":  # a stage's two holders share its batch: the mean rank
+            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            self._bounds[key] = bound = max(0.0, m * layout.mean_compute_ms + optimizer - rounding)
+            return bound
+        layer, embedding, head, _, _ = self.blocks(*degrees)
+        dense = self.dense_layer(degrees)
+        num_layers = self.model.num_layers
+        first_dense = self.model.first_dense_layers if self.model.is_moe else num_layers
+
+        def step(block: Block) -> float:
+            return self.rank_optimizer_ms(config, block.parameters, block.expert_parameters)
+
+        def fill(block: Block) -> float:
+            # a microbatch's chain before the rank's first pass (F) and, with a fused backward, after its last (B)
+            return block.compute_ms if fused else block.forward_ms
+
+        hop = (2 if fused else 1) * p2p_ms
+        if not flush:  # the step period: at least each rank's passes (and with a simulated step its optimizer's)
+            costs = LayerCosts(num_layers, first_dense, m * layer.compute_ms, 0.0, m * dense.compute_ms, 0.0)
+            passes = self._least_busiest(config, costs, (m * embedding.compute_ms, m * head.compute_ms), (0.0, 0.0))
+            if config.weight_copies == 1:  # the plan adds the estimated optimizer step to the period
+                bound = passes + self.optimizer_ms(config, layout)
+            else:  # the simulator's period: the busiest rank's passes and step, at least the mean rank's
+                mean = m * layout.mean_compute_ms
+                bound = max(
+                    passes, mean + self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+                )
+        else:  # every rank's step waits for the last pass of any rank
+            passes = LayerCosts(
+                num_layers, first_dense, m * layer.compute_ms, fill(layer), m * dense.compute_ms, fill(dense)
+            )
+            # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same)
+            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            bound = optimizer + self._least_busiest(
+                config, passes, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
+            )
+        self._bounds[key] = bound = max(0.0, bound - rounding)
+        return bound
+
+    @staticmethod
+    def _least_busiest(
+        config: Configuration, costs: LayerCosts, ends: tuple[float, float], fills: tuple[float, float]
+    ) -> float:
+        """The least busiest rank's cost over the splits: ``ends`` the embedding's and the head's own costs,
+        ``fills`` the first stage's and every other stage's fixed fill (:mod:`pipesched.optimizer.planner.bound`).
+        """
+        p, v = config.pipeline_parallel, config.stages_per_rank
+        num_stages = p * v
+        own = [0.0] * num_stages
+        own[0] += ends[0]
+        own[-1] += ends[1]
+        prefix = [fills[0]] + [fills[1]] * (num_stages - 1)
+        ranks = stage_to_rank(p, v, config.placement)
+        if v == 1 and list(ranks) == list(range(p)):
+            return contiguous_min_max(costs, own, prefix)
+        # Several stages per rank: any count of layers per rank; the stages before a rank's first (stage r under
+        # loop and V placements) charged their least, one layer each (none on the embedding's stage, which a
+        # request's split may leave without one; so may the last stage).
+        layer_fill = min(costs.prefix, costs.dense_prefix) if costs.dense else costs.prefix
+        rank_own = [0.0] * p
+        least = [0] * p
+        for stage in range(num_stages):
+            rank = ranks[stage]
+            rank_own[rank] += own[stage]
+            least[rank] += 0 if stage in (0, num_stages - 1) else 1
+        first = [min(s for s in range(num_stages) if ranks[s] == rank) for rank in range(p)]
+        for rank in range(p):
+            rank_own[rank] += sum(prefix[s] + (layer_fill if s else 0.0) for s in range(first[rank]))
+        return count_min_max(costs, rank_own, least)
 
     def estimate(self, config: Configuration) -> Estimate:
         """Memory, bound and estimated step of ``config`` (module docstring)."""
@@ -558,17 +684,10 @@ class Estimator:
         static = max(static_first, static_last, static_heaviest)
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
-        # A rank runs its m microbatches' F + I + W, then its optimizer step; ranks sum to the same total under
-        # any partition, so the mean rank's is a bound whatever split the evaluation picks (the even split's
-        # busiest rank is not: the evaluation partitions by time and moves layers off the head's stage).
-        mean_optimizer = self._optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
-        bound = m * layout.mean_compute_ms + mean_optimizer
-        model = self.model
-        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
-        p2p_bytes /= config.context_parallel
-        if self.sequence_parallel:
-            p2p_bytes /= config.tensor_parallel
-        p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
+        p2p_ms = self.p2p_ms(config)
+        # the quick bound: every rank runs its passes then its step, and the ranks' sum is the same under any split
+        mean_step = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+        bound = max(0.0, m * layout.mean_compute_ms + mean_step - self._rounding_ms(config))
         bubble = _bubble(config.method) * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
         estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer
         limit = self.limit_bytes
