@@ -529,11 +529,18 @@ class _PlanSearch(SearchContext[Evaluation]):
         self.searched.unexplored += self.total - processed + too_slow
 
     def evaluate_auto(self) -> None:
-        """The ``auto`` schedule search on the best pipelined configurations, with the time left."""
+        """The ``auto`` schedule search on the best pipelined configurations, with the time left: the best of
+        each of the two best layouts (configurations that differ only in their family or their data-parallel
+        sharding give auto the same passes: a second would search the same orders again)."""
         if not _allows_auto(self.prepared.request):
             return
         estimator = self.prepared.estimator
-        for item in [item for item in self.ranked() if item.configuration.pipeline_parallel > 1][:2]:
+        best_of_pipeline: dict[tuple[object, ...], Evaluation] = {}
+        for item in self.ranked():
+            if item.configuration.pipeline_parallel > 1:
+                layout = dataclasses.replace(item.configuration, method="auto")
+                best_of_pipeline.setdefault(_pipeline_key(layout), item)
+        for item in list(best_of_pipeline.values())[:2]:
             remaining = self.deadline - time.perf_counter()
             config = item.configuration
             if remaining < 2.0 or self.user_stopped():
