@@ -141,11 +141,7 @@ def build_problem(
     if config.context_parallel > 1:
         document["context_parallel"] = {"size": config.context_parallel}
     if config.expert_parallel > 1:
-        estimate = get_family(config.method).planner if config.method != "auto" else None
-        overlap = estimator.hardware.software.moe_all_to_all_overlap or (
-            estimate is not None and estimate.overlaps_microbatches
-        )
-        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": overlap}
+        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": estimator.expert_overlap(config)}
     return load_problem(document)
 
 
@@ -221,9 +217,7 @@ def _plan(
         ),
         mfu=round(mfu, 4),
         peak_memory_bytes=float(round(peak_memory_bytes)),
-        # The analytic bound (prune.py) times the data-parallel collectives apart from the simulated step, which can
-        # hide more of them: never state a bound above the step this plan reaches.
-        lower_bound_ms=round(min(bound_ms, step_ms), 4),
+        lower_bound_ms=round(bound_ms, 4),
         schedule_id=schedule_id,
         launch=launch_for(estimator, config, layers_per_stage),
         pipeline_makespan_ms=round(makespan_ms, 4),
@@ -245,7 +239,7 @@ def evaluate(
     """Derive, schedule and simulate ``config``; a plan when it fits, else the reason.
 
     ``with_bound`` adds the scheduling lower bound of :mod:`pipesched.optimizer.bounds` (on the makespan)
-    to the configuration's bound; otherwise the plan's bound is the estimator's (busiest rank's compute).
+    to the configuration's bound; otherwise the plan's bound is the estimator's (:meth:`Estimator.bound_ms`).
     ``enforce_memory=False`` times a configuration whatever its memory (calibration: a published run ran).
     """
     try:
@@ -304,15 +298,15 @@ def evaluate(
             "a GPU offers",
             over_memory=True,
         )
-    bound = estimate.bound_ms
-    if with_bound:
-        bound = max(
-            bound, schedule_lower_bound(problem, estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
-        )
     simulated_step = getattr(schedule, "step_time", None) if _simulates_collectives(problem) else None
     if simulated_step is not None:  # the simulator's step: collectives and optimizer step included
         estimate = dataclasses.replace(estimate, data_parallel_exposed_ms=0.0, optimizer_step_ms=0.0)
         makespan = float(simulated_step)
+    bound = max(estimate.bound_ms, estimator.bound_ms(config))
+    if with_bound:  # the step adds the estimates to the makespan, or is the simulator's (they are then 0)
+        bound = max(
+            bound, schedule_lower_bound(problem, estimate.data_parallel_exposed_ms + estimate.optimizer_step_ms)
+        )
     plan = _plan(estimator, config, estimate, makespan, peak, bound, schedule.id, problem.model.layers_per_stage)
     # simulated for another sharding: the same orders, rebuilt on this problem on demand (schedule_for)
     own = schedule if schedule.problem == problem else None

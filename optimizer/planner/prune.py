@@ -40,8 +40,23 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   all of the after-step gather with ``optimizer``/``gradients``).
 - **Optimizer step**: Adam is memory-bound: 30 bytes per local parameter (fp32 master, two moments read and
   written, the fp32 gradient read, the 16-bit weight written) over the memory bandwidth.
-- **Lower bound** of the step: m × the busiest rank's F + I + W per microbatch + the optimizer step; no
-  schedule of this configuration is faster under this cost model.
+- **Lower bound** of the step, valid for whatever layer split the evaluation picks (by time and memory, a tie
+  settled by the schedule, or the request's ``layers_per_stage``): the least, over the splits, of the busiest
+  rank (:mod:`pipesched.optimizer.planner.bound`). With a flush every rank's optimizer step waits for the last
+  pass of any rank (the simulator's synchronised step), so the bound is the least busiest rank's passes plus
+  the mean rank's optimizer step (at most the heaviest's). A rank's passes are its m microbatches' F + I + W
+  and the pipeline's fill and drain it cannot avoid: its first pass (on its first stage r, loop or V) waits for
+  one microbatch's forwards on stages 0..r−1 and the hops between them, and with a fused backward its last pass
+  (a backward of stage r: a later stage's would need stage r's after it) is followed by that microbatch's
+  backwards on stages r−1..0. One stage per rank: exact over the contiguous splits. Several: each rank may
+  hold any number of layers, the stages before its first charged one layer each. Without a flush
+  (PipeDream-2BW) the step period: the least busiest rank's passes, plus the estimated optimizer step the plan
+  adds to it without data parallelism (with it, the simulated period holds the steps: at least the mean
+  rank's passes and step). Expert all-to-alls are charged as the problem charges them (hidden where the
+  framework or the family overlaps microbatches: :meth:`Estimator.expert_overlap`). Data-parallel collectives
+  are not charged (the simulator may hide them). Bidirectional placements: the mean rank's passes and step.
+  The quick bound every estimate carries (:attr:`Estimate.bound_ms`) is the mean rank's passes and step; the
+  search prunes with it first, then with the tight one (:meth:`Estimator.bound_ms`, cached).
 """
 
 from __future__ import annotations
@@ -73,6 +88,7 @@ from pipesched.optimizer.cost.stages import (
 )
 from pipesched.optimizer.families import PlannerEstimate, get_family
 from pipesched.optimizer.partition import even_partition
+from pipesched.optimizer.planner.bound import LayerCosts, contiguous_min_max, count_min_max
 from pipesched.optimizer.planner.space import Configuration
 from pipesched.optimizer.problem import DataParallel, stage_to_rank
 from pipesched.optimizer.units import format_bytes
@@ -113,7 +129,8 @@ def in_flight(method: str, p: int, v: int, m: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A configuration's cheap figures (ms, bytes) and, when it cannot fit, why."""
+    """A configuration's cheap figures (ms, bytes) and, when it cannot fit, why. ``bound_ms`` is the quick lower
+    bound of its step (the mean rank's passes and optimizer step); :meth:`Estimator.bound_ms` the tight one."""
 
     peak_memory_bytes: float
     static_bytes: float
@@ -145,9 +162,15 @@ class _Layout:
     max_expert_parameters: float = 0.0
     heaviest_position: float = 0.0
     max_chunk_activation: float = 0.0
+    mean_compute_ms: float = 0.0
+    mean_parameters: float = 0.0
+    mean_expert_parameters: float = 0.0
 
 
-#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class[, "dense"]).
+#: A block's degrees, as :meth:`Estimator.blocks` takes them: (t, b, recompute, precision, c, ep, sharding, overlap).
+_Degrees = tuple[int, int, str, str | None, int, int, str, bool]
+
+#: A cached block's key: (t, b, recompute, precision, c, ep, kernels class, "overlap" or ""[, "dense"]).
 _Key = tuple[int | str, ...]
 
 
@@ -171,7 +194,8 @@ class Estimator:
         self.async_tensor_parallel = async_tensor_parallel
         self.reduce_dtype = reduce_dtype
         self._blocks: dict[_Key, tuple[Block, Block, Block, Block, ModelConfig]] = {}
-        self._layouts: dict[tuple[int | str, ...], _Layout] = {}
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
+        self._bounds: dict[tuple[object, ...], float] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -210,43 +234,64 @@ class Estimator:
             }
         )
 
-    def _key(self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str) -> _Key:
+    def expert_overlap(self, config: Configuration) -> bool:
+        """Whether the configuration's expert all-to-alls hide behind another microbatch's pass
+        (:class:`~pipesched.optimizer.configs.ExpertParallel` ``overlap``): the framework overlaps them, or the
+        family runs one microbatch's forward beside another's backward (DualPipe)."""
+        if config.expert_parallel <= 1:
+            return False
+        estimate = get_family(config.method).planner if config.method != "auto" else None
+        return self.hardware.software.moe_all_to_all_overlap or (
+            estimate is not None and estimate.overlaps_microbatches
+        )
+
+    def _key(
+        self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str, overlap: bool
+    ) -> _Key:
         """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
         only use a block has for it)."""
         unknown = self.model.kernels == "unknown"
         kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior) if unknown else ""
-        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class)
+        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class, "overlap" if overlap else "")
 
     def blocks(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
+        self,
+        t: int,
+        b: int,
+        recompute: str,
+        precision: str | None = None,
+        c: int = 1,
+        ep: int = 1,
+        sharding: str = "",
+        overlap: bool = False,
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
         degree c, expert degree ep and the data-parallel ``sharding`` ("": no data parallelism; with kernels
         "unknown" it names who runs the layout: :func:`pipesched.optimizer.cost.stages.blended`); a
-        mixture-of-experts model's layer is its expert layer."""
-        key = self._key(t, b, recompute, precision, c, ep, sharding)
+        mixture-of-experts model's layer is its expert layer, its all-to-alls hidden where ``overlap``."""
+        key = self._key(t, b, recompute, precision, c, ep, sharding, overlap)
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding),
+                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
                 head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding),
-                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
                 model,
             )
         return self._blocks[key]
 
-    def dense_layer(
-        self, t: int, b: int, recompute: str, precision: str | None = None, c: int = 1, ep: int = 1, sharding: str = ""
-    ) -> Block:
-        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the same degrees."""
-        key = (*self._key(t, b, recompute, precision, c, ep, sharding), "dense")
+    def dense_layer(self, degrees: _Degrees) -> Block:
+        """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the degrees of
+        :meth:`blocks`, in its order."""
+        t, b, recompute, precision, c, ep, sharding, overlap = degrees
+        key = (*self._key(t, b, recompute, precision, c, ep, sharding, overlap), "dense")
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False, sharding=sharding)
-            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding)[1:])
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding, overlap)[1:])
         return self._blocks[key][0]
 
     @staticmethod
@@ -286,6 +331,7 @@ class Estimator:
         *,
         moe: bool,
         sharding: str | None = None,
+        overlap: bool = False,
     ) -> Block:
         return transformer_layer(
             model,
@@ -294,7 +340,7 @@ class Estimator:
             self.cluster,
             moe=moe,
             context_parallel=ContextParallel(size=c) if c > 1 else None,
-            expert_parallel=ExpertParallel(size=ep) if ep > 1 else None,
+            expert_parallel=ExpertParallel(size=ep, overlap=overlap) if ep > 1 else None,
             sharding=sharding,
         )
 
@@ -306,9 +352,9 @@ class Estimator:
             size=size, sequence_parallel=self.sequence_parallel, async_communication=self.async_tensor_parallel
         )
 
-    def layout(self, config: Configuration) -> _Layout:
-        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
-        degrees = (
+    def degrees(self, config: Configuration) -> _Degrees:
+        """The degrees of ``config``'s blocks, in :meth:`blocks`' order."""
+        return (
             config.tensor_parallel,
             config.micro_batch_size,
             config.activation_recomputation,
@@ -316,12 +362,17 @@ class Estimator:
             config.context_parallel,
             config.expert_parallel,
             self.sharding_of(config),
+            self.expert_overlap(config),
         )
+
+    def layout(self, config: Configuration) -> _Layout:
+        """Even split of the layers over the chunks (the dense ones first), summed per rank."""
+        degrees = self.degrees(config)
         key = (*degrees, config.pipeline_parallel, config.stages_per_rank, config.placement)
         if key in self._layouts:
             return self._layouts[key]
         layer, embedding, head, _, _ = self.blocks(*degrees)
-        dense = self.dense_layer(*degrees)
+        dense = self.dense_layer(degrees)
         first_dense = self.model.first_dense_layers if self.model.is_moe else self.model.num_layers
         p, v, placement = config.pipeline_parallel, config.stages_per_rank, config.placement
         num_stages = p * v
@@ -389,6 +440,9 @@ class Estimator:
             max_expert_parameters=experts[heaviest],
             heaviest_position=heaviest / (p - 1) if p > 1 else 0.0,
             max_chunk_activation=max(activation),
+            mean_compute_ms=sum(compute) / p,
+            mean_parameters=sum(parameters) / p,
+            mean_expert_parameters=sum(experts) / p,
         )
         self._layouts[key] = figures
         return figures
@@ -472,15 +526,127 @@ class Estimator:
         return reduce / v + gather
 
     def optimizer_ms(self, config: Configuration, layout: _Layout) -> float:
-        """Adam's step on a rank's local parameters, ms (module docstring)."""
-        local = layout.max_parameters
+        """Adam's step on the heaviest rank's local parameters, ms (module docstring)."""
+        return self.rank_optimizer_ms(config, layout.max_parameters, layout.max_expert_parameters)
+
+    def rank_optimizer_ms(self, config: Configuration, parameters: float, experts: float) -> float:
+        """Adam's step on a rank holding ``parameters``, ``experts`` of them routed experts, ms: the step model's
+        bytes per parameter (:func:`pipesched.optimizer.cost.collectives`: 28 B for an fp32 model, else 30 B)."""
+        local = parameters
         if config.sharding != "none":
-            experts = layout.max_expert_parameters
             local = (local - experts) / config.weight_copies
             if experts:
                 t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
                 local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
-        return 1e3 * ADAM_BYTES_PER_PARAMETER * local / self.hardware.memory_bandwidth_bytes_per_s
+        adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
+        return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s
+
+    @staticmethod
+    def _rounding_ms(config: Configuration) -> float:
+        """What the problem's rounding may take off a bound, ms: it rounds every cost to 1e-6 ms (half of it
+        either way), a rank's F, I, W of m microbatches on v stages, the chain's passes and hops before it, its
+        optimizer step's terms, each maybe that much less."""
+        m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
+        return 5e-7 * (3 * m * v + 4 * p * v + 4)
+
+    def p2p_ms(self, config: Configuration) -> float:
+        """One activation between neighbouring pipeline ranks, ms (as the problem derives it)."""
+        model = self.model
+        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
+        p2p_bytes /= config.context_parallel
+        if self.sequence_parallel:
+            p2p_bytes /= config.tensor_parallel
+        return self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
+
+    def bound_ms(self, config: Configuration) -> float:
+        """The lower bound of ``config``'s step, ms (module docstring): the least busiest rank over the layer
+        splits (:mod:`pipesched.optimizer.planner.bound`), its passes with the pipeline's fill and drain, plus
+        the mean rank's optimizer step; without a flush the least busiest rank's passes (plus the estimated step
+        the plan adds without data parallelism).
+        Cached; at least :attr:`Estimate.bound_ms` (the mean rank's), costlier (a bisection over the splits)."""
+        layout = self.layout(config)
+        p2p_ms = self.p2p_ms(config)
+        m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
+        rounding = self._rounding_ms(config)
+        if p == 1:  # one rank holds every layer: no split to choose
+            return max(0.0, m * layout.rank_compute_ms + self.optimizer_ms(config, layout) - rounding)
+        family = get_family(config.method) if config.method != "auto" else None
+        flush = family is None or family.flush
+        fused = family is not None and not family.runs_split_backward
+        degrees = self.degrees(config)
+        key: tuple[object, ...] = (*degrees, p, v, config.placement, m, config.sharding, config.weight_copies)
+        key = (*key, config.data_parallel_size, flush, fused, p2p_ms)
+        if key in self._bounds:
+            return self._bounds[key]
+        if config.placement == "bidirectional":  # a stage's two holders share its batch: the mean rank
+            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            self._bounds[key] = bound = max(0.0, m * layout.mean_compute_ms + optimizer - rounding)
+            return bound
+        layer, embedding, head, _, _ = self.blocks(*degrees)
+        dense = self.dense_layer(degrees)
+        num_layers = self.model.num_layers
+        first_dense = self.model.first_dense_layers if self.model.is_moe else num_layers
+
+        def step(block: Block) -> float:
+            return self.rank_optimizer_ms(config, block.parameters, block.expert_parameters)
+
+        def fill(block: Block) -> float:
+            # a microbatch's chain before the rank's first pass (F) and, with a fused backward, after its last (B)
+            return block.compute_ms if fused else block.forward_ms
+
+        hop = (2 if fused else 1) * p2p_ms
+        if not flush:  # the step period: at least each rank's passes (and with a simulated step its optimizer's)
+            costs = LayerCosts(num_layers, first_dense, m * layer.compute_ms, 0.0, m * dense.compute_ms, 0.0)
+            passes = self._least_busiest(config, costs, (m * embedding.compute_ms, m * head.compute_ms), (0.0, 0.0))
+            if config.weight_copies == 1:  # the plan adds the estimated optimizer step to the period
+                bound = passes + self.optimizer_ms(config, layout)
+            else:  # the simulator's period: the busiest rank's passes and step, at least the mean rank's
+                mean = m * layout.mean_compute_ms
+                bound = max(
+                    passes, mean + self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+                )
+        else:  # every rank's step waits for the last pass of any rank
+            passes = LayerCosts(
+                num_layers, first_dense, m * layer.compute_ms, fill(layer), m * dense.compute_ms, fill(dense)
+            )
+            # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same)
+            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            bound = optimizer + self._least_busiest(
+                config, passes, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
+            )
+        self._bounds[key] = bound = max(0.0, bound - rounding)
+        return bound
+
+    @staticmethod
+    def _least_busiest(
+        config: Configuration, costs: LayerCosts, ends: tuple[float, float], fills: tuple[float, float]
+    ) -> float:
+        """The least busiest rank's cost over the splits: ``ends`` the embedding's and the head's own costs,
+        ``fills`` the first stage's and every other stage's fixed fill (:mod:`pipesched.optimizer.planner.bound`).
+        """
+        p, v = config.pipeline_parallel, config.stages_per_rank
+        num_stages = p * v
+        own = [0.0] * num_stages
+        own[0] += ends[0]
+        own[-1] += ends[1]
+        prefix = [fills[0]] + [fills[1]] * (num_stages - 1)
+        ranks = stage_to_rank(p, v, config.placement)
+        if v == 1 and list(ranks) == list(range(p)):
+            return contiguous_min_max(costs, own, prefix)
+        # Several stages per rank: any count of layers per rank; the stages before a rank's first (stage r under
+        # loop and V placements) charged their least, one layer each (none on the embedding's stage, which a
+        # request's split may leave without one; so may the last stage).
+        layer_fill = min(costs.prefix, costs.dense_prefix) if costs.dense else costs.prefix
+        rank_own = [0.0] * p
+        least = [0] * p
+        for stage in range(num_stages):
+            rank = ranks[stage]
+            rank_own[rank] += own[stage]
+            least[rank] += 0 if stage in (0, num_stages - 1) else 1
+        first = [min(s for s in range(num_stages) if ranks[s] == rank) for rank in range(p)]
+        for rank in range(p):
+            rank_own[rank] += sum(prefix[s] + (layer_fill if s else 0.0) for s in range(first[rank]))
+        return count_min_max(costs, rank_own, least)
 
     def estimate(self, config: Configuration) -> Estimate:
         """Memory, bound and estimated step of ``config`` (module docstring)."""
@@ -518,13 +684,10 @@ class Estimator:
         static = max(static_first, static_last, static_heaviest)
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
-        bound = m * layout.rank_compute_ms + optimizer
-        model = self.model
-        p2p_bytes = 1.0 * model.seq_length * config.micro_batch_size * model.hidden_size * model.dtype_bytes
-        p2p_bytes /= config.context_parallel
-        if self.sequence_parallel:
-            p2p_bytes /= config.tensor_parallel
-        p2p_ms = self.cluster.p2p_latency_ms + 1e3 * p2p_bytes / self.pipeline_bandwidth(config)
+        p2p_ms = self.p2p_ms(config)
+        # the quick bound: every rank runs its passes then its step, and the ranks' sum is the same under any split
+        mean_step = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+        bound = max(0.0, m * layout.mean_compute_ms + mean_step - self._rounding_ms(config))
         bubble = _bubble(config.method) * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
         estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer
         limit = self.limit_bytes

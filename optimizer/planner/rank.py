@@ -413,6 +413,11 @@ def _estimate_within(
     return estimates
 
 
+def _pipeline_key(config: Configuration) -> tuple[object, ...]:
+    """The configuration without its data-parallel sharding: what its schedule's passes depend on."""
+    return (*astuple(config)[:3], *astuple(config)[4:])
+
+
 def _kth(steps: list[float], k: int) -> float:
     return sorted(steps)[k - 1] if len(steps) >= k else math.inf
 
@@ -508,11 +513,12 @@ class _PlanSearch(SearchContext[Evaluation]):
             if self.should_stop() or (time.perf_counter() >= family_deadline and self.steps):
                 break
             processed += 1
-            if estimate.bound_ms >= _kth(self.steps, self.top):
+            kth = _kth(self.steps, self.top)
+            if estimate.bound_ms >= kth or estimator.bound_ms(config) >= kth:  # the quick bound, then the tight one
                 self.searched.pruned_bound += 1
                 continue
             remaining = self.deadline - time.perf_counter()
-            pipeline_key = (*astuple(config)[:3], *astuple(config)[4:])
+            pipeline_key = _pipeline_key(config)
             if pipeline_key not in self.simulated and 2 * evaluation_seconds(config) > remaining:
                 too_slow += 1  # its schedule cannot be built before the deadline
                 continue
@@ -523,11 +529,18 @@ class _PlanSearch(SearchContext[Evaluation]):
         self.searched.unexplored += self.total - processed + too_slow
 
     def evaluate_auto(self) -> None:
-        """The ``auto`` schedule search on the best pipelined configurations, with the time left."""
+        """The ``auto`` schedule search on the best pipelined configurations, with the time left: the best of
+        each of the two best layouts (configurations that differ only in their family or their data-parallel
+        sharding give auto the same passes: a second would search the same orders again)."""
         if not _allows_auto(self.prepared.request):
             return
         estimator = self.prepared.estimator
-        for item in [item for item in self.ranked() if item.configuration.pipeline_parallel > 1][:2]:
+        best_of_pipeline: dict[tuple[object, ...], Evaluation] = {}
+        for item in self.ranked():
+            if item.configuration.pipeline_parallel > 1:
+                layout = dataclasses.replace(item.configuration, method="auto")
+                best_of_pipeline.setdefault(_pipeline_key(layout), item)
+        for item in list(best_of_pipeline.values())[:2]:
             remaining = self.deadline - time.perf_counter()
             config = item.configuration
             if remaining < 2.0 or self.user_stopped():
@@ -560,7 +573,7 @@ class _PlanSearch(SearchContext[Evaluation]):
             ):
                 added = plan.data_parallel_exposed_ms + plan.optimizer_step_ms
                 bound = max(plan.lower_bound_ms, schedule_lower_bound(item.problem, added))
-                plan = plan.model_copy(update={"lower_bound_ms": round(min(bound, plan.step_time_ms), 4)})
+                plan = plan.model_copy(update={"lower_bound_ms": round(bound, 4)})
             plans.append(plan)
             schedules.append(schedule_for(item))  # simulation only: the orders are kept
         return plans, schedules

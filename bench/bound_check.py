@@ -1,0 +1,83 @@
+"""How many configurations of the planner bench and the CP/EP bench have the planner's lower bound above their
+simulated step, and how close to it each bound comes (bound / step over the configurations), side by side: the
+bound ``search`` prunes with (``Estimator.bound_ms``, after the quick ``Estimate.bound_ms``), the former one
+(m × the even split's busiest rank + the heaviest rank's optimizer step) and the mean rank's (m × the mean rank's
+F + I + W + the mean rank's optimizer step: the quick bound).
+
+Each case's space (its published layout pinned, and the free searches of ``FREE_CASES`` / every planner bench
+case) is prepared as ``plan`` prepares it, and up to ``--per-case`` candidates, best estimate first, are
+simulated with memory not enforced.
+
+Run: ``python -m bench.bound_check [--per-case N] [--only SUBSTRING]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+
+from bench import cpep_bench, planner_bench
+from pipesched.optimizer.planner.evaluate import evaluate
+from pipesched.optimizer.planner.rank import prepare
+from pipesched.optimizer.planner.request import PlanRequest
+
+
+def requests() -> Iterator[tuple[str, PlanRequest]]:
+    """(name, request) of every bench case: pinned, and free where the bench runs a free search."""
+    for name, preset, nodes, batch, pins, *_ in planner_bench.CASES:
+        training = planner_bench.TRAINING[name]
+        yield f"planner {name} pinned", planner_bench.request(preset, nodes, batch, 30.0, pins, training)
+        yield f"planner {name} free", planner_bench.request(preset, nodes, batch, 30.0, {}, training)
+    for row in cpep_bench.load_rows():
+        yield f"cpep {row['id']} pinned", cpep_bench.request_for(row, 30.0)
+        if row["id"] in cpep_bench.FREE_CASES:
+            yield f"cpep {row['id']} free", cpep_bench.request_for(row, 30.0, pinned=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--per-case", type=int, default=8)
+    parser.add_argument("--only", default="")
+    args = parser.parse_args()
+    totals = {"checked": 0, "former_above": 0, "bound_above": 0}
+    ratios: dict[str, list[float]] = {"former": [], "mean": [], "bound": []}
+    started = time.perf_counter()
+    for name, request in requests():
+        if args.only not in name:
+            continue
+        try:
+            prepared = prepare(request)
+        except ValueError as error:
+            print(f"{name}: no candidates ({str(error).splitlines()[0]})")
+            continue
+        estimator = prepared.estimator
+        for config, estimate in prepared.candidates[: args.per_case]:
+            evaluation = evaluate(estimator, config, estimate, time_limit_s=5.0, enforce_memory=False)
+            if evaluation.plan is None:
+                continue
+            step = evaluation.plan.step_time_ms
+            layout = estimator.layout(config)
+            former = config.num_microbatches * layout.rank_compute_ms + estimator.optimizer_ms(config, layout)
+            mean_step = estimator.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            mean = config.num_microbatches * layout.mean_compute_ms + mean_step
+            bound = estimator.bound_ms(config)
+            for label, value in (("former", former), ("mean", mean), ("bound", bound)):
+                ratios[label].append(value / step)
+            totals["checked"] += 1
+            totals["former_above"] += former > step * (1 + 1e-6)
+            totals["bound_above"] += bound > step * (1 + 1e-6) or estimate.bound_ms > step * (1 + 1e-6)
+            if former > step * (1 + 1e-6) or bound > step * (1 + 1e-6):
+                print(f"{name}: {config} step {step:.3f} former {former:.3f} bound {bound:.3f}")
+    print(f"{totals} in {time.perf_counter() - started:.0f} s")
+    for label, values in ratios.items():
+        if values:
+            ordered = sorted(values)
+            print(
+                f"{label}/step: mean {sum(values) / len(values):.4f}, median {ordered[len(values) // 2]:.4f}, "
+                f"least {ordered[0]:.4f}, most {ordered[-1]:.4f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
