@@ -33,6 +33,7 @@ __all__ = [
     "least_time_limit_s",
     "raise_field_errors",
     "stage_to_rank",
+    "weight_version_memory",
 ]
 
 #: A named placement (contract, Terms): how stages lie on ranks; an explicit list is the alternative.
@@ -804,3 +805,25 @@ class Problem(_Strict):
         import json
 
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def weight_version_memory(problem: Problem) -> list[float]:
+    """Per-rank bytes held beyond ``memory.static`` for the extra weight versions (PipeDream-2BW, Narayanan
+    et al. 2020, §3.1): ``(weight_versions − 1) × Σ memory.weights`` over the rank's stages — weights only (one
+    gradient buffer and one optimizer state stay in ``static``), the shard of them (1/d) with
+    ``data_parallel.sharding: full``; ``× static`` when ``memory.weights`` is not given (an upper bound)."""
+    assert problem.memory is not None
+    extra = problem.training.weight_versions - 1
+    if extra == 0:
+        return [0.0] * problem.pipeline.num_ranks
+    if problem.memory.weights is None:
+        return [extra * s for s in problem.static_memory]
+    weights = problem.stage_values(problem.memory.weights)
+    ranks = problem.pipeline.stage_to_rank
+    shard = 1.0
+    if problem.data_parallel is not None and problem.data_parallel.sharding == "full":
+        shard = 1.0 / problem.data_parallel.size
+    per_rank = [0.0] * problem.pipeline.num_ranks
+    for stage, rank in enumerate(ranks):
+        per_rank[rank] += weights[stage % len(weights)] * shard
+    return [extra * w for w in per_rank]

@@ -8,8 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipesched.optimizer.instance import Instance, compile_for_orders
 from pipesched.optimizer.ir import Action, ActionKind, Orders, parse_orders
-from pipesched.optimizer.pattern import weight_version_memory
-from pipesched.optimizer.problem import DataParallel, Problem
+from pipesched.optimizer.problem import DataParallel, Problem, weight_version_memory
 from pipesched.optimizer.simulate import SimulationResult, simulate
 
 __all__ = [

@@ -606,13 +606,13 @@ class Estimator:
                     passes, mean + self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
                 )
         else:  # every rank's step waits for the last pass of any rank
-            passes = LayerCosts(
+            layer_costs = LayerCosts(
                 num_layers, first_dense, m * layer.compute_ms, fill(layer), m * dense.compute_ms, fill(dense)
             )
             # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same)
             optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
             bound = optimizer + self._least_busiest(
-                config, passes, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
+                config, layer_costs, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
             )
         self._bounds[key] = bound = max(0.0, bound - rounding)
         return bound
