@@ -108,6 +108,11 @@ def report(catalogue: ProfileCatalogue) -> dict[str, Any]:
     }
 
 
+def _errors_line(title: str, rows: list[dict[str, Any]]) -> str:
+    """``title`` then each row's name and error (predicted / published − 1), one sentence."""
+    return title + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in rows) + "."
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The report as Markdown: the fits, leave one source out, the what-ifs, then before and after row by row."""
     lines = [
@@ -120,26 +125,30 @@ def markdown(result: dict[str, Any]) -> str:
         f"every tuned CDNA3 FP8 run {result['fit_tuned_fp8']}; every CDNA3 run (the untuned MI300X build included) "
         f"{result['fit_all_cdna3']}.",
         "",
-        "BF16 rows at the scale they alone would fit (in-sample, not shipped): "
-        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["bf16_at_their_own_scale"])
-        + ".",
+        _errors_line(
+            "BF16 rows at the scale they alone would fit (in-sample, not shipped): ", result["bf16_at_their_own_scale"]
+        ),
         "",
-        "MI355X rows at the MI325X's fitted scale (carried to CDNA 4 by rule, not fitted): "
-        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["mi355x_at_the_mi325x_scale"])
-        + ".",
+        _errors_line(
+            "MI355X rows at the MI325X's fitted scale (carried to CDNA 4 by rule, not fitted): ",
+            result["mi355x_at_the_mi325x_scale"],
+        ),
         "",
-        "MI350X rows at the MI355X's fitted scale (the same die at 1,000 W against 1,400 W; not fitted): "
-        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["mi350x_at_the_mi355x_scale"])
-        + ".",
+        _errors_line(
+            "MI350X rows at the MI355X's fitted scale (the same die at 1,000 W against 1,400 W; not fitted): ",
+            result["mi350x_at_the_mi355x_scale"],
+        ),
         "",
-        "MI300X rows at the MI325X's fitted scale (what transferring it would predict): "
-        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["mi300x_at_the_mi325x_scale"])
-        + ".",
+        _errors_line(
+            "MI300X rows at the MI325X's fitted scale (what transferring it would predict): ",
+            result["mi300x_at_the_mi325x_scale"],
+        ),
         "",
-        "What-if, the untuned MI300X build with attention timed unfused (model.attention 'eager', the scores "
-        "materialised), shipped scale: "
-        + "; ".join(f"{r['row']} {r['error']:+.1%}" for r in result["untuned_with_unfused_attention"])
-        + ".",
+        _errors_line(
+            "What-if, the untuned MI300X build with attention timed unfused (model.attention 'eager', the scores "
+            "materialised), shipped scale: ",
+            result["untuned_with_unfused_attention"],
+        ),
         "",
         "| leave one source out, over | row | scale fitted without its source | error (predicted/published − 1) |",
         "|---|---|---:|---:|",

@@ -34,9 +34,10 @@ pattern allows. In the pattern's rows each stage's ``REDUCE_GRAD`` follows its l
 ``OPTIMIZER_STEP`` precedes the first action of the next step (or starts the row when there is none):
 :func:`pattern_with_communication`. The step ends E_r(t) stay the ends of the rank's last pass of step t.
 
-**Memory**: static memory plus the extra weight versions (:func:`weight_version_memory`: weights only)
-plus the activations of every microbatch in flight, counted by the same simulator over the K steps (the
-warm-up never holds more than the steady state of a repeating pattern, and the peak is taken over all).
+**Memory**: static memory plus the extra weight versions
+(:func:`~pipesched.optimizer.problem.weight_version_memory`: weights only) plus the activations of every
+microbatch in flight, counted by the same simulator over the K steps (the warm-up never holds more than the
+steady state of a repeating pattern, and the peak is taken over all).
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ __all__ = [
     "steady_state",
     "step_period_lower_bound",
     "unroll",
-    "weight_version_memory",
 ]
 
 MIN_STEPS = 8

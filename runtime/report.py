@@ -20,8 +20,7 @@ from rich.table import Table
 
 from pipesched.optimizer.instance import compile_for_orders
 from pipesched.optimizer.ir import COMMUNICATION_KINDS, compute_only, parse_action
-from pipesched.optimizer.pattern import weight_version_memory
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Problem, weight_version_memory
 from pipesched.optimizer.result import Schedule, peak_activation_bytes
 from pipesched.optimizer.simulate import indexed_orders, simulate_indexed
 from pipesched.optimizer.units import common_unit
@@ -46,7 +45,7 @@ __all__ = [
 
 def predicted_static_bytes(problem: Problem, pp: int) -> float:
     """Pipeline rank ``pp``'s static bytes as the run report predicts them: ``memory.static`` plus the extra weight
-    versions (:func:`~pipesched.optimizer.pattern.weight_version_memory`)."""
+    versions (:func:`~pipesched.optimizer.problem.weight_version_memory`)."""
     return problem.static_memory[pp] + weight_version_memory(problem)[pp]
 
 
@@ -324,31 +323,45 @@ def same_step_overlap(
     problem's costs, or, with ``collectives[pp]``, at their measured spans. ``costs.overlap_slowdown`` is left out: a
     measured pass already ran at whatever speed the collectives beside it left it. The split is
     :func:`communication_overlap` of the simulated timeline, as the schedule's own prediction is of its timeline."""
-    problem = schedule.problem
-    assert problem.costs is not None
-    if problem.costs.overlap_slowdown:
-        problem = problem.with_changes(**{"costs.overlap_slowdown": 0.0})
-    orders = schedule.orders()
-    inst = compile_for_orders(problem, orders)
-    indexed = indexed_orders(inst, orders)
-    duration = list(inst.duration)
-    for row in [*passes, *(collectives or [])]:
-        for record in row:
-            idx = inst.index.get(parse_action(record.action))
-            if idx is not None:  # a REDUCE_GRAD the runtime added after the schedule's actions has none
-                duration[idx] = record.duration_ms
-    inst.duration = duration
-    timed = simulate_indexed(inst, indexed, check_memory=False)
-    found = []
-    for row in indexed:
-        kinds = [(inst.actions[i].kind.value, (timed.start[i], timed.end[i])) for i in row]
-        found.append(
-            communication_overlap(
-                [span for kind, span in kinds if kind in "FIWB"],
-                [span for kind, span in kinds if kind in _COMMUNICATION],
+    return _SameStep(schedule).overlap(passes, collectives)
+
+
+class _SameStep:
+    """A schedule's order compiled once (``costs.overlap_slowdown`` left out), re-timed per step by
+    :meth:`overlap` from a copy of its durations (:func:`same_step_overlap`)."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        problem = schedule.problem
+        assert problem.costs is not None
+        if problem.costs.overlap_slowdown:
+            problem = problem.with_changes(**{"costs.overlap_slowdown": 0.0})
+        orders = schedule.orders()
+        self.inst = compile_for_orders(problem, orders)
+        self.indexed = indexed_orders(self.inst, orders)
+        self.durations = list(self.inst.duration)
+
+    def overlap(
+        self, passes: list[list[MeasuredAction]], collectives: list[list[MeasuredAction]] | None = None
+    ) -> list[tuple[float, float]]:
+        inst = self.inst
+        duration = list(self.durations)
+        for row in [*passes, *(collectives or [])]:
+            for record in row:
+                idx = inst.index.get(parse_action(record.action))
+                if idx is not None:  # a REDUCE_GRAD the runtime added after the schedule's actions has none
+                    duration[idx] = record.duration_ms
+        inst.duration = duration
+        timed = simulate_indexed(inst, self.indexed, check_memory=False)
+        found = []
+        for row in self.indexed:
+            kinds = [(inst.actions[i].kind.value, (timed.start[i], timed.end[i])) for i in row]
+            found.append(
+                communication_overlap(
+                    [span for kind, span in kinds if kind in "FIWB"],
+                    [span for kind, span in kinds if kind in _COMMUNICATION],
+                )
             )
-        )
-    return found
+        return found
 
 
 def _same_step_predictions(
@@ -358,6 +371,7 @@ def _same_step_predictions(
     ``same_step_predicted_…`` fields of :class:`RankReport`; empty when the schedule has no communication action."""
     if not any(a.kind in _COMMUNICATION for rank in schedule.ranks for a in rank.actions):
         return {}
+    timer = _SameStep(schedule)
     found: dict[int, dict[str, list[float]]] = {r.rank: {} for r in results}
     for replica in sorted({r.dp_rank for r in results}):
         group = sorted((r for r in results if r.dp_rank == replica), key=lambda r: r.pp_rank)
@@ -366,7 +380,7 @@ def _same_step_predictions(
         for k in range(min(len(r.steps) for r in group)):
             passes = [r.steps[k].actions for r in group]
             for suffix, collectives in (("", None), ("_measured_collectives", [joined[r.rank][k] for r in group])):
-                for r, (hidden, exposed) in zip(group, same_step_overlap(schedule, passes, collectives), strict=True):
+                for r, (hidden, exposed) in zip(group, timer.overlap(passes, collectives), strict=True):
                     found[r.rank].setdefault(f"same_step_predicted_hidden_ms{suffix}", []).append(hidden)
                     found[r.rank].setdefault(f"same_step_predicted_exposed_ms{suffix}", []).append(exposed)
     return found

@@ -529,6 +529,11 @@ class Estimator:
         """Adam's step on the heaviest rank's local parameters, ms (module docstring)."""
         return self.rank_optimizer_ms(config, layout.max_parameters, layout.max_expert_parameters)
 
+    def mean_optimizer_ms(self, config: Configuration, layout: _Layout) -> float:
+        """Adam's step on the mean rank's local parameters, ms: at most the heaviest rank's under any layer split
+        (the ranks' parameters sum the same)."""
+        return self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+
     def rank_optimizer_ms(self, config: Configuration, parameters: float, experts: float) -> float:
         """Adam's step on a rank holding ``parameters``, ``experts`` of them routed experts, ms: the step model's
         bytes per parameter (:func:`pipesched.optimizer.cost.collectives`: 28 B for an fp32 model, else 30 B)."""
@@ -579,16 +584,13 @@ class Estimator:
         if key in self._bounds:
             return self._bounds[key]
         if config.placement == "bidirectional":  # a stage's two holders share its batch: the mean rank
-            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            optimizer = self.mean_optimizer_ms(config, layout)
             self._bounds[key] = bound = max(0.0, m * layout.mean_compute_ms + optimizer - rounding)
             return bound
         layer, embedding, head, _, _ = self.blocks(*degrees)
         dense = self.dense_layer(degrees)
         num_layers = self.model.num_layers
         first_dense = self.model.first_dense_layers if self.model.is_moe else num_layers
-
-        def step(block: Block) -> float:
-            return self.rank_optimizer_ms(config, block.parameters, block.expert_parameters)
 
         def fill(block: Block) -> float:
             # a microbatch's chain before the rank's first pass (F) and, with a fused backward, after its last (B)
@@ -602,15 +604,13 @@ class Estimator:
                 bound = passes + self.optimizer_ms(config, layout)
             else:  # the simulator's period: the busiest rank's passes and step, at least the mean rank's
                 mean = m * layout.mean_compute_ms
-                bound = max(
-                    passes, mean + self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
-                )
+                bound = max(passes, mean + self.mean_optimizer_ms(config, layout))
         else:  # every rank's step waits for the last pass of any rank
             layer_costs = LayerCosts(
                 num_layers, first_dense, m * layer.compute_ms, fill(layer), m * dense.compute_ms, fill(dense)
             )
             # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same)
-            optimizer = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+            optimizer = self.mean_optimizer_ms(config, layout)
             bound = optimizer + self._least_busiest(
                 config, layer_costs, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
             )
@@ -686,7 +686,7 @@ class Estimator:
         optimizer = self.optimizer_ms(config, layout)
         p2p_ms = self.p2p_ms(config)
         # the quick bound: every rank runs its passes then its step, and the ranks' sum is the same under any split
-        mean_step = self.rank_optimizer_ms(config, layout.mean_parameters, layout.mean_expert_parameters)
+        mean_step = self.mean_optimizer_ms(config, layout)
         bound = max(0.0, m * layout.mean_compute_ms + mean_step - self._rounding_ms(config))
         bubble = _bubble(config.method) * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
         estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer

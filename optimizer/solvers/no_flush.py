@@ -46,9 +46,8 @@ from pipesched.optimizer.pattern import (
     pattern_from_sequence,
     schedule_from_steady_state,
     step_period_lower_bound,
-    weight_version_memory,
 )
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Problem, weight_version_memory
 from pipesched.optimizer.progress import ProgressCallback, SearchContext, StopCheck
 from pipesched.optimizer.result import Schedule, infeasible_schedule
 from pipesched.optimizer.simulate import InvalidSchedule, action_orders
