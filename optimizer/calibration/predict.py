@@ -17,6 +17,7 @@ from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
+from pipesched.optimizer.derive import tie_judging_untimed
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
@@ -148,8 +149,10 @@ def predict(
 ) -> Prediction:
     """The row's layout evaluated by the planner (module docstring); memory is not enforced (a published run
     ran), so a prediction above the GPU's memory is still given. ``kernels`` replaces the row's kernels mode (and
-    the row's framework settings, :func:`run_software`, with the planner's)."""
-    with run_software(row, kernels):
+    the row's framework settings, :func:`run_software`, with the planner's). A partition's time tie is judged in
+    full (:func:`~pipesched.optimizer.derive.tie_judging_untimed`): the prediction does not depend on the
+    machine's load."""
+    with run_software(row, kernels), tie_judging_untimed():
         est = estimator(row, profile, kernels)
         config = configuration(row)
         estimate = est.estimate(config)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.derive import load_problem, tie_judging_untimed
 from pipesched.optimizer.partition import (
     TIE_TOLERANCE,
     LayerTie,
@@ -281,6 +281,9 @@ def test_a_time_tie_goes_to_the_split_whose_schedule_peaks_lowest_not_to_the_lat
     assert chunked_problem(method="auto").model.layers_per_stage == list(latest)
     # judging keeps within its share of the time limit (0.1 ms here): what it cannot judge, it leaves
     assert chunked_problem(time_limit_s=1e-3).model.layers_per_stage == list(latest)
+    # untimed (a calibration row's prediction): the same split whatever the clock, so whatever the machine's load
+    with tie_judging_untimed():
+        assert tuple(chunked_problem(time_limit_s=1e-3).model.layers_per_stage) == split
 
 
 def test_memory_moves_layers_off_a_full_rank() -> None:
