@@ -254,8 +254,11 @@ def _validate(schedule: Schedule) -> None:
 
 def _failure(error_dir: Path, error: BaseException) -> RunFailed:
     """The run's root cause: a rank that died without a Python error (``rank_died``: killed, ``os._exit``,
-    out of memory), else a rank's own error, before what it causes on its peers (``p2p_timeout``, a lost
-    connection: ``peer_lost``), before the ranks the agent stopped afterwards (``stopped``)."""
+    out of memory), else a rank's own error, before what it causes on its peers (``p2p_timeout``, then a lost
+    connection: ``peer_lost``), before the ranks the agent stopped afterwards (``stopped``). A wait that timed
+    out goes before a lost connection: a rank leaves after its timeout, and its peers still waiting on it lose
+    their connection (which rank's timeout fires first depends on the machine's load; in a deadlock the rank
+    that names the wait is the cause either way)."""
     messages = []
     for path in sorted(error_dir.glob("rank*.txt")):
         reason, _, message = path.read_text().partition("\n")
@@ -280,7 +283,7 @@ def _failure(error_dir: Path, error: BaseException) -> RunFailed:
         )
     if not messages:
         return RunFailed("rank_failed", f"a rank failed without a message: {str(error).strip()[:500]}")
-    order = {"rank_died": 0, "p2p_timeout": 2, "peer_lost": 2, "stopped": 3}
+    order = {"rank_died": 0, "p2p_timeout": 2, "peer_lost": 3, "stopped": 4}
     messages.sort(key=lambda item: order.get(item[0], 1))
     reason, who, message = messages[0]
     others = "" if len(messages) == 1 else f" ({len(messages) - 1} other rank(s) failed too)"

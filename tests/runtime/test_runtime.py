@@ -209,6 +209,19 @@ def test_deadlock_at_runtime_ends_with_p2p_timeout():
     assert time.perf_counter() - started < 60
 
 
+def test_a_timed_out_wait_is_the_cause_before_the_connections_it_closed(tmp_path: Path):
+    """The deadlock above on a loaded machine: rank 1's receive timed out first and it left, so rank 0's receive
+    ended on a closed connection; the run's reason had been rank 0's ``peer_lost`` (equal rank, file order)."""
+    from pipesched.runtime.launch import _failure
+
+    (tmp_path / "rank0.txt").write_text("peer_lost\nDistBackendError: Connection closed by peer [127.0.0.1]:1234")
+    (tmp_path / "rank1.txt").write_text("p2p_timeout\nPipelineRuntimeError: rank 1: receiving F0 never arrived")
+    (tmp_path / "rank2.txt").write_text("stopped\nSignalException: Process 7 got signal: 15")
+    failure = _failure(tmp_path, RuntimeError("agent"))
+    assert failure.reason == "p2p_timeout"
+    assert str(failure).startswith("rank1: PipelineRuntimeError") and "(2 other rank(s) failed too)" in str(failure)
+
+
 def test_cli_run_rejects_bad_input_with_exit_code_2(tmp_path: Path):
     from typer.testing import CliRunner
 
