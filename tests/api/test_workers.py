@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -226,33 +226,41 @@ def _listening_on(port: int) -> set[str]:
 
 
 def test_synchronous_solves_on_busy_workers_answer_200_or_429_and_healthz_stays_fast(cluster: Cluster) -> None:
-    """30 concurrent POST /v1/schedules at one front end while both workers run 10 s jobs: its 5 places (1
-    synchronous solver + 4 waiting) are taken, the others get 429 with Retry-After at once (a few more may be
-    admitted on a slow machine once the jobs end); the admitted are solved as the workers free up (they go
-    before queued jobs); /healthz answers within 1 s throughout."""
+    """30 concurrent POST /v1/schedules at one front end while both workers run jobs: its 5 places (1 synchronous
+    solver + 4 waiting) are taken, the other 25 get 429 with Retry-After; the admitted are solved once the workers
+    free up (they go before queued jobs); /healthz answers within 1 s throughout. The workers stay busy until the
+    25 refusals are in (their jobs are then deleted): with 10 s jobs that ended on their own, how many requests
+    arrived after the jobs ended, and were admitted, depended on the machine's speed (11 of 30 with two busy loops
+    on two cores, where the test asked for at most 10)."""
     a, b = cluster.fronts
-    busy = [b.client.post("/v1/jobs", json=long_problem(1000 + seed, 10.0)).json()["id"] for seed in range(2)]
+    busy = [b.client.post("/v1/jobs", json=long_problem(1000 + seed, 120.0)).json()["id"] for seed in range(2)]
     bodies = [json.dumps(long_problem(1100 + seed, 0.3)).encode() for seed in range(30)]  # built before: sent at once
     for job_id in busy:
         _wait_status(b.client, job_id, ("running",))
 
     def solve(body: bytes) -> httpx.Response:
-        with httpx.Client(base_url=a.base_url, timeout=120) as client:
+        with httpx.Client(base_url=a.base_url, timeout=180) as client:
             return client.post("/v1/schedules", content=body, headers={"content-type": "application/json"})
 
     probe = HealthProbe(a.base_url)
     with ThreadPoolExecutor(30) as pool:
-        answers = list(pool.map(solve, bodies))
+        pending = [pool.submit(solve, body) for body in bodies]
+        # The refusals come while the admitted wait; a 6th admission would leave fewer than 25 to come (the
+        # jobs then end at their 120 s limit and the count below says how many were admitted).
+        for finished, _ in enumerate(as_completed(pending, timeout=170), start=1):
+            if finished == 25:
+                break
+        for job_id in busy:
+            b.client.delete(f"/v1/jobs/{job_id}")
+        answers = [future.result() for future in pending]
     health = probe.stop()
     codes = collections.Counter(answer.status_code for answer in answers)
-    assert set(codes) <= {200, 429, 504} and codes[429] >= 20 and codes[200] >= 1, codes
+    assert codes == {200: 5, 429: 25}, codes
     refused = next(answer for answer in answers if answer.status_code == 429)
     assert int(refused.headers["Retry-After"]) >= 1
     assert "PIPESCHED_MAX_QUEUED_SOLVES" in refused.json()["detail"] and "places taken" in refused.json()["detail"]
     assert {code for code, _ in health} == {200}
     assert max(seconds for _, seconds in health) < 1.0, sorted(seconds for _, seconds in health)[-5:]
-    for job_id in busy:
-        b.client.delete(f"/v1/jobs/{job_id}")
 
 
 def test_postgres_mode_bounds_its_job_queue_and_times_out_a_solve_no_worker_takes(cluster: Cluster) -> None:
