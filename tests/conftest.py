@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +12,24 @@ import pytest
 
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.progress import Progress
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"  # the team's shared folder: absent from a user's clone
 PAPER_SETTINGS_PATH = REPO / "bench" / "data" / "zb_paper_settings.json"
+
+
+def stop_on_reaching(target: float) -> tuple[Callable[[Progress], None], Callable[[], bool]]:
+    """A search's ``progress`` and ``should_stop`` that end it once its best objective is at most ``target``: a test
+    of what a time-limited search reaches gives it a generous limit and stops it there, so its outcome does not
+    depend on how much of a short limit a loaded machine leaves it (and an idle one takes no longer than it needs)."""
+    best = [math.inf]
+
+    def progress(update: Progress) -> None:
+        if update.best_objective is not None:
+            best[0] = min(best[0], update.best_objective)
+
+    return progress, lambda: best[0] <= target + 1e-6
 
 
 def paper_settings() -> list[dict[str, Any]]:

@@ -6,14 +6,10 @@ ZB-1p and ZB-2p settings); and more memory is never worse than the warm starts a
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import pytest
 
-from pipesched.optimizer.progress import Progress
 from pipesched.optimizer.solve import solve
-from tests.conftest import paper_problem, paper_settings
+from tests.conftest import paper_problem, paper_settings, stop_on_reaching
 
 SETTINGS = [s for s in paper_settings() if s["num_ranks"] <= 16 and s["num_microbatches"] <= 64]
 
@@ -26,17 +22,6 @@ SETTINGS = [s for s in paper_settings() if s["num_ranks"] <= 16 and s["num_micro
 LIMIT_S = 30.0
 
 
-def _reaching(target_ms: float) -> tuple[Callable[[Progress], None], Callable[[], bool]]:
-    """A progress callback and a stop check that end the search once its best is at most ``target_ms``."""
-    best = [math.inf]
-
-    def progress(update: Progress) -> None:
-        if update.best_objective is not None:
-            best[0] = min(best[0], update.best_objective)
-
-    return progress, lambda: best[0] <= target_ms + 1e-6
-
-
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"{s['model']}-p{s['num_ranks']}-m{s['num_microbatches']}")
 def test_auto_never_worse_than_the_papers_schedules(setting: dict) -> None:
     p, activation = setting["num_ranks"], setting["activation"]
@@ -46,7 +31,7 @@ def test_auto_never_worse_than_the_papers_schedules(setting: dict) -> None:
     # and the families' warm starts; 1.0×'s is a family's (ZB-1p's order), proven optimal by the bound.
     for factor, target in ((1.0, published["ZB-1p"]), (2.0, published["ZB-2p"]), (3.0, published["ZB-2p"])):
         problem = paper_problem(setting, **{"memory.limit": factor * p * activation, "solver.time_limit_s": LIMIT_S})
-        progress, reached = _reaching(target)
+        progress, reached = stop_on_reaching(target)
         schedule = solve(problem, progress=progress, should_stop=reached)
         assert schedule.status in ("optimal", "feasible")
         assert max(schedule.peak_memory) <= factor * p * activation
