@@ -246,7 +246,7 @@ def test_synchronous_solves_on_busy_workers_answer_200_or_429_and_healthz_stays_
     with ThreadPoolExecutor(30) as pool:
         pending = [pool.submit(solve, body) for body in bodies]
         # The refusals come while the admitted wait; a 6th admission would leave fewer than 25 to come (the
-        # jobs then end at their 120 s limit and the count below says how many were admitted).
+        # jobs then end at their limit, the service's 60 s clamp, and the count below says how many were admitted).
         for finished, _ in enumerate(as_completed(pending, timeout=170), start=1):
             if finished == 25:
                 break
