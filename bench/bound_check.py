@@ -8,16 +8,22 @@ Each case's space (its published layout pinned, and the free searches of ``FREE_
 case) is prepared as ``plan`` prepares it, and up to ``--per-case`` candidates, best estimate first, are
 simulated with memory not enforced.
 
-Run: ``python -m bench.bound_check [--per-case N] [--only SUBSTRING]``.
+``--rows`` checks instead every published calibration row (``optimizer/cost/calibration``), its layout as it ran
+under its own software (FSDP prefetch and gradient sync), against its predicted step.
+
+Run: ``python -m bench.bound_check [--per-case N] [--only SUBSTRING] [--rows]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Iterator
 
 from bench import cpep_bench, planner_bench
+from pipesched.optimizer.calibration.predict import configuration, estimator, predict, run_software
+from pipesched.optimizer.cost.calibration.measurements import builtin_measurements
 from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.rank import prepare
 from pipesched.optimizer.planner.request import PlanRequest
@@ -35,11 +41,35 @@ def requests() -> Iterator[tuple[str, PlanRequest]]:
             yield f"cpep {row['id']} free", cpep_bench.request_for(row, 30.0, pinned=False)
 
 
+def check_rows() -> None:
+    """Bound over predicted step of every published calibration row (module docstring)."""
+    ratios, above = [], []
+    for row in builtin_measurements():
+        with run_software(row):
+            row_estimator, config = estimator(row), configuration(row)
+            step = predict(row).step_time_ms
+            if step is None:
+                continue
+            bound = max(row_estimator.bound_ms(config), row_estimator.estimate(config).bound_ms)
+        ratios.append(bound / step)
+        if bound > step * (1 + 1e-6):
+            above.append(row.id)
+            print(f"{row.id}: bound {bound:.3f} above step {step:.3f}")
+    print(
+        f"{len(ratios)} rows, {len(above)} above their step; bound/step median {statistics.median(ratios):.4f}, "
+        f"mean {statistics.mean(ratios):.4f}, least {min(ratios):.4f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--per-case", type=int, default=8)
     parser.add_argument("--only", default="")
+    parser.add_argument("--rows", action="store_true", help="check the calibration rows instead")
     args = parser.parse_args()
+    if args.rows:
+        check_rows()
+        return
     totals = {"checked": 0, "former_above": 0, "bound_above": 0}
     ratios: dict[str, list[float]] = {"former": [], "mean": [], "bound": []}
     started = time.perf_counter()

@@ -9,7 +9,9 @@ every split: it is the least, over the splits, of the busiest rank's cost. Each 
 
 ``own`` what the rank runs itself (m microbatches' passes, or its optimizer step), ``prefix`` what must run on other
 ranks before its first pass and after its last (the pipeline's fill and drain, a chain of one microbatch's passes).
-A mixture-of-experts model's first ``dense`` layers cost their own (``first`` in model order).
+A mixture-of-experts model's first ``dense`` layers cost their own (``first`` in model order). A rank's cost may
+also be the largest of several such forms, each a lower bound of what it runs (:func:`contiguous_min_max`'s
+``more``: a split backward's rank, its passes, or its forwards and input gradients then the drain to stage 0).
 
 :func:`contiguous_min_max` is exact for one stage per rank (every split of the layers over the ranks is a contiguous
 one); :func:`count_min_max` bounds several stages per rank from below by letting each rank hold any number of layers
@@ -23,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RELATIVE_TOLERANCE", "LayerCosts", "contiguous_min_max", "count_min_max"]
+__all__ = ["RELATIVE_TOLERANCE", "Form", "LayerCosts", "contiguous_min_max", "count_min_max"]
 
 #: The bisection stops when the bracket is this narrow (relative): the bound is at most this far below the least.
 RELATIVE_TOLERANCE = 1e-4
@@ -70,60 +72,107 @@ def _bisect(feasible: Callable[[float], bool], low: float, high: float) -> float
     return low
 
 
-def contiguous_min_max(costs: LayerCosts, own: Sequence[float], prefix: Sequence[float]) -> float:
+#: One linear form of the ranks' costs: (a layer's costs, per stage its fixed own cost, its fixed prefix cost).
+Form = tuple[LayerCosts, Sequence[float], Sequence[float]]
+
+
+def contiguous_min_max(costs: LayerCosts, own: Sequence[float], prefix: Sequence[float], *more: Form) -> float:
     """Least over the contiguous splits (stage s on rank s, any layers ≥ 0 each) of the busiest rank's cost.
 
     Args:
         costs: a layer's costs.
         own: per stage, its fixed own cost (the embedding's on stage 0, the head's on the last).
         prefix: per stage, its fixed prefix cost, charged to every later stage (the embedding's, the p2p).
+        more: other forms ``(costs, own, prefix)`` of the same layers (``layers`` and ``dense`` equal), each a
+            lower bound of the ranks' costs too: a rank's cost is then the largest of its forms.
 
-    A stage's cost is nondecreasing in its layers, and the stages after it lower its prefix by holding more, so
-    for a given busiest cost the split that gives every stage from the last back the most layers it can hold is
-    feasible whenever any split is (the remaining layers, in model order, are the prefix of the stages before):
-    the bisection's test is exact. Cost O(stages) per test.
+    Each form's own−prefix slopes are ≥ 0 (a layer costs its rank at least what it costs the ranks after): a stage's
+    cost is nondecreasing in its layers, and the stages after it lower its prefix by holding more, so for a given
+    busiest cost the split that gives every stage from the last back the most layers it can hold (under every
+    form) is feasible whenever any split is (the remaining layers, in model order, are the prefix of the stages
+    before): the bisection's test is exact. Cost O(stages · forms) per test.
     """
+    forms = [_StageForm.of(form, len(own)) for form in ((costs, own, prefix), *more)]
     stages, layers, dense = len(own), costs.layers, costs.dense
-    before = [0.0] * stages  # fixed prefix of the stages before s
-    for stage in range(1, stages):
-        before[stage] = before[stage - 1] + prefix[stage - 1]
-    # the costliest stage before s (1 ≤ s' < s) left without a layer, and stage 0's own
-    empty = [own[0]] * stages
-    for stage in range(2, stages):
-        empty[stage] = max(empty[stage - 1], before[stage - 1] + own[stage - 1])
-    moe_slope, dense_slope = costs.own - costs.prefix, costs.dense_own - costs.dense_prefix
-    moe_prefix, dense_prefix, moe_own, dense_own = costs.prefix, costs.dense_prefix, costs.own, costs.dense_own
     grow = 1 + _SLACK
 
     def feasible(limit: float) -> bool:
         ceiling = limit * grow
         remaining = layers
         for stage in range(stages - 1, 0, -1):
-            # the prefix of the remaining layers (positions [0, remaining), the dense ones first)
-            if remaining <= dense:
-                rest = remaining * dense_prefix
-            else:
-                rest = dense * dense_prefix + (remaining - dense) * moe_prefix
-            base = before[stage] + rest + own[stage]  # with no layer on this stage
-            if base > ceiling:
-                return False
-            room = limit - base
-            moe_left = remaining - dense if remaining > dense else 0
-            taken = moe_left if moe_slope <= 0 else min(moe_left, int(room / moe_slope * grow + _SLACK))
-            if taken == moe_left and remaining > moe_left:
-                room -= taken * moe_slope
-                dense_left = remaining - moe_left
-                more = dense_left if dense_slope <= 0 else int(max(0.0, room) / dense_slope * grow + _SLACK)
-                taken += min(dense_left, more)
+            taken = remaining
+            for form in forms:
+                most = form.most(stage, remaining, limit, ceiling)
+                if most < 0:
+                    return False
+                taken = min(taken, most)
             remaining -= taken
             if remaining == 0:
-                return empty[stage] <= ceiling
+                return all(form.empty[stage] <= ceiling for form in forms)
         dense_first = min(remaining, dense)
-        return own[0] + dense_first * dense_own + (remaining - dense_first) * moe_own <= ceiling
+        return all(
+            form.own[0] + dense_first * form.dense_own + (remaining - dense_first) * form.moe_own <= ceiling
+            for form in forms
+        )
 
-    low = (sum(own) + costs.span(0, layers)[0]) / stages  # the mean rank's own cost
-    layer = max(moe_own, dense_own)
-    return _bisect(feasible, low, low + max(own) + before[-1] + prefix[-1] + 2 * layer)
+    low = max((sum(form.own) + form.costs.span(0, layers)[0]) / stages for form in forms)  # the mean rank's own
+    layer = max(max(form.moe_own, form.dense_own) for form in forms)
+    high = max(max(form.own) + form.before[-1] + form.prefix[-1] for form in forms) + 2 * layer
+    return _bisect(feasible, low, low + high)
+
+
+@dataclass(frozen=True)
+class _StageForm:
+    """One form of :func:`contiguous_min_max`, with its running sums: ``before[s]`` the fixed prefix of the stages
+    before s, ``empty[s]`` the costliest stage before s (1 ≤ s' < s) left without a layer, and stage 0's own."""
+
+    costs: LayerCosts
+    own: Sequence[float]
+    prefix: Sequence[float]
+    before: list[float]
+    empty: list[float]
+
+    @classmethod
+    def of(cls, form: Form, stages: int) -> _StageForm:
+        costs, own, prefix = form
+        before = [0.0] * stages
+        for stage in range(1, stages):
+            before[stage] = before[stage - 1] + prefix[stage - 1]
+        empty = [own[0]] * stages
+        for stage in range(2, stages):
+            empty[stage] = max(empty[stage - 1], before[stage - 1] + own[stage - 1])
+        return cls(costs, own, prefix, before, empty)
+
+    @property
+    def moe_own(self) -> float:
+        return self.costs.own
+
+    @property
+    def dense_own(self) -> float:
+        return self.costs.dense_own
+
+    def most(self, stage: int, remaining: int, limit: float, ceiling: float) -> int:
+        """The most of the ``remaining`` layers (the last ones in model order) ``stage`` may hold within ``limit``,
+        the others its prefix; −1 when even none fits."""
+        costs, dense, grow = self.costs, self.costs.dense, 1 + _SLACK
+        # the prefix of the remaining layers (positions [0, remaining), the dense ones first)
+        if remaining <= dense:
+            rest = remaining * costs.dense_prefix
+        else:
+            rest = dense * costs.dense_prefix + (remaining - dense) * costs.prefix
+        base = self.before[stage] + rest + self.own[stage]  # with no layer on this stage
+        if base > ceiling:
+            return -1
+        room = limit - base
+        moe_slope, dense_slope = costs.own - costs.prefix, costs.dense_own - costs.dense_prefix
+        moe_left = remaining - dense if remaining > dense else 0
+        taken = moe_left if moe_slope <= 0 else min(moe_left, int(room / moe_slope * grow + _SLACK))
+        if taken == moe_left and remaining > moe_left:
+            room -= taken * moe_slope
+            dense_left = remaining - moe_left
+            more = dense_left if dense_slope <= 0 else int(max(0.0, room) / dense_slope * grow + _SLACK)
+            taken += min(dense_left, more)
+        return taken
 
 
 def count_min_max(costs: LayerCosts, own: Sequence[float], least: Sequence[int]) -> float:

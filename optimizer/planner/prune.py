@@ -54,7 +54,15 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   adds to it without data parallelism (with it, the simulated period holds the steps: at least the mean
   rank's passes and step). Expert all-to-alls are charged as the problem charges them (hidden where the
   framework or the family overlaps microbatches: :meth:`Estimator.expert_overlap`). Data-parallel collectives
-  are not charged (the simulator may hide them). Bidirectional placements: the mean rank's passes and step.
+  are charged where no schedule hides them (:meth:`Estimator.collective_floors`, the least the problem gives
+  them under any split): every pass waits for stage 0's first UNSHARD (FSDP), which starts no earlier than the
+  step; with a fused backward every rank's drain ends at stage 0's last backward, whose REDUCE_GRAD every
+  optimizer step waits for; with a split backward a rank's last pass is a W of its stage, whose REDUCE_GRAD
+  follows it, or (one stage per rank) its F and I of m microbatches, then the last I's chain back to stage 0,
+  that microbatch's W there and stage 0's REDUCE_GRAD (the larger of the two counts); ZeRO-2's optimizer step
+  all-gathers the updated weights (the mean rank's); the passes run slower beside their stage's collectives (the
+  profile's ``overlap_slowdown``, as the problem spreads it over them; without a pipeline, FSDP's gathers per
+  microbatch too). Bidirectional placements: the mean rank's passes and step.
   The quick bound every estimate carries (:attr:`Estimate.bound_ms`) is the mean rank's passes and step; the
   search prunes with it first, then with the tight one (:meth:`Estimator.bound_ms`, cached).
 """
@@ -114,6 +122,14 @@ def _estimate_of(method: str) -> PlannerEstimate:
     return estimate
 
 
+@cache
+def _flush_and_fused(method: str) -> tuple[bool, bool]:
+    """Whether ``method``'s schedules flush (every family but PipeDream-2BW, and ``auto``) and run a fused backward
+    (B, not I and W: ``auto`` may split it)."""
+    family = get_family(method) if method != "auto" else None
+    return family is None or family.flush, family is not None and not family.runs_split_backward
+
+
 def in_flight(method: str, p: int, v: int, m: int) -> tuple[int, int]:
     """Chunk activations held at the peak on the first and on the last pipeline rank (module docstring)."""
     if p == 1:
@@ -167,6 +183,55 @@ class _Layout:
     mean_expert_parameters: float = 0.0
 
 
+@dataclass(frozen=True)
+class _CollectiveFloors:
+    """The least data-parallel collectives the simulated step charges under any layer split, ms
+    (:meth:`Estimator.collective_floors`): stage 0's UNSHARD (sharding ``full``), the REDUCE_GRAD of stage 0, of
+    the last stage and of any stage, and the all-gather in the mean rank's OPTIMIZER_STEP (sharding ``gradients``);
+    a stage's whole gather and reduction at least ``*_latency_ms`` + ``*_ms_per_parameter`` × its parameters, and the
+    profile's ``slowdown`` of the passes beside them."""
+
+    first_gather: float
+    first_reduce: float
+    last_reduce: float
+    any_reduce: float
+    step_gather: float
+    gather_latency_ms: float
+    gather_ms_per_parameter: float
+    reduce_latency_ms: float
+    reduce_ms_per_parameter: float
+    slowdown: float
+
+    def gather(self, parameters: float) -> float:
+        """The least whole gather of a stage holding ``parameters``, ms (0 unless sharding ``full``)."""
+        return self.gather_latency_ms + self.gather_ms_per_parameter * parameters
+
+    def reduction(self, parameters: float) -> float:
+        """The least whole reduction of a stage holding ``parameters``, ms."""
+        return self.reduce_latency_ms + self.reduce_ms_per_parameter * parameters
+
+    def beside(self, parameters: float) -> float:
+        """What a stage's passes gain over the step beside its collectives, at least, per ``parameters`` it holds
+        (the latency left out: linear in the layers)."""
+        return self.slowdown * (self.gather_ms_per_parameter + self.reduce_ms_per_parameter) * parameters
+
+
+#: No data-parallel collective (d·c = 1), or none bounded (:meth:`Estimator.collective_floors`).
+_NO_FLOORS = _CollectiveFloors(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@dataclass(frozen=True)
+class _Drain:
+    """A split backward's second form of a rank's cost (:meth:`Estimator.bound_ms`): ``costs`` a layer's F + I (m
+    of them own, one in the prefix), ``ends`` the embedding's and the head's own, ``fills`` the first stage's and
+    every other stage's fixed prefix, ``after`` what every rank's chain ends with (stage 0's W, its reduction)."""
+
+    costs: LayerCosts
+    ends: tuple[float, float]
+    fills: tuple[float, float]
+    after: float
+
+
 #: A block's degrees, as :meth:`Estimator.blocks` takes them: (t, b, recompute, precision, c, ep, sharding, overlap).
 _Degrees = tuple[int, int, str, str | None, int, int, str, bool]
 
@@ -196,6 +261,7 @@ class Estimator:
         self._blocks: dict[_Key, tuple[Block, Block, Block, Block, ModelConfig]] = {}
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self._bounds: dict[tuple[object, ...], float] = {}
+        self._floors: dict[tuple[object, ...], _CollectiveFloors] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -546,13 +612,106 @@ class Estimator:
         adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
         return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s
 
+    @cached_property
+    def _achieved_cluster(self) -> ClusterConfig:
+        """The cluster with its node links at the profile's collective efficiencies, as the problem's collectives
+        take them (:func:`pipesched.optimizer.derive._add_collectives`)."""
+        profile, cluster = self.hardware.profile, self.cluster
+        intra = cluster.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
+        inter = cluster.inter_node_bandwidth_bytes_per_s * profile.collective_efficiency_inter
+        return cluster.model_copy(
+            update={"intra_node_bandwidth_bytes_per_s": intra, "inter_node_bandwidth_bytes_per_s": inter}
+        )
+
+    def collective_floors(self, config: Configuration) -> _CollectiveFloors:
+        """The least data-parallel collectives ``config``'s problem charges, ms, whatever its layer split: zero
+        without data parallelism (d·c = 1), for a mixture-of-experts model (its experts reduced over their own
+        group) and for a bidirectional placement (its replicas reduce together): not bounded there.
+
+        The problem (:func:`pipesched.optimizer.derive._add_collectives`) takes a stage's whole collective X (the
+        gather G, the reduction R: :func:`pipesched.optimizer.cost.collectives.data_parallel_costs`) and keeps as
+        its UNSHARD/REDUCE_GRAD the part exposed beside one microbatch's compute
+        (:func:`pipesched.optimizer.cost.overlap.stage_overlap`): u·X + (1 − u)·max(0, X − compute), or u·X alone
+        (one stage resharding after forward), u the stage's largest FSDP unit over its parameters (1 without
+        parameters). Either way at least u·X:
+
+        - ``gradients``/``full``: X pays its ring's (d−1) latency steps once per unit, n = parameters / unit of
+          them, so u·X = (d−1)·α + (d−1)/d · unit bytes / β: the largest unit's collective alone, (d−1)·α for a
+          stage without parameters;
+        - ``none``/``optimizer`` (one all-reduce): u·X ≥ 2(d−1)/d · unit bytes / β, and 2(d−1)·α without parameters.
+
+        A stage's largest unit (:meth:`pipesched.optimizer.cost.stages.StageBlocks.largest_unit`) is at least the
+        embedding on stage 0 and the head on the last stage whatever layers they hold (one stage: the larger of a
+        layer and the embedding); another stage may hold none. β and α are the problem's: the weight copies' ring
+        (:func:`~pipesched.optimizer.cost.collectives.group_link`) on :attr:`_achieved_cluster`, the collective
+        latency. Gathers move the model dtype, reductions the request's reduce dtype. ZeRO-2's OPTIMIZER_STEP
+        all-gathers the rank's updated weights ((d−1)·α + (d−1)/d · bytes / β, on top of Adam's traffic): linear in
+        the rank's parameters, so the ranks' mean is the mean rank's.
+
+        The problem also lengthens a stage's F and I beside its collectives (``stage_overlap``): gathered once a
+        step, each microbatch's F and I by half of the profile's ``overlap_slowdown`` × (G + R) / m, so its m
+        microbatches by s·(G + R), at least s × (the per-parameter rate of G and R) × its parameters: linear in its
+        layers (:meth:`_CollectiveFloors.beside`); one stage resharding after forward: :meth:`_one_stage_beside`."""
+        d = config.weight_copies
+        if d <= 1 or self.model.is_moe or config.placement == "bidirectional":
+            return _NO_FLOORS
+        # what the parameters and the group depend on (not the family, the microbatches or the recomputation)
+        key = (
+            config.pipeline_parallel,
+            config.stages_per_rank,
+            config.placement,
+            config.tensor_parallel,
+            config.data_parallel_size,
+            config.context_parallel,
+            config.sharding,
+            config.precision,
+        )
+        if key in self._floors:
+            return self._floors[key]
+        layer, embedding, head, _, model = self.blocks(*self.degrees(config))
+        beta, _ = group_link(self._achieved_cluster, d, config.tensor_parallel)
+        alpha = self.cluster.collective_latency_ms
+        reduce_bytes = 4.0 if self.reduce_dtype == "fp32" else 2.0
+        per_unit = config.sharding in ("gradients", "full")
+
+        def reduction(unit: float) -> float:
+            if per_unit:
+                return reduce_scatter_ms(unit * reduce_bytes, d, beta, alpha)
+            return 2 * (d - 1) * alpha if unit <= 0 else 1e3 * 2 * (d - 1) / d * unit * reduce_bytes / beta
+
+        one_stage = config.num_stages == 1
+        first_unit = max(layer.parameters, embedding.parameters) if one_stage else embedding.parameters
+        last_unit = first_unit if one_stage else head.parameters
+        weight_bytes = float(model.dtype_bytes)
+        gather = all_gather_ms(first_unit * weight_bytes, d, beta, alpha) if config.sharding == "full" else 0.0
+        mean_parameters = self.layout(config).mean_parameters
+        step_gather = (
+            all_gather_ms(mean_parameters * weight_bytes, d, beta, alpha) if config.sharding == "gradients" else 0.0
+        )
+        full = config.sharding == "full"
+        reduce_steps = 1 if per_unit else 2  # a reduce-scatter's ring steps, an all-reduce's twice as many
+        floors = _CollectiveFloors(
+            first_gather=gather,
+            first_reduce=reduction(first_unit),
+            last_reduce=reduction(last_unit),
+            any_reduce=min(reduction(0.0), reduction(layer.parameters), reduction(first_unit), reduction(last_unit)),
+            step_gather=step_gather,
+            gather_latency_ms=(d - 1) * alpha if full else 0.0,
+            gather_ms_per_parameter=1e3 * (d - 1) / d * weight_bytes / beta if full else 0.0,
+            reduce_latency_ms=reduce_steps * (d - 1) * alpha,
+            reduce_ms_per_parameter=1e3 * reduce_steps * (d - 1) / d * reduce_bytes / beta,
+            slowdown=self.hardware.profile.overlap_slowdown,
+        )
+        self._floors[key] = floors
+        return floors
+
     @staticmethod
     def _rounding_ms(config: Configuration) -> float:
         """What the problem's rounding may take off a bound, ms: it rounds every cost to 1e-6 ms (half of it
         either way), a rank's F, I, W of m microbatches on v stages, the chain's passes and hops before it, its
-        optimizer step's terms, each maybe that much less."""
+        optimizer step's terms, its collectives' (a gather, a reduction), each maybe that much less."""
         m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
-        return 5e-7 * (3 * m * v + 4 * p * v + 4)
+        return 5e-7 * (3 * m * v + 4 * p * v + 6)
 
     def p2p_ms(self, config: Configuration) -> float:
         """One activation between neighbouring pipeline ranks, ms (as the problem derives it)."""
@@ -565,19 +724,34 @@ class Estimator:
 
     def bound_ms(self, config: Configuration) -> float:
         """The lower bound of ``config``'s step, ms (module docstring): the least busiest rank over the layer
-        splits (:mod:`pipesched.optimizer.planner.bound`), its passes with the pipeline's fill and drain, plus
-        the mean rank's optimizer step; without a flush the least busiest rank's passes (plus the estimated step
-        the plan adds without data parallelism).
+        splits (:mod:`pipesched.optimizer.planner.bound`), its passes with the pipeline's fill and drain and the
+        data-parallel collectives no schedule hides, plus the mean rank's optimizer step; without a flush the
+        least busiest rank's passes (plus the estimated step the plan adds without data parallelism).
+
+        The collectives rest on the simulator's rules (:mod:`pipesched.optimizer.simulate`,
+        :mod:`pipesched.optimizer.instance`): an UNSHARD precedes every pass of its frame and starts no earlier than
+        the step's first start (``first_start`` is taken over every action, collectives included), so the chain of
+        forwards behind any rank's first pass starts at least stage 0's UNSHARD after it; a REDUCE_GRAD of stage s
+        waits for every final backward (W, or B) of s, and under the synchronised step every OPTIMIZER_STEP waits
+        for every REDUCE_GRAD (``sync_before_step``); replica waits and the overlap slowdown only delay. A rank's
+        last pass is a final backward (every F and I of a stage precedes its own W or B on the rank); with a fused
+        backward it is of the rank's first stage and that microbatch's backwards on the stages before it follow,
+        down to stage 0; with a split one it is a W whose stage's REDUCE_GRAD follows. The rank's last I (or B)
+        comes after its m forwards and m input gradients, and that microbatch's input gradients on the stages
+        before it, its W on stage 0 and stage 0's REDUCE_GRAD follow: the split backward's second form (a mixed
+        schedule's B holds its I and W).
+
         Cached; at least :attr:`Estimate.bound_ms` (the mean rank's), costlier (a bisection over the splits)."""
         layout = self.layout(config)
         p2p_ms = self.p2p_ms(config)
         m, p, v = config.num_microbatches, config.pipeline_parallel, config.stages_per_rank
         rounding = self._rounding_ms(config)
-        if p == 1:  # one rank holds every layer: no split to choose
-            return max(0.0, m * layout.rank_compute_ms + self.optimizer_ms(config, layout) - rounding)
-        family = get_family(config.method) if config.method != "auto" else None
-        flush = family is None or family.flush
-        fused = family is not None and not family.runs_split_backward
+        floors = self.collective_floors(config)
+        if p == 1:  # one rank holds every layer: no split to choose; its one stage gathered, then reduced
+            passes = m * layout.rank_compute_ms + self._one_stage_beside(config, floors, layout.max_parameters)
+            collectives = floors.first_gather + floors.first_reduce + floors.step_gather
+            return max(0.0, passes + self.optimizer_ms(config, layout) + collectives - rounding)
+        flush, fused = _flush_and_fused(config.method)
         degrees = self.degrees(config)
         key: tuple[object, ...] = (*degrees, p, v, config.placement, m, config.sharding, config.weight_copies)
         key = (*key, config.data_parallel_size, flush, fused, p2p_ms)
@@ -604,35 +778,137 @@ class Estimator:
                 bound = passes + self.optimizer_ms(config, layout)
             else:  # the simulator's period: the busiest rank's passes and step, at least the mean rank's
                 mean = m * layout.mean_compute_ms
-                bound = max(passes, mean + self.mean_optimizer_ms(config, layout))
+                bound = max(passes, mean + self.mean_optimizer_ms(config, layout) + floors.step_gather)
         else:  # every rank's step waits for the last pass of any rank
+            # a stage's passes run beside its collectives: at least their slowdown per parameter it holds
             layer_costs = LayerCosts(
-                num_layers, first_dense, m * layer.compute_ms, fill(layer), m * dense.compute_ms, fill(dense)
+                num_layers,
+                first_dense,
+                m * layer.compute_ms + floors.beside(layer.parameters),
+                fill(layer),
+                m * dense.compute_ms + floors.beside(dense.parameters),
+                fill(dense),
             )
-            # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same)
-            optimizer = self.mean_optimizer_ms(config, layout)
+            ends = (
+                m * embedding.compute_ms + floors.beside(embedding.parameters),
+                m * head.compute_ms + floors.beside(head.parameters),
+            )
+            # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same); every
+            # chain starts at stage 0's first gather; a fused backward's drain ends at stage 0's last backward, its
+            # reduction after it, a split backward's rank at its own last W, its stage's reduction after it
+            optimizer = self.mean_optimizer_ms(config, layout) + floors.step_gather + floors.first_gather
+            tails = self._reduction_tails(config, floors)
+            if fused:
+                optimizer += floors.first_reduce
+            drain = None
+            if not fused:  # or the rank's forwards and input gradients, then the last one's drain to stage 0's W
+
+                def chain(block: Block) -> float:
+                    return block.forward_ms + block.backward_input_ms
+
+                drain_costs = LayerCosts(
+                    num_layers,
+                    first_dense,
+                    m * chain(layer) + floors.beside(layer.parameters),
+                    chain(layer),
+                    m * chain(dense) + floors.beside(dense.parameters),
+                    chain(dense),
+                )
+                drain = _Drain(
+                    drain_costs,
+                    (ends[0] - m * embedding.backward_weight_ms, ends[1] - m * head.backward_weight_ms),
+                    (chain(embedding) + 2 * p2p_ms, 2 * p2p_ms),
+                    embedding.backward_weight_ms + floors.first_reduce,
+                )
             bound = optimizer + self._least_busiest(
-                config, layer_costs, (m * embedding.compute_ms, m * head.compute_ms), (fill(embedding) + hop, hop)
+                config,
+                layer_costs,
+                ends,
+                (fill(embedding) + hop, hop),
+                None if fused else tails,
+                drain,
             )
         self._bounds[key] = bound = max(0.0, bound - rounding)
         return bound
 
+    def _quick_collectives(self, config: Configuration, mean_parameters: float) -> float:
+        """What :meth:`collective_floors` adds to the quick bound, ms: ZeRO-2's gather in the step, and with a
+        flush stage 0's first gather, the reduction after the last pass (stage 0's with a fused backward, any
+        stage's least with a split one) and the mean rank's passes' slowdown beside its collectives, all at most
+        what :meth:`bound_ms` adds."""
+        floors = self.collective_floors(config)
+        flush, fused = _flush_and_fused(config.method)
+        if not flush:
+            return floors.step_gather
+        reduction = floors.first_reduce if fused else floors.any_reduce
+        return floors.step_gather + floors.first_gather + reduction + floors.beside(mean_parameters)
+
+    def _one_stage_beside(self, config: Configuration, floors: _CollectiveFloors, parameters: float) -> float:
+        """What one stage holding ``parameters`` (no pipeline) adds to its m microbatches' passes beside its
+        collectives, at least, ms: the problem's (:func:`pipesched.optimizer.derive._hide_behind_compute`,
+        :func:`pipesched.optimizer.cost.overlap.stage_overlap`) with every max(0, ·) left out and each collective at
+        its least. Gathered once (``reshard_after_forward`` false): the slowdown of the whole gather and reduction.
+        Resharded after forward (FSDP without a pipeline): every microbatch but the first waits for its first
+        unit's gather, and all its forward beside the whole gather; every backward waits for the first unit's
+        gather (the whole gather with ``BACKWARD_POST`` prefetch) beside the reduction; with a reduction every
+        microbatch, all but the last wait for their last unit's."""
+        m = config.num_microbatches
+        s, gather, reduction = floors.slowdown, floors.gather(parameters), floors.reduction(parameters)
+        if not self.data_parallel(config).reshard_after_forward:
+            return s * (gather + reduction)
+        software = self.hardware.software
+        after = software.fsdp_backward_prefetch == "BACKWARD_POST"
+
+        def backward(reduce: float) -> float:
+            return gather + s * reduce if after else floors.first_gather + s * (gather + reduce)
+
+        forward = (m - 1) * floors.first_gather + m * s * gather
+        if software.fsdp_gradient_sync == "every_microbatch":
+            return forward + m * backward(reduction) + (m - 1) * floors.first_reduce
+        return forward + (m - 1) * backward(0.0) + backward(reduction)
+
+    @staticmethod
+    def _reduction_tails(config: Configuration, floors: _CollectiveFloors) -> list[float]:
+        """Per stage, the least REDUCE_GRAD after its last backward (:meth:`collective_floors`)."""
+        num_stages = config.num_stages
+        tails = [floors.any_reduce] * num_stages
+        tails[-1] = floors.last_reduce
+        tails[0] = floors.first_reduce
+        return tails
+
     @staticmethod
     def _least_busiest(
-        config: Configuration, costs: LayerCosts, ends: tuple[float, float], fills: tuple[float, float]
+        config: Configuration,
+        costs: LayerCosts,
+        ends: tuple[float, float],
+        fills: tuple[float, float],
+        tails: list[float] | None = None,
+        drain: _Drain | None = None,
     ) -> float:
         """The least busiest rank's cost over the splits: ``ends`` the embedding's and the head's own costs,
-        ``fills`` the first stage's and every other stage's fixed fill (:mod:`pipesched.optimizer.planner.bound`).
+        ``fills`` the first stage's and every other stage's fixed fill (:mod:`pipesched.optimizer.planner.bound`),
+        ``tails`` per stage what follows the rank's last pass when it is that stage's (the rank is charged its
+        stages' least); ``drain`` a second form of each rank's cost (one stage per rank only: the larger counts).
         """
         p, v = config.pipeline_parallel, config.stages_per_rank
         num_stages = p * v
         own = [0.0] * num_stages
         own[0] += ends[0]
         own[-1] += ends[1]
-        prefix = [fills[0]] + [fills[1]] * (num_stages - 1)
         ranks = stage_to_rank(p, v, config.placement)
+        if tails is not None:
+            for rank in range(p):
+                tail = min(tails[s] for s in range(num_stages) if ranks[s] == rank)
+                own[min(s for s in range(num_stages) if ranks[s] == rank)] += tail
+        prefix = [fills[0]] + [fills[1]] * (num_stages - 1)
         if v == 1 and list(ranks) == list(range(p)):
-            return contiguous_min_max(costs, own, prefix)
+            if drain is None:
+                return contiguous_min_max(costs, own, prefix)
+            drain_own = [drain.after] * num_stages
+            drain_own[0] += drain.ends[0]
+            drain_own[-1] += drain.ends[1]
+            drain_prefix = [drain.fills[0]] + [drain.fills[1]] * (num_stages - 1)
+            return contiguous_min_max(costs, own, prefix, (drain.costs, drain_own, drain_prefix))
         # Several stages per rank: any count of layers per rank; the stages before a rank's first (stage r under
         # loop and V placements) charged their least, one layer each (none on the embedding's stage, which a
         # request's split may leave without one; so may the last stage).
@@ -685,8 +961,9 @@ class Estimator:
         exposed = self.data_parallel_ms(config, layout)
         optimizer = self.optimizer_ms(config, layout)
         p2p_ms = self.p2p_ms(config)
-        # the quick bound: every rank runs its passes then its step, and the ranks' sum is the same under any split
-        mean_step = self.mean_optimizer_ms(config, layout)
+        # the quick bound: every rank runs its passes then its step, and the ranks' sum is the same under any split;
+        # with a flush, after stage 0's first gather and before the least reduction (bound_ms)
+        mean_step = self.mean_optimizer_ms(config, layout) + self._quick_collectives(config, layout.mean_parameters)
         bound = max(0.0, m * layout.mean_compute_ms + mean_step - self._rounding_ms(config))
         bubble = _bubble(config.method) * (p - 1) * (layout.rank_compute_ms / v + 2 * p2p_ms)
         estimate = m * layout.rank_compute_ms + bubble + exposed + optimizer

@@ -68,6 +68,35 @@ def test_one_stage_per_rank_is_the_least_over_every_split(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
+def test_the_larger_of_two_forms_is_the_least_over_every_split(seed: int) -> None:
+    # a split backward's rank: its passes (the first form), or its forwards and input gradients followed by the
+    # input gradients of the stages before it (the second: its prefix per layer larger, its own smaller)
+    rng = random.Random(1000 + seed)
+    stages = rng.randint(2, 4)
+    layers = rng.randint(stages, 9)
+    dense = rng.choice([0, 0, 1, 3, layers])
+    costs, own, prefix = _random_case(rng, layers, dense, stages)
+    second, second_own, second_prefix = _random_case(rng, layers, dense, stages)
+    second_own = [cost + rng.uniform(0.0, 1.0) for cost in second_own]
+    ranks = list(range(stages))
+    least = min(
+        max(
+            max(first, other)
+            for first, other in zip(
+                _rank_costs(costs, split, own, prefix, ranks),
+                _rank_costs(second, split, second_own, second_prefix, ranks),
+                strict=True,
+            )
+        )
+        for split in _splits(layers, stages, [0] * stages)
+    )
+    bound = contiguous_min_max(costs, own, prefix, (second, second_own, second_prefix))
+    assert least * (1 - 2 * RELATIVE_TOLERANCE) <= bound <= least * (1 + 1e-9)
+    # at least either form alone
+    assert bound >= contiguous_min_max(second, second_own, second_prefix) * (1 - 2 * RELATIVE_TOLERANCE)
+
+
+@pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("placement", ["loop", "v"])
 def test_several_stages_per_rank_stay_below_every_split(seed: int, placement: str) -> None:
     rng = random.Random(seed)
