@@ -668,6 +668,12 @@ class Estimator:
         )
         if key in self._floors:
             return self._floors[key]
+        self._floors[key] = floors = self._compute_floors(config)
+        return floors
+
+    def _compute_floors(self, config: Configuration) -> _CollectiveFloors:
+        """:meth:`collective_floors` of a data-parallel dense ``config`` (``weight_copies`` > 1), uncached."""
+        d = config.weight_copies
         layer, embedding, head, _, model = self.blocks(*self.degrees(config))
         beta, _ = group_link(self._achieved_cluster, d, config.tensor_parallel)
         alpha = self.cluster.collective_latency_ms
@@ -690,7 +696,7 @@ class Estimator:
         )
         full = config.sharding == "full"
         reduce_steps = 1 if per_unit else 2  # a reduce-scatter's ring steps, an all-reduce's twice as many
-        floors = _CollectiveFloors(
+        return _CollectiveFloors(
             first_gather=gather,
             first_reduce=reduction(first_unit),
             last_reduce=reduction(last_unit),
@@ -702,8 +708,6 @@ class Estimator:
             reduce_ms_per_parameter=1e3 * reduce_steps * (d - 1) / d * reduce_bytes / beta,
             slowdown=self.hardware.profile.overlap_slowdown,
         )
-        self._floors[key] = floors
-        return floors
 
     @staticmethod
     def _rounding_ms(config: Configuration) -> float:
@@ -761,8 +765,41 @@ class Estimator:
             optimizer = self.mean_optimizer_ms(config, layout)
             self._bounds[key] = bound = max(0.0, m * layout.mean_compute_ms + optimizer - rounding)
             return bound
+        if not flush:  # the step period: at least each rank's passes (and with a simulated step its optimizer's)
+            bound = self._period_bound(config, layout, floors)
+        else:  # every rank's step waits for the last pass of any rank
+            bound = self._flushed_bound(config, layout, floors, p2p_ms, fused)
+        self._bounds[key] = bound = max(0.0, bound - rounding)
+        return bound
+
+    def _bound_blocks(self, config: Configuration) -> tuple[Block, Block, Block, Block]:
+        """``config``'s layer, embedding, head and dense layer (a mixture-of-experts model's first layers)."""
+        degrees = self.degrees(config)
         layer, embedding, head, _, _ = self.blocks(*degrees)
-        dense = self.dense_layer(degrees)
+        return layer, embedding, head, self.dense_layer(degrees)
+
+    def _period_bound(self, config: Configuration, layout: _Layout, floors: _CollectiveFloors) -> float:
+        """:meth:`bound_ms` without a flush, before rounding: the step period is at least each rank's passes (and
+        with a simulated step, ``weight_copies`` > 1, the mean rank's passes and optimizer step)."""
+        m = config.num_microbatches
+        layer, embedding, head, dense = self._bound_blocks(config)
+        num_layers = self.model.num_layers
+        first_dense = self.model.first_dense_layers if self.model.is_moe else num_layers
+        costs = LayerCosts(num_layers, first_dense, m * layer.compute_ms, 0.0, m * dense.compute_ms, 0.0)
+        passes = self._least_busiest(config, costs, (m * embedding.compute_ms, m * head.compute_ms), (0.0, 0.0))
+        if config.weight_copies == 1:  # the plan adds the estimated optimizer step to the period
+            return passes + self.optimizer_ms(config, layout)
+        # the simulator's period: the busiest rank's passes and step, at least the mean rank's
+        mean = m * layout.mean_compute_ms
+        return max(passes, mean + self.mean_optimizer_ms(config, layout) + floors.step_gather)
+
+    def _flushed_bound(
+        self, config: Configuration, layout: _Layout, floors: _CollectiveFloors, p2p_ms: float, fused: bool
+    ) -> float:
+        """:meth:`bound_ms` with a flush, before rounding: every rank's step waits for the last pass of any rank
+        (the least busiest rank over the splits, its fill and drain, the collectives no schedule hides)."""
+        m = config.num_microbatches
+        layer, embedding, head, dense = self._bound_blocks(config)
         num_layers = self.model.num_layers
         first_dense = self.model.first_dense_layers if self.model.is_moe else num_layers
 
@@ -771,65 +808,48 @@ class Estimator:
             return block.compute_ms if fused else block.forward_ms
 
         hop = (2 if fused else 1) * p2p_ms
-        if not flush:  # the step period: at least each rank's passes (and with a simulated step its optimizer's)
-            costs = LayerCosts(num_layers, first_dense, m * layer.compute_ms, 0.0, m * dense.compute_ms, 0.0)
-            passes = self._least_busiest(config, costs, (m * embedding.compute_ms, m * head.compute_ms), (0.0, 0.0))
-            if config.weight_copies == 1:  # the plan adds the estimated optimizer step to the period
-                bound = passes + self.optimizer_ms(config, layout)
-            else:  # the simulator's period: the busiest rank's passes and step, at least the mean rank's
-                mean = m * layout.mean_compute_ms
-                bound = max(passes, mean + self.mean_optimizer_ms(config, layout) + floors.step_gather)
-        else:  # every rank's step waits for the last pass of any rank
-            # a stage's passes run beside its collectives: at least their slowdown per parameter it holds
-            layer_costs = LayerCosts(
+        # a stage's passes run beside its collectives: at least their slowdown per parameter it holds
+        layer_costs = LayerCosts(
+            num_layers,
+            first_dense,
+            m * layer.compute_ms + floors.beside(layer.parameters),
+            fill(layer),
+            m * dense.compute_ms + floors.beside(dense.parameters),
+            fill(dense),
+        )
+        ends = (
+            m * embedding.compute_ms + floors.beside(embedding.parameters),
+            m * head.compute_ms + floors.beside(head.parameters),
+        )
+        # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same); every
+        # chain starts at stage 0's first gather; a fused backward's drain ends at stage 0's last backward, its
+        # reduction after it, a split backward's rank at its own last W, its stage's reduction after it
+        optimizer = self.mean_optimizer_ms(config, layout) + floors.step_gather + floors.first_gather
+        tails = self._reduction_tails(config, floors)
+        if fused:
+            optimizer += floors.first_reduce
+        drain = None
+        if not fused:  # or the rank's forwards and input gradients, then the last one's drain to stage 0's W
+
+            def chain(block: Block) -> float:
+                return block.forward_ms + block.backward_input_ms
+
+            drain_costs = LayerCosts(
                 num_layers,
                 first_dense,
-                m * layer.compute_ms + floors.beside(layer.parameters),
-                fill(layer),
-                m * dense.compute_ms + floors.beside(dense.parameters),
-                fill(dense),
+                m * chain(layer) + floors.beside(layer.parameters),
+                chain(layer),
+                m * chain(dense) + floors.beside(dense.parameters),
+                chain(dense),
             )
-            ends = (
-                m * embedding.compute_ms + floors.beside(embedding.parameters),
-                m * head.compute_ms + floors.beside(head.parameters),
+            drain = _Drain(
+                drain_costs,
+                (ends[0] - m * embedding.backward_weight_ms, ends[1] - m * head.backward_weight_ms),
+                (chain(embedding) + 2 * p2p_ms, 2 * p2p_ms),
+                embedding.backward_weight_ms + floors.first_reduce,
             )
-            # the heaviest optimizer step is at least the mean rank's (the ranks' parameters sum the same); every
-            # chain starts at stage 0's first gather; a fused backward's drain ends at stage 0's last backward, its
-            # reduction after it, a split backward's rank at its own last W, its stage's reduction after it
-            optimizer = self.mean_optimizer_ms(config, layout) + floors.step_gather + floors.first_gather
-            tails = self._reduction_tails(config, floors)
-            if fused:
-                optimizer += floors.first_reduce
-            drain = None
-            if not fused:  # or the rank's forwards and input gradients, then the last one's drain to stage 0's W
-
-                def chain(block: Block) -> float:
-                    return block.forward_ms + block.backward_input_ms
-
-                drain_costs = LayerCosts(
-                    num_layers,
-                    first_dense,
-                    m * chain(layer) + floors.beside(layer.parameters),
-                    chain(layer),
-                    m * chain(dense) + floors.beside(dense.parameters),
-                    chain(dense),
-                )
-                drain = _Drain(
-                    drain_costs,
-                    (ends[0] - m * embedding.backward_weight_ms, ends[1] - m * head.backward_weight_ms),
-                    (chain(embedding) + 2 * p2p_ms, 2 * p2p_ms),
-                    embedding.backward_weight_ms + floors.first_reduce,
-                )
-            bound = optimizer + self._least_busiest(
-                config,
-                layer_costs,
-                ends,
-                (fill(embedding) + hop, hop),
-                None if fused else tails,
-                drain,
-            )
-        self._bounds[key] = bound = max(0.0, bound - rounding)
-        return bound
+        starts = (fill(embedding) + hop, hop)
+        return optimizer + self._least_busiest(config, layer_costs, ends, starts, None if fused else tails, drain)
 
     def _quick_collectives(self, config: Configuration, mean_parameters: float) -> float:
         """What :meth:`collective_floors` adds to the quick bound, ms: ZeRO-2's gather in the step, and with a

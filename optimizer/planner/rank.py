@@ -53,6 +53,9 @@ __all__ = ["PlanOutcome", "PlanProgress", "Prepared", "estimator_for", "plan", "
 MAX_CONFIGURATIONS = 100_000
 #: The most one request may enumerate before it must pin dimensions.
 MAX_ENUMERATED = 1_000_000
+#: Share of ``search.time_limit_s`` enumerating the space may take (:func:`prepare`): past it the enumeration stops
+#: where it is and the answer says so in its notes (idle, 100,000 configurations take about 0.4 s here).
+ENUMERATE_SHARE = 0.25
 #: Share of ``search.time_limit_s`` the estimates of the enumerated configurations may take (the rest is for
 #: simulating them); a space larger than that is sampled (:func:`_estimate_within`).
 ESTIMATE_SHARE = 0.4
@@ -86,6 +89,7 @@ class Prepared:
     rejected: list[Rejected]
     searched: Searched
     started: float = field(default_factory=time.perf_counter)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -353,18 +357,7 @@ def prepare(request: PlanRequest) -> Prepared:
     if estimator.limit_bytes <= 0:
         raise_field_errors("PlanRequest", [_no_room_error(request, hardware.memory_bytes, estimator.headroom_bytes)])
     raise_field_errors("PlanRequest", _precision_errors(request, estimator))
-    configurations = list(
-        itertools.islice(
-            enumerate_space(
-                estimator.model,
-                request.cluster,
-                request.training.global_batch_size,
-                request.search,
-                precision=estimator.model.precision,
-            ),
-            MAX_ENUMERATED + 1,
-        )
-    )
+    configurations, cut = _enumerate_within(request, estimator, started + ENUMERATE_SHARE * request.search.time_limit_s)
     if len(configurations) > MAX_ENUMERATED:
         raise_field_errors(
             "PlanRequest",
@@ -394,7 +387,35 @@ def prepare(request: PlanRequest) -> Prepared:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
-    return Prepared(request, estimator, fitting, rejected, searched, started)
+    notes = []
+    if cut:
+        largest = max(config.tensor_parallel for config in configurations)
+        notes.append(
+            f"the space's enumeration stopped at {ENUMERATE_SHARE:.0%} of search.time_limit_s after "
+            f"{enumerated:,} configurations (tensor_parallel up to {largest}): the rest was never estimated; pin "
+            "dimensions in search (tensor_parallel, pipeline_parallel, micro_batch_size, method) or raise "
+            "search.time_limit_s"
+        )
+    return Prepared(request, estimator, fitting, rejected, searched, started, notes)
+
+
+def _enumerate_within(request: PlanRequest, estimator: Estimator, deadline: float) -> tuple[list[Configuration], bool]:
+    """The request's configurations (:func:`enumerate_space`), at most ``MAX_ENUMERATED`` + 1, and whether the
+    deadline (a ``time.perf_counter()`` instant) stopped the enumeration first. At least one configuration is
+    enumerated when the space has any; the clock is read every 4,096."""
+    space = enumerate_space(
+        estimator.model,
+        request.cluster,
+        request.training.global_batch_size,
+        request.search,
+        precision=estimator.model.precision,
+    )
+    configurations: list[Configuration] = []
+    for config in itertools.islice(space, MAX_ENUMERATED + 1):
+        configurations.append(config)
+        if len(configurations) % 4096 == 0 and time.perf_counter() >= deadline:
+            return configurations, next(space, None) is not None
+    return configurations, False
 
 
 def _estimate_within(
@@ -597,7 +618,7 @@ class _PlanSearch(SearchContext[Evaluation]):
             request=self.prepared.request,
             memory_headroom_bytes=float(round(estimator.headroom_bytes)),
             profile=f"{estimator.hardware.profile.name} ({estimator.hardware.profile.source or 'unfitted'})",
-            notes=plan_notes(plans, estimator),
+            notes=[*self.prepared.notes, *plan_notes(plans, estimator)],
             parameters=float(model_parameters(self.prepared.request.model)),
             active_parameters=float(active_parameters(self.prepared.request.model)),
         )

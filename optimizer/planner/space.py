@@ -192,6 +192,7 @@ def _admits(method: str, pipeline_parallel: int, stages_per_rank: int, placement
     return get_family(method).admits_pipeline(pipeline)
 
 
+@cache
 def _shards(method: str, sharding: str) -> bool:
     """Whether ``method`` runs with ``sharding``: a family without a flush keeps two whole weight versions and
     all-reduces its gradients every step (sharding ``none`` or ``optimizer``)."""

@@ -49,6 +49,19 @@ def test_llama3_405b_at_131k_tokens_on_16384_gpus_chooses_context_parallelism_in
     assert best.lower_bound_ms <= best.step_time_ms
 
 
+def test_a_short_limit_stops_the_spaces_enumeration_and_says_so() -> None:
+    # DeepSeek-V3 on 16,384 H100s enumerates some 100,000 configurations (0.4 s idle, more on a loaded machine);
+    # at 0.5 s the enumeration's share (25%) ends it early, the answer comes within the limit and says what it left
+    limit = 0.5
+    started = time.perf_counter()
+    answer = plan(request({"preset": "deepseek-v3"}, 2048, 16384, limit)).answer
+    assert time.perf_counter() - started <= limit + 2.0
+    assert 0 < answer.searched.enumerated < 100_000
+    assert any("enumeration stopped" in note and "pin dimensions in search" in note for note in answer.notes)
+    full = prepare(request({"preset": "deepseek-v3"}, 2048, 16384, 60.0))
+    assert full.searched.enumerated > 100_000 and not any("enumeration" in note for note in full.notes)
+
+
 def test_context_parallel_degrees_split_the_sequence_in_balanced_chunks() -> None:
     prepared = prepare(request({"preset": "llama3.1-8b", "seq_length": 65536}, 1, 8, 5.0, tensor_parallel=[1]))
     degrees = {config.context_parallel for config, _ in prepared.candidates}
