@@ -22,6 +22,7 @@ from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.flops import active_parameters, layer_flops, model_flops_per_token, model_parameters
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware, transformer_layer
+from pipesched.optimizer.cost.timing import expert_gemms
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
@@ -426,3 +427,15 @@ def test_nemo_automodel_rows_state_the_recomputation_their_benchmark_configs_set
         stated = "full" if "activation_checkpointing: true" in notes else "none"
         assert "activation_checkpointing: false" in notes or stated == "full", row["id"]
         assert row["training"]["activation_recomputation"] == stated, row["id"]
+
+
+def test_a_local_experts_gemm_takes_its_share_of_the_expert_groups_routed_copies() -> None:
+    """GPT-OSS 120B at MBS 4, EP 8 (Megatron Bridge's 26.04.01 B200 row): 8 ranks × 16,384 tokens × top-4 over
+    128 experts = 4,096 rows per local expert; at MBS 1 on H100 (its 26.04.01 H100 row) 1,024. Without expert
+    parallelism every expert is split t ways and takes s·b·k/E rows (bench/moe_expert_rows.py reads these)."""
+    model = ModelConfig.model_validate({"preset": "gpt-oss-120b", "micro_batch_size": 4})
+    fc1, fc2 = expert_gemms(model, 4 * 4096, 1, 8)[:2]
+    assert fc1 == (4096, 2 * 2880, 2880) and fc2 == (4096, 2880, 2880)
+    assert len(expert_gemms(model, 4 * 4096, 1, 8)) == 2 * 128 // 8 + 1  # 16 local experts and the router
+    assert expert_gemms(model, 4096, 1, 8)[0][0] == 1024
+    assert expert_gemms(model, 4096, 2, 1)[0] == (4096 * 4 / 128, 2880, 2880)
