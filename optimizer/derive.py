@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict, ValidationError
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
-from pipesched.optimizer.cost.collectives import data_parallel_costs
+from pipesched.optimizer.cost.collectives import achieved_links, data_parallel_costs
 from pipesched.optimizer.cost.experts import expert_groups
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.stages import DerivedProblem, derive_problem
@@ -314,14 +314,7 @@ def _add_collectives(
     tp_size = int(tensor_parallel.get("size", 1)) if isinstance(tensor_parallel, Mapping) else 1
     raise_field_errors("Problem", _group_errors(parts, dp.size, tp_size))
     profile = derived.hardware.profile
-    achieved = parts.cluster.model_copy(
-        update={
-            "intra_node_bandwidth_bytes_per_s": parts.cluster.intra_node_bandwidth_bytes_per_s
-            * profile.collective_efficiency_intra,
-            "inter_node_bandwidth_bytes_per_s": parts.cluster.inter_node_bandwidth_bytes_per_s
-            * profile.collective_efficiency_inter,
-        }
-    )
+    achieved = achieved_links(parts.cluster, profile.collective_efficiency_intra, profile.collective_efficiency_inter)
     collectives = data_parallel_costs(
         model=parts.model,
         cluster=achieved,

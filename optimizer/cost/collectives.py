@@ -82,6 +82,7 @@ __all__ = [
     "FLOAT8_GATHER_BYTES",
     "GRADIENT_REDUCE_BYTES",
     "DataParallelCosts",
+    "achieved_links",
     "all_gather_ms",
     "all_reduce_ms",
     "data_parallel_costs",
@@ -120,6 +121,18 @@ def all_gather_ms(num_bytes: float, group_size: int, bandwidth_bytes_per_s: floa
     """Ring all-gather producing ``num_bytes`` on every rank, ms: (d−1)·α + (d−1)/d · B/β (Thakur et al. 2005,
     Sec. 4.1)."""
     return reduce_scatter_ms(num_bytes, group_size, bandwidth_bytes_per_s, latency_ms)
+
+
+def achieved_links(cluster: ClusterConfig, intra_efficiency: float, inter_efficiency: float) -> ClusterConfig:
+    """``cluster`` with its node links at the fractions of their bandwidth collectives achieve (an accelerator
+    profile's ``collective_efficiency_intra`` / ``_inter``): what :func:`group_link` and the collectives' times
+    take, for the problem's data-parallel costs and the planner's bound alike."""
+    return cluster.model_copy(
+        update={
+            "intra_node_bandwidth_bytes_per_s": cluster.intra_node_bandwidth_bytes_per_s * intra_efficiency,
+            "inter_node_bandwidth_bytes_per_s": cluster.inter_node_bandwidth_bytes_per_s * inter_efficiency,
+        }
+    )
 
 
 def group_link(cluster: ClusterConfig, group_size: int, tensor_parallel: int = 1) -> tuple[float, str]:

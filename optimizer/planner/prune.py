@@ -77,6 +77,7 @@ from typing import Literal
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import (
     GRADIENT_REDUCE_BYTES,
+    achieved_links,
     all_gather_ms,
     all_reduce_ms,
     group_link,
@@ -616,12 +617,8 @@ class Estimator:
     def _achieved_cluster(self) -> ClusterConfig:
         """The cluster with its node links at the profile's collective efficiencies, as the problem's collectives
         take them (:func:`pipesched.optimizer.derive._add_collectives`)."""
-        profile, cluster = self.hardware.profile, self.cluster
-        intra = cluster.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
-        inter = cluster.inter_node_bandwidth_bytes_per_s * profile.collective_efficiency_inter
-        return cluster.model_copy(
-            update={"intra_node_bandwidth_bytes_per_s": intra, "inter_node_bandwidth_bytes_per_s": inter}
-        )
+        profile = self.hardware.profile
+        return achieved_links(self.cluster, profile.collective_efficiency_intra, profile.collective_efficiency_inter)
 
     def collective_floors(self, config: Configuration) -> _CollectiveFloors:
         """The least data-parallel collectives ``config``'s problem charges, ms, whatever its layer split: zero
