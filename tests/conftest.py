@@ -15,7 +15,6 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.progress import Progress
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"  # the team's shared folder: absent from a user's clone
 PAPER_SETTINGS_PATH = REPO / "bench" / "data" / "zb_paper_settings.json"
 
 
