@@ -60,14 +60,27 @@ def test_profile_with_a_function_of_the_wrong_signature_exits_2_without_a_traceb
     assert "Traceback" not in result.stderr and "json.loads" in result.stderr and "build(num_stages" in result.stderr
 
 
-def test_module_function_models_import_from_the_current_directory(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def profiled_from_the_current_directory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`pipesched profile` of a module:function model in the current directory, 2 ranks, 3 repeats (and the folder):
+    one profile (a launch of its own, 10–20 s on 2 cores) that two tests read, each for its own claim."""
     pytest.importorskip("torch")
-    shutil.copy(REPO / "tests" / "runtime" / "user_pipeline_model.py", tmp_path / "mystages.py")
+    folder = tmp_path_factory.mktemp("profile")
+    shutil.copy(REPO / "tests" / "runtime" / "user_pipeline_model.py", folder / "mystages.py")
     result = pipesched(
-        "profile", "--model", "mystages:tiny_stages", "--num-ranks", "2", "--repeats", "1", "-o", "p.json", cwd=tmp_path
+        "profile", "--model", "mystages:tiny_stages", "--num-ranks", "2", "--repeats", "3", "-o", "p.json", cwd=folder
     )
+    return result, folder
+
+
+def test_module_function_models_import_from_the_current_directory(
+    profiled_from_the_current_directory: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    result, folder = profiled_from_the_current_directory
     assert result.returncode == 0, result.stderr
-    assert json.loads((tmp_path / "p.json").read_text())["pipeline"]["num_ranks"] == 2
+    assert json.loads((folder / "p.json").read_text())["pipeline"]["num_ranks"] == 2
 
 
 def test_serve_help_lists_every_environment_variable(tmp_path: Path) -> None:
@@ -259,7 +272,9 @@ def test_the_demo_table_prints_peak_and_limit_alike() -> None:
     assert peaks_shown and max(peaks_shown) <= limit_shown, text
 
 
-def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
+def test_profile_reports_the_spread_of_every_pass(
+    profiled_from_the_current_directory: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     pytest.importorskip("torch")
     from pipesched.runtime.profile import PassSpread, measure_model
 
@@ -278,7 +293,8 @@ def test_profile_reports_the_spread_of_every_pass(tmp_path: Path) -> None:
     moving = PassSpread("W", 1, (1.0, 10.0, 1.2, 9.0))
     assert steady.relative_iqr < 0.05 and moving.relative_iqr > 1
     assert type(measured)(measured.problem, [steady, moving]).unsteady() == [moving]
-    result = pipesched("profile", "--num-ranks", "2", "--repeats", "3", "-o", "p.json", cwd=tmp_path)
+    # the command line prints each pass's spread (the profile of a model of the user's, 2 ranks, 3 repeats)
+    result, _ = profiled_from_the_current_directory
     assert result.returncode == 0, result.stderr
     assert "min–max over 3 runs" in " ".join(result.stdout.split())
 

@@ -15,7 +15,7 @@ from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.families import get_family
 from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.optimizer.result import Schedule, build_schedule
-from pipesched.optimizer.solve import solve
+from pipesched.optimizer.solve import solve, solve_family
 from tests.conftest import uniform_problem
 
 torch = pytest.importorskip("torch")
@@ -63,6 +63,28 @@ def case_key(name: str, engine: str, options: dict) -> Key:
 
 
 AUTO_KEY: Key = ("auto", "pipesched", True, "gpt-tiny")
+END_STAGES_KEY: Key = ("zb-h1", "auto", True, "problem")
+
+
+#: A 4-layer model split [0, 2, 2, 0]: the first and last stage hold no transformer layer (embedding / LM head alone).
+END_STAGES = {
+    "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
+    "model": {
+        "num_layers": 4,
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "seq_length": 16,
+        "vocab_size": 64,
+        "micro_batch_size": 2,
+        "layers_per_stage": [0, 2, 2, 0],
+    },
+    "cluster": {
+        "flops_per_s": 1e10,
+        "memory_bytes": 1e9,
+        "memory_bandwidth_bytes_per_s": 1e10,
+        "memory_headroom_bytes": 0,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +109,11 @@ def family_runs() -> dict[Key, tuple[Schedule, dict]]:
     engines.append("pipesched")
     models.append("gpt-tiny")
     keys.append(AUTO_KEY)
+    # --model problem with the embedding and the head alone on the end stages (its own test below)
+    schedules.append(solve_family(load_problem(END_STAGES), "zb-h1"))
+    engines.append("auto")
+    models.append("problem")
+    keys.append(END_STAGES_KEY)
     with warnings.catch_warnings():
         # The pinned torch (the runtime extra's torch==2.13.0) is supported: no version warning.
         warnings.filterwarnings("error", message=".*untested with the pipesched runtime.*")
@@ -343,41 +370,22 @@ def test_cli_profile_writes_a_problem_that_solve_takes(tmp_path: Path):
     assert schedule["makespan"] > 0
 
 
-def test_embedding_and_head_alone_on_the_end_stages_run_and_verify():
+def test_embedding_and_head_alone_on_the_end_stages_run_and_verify(family_runs):
     """A partition may leave the first and last stage without transformer layers (embedding / LM head
-    alone); `--model problem` builds exactly that split and the run matches the reference."""
-    from pipesched.optimizer.solve import solve_family
-    from pipesched.runtime.launch import run_schedule
+    alone); `--model problem` builds exactly that split and the run matches the reference (the run is one
+    schedule of the shared launch: its engine, gloo and reference are those of a launch of its own)."""
     from pipesched.runtime.models import load_model
     from pipesched.runtime.verify import reference_training
 
-    problem = load_problem(
-        {
-            "pipeline": {"num_ranks": NUM_RANKS, "num_microbatches": NUM_MICROBATCHES},
-            "model": {
-                "num_layers": 4,
-                "hidden_size": 32,
-                "num_attention_heads": 4,
-                "seq_length": 16,
-                "vocab_size": 64,
-                "micro_batch_size": 2,
-                "layers_per_stage": [0, 2, 2, 0],
-            },
-            "cluster": {
-                "flops_per_s": 1e10,
-                "memory_bytes": 1e9,
-                "memory_bandwidth_bytes_per_s": 1e10,
-                "memory_headroom_bytes": 0,
-            },
-        }
-    )
+    problem = load_problem(END_STAGES)
     model = load_model("problem", problem)
     assert model.layers_per_stage == [0, 2, 2, 0]
     assert len(model.build_stage(0).blocks) == 0 and len(model.build_stage(3).blocks) == 0
     gradients = reference_training(model, NUM_MICROBATCHES, None).gradients
     assert any(name.startswith("0/token_embedding") for name in gradients)
     assert any(name.startswith("3/lm_head") for name in gradients)
-    report = run_schedule(solve_family(problem, "zb-h1"), model="problem", timeout_s=120)
+    schedule, report = family_runs[END_STAGES_KEY]
+    assert schedule.method == "zb-h1" and len(report.ranks) == NUM_RANKS
     assert report.verified is True
     assert report.max_rel_grad_error <= 1e-5
     assert report.missing_gradients == []
