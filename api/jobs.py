@@ -26,6 +26,7 @@ from pipesched.api.storage import Store, is_unreachable
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import Progress, solve
+from pipesched.optimizer.solvers.base import BACKENDS
 
 __all__ = [
     "JobOutcome",
@@ -202,6 +203,14 @@ def run_job(database_url: str, job_id: str, attempt: int, deadline_s: float) -> 
     )
 
 
+#: What a solver process imports when it starts: the plan search and every backend's module (the exact ones load
+#: OR-Tools and PuLP), so that a first search does not spend its time limit importing them.
+SOLVER_PRELOAD: tuple[str, ...] = (
+    "pipesched.optimizer.planner.rank",
+    *(spec.module for spec in BACKENDS),
+)
+
+
 class SolverPool:
     """Two lanes of solver processes (:class:`pipesched.api.lanes.Lane`): synchronous solves and jobs.
 
@@ -237,8 +246,8 @@ class SolverPool:
         self.deadline_grace_s = deadline_grace_s
         self.on_job_done = on_job_done
         self.max_job_attempts = max_job_attempts
-        self.jobs = Lane("job", workers, max_queued_jobs)
-        self.solves = Lane("solve", sync_workers, max_queued_solves)
+        self.jobs = Lane("job", workers, max_queued_jobs, preload=SOLVER_PRELOAD)
+        self.solves = Lane("solve", sync_workers, max_queued_solves, preload=SOLVER_PRELOAD)
         self._lock = threading.Lock()
         self._tickets: dict[str, Ticket] = {}
 

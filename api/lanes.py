@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import importlib
 import logging
 import math
 import multiprocessing
@@ -35,7 +36,17 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Admission", "Lane", "LaneClosed", "LaneFull", "Ticket", "WorkerDied", "guard_worker", "worker_context"]
+__all__ = [
+    "Admission",
+    "Lane",
+    "LaneClosed",
+    "LaneFull",
+    "Ticket",
+    "WorkerDied",
+    "guard_worker",
+    "start_worker",
+    "worker_context",
+]
 
 log = logging.getLogger("pipesched.lanes")
 
@@ -156,6 +167,14 @@ def guard_worker(server_pid: int) -> None:
     threading.Thread(target=watch, name="pipesched-watchdog", daemon=True).start()
 
 
+def start_worker(server_pid: int, preload: tuple[str, ...]) -> None:
+    """The initializer of every worker process: :func:`guard_worker`, then import ``preload`` (module names), so
+    that no task pays a library's first import inside its own time (a search's: OR-Tools took 0.5–1.2 s here)."""
+    guard_worker(server_pid)
+    for module in preload:
+        importlib.import_module(module)
+
+
 def worker_context() -> multiprocessing.context.BaseContext:
     """forkserver where there is one (never fork a process that runs an event loop and threads), else spawn."""
     methods = multiprocessing.get_all_start_methods()
@@ -186,8 +205,8 @@ class _Slot:
             self.executor = ProcessPoolExecutor(
                 max_workers=1,
                 mp_context=worker_context(),
-                initializer=guard_worker,
-                initargs=(os.getpid(),),
+                initializer=start_worker,
+                initargs=(os.getpid(), self.lane.preload),
                 max_tasks_per_child=self.lane.max_tasks_per_child,
             )
         return self.executor
@@ -216,12 +235,22 @@ class Lane:
         max_queued: tasks that may wait; one more raises :class:`LaneFull`.
         max_tasks_per_child: a worker process is replaced after this many tasks (None: never), which
             returns the memory a large task left behind.
+        preload: modules every worker process imports when it starts, before its first task.
     """
 
-    def __init__(self, name: str, workers: int, max_queued: int, *, max_tasks_per_child: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        workers: int,
+        max_queued: int,
+        *,
+        max_tasks_per_child: int | None = None,
+        preload: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.max_queued = max_queued
         self.max_tasks_per_child = max_tasks_per_child
+        self.preload = preload
         self._lock = threading.RLock()
         self._slots = [_Slot(self) for _ in range(workers)]
         self._queue: deque[Ticket] = deque()

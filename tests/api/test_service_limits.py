@@ -85,6 +85,24 @@ def test_a_killed_worker_fails_only_its_task_and_the_queue_runs_on_a_fresh_one()
         lane.close()
 
 
+def _imported(module: str) -> bool:
+    return module in sys.modules
+
+
+def test_a_solver_process_imports_the_search_libraries_before_its_first_task(tmp_path: Path) -> None:
+    """A search's time limit starts inside its task: OR-Tools' first import (0.5–1.2 s here) belongs to the worker's
+    start, not to the first search (a render or check worker imports nothing it does not need)."""
+    pool = SolverPool(Store(f"sqlite:///{tmp_path / 'preload.sqlite3'}"), workers=1)
+    render = Lane("render", workers=1, max_queued=1)
+    try:
+        first = pool.solves.submit(_imported, "ortools.sat.python.cp_model").future.result(timeout=120)
+        assert first and pool.jobs.submit(_imported, "pipesched.optimizer.solvers.milp").future.result(timeout=120)
+        assert not render.submit(_imported, "ortools.sat.python.cp_model").future.result(timeout=120)
+    finally:
+        pool.shutdown()
+        render.close()
+
+
 def test_an_aborted_task_frees_its_worker_for_the_next() -> None:
     lane = Lane("test", workers=1, max_queued=1)
     try:
