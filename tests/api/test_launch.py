@@ -325,6 +325,19 @@ def test_launch_takes_the_plan_answer_as_the_service_serves_it(tmp_path: Path) -
     assert {path.name for path in (tmp_path / "job").iterdir()} == {"schedule.csv", "torchtitan.args", "launch.sh"}
 
 
+def test_the_scripts_first_line_names_every_parallel_degree(plan_file: Path) -> None:
+    # A plan of pp 1 x tp 1 x cp 2 x dp 4 on 8 GPUs was summed up in launch.sh as "pp 1 x tp 1 x dp 4": 4 GPUs.
+    answer = PlanAnswer.model_validate_json(plan_file.read_text())
+    assert answer.request is not None
+    best = answer.plans[0]
+    halved = best.data_parallel.model_copy(update={"size": best.data_parallel.size // 2})
+    with_cp = best.model_copy(update={"context_parallel": 2, "data_parallel": halved})
+    bundle = build_bundle(answer.request, with_cp, 1, None, LaunchOptions(scheduler="torchrun"))
+    header = bundle.files["launch.sh"].splitlines()[1]
+    degrees = f"pp {best.pipeline_parallel} x tp {best.tensor_parallel} x cp 2 x dp {halved.size}"
+    assert degrees in header, header
+
+
 def test_megatron_target_writes_megatron_args(plan_file: Path) -> None:
     answer = PlanAnswer.model_validate_json(plan_file.read_text())
     assert answer.request is not None
