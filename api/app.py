@@ -148,8 +148,8 @@ def _http_error_response(request: Request, error: Exception) -> JSONResponse:
         detail = [
             {
                 "loc": ["body"],
-                "msg": f"the request body could not be read ({reason}); send the problem as a UTF-8 JSON object "
-                "with Content-Type: application/json",
+                "msg": f"the request body could not be read ({reason}); send {_body_of(request)} as a UTF-8 JSON "
+                "object with Content-Type: application/json",
                 "type": "body_unreadable",
             }
         ]
@@ -203,9 +203,23 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+#: What each route's body is, for the sentence that says how to send it (the problem where not named).
+_BODIES = {
+    "/v1/plans": "the plan request",
+    "/v1/profiles": "the profile that `pipesched calibrate` wrote",
+    "/v1/schedules/check": 'the problem and the schedule ({"problem": …, "schedule": …})',
+}
+
+
+def _body_of(request: Request) -> str:
+    """What ``request``'s route takes as its body, in words."""
+    return _BODIES.get(request.url.path.rstrip("/"), "the problem")
+
+
 def _validation_response(request: Request, error: Exception) -> JSONResponse:
     """422 with ``{"detail": [{"loc", "msg", "type"}]}``; 400 when the body is not JSON at all."""
     assert isinstance(error, RequestValidationError)
+    body = _body_of(request)
     details: list[dict[str, Any]] = []
     status = 422
     for item in error.errors():
@@ -216,14 +230,14 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
             status = 400
             reason = (item.get("ctx") or {}).get("error", "")
             where = f" at character {loc[1]}" if len(loc) > 1 else ""
-            msg = f"the request body is not valid JSON{where}: {reason or msg}; send the problem as a JSON object"
+            msg = f"the request body is not valid JSON{where}: {reason or msg}; send {body} as a JSON object"
             loc = loc[:1]
         elif kind == "missing" and loc == ["body"]:
-            msg = "the request has no body: send the problem as a JSON object (the contract's Problem)"
+            msg = f"the request has no body: send {body} as a JSON object"
         elif loc == ["body"] and not _is_json(request.headers.get("content-type")):
             sent = request.headers.get("content-type") or "no Content-Type"
             msg = (
-                f"the body was sent as {sent}, so it was not read as JSON: send the problem as a JSON object with "
+                f"the body was sent as {sent}, so it was not read as JSON: send {body} as a JSON object with "
                 "Content-Type: application/json"
             )
             kind = "content_type"

@@ -62,6 +62,11 @@ def wrong_kind(path: Path, data: Any, wanted: str) -> str:
         ("plan request", "plan answer"): f"make one with `pipesched plan {path} -o plans.json`",
         ("plan request", "problem"): f"plan it with `pipesched plan {path}`",
         ("schedule", "plan answer"): f"run it with `pipesched run {path}`",
+        **{
+            (kind, "measurement file"): "give runs in the calibration data's format (a list of rows, each a layout "
+            "with its measured tokens/s per GPU: optimizer/cost/calibration/README.md)"
+            for kind in ("problem", "schedule", "plan request", "plan answer")
+        },
     }.get((kind, wanted), f"give the {wanted} file")
     return f"{path} is a {kind}, not a {wanted}: {command}\n"
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from pipesched.api.loading import format_validation_error
+from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.fit import predict_rows
 from pipesched.optimizer.cost.calibration.measurements import Measurement, load_measurements
@@ -43,7 +43,8 @@ def _load(path: Path) -> list[Measurement]:
     except json.JSONDecodeError as error:
         raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
     except ValidationError as error:
-        raise _fail(f"{path}:\n{format_validation_error(error, '  ')}") from None
+        kind = wrong_kind(path, json.loads(path.read_text()), "measurement file")
+        raise _fail(f"{kind}{path}:\n{format_validation_error(error, '  ')}") from None
 
 
 def _table(rows: list[Measurement], before: list[float], after: list[float]) -> Table:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from pipesched.api.cli.common import err_console, fail
 from pipesched.api.launch.bundle import SCHEDULERS, TARGETS, LaunchBundle, LaunchOptions, build_bundle, pick_plan
 from pipesched.api.loading import format_validation_error, wrong_kind
+from pipesched.api.routes.plans import PlanStatus
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
 __all__ = ["launch_command", "load_plan_answer", "write_bundle"]
@@ -31,14 +32,15 @@ def _read_json(path: Path, what: str) -> object:
 
 
 def load_plan_answer(path: Path, request_path: Path | None) -> tuple[PlanAnswer, PlanRequest]:
-    """The plan answer in ``path`` and the request it answered (its own ``request``, or ``request_path``).
+    """The plan answer in ``path`` and the request it answered (its own ``request``, or ``request_path``):
+    ``pipesched plan -o``'s file or the service's ``GET /v1/plans/{id}`` answer.
 
     Raises:
         typer.Exit: code 2 naming the file, the field and the fix.
     """
-    data = _read_json(path, "a plan answer, as `pipesched plan -o PLAN.json` writes")
+    data = _read_json(path, "a plan answer, as `pipesched plan -o PLAN.json` writes or GET /v1/plans/{id} answers")
     try:
-        answer = PlanAnswer.model_validate(data)
+        answer: PlanAnswer = PlanStatus.model_validate(data)  # the service's answer adds progress and callback
     except ValidationError as error:
         raise fail(
             f"{wrong_kind(path, data, 'plan answer')}{path} is not a plan answer:\n"
@@ -76,7 +78,9 @@ def write_bundle(bundle: LaunchBundle, folder: Path) -> None:
 
 
 def launch_command(
-    plan_path: Annotated[Path, typer.Argument(metavar="PLAN.json", help="Plans from `pipesched plan -o`.")],
+    plan_path: Annotated[
+        Path, typer.Argument(metavar="PLAN.json", help="Plans from `pipesched plan -o` or GET /v1/plans/{id}.")
+    ],
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the files into.")],
     number: Annotated[int, typer.Option("--plan", help="Which plan, 1 = the best.")] = 1,
     scheduler: Annotated[str, typer.Option(help=f"One of {', '.join(SCHEDULERS)}.")] = "torchrun",

@@ -97,10 +97,12 @@ def plan_schedule(request: PlanRequest, plan: Plan) -> Schedule:
 def _summary(request: PlanRequest, plan: Plan, number: int) -> str:
     cluster = request.cluster
     model = request.model.preset or f"a {request.model.num_layers}-layer model"
+    experts = f", experts over ep {plan.expert_parallel}" if plan.expert_parallel > 1 else ""
     return (
         f"plan {number} for {model} on {cluster.num_nodes} x {cluster.gpus_per_node} {cluster.accelerator or 'GPUs'}: "
-        f"pp {plan.pipeline_parallel} x tp {plan.tensor_parallel} x dp {plan.data_parallel.size} "
-        f"({plan.data_parallel.sharding}), {plan.stages_per_rank} stage(s) per rank ({plan.placement}), "
+        f"pp {plan.pipeline_parallel} x tp {plan.tensor_parallel} x cp {plan.context_parallel} x dp "
+        f"{plan.data_parallel.size} ({plan.data_parallel.sharding}){experts}, {plan.stages_per_rank} stage(s) per "
+        f"rank ({plan.placement}), "
         f"{plan.method}, micro-batch {plan.micro_batch_size} x {plan.num_microbatches}, "
         f"recomputation {plan.activation_recomputation}; predicted step {plan.step_time_ms:.1f} ms"
     )

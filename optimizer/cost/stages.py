@@ -181,6 +181,14 @@ def _profile_errors(cluster: ClusterConfig) -> tuple[AcceleratorProfile | None, 
         return None, []
     profile = _REGISTERED.get(name.lower()) or active_catalogue().get(name)
     if profile is not None:
+        stated, own = cluster.accelerator, profile.accelerator
+        if stated is not None and own is not None and stated.lower() != own.lower():
+            message = (
+                f"profile {profile.name!r} was calibrated on {own}, but cluster.accelerator is {stated}: drop "
+                f"cluster.accelerator (the profile's {own} is used), or name a profile of {stated} (built in: "
+                f"{stated}; or `pipesched calibrate` your {stated} runs)"
+            )
+            return None, [(("cluster", "profile"), message, name)]
         return profile, []
     known = sorted({*active_catalogue().profiles, *(p.name for p in _REGISTERED.values())})
     message = (

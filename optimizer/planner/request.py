@@ -95,15 +95,17 @@ def _batch_from_tokens(data: Any) -> Any:
     loc = ("training", "global_batch_tokens")
     sequences, rest = divmod(tokens, seq_length)
     if rest or not sequences:
-        below, above = max(1, sequences) * seq_length, (sequences + 1) * seq_length
+        nearby = sorted({max(1, sequences), sequences + 1})
+        use = " or ".join(f"{n * seq_length:,}" for n in nearby)
+        counted = " or ".join(map(str, nearby))
         raise_field_errors(
             "PlanRequest",
             [
                 (
                     loc,
                     f"{tokens:,} tokens is not a whole number of sequences of model.seq_length {seq_length:,}: use "
-                    f"{below:,} or {above:,} ({below // seq_length} or {above // seq_length} sequences), or give "
-                    "global_batch_size in sequences",
+                    f"{use} ({counted} sequence{'s' if nearby != [1] else ''}), or give global_batch_size in "
+                    "sequences",
                     tokens,
                 )
             ],
@@ -176,10 +178,20 @@ class PlanRequest(StrictModel):
 
 
 def _degree_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
-    """Pinned context- and expert-parallel degrees the model cannot take: a context-parallel degree c > 1 cuts
-    the sequence into 2·c equal chunks (head-tail load balancing of the causal mask, Megatron-LM's and PyTorch's
-    ring attention); an expert-parallel degree divides the routed experts (a dense model has none)."""
-    errors: list[FieldError] = []
+    """Empty search lists (they allow no value) and pinned context- and expert-parallel degrees the model cannot
+    take: a context-parallel degree c > 1 cuts the sequence into 2·c equal chunks (head-tail load balancing of the
+    causal mask, Megatron-LM's and PyTorch's ring attention); an expert-parallel degree divides the routed experts
+    (a dense model has none)."""
+    errors: list[FieldError] = [
+        (
+            ("search", name),
+            f"search.{name} is an empty list, which allows no value: list the values to try, or drop it to try "
+            "every value that makes sense",
+            value,
+        )
+        for name, value in search
+        if value == []
+    ]
     s = model.seq_length
     bad = [c for c in search.context_parallel or () if c > 1 and s % (2 * c)]
     if bad:

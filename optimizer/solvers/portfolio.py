@@ -354,7 +354,7 @@ def _exact(search: _Search, spec: BackendSpec, budget: float) -> None:
             time_limit_s=budget,
             hint=search.best,
             upper_bound=search.best_value if search.best is not None else None,
-            progress=search.progress,
+            progress=None if search.progress is None else _as_search_progress(search),
             should_stop=search.should_stop,
         )
     except Exception as error:
@@ -370,6 +370,23 @@ def _exact(search: _Search, spec: BackendSpec, budget: float) -> None:
             search.raise_bound(min(value, search.best_value), name)
         except InvalidSchedule:
             pass
+
+
+def _as_search_progress(search: _Search) -> ProgressCallback:
+    """A backend's progress reported as the search's: the backend's best beside the search's incumbent and
+    bound (a window search proves no bound and reports ``None``; CP-SAT's own bound may be below the search's),
+    so the progress a job or the command line shows never loses the bound it had."""
+    report = search.progress
+    assert report is not None
+
+    def forward(update: Progress) -> None:
+        best = update.best_objective
+        if search.best is not None:
+            best = search.best_value if best is None else min(best, search.best_value)
+        bound = search.lower_bound if update.lower_bound is None else max(update.lower_bound, search.lower_bound)
+        report(Progress(best, bound, search.elapsed(), update.backend, update.message))
+
+    return forward
 
 
 def _local_search(search: _Search) -> None:

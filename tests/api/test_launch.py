@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, megatron
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest
 from pipesched.optimizer.planner.space import Configuration
-from tests.api.test_api_served import free_port
+from tests.api.test_api_served import ServedApi, free_port
 
 HERE = Path(__file__).resolve().parent
 REQUEST = {
@@ -299,6 +300,42 @@ def test_bad_plan_number_and_missing_request_exit_2(plan_file: Path, tmp_path: P
     assert result.exit_code == 2 and "--request CONFIG.json" in result.output
     result = runner.invoke(app, ["launch", str(plan_file), "--scheduler", "lsf", "-o", str(tmp_path / "out")])
     assert result.exit_code == 2 and "torchrun, slurm, kubernetes, skypilot" in result.output
+
+
+@pytest.mark.slow  # a service start and a 3 s plan search
+def test_launch_takes_the_plan_answer_as_the_service_serves_it(tmp_path: Path) -> None:
+    # A job scheduler that saved GET /v1/plans/{id} and ran `pipesched launch` on it was refused:
+    # "progress: Extra inputs are not permitted", "callback: Extra inputs are not permitted".
+    server = ServedApi(f"sqlite:///{tmp_path / 'plans.sqlite3'}", tmp_path / "server.log")
+    try:
+        request = {**REQUEST, "search": {**REQUEST["search"], "time_limit_s": 3}}
+        created = server.client.post("/v1/plans", json=request)
+        assert created.status_code == 202, created.text
+        deadline = time.monotonic() + 120
+        while (answer := server.client.get(f"/v1/plans/{created.json()['id']}").json())["status"] != "done":
+            assert answer["status"] in ("queued", "running") and time.monotonic() < deadline, answer
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    assert {"progress", "callback"} <= set(answer) and answer["plans"]
+    served = tmp_path / "plan.json"
+    served.write_text(json.dumps(answer))
+    result = CliRunner().invoke(app, ["launch", str(served), "-o", str(tmp_path / "job")])
+    assert result.exit_code == 0, result.output
+    assert {path.name for path in (tmp_path / "job").iterdir()} == {"schedule.csv", "torchtitan.args", "launch.sh"}
+
+
+def test_the_scripts_first_line_names_every_parallel_degree(plan_file: Path) -> None:
+    # A plan of pp 1 x tp 1 x cp 2 x dp 4 on 8 GPUs was summed up in launch.sh as "pp 1 x tp 1 x dp 4": 4 GPUs.
+    answer = PlanAnswer.model_validate_json(plan_file.read_text())
+    assert answer.request is not None
+    best = answer.plans[0]
+    halved = best.data_parallel.model_copy(update={"size": best.data_parallel.size // 2})
+    with_cp = best.model_copy(update={"context_parallel": 2, "data_parallel": halved})
+    bundle = build_bundle(answer.request, with_cp, 1, None, LaunchOptions(scheduler="torchrun"))
+    header = bundle.files["launch.sh"].splitlines()[1]
+    degrees = f"pp {best.pipeline_parallel} x tp {best.tensor_parallel} x cp 2 x dp {halved.size}"
+    assert degrees in header, header
 
 
 def test_megatron_target_writes_megatron_args(plan_file: Path) -> None:

@@ -377,3 +377,11 @@ def test_the_gantt_legend_fits_the_figure() -> None:
     box = legend.get_window_extent()
     assert len(legend.get_texts()) == 9  # F, I, W, the four collectives' kinds, the later stage, idle
     assert box.x0 >= 0 and box.x1 <= figure.bbox.width
+
+
+def test_calibrate_given_a_problem_says_which_file_it_takes(problem_file: Path) -> None:
+    # Was "rows: Field required" and one "Extra inputs are not permitted" per problem section.
+    result = pipesched("calibrate", str(problem_file), cwd=problem_file.parent)
+    assert result.returncode == 2
+    assert f"{problem_file} is a problem, not a measurement file" in result.stderr, result.stderr
+    assert "optimizer/cost/calibration/README.md" in result.stderr and "Traceback" not in result.stderr

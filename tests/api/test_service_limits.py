@@ -278,6 +278,29 @@ def test_a_body_that_is_not_sent_as_json_is_told_so(client: TestClient) -> None:
         assert detail["type"] == "content_type"
 
 
+def test_a_body_not_sent_as_json_is_told_what_the_route_takes(client: TestClient) -> None:
+    # docs/CALIBRATION.md's `curl -X POST $URL/v1/profiles -d @my_h100.json` (curl's -d sends a form) was told to
+    # "send the problem as a JSON object": every route's body was called the problem.
+    body = '{"name": "mine"}'
+    for route, what in (
+        ("/v1/profiles", "the profile"),
+        ("/v1/plans", "the plan request"),
+        ("/v1/jobs", "the problem"),
+    ):
+        cases = (
+            (body, "application/x-www-form-urlencoded"),
+            (b"", "application/json"),
+            (b'{"name": ', "application/json"),
+        )
+        for content, content_type in cases:  # sent as a form, no body, not JSON
+            answer = client.post(route, content=content, headers={"content-type": content_type})
+            assert answer.status_code in (400, 422), answer.text
+            (detail,) = answer.json()["detail"]
+            assert f"send {what}" in detail["msg"] and "as a JSON object" in detail["msg"], (route, content, detail)
+    check = client.post("/v1/schedules/check", content=b"", headers={"content-type": "application/json"})
+    assert "send the problem and the schedule" in check.json()["detail"][0]["msg"], check.text
+
+
 def test_a_plan_on_impossible_links_or_memory_is_a_422_naming_the_field(client: TestClient) -> None:
     """A 1e-300 B/s link (every estimate infinite: once answered as "0 plans, all over memory") and a GPU of 1 byte
     (once blamed on cluster.accelerator as "a GPU's -2 GiB") are refused at once, each naming its own field."""

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from pipesched.optimizer.families import applicable_families
 from pipesched.optimizer.instance import compile_problem
+from pipesched.optimizer.progress import Progress
 from pipesched.optimizer.simulate import indexed_orders, simulate, simulate_indexed
 from pipesched.optimizer.solve import solve, solve_family
 from tests.conftest import paper_problem, paper_settings, stop_on_reaching, uniform_problem
@@ -46,6 +47,29 @@ def test_first_feasible_fast_and_wall_time_within_limit() -> None:
     assert schedule.solve_time_s <= 1.0 + 0.2
     values = [u.best_objective for u in seen if u.best_objective is not None]
     assert values == sorted(values, reverse=True)
+
+
+def test_progress_keeps_the_lower_bound_while_an_exact_backend_reports() -> None:
+    # The README's problem at a tighter memory limit: CP-SAT's window search (no bound of its own) improves the
+    # incumbent. Its updates carried lower_bound None, so a job's progress lost the bound mid-search (1358 ms,
+    # then null for every window, then 1358 again at the end).
+    setting = paper_settings()[0]
+    problem = paper_problem(
+        setting,
+        **{"memory.limit": 1_400_000, "solver.time_limit_s": 60.0, "solver.backends": ["cpsat"]},
+    )
+    seen: list[Progress] = []
+    schedule = solve(  # stopped at the window search's first improvement, within a generous limit
+        problem, progress=seen.append, should_stop=lambda: any(u.backend == "cpsat-lns" for u in seen)
+    )
+    assert any(u.backend == "cpsat-lns" for u in seen), [(u.backend, u.message) for u in seen]
+    first = next(i for i, u in enumerate(seen) if u.lower_bound is not None)
+    bounds = [u.lower_bound for u in seen[first:]]
+    assert None not in bounds, [(u.backend, u.lower_bound, u.message) for u in seen]
+    assert bounds == sorted(bounds)
+    assert schedule.lower_bound == pytest.approx(bounds[-1])
+    best = [u.best_objective for u in seen if u.best_objective is not None]
+    assert best == sorted(best, reverse=True)
 
 
 def test_paper_setting_at_one_p_activation_matches_zb_h1() -> None:

@@ -143,6 +143,25 @@ def test_an_unknown_profile_is_a_field_error_listing_the_known_ones() -> None:
     assert "H100-SXM" in messages[("cluster", "profile")]
 
 
+def test_a_profile_of_another_accelerator_is_a_field_error() -> None:
+    # An H100 profile named beside an A100 was used as given: the A100's plans took the H100's efficiencies, and
+    # the answer's note called the H100 rows' highest MFU (46.4%) "the highest MFU measured on A100-80GB".
+    profile = builtin_catalogue().get("H100-SXM")
+    assert profile is not None
+    register_profile(profile.model_copy(update={"name": "h100-beside-an-a100"}))
+    with pytest.raises(ValidationError) as excinfo:
+        plan(plan_request(cluster={"accelerator": "A100-80GB", "profile": "h100-beside-an-a100"}))
+    messages = {tuple(error["loc"]): error["msg"] for error in excinfo.value.errors()}
+    assert "H100-SXM" in messages[("cluster", "profile")] and "A100-80GB" in messages[("cluster", "profile")]
+    assert "drop cluster.accelerator" in messages[("cluster", "profile")]
+    same = plan(
+        plan_request(
+            cluster={"accelerator": "h100-sxm", "profile": "h100-beside-an-a100"}, search={"pipeline_parallel": [1]}
+        )
+    )
+    assert same.answer.plans and same.answer.profile and same.answer.profile.startswith("h100-beside-an-a100")
+
+
 @pytest.mark.parametrize("slower", [1.0, 0.8])
 def test_calibrate_refits_a_published_row_to_within_5_percent(tmp_path: Path, slower: float) -> None:
     row = ROWS["mpt-a100-80gb-7b-s2048-g8-b6x2"].model_dump(mode="json", exclude={"source"})

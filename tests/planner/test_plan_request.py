@@ -70,3 +70,21 @@ def test_a_boolean_given_for_a_number_is_refused_naming_the_field(
     found = [(tuple(item["loc"]), item["msg"]) for item in caught.value.errors()]
     assert [where for where, _ in found] == [loc], found
     assert "(a boolean)" in found[0][1]
+
+
+def test_fewer_tokens_than_one_sequence_name_one_sequence_once() -> None:
+    # Was "use 8,192 or 8,192 (1 or 1 sequences)".
+    ((loc, message),) = errors({"global_batch_tokens": 1000})
+    assert loc == ("training", "global_batch_tokens")
+    assert "use 8,192 (1 sequence)" in message
+
+
+def test_an_empty_search_list_is_refused_naming_the_field() -> None:
+    # search.pipeline_parallel [] was answered "admits no configuration on 8 GPUs ( is more than the 8 GPUs)".
+    with pytest.raises(ValidationError) as caught:
+        PlanRequest.model_validate(
+            {**BASE, "training": {"global_batch_size": 8}, "search": {"pipeline_parallel": [], "method": []}}
+        )
+    found = {tuple(item["loc"]): item["msg"] for item in caught.value.errors()}
+    assert set(found) == {("search", "pipeline_parallel"), ("search", "method")}
+    assert "empty list" in found[("search", "pipeline_parallel")] and "drop it" in found[("search", "method")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from tests.conftest import REPO
@@ -52,3 +53,26 @@ def test_every_relative_link_of_the_readme_and_docs_lands_on_a_file() -> None:
             if "://" not in target and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(REPO)} → {target}")
     assert not broken, broken
+
+
+def test_every_file_the_readme_tour_reads_is_written_before() -> None:
+    # The tour checked `schedule.csv`, which none of its commands wrote: `pipesched check problem.json
+    # schedule.csv` answered "cannot read schedule.csv" for a reader who ran it as written.
+    readme = (REPO / "README.md").read_text()
+    tour = readme.split("## A short tour", 1)[1].split("\n## ", 1)[0]
+    written: set[str] = set()
+    unread = []
+    for block in re.findall(r"```bash\n(.*?)```", tour, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = line.split("#", 1)[0]
+            words = command.split()
+            if words[:1] == ["pipesched"]:
+                options = {"-o", "--output", "--trace", "--model", "--format", "--method", "--placements"}
+                inputs = [
+                    word
+                    for before, word in itertools.pairwise(words)
+                    if before not in options and re.fullmatch(r"[\w./-]+\.(json|csv)", word)
+                ]
+                unread += [f"{line.strip()}: {name}" for name in inputs if name not in written]
+            written |= set(re.findall(r"(?:-o|--trace|>)\s*([\w./-]+\.\w+)", command))
+    assert written and not unread, unread
