@@ -1,12 +1,18 @@
 """``pipesched plan CONFIG.json [--top K] [-o PLAN.json]``: the best parallel configurations, on the command line.
 
-Bad input exits 2 naming the field; a search that finds no plan exits 1 with the reason.
+Bad input exits 2 naming the field; a search that finds no plan exits 1 with the reason. Ctrl-C stops the search
+and answers with the plans found so far (a note says so); a second Ctrl-C quits at once.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -150,8 +156,35 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
     )
 
 
+@contextmanager
+def _stop_on_interrupt() -> Iterator[threading.Event]:
+    """An event set by the first Ctrl-C (SIGINT) inside the block, which the search reads as its stop flag; a second
+    Ctrl-C raises :class:`KeyboardInterrupt` as usual. Outside the main thread (no signal handler can be set) the
+    event is never set."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        err_console.print(
+            "interrupted: the search stops and answers with the plans found so far (Ctrl-C again to quit)",
+            highlight=False,
+        )
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_with_progress(request: PlanRequest) -> PlanOutcome:
-    """Prepare and search with a rich progress bar on stderr (counts and the best step so far).
+    """Prepare and search with a rich progress bar on stderr (counts and the best step so far). A first Ctrl-C stops
+    the search: the outcome holds the plans found until then, and its answer's notes say so.
 
     Raises:
         pydantic.ValidationError: as :func:`pipesched.optimizer.planner.rank.prepare`.
@@ -175,11 +208,30 @@ def run_with_progress(request: PlanRequest) -> PlanOutcome:
     ) as bar:
         task = bar.add_task("plan", total=max(1, len(prepared.candidates)), state="no plan yet")
 
+        logged: list[float] = []
+
         def on_progress(update: PlanProgress) -> None:
             best = "no plan yet" if update.best_step_ms is None else f"best {update.best_step_ms:.1f} ms"
             bar.update(task, completed=update.evaluated, state=f"{best} · {update.phase}")
+            if err_console.is_terminal or update.best_step_ms is None or (logged and update.best_step_ms >= logged[-1]):
+                return
+            # Not a terminal (a job scheduler's log, a pipe): no bar, a line for each better plan instead.
+            logged.append(update.best_step_ms)
+            err_console.print(
+                f"planning: best step {update.best_step_ms:.1f} ms after {update.elapsed_s:.1f} s "
+                f"({update.evaluated} of {update.total} evaluated, {update.phase})",
+                highlight=False,
+            )
 
-        return search(prepared, progress=on_progress)
+        with _stop_on_interrupt() as stop:
+            outcome = search(prepared, progress=on_progress, should_stop=stop.is_set)
+            if stop.is_set():
+                elapsed = time.perf_counter() - prepared.started
+                outcome.answer.notes.append(
+                    f"stopped by an interrupt (Ctrl-C) after {elapsed:.1f} s of the {request.search.time_limit_s:g} s "
+                    "time limit: the plans are the best found until then, not the search's answer"
+                )
+            return outcome
 
 
 def plan_command(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,39 @@ def test_run_with_zero_processes_per_node_exits_2_with_the_count_it_needs(proble
     result = pipesched("run", str(schedule), "--nproc-per-node", "0", cwd=problem_file.parent)
     assert result.returncode == 2, result.stderr
     assert "set --nproc-per-node 4" in result.stderr
+
+
+def test_ctrl_c_stops_a_plan_search_and_answers_with_the_plans_found_so_far(tmp_path: Path) -> None:
+    """A user who stops a long plan search (Ctrl-C, SIGINT) gets the best plans found until then, written and
+    printed with a note saying the search was stopped, and exit 0; before, the command died with 130 and nothing.
+    Its stderr, not a terminal, logs each better plan (the bar shows only on a terminal)."""
+    request = json.loads((REPO / "bench" / "data" / "plan_llama405b_512.json").read_text())
+    request["search"]["time_limit_s"] = 300  # far beyond the interrupt: only the interrupt ends this search
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipesched.api.cli", "plan", "plan.json", "-o", "answer.json"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stderr is not None
+        lines = []
+        for line in process.stderr:  # not a terminal: a line for each better plan
+            lines.append(line)
+            if line.startswith("planning: best step"):
+                break
+        assert process.poll() is None, "".join(lines)
+        process.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        stdout, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    stderr = "".join(lines) + rest
+    assert process.returncode == 0, stdout + stderr
+    assert time.monotonic() - interrupted < 60.0
+    assert "interrupted: the search stops" in stderr
+    answer = json.loads((tmp_path / "answer.json").read_text())
+    assert answer["plans"] and any("stopped by an interrupt (Ctrl-C)" in note for note in answer["notes"])
+    assert "stopped by an interrupt" in stdout
