@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
@@ -63,3 +67,28 @@ def write_output(path: Path | None, text: str) -> None:
         path.write_text(text)
     except OSError as error:
         raise fail(f"cannot write {path}: {error.strerror or error}: give -o a path in an existing folder") from None
+
+
+@contextmanager
+def stop_on_interrupt(what: str, out: Console | None = None) -> Iterator[threading.Event]:
+    """An event set by the first Ctrl-C (SIGINT) inside the block, which a search reads as its stop flag (it then
+    answers with the best it found); ``what`` it answers with is said on ``out`` (stderr by default). A second Ctrl-C
+    raises :class:`KeyboardInterrupt` as usual. Outside the main thread (no handler can be set) it is never set."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        (out or err_console).print(
+            f"interrupted: the search stops and answers with {what} (Ctrl-C again to quit)", highlight=False
+        )
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -7,12 +7,8 @@ and answers with the plans found so far (a note says so); a second Ctrl-C quits 
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipesched.api.cli.common import stop_on_interrupt
 from pipesched.api.loading import format_validation_error
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
@@ -156,32 +153,6 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
     )
 
 
-@contextmanager
-def _stop_on_interrupt() -> Iterator[threading.Event]:
-    """An event set by the first Ctrl-C (SIGINT) inside the block, which the search reads as its stop flag; a second
-    Ctrl-C raises :class:`KeyboardInterrupt` as usual. Outside the main thread (no signal handler can be set) the
-    event is never set."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def interrupted(signum: int, frame: object) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        err_console.print(
-            "interrupted: the search stops and answers with the plans found so far (Ctrl-C again to quit)",
-            highlight=False,
-        )
-
-    previous = signal.signal(signal.SIGINT, interrupted)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def run_with_progress(request: PlanRequest) -> PlanOutcome:
     """Prepare and search with a rich progress bar on stderr (counts and the best step so far). A first Ctrl-C stops
     the search: the outcome holds the plans found until then, and its answer's notes say so.
@@ -223,7 +194,7 @@ def run_with_progress(request: PlanRequest) -> PlanOutcome:
                 highlight=False,
             )
 
-        with _stop_on_interrupt() as stop:
+        with stop_on_interrupt("the plans found so far", err_console) as stop:
             outcome = search(prepared, progress=on_progress, should_stop=stop.is_set)
             if stop.is_set():
                 elapsed = time.perf_counter() - prepared.started

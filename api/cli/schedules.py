@@ -12,7 +12,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipesched.api.cli.common import FORMATS, console, err_console, fail, require_method, write_output
+from pipesched.api.cli.common import (
+    FORMATS,
+    console,
+    err_console,
+    fail,
+    require_method,
+    stop_on_interrupt,
+    write_output,
+)
 from pipesched.api.loading import InputError, load_problem_file
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.result import Schedule
@@ -152,16 +160,19 @@ def print_summary(schedule: Schedule, out: Console | None = None) -> None:
 
 
 def solve_with_progress(problem: Problem) -> Schedule:
-    """Solve, showing a live progress bar with the incumbent and the bound for ``auto``."""
+    """Solve, showing a live progress bar with the incumbent and the bound for ``auto``; a first Ctrl-C stops the
+    search, which answers with the best schedule found so far (its status and gap say how far it got)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from pipesched.optimizer.solve import Progress as SolveProgress
     from pipesched.optimizer.solve import solve
 
-    if problem.solver.method != "auto" or not err_console.is_terminal:
-        if problem.solver.method == "auto":
-            err_console.print(f"searching (time limit {problem.solver.time_limit_s:g} s) …", highlight=False)
+    if problem.solver.method != "auto":
         return solve(problem)
+    if not err_console.is_terminal:
+        with stop_on_interrupt("the best schedule found so far") as stop:
+            err_console.print(f"searching (time limit {problem.solver.time_limit_s:g} s) …", highlight=False)
+            return solve(problem, should_stop=stop.is_set)
     limit = problem.solver.time_limit_s
     with Progress(
         TextColumn("[bold]searching[/bold]"),
@@ -182,7 +193,8 @@ def solve_with_progress(problem: Problem) -> Schedule:
                 state=f"best {best} ms · bound {bound} ms · {update.backend}",
             )
 
-        schedule = solve(problem, progress=on_progress)
+        with stop_on_interrupt("the best schedule found so far") as stop:
+            schedule = solve(problem, progress=on_progress, should_stop=stop.is_set)
         bar.update(task, completed=limit)
     return schedule
 

@@ -126,6 +126,17 @@ def test_run_with_zero_processes_per_node_exits_2_with_the_count_it_needs(proble
     assert "set --nproc-per-node 4" in result.stderr
 
 
+def _started(cwd: Path, *args: str) -> subprocess.Popen[str]:
+    """``pipesched ARGS`` started in ``cwd``, its stdout and stderr piped (not a terminal)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipesched.api.cli", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_ctrl_c_stops_a_plan_search_and_answers_with_the_plans_found_so_far(tmp_path: Path) -> None:
     """A user who stops a long plan search (Ctrl-C, SIGINT) gets the best plans found until then, written and
     printed with a note saying the search was stopped, and exit 0; before, the command died with 130 and nothing.
@@ -133,13 +144,7 @@ def test_ctrl_c_stops_a_plan_search_and_answers_with_the_plans_found_so_far(tmp_
     request = json.loads((REPO / "bench" / "data" / "plan_llama405b_512.json").read_text())
     request["search"]["time_limit_s"] = 300  # far beyond the interrupt: only the interrupt ends this search
     (tmp_path / "plan.json").write_text(json.dumps(request))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pipesched.api.cli", "plan", "plan.json", "-o", "answer.json"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _started(tmp_path, "plan", "plan.json", "-o", "answer.json")
     try:
         assert process.stderr is not None
         lines = []
@@ -160,3 +165,25 @@ def test_ctrl_c_stops_a_plan_search_and_answers_with_the_plans_found_so_far(tmp_
     answer = json.loads((tmp_path / "answer.json").read_text())
     assert answer["plans"] and any("stopped by an interrupt (Ctrl-C)" in note for note in answer["notes"])
     assert "stopped by an interrupt" in stdout
+
+
+def test_ctrl_c_stops_an_auto_solve_and_writes_the_best_schedule_found_so_far(tmp_path: Path) -> None:
+    """`pipesched solve` of a large problem with a 300 s limit, interrupted as its search starts: the best schedule
+    found so far (the search always holds one) is summarised and written, exit 0, long before the limit."""
+    problem = dict(PROBLEM, pipeline={"num_ranks": 32, "num_microbatches": 60}, solver={"time_limit_s": 300})
+    problem["memory"] = dict(PROBLEM["memory"], limit=2000)
+    (tmp_path / "problem.json").write_text(json.dumps(problem))
+    process = _started(tmp_path, "solve", "problem.json", "-o", "schedule.json")
+    try:
+        assert process.stderr is not None
+        first = process.stderr.readline()
+        assert first.startswith("searching (time limit 300 s)"), first
+        process.send_signal(signal.SIGINT)  # the line is printed once the handler is set
+        stdout, rest = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stdout + rest
+    assert "interrupted: the search stops and answers with the best schedule found so far" in rest
+    schedule = json.loads((tmp_path / "schedule.json").read_text())
+    assert schedule["status"] == "feasible" and schedule["solve_time_s"] < 120
+    assert len(schedule["ranks"]) == 32
