@@ -433,10 +433,12 @@ def _check_gpus(backend: str, nproc: int) -> None:
 
 #: How long a rank that lost its connection to a peer waits before it exits (:func:`_worker`).
 PEER_LOST_GRACE_S = 1.0
-#: How the launcher starts its processes: forked from one server process that imported torch and this runtime
-#: once (each process a fresh interpreter, as with spawn, but without importing torch again: about 2 s of CPU per
-#: process on this project's 2-core machine).
-START_METHOD = "forkserver"
+#: How the launcher starts its processes: ``spawn``, each a fresh interpreter importing torch (about 2 s of CPU per
+#: process on this project's 2-core machine). ``forkserver`` (forked from one server that imported torch and this
+#: runtime once: a 2-rank profile 9.6 -> 3.8 s) also works, but its runs' steps came out 15-20% faster than the
+#: profile's prediction in the demo (measured 138-194 ms against 177-196 predicted, 4 runs; spawn 180-218 against
+#: 175-204, 3 runs): not used until the closed loop is remeasured with it.
+START_METHOD = "spawn"
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -450,7 +452,8 @@ def _preload_forkserver() -> None:
     """What the fork server imports before it forks the first process (set before it starts; a no-op after)."""
     import multiprocessing
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    if START_METHOD == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
 
 
 def launch_jobs(
