@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -195,10 +196,7 @@ def _worker(
         if reason == "peer_lost":
             # A lost connection is collateral: the peer that went away (``rank_died``: no Python error, no file,
             # only its exit code, which the agent reports for the first failed process it sees) must be seen
-            # first. The agent polls every 0.1 s; a process forked by the fork server reports its exit through
-            # the server, so both could be seen at one poll and the lower rank would win.
-            import time
-
+            # first. The agent polls every 0.1 s: both exits within one poll would let the lower rank win.
             time.sleep(PEER_LOST_GRACE_S)
         raise
 
@@ -433,27 +431,6 @@ def _check_gpus(backend: str, nproc: int) -> None:
 
 #: How long a rank that lost its connection to a peer waits before it exits (:func:`_worker`).
 PEER_LOST_GRACE_S = 1.0
-#: How the launcher starts its processes: ``spawn``, each a fresh interpreter importing torch (about 2 s of CPU per
-#: process on this project's 2-core machine). ``forkserver`` (forked from one server that imported torch and this
-#: runtime once: a 2-rank profile 9.6 -> 3.8 s) also works, but its runs' steps came out 15-20% faster than the
-#: profile's prediction in the demo (measured 138-194 ms against 177-196 predicted, 4 runs; spawn 180-218 against
-#: 175-204, 3 runs): not used until the closed loop is remeasured with it.
-START_METHOD = "spawn"
-_FORKSERVER_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "pipesched.runtime.launch",
-    "pipesched.runtime.training",
-    "pipesched.runtime.profile",
-]
-
-
-def _preload_forkserver() -> None:
-    """What the fork server imports before it forks the first process (set before it starts; a no-op after)."""
-    import multiprocessing
-
-    if START_METHOD == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
 
 
 def launch_jobs(
@@ -502,9 +479,12 @@ def launch_jobs(
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method=START_METHOD,
+        # spawn: each process a fresh interpreter importing torch (~2 s of CPU each here). A fork server that
+        # imports torch once (a 2-rank profile 9.6 -> 3.8 s) was tried: its demo runs stepped faster than their
+        # profile predicted (-30, +9, -24, -13% against spawn's -5, +7, +18, +37%, drift-sized both ways); kept off
+        # until the closed loop is remeasured with it.
+        start_method="spawn",
     )
-    _preload_forkserver()
     try:
         returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin, replicas)
     except SignalException as error:

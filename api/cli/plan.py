@@ -7,6 +7,7 @@ and answers with the plans found so far (a note says so); a second Ctrl-C quits 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -179,15 +180,15 @@ def run_with_progress(request: PlanRequest) -> PlanOutcome:
     ) as bar:
         task = bar.add_task("plan", total=max(1, len(prepared.candidates)), state="no plan yet")
 
-        logged: list[float] = []
+        logged = [math.inf]  # the best step already logged, ms
 
         def on_progress(update: PlanProgress) -> None:
             best = "no plan yet" if update.best_step_ms is None else f"best {update.best_step_ms:.1f} ms"
             bar.update(task, completed=update.evaluated, state=f"{best} · {update.phase}")
-            if err_console.is_terminal or update.best_step_ms is None or (logged and update.best_step_ms >= logged[-1]):
+            if err_console.is_terminal or update.best_step_ms is None or update.best_step_ms >= logged[0]:
                 return
             # Not a terminal (a job scheduler's log, a pipe): no bar, a line for each better plan instead.
-            logged.append(update.best_step_ms)
+            logged[0] = update.best_step_ms
             err_console.print(
                 f"planning: best step {update.best_step_ms:.1f} ms after {update.elapsed_s:.1f} s "
                 f"({update.evaluated} of {update.total} evaluated, {update.phase})",

@@ -169,34 +169,33 @@ def solve_with_progress(problem: Problem) -> Schedule:
 
     if problem.solver.method != "auto":
         return solve(problem)
-    if not err_console.is_terminal:
-        with stop_on_interrupt("the best schedule found so far") as stop:
+    with stop_on_interrupt("the best schedule found so far") as stop:
+        if not err_console.is_terminal:
             err_console.print(f"searching (time limit {problem.solver.time_limit_s:g} s) …", highlight=False)
             return solve(problem, should_stop=stop.is_set)
-    limit = problem.solver.time_limit_s
-    with Progress(
-        TextColumn("[bold]searching[/bold]"),
-        BarColumn(),
-        TextColumn("{task.fields[state]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=False,
-    ) as bar:
-        task = bar.add_task("search", total=limit, state="no schedule yet")
+        limit = problem.solver.time_limit_s
+        with Progress(
+            TextColumn("[bold]searching[/bold]"),
+            BarColumn(),
+            TextColumn("{task.fields[state]}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        ) as bar:
+            task = bar.add_task("search", total=limit, state="no schedule yet")
 
-        def on_progress(update: SolveProgress) -> None:
-            best = "—" if update.best_objective is None else f"{update.best_objective:.3f}"
-            bound = "—" if update.lower_bound is None else f"{update.lower_bound:.3f}"
-            bar.update(
-                task,
-                completed=min(update.elapsed_s, limit),
-                state=f"best {best} ms · bound {bound} ms · {update.backend}",
-            )
+            def on_progress(update: SolveProgress) -> None:
+                best = "—" if update.best_objective is None else f"{update.best_objective:.3f}"
+                bound = "—" if update.lower_bound is None else f"{update.lower_bound:.3f}"
+                bar.update(
+                    task,
+                    completed=min(update.elapsed_s, limit),
+                    state=f"best {best} ms · bound {bound} ms · {update.backend}",
+                )
 
-        with stop_on_interrupt("the best schedule found so far") as stop:
             schedule = solve(problem, progress=on_progress, should_stop=stop.is_set)
-        bar.update(task, completed=limit)
-    return schedule
+            bar.update(task, completed=limit)
+        return schedule
 
 
 def solve(
