@@ -236,7 +236,7 @@ class TorchPipeline:
         as scheduled) instead of torch's lowering (``_add_unshard_reshard``, a window of 3 stages, and
         ``_add_reduce_grad``); torch still inserts the sends and receives (``_add_send_recv``). OPTIMIZER_STEP is the
         training loop's."""
-        from torch.distributed.pipelining.schedules import _Action, _add_send_recv, _defer_recv_ops
+        from torch.distributed.pipelining.schedules import _Action, _add_send_recv
 
         schedule = self.schedule
         actions = {
@@ -245,7 +245,9 @@ class TorchPipeline:
         lowered = _add_send_recv(
             actions, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=num_stages
         )
-        if getattr(schedule, "_defer_pp_recv", False):
+        if getattr(schedule, "_defer_pp_recv", False):  # torch 2.13 (2.11 has neither the flag nor the pass)
+            from torch.distributed.pipelining.schedules import _defer_recv_ops
+
             lowered = _defer_recv_ops(lowered, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s])
         schedule.pipeline_order_with_comms = lowered
 

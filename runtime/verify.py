@@ -51,14 +51,17 @@ def make_optimizer(name: str, params: list[Any], lr: float) -> torch.optim.Optim
     return torch.optim.AdamW(params, lr=lr)
 
 
-def squared_norm(tensors: Iterable[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Σ x² over every element of ``tensors``: a float64 scalar on ``device`` (``inf`` / ``nan`` carry through; 0
-    for none). Each tensor's sum goes through ``torch.linalg.vector_norm`` in float64, which accumulates in float64
-    without a float64 copy of the tensor: on one CPU thread 4 ms for gpt-small's 4.2 M gradient elements of a stage,
-    against 21 ms for ``t.double().pow(2).sum()`` (two float64 temporaries), the same sum to 1e-13."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for tensor in tensors:
-        total += torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
+def squared_norm(tensors: Iterable[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Σ x² over every element of ``tensors``: a float64 scalar on ``device`` (default: the first tensor's device,
+    the CPU for none; ``inf`` / ``nan`` carry through; 0 for none). Each tensor's sum goes through
+    ``torch.linalg.vector_norm`` in float64, which accumulates in float64 without a float64 copy of the tensor: on
+    one CPU thread 4 ms for gpt-small's 4.2 M gradient elements of a stage, against 21 ms for
+    ``t.double().pow(2).sum()`` (two float64 temporaries), the same sum to 1e-13."""
+    terms = [torch.linalg.vector_norm(tensor, dtype=torch.float64).square() for tensor in tensors]
+    where = device if device is not None else terms[0].device if terms else "cpu"
+    total = torch.zeros((), dtype=torch.float64, device=where)
+    for term in terms:
+        total += term.to(where)
     return total
 
 

@@ -311,3 +311,18 @@ def test_the_runtime_reads_orders_with_the_optimizers_ir():
     for bad in ("0F1x", "0UNSHARD1", "01REDUCE_GRAD", "0SEND_F1", "REDUCE"):
         with pytest.raises(ValueError):
             parse_action(bad)
+
+
+def test_the_global_norm_is_summed_where_the_gradients_are():
+    """The reference of an NCCL run clips on the GPU: its norm must sum on the gradients' device (the CPU
+    accumulator it had failed on an H200: "Expected all tensors to be on the same device"). The meta device stands
+    in for the GPU here."""
+    import torch
+
+    from pipesched.runtime.verify import squared_norm
+
+    on_meta = squared_norm(torch.full((4,), 2.0, device="meta") for _ in range(2))
+    assert on_meta.device.type == "meta" and on_meta.dtype == torch.float64
+    assert float(squared_norm([torch.full((4,), 2.0), torch.ones(2)])) == 18.0
+    assert float(squared_norm([])) == 0.0
+    assert squared_norm([torch.ones(2)], "meta").device.type == "meta"
