@@ -431,6 +431,37 @@ def _check_gpus(backend: str, nproc: int) -> None:
 
 #: How long a rank that lost its connection to a peer waits before it exits (:func:`_worker`).
 PEER_LOST_GRACE_S = 1.0
+#: How the launcher starts its processes (``PIPESCHED_START_METHOD``): ``spawn``, each a fresh interpreter
+#: importing torch (about 2 s of CPU per process on a 2-core machine), or ``forkserver``, each forked from one server
+#: process that imported torch and this runtime once (a 2-rank profile with its calibration run 9.6 -> 3.8 s there).
+START_METHODS = ("spawn", "forkserver")
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "pipesched.runtime.launch",
+    "pipesched.runtime.training",
+    "pipesched.runtime.profile",
+]
+
+
+def start_method() -> str:
+    """The launcher's start method: ``PIPESCHED_START_METHOD`` (:data:`START_METHODS`), default ``spawn``.
+
+    Raises:
+        ScheduleError: another value (the variable and its choices named).
+    """
+    method = os.environ.get("PIPESCHED_START_METHOD", "spawn").strip().lower() or "spawn"
+    if method not in START_METHODS:
+        raise ScheduleError(
+            "PIPESCHED_START_METHOD",
+            f"PIPESCHED_START_METHOD={method!r}: use one of {', '.join(START_METHODS)} (or leave it unset: spawn)",
+        )
+    if method == "forkserver":
+        import multiprocessing
+
+        # What the server imports before its first fork (a no-op once it runs).
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_FORKSERVER_PRELOAD)
+    return method
 
 
 def launch_jobs(
@@ -467,6 +498,7 @@ def launch_jobs(
             f"nproc_per_node {nproc} = {nproc * nodes.nnodes}: set --nproc-per-node {world // max(nodes.nnodes, 1)}",
         )
     _check_gpus(backend, nproc)
+    method = start_method()
     error_dir = Path(jobs[0].workdir, "errors")
     error_dir.mkdir()
     config = LaunchConfig(
@@ -479,11 +511,9 @@ def launch_jobs(
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
         max_restarts=0,
         monitor_interval=0.1,
-        # spawn: each process a fresh interpreter importing torch (~2 s of CPU each here). A fork server that
-        # imports torch once (a 2-rank profile 9.6 -> 3.8 s) was tried: its demo runs stepped faster than their
-        # profile predicted (-30, +9, -24, -13% against spawn's -5, +7, +18, +37%, drift-sized both ways); kept off
-        # until the closed loop is remeasured with it.
-        start_method="spawn",
+        # spawn by default: with the fork server the demo's runs on a 2-core machine stepped faster than their
+        # profile predicted (-30, +9, -24, -13% against spawn's -5, +7, +18, +37%, drift-sized both ways).
+        start_method=method,
     )
     try:
         returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin, replicas)

@@ -49,6 +49,26 @@ def test_the_launcher_pins_replicas_of_a_pipeline_rank_together(tmp_path):
         assert returned[0] == [[cores[0]], [cores[0]], [cores[1]], [cores[1]]]
 
 
+def test_the_launcher_starts_its_processes_as_pipesched_start_method_says(tmp_path, monkeypatch):
+    """``PIPESCHED_START_METHOD``: ``spawn`` (default) or ``forkserver`` (forked from a server that imported torch
+    once); a processes started either way is pinned as above; another value is an error naming the variable."""
+    pytest.importorskip("torch")
+    from pipesched.runtime.launch import ScheduleError, launch_jobs, start_method
+
+    monkeypatch.delenv("PIPESCHED_START_METHOD", raising=False)
+    assert start_method() == "spawn"
+    monkeypatch.setenv("PIPESCHED_START_METHOD", "forkserver")
+    assert start_method() == "forkserver"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    returned = launch_jobs(_affinity, [_Job(str(tmp_path))], world=2, timeout_s=120)
+    assert returned is not None and len(returned[0]) == 2
+    if cores:
+        assert returned[0] == [[cores[pinned_core(rank, 2, 1, len(cores))]] for rank in range(2)]
+    monkeypatch.setenv("PIPESCHED_START_METHOD", "fork")
+    with pytest.raises(ScheduleError, match="PIPESCHED_START_METHOD='fork': use one of spawn, forkserver"):
+        launch_jobs(_affinity, [_Job(str(tmp_path / "bad"))], world=2, timeout_s=120)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux schedstat only")
 def test_a_pass_beside_a_process_on_its_core_waits_for_it_and_the_wait_is_read():
     """What the runtime records as a pass's ``run_delay_ms``: the thread's time ready to run but waiting for its
