@@ -308,13 +308,24 @@ def _hardware() -> dict[str, Any]:
     return info
 
 
+#: The profile (``optimizer/cost/calibration/profiles.json``) of each GPU name torch reports, by a part of the name.
+ACCELERATORS = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100-SXM", "B200": "B200", "A100": "A100-80GB"}
+
+
+def accelerator_of(gpu_name: str) -> str:
+    """The accelerator profile of a GPU that torch names ``gpu_name`` (``NVIDIA H200`` -> ``H200``); the H100-SXM
+    profile for a name not known (a CPU check)."""
+    return next((profile for part, profile in ACCELERATORS.items() if part in gpu_name), "H100-SXM")
+
+
 def _row(case: Case, measured: dict[str, Any], hardware: dict[str, Any]) -> dict[str, Any]:
     """A calibration row (the format of ``optimizer/cost/calibration/data/*.json``) for one measured case."""
+    accelerator = accelerator_of(hardware.get("gpu", ""))
     return {
-        "id": f"own-h100-{case.name}",
+        "id": f"own-{accelerator.split('-')[0].lower()}-{case.name}",
         "table": "bench/device_step_bench.py --measure, on the GPU lent to this session",
         "model": {"preset": "llama3.1-8b", **case.overrides, "seq_length": case.seq_length},
-        "accelerator": "H100-SXM",
+        "accelerator": accelerator,
         "cluster": {"num_nodes": 1, "gpus_per_node": 1},
         "layout": {"data_parallel": 1, "sharding": "full"},
         "training": {
