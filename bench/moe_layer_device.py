@@ -283,8 +283,11 @@ def _elapsed_ms(start: Any, end: Any) -> float:
     return float(start.elapsed_time(end))
 
 
-def _timed(run: Callable[[], None], device: Any, warmup: int, repeats: int) -> list[float]:
-    """ms of each of ``repeats`` runs after ``warmup`` (CUDA events; the CPU clock off the GPU)."""
+def _timed(
+    run: Callable[[], None], device: Any, warmup: int, repeats: int, issued: list[float] | None = None
+) -> list[float]:
+    """ms of each of ``repeats`` runs after ``warmup`` (CUDA events; the CPU clock off the GPU); ``issued``
+    receives the host's ms to issue each run (near the measured time: the run is launch-bound)."""
     import torch
 
     for _ in range(warmup):
@@ -292,7 +295,10 @@ def _timed(run: Callable[[], None], device: Any, warmup: int, repeats: int) -> l
     times = []
     for _ in range(repeats):
         start = _event(device)
+        host = time.perf_counter()
         run()
+        if issued is not None:
+            issued.append((time.perf_counter() - host) * 1e3)
         end = _event(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -325,7 +331,8 @@ def _measure_case(case: Case, device: Any, tiny: bool, warmup: int, repeats: int
         with torch.no_grad():
             layer.forward(x)
 
-    layer_ms = _timed(forward_backward, device, warmup, repeats)
+    issued: list[float] = []
+    layer_ms = _timed(forward_backward, device, warmup, repeats, issued)
     forward_ms = _timed(forward, device, warmup, repeats)
     stages: dict[str, list[float]] = {name: [] for name in STAGES}
     for repeat in range(warmup + repeats):
@@ -366,6 +373,7 @@ def _measure_case(case: Case, device: Any, tiny: bool, warmup: int, repeats: int
     return {
         "layer_ms": statistics.median(layer_ms),
         "layer_forward_ms": statistics.median(forward_ms),
+        "layer_host_issue_ms": statistics.median(issued),
         "forward_stages_ms": {name: round(statistics.median(times), 4) for name, times in stages.items()},
         "gemm_ms": statistics.median(gemm_ms),
         "gemm_forward_ms": statistics.median(gemm_forward_ms),
@@ -543,16 +551,19 @@ def predict(rows_path: Path) -> str:
     lines += [
         "",
         "Measured forward by stage, ms (no backward): router, permute, experts (fc1, activation, fc2, biases), "
-        "combine; grouped GEMMs alone, forward",
+        "combine; grouped GEMMs alone, forward; the host's time to issue the layer's forward + backward (close to "
+        "the measured layer: launch-bound)",
         "",
-        "| case | router | permute | experts | combine | forward | GEMMs alone, forward |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| case | router | permute | experts | combine | forward | GEMMs alone, forward "
+        "| host's issue of forward + backward |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in document["rows"]:
         measured = row["measured"]
         stages = " | ".join(f"{measured['forward_stages_ms'][name]:.4g}" for name in STAGES)
         lines.append(
-            f"| {row['case']} | {stages} | {measured['layer_forward_ms']:.4g} | {measured['gemm_forward_ms']:.4g} |"
+            f"| {row['case']} | {stages} | {measured['layer_forward_ms']:.4g} | {measured['gemm_forward_ms']:.4g} "
+            f"| {measured['layer_host_issue_ms']:.4g} |"
         )
     table = "\n".join(lines)
     print(table)
