@@ -431,10 +431,13 @@ def _check_gpus(backend: str, nproc: int) -> None:
 
 #: How long a rank that lost its connection to a peer waits before it exits (:func:`_worker`).
 PEER_LOST_GRACE_S = 1.0
-#: How the launcher starts its processes (``PIPESCHED_START_METHOD``): ``spawn``, each a fresh interpreter
-#: importing torch (about 2 s of CPU per process on a 2-core machine), or ``forkserver``, each forked from one server
-#: process that imported torch and this runtime once (a 2-rank profile with its calibration run 9.6 -> 3.8 s there).
-START_METHODS = ("spawn", "forkserver")
+#: How the launcher starts its processes (``PIPESCHED_START_METHOD``): ``forkserver`` (default), each forked from
+#: one server process that imported torch and this runtime once (a 2-rank profile with its calibration run
+#: 9.6 -> 3.8 s on a 2-core machine), or ``spawn``, each a fresh interpreter importing torch (about 2 s of CPU per
+#: process there). The closed loop's error (measured step against the profile's prediction) showed no bias between
+#: them: 13 runs each, alternating, on a 2-core machine and a quiet 16-core one (bench/results/device/h200/
+#: start_methods.txt), median +1% with the fork server (-30 … +54%) and +5.5% with spawn (-16 … +37%).
+START_METHODS = ("forkserver", "spawn")
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
@@ -445,16 +448,16 @@ _FORKSERVER_PRELOAD = [
 
 
 def start_method() -> str:
-    """The launcher's start method: ``PIPESCHED_START_METHOD`` (:data:`START_METHODS`), default ``spawn``.
+    """The launcher's start method: ``PIPESCHED_START_METHOD`` (:data:`START_METHODS`), default ``forkserver``.
 
     Raises:
         ScheduleError: another value (the variable and its choices named).
     """
-    method = os.environ.get("PIPESCHED_START_METHOD", "spawn").strip().lower() or "spawn"
+    method = os.environ.get("PIPESCHED_START_METHOD", "forkserver").strip().lower() or "forkserver"
     if method not in START_METHODS:
         raise ScheduleError(
             "PIPESCHED_START_METHOD",
-            f"PIPESCHED_START_METHOD={method!r}: use one of {', '.join(START_METHODS)} (or leave it unset: spawn)",
+            f"PIPESCHED_START_METHOD={method!r}: use one of {', '.join(START_METHODS)} (or leave it unset: forkserver)",
         )
     if method == "forkserver":
         import multiprocessing
@@ -511,8 +514,6 @@ def launch_jobs(
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
         max_restarts=0,
         monitor_interval=0.1,
-        # spawn by default: with the fork server the demo's runs on a 2-core machine stepped faster than their
-        # profile predicted (-30, +9, -24, -13% against spawn's -5, +7, +18, +37%, drift-sized both ways).
         start_method=method,
     )
     try:

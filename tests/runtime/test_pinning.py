@@ -50,22 +50,22 @@ def test_the_launcher_pins_replicas_of_a_pipeline_rank_together(tmp_path):
 
 
 def test_the_launcher_starts_its_processes_as_pipesched_start_method_says(tmp_path, monkeypatch):
-    """``PIPESCHED_START_METHOD``: ``spawn`` (default) or ``forkserver`` (forked from a server that imported torch
-    once); a processes started either way is pinned as above; another value is an error naming the variable."""
+    """``PIPESCHED_START_METHOD``: ``forkserver`` (default: forked from a server that imported torch once) or
+    ``spawn``; a process started either way is pinned as above; another value is an error naming the variable."""
     pytest.importorskip("torch")
     from pipesched.runtime.launch import ScheduleError, launch_jobs, start_method
 
     monkeypatch.delenv("PIPESCHED_START_METHOD", raising=False)
-    assert start_method() == "spawn"
-    monkeypatch.setenv("PIPESCHED_START_METHOD", "forkserver")
     assert start_method() == "forkserver"
+    monkeypatch.setenv("PIPESCHED_START_METHOD", "spawn")
+    assert start_method() == "spawn"
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     returned = launch_jobs(_affinity, [_Job(str(tmp_path))], world=2, timeout_s=120)
     assert returned is not None and len(returned[0]) == 2
     if cores:
         assert returned[0] == [[cores[pinned_core(rank, 2, 1, len(cores))]] for rank in range(2)]
     monkeypatch.setenv("PIPESCHED_START_METHOD", "fork")
-    with pytest.raises(ScheduleError, match="PIPESCHED_START_METHOD='fork': use one of spawn, forkserver"):
+    with pytest.raises(ScheduleError, match="PIPESCHED_START_METHOD='fork': use one of forkserver, spawn"):
         launch_jobs(_affinity, [_Job(str(tmp_path / "bad"))], world=2, timeout_s=120)
 
 
