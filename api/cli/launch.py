@@ -14,7 +14,15 @@ import typer
 from pydantic import ValidationError
 
 from pipesched.api.cli.common import err_console, fail
-from pipesched.api.launch.bundle import SCHEDULERS, TARGETS, LaunchBundle, LaunchOptions, build_bundle, pick_plan
+from pipesched.api.launch.bundle import (
+    SCHEDULERS,
+    TARGETS,
+    LaunchBundle,
+    LaunchOptions,
+    build_bundle,
+    pick_plan,
+    stored_schedule,
+)
 from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.api.routes.plans import PlanStatus
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
@@ -98,9 +106,11 @@ def launch_command(
     options = LaunchOptions(scheduler, target, name, image, torchtitan_module, torchtitan_config)
     try:
         plan = pick_plan(answer, number)
-        bundle = build_bundle(request, plan, number, None, options)
+        schedule, notes = stored_schedule(plan_path, number, plan)
+        bundle = build_bundle(request, plan, number, schedule, options)
     except ValueError as error:  # LaunchError included
         raise fail(str(error)) from None
+    bundle.notes[:0] = notes
     write_bundle(bundle, output)
     for note in bundle.notes:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)

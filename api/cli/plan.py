@@ -237,6 +237,14 @@ def plan_command(
             raise _fail(
                 f"cannot write {output}: {error.strerror or error}: give -o a path in an existing folder"
             ) from None
-        console.print(f"wrote {output}", highlight=False)
+        from pipesched.api.launch.bundle import write_plan_schedules
+
+        try:
+            written = write_plan_schedules(output, answer.plans, outcome.schedules)
+        except OSError as error:
+            raise _fail(f"cannot write the plans' schedules beside {output}: {error.strerror or error}") from None
+        console.print(
+            f"wrote {output}" + (f" and {len(written)} schedule(s) beside it" if written else ""), highlight=False
+        )
     if not answer.plans:
         raise _fail(answer.error or "no plan", code=1)

@@ -1,14 +1,16 @@
 """One plan → the files a job scheduler runs: the schedule's CSV, the training framework's argv, the scheduler's file.
 
-The plan's schedule is the one the service stored (``GET /v1/plans/{id}/launch``) or, from a plan file, rebuilt
-from the plan's request and configuration (a family's schedule is generated again exactly; an ``auto`` one is
-searched again within the request's time limit and may differ: the bundle's notes then say so).
+The plan's schedule is the one the service stored (``GET /v1/plans/{id}/launch``), the one ``pipesched plan -o
+PLAN.json`` wrote beside the plan file (``PLAN.schedule-N.json``, :func:`plan_schedule_path`), or, without either,
+rebuilt from the plan's request and configuration (a family's schedule is generated again exactly; an ``auto``
+one is searched again within the request's time limit and may differ: the bundle's notes then say so).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipesched.api.launch.schedulers import SCHEDULER_FILES, Job, render_scheduler_file
 from pipesched.optimizer.export import orders_to_torch_csv
@@ -26,7 +28,18 @@ from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.solve import solve, solve_family
 
-__all__ = ["SCHEDULERS", "TARGETS", "LaunchBundle", "LaunchOptions", "build_bundle", "pick_plan", "plan_schedule"]
+__all__ = [
+    "SCHEDULERS",
+    "TARGETS",
+    "LaunchBundle",
+    "LaunchOptions",
+    "build_bundle",
+    "pick_plan",
+    "plan_schedule",
+    "plan_schedule_path",
+    "stored_schedule",
+    "write_plan_schedules",
+]
 
 SCHEDULERS = tuple(SCHEDULER_FILES)
 TARGETS = ("torchtitan", "megatron")
@@ -92,6 +105,54 @@ def plan_schedule(request: PlanRequest, plan: Plan) -> Schedule:
     if config.method == "auto":
         return solve(problem)
     return solve_family(problem, config.method, enforce_memory=False)
+
+
+def plan_schedule_path(plan_path: Path, number: int) -> Path:
+    """Where ``pipesched plan -o PLAN.json`` writes plan ``number``'s schedule (1 = the best): ``PLAN.schedule-N.json``
+    beside it, the schedule JSON ``pipesched solve`` writes (``pipesched run``, ``check`` and ``launch`` read it)."""
+    return plan_path.with_name(f"{plan_path.stem}.schedule-{number}.json")
+
+
+def write_plan_schedules(plan_path: Path, plans: list[Plan], schedules: list[Schedule | None]) -> list[Path]:
+    """Write each pipelined plan's schedule (the one the planner simulated) beside ``plan_path``; returns the paths.
+
+    Raises:
+        OSError: a file cannot be written.
+    """
+    written = []
+    for number, (plan, schedule) in enumerate(zip(plans, schedules, strict=True), start=1):
+        if schedule is None or plan.pipeline_parallel <= 1:
+            continue
+        path = plan_schedule_path(plan_path, number)
+        path.write_text(schedule.model_dump_json(indent=1))
+        written.append(path)
+    return written
+
+
+def stored_schedule(plan_path: Path, number: int, plan: Plan) -> tuple[Schedule | None, list[str]]:
+    """The schedule ``pipesched plan`` wrote for plan ``number`` beside ``plan_path`` (:func:`plan_schedule_path`)
+    when it is that plan's: the same pipeline (ranks, stages per rank, microbatches) and its step. Returns
+    (schedule or ``None``, notes): ``None`` without the file (the schedule is then rebuilt), or with a note when the
+    file is unreadable or another plan's."""
+    path = plan_schedule_path(plan_path, number)
+    if not path.is_file():
+        return None, []
+    try:
+        schedule = Schedule.model_validate_json(path.read_text())
+    except (OSError, ValueError) as error:
+        return None, [f"{path.name} could not be read ({str(error).splitlines()[0]}): the schedule was rebuilt"]
+    pipeline = schedule.problem.pipeline if schedule.problem is not None else None
+    shape = (pipeline.num_ranks, pipeline.stages_per_rank, pipeline.num_microbatches) if pipeline else None
+    expected = (plan.pipeline_parallel, plan.stages_per_rank, plan.num_microbatches)
+    if shape != expected or not schedule.ranks:
+        return None, [
+            f"{path.name} is not plan {number}'s schedule (ranks, stages per rank, microbatches {shape} where the "
+            f"plan has {expected}): the schedule was rebuilt"
+        ]
+    mismatch = _schedule_notes(plan, schedule)
+    if mismatch:
+        return None, [f"{path.name} is not plan {number}'s schedule (its step differs): the schedule was rebuilt"]
+    return schedule, []
 
 
 def _summary(request: PlanRequest, plan: Plan, number: int) -> str:

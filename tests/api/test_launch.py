@@ -24,13 +24,14 @@ import yaml
 from typer.testing import CliRunner
 
 from pipesched.api.cli import app
-from pipesched.api.launch.bundle import LaunchOptions, build_bundle
+from pipesched.api.launch.bundle import LaunchOptions, build_bundle, plan_schedule_path, stored_schedule
 from pipesched.api.launch.schedulers import SCHEDULER_FILES
 from pipesched.optimizer.cost.profile import builtin_catalogue, use_catalogue
+from pipesched.optimizer.export import orders_to_torch_csv
 from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, megatron_args, torchtitan_launch
-from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest
 from pipesched.optimizer.planner.space import Configuration
+from pipesched.optimizer.result import Schedule
 from tests.api.test_api_served import ServedApi, free_port
 
 HERE = Path(__file__).resolve().parent
@@ -48,10 +49,14 @@ def installed(module: str) -> bool:
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    answer = plan(PlanRequest.model_validate(REQUEST)).answer
+    """``pipesched plan REQUEST -o plan.json``: the plans and, beside them, each plan's schedule."""
+    folder = tmp_path_factory.mktemp("plan")
+    (folder / "request.json").write_text(json.dumps(REQUEST))
+    path = folder / "plan.json"
+    result = CliRunner().invoke(app, ["plan", str(folder / "request.json"), "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    answer = PlanAnswer.model_validate_json(path.read_text())
     assert answer.plans and answer.plans[0].pipeline_parallel == 2
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    path.write_text(answer.model_dump_json(indent=1))
     return path
 
 
@@ -288,6 +293,36 @@ def test_fp8_plan_on_a_bf16_config_writes_a_config_module() -> None:
     assert launch.args[:4] == ["--module", "pipesched_torchtitan", "--config", "llama3_8b_float8"]
     assert launch.config_source is not None and "Float8LinearConverter.Config(" in launch.config_source
     compile(launch.config_source, "pipesched_torchtitan.py", "exec")
+
+
+def test_launch_hands_on_the_schedule_the_plan_was_judged_with(plan_file: Path, tmp_path: Path) -> None:
+    """``pipesched plan -o`` writes each pipelined plan's schedule beside the plans; ``launch`` turns that schedule
+    into schedule.csv instead of searching an auto plan's schedule again (which took the request's time limit and
+    could differ); a file that is not the plan's is said and the schedule rebuilt."""
+    answer = PlanAnswer.model_validate_json(plan_file.read_text())
+    stored = [plan_schedule_path(plan_file, n) for n in range(1, len(answer.plans) + 1)]
+    assert all(path.is_file() for path in stored), list(plan_file.parent.iterdir())
+    schedule = Schedule.model_validate_json(stored[0].read_text())
+    assert schedule.problem is not None and schedule.problem.pipeline.num_ranks == answer.plans[0].pipeline_parallel
+    runner = CliRunner()
+    result = runner.invoke(app, ["launch", str(plan_file), "-o", str(tmp_path / "job")])
+    assert result.exit_code == 0, result.output
+    assert "searched again" not in result.output and "rebuilt" not in result.output
+    assert (tmp_path / "job" / "schedule.csv").read_text() == orders_to_torch_csv(schedule.orders())
+    # Another plan's schedule (its step 10% longer), then an unreadable file: said, and the schedule rebuilt.
+    data = json.loads(stored[0].read_text())
+    data["step_time"] = (data["step_time"] or data["makespan"]) * 1.1
+    data["makespan"] *= 1.1
+    other = tmp_path / "other"
+    other.mkdir()
+    copied = other / plan_file.name
+    copied.write_text(plan_file.read_text())
+    plan_schedule_path(copied, 1).write_text(json.dumps(data))
+    result = runner.invoke(app, ["launch", str(copied), "-o", str(tmp_path / "job2")])
+    assert result.exit_code == 0 and "plan.schedule-1.json is not plan 1's schedule (its step differs)" in result.output
+    plan_schedule_path(copied, 1).write_text("{}")
+    assert stored_schedule(copied, 1, answer.plans[0])[0] is None
+    assert "plan.schedule-1.json could not be read" in stored_schedule(copied, 1, answer.plans[0])[1][0]
 
 
 def test_bad_plan_number_and_missing_request_exit_2(plan_file: Path, tmp_path: Path) -> None:
