@@ -114,11 +114,15 @@ def plan_schedule_path(plan_path: Path, number: int) -> Path:
 
 
 def write_plan_schedules(plan_path: Path, plans: list[Plan], schedules: list[Schedule | None]) -> list[Path]:
-    """Write each pipelined plan's schedule (the one the planner simulated) beside ``plan_path``; returns the paths.
+    """Write each pipelined plan's schedule (the one the planner simulated) beside ``plan_path``, removing those an
+    earlier answer left there; returns the paths.
 
     Raises:
         OSError: a file cannot be written.
     """
+    for stale in plan_path.parent.glob(f"{plan_path.stem}.schedule-*.json"):
+        if stale.stem.rsplit("-", 1)[-1].isdigit():
+            stale.unlink()
     written = []
     for number, (plan, schedule) in enumerate(zip(plans, schedules, strict=True), start=1):
         if schedule is None or plan.pipeline_parallel <= 1:
@@ -132,10 +136,10 @@ def write_plan_schedules(plan_path: Path, plans: list[Plan], schedules: list[Sch
 def stored_schedule(plan_path: Path, number: int, plan: Plan) -> tuple[Schedule | None, list[str]]:
     """The schedule ``pipesched plan`` wrote for plan ``number`` beside ``plan_path`` (:func:`plan_schedule_path`)
     when it is that plan's: the same pipeline (ranks, stages per rank, microbatches) and its step. Returns
-    (schedule or ``None``, notes): ``None`` without the file (the schedule is then rebuilt), or with a note when the
-    file is unreadable or another plan's."""
+    (schedule or ``None``, notes): ``None`` without the file or a pipeline (the schedule is then rebuilt, where
+    there is one), or with a note when the file is unreadable or another plan's."""
     path = plan_schedule_path(plan_path, number)
-    if not path.is_file():
+    if plan.pipeline_parallel <= 1 or not path.is_file():
         return None, []
     try:
         schedule = Schedule.model_validate_json(path.read_text())

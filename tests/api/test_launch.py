@@ -24,7 +24,13 @@ import yaml
 from typer.testing import CliRunner
 
 from pipesched.api.cli import app
-from pipesched.api.launch.bundle import LaunchOptions, build_bundle, plan_schedule_path, stored_schedule
+from pipesched.api.launch.bundle import (
+    LaunchOptions,
+    build_bundle,
+    plan_schedule_path,
+    stored_schedule,
+    write_plan_schedules,
+)
 from pipesched.api.launch.schedulers import SCHEDULER_FILES
 from pipesched.optimizer.cost.profile import builtin_catalogue, use_catalogue
 from pipesched.optimizer.export import orders_to_torch_csv
@@ -320,6 +326,10 @@ def test_launch_hands_on_the_schedule_the_plan_was_judged_with(plan_file: Path, 
     plan_schedule_path(copied, 1).write_text(json.dumps(data))
     result = runner.invoke(app, ["launch", str(copied), "-o", str(tmp_path / "job2")])
     assert result.exit_code == 0 and "plan.schedule-1.json is not plan 1's schedule (its step differs)" in result.output
+    # Writing an answer's schedules removes those an earlier answer left beside it.
+    plan_schedule_path(copied, 7).write_text("{}")
+    assert write_plan_schedules(copied, answer.plans[:1], [schedule]) == [plan_schedule_path(copied, 1)]
+    assert sorted(path.name for path in other.iterdir()) == ["plan.json", "plan.schedule-1.json"]
     plan_schedule_path(copied, 1).write_text("{}")
     assert stored_schedule(copied, 1, answer.plans[0])[0] is None
     assert "plan.schedule-1.json could not be read" in stored_schedule(copied, 1, answer.plans[0])[1][0]
