@@ -239,8 +239,8 @@ def plan_command(
             ) from None
         from pipesched.api.launch.bundle import write_plan_schedules
 
-        try:
-            written = write_plan_schedules(output, answer.plans, outcome.schedules)
+        try:  # beside a regular file only (not beside -o /dev/stdout, say)
+            written = write_plan_schedules(output, answer.plans, outcome.schedules) if output.is_file() else []
         except OSError as error:
             raise _fail(f"cannot write the plans' schedules beside {output}: {error.strerror or error}") from None
         console.print(
