@@ -14,6 +14,7 @@ process start costs.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -527,6 +528,28 @@ def launch_jobs(
     return returned.get(0) if nodes.node_rank == 0 else None
 
 
+def check_launch_options(nodes: NodeConfig, timeout_s: float) -> None:
+    """Refuse node and wait options no launch can use, before any process starts (``--nnodes 0`` had divided by
+    zero, ``--node-rank`` past the last node waited for a rendezvous that never forms, a timeout ≤ 0 failed in
+    the processes' first connection).
+
+    Raises:
+        ScheduleError: the option named, with what it takes.
+    """
+    if nodes.nnodes < 1:
+        raise ScheduleError("nnodes", f"--nnodes must be an integer ≥ 1, got {nodes.nnodes}")
+    if not 0 <= nodes.node_rank < nodes.nnodes:
+        raise ScheduleError(
+            "node_rank",
+            f"--node-rank must be 0 … {nodes.nnodes - 1} (one per node of --nnodes {nodes.nnodes}), "
+            f"got {nodes.node_rank}",
+        )
+    if nodes.master_port is not None and not 1 <= nodes.master_port <= 65535:
+        raise ScheduleError("master_port", f"--master-port must be a TCP port 1 … 65535, got {nodes.master_port}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ScheduleError("timeout", f"--timeout must be a finite number of seconds > 0, got {timeout_s}")
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """Where this launcher sits among the nodes of a multi-node run (torchrun's ``--nnodes``, ``--node-rank``,
@@ -630,6 +653,7 @@ def run_schedules(
     warn_if_unsupported_torch()
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
+    check_launch_options(NodeConfig(nnodes, node_rank, master_addr, master_port), timeout_s)
     runs = plan_runs(schedules, model=model, engine=engine, training=training, seed=seed, validate=validate)
     options = runs[0].training
     world = runs[0].schedule.problem.pipeline.num_ranks * (options.data_parallel if options else 1)
