@@ -509,7 +509,10 @@ def launch_jobs(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
         nproc_per_node=nproc,
-        run_id=f"pipesched-{uuid.uuid4().hex[:8]}",
+        # Every node's agent keys the rendezvous store by the run id: the same on every node of one run.
+        run_id=f"pipesched-{nodes.master_addr}-{nodes.master_port}"
+        if nodes.nnodes > 1
+        else f"pipesched-{uuid.uuid4().hex[:8]}",
         rdzv_backend="static",
         rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port or _free_port()}",
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
@@ -543,6 +546,12 @@ def check_launch_options(nodes: NodeConfig, timeout_s: float) -> None:
             "node_rank",
             f"--node-rank must be 0 … {nodes.nnodes - 1} (one per node of --nnodes {nodes.nnodes}), "
             f"got {nodes.node_rank}",
+        )
+    if nodes.nnodes > 1 and nodes.master_port is None:
+        raise ScheduleError(
+            "master_port",
+            f"--nnodes {nodes.nnodes} needs --master-port (the same free port on --master-addr "
+            f"{nodes.master_addr} for every node): each node would otherwise pick a port of its own",
         )
     if nodes.master_port is not None and not 1 <= nodes.master_port <= 65535:
         raise ScheduleError("master_port", f"--master-port must be a TCP port 1 … 65535, got {nodes.master_port}")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.api.test_newcomer import PROBLEM, pipesched
+from tests.api.test_newcomer import PROBLEM, _free_port, pipesched
 
 BAD_RUN_OPTIONS = [
     (["--nnodes", "0"], "--nnodes"),
@@ -59,3 +60,31 @@ def test_profile_refuses_an_unknown_device_and_no_repeats(tmp_path: Path, option
     assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "p.json").exists()
 
+
+def test_run_on_two_nodes_needs_a_master_port(schedule_file: Path) -> None:
+    """Without --master-port each node had picked a free port of its own and waited for the other forever."""
+    pytest.importorskip("torch")
+    result = pipesched("run", str(schedule_file), "--nnodes", "2", "--nproc-per-node", "2", cwd=schedule_file.parent)
+    assert result.returncode == 2, result.stderr
+    assert "--master-port" in result.stderr, result.stderr
+
+
+def test_two_nodes_on_one_machine_run_and_verify(tmp_path: Path) -> None:
+    """The multi-node flags as RUNTIME.md gives them, both nodes on this machine: the launchers had keyed their
+    rendezvous by a run id each drew for itself, so the two never met (both waited past 120 s), and the torch
+    engine's ranks read the schedule's CSV from node 0's temporary folder."""
+    pytest.importorskip("torch")
+    (tmp_path / "problem.json").write_text(json.dumps({**PROBLEM, "pipeline": {"num_ranks": 2, "num_microbatches": 4}}))
+    solved = pipesched("solve", "problem.json", "--method", "1f1b", "-o", "schedule.json", cwd=tmp_path)
+    assert solved.returncode == 0, solved.stderr
+    port = str(_free_port())
+    common = ["run", "schedule.json", "--nnodes", "2", "--nproc-per-node", "1", "--master-port", port]
+    common += ["--timeout", "60"]
+    with ThreadPoolExecutor(2) as pool:
+        node1 = pool.submit(pipesched, *common, "--node-rank", "1", cwd=tmp_path)
+        node0 = pool.submit(pipesched, *common, "--node-rank", "0", "-o", "report.json", cwd=tmp_path)
+        first, second = node0.result(), node1.result()
+    assert first.returncode == 0, first.stderr + first.stdout
+    assert second.returncode == 0 and "node 1 done" in second.stdout, second.stderr + second.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verified"] and [rank["rank"] for rank in report["ranks"]] == [0, 1]
