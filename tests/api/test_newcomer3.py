@@ -88,3 +88,26 @@ def test_two_nodes_on_one_machine_run_and_verify(tmp_path: Path) -> None:
     assert second.returncode == 0 and "node 1 done" in second.stdout, second.stderr + second.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["verified"] and [rank["rank"] for rank in report["ranks"]] == [0, 1]
+
+
+@pytest.mark.parametrize("option", ["-o", "--trace"])
+def test_run_refuses_an_unwritable_report_or_trace_before_starting(schedule_file: Path, option: str) -> None:
+    """-o into a folder that does not exist had run every rank and then ended in a FileNotFoundError traceback
+    (exit 1), the run's report lost; --trace had written the report and then failed the same way."""
+    pytest.importorskip("torch")
+    result = pipesched("run", str(schedule_file), option, "no-such-folder/out.json", cwd=schedule_file.parent)
+    assert result.returncode == 2, result.stderr
+    assert f"give {option} a path in an existing folder" in result.stderr and "Traceback" not in result.stderr
+    assert "verified" not in result.stdout, result.stdout
+
+
+def test_profile_refuses_an_unwritable_output_before_measuring(tmp_path: Path) -> None:
+    """The profile had built the model and measured it for its whole run before -o failed."""
+    pytest.importorskip("torch")
+    (tmp_path / "marked.py").write_text(
+        "from pathlib import Path\n\n\ndef build(num_stages, seed):\n    Path('built').touch()\n    return []\n"
+    )
+    result = pipesched("profile", "--num-ranks", "2", "--model", "marked:build", "-o", "no-such/p.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "give -o a path in an existing folder" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "built").exists()
