@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.table import Table
 
 from pipesched.api.cli.common import (
@@ -280,8 +281,6 @@ def profile(
     and static memory) on the processes a run starts; write a PROBLEM.json for `pipesched solve`."""
     require_torch("profile")
     check_output_folder(output)
-    from pydantic import ValidationError
-
     from pipesched.api.loading import format_validation_error
     from pipesched.runtime.launch import RunFailed
     from pipesched.runtime.options import TrainingError, TrainingOptions
