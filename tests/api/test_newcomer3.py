@@ -111,3 +111,36 @@ def test_profile_refuses_an_unwritable_output_before_measuring(tmp_path: Path) -
     assert result.returncode == 2, result.stderr
     assert "give -o a path in an existing folder" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "built").exists()
+
+
+def test_a_search_shortened_by_its_wait_is_not_the_cached_answer_to_the_whole_limit(tmp_path: Path) -> None:
+    """A synchronous solve that waited behind another had its search shortened (its limit less the wait) and was
+    stored under the key of the problem as asked: the same problem asked again on an idle service got that short
+    search back as a cache hit, for good. A shortened search that proved nothing is now stored under the problem
+    it searched (its shorter limit), and the whole limit is searched when asked again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
+    from tests.optimizer.test_time_limits import _problem
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'cache.sqlite3'}", sync_solver_workers=1)
+    first = _problem(1024, 4, 1, "loop", 10.0, tl=3.0).model_dump(mode="json")
+    late = _problem(1000, 4, 1, "loop", 10.0, tl=3.0).model_dump(mode="json")
+    with TestClient(create_app(settings)) as client:
+        client.post("/v1/schedules", json=_problem(2, 2, 1, "loop", None, tl=0.5).model_dump(mode="json"))
+        with ThreadPoolExecutor(2) as pool:
+            ahead = pool.submit(client.post, "/v1/schedules", json=first)
+            time.sleep(0.3)
+            behind = pool.submit(client.post, "/v1/schedules", json=late)
+            assert ahead.result().status_code == 200
+            shortened = behind.result().json()
+        assert shortened["status"] == "feasible", shortened["status"]
+        assert shortened["problem"]["solver"]["time_limit_s"] < 3.0
+        again = client.post("/v1/schedules", json=late)
+        assert again.status_code == 200
+        answer = again.json()
+        assert answer["cache"] == "miss" and answer["problem"]["solver"]["time_limit_s"] == 3.0
+        assert client.post("/v1/schedules", json=late).json()["cache"] == "hit"
