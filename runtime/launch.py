@@ -14,6 +14,7 @@ process start costs.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -508,7 +509,10 @@ def launch_jobs(
         min_nodes=nodes.nnodes,
         max_nodes=nodes.nnodes,
         nproc_per_node=nproc,
-        run_id=f"pipesched-{uuid.uuid4().hex[:8]}",
+        # Every node's agent keys the rendezvous store by the run id: the same on every node of one run.
+        run_id=f"pipesched-{nodes.master_addr}-{nodes.master_port}"
+        if nodes.nnodes > 1
+        else f"pipesched-{uuid.uuid4().hex[:8]}",
         rdzv_backend="static",
         rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port or _free_port()}",
         rdzv_configs={"rank": nodes.node_rank, "timeout": int(timeout_s)},
@@ -525,6 +529,34 @@ def launch_jobs(
     except (ChildFailedError, Exception) as error:
         raise _failure(error_dir, error) from None
     return returned.get(0) if nodes.node_rank == 0 else None
+
+
+def check_launch_options(nodes: NodeConfig, timeout_s: float) -> None:
+    """Refuse node and wait options no launch can use, before any process starts (``--nnodes 0`` had divided by
+    zero, ``--node-rank`` past the last node waited for a rendezvous that never forms, a timeout ≤ 0 failed in
+    the processes' first connection).
+
+    Raises:
+        ScheduleError: the option named, with what it takes.
+    """
+    if nodes.nnodes < 1:
+        raise ScheduleError("nnodes", f"--nnodes must be an integer ≥ 1, got {nodes.nnodes}")
+    if not 0 <= nodes.node_rank < nodes.nnodes:
+        raise ScheduleError(
+            "node_rank",
+            f"--node-rank must be 0 … {nodes.nnodes - 1} (one per node of --nnodes {nodes.nnodes}), "
+            f"got {nodes.node_rank}",
+        )
+    if nodes.nnodes > 1 and nodes.master_port is None:
+        raise ScheduleError(
+            "master_port",
+            f"--nnodes {nodes.nnodes} needs --master-port (the same free port on --master-addr "
+            f"{nodes.master_addr} for every node): each node would otherwise pick a port of its own",
+        )
+    if nodes.master_port is not None and not 1 <= nodes.master_port <= 65535:
+        raise ScheduleError("master_port", f"--master-port must be a TCP port 1 … 65535, got {nodes.master_port}")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ScheduleError("timeout", f"--timeout must be a finite number of seconds > 0, got {timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -630,6 +662,7 @@ def run_schedules(
     warn_if_unsupported_torch()
     if backend not in ("gloo", "nccl"):
         raise ScheduleError("backend", f"--backend must be gloo or nccl, got {backend!r}")
+    check_launch_options(NodeConfig(nnodes, node_rank, master_addr, master_port), timeout_s)
     runs = plan_runs(schedules, model=model, engine=engine, training=training, seed=seed, validate=validate)
     options = runs[0].training
     world = runs[0].schedule.problem.pipeline.num_ranks * (options.data_parallel if options else 1)

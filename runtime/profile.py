@@ -664,7 +664,8 @@ def measure_model(
 
     Raises:
         ValueError: unknown model, a model that cannot be split into that many stages, options out of range
-            (``calibration_steps`` below 2, an unknown ``collective_statistic``).
+            (``calibration_steps`` below 2, an unknown ``collective_statistic``, a ``device`` other than cpu or
+            cuda, ``repeats`` below 1).
         pipesched.runtime.launch.RunFailed: a profiling process failed (its rank and reason named).
     """
     import tempfile
@@ -672,6 +673,10 @@ def measure_model(
     from pipesched.runtime.launch import launch_jobs
 
     torch_compat.warn_if_unsupported_torch()
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be cpu (gloo) or cuda (NCCL, one GPU per process), got {device!r}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be an integer ≥ 1 (timed microbatches per stage), got {repeats}")
     if calibrate and calibration_steps < 2:
         raise ValueError(f"calibration_steps {calibration_steps}: give at least 2 (the first step is left out)")
     _check_statistic(collective_statistic)

@@ -295,10 +295,9 @@ class TorchEngine:
 
     def __init__(self, trainer: RankTrainer, job: RankJob) -> None:
         schedule = job.schedule
-        csv_path = Path(job.workdir) / f"schedule-{job.index}.csv"
-        if trainer.global_rank == 0:
-            csv_path.write_text(orders_to_torch_csv(compute_only(schedule.orders())))
-        dist.barrier()
+        # Each rank writes its own copy: the ranks of a multi-node run see different folders.
+        csv_path = Path(job.workdir) / f"schedule-{job.index}-rank{trainer.global_rank}.csv"
+        csv_path.write_text(orders_to_torch_csv(compute_only(schedule.orders())))
         self.trainer = trainer
         self.notes: list[str] = []
         self.loss_fn = trainer.model.loss_fn

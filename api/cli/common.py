@@ -58,15 +58,28 @@ def require_torch(command: str) -> None:
         )
 
 
-def write_output(path: Path | None, text: str) -> None:
-    """Write ``text`` to ``path`` (stdout when ``None``); an unwritable path exits 2 naming it."""
+def write_output(path: Path | None, text: str, option: str = "-o") -> None:
+    """Write ``text`` to ``path`` (stdout when ``None``); an unwritable path exits 2 naming it and ``option``."""
     if path is None:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         return
     try:
         path.write_text(text)
     except OSError as error:
-        raise fail(f"cannot write {path}: {error.strerror or error}: give -o a path in an existing folder") from None
+        raise fail(
+            f"cannot write {path}: {error.strerror or error}: give {option} a path in an existing folder"
+        ) from None
+
+
+def check_output_folder(path: Path | None, option: str = "-o") -> None:
+    """Exit 2 before any work when ``path``'s folder does not exist or cannot be written (a run or a profile had
+    measured for its whole length, then failed to write what it measured)."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        reason = "no such folder" if not folder.is_dir() else "the folder is not writable"
+        raise fail(f"cannot write {path}: {reason}: give {option} a path in an existing folder")
 
 
 @contextmanager

@@ -7,9 +7,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.table import Table
 
-from pipesched.api.cli.common import console, err_console, fail, require_torch, write_output
+from pipesched.api.cli.common import (
+    check_output_folder,
+    console,
+    err_console,
+    fail,
+    require_torch,
+    write_output,
+)
 from pipesched.api.loading import InputError
 from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.units import format_bytes
@@ -126,6 +134,8 @@ def run(
     parallelism, post-validation or 2BW) the ranks train K steps and the parameters are verified too.
     """
     require_torch("run")
+    check_output_folder(output)
+    check_output_folder(trace, "--trace")
     from pipesched.api.loading import load_schedule_file
     from pipesched.runtime.launch import RunFailed, ScheduleError, run_schedule
 
@@ -222,7 +232,7 @@ def _print_run(
     if trace is not None:
         from pipesched.optimizer.export import run_report_to_chrome_trace
 
-        write_output(trace, json.dumps(run_report_to_chrome_trace(report.model_dump(), predicted=schedule)))
+        write_output(trace, json.dumps(run_report_to_chrome_trace(report.model_dump(), predicted=schedule)), "--trace")
         console.print(f"wrote {trace} (predicted ranks first, then measured)", highlight=False)
     if not report.verified:
         raise typer.Exit(1)
@@ -270,8 +280,7 @@ def profile(
     """Measure what a run will see (each stage's F, I, W and activation memory, p2p, collectives, the optimizer step
     and static memory) on the processes a run starts; write a PROBLEM.json for `pipesched solve`."""
     require_torch("profile")
-    from pydantic import ValidationError
-
+    check_output_folder(output)
     from pipesched.api.loading import format_validation_error
     from pipesched.runtime.launch import RunFailed
     from pipesched.runtime.options import TrainingError, TrainingOptions

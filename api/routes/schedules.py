@@ -66,6 +66,12 @@ def solve_and_store(svc: Services, problem: Problem, *, mode: str = "sync") -> t
     except SolveTimeout as error:
         raise HTTPException(504, f"{error}: retry, or submit it as a job with POST /v1/jobs") from None
     svc.metrics.solve_seconds.labels(method=problem.solver.method, mode=mode).observe(schedule.solve_time_s)
+    searched = problem.solver.method == "auto" and schedule.status != "optimal"
+    if searched and schedule.problem.solver.time_limit_s < problem.solver.time_limit_s:
+        # A search its wait in the queue shortened (api/solving.py) answers this request, but is no answer to the
+        # whole limit: stored under the problem it searched, the same problem asked again searches its whole limit
+        # (a named family's schedule does not depend on the limit).
+        key = problem_key(schedule.problem)
     stored, _created = svc.store.put_schedule(key, schedule)
     return stored.model_dump_json(), False
 
