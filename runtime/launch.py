@@ -420,7 +420,9 @@ def _check_gpus(backend: str, nproc: int) -> None:
 
     gpus = torch.cuda.device_count()
     if gpus == 0:
-        raise ScheduleError("backend", "--backend nccl (--device cuda) needs CUDA GPUs; use gloo (--device cpu)")
+        raise ScheduleError(
+            "backend", "--backend nccl needs CUDA GPUs; use gloo: run --backend gloo, profile --device cpu"
+        )
     if nproc > gpus:
         raise ScheduleError(
             "backend",
