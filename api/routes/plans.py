@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Depends, HTTPException, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
@@ -13,7 +15,7 @@ from pipesched.api.routes._common import Services, require_token, services, stor
 from pipesched.api.schemas import JobCreated, PlanDocument, error_responses
 from pipesched.api.storage import PlanRow
 from pipesched.optimizer.planner.rank import prepare
-from pipesched.optimizer.planner.request import PlanAnswer
+from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
 router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
 
@@ -92,8 +94,12 @@ def get_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
 
 
 def plan_status(svc: Services, row: PlanRow) -> PlanStatus:
-    """The API view of a plan search's row."""
+    """The API view of a plan search's row; before its answer (queued, running, or failed without one: a restart
+    cut it off) the request it was asked is the stored one."""
     answer = PlanAnswer.model_validate_json(row.answer_json) if row.answer_json else PlanAnswer(plans=[])
+    if answer.request is None:
+        with contextlib.suppress(ValidationError):  # stored by an older release under other rules: shown without it
+            answer = answer.model_copy(update={"request": PlanRequest.model_validate_json(row.request_json)})
     return PlanStatus(
         **{
             **answer.model_dump(),

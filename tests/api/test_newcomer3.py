@@ -144,3 +144,29 @@ def test_a_search_shortened_by_its_wait_is_not_the_cached_answer_to_the_whole_li
         answer = again.json()
         assert answer["cache"] == "miss" and answer["problem"]["solver"]["time_limit_s"] == 3.0
         assert client.post("/v1/schedules", json=late).json()["cache"] == "hit"
+
+
+def test_a_plan_cut_off_by_a_restart_still_shows_the_request_it_was_asked(tmp_path: Path) -> None:
+    """A plan search the service was running when it stopped fails at the next start ("POST /v1/plans again"); its
+    answer showed ``request: null`` though the request is stored, so a client could not ask it again from the
+    answer."""
+    from fastapi.testclient import TestClient
+
+    from pipesched.api.app import create_app
+    from pipesched.api.settings import Settings
+    from pipesched.api.storage import Store
+    from pipesched.optimizer.planner.request import PlanRequest
+
+    url = f"sqlite:///{tmp_path / 'plans.sqlite3'}"
+    request = PlanRequest.model_validate(
+        {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 2, "gpus_per_node": 8},
+            "training": {"global_batch_size": 64},
+        }
+    )
+    row = Store(url).create_plan(request.model_dump_json(), total=10)
+    with TestClient(create_app(Settings(database_url=url, solver_workers=1))) as client:
+        answer = client.get(f"/v1/plans/{row.id}").json()
+    assert answer["status"] == "failed" and "POST /v1/plans again" in answer["error"]
+    assert answer["request"] is not None and PlanRequest.model_validate(answer["request"]) == request
