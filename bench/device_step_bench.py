@@ -291,20 +291,24 @@ def _synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def _hardware() -> dict[str, Any]:
-    """What the GPU machine says of itself: the name, the power limit and clocks (``nvidia-smi``), torch, NCCL."""
+def hardware() -> dict[str, Any]:
+    """What the GPU machine says of itself: the name (``cpu`` without a GPU), the power limit and clocks
+    (``nvidia-smi``), torch, NCCL."""
     import torch
 
-    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "gpu": "cpu"}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         query = "power.limit,power.max_limit,clocks.max.sm,clocks.max.memory"
-        smi = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
-        )
-        info["nvidia_smi"] = {"query": query, "answer": smi.stdout.strip()}
+        try:
+            smi = subprocess.run(
+                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
+            )
+            info["nvidia_smi"] = {"query": query, "answer": smi.stdout.strip()}
+        except OSError as error:
+            info["nvidia_smi"] = {"query": query, "error": str(error)}
     return info
 
 
@@ -312,10 +316,10 @@ def _hardware() -> dict[str, Any]:
 ACCELERATORS = {"H200": "H200", "H100 PCIe": "H100-PCIe", "H100": "H100-SXM", "B200": "B200", "A100": "A100-80GB"}
 
 
-def accelerator_of(gpu_name: str) -> str:
-    """The accelerator profile of a GPU that torch names ``gpu_name`` (``NVIDIA H200`` -> ``H200``); the H100-SXM
-    profile for a name not known (a CPU check)."""
-    return next((profile for part, profile in ACCELERATORS.items() if part in gpu_name), "H100-SXM")
+def accelerator_of(gpu_name: str, default: str = "H100-SXM") -> str:
+    """The accelerator profile of a GPU that torch names ``gpu_name`` (``NVIDIA H200`` -> ``H200``); ``default``
+    for a name not known (a CPU check)."""
+    return next((profile for part, profile in ACCELERATORS.items() if part in gpu_name), default)
 
 
 def _row(case: Case, measured: dict[str, Any], hardware: dict[str, Any]) -> dict[str, Any]:
@@ -360,8 +364,8 @@ def measure(
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    hardware = _hardware()
-    print(json.dumps(hardware), flush=True)
+    hardware_info = hardware()
+    print(json.dumps(hardware_info), flush=True)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for case in CASES:
@@ -377,7 +381,7 @@ def measure(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        rows.append(_row(case, measured, hardware))
+        rows.append(_row(case, measured, hardware_info))
         print(
             f"{case.name}: {measured['tokens_per_s_per_gpu']:,.0f} tok/s/GPU, steps {measured['step_ms']} ms, "
             f"peak reserved {measured['peak_memory_bytes'] / 2**30:.1f} GiB "
@@ -386,7 +390,7 @@ def measure(
         )
         if "kernels" in measured:
             print(json.dumps(measured["kernels"]), flush=True)
-        output.write_text(json.dumps({"source": _source(hardware), "rows": rows}, indent=1))
+        output.write_text(json.dumps({"source": _source(hardware_info), "rows": rows}, indent=1))
     if breakdown:
         backends = sdpa_backends(device, tiny)
         output.with_name(output.stem + "_sdpa.json").write_text(json.dumps(backends, indent=1))

@@ -45,14 +45,13 @@ import argparse
 import itertools
 import json
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import device_step_bench
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 
 #: Expert parallelism of every case: the rank holds num_experts / EP experts.
@@ -95,9 +94,6 @@ CASES = [
 TINY = {"hidden_size": 64, "ffn_hidden_size": 64, "moe_ffn_hidden_size": 32, "num_experts": 16}
 TINY_ROWS_PER_EXPERT = 32
 
-#: The calibration profile of each GPU, by a fragment of ``torch.cuda.get_device_name`` (checked in order).
-ACCELERATORS = (("H200", "H200"), ("H100 PCIe", "H100-PCIe"), ("H100", "H100-SXM"), ("B200", "B200"))
-
 
 def case_model(case: Case, tiny: bool = False) -> ModelConfig:
     """The case as pipesched's model input: the preset at an s·b that gives ``rows_per_expert`` rows per local
@@ -114,8 +110,9 @@ def case_model(case: Case, tiny: bool = False) -> ModelConfig:
 
 
 def accelerator_of(gpu_name: str) -> str:
-    """The profile name of a GPU (``torch.cuda.get_device_name``); H200 for anything else (a CPU check)."""
-    return next((profile for fragment, profile in ACCELERATORS if fragment in gpu_name), "H200")
+    """The profile name of a GPU (``torch.cuda.get_device_name``, as the step bench maps it); H200 for anything else
+    (a CPU check)."""
+    return device_step_bench.accelerator_of(gpu_name, default="H200")
 
 
 # --- the measurement (torch) ---------------------------------------------------------------------------------
@@ -385,24 +382,6 @@ def _measure_case(case: Case, device: Any, tiny: bool, warmup: int, repeats: int
     }
 
 
-def _hardware() -> dict[str, Any]:
-    """What the machine says of itself: the GPU's name, torch, and ``nvidia-smi``'s power limit and clocks."""
-    import torch
-
-    info: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0], "gpu": "cpu"}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        query = "power.limit,clocks.max.sm,clocks.max.memory"
-        try:
-            smi = subprocess.run(
-                ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"], capture_output=True, text=True
-            )
-            info["nvidia_smi"] = {"query": query, "answer": smi.stdout.strip()}
-        except OSError as error:
-            info["nvidia_smi"] = {"query": query, "error": str(error)}
-    return info
-
-
 def measure(
     device_name: str,
     tiny: bool,
@@ -420,7 +399,7 @@ def measure(
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)
-    hardware = _hardware()
+    hardware = device_step_bench.hardware()
     path = _grouped_path(device, torch.bfloat16)
     print(json.dumps({**hardware, "gemm_path": path}), flush=True)
     started = time.perf_counter()
