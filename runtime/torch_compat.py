@@ -168,6 +168,23 @@ def fsdp_reduce_grad(module: nn.Module) -> None:
         state._root_post_backward_final_callback()
 
 
+def _without_own_rank(stage: Any) -> Callable[[], list[Any]]:
+    """``stage._get_init_p2p_neighbors_ops`` less the operations whose peer is the stage's own rank.
+
+    torch 2.11's ``_PipelineScheduleMulti._initialize_stages`` warms up each stage's p2p with its previous and next
+    stage by a batch of ``isend``/``irecv``, also where that stage sits on the same rank (a V placement: pipeline
+    rank 1 holds stages 1 and 2). NCCL sends to itself; gloo has no connection to itself and fails ("Pair is not
+    connected ... <--> [none]"). Adjacent stages on one rank hand activations over in memory, never by p2p, so
+    their warm-up has nothing to warm. torch 2.13 replaced the warm-up (``_warmup_p2p``) and needs none of this.
+    """
+    operations = stage._get_init_p2p_neighbors_ops
+
+    def without_own_rank() -> list[Any]:
+        return [op for op in operations() if getattr(op, "group_peer", None) != stage.group_rank]
+
+    return without_own_rank
+
+
 class TorchPipeline:
     """PyTorch's ``_PipelineScheduleRuntime`` built once for a rank and stepped many times.
 
@@ -205,6 +222,9 @@ class TorchPipeline:
         self.schedule = _PipelineScheduleRuntime(
             self.stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True
         )
+        if not hasattr(self.schedule, "_warmup_p2p"):  # torch 2.11: every neighbour warmed up, itself included
+            for stage in self.stages:
+                stage._get_init_p2p_neighbors_ops = _without_own_rank(stage)  # type: ignore[method-assign]
         self.schedule._load_csv(str(csv_path), "compute_only")
         if communication_rows is not None:
             self._follow_communication(communication_rows, num_stages)
