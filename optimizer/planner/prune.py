@@ -8,7 +8,8 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   model's ``first_dense_layers`` lead the first chunks; the routed experts among a rank's parameters are
   sharded over the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c
   GPUs holding the same weights.
-- **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
+- **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`, fully
+  sharded state as the stack keeps it: :func:`pipesched.optimizer.cost.stages.full_sharding_state`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
   time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded fp32 gradients,
@@ -90,6 +91,7 @@ from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
     embedding_block,
+    full_sharding_state,
     head_block,
     headroom_bytes,
     resolve_hardware,
@@ -528,9 +530,13 @@ class Estimator:
         static = 0.0
         pipelined = config.pipeline_parallel > 1
         per_unit = config.sharding in ("gradients", "full")
+        gradient_bytes = 4.0 if self.reduce_dtype == "fp32" else 2.0
+        state = full_sharding_state(
+            self.model, self.hardware.software, self.sharding_of(config), gradient_bytes=gradient_bytes
+        )
         for count, group in groups:
             static += count * static_bytes_per_parameter_sharded(
-                self.model, config.sharding, group, gradient_bytes=4.0 if self.reduce_dtype == "fp32" else 2.0
+                self.model, config.sharding, group, gradient_bytes=gradient_bytes, full_state=state
             )
             if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
