@@ -265,6 +265,7 @@ class Estimator:
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self._bounds: dict[tuple[object, ...], float] = {}
         self._floors: dict[tuple[object, ...], _CollectiveFloors] = {}
+        self._full_states: dict[str, str] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -276,6 +277,20 @@ class Estimator:
             reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
             reduce_dtype=self.reduce_dtype,
         )
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes per element of the gradient buffer: the request's reduction dtype."""
+        return 4.0 if self.reduce_dtype == "fp32" else 2.0
+
+    def full_state(self, sharding: str) -> str:
+        """How fully sharded state is kept for a layout of class ``sharding`` (:meth:`sharding_of`) by the stack
+        the model's kernels name (:func:`~pipesched.optimizer.cost.stages.full_sharding_state`)."""
+        if sharding not in self._full_states:
+            self._full_states[sharding] = full_sharding_state(
+                self.model, self.hardware.software, sharding, gradient_bytes=self.gradient_bytes
+            )
+        return self._full_states[sharding]
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -530,13 +545,10 @@ class Estimator:
         static = 0.0
         pipelined = config.pipeline_parallel > 1
         per_unit = config.sharding in ("gradients", "full")
-        gradient_bytes = 4.0 if self.reduce_dtype == "fp32" else 2.0
-        state = full_sharding_state(
-            self.model, self.hardware.software, self.sharding_of(config), gradient_bytes=gradient_bytes
-        )
+        state = self.full_state(self.sharding_of(config))
         for count, group in groups:
             static += count * static_bytes_per_parameter_sharded(
-                self.model, config.sharding, group, gradient_bytes=gradient_bytes, full_state=state
+                self.model, config.sharding, group, gradient_bytes=self.gradient_bytes, full_state=state
             )
             if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
@@ -572,7 +584,7 @@ class Estimator:
         beta = self.data_parallel_bandwidth(config)
         latency = self.cluster.collective_latency_ms
         parameters = layout.max_parameters
-        gradient_bytes = (4.0 if self.reduce_dtype == "fp32" else 2.0) * parameters
+        gradient_bytes = self.gradient_bytes * parameters
         weight_bytes = float(self.model.dtype_bytes) * parameters
         reduce = (
             all_reduce_ms(gradient_bytes, d, beta, latency)
@@ -680,7 +692,7 @@ class Estimator:
         layer, embedding, head, _, model = self.blocks(*self.degrees(config))
         beta, _ = group_link(self._achieved_cluster, d, config.tensor_parallel)
         alpha = self.cluster.collective_latency_ms
-        reduce_bytes = 4.0 if self.reduce_dtype == "fp32" else 2.0
+        reduce_bytes = self.gradient_bytes
         per_unit = config.sharding in ("gradients", "full")
 
         def reduction(unit: float) -> float:
