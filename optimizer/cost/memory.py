@@ -46,10 +46,11 @@ holds while it computes counted by the caller; what is kept depends on the stack
   fp32 and is the master weight the optimizer steps on; the sharded gradient is cast back to the parameter's
   dtype after the reduce-scatter whatever ``reduce_dtype`` is (FSDP2: ``init_dtype_attrs`` sets ``orig_dtype``
   from the sharded parameter, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``; ``foreach_reduce`` casts
-  the reduced shard to it, ``_fsdp_collectives.py``; FSDP1: ``_cast_grad_to_param_dtype``); Adam's two moments
-  take the parameter's dtype. No separate 16-bit copy is kept: the 16-bit weights exist gathered only.
-  torchtitan (the model built on the meta device in fp32, ``apply_fsdp`` with ``mixed_precision_param`` bf16,
-  ``torchtitan/models/llama3/infra/parallelize.py``), llm-foundry's Composer FSDP1, IBM's fms-fsdp.
+  the reduced shard to it, ``_fsdp_collectives.py``, pytorch 010ae4a; FSDP1: ``_cast_grad_to_param_dtype``); Adam's
+  two moments take the parameter's dtype. No separate 16-bit copy is kept: the 16-bit weights exist gathered only
+  (``tests/runtime/test_fsdp_static_bytes.py`` counts them on a real FSDP2 step). torchtitan (the model built on
+  the meta device in fp32, ``apply_fsdp`` with ``mixed_precision_param`` bf16,
+  ``torchtitan/models/llama3/infra/parallelize.py`` at 81c1243), llm-foundry's Composer FSDP1.
 - ``bf16_parameters``: 2 + 2 + 4. PyTorch FSDP over a model built in bf16: the sharded parameter, its gradient
   (cast back to the parameter's dtype) and ``torch.optim.Adam``'s moments (``zeros_like`` the parameter) are all
   bf16, no fp32 master. NeMo AutoModel's mixture-of-experts models (Qwen3-MoE, GPT-OSS, DeepSeek-V3) build their
