@@ -36,12 +36,16 @@ KNOWN_OVER = {
     "llama3_herd_table4/llama3-405b-16384-cp1-s8192": "as above",
     "llama3_herd_table4/llama3-405b-16384-cp16-s131072": "as above",
     "deepseek_v3_report/deepseek-v3-2048-h800": "mixture of experts: DeepSeek's own framework (its recomputation "
-    "of norms and up-projections and FP8 activation caching are not modelled)",
-    "megatron_bridge_cp_ep/mbridge260401-deepseek-v3-256-b200-tp1pp8cp1vp2ep32-gbs4096-mbs1": "mixture of experts",
-    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s16384-cp1": "mixture of experts",
-    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s32768-cp2": "mixture of experts",
-    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s65536-cp4": "mixture of experts",
-    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s131072-cp8": "mixture of experts",
+    "of norms and up-projections and FP8 activation caching are not modelled; static 13.2 of 131.9 GiB)",
+    "megatron_bridge_cp_ep/mbridge260401-deepseek-v3-256-b200-tp1pp8cp1vp2ep32-gbs4096-mbs1": "mixture of experts on "
+    "the distributed optimizer (ZeRO-1): its activations, not its static state (49.6 of 200.7 GiB); the table does not "
+    "publish the recomputation, read as none, where the recipe recomputes mla_up_proj and mlp",
+    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s16384-cp1": "mixture of experts on the distributed optimizer "
+    "(ZeRO-1): activations of 16k to 128k tokens a sequence (static 32.1 of 106.3 GiB), Megatron's selective "
+    "recomputation as modelled",
+    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s32768-cp2": "as above",
+    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s65536-cp4": "as above",
+    "megatron_moe_model_zoo/modelzoo-h100-235b-long-s131072-cp8": "as above",
 }
 
 
