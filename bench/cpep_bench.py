@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipesched.optimizer.calibration.predict import power_limited
+from pipesched.optimizer.calibration.predict import FRAMEWORK_SOFTWARE, power_limited
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
 from pipesched.optimizer.configs import ClusterConfig
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
@@ -153,11 +153,15 @@ def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
     """The active catalogue with the row's mixture-of-experts all-to-alls as they ran, which no request field
     states: ``software.moe_dispatcher`` (the recipe's ``moe_token_dispatcher_type``; hierarchical where the source
     does not say) and ``software.moe_all_to_all_overlap`` (its ``moe_a2a_overlap``); and when its FSDP reduced the
-    gradients (``software.fsdp_gradient_sync``: NeMo AutoModel's trainer once a step). With ``--default-kernels``
-    the request says nothing of the framework, so these stay at the planner's defaults too."""
+    gradients (``software.fsdp_gradient_sync``: NeMo AutoModel's trainer once a step); and what its framework
+    runs (``FRAMEWORK_SOFTWARE``: NeMo AutoModel's bf16 model under FSDP). With ``--default-kernels`` the request
+    says nothing of the framework, so these stay at the planner's defaults too."""
     catalogue = active_catalogue()
     fields = ("moe_dispatcher", "moe_all_to_all_overlap", "fsdp_gradient_sync")
-    stated = {name: row.get("software", {}).get(name, getattr(catalogue.software, name)) for name in fields}
+    stated: dict[str, Any] = {
+        name: row.get("software", {}).get(name, getattr(catalogue.software, name)) for name in fields
+    }
+    stated.update(FRAMEWORK_SOFTWARE.get(row.get("software", {}).get("framework", ""), {}))
     return catalogue.model_copy(update={"software": catalogue.software.model_copy(update=stated)})
 
 

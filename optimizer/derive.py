@@ -329,6 +329,7 @@ def _add_collectives(
         reshard_after_forward=dp.reshard_after_forward,
         reduce_bytes=4.0 if dp.reduce_dtype == "fp32" else 2.0,
         reduce_every_microbatch=derived.hardware.software.fsdp_gradient_sync == "every_microbatch",
+        full_state=derived.full_state,
         **_expert_collectives(parts, derived, tp_size),
     )
     costs = dict(document["costs"])

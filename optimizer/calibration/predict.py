@@ -23,7 +23,24 @@ from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
 from pipesched.optimizer.planner.space import Configuration, methods_for
 
-__all__ = ["Prediction", "configuration", "estimator", "kernels_mode", "power_limited", "predict"]
+__all__ = [
+    "FRAMEWORK_SOFTWARE",
+    "Prediction",
+    "configuration",
+    "estimator",
+    "kernels_mode",
+    "power_limited",
+    "predict",
+]
+
+#: What a framework (a row's ``software.framework``) runs that no request field states, as software-profile fields:
+#: llm-foundry's loss is flash-attn's fused cross-entropy (``loss_fn: fused_crossentropy``,
+#: ``llmfoundry/models/mpt/modeling_mpt.py``); NeMo AutoModel's mixture-of-experts models are built in bf16 and
+#: sharded by FSDP2 as they are, no fp32 master (``pipesched.optimizer.cost.memory``, ``bf16_parameters``).
+FRAMEWORK_SOFTWARE: dict[str, dict[str, str]] = {
+    "composer": {"pytorch_cross_entropy": "fused"},
+    "automodel": {"fused_fsdp_state": "bf16_parameters"},
+}
 
 
 def kernels_mode(row: Measurement) -> str:
@@ -123,9 +140,9 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
     (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST), when FSDP reduces the gradients
     (``software.fsdp_gradient_sync``, e.g. NeMo AutoModel's once a step) and the attention kernel PyTorch
-    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``) and the loss it
-    computed (llm-foundry's, ``software.framework`` "composer": flash-attn's fused cross-entropy, the software
-    profile's ``pytorch_cross_entropy`` "fused"). With ``kernels``
+    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``) and what its
+    framework runs (:data:`FRAMEWORK_SOFTWARE`: llm-foundry's loss, ``software.framework`` "composer"; NeMo
+    AutoModel's bf16 model under FSDP, "automodel"). With ``kernels``
     given (the framework ignored, as for a layout given without one) the planner's defaults stay."""
     catalogue = active_catalogue()
     stated: dict[str, str] = {
@@ -134,8 +151,7 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     }
     if row.software.attention_kernel == "cudnn":
         stated["pytorch_sdpa_backend"] = "cudnn"
-    if row.software.framework == "composer":
-        stated["pytorch_cross_entropy"] = "fused"
+    stated.update(FRAMEWORK_SOFTWARE.get(row.software.framework, {}))
     software = catalogue.software
     if kernels is not None or all(getattr(software, field) == value for field, value in stated.items()):
         yield

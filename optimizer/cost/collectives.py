@@ -36,9 +36,10 @@ rank's shard of the parameters when the optimizer state is sharded.
 Static bytes per parameter by sharding have one home,
 :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded` (ZeRO paper, Sec. 5.1, K = 12 for
 mixed-precision Adam): weights w (2 B bf16), gradients 4 B (fp32), optimizer state 12 B, each divided by d
-from the sharding level that shards it. Gathered weights and unsharded gradients are not static: they live
-in the step model's ``memory.weights`` (held from UNSHARD to RESHARD) and ``memory.gradients`` (freed but
-for the shard at REDUCE_GRAD), each byte counted once.
+from the sharding level that shards it; fully sharded, as the stack keeps it (PyTorch FSDP's fp32 parameters
+4 + 4 + 8, Megatron-FSDP's 2 + 4 + g + 8, a bf16 model's 2 + 2 + 4). Gathered weights and unsharded gradients
+are not static: they live in the step model's ``memory.weights`` (held from UNSHARD to RESHARD) and
+``memory.gradients`` (freed but for the shard at REDUCE_GRAD), each byte counted once.
 
 Granularity (``gradients`` and ``full``, which torchtitan runs as FSDP2): torchtitan applies ``fully_shard``
 to every transformer block, to the token embedding, and to the final norm with the output head (PyTorch
@@ -210,6 +211,7 @@ def data_parallel_costs(
     stage_expert_parameters: list[float] | None = None,
     expert_data_parallel_size: int | None = None,
     expert_group_stride: int = 1,
+    full_state: str = "zero3",
 ) -> DataParallelCosts:
     """Collective times (ms), optimizer step (ms) and memory (bytes) of a pipeline with d data-parallel copies.
 
@@ -236,6 +238,9 @@ def data_parallel_costs(
             :mod:`pipesched.optimizer.cost.experts`): reduced, gathered and sharded over
             ``expert_data_parallel_size`` GPUs (the ranks holding the same experts, every
             ``expert_group_stride``-th GPU: expert-tensor × expert-parallel degree) instead of d.
+        full_state: with ``full``, how the stack keeps the sharded state
+            (:data:`~pipesched.optimizer.cost.memory.FULL_SHARDING_STATES`;
+            :func:`~pipesched.optimizer.cost.stages.full_sharding_state`).
 
     Formulas and sources: module docstring.
     """
@@ -257,6 +262,7 @@ def data_parallel_costs(
             stage_expert_parameters=stage_expert_parameters,
             expert_data_parallel_size=expert_data_parallel_size,
             expert_group_stride=expert_group_stride,
+            full_state=full_state,
         )
     d = data_parallel_size
     weight_bytes = float(model.dtype_bytes)
@@ -287,7 +293,9 @@ def data_parallel_costs(
             rank_params[rank] += params
             rank_buffers[rank] += buffer * (d - 1) / d if per_block else 0.0
     shard = d if sharding != "none" else 1
-    per_parameter = static_bytes_per_parameter_sharded(model, sharding, d, gradient_bytes=reduce_bytes)
+    per_parameter = static_bytes_per_parameter_sharded(
+        model, sharding, d, gradient_bytes=reduce_bytes, full_state=full_state
+    )
     optimizer_step = []
     static = []
     for params, buffers in zip(rank_params, rank_buffers, strict=True):

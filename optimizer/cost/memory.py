@@ -30,9 +30,34 @@ the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeL
 **Static bytes per parameter** (Rajbhandari et al. 2020, ZeRO, §3.1 and §5), mixed precision with Adam: 2 B
 16-bit weights, 4 B fp32 gradients (reduced in fp32; 2 B where the reduction runs in bf16, as Megatron-Core keeps
 its gradient buffer in the reduction's dtype), 12 B fp32 master weights and two moments. ZeRO-1
-(``optimizer``) divides the 12 by the data-parallel size d, ZeRO-2 (``gradients``) the 4 + 12, ZeRO-3 /
-FSDP (``full``) all 18, plus the gathered 16-bit weights a rank holds while it computes (counted by the
-caller). fp32 training: 4 + 4 + 8.
+(``optimizer``) divides the 12 by the data-parallel size d, ZeRO-2 (``gradients``) the 4 + 12. fp32 training:
+4 + 4 + 8. Fully sharded (``full``), every byte a rank keeps is divided by d, the gathered 16-bit weights a rank
+holds while it computes counted by the caller; what is kept depends on the stack (:data:`FULL_SHARDING_STATES`):
+
+- ``zero3``: 2 + g + 12 (g the gradient buffer's bytes, the reduction's dtype). ZeRO-3 as the paper counts it,
+  (2 + 2 + K)·Ψ/N_d with K = 12 (§3.1, §5.3; DeepSpeed); Megatron-FSDP's ``optim_grads_params``, the FSDP of
+  Megatron-LM and Megatron Bridge, shards a 16-bit ``model_weight_buffer``, an fp32 ``main_weight_buffer``
+  (``preserve_fp32_weights``) and a ``main_grad_buffer`` in fp32 with ``grad_reduce_in_fp32``, else in the
+  parameters' dtype, plus the two fp32 Adam moments: 2 + 4 + g + 8
+  (``megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py``,
+  ``_init_each_parameter_group_buffers``, Megatron-LM core_v0.14.0).
+- ``fp32_parameters``: 4 + 4 + 8. PyTorch FSDP over a model built in fp32 with a 16-bit compute dtype (FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16)``, FSDP1's ``MixedPrecision``): the sharded parameter keeps the model's
+  fp32 and is the master weight the optimizer steps on; the sharded gradient is cast back to the parameter's
+  dtype after the reduce-scatter whatever ``reduce_dtype`` is (FSDP2: ``init_dtype_attrs`` sets ``orig_dtype``
+  from the sharded parameter, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``; ``foreach_reduce`` casts
+  the reduced shard to it, ``_fsdp_collectives.py``, pytorch 010ae4a; FSDP1: ``_cast_grad_to_param_dtype``); Adam's
+  two moments take the parameter's dtype. No separate 16-bit copy is kept: the 16-bit weights exist gathered only
+  (``tests/runtime/test_fsdp_static_bytes.py`` counts them on a real FSDP2 step). torchtitan (the model built on
+  the meta device in fp32, ``apply_fsdp`` with ``mixed_precision_param`` bf16,
+  ``torchtitan/models/llama3/infra/parallelize.py`` at 81c1243), llm-foundry's Composer FSDP1.
+- ``bf16_parameters``: 2 + 2 + 4. PyTorch FSDP over a model built in bf16: the sharded parameter, its gradient
+  (cast back to the parameter's dtype) and ``torch.optim.Adam``'s moments (``zeros_like`` the parameter) are all
+  bf16, no fp32 master. NeMo AutoModel's mixture-of-experts models (Qwen3-MoE, GPT-OSS, DeepSeek-V3) build their
+  layers in bf16 (``BackendConfig`` linear and norm ``dtype=torch.bfloat16``, ``MoEConfig.dtype``) and
+  ``initialize_weights`` ends with ``self.to(torch.bfloat16)``; the benchmark configs step ``torch.optim.Adam``
+  (``nemo_automodel/components/models/qwen3_moe/model.py``, ``examples/benchmark/configs/*_te_deepep.yaml`` at
+  01926a5c).
 
 **The loss's logits** (s·b·V/t elements on the last stage, :func:`cross_entropy_bytes`): bytes per logit element
 held from the loss's forward to its backward, and the most its passes allocate and free on top (a transient the
@@ -59,6 +84,7 @@ from pipesched.optimizer.cost.flops import attention_core_width
 
 __all__ = [
     "CROSS_ENTROPY_BYTES",
+    "FULL_SHARDING_STATES",
     "LayerActivation",
     "SelectiveBytes",
     "cross_entropy_bytes",
@@ -74,6 +100,16 @@ CROSS_ENTROPY_BYTES: dict[str, tuple[float, float]] = {
     "fp32": (4.0, 8.0),
     "vocab_parallel": (4.0, 2.0),
     "fused": (2.0, 2.0),
+}
+
+
+#: How a stack keeps fully sharded (``full``) state → bytes per parameter of (weights, gradients, Adam state),
+#: each divided by the data-parallel size; gradients ``None``: the reduction's dtype (``gradient_bytes``). The module
+#: docstring, "Static bytes per parameter", gives each layout's source.
+FULL_SHARDING_STATES: dict[str, tuple[float, float | None, float]] = {
+    "zero3": (2.0, None, 12.0),
+    "fp32_parameters": (4.0, 4.0, 8.0),
+    "bf16_parameters": (2.0, 2.0, 4.0),
 }
 
 
@@ -266,17 +302,29 @@ def layer_activation(
 
 
 def static_bytes_per_parameter_sharded(
-    model: ModelConfig, sharding: str, data_parallel_size: int, *, gradient_bytes: float = 4.0
+    model: ModelConfig,
+    sharding: str,
+    data_parallel_size: int,
+    *,
+    gradient_bytes: float = 4.0,
+    full_state: str = "zero3",
 ) -> float:
     """Bytes per parameter of weights, gradients and Adam state under ``sharding`` (module docstring).
 
     ``sharding``: ``none`` / ``optimizer`` / ``gradients`` / ``full`` (contract, Terms: data-parallel group);
-    ``full`` returns the sharded bytes only (the caller adds the gathered 16-bit weights). ``gradient_bytes``: the
-    gradient buffer's bytes per element, the reduction's dtype (Megatron-Core's DDP keeps its ``main_grad``
-    buffer in fp32 with ``grad_reduce_in_fp32``, otherwise in the parameters' 16-bit dtype: 2).
+    ``full`` returns the sharded bytes only (the caller adds the gathered 16-bit weights), as the stack keeps them:
+    ``full_state``, a key of :data:`FULL_SHARDING_STATES`. ``gradient_bytes``: the gradient buffer's bytes per
+    element, the reduction's dtype (Megatron-Core's DDP keeps its ``main_grad`` buffer in fp32 with
+    ``grad_reduce_in_fp32``, otherwise in the parameters' 16-bit dtype: 2); PyTorch FSDP's sharded gradient takes
+    its parameter's dtype instead.
     """
+    if full_state not in FULL_SHARDING_STATES:
+        raise ValueError(f"full_state {full_state!r}: use one of {', '.join(FULL_SHARDING_STATES)}")
     if model.dtype == "fp32":
         weights, gradients, optimizer = 4.0, 4.0, 8.0
+    elif sharding == "full":
+        weights, kept_gradients, optimizer = FULL_SHARDING_STATES[full_state]
+        gradients = gradient_bytes if kept_gradients is None else kept_gradients
     else:
         weights, gradients, optimizer = float(model.dtype_bytes), gradient_bytes, 12.0
     d = float(data_parallel_size)

@@ -179,6 +179,16 @@ class SoftwareProfile(StrictModel):
         "CrossEntropyLoss, llm-foundry's default loss_fn: 2 and 2); a calibration row of software.framework "
         "'composer' states 'fused'. Megatron's fused plans run its vocab-parallel cross-entropy.",
     )
+    fused_fsdp_state: Literal["zero3", "bf16_parameters"] = Field(
+        "zero3",
+        description="What a fully sharded (sharding 'full') run with hand-fused kernels keeps per parameter "
+        "(pipesched.optimizer.cost.memory.FULL_SHARDING_STATES): 'zero3' (Megatron-FSDP's optim_grads_params, as "
+        "Megatron Bridge runs it: 16-bit and fp32 weights, the gradient buffer and two fp32 moments, 2 + 4 + g + 8 "
+        "bytes over d) or 'bf16_parameters' (PyTorch FSDP2 over a model built in bf16 with Transformer Engine "
+        "kernels, NeMo AutoModel's mixture-of-experts models: 2 + 2 + 4); a calibration row of software.framework "
+        "'automodel' states the latter. Eager and compiled PyTorch shard the fp32 parameters (4 + 4 + 8). Not "
+        "fitted: a plan with fused kernels assumes Megatron-FSDP's.",
+    )
     unfused_traffic: float = Field(
         1.0,
         gt=0,

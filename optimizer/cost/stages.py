@@ -25,7 +25,9 @@ Sources and model:
 - Static memory per parameter, mixed precision with Adam (Rajbhandari et al. 2020, ZeRO, Sec. 3.1, plus fp32
   main gradients as in Megatron-LM): 2 B weights + 4 B fp32 gradients + 4 B fp32 master weights + 8 B Adam
   moments = 18 B/param (fp32 training: 4 + 4 + 8 = 16). The problem's ``data_parallel`` sharding divides them by
-  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`).
+  its size (ZeRO stages 1–3, :func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`); fully
+  sharded, what a rank keeps is the stack's (:func:`full_sharding_state`: PyTorch FSDP's fp32 parameters,
+  Megatron-FSDP's ZeRO-3 buffers, a bf16 model's).
 - Parameters: a layer holds 4h² + 4h (attention) + 2hf + f + h (MLP) + 4h (two layer norms); the embedding
   V·h + s·h (learned positions, first stage); the LM head V·h and the final layer norm 2h (last stage).
 """
@@ -91,6 +93,7 @@ __all__ = [
     "derive_costs_and_memory",
     "derive_problem",
     "embedding_block",
+    "full_sharding_state",
     "head_block",
     "headroom_bytes",
     "register_profile",
@@ -766,6 +769,7 @@ class DerivedProblem:
             ``layers_per_stage`` is its model-order choice), the tie; ``None`` for a split given or without a tie.
         fits: whether a split fits every rank by the partition's memory bound (static + one microbatch of each
             of its stages within ``limit_bytes``).
+        full_state: how fully sharded state is kept (:func:`full_sharding_state`), for the step model's static.
     """
 
     costs: Costs
@@ -779,6 +783,7 @@ class DerivedProblem:
     transient_bytes: list[float] = field(default_factory=list)
     tie: LayerTie | None = None
     fits: Callable[[list[int]], bool] | None = None
+    full_state: str = "zero3"
 
 
 def _check_layers_per_stage(model: ModelConfig, num_stages: int) -> _Errors:
@@ -852,10 +857,38 @@ def _check_tensor_parallel(
     ]
 
 
-def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None) -> float:
+def full_sharding_state(
+    model: ModelConfig, software: SoftwareProfile, sharding: str | None = None, *, gradient_bytes: float = 4.0
+) -> str:
+    """How the stack that runs ``model``'s kernels keeps fully sharded state (a key of
+    :data:`~pipesched.optimizer.cost.memory.FULL_SHARDING_STATES`): eager and compiled PyTorch shard the model's
+    fp32 parameters (``fp32_parameters``: torchtitan, llm-foundry), hand-fused kernels keep the software profile's
+    ``fused_fsdp_state`` (Megatron-FSDP's ``zero3`` for a plan; NeMo AutoModel's bf16 model for its rows); kernels
+    "unknown" the largest of the modes that run the layout (``sharding``: its class key,
+    :func:`~pipesched.optimizer.cost.profile.layout_sharding`; ``gradient_bytes``: the reduction's), as
+    :func:`blended` sizes memory, so a plan that fits fits whichever of them runs it."""
+    if model.kernels == "unknown":
+        states = [
+            full_sharding_state(model.model_copy(update={"kernels": mode}), software)
+            for mode in software.kernels_shares("unknown", sharding, model.kernels_prior)
+        ]
+        return max(
+            states,
+            key=lambda state: static_bytes_per_parameter_sharded(
+                model, "full", 1, gradient_bytes=gradient_bytes, full_state=state
+            ),
+        )
+    if model.kernels == "fused":
+        return software.fused_fsdp_state
+    return "fp32_parameters"
+
+
+def _per_parameter_bytes(model: ModelConfig, data_parallel: DataParallel | None, full_state: str) -> float:
     """Weights, gradients and Adam state per parameter (ZeRO paper, Sec. 3.1 and 5.1; module docstring)."""
     group = data_parallel or DataParallel()
-    return static_bytes_per_parameter_sharded(model, group.sharding, group.size, gradient_bytes=_gradient_bytes(group))
+    return static_bytes_per_parameter_sharded(
+        model, group.sharding, group.size, gradient_bytes=_gradient_bytes(group), full_state=full_state
+    )
 
 
 def _gradient_bytes(data_parallel: DataParallel) -> float:
@@ -868,16 +901,17 @@ def _per_expert_parameter_bytes(
     data_parallel: DataParallel | None,
     tensor_parallel: TensorParallel | None,
     expert_parallel: ExpertParallel | None,
+    full_state: str,
 ) -> float:
     """Static bytes per routed-expert parameter: sharded over the expert-data-parallel group
     (:meth:`~pipesched.optimizer.cost.experts.ExpertGroups.data_parallel`) rather than the data-parallel one."""
     ep, _ = _ep(expert_parallel)
     if data_parallel is None or not model.is_moe:
-        return _per_parameter_bytes(model, data_parallel)
+        return _per_parameter_bytes(model, data_parallel, full_state)
     t, _ = _tp(tensor_parallel)
     group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
     return static_bytes_per_parameter_sharded(
-        model, data_parallel.sharding, group, gradient_bytes=_gradient_bytes(data_parallel)
+        model, data_parallel.sharding, group, gradient_bytes=_gradient_bytes(data_parallel), full_state=full_state
     )
 
 
@@ -913,6 +947,7 @@ class _StageBlocks:
     per_parameter: float
     per_expert_parameter: float
     first_dense_layers: int
+    full_state: str = "zero3"
 
     def layers(self, first_layer: int, count: int) -> Block:
         """Layers ``first_layer`` … ``first_layer + count − 1``."""
@@ -951,6 +986,14 @@ class _StageBlocks:
         block = self.block(stage, count)
         transient = _transient_bytes(self.model, self.data_parallel, block.parameters, self.largest_unit(stage, count))
         return self.static_bytes(block) + transient + block.activation_bytes + block.transient_bytes
+
+
+def _full_state(
+    model: ModelConfig, hardware: Hardware, data_parallel: DataParallel | None, sharding: str | None
+) -> str:
+    """:func:`full_sharding_state` of the problem's model and data parallelism (``sharding``: its class key)."""
+    gradient_bytes = _gradient_bytes(data_parallel or DataParallel())
+    return full_sharding_state(model, hardware.software, sharding, gradient_bytes=gradient_bytes)
 
 
 def _layout_sharding(
@@ -992,6 +1035,7 @@ def _stage_blocks(
 
     c = _cp(context_parallel)
     dense = layer(False)
+    state = _full_state(model, hardware, data_parallel, sharding)
     head = head_block(
         model, hardware, tensor_parallel, separate_copy=num_stages > 1, context_parallel=c, sharding=sharding
     )
@@ -1003,9 +1047,10 @@ def _stage_blocks(
         moe=layer(True) if model.is_moe else dense,
         embedding=embedding_block(model, hardware, tensor_parallel, cluster, context_parallel=c),
         head=head,
-        per_parameter=_per_parameter_bytes(model, data_parallel),
-        per_expert_parameter=_per_expert_parameter_bytes(model, data_parallel, tensor_parallel, expert_parallel),
+        per_parameter=_per_parameter_bytes(model, data_parallel, state),
+        per_expert_parameter=_per_expert_parameter_bytes(model, data_parallel, tensor_parallel, expert_parallel, state),
         first_dense_layers=model.first_dense_layers if model.is_moe else model.num_layers,
+        full_state=state,
     )
 
 
@@ -1138,7 +1183,9 @@ def derive_problem(
                 held[rank] += blocks.memory(stage, count)
         return max(held) <= limit
 
-    return DerivedProblem(costs, memory, layers_per_stage, stages, static, limit, hardware, units, transient, tie, fits)
+    return DerivedProblem(
+        costs, memory, layers_per_stage, stages, static, limit, hardware, units, transient, tie, fits, blocks.full_state
+    )
 
 
 def rank_transient_bytes(stages: list[Block], holders: list[list[int]], num_ranks: int) -> list[float]:

@@ -8,7 +8,8 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   model's ``first_dense_layers`` lead the first chunks; the routed experts among a rank's parameters are
   sharded over the expert-data-parallel group (:mod:`pipesched.optimizer.cost.experts`), the rest over the d·c
   GPUs holding the same weights.
-- **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`):
+- **Static memory** per rank (:func:`pipesched.optimizer.cost.memory.static_bytes_per_parameter_sharded`, fully
+  sharded state as the stack keeps it: :func:`pipesched.optimizer.cost.stages.full_sharding_state`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
   time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded fp32 gradients,
@@ -90,6 +91,7 @@ from pipesched.optimizer.cost.stages import (
     Block,
     Hardware,
     embedding_block,
+    full_sharding_state,
     head_block,
     headroom_bytes,
     resolve_hardware,
@@ -263,6 +265,7 @@ class Estimator:
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self._bounds: dict[tuple[object, ...], float] = {}
         self._floors: dict[tuple[object, ...], _CollectiveFloors] = {}
+        self._full_states: dict[str, str] = {}
 
     def data_parallel(self, config: Configuration) -> DataParallel:
         """The configuration's data-parallel group: the d·c copies of its weights and their sharding, the
@@ -274,6 +277,20 @@ class Estimator:
             reshard_after_forward=config.sharding == "full" and config.pipeline_parallel == 1,
             reduce_dtype=self.reduce_dtype,
         )
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes per element of the gradient buffer: the request's reduction dtype."""
+        return 4.0 if self.reduce_dtype == "fp32" else 2.0
+
+    def full_state(self, sharding: str) -> str:
+        """How fully sharded state is kept for a layout of class ``sharding`` (:meth:`sharding_of`) by the stack
+        the model's kernels name (:func:`~pipesched.optimizer.cost.stages.full_sharding_state`)."""
+        if sharding not in self._full_states:
+            self._full_states[sharding] = full_sharding_state(
+                self.model, self.hardware.software, sharding, gradient_bytes=self.gradient_bytes
+            )
+        return self._full_states[sharding]
 
     @cached_property
     def hardware(self) -> Hardware:
@@ -528,9 +545,10 @@ class Estimator:
         static = 0.0
         pipelined = config.pipeline_parallel > 1
         per_unit = config.sharding in ("gradients", "full")
+        state = self.full_state(self.sharding_of(config))
         for count, group in groups:
             static += count * static_bytes_per_parameter_sharded(
-                self.model, config.sharding, group, gradient_bytes=4.0 if self.reduce_dtype == "fp32" else 2.0
+                self.model, config.sharding, group, gradient_bytes=self.gradient_bytes, full_state=state
             )
             if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
@@ -566,7 +584,7 @@ class Estimator:
         beta = self.data_parallel_bandwidth(config)
         latency = self.cluster.collective_latency_ms
         parameters = layout.max_parameters
-        gradient_bytes = (4.0 if self.reduce_dtype == "fp32" else 2.0) * parameters
+        gradient_bytes = self.gradient_bytes * parameters
         weight_bytes = float(self.model.dtype_bytes) * parameters
         reduce = (
             all_reduce_ms(gradient_bytes, d, beta, latency)
@@ -674,7 +692,7 @@ class Estimator:
         layer, embedding, head, _, model = self.blocks(*self.degrees(config))
         beta, _ = group_link(self._achieved_cluster, d, config.tensor_parallel)
         alpha = self.cluster.collective_latency_ms
-        reduce_bytes = 4.0 if self.reduce_dtype == "fp32" else 2.0
+        reduce_bytes = self.gradient_bytes
         per_unit = config.sharding in ("gradients", "full")
 
         def reduction(unit: float) -> float:

@@ -196,10 +196,15 @@ def _degree_reason(request: PlanRequest, name: str) -> str:
     )
 
 
-def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Estimate]], limit: float) -> FieldError:
+def _no_fit_error(
+    request: PlanRequest, estimates: list[tuple[Configuration, Estimate]], estimator: Estimator
+) -> FieldError:
     least_config, least = min(estimates, key=lambda item: item[1].peak_memory_bytes)
+    limit = estimator.limit_bytes
     parameters = model_parameters(request.model)
-    state = parameters * static_bytes_per_parameter_sharded(request.model, "full", 1)
+    state = parameters * static_bytes_per_parameter_sharded(
+        request.model, "full", 1, gradient_bytes=estimator.gradient_bytes, full_state=estimator.full_state("full")
+    )
     gpus = math.ceil(state / max(limit, 1.0))
     nodes = math.ceil(gpus / request.cluster.gpus_per_node)
     loc = _memory_field(request)
@@ -384,7 +389,7 @@ def prepare(request: PlanRequest) -> Prepared:
         for config, estimate in over[:MAX_EXPLAINED]
     ]
     if not fitting:
-        raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
+        raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []

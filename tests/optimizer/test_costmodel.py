@@ -14,7 +14,7 @@ from pipesched.optimizer.accelerators import CATALOGUE, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import builtin_catalogue
-from pipesched.optimizer.cost.stages import derive_problem
+from pipesched.optimizer.cost.stages import derive_problem, full_sharding_state
 from pipesched.optimizer.derive import load_problem
 from pipesched.optimizer.problem import Pipeline, Problem
 from pipesched.optimizer.units import format_bytes
@@ -178,6 +178,54 @@ def test_sharded_optimizer_state_divides_master_weights_and_moments() -> None:
     assert static_bytes_per_parameter_sharded(model, "none", 1) == 18
     assert static_bytes_per_parameter_sharded(model, "optimizer", 8) == 2 + 4 + 12 / 8
     assert static_bytes_per_parameter_sharded(ModelConfig(**SMALL_MODEL, dtype="fp32"), "none", 1) == 16
+
+
+def test_fully_sharded_state_is_what_each_stack_keeps() -> None:
+    """ZeRO-3 / Megatron-FSDP keep 16-bit and fp32 weights, the gradient buffer in the reduction's dtype and two
+    fp32 moments (2 + g + 12); PyTorch FSDP over an fp32 model keeps the fp32 parameter as the master and casts its
+    gradient back to it whatever the reduction's dtype (4 + 4 + 8); over a bf16 model all of it is bf16 (2 + 2 + 4).
+    Each divided by d; the gathered 16-bit weights are the caller's."""
+    model = ModelConfig(**SMALL_MODEL)
+    for reduced, zero3 in ((4.0, 18), (2.0, 16)):
+        assert static_bytes_per_parameter_sharded(model, "full", 8, gradient_bytes=reduced) == zero3 / 8
+        pytorch = static_bytes_per_parameter_sharded(
+            model, "full", 8, gradient_bytes=reduced, full_state="fp32_parameters"
+        )
+        assert pytorch == 16 / 8
+        bf16 = static_bytes_per_parameter_sharded(
+            model, "full", 8, gradient_bytes=reduced, full_state="bf16_parameters"
+        )
+        assert bf16 == 8 / 8
+    # ZeRO-1/2 are one layout whatever the stack
+    assert static_bytes_per_parameter_sharded(model, "gradients", 8, full_state="fp32_parameters") == 2 + 16 / 8
+    with pytest.raises(ValueError, match="full_state 'fp16_parameters'"):
+        static_bytes_per_parameter_sharded(model, "full", 8, full_state="fp16_parameters")
+
+
+def test_the_kernels_say_who_keeps_the_fully_sharded_state() -> None:
+    """Eager and compiled PyTorch shard fp32 parameters; hand-fused kernels keep the software's state (Megatron-FSDP's
+    for a plan, NeMo AutoModel's bf16 model for its rows); kernels "unknown" the largest of the modes that publish
+    the layout's class: a plan that fits fits whichever of them runs it."""
+    software = builtin_catalogue().software.model_copy(
+        update={
+            "unknown_kernels_shares": {
+                "full": {"eager": 0.5, "compiled": 0.0, "fused": 0.5},
+                "full+model-parallel": {"eager": 0.0, "compiled": 1.0, "fused": 0.0},
+                "replicated": {"eager": 0.0, "compiled": 0.0, "fused": 1.0},
+                "replicated+model-parallel": {"eager": 0.0, "compiled": 0.0, "fused": 1.0},
+            }
+        }
+    )
+
+    def state(kernels: str, sharding: str | None = "full", **changes: Any) -> str:
+        model = ModelConfig(**SMALL_MODEL, kernels=kernels)
+        return full_sharding_state(model, software.model_copy(update=changes), sharding)
+
+    assert state("eager") == state("compiled") == "fp32_parameters"
+    assert state("fused") == "zero3"
+    assert state("fused", fused_fsdp_state="bf16_parameters") == "bf16_parameters"
+    assert state("unknown") == "zero3"  # 18 B over d against PyTorch's 16 with fp32 reduction
+    assert state("unknown", "full+model-parallel") == "fp32_parameters"  # only compiled PyTorch publishes it
 
 
 def test_recomputation_trades_memory_for_backward_time() -> None:
