@@ -23,6 +23,7 @@ __all__ = [
     "Costs",
     "DataParallel",
     "Memory",
+    "Optimizer",
     "Pipeline",
     "PlacementName",
     "Problem",
@@ -44,6 +45,8 @@ PlacementName = Literal["loop", "v", "bidirectional"]
 Sharding = Literal["none", "optimizer", "gradients", "full"]
 #: Every sharding level, least sharded first.
 SHARDINGS: tuple[Sharding, ...] = get_args(Sharding)
+#: The optimizers (``torch.optim``) the runtime steps; what ``memory.static_optimizer`` names.
+Optimizer = Literal["sgd", "adamw"]
 
 #: The largest num_stages × num_microbatches a problem may have (each is 2–3 actions).
 MAX_STAGE_MICROBATCHES = 1_000_000
@@ -296,6 +299,11 @@ class Memory(_Strict):
         None,
         description="Bytes of one stage's unsharded gradient buffer. With sharding gradients or full, static counts "
         "the whole buffer and REDUCE_GRAD frees (d−1)/d of it. null: gradient frees not counted.",
+    )
+    static_optimizer: Optimizer | None = Field(
+        None,
+        description="The optimizer whose state static counts (sgd: none; adamw: two moments per parameter), as "
+        "pipesched profile --optimizer measured it; pipesched run steps it unless told otherwise. null: not said.",
     )
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-from pipesched.optimizer.problem import Problem
+from pipesched.optimizer.problem import Optimizer, Problem
 
 __all__ = [
     "OPTIMIZERS",
@@ -21,10 +21,11 @@ __all__ = [
     "TrainingOptions",
     "mismatch_with_schedule",
     "runtime_sharding",
+    "static_optimizer_note",
     "training_options",
 ]
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS: tuple[Optimizer, ...] = get_args(Optimizer)
 #: What the runtime shards over the data-parallel group: ``none`` (gradients all-reduced) or ``full``
 #: (FSDP2: weights, gradients and optimizer state sharded).
 SHARDINGS = ("none", "full")
@@ -133,8 +134,9 @@ def runtime_sharding(problem: Problem) -> tuple[int, str]:
 def training_options(problem: Problem, **given: Any) -> TrainingOptions:
     """Options from the command line (``given``, ``None`` = not given) over the problem's own fields:
     ``data_parallel.size``/``sharding``/``reshard_after_forward``, ``training.post_validation``, and
-    ``training.flush: false`` with ``weight_versions: 2`` → ``2bw``. Sharding defaults to ``full``; a problem
-    whose sharding is ``optimizer``/``gradients`` (ZeRO-1/2) runs as ``full`` unless ``--sharding`` says.
+    ``training.flush: false`` with ``weight_versions: 2`` → ``2bw``, ``memory.static_optimizer`` (the optimizer a
+    profile measured the static memory of) → ``optimizer``. Sharding defaults to ``full``; a problem whose sharding
+    is ``optimizer``/``gradients`` (ZeRO-1/2) runs as ``full`` unless ``--sharding`` says.
 
     Raises:
         TrainingError: an option out of range (see :meth:`TrainingOptions.check`).
@@ -148,6 +150,8 @@ def training_options(problem: Problem, **given: Any) -> TrainingOptions:
     training = problem.training
     values.setdefault("post_validation", training.post_validation)
     values.setdefault("weight_update", "2bw" if (not training.flush and training.weight_versions == 2) else "sync")
+    if problem.memory is not None and problem.memory.static_optimizer is not None:
+        values.setdefault("optimizer", problem.memory.static_optimizer)
     options = TrainingOptions(**values)
     options.check(problem.pipeline.num_microbatches)
     return options
@@ -173,3 +177,29 @@ def mismatch_with_schedule(options: TrainingOptions | None, problem: Problem) ->
             f"--sharding {sharding}, or solve the problem again with the sharding you want",
         )
     return None
+
+
+def static_optimizer_note(problem: Problem, options: TrainingOptions | None) -> str | None:
+    """A sentence for the run summary when the schedule's static memory (``memory.static``, which its predicted
+    static and peak memory include) was measured for another optimizer than the run steps
+    (``memory.static_optimizer``, written by ``pipesched profile --optimizer``); ``None`` when they agree or the
+    problem does not say. ``options`` ``None``: a run of one verified step, which steps no optimizer (its static
+    memory is the parameters and gradients, as SGD's, which keeps no state)."""
+    memory = problem.memory
+    profiled = memory.static_optimizer if memory is not None else None
+    ran = options.optimizer if options is not None else None
+    if profiled is None or profiled == ran or (ran is None and profiled == "sgd"):
+        return None
+    said = (
+        f"note: the predicted static memory (memory.static) is {profiled}'s, as pipesched profile --optimizer "
+        f"{profiled} measured it"
+    )
+    if ran is None:
+        return (
+            f"{said}; this run steps no optimizer (one verified step: parameters and gradients only), so the static "
+            f"and peak memory predicted are not this run's. Run with --steps K to step {profiled}."
+        )
+    return (
+        f"{said}; this run steps {ran}, whose optimizer state differs, so the static and peak memory predicted are "
+        f"not this run's. Profile with --optimizer {ran} for this run's, or run with --optimizer {profiled}."
+    )

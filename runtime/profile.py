@@ -17,7 +17,8 @@ and each process measures its own stages, all at once, as the run will run them:
   ``retained_for_weight`` = saved bytes still live after I. ``static`` per rank: what the run's update rule
   allocates (:meth:`pipesched.runtime.training.WeightUpdate.static_bytes` after one real optimizer step:
   parameters, gradients, optimizer state — SGD keeps none, AdamW two moments — the rollback copy of post-validation),
-  the extra weight version of PipeDream-2BW left to the optimizer's memory model (``memory.weights``).
+  the extra weight version of PipeDream-2BW left to the optimizer's memory model (``memory.weights``); the optimizer
+  it was measured for is ``memory.static_optimizer`` (a run defaults to it, and says so when it steps another).
 * **point-to-point**: the executor's own transfers (:class:`pipesched.runtime.executor.PointToPoint`, a header and
   the tensor) between pipeline ranks 0 and 1, ping-pong at several sizes, fitted as latency + bytes / bandwidth
   (:class:`LinearFit`); ``costs.p2p`` of a stage is the fit at the size of the activation it passes on.
@@ -837,6 +838,7 @@ def _assemble(
         "retained_for_weight": [min(r, a) for r, a in zip(retained, activation, strict=True)],
         "limit": limit,
         "static": [float(max(s)) for s in measured.per_rank(lambda r: [r.static_bytes])],
+        "static_optimizer": options.optimizer,  # whose state static holds: a run of another optimizer is told
         "weights": weights,
     }
     collectives = _collectives(data, measured, weights, options, collective_statistic)

@@ -68,7 +68,12 @@ ReshardOption = Annotated[
     ),
 ]
 StepsOption = Annotated[int | None, typer.Option("--steps", help="K training steps with a real optimizer.")]
-OptimizerOption = Annotated[str | None, typer.Option("--optimizer", help="sgd or adamw (torch.optim).")]
+OptimizerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--optimizer", help="sgd or adamw (torch.optim; default: memory.static_optimizer, the profile's, else sgd)."
+    ),
+]
 LrOption = Annotated[float | None, typer.Option("--lr", help="Learning rate (default 0.01).")]
 PostValidationOption = Annotated[
     bool | None,
@@ -227,6 +232,11 @@ def _print_run(
         from pipesched.runtime.training import print_training_summary
 
         print_training_summary(report, console)
+    from pipesched.runtime.options import static_optimizer_note
+
+    static_note = static_optimizer_note(schedule.problem, training)
+    if static_note is not None:
+        console.print(static_note, highlight=False, soft_wrap=True)
     if output is not None:
         console.print(f"wrote {output}", highlight=False)
     if trace is not None:

@@ -288,6 +288,16 @@ def test_training_options_follow_the_problem():
     assert (plain.data_parallel, plain.sharding, plain.weight_update, plain.steps) == (1, "full", "sync", 1)
     validated = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(**{"training": {"post_validation": True}})
     assert training_options(validated).clip_norm == 1.0
+    # a profile's optimizer (the one its static memory holds the state of) is the run's unless --optimizer says
+    profiled = uniform_problem(NUM_RANKS, NUM_MICROBATCHES).with_changes(**{"memory.static_optimizer": "adamw"})
+    assert training_options(profiled).optimizer == "adamw"
+    assert training_options(profiled, optimizer="sgd").optimizer == "sgd"
+    from pipesched.runtime.options import static_optimizer_note
+
+    assert static_optimizer_note(profiled, training_options(profiled)) is None
+    assert "this run steps sgd" in (static_optimizer_note(profiled, training_options(profiled, optimizer="sgd")) or "")
+    assert "steps no optimizer" in (static_optimizer_note(profiled, None) or "")
+    assert static_optimizer_note(uniform_problem(NUM_RANKS, NUM_MICROBATCHES), None) is None  # a problem not profiled
     assert json.dumps(training_options(validated).__dict__)
 
 
