@@ -215,7 +215,13 @@ class _Slot:
         processes = getattr(self.executor, "_processes", None) or {}
         return [pid for pid, process in list(processes.items()) if process.is_alive()]
 
-    def discard(self, terminate: bool) -> None:
+    def discard(self, terminate: bool, *, wait: bool = False) -> None:
+        """Drop the slot's executor (killing its process with ``terminate``). ``wait``: also wait for the executor's
+        manager thread to end, which releases its queues' semaphores now (``Lane.close``, never from that thread:
+        a task's done callback runs on it). Without the wait they are released only when the thread's references
+        go or at the interpreter's exit, which a server stopped by SIGTERM never reaches (uvicorn re-raises the
+        signal once shut down), and ``multiprocessing``'s resource tracker then warned of 5 leaked semaphores per
+        executor (its call queue's 3 and result queue's 2)."""
         executor, self.executor = self.executor, None
         if executor is None:
             return
@@ -223,7 +229,7 @@ class _Slot:
             for process in list((getattr(executor, "_processes", None) or {}).values()):
                 with contextlib.suppress(OSError, ValueError, AttributeError):
                     process.kill()
-        executor.shutdown(wait=False, cancel_futures=True)
+        executor.shutdown(wait=wait, cancel_futures=True)
 
 
 class Lane:
@@ -415,7 +421,8 @@ class Lane:
         return True
 
     def close(self) -> None:
-        """Drop the queued tasks and kill the worker processes (running tasks end with :class:`LaneClosed`)."""
+        """Drop the queued tasks and kill the worker processes (running tasks end with :class:`LaneClosed`), waiting
+        for each executor to end so that nothing of it is left for the interpreter's exit (:meth:`_Slot.discard`)."""
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
@@ -423,4 +430,4 @@ class Lane:
         for ticket in queued:
             ticket.future.cancel()
         for slot in slots:
-            slot.discard(terminate=True)
+            slot.discard(terminate=True, wait=True)

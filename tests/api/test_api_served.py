@@ -194,3 +194,50 @@ def test_a_restart_with_jobs_in_flight_finishes_them(tmp_path: Path) -> None:
         assert all(job["result"]["status"] in ("optimal", "feasible") for job in jobs)
     finally:
         restarted.stop()
+
+
+def test_a_server_stopped_by_sigterm_leaves_no_semaphore_behind(tmp_path: Path) -> None:
+    """``pipesched serve`` stopped by SIGTERM (a process manager's stop) had printed ``resource_tracker: There appear
+    to be 20 leaked semaphore objects to clean up at shutdown``: every lane that had started a worker process left
+    its executor's queues (5 semaphores) for the interpreter's exit, which the SIGTERM uvicorn re-raises once shut
+    down never reaches. Here each of the four lanes runs a task (a plan, a solve, a drawing and a check), the server
+    alone gets SIGTERM, and its output, once every process of its group has ended, holds no such warning."""
+    server = ServedApi(f"sqlite:///{tmp_path / 'stop.sqlite3'}", tmp_path / "server.log", PIPESCHED_SOLVER_WORKERS="1")
+    try:
+        plan = {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+            "training": {"global_batch_size": 16},
+            "search": {"time_limit_s": 2, "pipeline_parallel": [1], "top": 1},
+        }
+        plan_id = server.client.post("/v1/plans", json=plan).json()["id"]
+        solved = server.client.post("/v1/schedules", json=problem_body())
+        assert solved.status_code == 200, solved.text
+        drawn = server.client.get(f"/v1/schedules/{solved.json()['id']}", params={"format": "png"})
+        assert drawn.status_code == 200, drawn.text
+        orders = [[a["action"] for a in rank["actions"]] for rank in solved.json()["ranks"]]
+        checked = server.client.post("/v1/schedules/check", json={"problem": problem_body(), "schedule": orders})
+        assert checked.status_code == 200, checked.text
+        deadline = time.monotonic() + 60.0
+        while server.client.get(f"/v1/plans/{plan_id}").json()["status"] in ("queued", "running"):
+            assert time.monotonic() < deadline, f"the plan did not end within 60 s:\n{server.log()}"
+            time.sleep(0.2)
+        server.process.send_signal(signal.SIGTERM)  # the server only, as a process manager stops its main process
+        server.process.wait(timeout=30)
+        deadline = time.monotonic() + 30.0  # the resource tracker and the forkserver end after the server
+        while _group_alive(server.process.pid):
+            assert time.monotonic() < deadline, f"processes of the server's group outlived it by 30 s:\n{server.log()}"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+    log = server.log()
+    assert "Application shutdown complete" in log, log
+    assert "leaked semaphore" not in log and "resource_tracker" not in log, log
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
