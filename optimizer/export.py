@@ -71,14 +71,14 @@ def _trace_action(pid: int, text: str, trace_start_ms: float, trace_end_ms: floa
     }
 
 
-def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
+def schedule_to_chrome_trace(schedule: Schedule, *, label: str = "") -> dict[str, Any]:
     """A schedule as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
 
-    One process per rank (``pid`` = rank, named ``"rank r"``) with two threads, ``compute`` (tid 0) and
-    ``communication`` (tid 1: UNSHARD, RESHARD, REDUCE_GRAD), one complete event (``"ph": "X"``) per
-    action named like ``"F12 (stage 3)"`` with category its kind, ``ts``/``dur`` in microseconds (the
-    schedule's ms × 1000), and each rank's memory as a counter track ``"memory"`` (``"ph": "C"``, bytes,
-    from the simulator's ``memory_timeline``).
+    One process per rank (``pid`` = rank, named ``"rank r"``, then ``label`` when given: ``"rank r (predicted)"``)
+    with two threads, ``compute`` (tid 0) and ``communication`` (tid 1: UNSHARD, RESHARD, REDUCE_GRAD), one
+    complete event (``"ph": "X"``) per action named like ``"F12 (stage 3)"`` with category its kind,
+    ``ts``/``dur`` in microseconds (the schedule's ms × 1000), and each rank's memory as a counter track
+    ``"memory"`` (``"ph": "C"``, bytes, from the simulator's ``memory_timeline``).
 
     Raises:
         ValueError: for an infeasible schedule (no actions to trace).
@@ -91,7 +91,7 @@ def schedule_to_chrome_trace(schedule: Schedule) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rank_schedule in schedule.ranks:
         rank = rank_schedule.rank
-        _trace_process(events, rank, f"rank {rank}")
+        _trace_process(events, rank, f"rank {rank} {label}".rstrip())
         for a in rank_schedule.actions:
             events.append(_trace_action(rank, a.action, a.start, a.end, start_ms=a.start, end_ms=a.end))
         for time_ms, held in memory_timeline[rank]:
@@ -120,13 +120,15 @@ def run_report_to_chrome_trace(
     """A run report's measured timeline (``docs/CONTRACT.md``, Run report) as a Chrome trace.
 
     Same layout as :func:`schedule_to_chrome_trace`: one process per rank (``pid`` = rank + ``pid_offset``,
-    named ``"rank r (measured)"``), complete events ``"F12 (stage 3)"`` in microseconds. Times are shifted
-    so the earliest measured start is 0, as in a schedule. An action carrying ``memory_bytes`` (the
-    runtime records the live bytes after every action, on either engine) adds a sample to the rank's ``"memory"``
-    counter (``"ph": "C"``, bytes) at the action's end; each rank's ``peak_memory_bytes`` becomes a
-    one-sample ``"peak memory"`` counter. With ``predicted`` (the schedule that was run) the trace also holds that
-    schedule's events (:func:`schedule_to_chrome_trace`, ``pid`` = rank) and the measured ranks come after
-    them (``pid_offset`` defaults to the number of ranks), so one file shows predicted above measured.
+    named ``"rank r (measured)"``; with more than one data-parallel replica ``"rank r (measured: pipeline rank q,
+    replica d)"``, from the report's ``pp_rank`` and ``dp_rank``), complete events ``"F12 (stage 3)"`` in
+    microseconds. Times are shifted so the earliest measured start is 0, as in a schedule. An action carrying
+    ``memory_bytes`` (the runtime records the live bytes after every action, on either engine) adds a sample to
+    the rank's ``"memory"`` counter (``"ph": "C"``, bytes) at the action's end; each rank's ``peak_memory_bytes``
+    becomes a one-sample ``"peak memory"`` counter. With ``predicted`` (the schedule that was run) the trace also
+    holds that schedule's events (:func:`schedule_to_chrome_trace`, ``pid`` = pipeline rank, named
+    ``"rank r (predicted)"``) and the measured ranks come after them (``pid_offset`` defaults to the number of
+    ranks), so one file shows predicted above measured, each process saying which it is.
 
     Raises:
         ValueError: naming the field (e.g. ``ranks[1].actions[4].start``) when the report is malformed.
@@ -148,14 +150,16 @@ def run_report_to_chrome_trace(
     origin = min(starts, default=0.0)
     events: list[dict[str, Any]] = []
     if predicted is not None:
-        events += schedule_to_chrome_trace(predicted)["traceEvents"]
+        events += schedule_to_chrome_trace(predicted, label="(predicted)")["traceEvents"]
         pid_offset = pid_offset or len(predicted.ranks)
+    replicated = any(isinstance(entry, dict) and entry.get("dp_rank", 0) for entry in ranks)
     for i, entry in enumerate(ranks):
         rank = entry.get("rank", i)
         if not isinstance(rank, int):
             raise ValueError(f"ranks[{i}].rank: expected an integer rank, got {rank!r}")
         pid = rank + pid_offset
-        _trace_process(events, pid, f"rank {rank} (measured)")
+        where = f": pipeline rank {entry.get('pp_rank')}, replica {entry.get('dp_rank')}" if replicated else ""
+        _trace_process(events, pid, f"rank {rank} (measured{where})")
         for k, item in enumerate(entry["actions"]):
             try:
                 event = _trace_action(

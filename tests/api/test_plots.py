@@ -233,10 +233,25 @@ def test_run_report_trace_matches_the_schedule_layout(one_f_one_b: Schedule) -> 
         peak = [e for e in _events(trace, "C", 4 + r.rank) if e["name"] == "peak memory"]
         assert [e["args"]["bytes"] for e in peak] == [1234]
     assert trace["otherData"]["measured_makespan_ms"] == 31.0
+    # Predicted and measured in one file: each process says which it is (the predicted ranks had been named "rank r",
+    # beside "rank r (measured)"); the schedule's own trace keeps "rank r".
     both = run_report_to_chrome_trace(report, predicted=one_f_one_b)
     names = {e["pid"]: e["args"]["name"] for e in _events(both, "M") if e["name"] == "process_name"}
-    assert names == {**{r: f"rank {r}" for r in range(4)}, **{4 + r: f"rank {r} (measured)" for r in range(4)}}
+    assert names == {
+        **{r: f"rank {r} (predicted)" for r in range(4)},
+        **{4 + r: f"rank {r} (measured)" for r in range(4)},
+    }
     assert len(_events(both, "X")) == 2 * len(_events(predicted, "X"))
+    # With data-parallel replicas the measured process names the pipeline rank it matches among the predicted ones
+    replicas = {
+        "ranks": [
+            {"rank": g, "pp_rank": g % 2, "dp_rank": g // 2, "actions": [{"action": "0F0", "start": g, "end": g + 1}]}
+            for g in range(4)
+        ]
+    }
+    replicated = _events(run_report_to_chrome_trace(replicas), "M")
+    names = {e["pid"]: e["args"]["name"] for e in replicated if e["name"] == "process_name"}
+    assert names[3] == "rank 3 (measured: pipeline rank 1, replica 1)"
     with pytest.raises(ValueError, match=r"ranks\[0\]\.actions\[1\]\.end"):
         run_report_to_chrome_trace(
             {"ranks": [{"rank": 0, "actions": [report["ranks"][0]["actions"][0], {"start": 1}]}]}

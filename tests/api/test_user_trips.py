@@ -1,5 +1,5 @@
 """What a user trips on (the last audit, U19), on the installed ``pipesched`` command and real processes: a run of
-another optimizer than its profile's."""
+another optimizer than its profile's; a Chrome trace of a run whose predicted ranks read like its measured ones."""
 
 from __future__ import annotations
 
@@ -59,3 +59,16 @@ def test_a_run_of_another_optimizer_than_its_profile_says_the_static_prediction_
     said = " ".join(stdout.split())
     assert STATIC_NOTE in said and "this run steps sgd" in said, stdout
     assert "Profile with --optimizer sgd" in said
+
+
+def test_a_runs_chrome_trace_says_which_ranks_are_predicted_and_which_measured(adamw_schedule: Path) -> None:
+    """``pipesched run --trace`` had named the predicted ranks "rank r", beside the measured "rank r (measured)": in
+    Perfetto's list a user could not tell the prediction from the measurement without knowing the pid order."""
+    result = pipesched("run", str(adamw_schedule), "--trace", "trace.json", cwd=adamw_schedule.parent)
+    assert result.returncode == 0, result.stderr + result.stdout
+    trace = json.loads((adamw_schedule.parent / "trace.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (predicted)", 1: "rank 1 (predicted)", 2: "rank 0 (measured)", 3: "rank 1 (measured)"}
+    passes = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] in ("F", "I", "W", "B")]
+    ran = {pid: sorted(e["name"] for e in passes if e["pid"] == pid) for pid in names}
+    assert ran[0] == ran[2] and ran[1] == ran[3] and ran[0] and ran[1]  # the same passes, predicted and measured
