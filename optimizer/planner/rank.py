@@ -16,7 +16,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -46,7 +46,17 @@ from pipesched.optimizer.progress import SearchContext
 from pipesched.optimizer.result import Schedule
 from pipesched.optimizer.units import format_bytes
 
-__all__ = ["PlanOutcome", "PlanProgress", "Prepared", "estimator_for", "plan", "plan_notes", "prepare", "search"]
+__all__ = [
+    "PlanOutcome",
+    "PlanProgress",
+    "Prepared",
+    "estimator_for",
+    "plan",
+    "plan_notes",
+    "prepare",
+    "search",
+    "space_of",
+]
 
 #: The most configurations one request estimates (a 512-GPU 405B request has about 17,000; Qwen3-235B at 131K
 #: tokens on 256 GPUs, with context and expert parallelism, about 200,000): a larger space is sampled.
@@ -196,24 +206,49 @@ def _degree_reason(request: PlanRequest, name: str) -> str:
     )
 
 
-def _no_fit_error(request: PlanRequest, estimates: list[tuple[Configuration, Estimate]], limit: float) -> FieldError:
+def _no_fit_error(
+    request: PlanRequest, estimates: list[tuple[Configuration, Estimate]], estimator: Estimator
+) -> FieldError:
+    """No configuration fits: the memory a GPU offers (its memory less the headroom kept free, both stated), the
+    least any configuration needs, and the GPU memory that would hold it (that need plus the headroom the same
+    rule keeps free on such a GPU)."""
     least_config, least = min(estimates, key=lambda item: item[1].peak_memory_bytes)
+    limit, headroom = estimator.limit_bytes, estimator.headroom_bytes
     parameters = model_parameters(request.model)
     state = parameters * static_bytes_per_parameter_sharded(request.model, "full", 1)
     gpus = math.ceil(state / max(limit, 1.0))
     nodes = math.ceil(gpus / request.cluster.gpus_per_node)
     loc = _memory_field(request)
+    rule = "cluster.memory_headroom_bytes"
+    if request.cluster.memory_headroom_bytes is None:
+        profile = estimator.hardware.profile
+        fraction, context = profile.memory_headroom_fraction, format_bytes(profile.context_bytes)
+        rule += f" not given: {fraction:.0%} of the memory + {context}"
     return (
         loc,
-        f"no configuration fits a GPU's {format_bytes(limit)}: the least any needs is "
+        f"no configuration fits the {format_bytes(limit)} a GPU offers "
+        f"({format_bytes(estimator.hardware.memory_bytes)} less {format_bytes(headroom)} kept free, {rule}): the "
+        "least any needs is "
         f"{format_bytes(least.peak_memory_bytes)} per GPU (pipeline {least_config.pipeline_parallel}, tensor "
         f"{least_config.tensor_parallel}, data {least_config.data_parallel_size} {least_config.sharding}, "
         f"recomputation {least_config.activation_recomputation}); the model's {parameters / 1e9:.1f}B parameters "
         f"alone need {format_bytes(state)} of weights, gradients and Adam state, at least {gpus} GPUs "
-        f"({nodes} nodes) fully sharded: use GPUs with ≥ {format_bytes(least.peak_memory_bytes)}, more nodes, "
-        "or a smaller global batch or sequence",
+        f"({nodes} nodes) fully sharded: use GPUs with ≥ {_gpu_memory_for(request, estimator, least.peak_memory_bytes)}"
+        " (that need and the headroom kept free on them), more nodes, or a smaller global batch or sequence",
         request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
     )
+
+
+def _gpu_memory_for(request: PlanRequest, estimator: Estimator, need_bytes: float) -> str:
+    """The GPU memory whose share a plan may use (less the headroom: ``cluster.memory_headroom_bytes``, else the
+    profile's fraction of the memory and context) holds ``need_bytes``, rounded up to 0.01 GiB."""
+    if request.cluster.memory_headroom_bytes is not None:
+        memory = need_bytes + request.cluster.memory_headroom_bytes
+    else:
+        profile = estimator.hardware.profile
+        memory = (need_bytes + profile.context_bytes) / (1 - profile.memory_headroom_fraction)
+    gib = 1024**3
+    return f"{math.ceil(memory / gib * 100) / 100:,.2f} GiB"
 
 
 def _memory_field(request: PlanRequest) -> tuple[str, str]:
@@ -384,7 +419,7 @@ def prepare(request: PlanRequest) -> Prepared:
         for config, estimate in over[:MAX_EXPLAINED]
     ]
     if not fitting:
-        raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator.limit_bytes)])
+        raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator)])
     fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []
@@ -399,17 +434,23 @@ def prepare(request: PlanRequest) -> Prepared:
     return Prepared(request, estimator, fitting, rejected, searched, started, notes)
 
 
-def _enumerate_within(request: PlanRequest, estimator: Estimator, deadline: float) -> tuple[list[Configuration], bool]:
-    """The request's configurations (:func:`enumerate_space`), at most ``MAX_ENUMERATED`` + 1, and whether the
-    deadline (a ``time.perf_counter()`` instant) stopped the enumeration first. At least one configuration is
-    enumerated when the space has any; the clock is read every 4,096."""
-    space = enumerate_space(
+def space_of(request: PlanRequest, estimator: Estimator) -> Iterator[Configuration]:
+    """Every configuration ``request`` allows (:func:`enumerate_space`), at the precision of ``estimator``'s model
+    (``training.precision``) where ``search.precision`` does not list several."""
+    return enumerate_space(
         estimator.model,
         request.cluster,
         request.training.global_batch_size,
         request.search,
         precision=estimator.model.precision,
     )
+
+
+def _enumerate_within(request: PlanRequest, estimator: Estimator, deadline: float) -> tuple[list[Configuration], bool]:
+    """The request's configurations (:func:`enumerate_space`), at most ``MAX_ENUMERATED`` + 1, and whether the
+    deadline (a ``time.perf_counter()`` instant) stopped the enumeration first. At least one configuration is
+    enumerated when the space has any; the clock is read every 4,096."""
+    space = space_of(request, estimator)
     configurations: list[Configuration] = []
     for config in itertools.islice(space, MAX_ENUMERATED + 1):
         configurations.append(config)
