@@ -228,14 +228,26 @@ def _no_fit_error(
         loc,
         f"no configuration fits the {format_bytes(limit)} a GPU offers "
         f"({format_bytes(estimator.hardware.memory_bytes)} less {format_bytes(headroom)} kept free, {rule}): the "
-        "least any needs is "
-        f"{format_bytes(least.peak_memory_bytes)} per GPU (pipeline {least_config.pipeline_parallel}, tensor "
-        f"{least_config.tensor_parallel}, data {least_config.data_parallel_size} {least_config.sharding}, "
-        f"recomputation {least_config.activation_recomputation}); the model's {parameters / 1e9:.1f}B parameters "
-        f"alone need {format_bytes(state)} of weights, gradients and Adam state, at least {gpus} GPUs "
-        f"({nodes} nodes) fully sharded: use GPUs with ≥ {_gpu_memory_for(request, estimator, least.peak_memory_bytes)}"
-        " (that need and the headroom kept free on them), more nodes, or a smaller global batch or sequence",
+        f"least any needs is {format_bytes(least.peak_memory_bytes)} per GPU ({_described(least_config)}); the "
+        f"model's {parameters / 1e9:.1f}B parameters alone need {format_bytes(state)} of weights, gradients and Adam "
+        f"state, at least {gpus} GPUs ({nodes} node{'s' if nodes > 1 else ''}) fully sharded: use GPUs with ≥ "
+        f"{_gpu_memory_for(request, estimator, least.peak_memory_bytes)} (that need and the headroom kept free on "
+        "them), more nodes, or a smaller global batch or sequence",
         request.cluster.memory_bytes if loc[1] == "memory_bytes" else request.cluster.accelerator,
+    )
+
+
+def _described(config: Configuration) -> str:
+    """A configuration's degrees, micro-batches and recomputation in the plan's field terms."""
+    degrees = [f"pipeline {config.pipeline_parallel}", f"tensor {config.tensor_parallel}"]
+    degrees += [
+        f"{name} {value}"
+        for name, value in (("context", config.context_parallel), ("expert", config.expert_parallel))
+        if value > 1
+    ]
+    return (
+        f"{', '.join(degrees)}, data {config.data_parallel_size} {config.sharding}, micro-batch "
+        f"{config.micro_batch_size} × {config.num_microbatches}, recomputation {config.activation_recomputation}"
     )
 
 

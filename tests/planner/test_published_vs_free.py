@@ -45,10 +45,12 @@ def test_a_refusal_by_memory_states_the_headroom_and_advises_a_gpu_that_holds_th
     """The refusal read "no configuration fits a GPU's 75 GiB … use GPUs with ≥ 130 GiB" for an 80 GiB H100: the
     75 GiB was the memory less the 5 GiB headroom, unsaid, and a GPU of the advised size keeps its own headroom
     free too, so it refused the same layout again. Now the GPU's memory and the headroom are stated, and a GPU of
-    the advised size takes the layout (0.1 GiB less does not)."""
+    the advised size takes the layout (0.1 GiB less does not); the layout named with its micro-batches (and its
+    context and expert degrees where above 1)."""
     extra = {} if headroom is None else {"memory_headroom_bytes": headroom}
     message = refusal(replicated_8b(**extra))
     assert "80 GiB less" in message and "cluster.memory_headroom_bytes" in message, message
+    assert "micro-batch 1 × " in message and "(1 node)" in message, message  # the layout that needs the least
     needed = float(re.search(r"use GPUs with ≥ ([\d,.]+) GiB", message).group(1).replace(",", ""))  # type: ignore[union-attr]
     least = float(re.search(r"the least any needs is ([\d.]+) GiB", message).group(1))  # type: ignore[union-attr]
     assert needed > least
