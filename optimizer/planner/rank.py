@@ -728,11 +728,16 @@ def search(
 
 
 def _no_plan_reason(rejected: list[Rejected], searched: Searched) -> str:
+    """Why no plan came back, with the fix that can help: a longer search only where the time limit left
+    configurations unexplored."""
     sample = "; ".join(item.reason for item in rejected[:3])
+    if searched.unexplored:
+        left, fix = f"{searched.unexplored} left when the time ran out", "raise search.time_limit_s or use"
+    else:
+        left, fix = "none left unexplored", "use more GPUs,"
     return (
         f"no configuration gave a schedule that fits ({searched.solved} simulated, {searched.pruned_memory} over "
-        f"memory, {searched.unexplored} left when the time ran out): {sample}; raise search.time_limit_s or use "
-        "GPUs with more memory"
+        f"memory, {left}): {sample}; {fix} GPUs with more memory, or a smaller global batch or sequence"
     )
 
 

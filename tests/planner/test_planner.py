@@ -447,3 +447,15 @@ def test_fsdp_gradient_accumulation_without_a_pipeline() -> None:
     assert schedule is not None and best.method == "1f1b" and best.pipeline_parallel == 1
     assert best.data_parallel.size == 8 and best.data_parallel.sharding == "full"
     assert any(a.kind == "UNSHARD" for a in schedule.ranks[0].actions)
+
+
+def test_no_plan_reason_asks_for_a_longer_search_only_when_the_time_left_configurations_unexplored() -> None:
+    from pipesched.optimizer.planner.rank import _no_plan_reason
+    from pipesched.optimizer.planner.request import Rejected, Searched
+
+    rejected = [Rejected(configuration={"pipeline_parallel": 2}, reason="peak 81 GiB over 75 GiB")]
+    searched_all = _no_plan_reason(rejected, Searched(enumerated=10, pruned_memory=8, solved=2))
+    assert "none left unexplored" in searched_all and "time_limit_s" not in searched_all, searched_all
+    assert "peak 81 GiB over 75 GiB" in searched_all
+    cut = _no_plan_reason(rejected, Searched(enumerated=10, pruned_memory=5, solved=2, unexplored=3))
+    assert "3 left when the time ran out" in cut and "raise search.time_limit_s" in cut, cut
