@@ -354,8 +354,39 @@ def merged(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     earlier result: ``--only``, ``--searches``), in the order of :data:`CASES`."""
     kept = {row["id"]: row for row in json.loads(path.read_text())} if path.exists() else {}
     for row in rows:
-        kept[row["id"]] = {**kept.get(row["id"], {}), **row}
+        kept[row["id"]] = {**_without_the_pinned_run(kept.get(row["id"], {})), **row}
+        for kind in ("free", "degrees"):
+            if kind not in row:
+                kept[row["id"]].update(_ratios(kind, kept[row["id"]]))
     return [kept[row_id] for row_id, _ in CASES if row_id in kept]
+
+
+#: A case's fields from its pinned search (run every time), which an earlier run's must not outlive.
+PINNED_FIELDS = ("pinned", "pinned_s", "refused", "memory", "unenforced_tokens_per_s_per_gpu")
+
+
+def _without_the_pinned_run(row: dict[str, Any]) -> dict[str, Any]:
+    """An earlier run's row less what its pinned search gave and the ratios to it (``…_over_pinned``,
+    ``…_over_unenforced``, ``…lost``): a layout refused then may fit now, and the reverse."""
+    return {
+        key: value
+        for key, value in row.items()
+        if key not in PINNED_FIELDS and not key.endswith(("_over_pinned", "_over_unenforced", "lost"))
+    }
+
+
+def _ratios(kind: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A kept search's best (``kind``) set beside this run's pinned figure, as :func:`_searched` sets it."""
+    best = (row.get(kind) or {}).get("tokens_per_s_per_gpu")
+    prefix = "" if kind == "free" else f"{kind}_"
+    if not best:
+        return {}
+    if row.get("pinned"):
+        ratio = best / row["pinned"]["tokens_per_s_per_gpu"]
+        return {f"{kind}_over_pinned": round(ratio, 4), f"{prefix}lost": ratio < LOSS_TOLERANCE}
+    if row.get("unenforced_tokens_per_s_per_gpu"):
+        return {f"{kind}_over_unenforced": round(best / row["unenforced_tokens_per_s_per_gpu"], 4)}
+    return {}
 
 
 if __name__ == "__main__":
