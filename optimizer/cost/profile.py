@@ -387,6 +387,11 @@ class AcceleratorProfile(StrictModel):
         """Default memory kept free on a GPU of ``memory_bytes``: fraction · capacity + context."""
         return self.memory_headroom_fraction * memory_bytes + self.context_bytes
 
+    def memory_holding(self, usable_bytes: float) -> float:
+        """The GPU memory whose share left after :meth:`headroom_bytes` is ``usable_bytes`` (its inverse):
+        (usable + context) / (1 − fraction)."""
+        return (usable_bytes + self.context_bytes) / (1 - self.memory_headroom_fraction)
+
 
 class ProfileCatalogue(StrictModel):
     """Profiles by name, and the software factors they were fitted with."""

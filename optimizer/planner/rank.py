@@ -269,8 +269,7 @@ def _gpu_memory_for(request: PlanRequest, estimator: Estimator, need_bytes: floa
     if request.cluster.memory_headroom_bytes is not None:
         memory = need_bytes + request.cluster.memory_headroom_bytes
     else:
-        profile = estimator.hardware.profile
-        memory = (need_bytes + profile.context_bytes) / (1 - profile.memory_headroom_fraction)
+        memory = estimator.hardware.profile.memory_holding(need_bytes)
     gib = 1024**3
     return f"{math.ceil(memory / gib * 100) / 100:,.2f} GiB"
 
