@@ -235,14 +235,9 @@ def _searched(
         f"{prefix}wall_s": round(wall, 1),
         f"{prefix}within_limit": wall <= time_limit_s + 2.0,
     }
-    if best and pinned_plan:
-        ratio = best.tokens_per_s_per_gpu / pinned_plan.tokens_per_s_per_gpu
-        out[f"{kind}_over_pinned"] = round(ratio, 4)
-        out[f"{prefix}lost"] = ratio < LOSS_TOLERANCE
-        if ratio < LOSS_TOLERANCE and explain:
-            out[f"{prefix}diagnosis"] = diagnose(request, configuration_of(pinned_plan), best.step_time_ms)
-    elif best and result.get("unenforced_tokens_per_s_per_gpu"):  # a refused layout: as if it had fitted
-        out[f"{kind}_over_unenforced"] = round(best.tokens_per_s_per_gpu / result["unenforced_tokens_per_s_per_gpu"], 4)
+    out.update(_ratios(kind, {**result, **out}))
+    if best and pinned_plan and out.get(f"{prefix}lost") and explain:
+        out[f"{prefix}diagnosis"] = diagnose(request, configuration_of(pinned_plan), best.step_time_ms)
     return out
 
 
@@ -376,7 +371,9 @@ def _without_the_pinned_run(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ratios(kind: str, row: dict[str, Any]) -> dict[str, Any]:
-    """A kept search's best (``kind``) set beside this run's pinned figure, as :func:`_searched` sets it."""
+    """A search's best (``kind``) beside the pinned published layout's figure (``…_over_pinned``, a loss below
+    :data:`LOSS_TOLERANCE`) or, where memory refused that layout, beside its time with memory not enforced
+    (``…_over_unenforced``)."""
     best = (row.get(kind) or {}).get("tokens_per_s_per_gpu")
     prefix = "" if kind == "free" else f"{kind}_"
     if not best:
