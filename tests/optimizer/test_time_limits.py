@@ -20,6 +20,7 @@ from pipesched.optimizer.progress import Deadline
 from pipesched.optimizer.simulate import simulate_indexed
 from pipesched.optimizer.solve import solve
 from pipesched.optimizer.solvers.heuristic import sequential_orders
+from pipesched.runtime.records import run_delay_ms
 from tests.conftest import uniform_problem
 
 # Adversarial shapes: many ranks and stages with one microbatch (the bound's worst case before it was
@@ -63,12 +64,20 @@ def backends_imported() -> None:
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(SHAPES), time_limit_s=st.sampled_from([0.5, 1.0]))
 def test_auto_answers_within_the_limit_plus_two_seconds(shape: tuple, time_limit_s: float) -> None:
+    """Wall time less the time this thread was ready to run but waited for a core (Linux's schedstat, where the
+    kernel reports it): the suite's other workers start torch processes pinned to the 2 cores, and a 0.3 s answer
+    then read 3.45 s on the wall clock. The search's deadline governs the rest."""
     problem = _problem(*shape, tl=time_limit_s)
+    waited_before = run_delay_ms()
     started = time.perf_counter()
     schedule = solve(problem)
     wall = time.perf_counter() - started
+    waited_after = run_delay_ms()
+    waited = 0.0 if waited_before is None or waited_after is None else (waited_after - waited_before) / 1e3
     assert schedule.status in ("optimal", "feasible")
-    assert wall <= time_limit_s + 2.0, f"{shape} at {time_limit_s} s answered after {wall:.2f} s"
+    assert wall - waited <= time_limit_s + 2.0, (
+        f"{shape} at {time_limit_s} s answered after {wall:.2f} s ({waited:.2f} s of it waiting for a core)"
+    )
 
 
 def test_the_stop_flag_ends_every_phase_at_once() -> None:
