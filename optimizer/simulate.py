@@ -496,16 +496,18 @@ def _slowed_durations(
     (``slowdowns[1]``); instants keep their duration."""
     duration = list(inst.duration)
     for row in orders:
-        lanes = [
-            sorted((start[i], end[i]) for i in row if inst.stream[i] == lane and end[i] > start[i]) for lane in (0, 1)
+        # per lane, the other lane's busy intervals (and their ends) that slow it; none where its slowdown is 0
+        beside = [
+            sorted((start[i], end[i]) for i in row if inst.stream[i] == 1 - lane and end[i] > start[i])
+            if slowdowns[lane] > 0
+            else []
+            for lane in (0, 1)
         ]
+        ends = [[b for _, b in busy] for busy in beside]
         for idx in row:
             lane = inst.stream[idx]
-            # what slows this action: the other lane's busy intervals, at that lane's slowdown of this one
-            beside, slowdown = lanes[1 - lane], slowdowns[lane]
-            if slowdown > 0 and beside and duration[idx] > 0:
-                ends = [b for _, b in beside]
-                duration[idx] = _wall_time(start[idx], duration[idx], beside, ends, slowdown)
+            if beside[lane] and duration[idx] > 0:
+                duration[idx] = _wall_time(start[idx], duration[idx], beside[lane], ends[lane], slowdowns[lane])
     return duration
 
 
