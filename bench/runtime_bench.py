@@ -359,6 +359,8 @@ def run_shape(
             }
             if calibration.overlap is not None:
                 row["calibration"]["overlap"] = dataclasses.asdict(calibration.overlap)
+            if calibration.communication is not None:
+                row["calibration"]["communication"] = dataclasses.asdict(calibration.communication)
         for key, (label, problem) in alternatives.items():
             alternative = solve_family(problem.with_changes(**case_changes(case, profile)), case.family)
             row[key] = _prediction(alternative) | {
@@ -372,7 +374,9 @@ def _alternatives(profile: Any, other_slowdown: bool) -> dict[str, tuple[str, An
     """The profile's problem otherwise, each with the per-pass overhead fitted again on the same calibration step:
     ``other_slowdown`` (:func:`_other_slowdown`, when asked) and ``replica_waits`` (the other choice of the
     collectives' wait for their last replica, ``costs.unshard_wait`` / ``costs.reduce_grad_wait``: without it where
-    the problem has it, with the calibration run's where it has not); key → (label, problem)."""
+    the problem has it, with the calibration run's where it has not) and ``other_communication`` (the other choice
+    of ``costs.communication_slowdown``, with the collectives' costs that go with it: alone, or as the calibration
+    run saw them); key → (label, problem)."""
     found = {}
     other = _other_slowdown(profile) if other_slowdown else None
     if other is not None:
@@ -383,16 +387,32 @@ def _alternatives(profile: Any, other_slowdown: bool) -> dict[str, tuple[str, An
         found["replica_waits"] = ("without the replicas' waits", waits)
     elif calibration is not None and calibration.replica_waits:
         found["replica_waits"] = ("with the replicas' waits", _refitted(profile, **calibration.replica_waits))
+    communication = calibration.communication if calibration is not None else None
+    if communication is not None and costs.communication_slowdown:
+        found["other_communication"] = (
+            "without communication_slowdown (the collectives as the calibration run saw them)",
+            _refitted(profile, communication_slowdown=0.0, **communication.seen),
+        )
+    elif communication is not None:
+        found["other_communication"] = (
+            f"with communication_slowdown {communication.slowdown:.3f} (the collectives' costs alone)",
+            _refitted(profile, communication_slowdown=communication.slowdown, **communication.work),
+        )
     return found
 
 
 def _refitted(profile: Any, **costs: Any) -> Any:
-    """The profile's problem with ``costs`` changed and the per-pass overhead fitted again on its calibration step."""
+    """The profile's problem with ``costs`` changed and the per-pass overhead fitted again on its calibration step.
+    A pass the overhead took to 0 (stage 0's I, a no-op: a negative overhead clamps it) stays 0 without it, not
+    ``-overhead``."""
     from pipesched.runtime.calibration import calibration_orders, fit_overhead, with_overhead
 
-    calibration = profile.calibration
+    calibration, problem = profile.calibration, profile.problem
     changes = {f"costs.{name}": value for name, value in costs.items()}
-    raw = with_overhead(profile.problem, -calibration.overhead_ms).with_changes(**changes)
+    for name in ("forward", "backward_input", "backward_weight"):
+        values = problem.stage_values(getattr(problem.costs, name))
+        changes[f"costs.{name}"] = [round(v - calibration.overhead_ms, 6) if v > 0 else 0.0 for v in values]
+    raw = problem.with_changes(**changes)
     return with_overhead(raw, fit_overhead(raw, calibration_orders(raw), calibration.measured_ms))
 
 
@@ -499,6 +519,14 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
                 f"{overlap['overlapped_ms']:.1f} ms took {overlap['extra_ms']:+.1f} ms against the same passes alone "
                 f"({overlap['alone']} passes): overlap_slowdown {overlap['slowdown']:.3f}"
             )
+        if calibration is not None and "communication" in calibration:
+            slowed = calibration["communication"]
+            lines.append(
+                f"  {name}: communication beside compute: {slowed['collectives']} collectives beside the passes for "
+                f"{slowed['overlapped_ms']:.1f} ms took {slowed['extra_ms']:+.1f} ms against the same collectives "
+                f"alone ({slowed['lone']} lone): communication_slowdown {slowed['slowdown']:.3f}; costs alone "
+                + "; ".join(f"{k} " + " ".join(f"{v:.1f}" for v in values) for k, values in slowed["work"].items())
+            )
     for row in rows:
         lines += _alternative_lines(row)
     by_case = {row["case"]: row for row in rows}
@@ -511,7 +539,7 @@ def _alternative_lines(row: dict[str, Any]) -> list[str]:
     """The same run against each other prediction (:func:`_alternatives`): the step's error and per pipeline rank
     the predicted hidden / exposed, beside the measured ones above."""
     lines = []
-    for other in (row[key] for key in ("other_slowdown", "replica_waits") if key in row):
+    for other in (row[key] for key in ("other_slowdown", "replica_waits", "other_communication") if key in row):
         predicted = other["predicted_ms"]
         pipeline_ranks = other["ranks"]
         per_rank = "; ".join(
@@ -634,6 +662,11 @@ def main() -> None:
     parser.add_argument(
         "--no-other-slowdown", action="store_true", help="skip the prediction with the other overlap_slowdown"
     )
+    parser.add_argument(
+        "--communication-slowdown",
+        action="store_true",
+        help="the profile writes costs.communication_slowdown (the collectives' costs alone)",
+    )
     parser.add_argument("--shapes", default="all", help="comma-separated shape indices (0, 1, 2), default all")
     parser.add_argument("--output", type=Path, default=None, help="also write the tables and rows (JSON) here")
     args = parser.parse_args()
@@ -644,6 +677,7 @@ def main() -> None:
             ("calibration_steps", args.calibration_steps),
             ("collective_statistic", args.collective_statistic),
             ("pass_source", args.pass_source),
+            ("communication_slowdown", args.communication_slowdown or None),
         )
         if value is not None
     }

@@ -277,6 +277,19 @@ class Costs(_Strict):
             "--overlap-slowdown."
         ),
     )
+    communication_slowdown: float = Field(
+        0.0,
+        ge=0,
+        le=10,
+        description=(
+            "Communication beside compute (not in the contract): while one of a rank's passes or its optimizer step "
+            "runs, that rank's UNSHARD and REDUCE_GRAD progress at 1/(1 + communication_slowdown) speed (CPUs: the "
+            "passes take the core the collective's threads need; GPUs: the GEMMs take the SMs and memory bandwidth "
+            "the collective's kernels need). costs.unshard / costs.reduce_grad are then a collective's time with "
+            "nothing beside it. 0 (default): a collective takes its cost whatever runs beside it. `pipesched "
+            "profile` measures it for data-parallel profiles on its calibration run."
+        ),
+    )
 
 
 class Memory(_Strict):

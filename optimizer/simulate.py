@@ -27,10 +27,12 @@ stage_span under post-validation.
 Compute beside communication (``costs.overlap_slowdown`` = s > 0, step actions only): while a rank's communication
 stream runs an UNSHARD or REDUCE_GRAD, that rank's compute-stream actions progress at 1/(1 + s) speed, so an action
 of D ms that a collective overlaps for o ms of wall time ends o·s/(1 + s) ms later (D of work = (wall − o) + o/(1 + s)).
-The step is timed as above, then again with every compute action lengthened to what the rank's collectives of that
-timing make it, until no action lengthens by more than 1e-6 ms (at most :data:`SLOWDOWN_ROUNDS` timings). Actions
-only ever lengthen, so the step never shortens and every lower bound of the unslowed step still holds. With s = 0
-nothing of this runs.
+Communication beside compute (``costs.communication_slowdown`` = c > 0) is the same rule the other way: while one of
+the rank's compute-stream actions runs, its UNSHARD and REDUCE_GRAD progress at 1/(1 + c) speed (their costs are
+their time with nothing beside them). The step is timed as above, then again with every action lengthened to what
+the other stream of its rank in that timing makes it, until no action lengthens by more than 1e-6 ms (at most
+:data:`SLOWDOWN_ROUNDS` timings). Actions only ever lengthen, so the step never shortens and every lower bound of the
+unslowed step still holds. With s = c = 0 nothing of this runs.
 """
 
 from __future__ import annotations
@@ -338,9 +340,9 @@ def _simulate_streams(inst: Instance, orders: list[list[int]], *, check_memory: 
     if any(e != e for e in end):
         raise _stream_deadlock(inst, orders, end, issue)
     assert inst.problem.costs is not None
-    slowdown = inst.problem.costs.overlap_slowdown
-    if slowdown > 0:
-        start, end = _slowed_beside_collectives(inst, orders, is_step, slowdown, (start, end))
+    slowdowns = (inst.problem.costs.overlap_slowdown, inst.problem.costs.communication_slowdown)
+    if max(slowdowns) > 0:
+        start, end = _slowed_beside_each_other(inst, orders, is_step, slowdowns, (start, end))
     first_start = min((min(start[i] for i in row) for row in orders if row), default=0.0)
     makespan = stage_span = step_time = 0.0
     for row in orders:
@@ -462,20 +464,21 @@ def _time_streams(
     return start, end, issue
 
 
-def _slowed_beside_collectives(
+def _slowed_beside_each_other(
     inst: Instance,
     orders: list[list[int]],
     is_step: list[bool],
-    slowdown: float,
+    slowdowns: tuple[float, float],
     timing: tuple[list[float], list[float]],
 ) -> tuple[list[float], list[float]]:
-    """Start and end (ms) of every action with compute slowed beside its rank's collectives: the module
-    docstring's fixed point, from ``timing`` (the unslowed start and end). Unsettled after the last round, each
-    action keeps the longer of its last two durations (never shorter than unslowed either way)."""
+    """Start and end (ms) of every action with compute slowed beside its rank's collectives and collectives beside
+    its rank's compute (``slowdowns``: ``overlap_slowdown``, ``communication_slowdown``): the module docstring's
+    fixed point, from ``timing`` (the unslowed start and end). Unsettled after the last round, each action keeps the
+    longer of its last two durations (never shorter than unslowed either way)."""
     start, end = timing
     duration = inst.duration
     for round_ in range(SLOWDOWN_ROUNDS):
-        wanted = _slowed_durations(inst, orders, slowdown, start, end)
+        wanted = _slowed_durations(inst, orders, slowdowns, start, end)
         if all(abs(w - d) <= SLOWDOWN_TOLERANCE_MS for w, d in zip(wanted, duration, strict=True)):
             break
         if round_ == SLOWDOWN_ROUNDS - 1:
@@ -486,27 +489,34 @@ def _slowed_beside_collectives(
 
 
 def _slowed_durations(
-    inst: Instance, orders: list[list[int]], slowdown: float, start: list[float], end: list[float]
+    inst: Instance, orders: list[list[int]], slowdowns: tuple[float, float], start: list[float], end: list[float]
 ) -> list[float]:
-    """Per action, the wall-clock ms it takes from its ``start`` beside its rank's collectives of this timing
-    (collectives and instants keep their own duration)."""
+    """Per action, the wall-clock ms it takes from its ``start`` beside the other stream of its rank in this timing:
+    a compute action beside the rank's collectives (``slowdowns[0]``), a collective beside the rank's compute
+    (``slowdowns[1]``); instants keep their duration."""
     duration = list(inst.duration)
     for row in orders:
-        busy = sorted((start[i], end[i]) for i in row if inst.stream[i] == 1 and end[i] > start[i])
-        if not busy:
-            continue
-        busy_ends = [b for _, b in busy]
+        # per lane, the other lane's busy intervals (and their ends) that slow it; none where its slowdown is 0
+        beside = [
+            sorted((start[i], end[i]) for i in row if inst.stream[i] == 1 - lane and end[i] > start[i])
+            if slowdowns[lane] > 0
+            else []
+            for lane in (0, 1)
+        ]
+        ends = [[b for _, b in busy] for busy in beside]
         for idx in row:
-            if inst.stream[idx] == 0 and duration[idx] > 0:
-                duration[idx] = _wall_time(start[idx], duration[idx], busy, busy_ends, slowdown)
+            lane = inst.stream[idx]
+            if beside[lane] and duration[idx] > 0:
+                duration[idx] = _wall_time(start[idx], duration[idx], beside[lane], ends[lane], slowdowns[lane])
     return duration
 
 
 def _wall_time(
     begin: float, work: float, busy: list[tuple[float, float]], busy_ends: list[float], slowdown: float
 ) -> float:
-    """Wall-clock ms that ``work`` ms of compute started at ``begin`` takes when it progresses at 1/(1 + slowdown)
-    speed inside the ``busy`` intervals (disjoint, sorted; ``busy_ends`` their ends) and at full speed outside."""
+    """Wall-clock ms that ``work`` ms of one stream's action started at ``begin`` takes when it progresses at
+    1/(1 + slowdown) speed inside the other stream's ``busy`` intervals (disjoint, sorted; ``busy_ends`` their ends)
+    and at full speed outside."""
     t, left = begin, work
     for k in range(bisect_right(busy_ends, begin), len(busy)):
         low, high = busy[k]

@@ -13,7 +13,7 @@ profile is then a held-out prediction: its order was not the one fitted.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipesched.optimizer.communication import with_communication
 from pipesched.optimizer.instance import compile_for_orders, compile_problem
@@ -23,9 +23,12 @@ from pipesched.optimizer.simulate import simulate
 from pipesched.runtime.records import MeasuredAction
 
 __all__ = [
+    "CommunicationSlowdown",
     "OverlapSlowdown",
     "calibration_orders",
     "calibration_problem",
+    "collective_overlaps",
+    "fit_communication_slowdown",
     "fit_overhead",
     "fit_overlap_slowdown",
     "pass_overlaps",
@@ -141,7 +144,7 @@ def fit_overlap_slowdown(steps: list[tuple[list[MeasuredAction], list[MeasuredAc
         return None
     extra = sum(e for e, _ in compared)
     overlapped = sum(o for _, o in compared)
-    ratio = min(max(extra / overlapped, 0.0), MAX_SLOWDOWN / (1 + MAX_SLOWDOWN))
+    ratio = _lost_share(extra, overlapped)
     return OverlapSlowdown(
         passes=len(compared),
         alone=sum(len(walls) for walls in alone.values()),
@@ -156,15 +159,100 @@ def pass_overlaps(
 ) -> list[tuple[MeasuredAction, float, float]]:
     """Per measured action of one process's step: (the action, its wall time, how long the process's UNSHARD and
     REDUCE_GRAD of that step ran beside it), ms."""
-    busy = [(c.start, c.end) for c in collectives if c.end > c.start and parse_action(c.action).kind in _COLLECTIVES]
+    return _beside(passes, collectives, _COLLECTIVES)
+
+
+@dataclass(frozen=True)
+class CommunicationSlowdown:
+    """How much the passes beside a collective slowed it, measured on the calibration run
+    (:func:`fit_communication_slowdown`): ``collectives`` collectives ran beside their process's passes for
+    ``overlapped_ms`` of wall time in all and took ``extra_ms`` longer than the same collectives alone would have
+    (``lone`` collectives with no pass beside them gave that baseline); ``ratio`` r = extra / overlapped, the share
+    of each overlapped ms the collective lost, and ``slowdown`` c = r / (1 − r), the problem's
+    ``costs.communication_slowdown``. ``seen`` / ``work``: per ``"unshard"`` / ``"reduce_grad"``, each model stage's
+    cost as the calibration run saw it (beside whatever passes it ran) and its time alone (the overlapped part at
+    full speed: what ``costs.unshard`` / ``costs.reduce_grad`` hold when the problem carries ``c``), ms."""
+
+    collectives: int
+    lone: int
+    overlapped_ms: float
+    extra_ms: float
+    ratio: float
+    slowdown: float
+    seen: dict[str, list[float]] = field(default_factory=dict)
+    work: dict[str, list[float]] = field(default_factory=dict)
+
+
+def fit_communication_slowdown(
+    steps: list[tuple[list[MeasuredAction], list[MeasuredAction]]], alone: dict[tuple[str, int], float]
+) -> CommunicationSlowdown | None:
+    """The slowdown c of the simulator's rule (a collective at 1/(1 + c) speed while a pass of its rank runs: one
+    overlapped for o ms takes o·c/(1 + c) ms more) from measured steps: per process and step, its passes and its
+    collectives (each from its last dp peer's start, the span the simulator times). ``alone``: per (``"UNSHARD"`` |
+    ``"REDUCE_GRAD"``, stage id), the collective timed with no pass running (the profile's own timing), ms — the
+    size scale between stages.
+
+    A collective with less than :data:`OVERLAP_MIN_MS` of passes beside it is lone: its span over its ``alone`` time
+    is its kind's lone factor (the median over the lone ones; both kinds pooled for a kind with none). Each
+    collective overlapped for at least :data:`OVERLAP_MIN_MS` is compared with its ``alone`` time × that factor:
+    r = Σ (span − baseline) / Σ overlap, and c = r / (1 − r), between 0 and :data:`MAX_SLOWDOWN`. ``None`` when no
+    collective overlapped a pass or there is no lone one to scale from. The ``seen`` / ``work`` costs are left
+    empty (:mod:`pipesched.runtime.profile` reads them per stage). Times in ms."""
+    lone: dict[str, list[float]] = {}
+    beside: list[tuple[tuple[str, int], float, float]] = []
+    for passes, collectives in steps:
+        for measured, span, overlap in collective_overlaps(passes, collectives):
+            action = parse_action(measured.action)
+            key = (action.kind.value, action.stage)
+            if key not in alone or alone[key] <= 0:
+                continue
+            if overlap < OVERLAP_MIN_MS:
+                lone.setdefault(key[0], []).append(span / alone[key])
+            else:
+                beside.append((key, span, overlap))
+    pooled = [factor for factors in lone.values() for factor in factors]
+    if not beside or not pooled:
+        return None
+    factor = {kind: statistics.median(lone.get(kind) or pooled) for kind in ("UNSHARD", "REDUCE_GRAD")}
+    extra = sum(span - factor[key[0]] * alone[key] for key, span, _ in beside)
+    overlapped = sum(overlap for _, _, overlap in beside)
+    ratio = _lost_share(extra, overlapped)
+    return CommunicationSlowdown(
+        collectives=len(beside),
+        lone=len(pooled),
+        overlapped_ms=round(overlapped, 6),
+        extra_ms=round(extra, 6),
+        ratio=round(ratio, 6),
+        slowdown=round(ratio / (1 - ratio), 6),
+    )
+
+
+def collective_overlaps(
+    passes: list[MeasuredAction], collectives: list[MeasuredAction]
+) -> list[tuple[MeasuredAction, float, float]]:
+    """Per UNSHARD / REDUCE_GRAD of one process's step: (the action, its span, how long the process's passes of that
+    step ran beside it), ms."""
+    return _beside([c for c in collectives if parse_action(c.action).kind in _COLLECTIVES], passes, _PASS_KINDS)
+
+
+def _beside(
+    actions: list[MeasuredAction], others: list[MeasuredAction], kinds: frozenset[ActionKind]
+) -> list[tuple[MeasuredAction, float, float]]:
+    """Per action: (it, its span, how long the ``others`` of ``kinds`` ran beside it), ms."""
+    busy = [(o.start, o.end) for o in others if o.end > o.start and parse_action(o.action).kind in kinds]
     return [
         (
             measured,
             measured.end - measured.start,
             sum(max(0.0, min(measured.end, b) - max(measured.start, a)) for a, b in busy),
         )
-        for measured in passes
+        for measured in actions
     ]
+
+
+def _lost_share(extra: float, overlapped: float) -> float:
+    """r = extra / overlapped, the share of each overlapped ms lost, between 0 and the one of :data:`MAX_SLOWDOWN`."""
+    return min(max(extra / overlapped, 0.0), MAX_SLOWDOWN / (1 + MAX_SLOWDOWN))
 
 
 _COLLECTIVES = frozenset({ActionKind.UNSHARD, ActionKind.REDUCE_GRAD})

@@ -39,10 +39,18 @@ and each process measures its own stages, all at once, as the run will run them:
   (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): reported, and written as
   ``costs.overlap_slowdown`` (the per-pass overhead then fitted with it) when asked (``overlap_slowdown=True``,
   ``pipesched profile --overlap-slowdown``). One replica (no collectives): none.
+* **communication beside compute** (D > 1): on the calibration run, every collective that overlapped its process's
+  passes against the same collective alone (its time timed alone above, scaled by what the collectives with no pass
+  beside them took in the calibration run over theirs), per overlapped ms
+  (:func:`pipesched.runtime.calibration.fit_communication_slowdown`): reported, and written as
+  ``costs.communication_slowdown``, with ``costs.unshard`` / ``costs.reduce_grad`` then each collective's time
+  alone (its calibration span less the slowdown's share of the part the passes ran beside it), when asked
+  (``communication_slowdown=True``, ``pipesched profile --communication-slowdown``). One replica: none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -58,9 +66,12 @@ from pipesched.optimizer.problem import Problem
 from pipesched.optimizer.simulate import simulate
 from pipesched.runtime import torch_compat
 from pipesched.runtime.calibration import (
+    CommunicationSlowdown,
     OverlapSlowdown,
     calibration_orders,
     calibration_problem,
+    collective_overlaps,
+    fit_communication_slowdown,
     fit_overhead,
     fit_overlap_slowdown,
     with_overhead,
@@ -636,6 +647,7 @@ def measure_model(
     calibration_steps: int = CALIBRATION_STEPS,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
+    communication_slowdown: bool = False,
 ) -> Profile:
     """Measure ``model`` split into ``num_ranks · stages_per_rank`` stages on the processes a run starts; return
     the problem to solve (module docstring).
@@ -652,6 +664,9 @@ def measure_model(
     that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
     ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
     each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
+    ``communication_slowdown``: also write the slowdown of a collective beside the passes that the calibration run
+    measured (D > 1) as ``costs.communication_slowdown``, the collectives' costs then their time alone; measured and
+    reported in ``calibration.communication`` either way.
     ``replica_wait``: also write each collective's wait for its last replica that the calibration run measured
     (D > 1) as ``costs.unshard_wait`` / ``costs.reduce_grad_wait``; reported in ``calibration.replica_waits`` either
     way. Off by default: here the calibration run's waits were 2–4× the run's (docs/RUNTIME.md).
@@ -724,6 +739,7 @@ def measure_model(
         collective_statistic,
         pass_source if calibrate else "timed",
         replica_wait,
+        communication_slowdown,
     )
 
 
@@ -806,6 +822,7 @@ def _assemble(
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
     pass_source: str = DEFAULT_PASS_SOURCE,
     write_replica_wait: bool = False,
+    write_communication_slowdown: bool = False,
 ) -> Profile:
     """The problem from every process's measurements (module docstring); ``collective_statistic``: how the
     calibration run's collectives become ``costs.unshard`` / ``costs.reduce_grad`` (:data:`COLLECTIVE_STATISTICS`);
@@ -841,7 +858,12 @@ def _assemble(
         "static_optimizer": options.optimizer,  # whose state static holds: a run of another optimizer is told
         "weights": weights,
     }
-    collectives = _collectives(data, measured, weights, options, collective_statistic)
+    communication = _communication_slowdown(measured, collective_statistic) if options.data_parallel > 1 else None
+    written = communication if communication is not None and write_communication_slowdown else None
+    if written is not None:
+        data["costs"]["communication_slowdown"] = written.slowdown
+    ratio = written.ratio if written is not None else 0.0
+    collectives = _collectives(data, measured, weights, options, collective_statistic, ratio)
     if skeleton.pipeline.placement == "bidirectional" and "reduce_grad" not in data["costs"]:
         # BitPipe's replicas (Wu et al. 2024, Sec. 3.3): an all-reduce of two ranks, each sending its gradient.
         data["costs"]["reduce_grad"] = [round(p2p_fit.ms(w), 6) for w in weights] if p2p_fit else 0.0
@@ -852,7 +874,7 @@ def _assemble(
     if write_replica_wait:
         data["costs"] |= waits
     problem = load_problem(data)
-    calibration = _calibrate(problem, results, overlap, waits)
+    calibration = _calibrate(problem, results, overlap, waits, communication)
     if calibration is not None:
         problem = with_overhead(problem, calibration.overhead_ms)
     copies = measured.per_rank(lambda r: r.second_version_copy)
@@ -879,6 +901,8 @@ class Calibration:
     #: ``"unshard_wait"`` / ``"reduce_grad_wait"`` → per model stage, the collectives' wait for their last replica
     #: on this run, ms (:func:`_calibration_collective_waits`; D > 1), whether the problem carries them or not.
     replica_waits: dict[str, list[float]] = field(default_factory=dict)
+    #: The collectives' slowdown beside the passes (D > 1), whether the problem carries it or not.
+    communication: CommunicationSlowdown | None = None
 
 
 def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
@@ -893,7 +917,11 @@ def _overlap_slowdown(results: list[RankProfile]) -> OverlapSlowdown | None:
 
 
 def _calibrate(
-    problem: Problem, results: list[RankProfile], overlap: OverlapSlowdown | None, waits: dict[str, list[float]]
+    problem: Problem,
+    results: list[RankProfile],
+    overlap: OverlapSlowdown | None,
+    waits: dict[str, list[float]],
+    communication: CommunicationSlowdown | None = None,
 ) -> Calibration | None:
     if not all(r.calibration_ms for r in results):
         return None
@@ -902,19 +930,24 @@ def _calibrate(
     orders = calibration_orders(problem)
     predicted = simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
     overhead = fit_overhead(problem, orders, measured)
-    return Calibration(round(measured, 6), round(predicted, 6), overhead, overlap, waits)
+    return Calibration(round(measured, 6), round(predicted, 6), overhead, overlap, waits, communication)
 
 
 def _collectives(
-    data: dict[str, Any], measured: _Measured, weights: list[float], options: TrainingOptions, statistic: str
+    data: dict[str, Any],
+    measured: _Measured,
+    weights: list[float],
+    options: TrainingOptions,
+    statistic: str,
+    ratio: float = 0.0,
 ) -> dict[str, LinearFit]:
     """With D > 1: the problem's ``data_parallel`` and per-stage ``unshard``/``reduce_grad`` (from the calibration
-    run by ``statistic``, else the medians of the collectives timed alone), and each collective fitted over the
-    stages' sizes (their unsharded weight bytes)."""
+    run by ``statistic``, each span less ``ratio`` × the time the passes ran beside it; else the medians of the
+    collectives timed alone), and each collective fitted over the stages' sizes (their unsharded weight bytes)."""
     if options.data_parallel == 1:
         return {}
     data["data_parallel"] = _data_parallel_section(options)
-    calibrated = _calibration_collective_costs(measured, statistic)
+    calibrated = _calibration_collective_costs(measured, statistic, ratio)
     fits = {}
     for name in ("unshard", "reduce_grad"):
         # as the calibration run saw them (beside the passes, sharing the cores) where it ran them, else alone
@@ -945,11 +978,15 @@ def _steady_steps(step_ms: list[float]) -> list[int]:
     return [k for k, t in enumerate(step_ms) if t <= middle + OUTLIER_MADS * spread]
 
 
-def _calibration_collective_costs(measured: _Measured, statistic: str) -> dict[str, list[float]]:
+def _calibration_collective_costs(measured: _Measured, statistic: str, ratio: float = 0.0) -> dict[str, list[float]]:
     """Per ``"unshard"`` / ``"reduce_grad"``, each model stage's cost (ms) from the calibration run by ``statistic``
-    (:data:`COLLECTIVE_STATISTICS`); empty without a calibration run's collectives."""
+    (:data:`COLLECTIVE_STATISTICS`), each collective's span less ``ratio`` × the time its process's passes ran
+    beside it (0: as the run saw it; the communication slowdown's r: its time alone); empty without a calibration
+    run's collectives."""
     _check_statistic(statistic)
-    table, holder = _calibration_table(measured, lambda r: _collective_steps(r.calibration_joined))
+    table, holder = _calibration_table(
+        measured, lambda r: _collective_steps(r.calibration_joined, r.calibration_passes, ratio)
+    )
     keys = sorted(holder)
     if not table or not keys or any(len(keys) != len(row) for row in table):
         return {}
@@ -1024,9 +1061,49 @@ def _calibration_collective_waits(measured: _Measured) -> dict[str, list[float]]
     }
 
 
-def _collective_steps(steps: list[list[MeasuredAction]]) -> list[dict[tuple[str, int], float]]:
-    """Per step, per ``("unshard" | "reduce_grad", stage id)``, the summed duration of such actions (ms)."""
-    return [{key: sum(values) for key, values in _collective_durations([step]).items()} for step in steps]
+def _collective_steps(
+    steps: list[list[MeasuredAction]], passes: list[list[MeasuredAction]] | None = None, ratio: float = 0.0
+) -> list[dict[tuple[str, int], float]]:
+    """Per step, per ``("unshard" | "reduce_grad", stage id)``, the summed duration of such actions (ms); with
+    ``ratio`` > 0, each less ``ratio`` × the time the step's ``passes`` ran beside it (its time alone)."""
+    if ratio == 0 or passes is None:
+        return [{key: sum(values) for key, values in _collective_durations([step]).items()} for step in steps]
+    found = []
+    for step, step_passes in zip(steps, passes, strict=False):
+        work: dict[tuple[str, int], float] = {}
+        for measured, span, overlap in collective_overlaps(step_passes, step):
+            action = parse_action(measured.action)
+            key = ("unshard" if action.kind == ActionKind.UNSHARD else "reduce_grad", action.stage)
+            work[key] = work.get(key, 0.0) + span - ratio * overlap
+        found.append(work)
+    return found
+
+
+def _communication_slowdown(measured: _Measured, statistic: str) -> CommunicationSlowdown | None:
+    """The calibration run's collectives beside the passes against the same collectives alone (every process, steps
+    after the first; :func:`~pipesched.runtime.calibration.fit_communication_slowdown`), with each stage's costs as
+    the run saw them and alone (``seen`` / ``work``, read by ``statistic``)."""
+    results = measured.results
+    steps = [
+        (passes, joined)
+        for r in results
+        for passes, joined in zip(r.calibration_passes, r.calibration_joined, strict=False)
+    ]
+    alone = {
+        (kind, stage): statistics.median(samples)
+        for r in results
+        for kind, timed in (("UNSHARD", r.unshard), ("REDUCE_GRAD", r.reduce_grad))
+        for stage, samples in timed.items()
+        if samples
+    }
+    found = fit_communication_slowdown(steps, alone) if steps else None
+    if found is None:
+        return None
+    return dataclasses.replace(
+        found,
+        seen=_calibration_collective_costs(measured, statistic),
+        work=_calibration_collective_costs(measured, statistic, found.ratio),
+    )
 
 
 def _calibration_pass_medians(measured: _Measured) -> dict[tuple[str, int], float]:

@@ -321,14 +321,17 @@ def same_step_overlap(
     one data-parallel replica ran them: ``passes[pp]``, pipeline rank ``pp``'s compute actions of that step (each F,
     I, W, B at its measured duration; an action not measured keeps the problem's cost); the collectives at the
     problem's costs, or, with ``collectives[pp]``, at their measured spans. ``costs.overlap_slowdown`` is left out: a
-    measured pass already ran at whatever speed the collectives beside it left it. The split is
+    measured pass already ran at whatever speed the collectives beside it left it; so is
+    ``costs.communication_slowdown`` for collectives at their measured spans (the problem's collective costs are
+    slowed beside the passes as the schedule's are). The split is
     :func:`communication_overlap` of the simulated timeline, as the schedule's own prediction is of its timeline."""
     return _SameStep(schedule).overlap(passes, collectives)
 
 
 class _SameStep:
-    """A schedule's order compiled once (``costs.overlap_slowdown`` left out), re-timed per step by
-    :meth:`overlap` from a copy of its durations (:func:`same_step_overlap`)."""
+    """A schedule's order compiled once (``costs.overlap_slowdown`` left out; a second time without
+    ``costs.communication_slowdown``, for collectives at their measured spans, where the problem has it), re-timed
+    per step by :meth:`overlap` from a copy of its durations (:func:`same_step_overlap`)."""
 
     def __init__(self, schedule: Schedule) -> None:
         problem = schedule.problem
@@ -337,13 +340,18 @@ class _SameStep:
             problem = problem.with_changes(**{"costs.overlap_slowdown": 0.0})
         orders = schedule.orders()
         self.inst = compile_for_orders(problem, orders)
+        self.measured_inst = self.inst
+        if problem.costs is not None and problem.costs.communication_slowdown:
+            self.measured_inst = compile_for_orders(
+                problem.with_changes(**{"costs.communication_slowdown": 0.0}), orders
+            )
         self.indexed = indexed_orders(self.inst, orders)
         self.durations = list(self.inst.duration)
 
     def overlap(
         self, passes: list[list[MeasuredAction]], collectives: list[list[MeasuredAction]] | None = None
     ) -> list[tuple[float, float]]:
-        inst = self.inst
+        inst = self.inst if collectives is None else self.measured_inst
         duration = list(self.durations)
         for row in [*passes, *(collectives or [])]:
             for record in row:

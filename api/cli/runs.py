@@ -277,6 +277,15 @@ def profile(
             "costs.overlap_slowdown; measured and printed either way.",
         ),
     ] = False,
+    communication_slowdown: Annotated[
+        bool,
+        typer.Option(
+            "--communication-slowdown/--no-communication-slowdown",
+            help="Write the measured slowdown of a collective beside the passes (data parallelism) as "
+            "costs.communication_slowdown, the collectives' costs then their time alone; measured and printed "
+            "either way.",
+        ),
+    ] = False,
     replica_wait: Annotated[
         bool,
         typer.Option(
@@ -317,6 +326,7 @@ def profile(
             training=training,
             overlap_slowdown=overlap_slowdown,
             replica_wait=replica_wait,
+            communication_slowdown=communication_slowdown,
         )
     except ValidationError as error:
         raise fail(format_validation_error(error)) from None
@@ -408,6 +418,14 @@ def _print_transfers(measured: Profile) -> None:
                 f"compute beside communication: {overlap.passes} passes beside a collective for "
                 f"{overlap.overlapped_ms:.1f} ms took {overlap.extra_ms:+.1f} ms against the same passes alone: "
                 f"costs.overlap_slowdown {overlap.slowdown:.3f}",
+                highlight=False,
+            )
+        if calibration.communication is not None:
+            communication = calibration.communication
+            console.print(
+                f"communication beside compute: {communication.collectives} collectives beside the passes for "
+                f"{communication.overlapped_ms:.1f} ms took {communication.extra_ms:+.1f} ms against the same "
+                f"collectives alone: costs.communication_slowdown {communication.slowdown:.3f}",
                 highlight=False,
             )
         for name, waits in calibration.replica_waits.items():

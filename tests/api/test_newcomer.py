@@ -303,13 +303,20 @@ def test_profile_reports_the_spread_of_every_pass(
 def test_a_data_parallel_profile_says_how_much_compute_slowed_beside_its_collectives(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     shape = ["--num-ranks", "2", "--stages-per-rank", "2", "--data-parallel", "2", "--repeats", "2"]
-    result = pipesched("profile", *shape, "--overlap-slowdown", "-o", "p.json", cwd=tmp_path)
+    asked = ["--overlap-slowdown", "--communication-slowdown"]
+    result = pipesched("profile", *shape, *asked, "-o", "p.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    written = json.loads((tmp_path / "p.json").read_text())["costs"]["overlap_slowdown"]
+    costs = json.loads((tmp_path / "p.json").read_text())["costs"]
+    written = costs["overlap_slowdown"]
     said = " ".join(result.stdout.split())
     # breadth-first's calibration runs stage 3's reduction beside stage 1's backwards: always some pass beside it
     assert "compute beside communication:" in said and f"costs.overlap_slowdown {written:.3f}" in said
     assert 0 <= written <= 10
+    # and the other way: that reduction against the same collective alone, the collectives' costs then their time
+    # alone (stage 3's reduce-scatter, the one beside passes, no longer than as the calibration saw it)
+    slowed = costs["communication_slowdown"]
+    assert "communication beside compute:" in said and f"costs.communication_slowdown {slowed:.3f}" in said
+    assert 0 <= slowed <= 10 and len(costs["reduce_grad"]) == 4
 
 
 def test_the_field_reference_documents_every_model_and_cluster_field() -> None:

@@ -53,8 +53,17 @@ def test_a_profiled_schedule_runs_with_the_static_memory_its_profile_predicted(m
         assert set(waits) == {"unshard_wait", "reduce_grad_wait"}
         assert all(len(values) == 2 and min(values) >= 0 for values in waits.values())
         assert problem.costs.unshard_wait is None and problem.costs.reduce_grad_wait is None
+        # the calibration's collectives beside the passes, if any, against the same collectives alone: measured and
+        # reported with each stage's cost as seen and alone, written only when asked (communication_slowdown)
+        communication = profile.calibration.communication
+        assert problem.costs.communication_slowdown == 0.0
+        if communication is not None:
+            assert communication.slowdown >= 0 and set(communication.seen) == set(communication.work)
+            for name, seen in communication.seen.items():  # the problem's costs: the collectives as seen
+                assert problem.stage_values(getattr(problem.costs, name)) == pytest.approx(seen, abs=1e-5)
     else:  # no collectives: the one-replica cases stay as they were
         assert overlap is None and problem.costs.overlap_slowdown == 0.0
+        assert profile.calibration.communication is None and problem.costs.communication_slowdown == 0.0
         assert not profile.calibration.replica_waits and problem.costs.reduce_grad_wait is None
     schedule = solve_family(problem, family)
     report = run_schedule(schedule, model=model, engine="pipesched", training=training, timeout_s=300)

@@ -66,7 +66,7 @@ def test_the_steady_run_is_simulated_over_its_last_step():
     assert 3 * m <= last < whole
 
 
-def _breadth_first_dp2():
+def _breadth_first_dp2(communication_slowdown: float = 0.0):
     """Breadth-first pp 2 × dp 2, two stages per rank, 4 microbatches: UNSHARD and REDUCE_GRAD per stage."""
     problem = uniform_problem(2, 4, stages_per_rank=2).with_changes(
         **{
@@ -74,6 +74,7 @@ def _breadth_first_dp2():
             "costs.unshard": 2.0,
             "costs.reduce_grad": 3.0,
             "costs.optimizer_step": 1.0,
+            "costs.communication_slowdown": communication_slowdown,
             "objective": "step_time",
         }
     )
@@ -121,6 +122,21 @@ def test_the_same_step_prediction_at_the_planned_passes_is_the_schedules():
     schedule = _breadth_first_dp2()
     planned = [_predicted_overlap(schedule, pp) for pp in range(2)]
     assert all(hidden and hidden > 0 for hidden, _ in planned)
+    assert _flat(same_step_overlap(schedule, _as_run(schedule))) == pytest.approx(_flat(planned))
+    collectives = _as_run(schedule, kinds=("UNSHARD", "REDUCE_GRAD", "RESHARD"))
+    assert _flat(same_step_overlap(schedule, _as_run(schedule), collectives)) == pytest.approx(_flat(planned))
+
+
+def test_the_same_step_prediction_slows_the_profiles_collectives_and_not_the_measured_ones():
+    """With ``costs.communication_slowdown`` the schedule's overlapped collectives run longer than their costs; the
+    same-step prediction at the planned passes stretches the problem's collectives as the schedule does, and takes
+    collectives given at their (already stretched) measured spans as they are."""
+    schedule = _breadth_first_dp2(communication_slowdown=1.0)
+    plain = _breadth_first_dp2()
+    spans = {a.action: a.end - a.start for rank in schedule.ranks for a in rank.actions if a.kind == "UNSHARD"}
+    assert spans["2UNSHARD"] > 2.0 + 0.5 and spans["0UNSHARD"] == pytest.approx(2.0)  # beside 0F…, and alone
+    planned = [_predicted_overlap(schedule, pp) for pp in range(2)]
+    assert _flat(planned) != pytest.approx(_flat([_predicted_overlap(plain, pp) for pp in range(2)]))
     assert _flat(same_step_overlap(schedule, _as_run(schedule))) == pytest.approx(_flat(planned))
     collectives = _as_run(schedule, kinds=("UNSHARD", "REDUCE_GRAD", "RESHARD"))
     assert _flat(same_step_overlap(schedule, _as_run(schedule), collectives)) == pytest.approx(_flat(planned))
