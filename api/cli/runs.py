@@ -248,6 +248,34 @@ def _print_run(
         raise typer.Exit(1)
 
 
+#: The profile's switches that write a measured figure into the problem (measured and printed either way).
+_WriteOverlapSlowdown = Annotated[
+    bool,
+    typer.Option(
+        "--overlap-slowdown/--no-overlap-slowdown",
+        help="Write the measured slowdown of compute beside a collective (data parallelism) as "
+        "costs.overlap_slowdown; measured and printed either way.",
+    ),
+]
+_WriteCommunicationSlowdown = Annotated[
+    bool,
+    typer.Option(
+        "--communication-slowdown/--no-communication-slowdown",
+        help="Write the measured slowdown of a collective beside the passes (data parallelism) as "
+        "costs.communication_slowdown, the collectives' costs then their time alone; measured and printed "
+        "either way.",
+    ),
+]
+_WriteReplicaWait = Annotated[
+    bool,
+    typer.Option(
+        "--replica-wait/--no-replica-wait",
+        help="Write each collective's measured wait for its last replica (data parallelism) as "
+        "costs.unshard_wait / costs.reduce_grad_wait; measured and printed either way.",
+    ),
+]
+
+
 def profile(
     num_ranks: Annotated[int, typer.Option("--num-ranks", help="Pipeline ranks p.")] = 4,
     num_microbatches: Annotated[int, typer.Option("--num-microbatches", help="Microbatches m.")] = 8,
@@ -269,31 +297,9 @@ def profile(
     ] = False,
     memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    overlap_slowdown: Annotated[
-        bool,
-        typer.Option(
-            "--overlap-slowdown/--no-overlap-slowdown",
-            help="Write the measured slowdown of compute beside a collective (data parallelism) as "
-            "costs.overlap_slowdown; measured and printed either way.",
-        ),
-    ] = False,
-    communication_slowdown: Annotated[
-        bool,
-        typer.Option(
-            "--communication-slowdown/--no-communication-slowdown",
-            help="Write the measured slowdown of a collective beside the passes (data parallelism) as "
-            "costs.communication_slowdown, the collectives' costs then their time alone; measured and printed "
-            "either way.",
-        ),
-    ] = False,
-    replica_wait: Annotated[
-        bool,
-        typer.Option(
-            "--replica-wait/--no-replica-wait",
-            help="Write each collective's measured wait for its last replica (data parallelism) as "
-            "costs.unshard_wait / costs.reduce_grad_wait; measured and printed either way.",
-        ),
-    ] = False,
+    overlap_slowdown: _WriteOverlapSlowdown = False,
+    communication_slowdown: _WriteCommunicationSlowdown = False,
+    replica_wait: _WriteReplicaWait = False,
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),
 ) -> None:
     """Measure what a run will see (each stage's F, I, W and activation memory, p2p, collectives, the optimizer step
