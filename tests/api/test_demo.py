@@ -44,10 +44,14 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     assert timed.step_time == pytest.approx(schedule["step_time"], rel=1e-9)
     assert schedule["step_time"] == pytest.approx(plans[0]["step_time_ms"], abs=1e-3)  # the plan rounds to µs
     assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # 3. a real run: 4 processes (pp 2 × dp 2, FSDP), 3 steps, verified against the single-process reference
+    # 3. a real run: 4 processes (pp 2 × dp 2, FSDP), 16 steps, verified against the single-process reference;
+    # as many steps as the profile's calibration run, whose best step after the first the prediction is fitted to
+    from pipesched.api.cli.demo import DEMO_STEPS
+    from pipesched.runtime.profile import CALIBRATION_STEPS
+
     report = json.loads((folder / "report.json").read_text())
     assert report["verified"] is True
-    assert report["steps"] == 3
+    assert report["steps"] == DEMO_STEPS == CALIBRATION_STEPS
     assert report["data_parallel"]["size"] == 2 and report["data_parallel"]["world_size"] == 4
     assert report["max_rel_param_error"] <= 1e-5
     assert report["loss"] == pytest.approx(report["reference_loss"], rel=1e-5)
@@ -64,7 +68,7 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     assert all(
         r["predicted_communication_ms"] is not None and r["measured_communication_ms"] > 0 for r in report["ranks"]
     )
-    assert "best step after the first" in " ".join(out.split())
+    assert "the best of its 15 steps after the first" in " ".join(out.split())
     # … static memory predicted from that profile within 15% of what every rank measured (issue: the plan's
     # Adam-state figure had stood 2.6× above a run that trains with sgd), in the report and in this-machine.json
     assert all(abs(r["static_bytes_measured"] / r["static_bytes_predicted"] - 1) <= 0.15 for r in report["ranks"]), (
@@ -73,6 +77,7 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     this_machine = json.loads((folder / "this-machine.json").read_text())
     assert this_machine["predicted_step_ms"] == pytest.approx(here.step_time)
     assert this_machine["plan_step_ms"] == pytest.approx(schedule["step_time"])
+    assert this_machine["measured_step_ms"] == min(report["measured_step_times_ms"][1:])
     assert set(this_machine["static_bytes"]) == {"0", "1"}
     assert all(abs(row["error"]) <= 0.15 for row in this_machine["static_bytes"].values()), this_machine
     assert "Static memory" in out
