@@ -31,6 +31,7 @@ from pipesched.optimizer.cost.profile import (
     unknown_kernels_class,
 )
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
+from pipesched.optimizer.frameworks import FRAMEWORKS, framework_kernels
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
@@ -306,12 +307,21 @@ def estimator_for(request: PlanRequest) -> Estimator:
 
 
 def _execution(request: PlanRequest) -> ModelConfig:
-    """The model with the training's precision and kernels mode (``training.*`` over ``model.*``)."""
+    """The model with the training's precision, framework and kernels mode (``training.*`` over ``model.*``; a
+    framework's own kernels where none are said: :func:`~pipesched.optimizer.frameworks.framework_kernels`)."""
+    training = request.training
     update = {
         name: value
-        for name, value in (("precision", request.training.precision), ("kernels", request.training.kernels))
+        for name, value in (
+            ("precision", training.precision),
+            ("kernels", training.kernels),
+            ("framework", training.framework),
+        )
         if value is not None
     }
+    framework = training.framework or request.model.framework
+    if framework is not None:
+        update["kernels"] = framework_kernels(framework, update.get("kernels", request.model.kernels))
     return request.model.model_copy(update=update) if update else request.model
 
 
@@ -361,11 +371,29 @@ _FUSED_LAUNCH_NOTE = (
 )
 
 
+def _framework_note(estimator: Estimator) -> str:
+    """What the plans assumed of the framework named (``model.framework``): its kernels, the bytes per parameter it
+    keeps fully sharded, and the software-profile fields it runs."""
+    model = estimator.model
+    assert model.framework is not None
+    framework = FRAMEWORKS[model.framework]
+    state = estimator.full_state("full")
+    per_parameter = static_bytes_per_parameter_sharded(
+        model, "full", 1, gradient_bytes=estimator.gradient_bytes, full_state=state
+    )
+    own = " (its own)" if model.kernels == framework.kernels else ""
+    runs = ", ".join(f"{name} {value}" for name, value in framework.software.items())
+    return (
+        f"training.framework {framework.name} ({framework.title}): {model.kernels} kernels{own}; fully sharded "
+        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}"
+    )
+
+
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
     calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
     profile = estimator.hardware.profile
-    notes = []
+    notes = [] if estimator.model.framework is None else [_framework_note(estimator)]
     if profile.fitted_rows == 0:
         notes.append(
             f"{estimator.hardware.name}: no profile fitted to its own rows ({profile.source}); the interval is wide"
