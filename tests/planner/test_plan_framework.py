@@ -8,7 +8,6 @@ not said, the answer is the one before the field existed.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +16,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from pipesched.api.app import create_app
 from pipesched.api.cli import app as cli_app
 from pipesched.api.launch.bundle import LaunchOptions, build_bundle, launch_target
-from pipesched.api.settings import Settings
 from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 from pipesched.optimizer.cost.profile import builtin_catalogue
@@ -207,14 +204,6 @@ def test_launch_defaults_its_target_to_the_framework_where_one_runs_it() -> None
     assert answer.request is not None
     bundle = build_bundle(answer.request, answer.plans[0], 1, None, LaunchOptions(scheduler="torchrun"))
     assert "megatron.args" in bundle.files and "torchtitan.args" not in bundle.files
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    path = tmp_path_factory.mktemp("plans") / "pipesched.sqlite3"
-    settings = Settings(database_url=f"sqlite:///{path}", solver_workers=1, max_time_limit_s=20)
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def test_http_takes_the_framework_and_a_bad_one_is_422_naming_the_field(client: TestClient) -> None:
