@@ -82,7 +82,9 @@ MAX_EXPLAINED = 200
 #: Of the configurations estimated up to 10% over, 12–44% fitted when simulated (Llama 3.1 8B and Qwen3-30B-A3B on
 #: 8 H100s, Nemotron-4 340B on 128). The extra simulations take time from the rest of a time-bound search: 405B on
 #: 512 GPUs returned 225 tok/s/GPU (228 before, 225 in docs/PLANNER.md's bench), Nemotron-4 340B 272 at 10%, 274 at
-#: 5% (277 before): 5%, which still reaches the Qwen layout.
+#: 5% (277 before): 5%, which still reaches the Qwen layout. Those within the slack only are simulated after every
+#: configuration that fits by the estimate (:func:`prepare`): Nemotron-4 340B 273 → 280 in one session, the Qwen
+#: layout still reached, 405B 230, DeepSeek-V3 2,191 (bench/results/published_vs_free_memory_slack.md).
 MEMORY_ESTIMATE_SLACK = 0.05
 #: Problems larger than this (stages × microbatches) are not given to the auto search.
 AUTO_MAX_STAGE_MICROBATCHES = 2048
@@ -472,7 +474,8 @@ def prepare(request: PlanRequest) -> Prepared:
     ]
     if not fitting:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator)])
-    fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
+    # those that fit by the estimate first, then those only within the slack (each best estimate first)
+    fitting.sort(key=lambda item: (not item[1].fits, item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []
     if cut:
