@@ -35,7 +35,6 @@ __all__ = [
 ]
 
 
-
 def kernels_mode(row: Measurement) -> str:
     """How the row's elementwise work ran: ``fused`` (hand-fused kernels), ``compiled`` or ``eager``."""
     if row.software.fused_kernels:

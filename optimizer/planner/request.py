@@ -66,7 +66,7 @@ class PlanTraining(StrictModel):
         "keeps and overlaps that no other field states: FSDP's sharded state per parameter (torchtitan and composer "
         "16 B, Megatron-FSDP 18 B, NeMo AutoModel's bf16 model 8 B), backward prefetch, gradient sync, the loss; "
         "pipesched launch's default target where it has one. null: model.framework (not said: the software "
-        "profile's defaults, and kernels \"unknown\" the expected time over the frameworks that publish the layout).",
+        'profile\'s defaults, and kernels "unknown" the expected time over the frameworks that publish the layout).',
     )
     global_batch_tokens: int | None = Field(
         None,
