@@ -11,7 +11,9 @@ framework with them (:func:`pipesched.optimizer.cost.stages.resolve_hardware`).
   over the fp32 model (``fp32_parameters``), its implicit backward prefetch, the gradients reduced every
   microbatch, ``F.cross_entropy`` on fp32 logits (``torchtitan/components/loss.py``): the software profile's
   defaults, stated here so that a plan naming it does not move with them.
-- ``megatron`` (Megatron-LM, Megatron-Core, Megatron Bridge, NeMo 2): Transformer Engine's fused kernels;
+- ``megatron`` (Megatron-LM, Megatron-Core, Megatron Bridge, NeMo 2): its own 1F1B schedule, interleaved over
+  virtual stages placed in a loop (no schedule CSV: ``megatron/core/pipeline_parallel/schedules.py``), so its
+  plans are searched among those where ``search.method`` pins none; Transformer Engine's fused kernels;
   Megatron-FSDP's ``optim_grads_params`` (``zero3``: 2 + 4 + g + 8 bytes a parameter) reducing every microbatch
   (``megatron_fsdp.py`` ``grad_reduce_every_bprop``); DeepEP / the flex dispatcher for experts over nodes
   (``hierarchical``), no all-to-all overlap unless a recipe turns it on (a calibration row says so).
@@ -54,6 +56,8 @@ class Framework:
         software: software-profile fields it runs that no request field states (field → value).
         launch_target: the ``pipesched launch --target`` that runs its plans; None: none does.
         aliases: other names accepted for it.
+        methods: the pipeline schedules it runs (``search.method`` where the request pins none); None: any, from
+            the schedule's CSV (torchtitan's ``pipeline_parallel_schedule_csv``).
     """
 
     name: str
@@ -63,6 +67,7 @@ class Framework:
     software: dict[str, str] = field(default_factory=dict)
     launch_target: str | None = None
     aliases: tuple[str, ...] = ()
+    methods: tuple[str, ...] | None = None
 
     @property
     def runs_kernels(self) -> tuple[str, ...]:
@@ -93,6 +98,7 @@ FRAMEWORKS: dict[str, Framework] = {
             software={"fused_fsdp_state": "zero3", "fsdp_gradient_sync": "every_microbatch"},
             launch_target="megatron",
             aliases=("megatron-lm", "megatron-core", "megatron-bridge", "nemo"),
+            methods=("1f1b", "interleaved-1f1b"),
         ),
         Framework(
             "automodel",

@@ -41,7 +41,7 @@ from pipesched.optimizer.planner.evaluate import (
     schedule_lower_bound,
 )
 from pipesched.optimizer.planner.prune import Estimate, Estimator
-from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected, Searched
+from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, PlanSearch, Rejected, Searched
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration, enumerate_space
 from pipesched.optimizer.progress import SearchContext
 from pipesched.optimizer.result import Schedule
@@ -385,9 +385,10 @@ def _framework_note(estimator: Estimator) -> str:
     )
     own = " (its own)" if model.kernels == framework.kernels else ""
     runs = ", ".join(f"{name} {value}" for name, value in framework.software.items())
+    schedules = f"; it runs the schedules {', '.join(framework.methods)}" if framework.methods is not None else ""
     return (
         f"training.framework {framework.name} ({framework.title}): {model.kernels} kernels{own}; fully sharded "
-        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}"
+        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}"
     )
 
 
@@ -489,14 +490,25 @@ def prepare(request: PlanRequest) -> Prepared:
     return Prepared(request, estimator, fitting, rejected, searched, started, notes)
 
 
+def _plan_search(request: PlanRequest) -> PlanSearch:
+    """``request.search``, its ``method`` the schedules the framework runs where the request pins none
+    (:attr:`~pipesched.optimizer.frameworks.Framework.methods`: Megatron's 1F1B and interleaved 1F1B)."""
+    name = request.training.framework or request.model.framework
+    methods = FRAMEWORKS[name].methods if name is not None else None
+    if methods is None or request.search.method is not None:
+        return request.search
+    return request.search.model_copy(update={"method": list(methods)})
+
+
 def space_of(request: PlanRequest, estimator: Estimator) -> Iterator[Configuration]:
-    """Every configuration ``request`` allows (:func:`enumerate_space`), at the precision of ``estimator``'s model
-    (``training.precision``) where ``search.precision`` does not list several."""
+    """Every configuration ``request`` allows (:func:`enumerate_space`; the framework's schedules,
+    :func:`_plan_search`), at the precision of ``estimator``'s model (``training.precision``) where
+    ``search.precision`` does not list several."""
     return enumerate_space(
         estimator.model,
         request.cluster,
         request.training.global_batch_size,
-        request.search,
+        _plan_search(request),
         precision=estimator.model.precision,
     )
 
@@ -740,7 +752,8 @@ def _faster(step_ms: float, than_ms: float | None) -> bool:
 
 
 def _allows_auto(request: PlanRequest) -> bool:
-    return request.search.method is None or "auto" in request.search.method
+    method = _plan_search(request).method
+    return method is None or "auto" in method
 
 
 def search(

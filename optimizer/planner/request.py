@@ -65,7 +65,8 @@ class PlanTraining(StrictModel):
         "composer eager, compiled when said; megatron and automodel fused; any other kernels is refused), and what it "
         "keeps and overlaps that no other field states: FSDP's sharded state per parameter (torchtitan and composer "
         "16 B, Megatron-FSDP 18 B, NeMo AutoModel's bf16 model 8 B), backward prefetch, gradient sync, the loss; "
-        "pipesched launch's default target where it has one. null: model.framework (not said: the software "
+        "for megatron its schedules (1f1b, interleaved-1f1b) where search.method pins none; pipesched launch's default "
+        "target where it has one. null: model.framework (not said: the software "
         'profile\'s defaults, and kernels "unknown" the expected time over the frameworks that publish the layout).',
     )
     global_batch_tokens: int | None = Field(

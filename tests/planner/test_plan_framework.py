@@ -206,6 +206,26 @@ def test_launch_defaults_its_target_to_the_framework_where_one_runs_it() -> None
     assert "megatron.args" in bundle.files and "torchtitan.args" not in bundle.files
 
 
+def test_megatron_plans_are_its_own_schedules_and_launch_as_megatron() -> None:
+    """Megatron-LM runs its own 1F1B, interleaved over virtual stages in a loop (not a schedule CSV): a plan for it
+    is searched among those (``search.method`` unpinned), and its best launches with ``--target megatron``."""
+    body = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 2, "gpus_per_node": 8},
+        "training": {"global_batch_size": 64, "framework": "megatron"},
+        "search": {"time_limit_s": 8, "pipeline_parallel": [2], "top": 3},
+    }
+    answer = plan(PlanRequest.model_validate(body)).answer
+    assert answer.plans and {item.method for item in answer.plans} <= {"1f1b", "interleaved-1f1b"}
+    assert all(item.placement == "loop" for item in answer.plans)
+    assert "it runs the schedules 1f1b, interleaved-1f1b" in answer.notes[0]
+    assert answer.request is not None
+    bundle = build_bundle(answer.request, answer.plans[0], 1, None, LaunchOptions(scheduler="slurm"))
+    assert "megatron.args" in bundle.files
+    pinned = {**body, "search": {**body["search"], "method": ["zb-h1"]}}  # a method pinned is the request's choice
+    assert {item.method for item in plan(PlanRequest.model_validate(pinned)).answer.plans} == {"zb-h1"}
+
+
 def test_http_takes_the_framework_and_a_bad_one_is_422_naming_the_field(client: TestClient) -> None:
     body = {**PINNED, "training": {"global_batch_size": 16, "framework": "deepspeed"}}
     answer = client.post("/v1/plans", json=body)
