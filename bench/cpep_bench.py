@@ -154,14 +154,14 @@ def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
     states: ``software.moe_dispatcher`` (the recipe's ``moe_token_dispatcher_type``; hierarchical where the source
     does not say) and ``software.moe_all_to_all_overlap`` (its ``moe_a2a_overlap``); and when its FSDP reduced the
     gradients (``software.fsdp_gradient_sync``: NeMo AutoModel's trainer once a step); and what its framework
-    runs (``FRAMEWORK_SOFTWARE``: NeMo AutoModel's bf16 model under FSDP). With ``--default-kernels`` the request
-    says nothing of the framework, so these stay at the planner's defaults too."""
+    runs under them (``FRAMEWORK_SOFTWARE``: NeMo AutoModel's bf16 model under FSDP; a field the row states wins).
+    With ``--default-kernels`` the request says nothing of the framework, so these stay at the planner's defaults
+    too."""
     catalogue = active_catalogue()
-    fields = ("moe_dispatcher", "moe_all_to_all_overlap", "fsdp_gradient_sync")
-    stated: dict[str, Any] = {
-        name: row.get("software", {}).get(name, getattr(catalogue.software, name)) for name in fields
-    }
-    stated.update(FRAMEWORK_SOFTWARE.get(row.get("software", {}).get("framework", ""), {}))
+    software = row.get("software", {})
+    stated: dict[str, Any] = dict(FRAMEWORK_SOFTWARE.get(software.get("framework", ""), {}))
+    for name in ("moe_dispatcher", "moe_all_to_all_overlap", "fsdp_gradient_sync"):
+        stated[name] = software.get(name, stated.get(name, getattr(catalogue.software, name)))
     return catalogue.model_copy(update={"software": catalogue.software.model_copy(update=stated)})
 
 

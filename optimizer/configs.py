@@ -6,17 +6,31 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from pipesched.optimizer.field_errors import NumbersModel, raise_field_errors
+from pipesched.optimizer.frameworks import framework_kernels, framework_name, framework_names
 from pipesched.optimizer.presets import MODEL_PRESETS
 
-__all__ = ["DTYPE_BYTES", "ClusterConfig", "ContextParallel", "ExpertParallel", "ModelConfig", "TensorParallel"]
+__all__ = [
+    "DTYPE_BYTES",
+    "ClusterConfig",
+    "ContextParallel",
+    "ExpertParallel",
+    "FrameworkName",
+    "ModelConfig",
+    "TensorParallel",
+]
 
 #: Bytes per element of each dtype.
 DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+#: A training framework of :data:`pipesched.optimizer.frameworks.FRAMEWORKS` by its name or an alias, read as its name.
+FrameworkName = Annotated[
+    str, AfterValidator(framework_name), WithJsonSchema({"type": "string", "enum": framework_names()})
+]
 
 
 class ModelConfig(NumbersModel):
@@ -145,6 +159,14 @@ class ModelConfig(NumbersModel):
         description="Layers per model stage (one entry per stage, summing to num_layers); null lets pipesched "
         "partition. A derived problem records the chosen partition here.",
     )
+    framework: FrameworkName | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="The training framework that runs it (torchtitan, megatron, automodel, composer; "
+        "pipesched.optimizer.frameworks): its kernels where kernels is not said, and what it keeps and overlaps that "
+        "no other field states (FSDP's sharded state, backward prefetch and gradient sync, the loss). null "
+        "(default): not said, the software profile's defaults. A plan sets it from training.framework.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -239,6 +261,21 @@ class ModelConfig(NumbersModel):
             )
         errors += self._moe_errors() + self._mla_errors()
         raise_field_errors("ModelConfig", errors)
+        return self
+
+    @model_validator(mode="after")
+    def _framework_kernels(self) -> ModelConfig:
+        """A named framework's kernels where ``kernels`` is not said; a ``kernels`` it does not run is refused,
+        naming both fields."""
+        if self.framework is None:
+            return self
+        try:
+            kernels = framework_kernels(self.framework, self.kernels)
+        except ValueError as error:
+            raise_field_errors("ModelConfig", [(("kernels",), str(error), self.kernels)])
+            raise  # unreachable: raise_field_errors raised
+        if kernels != self.kernels:
+            object.__setattr__(self, "kernels", kernels)
         return self
 
     def _moe_errors(self) -> list[tuple[tuple[str | int, ...], str, Any]]:

@@ -92,7 +92,13 @@ def launch_command(
     output: Annotated[Path, typer.Option("-o", "--output", help="Folder to write the files into.")],
     number: Annotated[int, typer.Option("--plan", help="Which plan, 1 = the best.")] = 1,
     scheduler: Annotated[str, typer.Option(help=f"One of {', '.join(SCHEDULERS)}.")] = "torchrun",
-    target: Annotated[str, typer.Option(help=f"Training framework: {' or '.join(TARGETS)}.")] = "torchtitan",
+    target: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Training framework: {' or '.join(TARGETS)}; default: the plan request's training.framework where "
+            "pipesched launches it, else torchtitan."
+        ),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Job name (default pipesched-plan-N).")] = None,
     image: Annotated[str, typer.Option(help="Container image (Kubernetes).")] = LaunchOptions.image,
     torchtitan_module: Annotated[str | None, typer.Option(help="torchtitan --module of your own.")] = None,

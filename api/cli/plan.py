@@ -1,4 +1,4 @@
-"""``pipesched plan CONFIG.json [--top K] [-o PLAN.json]``: the best parallel configurations, on the command line.
+"""``pipesched plan CONFIG.json [--top K] [--framework NAME] [-o PLAN.json]``: the best parallel configurations.
 
 Bad input exits 2 naming the field; a search that finds no plan exits 1 with the reason. Ctrl-C stops the search
 and answers with the plans found so far (a note says so); a second Ctrl-C quits at once.
@@ -23,6 +23,7 @@ from pipesched.api.cli.common import stop_on_interrupt
 from pipesched.api.loading import format_validation_error
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
+from pipesched.optimizer.frameworks import FRAMEWORKS
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 from pipesched.optimizer.units import format_bytes
@@ -40,8 +41,11 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def load_plan_request(path: Path, top: int | None = None, time_limit: float | None = None) -> PlanRequest:
-    """Read and validate a plan request file (contract, Plan).
+def load_plan_request(
+    path: Path, top: int | None = None, time_limit: float | None = None, framework: str | None = None
+) -> PlanRequest:
+    """Read and validate a plan request file (contract, Plan); ``top``, ``time_limit`` and ``framework`` replace
+    ``search.top``, ``search.time_limit_s`` and ``training.framework``.
 
     Raises:
         typer.Exit: code 2 with the field paths and the fix.
@@ -60,6 +64,9 @@ def load_plan_request(path: Path, top: int | None = None, time_limit: float | No
     if time_limit is not None:
         search["time_limit_s"] = time_limit
     data = {**data, "search": search}
+    if framework is not None:
+        training = data.get("training")
+        data["training"] = {**training, "framework": framework} if isinstance(training, dict) else training
     try:
         return PlanRequest.model_validate(data)
     except ValidationError as error:
@@ -215,11 +222,18 @@ def plan_command(
         Path | None,
         typer.Option("--profile", help="A profile from `pipesched calibrate`; cluster.profile may then name it."),
     ] = None,
+    framework: Annotated[
+        str | None,
+        typer.Option(
+            "--framework",
+            help=f"training.framework: the framework that will run the plan ({', '.join(FRAMEWORKS)}).",
+        ),
+    ] = None,
 ) -> None:
     """The best parallel configurations (pipeline, tensor, data parallel, schedule) for a model on a cluster."""
     if profile is not None:
         register_profile_file(profile)
-    request = load_plan_request(config_path, top, time_limit)
+    request = load_plan_request(config_path, top, time_limit, framework)
     try:
         outcome = run_with_progress(request)
     except ValidationError as error:

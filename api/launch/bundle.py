@@ -9,11 +9,12 @@ one is searched again within the request's time limit and may differ: the bundle
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipesched.api.launch.schedulers import SCHEDULER_FILES, Job, render_scheduler_file
 from pipesched.optimizer.export import orders_to_torch_csv
+from pipesched.optimizer.frameworks import FRAMEWORKS
 from pipesched.optimizer.planner.evaluate import build_problem, launch_spec
 from pipesched.optimizer.planner.launch import (
     CONFIG_MODULE_NAME,
@@ -34,6 +35,7 @@ __all__ = [
     "LaunchBundle",
     "LaunchOptions",
     "build_bundle",
+    "launch_target",
     "pick_plan",
     "plan_schedule",
     "plan_schedule_path",
@@ -51,10 +53,13 @@ _STEP_TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class LaunchOptions:
-    """What the user chooses: the scheduler, the framework, the job's name and image, a config of their own."""
+    """What the user chooses: the scheduler, the framework, the job's name and image, a config of their own.
+
+    ``target`` None: the launch target of the request's framework where it has one (:func:`launch_target`).
+    """
 
     scheduler: str = "torchrun"
-    target: str = "torchtitan"
+    target: str | None = None
     name: str | None = None
     image: str = "your-registry/torchtitan:0.3.0"
     torchtitan_module: str | None = None
@@ -64,7 +69,7 @@ class LaunchOptions:
         """Raises LaunchError naming the bad option and the allowed values."""
         if self.scheduler not in SCHEDULERS:
             raise LaunchError(f"scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
-        if self.target not in TARGETS:
+        if self.target is not None and self.target not in TARGETS:
             raise LaunchError(f"target {self.target!r} is not one of {', '.join(TARGETS)}")
         if self.name is not None and not _NAME.match(self.name):
             raise LaunchError(
@@ -185,6 +190,24 @@ def _schedule_notes(plan: Plan, schedule: Schedule) -> list[str]:
     ]
 
 
+def launch_target(request: PlanRequest, target: str | None) -> tuple[str, list[str]]:
+    """The target that runs the plans of ``request`` (``target`` where given, else its framework's,
+    :attr:`~pipesched.optimizer.frameworks.Framework.launch_target`, else torchtitan) and what to know of it: a
+    target other than the framework the prediction assumed."""
+    name = request.training.framework or request.model.framework
+    framework = FRAMEWORKS[name] if name is not None else None
+    if framework is None:
+        return target or "torchtitan", []
+    chosen = target or framework.launch_target or "torchtitan"
+    if chosen == framework.launch_target:
+        return chosen, []
+    why = "given" if target is not None else f"pipesched writes no {framework.title} launch"
+    return chosen, [
+        f"the plan's prediction assumed {framework.title} (training.framework {framework.name}); this is a {chosen} "
+        f"launch ({why}): {chosen} runs it with its own kernels and memory, not the ones predicted"
+    ]
+
+
 def _target_files(spec: LaunchSpec, options: LaunchOptions) -> tuple[dict[str, str], list[str], list[str], list[str]]:
     """(files, argv, entry point, notes) of the target framework."""
     if options.target == "megatron":
@@ -214,7 +237,8 @@ def build_bundle(
         ValueError: the files do not fit a Kubernetes ConfigMap.
     """
     options.check()
-    notes: list[str] = []
+    target, notes = launch_target(request, options.target)
+    options = replace(options, target=target)
     files: dict[str, str] = {}
     if plan.pipeline_parallel > 1 and schedule is None:
         schedule = plan_schedule(request, plan)

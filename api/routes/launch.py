@@ -49,7 +49,11 @@ def _option_error(error: LaunchError) -> Exception:
 def get_plan_launch(
     plan_id: str,
     scheduler: Literal["torchrun", "slurm", "kubernetes", "skypilot"] = "torchrun",
-    target: Literal["torchtitan", "megatron"] = "torchtitan",
+    target: Literal["torchtitan", "megatron"] | None = Query(
+        None,
+        description="The training framework's launch; default: the plan request's training.framework where "
+        "pipesched launches it (torchtitan, megatron), else torchtitan.",
+    ),
     plan: int = Query(1, ge=1, le=100, description="Which plan, 1 = the best."),
     name: str | None = Query(None, description="Job name (default pipesched-plan-N)."),
     image: str = Query(LaunchOptions.image, max_length=300, description="Container image (Kubernetes)."),

@@ -19,6 +19,7 @@ from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.derive import tie_judging_untimed
 from pipesched.optimizer.families import get_family
+from pipesched.optimizer.frameworks import FRAMEWORK_SOFTWARE
 from pipesched.optimizer.planner.evaluate import evaluate
 from pipesched.optimizer.planner.prune import Estimator
 from pipesched.optimizer.planner.space import Configuration, methods_for
@@ -32,15 +33,6 @@ __all__ = [
     "power_limited",
     "predict",
 ]
-
-#: What a framework (a row's ``software.framework``) runs that no request field states, as software-profile fields:
-#: llm-foundry's loss is flash-attn's fused cross-entropy (``loss_fn: fused_crossentropy``,
-#: ``llmfoundry/models/mpt/modeling_mpt.py``); NeMo AutoModel's mixture-of-experts models are built in bf16 and
-#: sharded by FSDP2 as they are, no fp32 master (``pipesched.optimizer.cost.memory``, ``bf16_parameters``).
-FRAMEWORK_SOFTWARE: dict[str, dict[str, str]] = {
-    "composer": {"pytorch_cross_entropy": "fused"},
-    "automodel": {"fused_fsdp_state": "bf16_parameters"},
-}
 
 
 def kernels_mode(row: Measurement) -> str:
@@ -140,18 +132,20 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
     (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST), when FSDP reduces the gradients
     (``software.fsdp_gradient_sync``, e.g. NeMo AutoModel's once a step) and the attention kernel PyTorch
-    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``) and what its
-    framework runs (:data:`FRAMEWORK_SOFTWARE`: llm-foundry's loss, ``software.framework`` "composer"; NeMo
-    AutoModel's bf16 model under FSDP, "automodel"). With ``kernels``
+    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``), over what its
+    framework runs (:data:`~pipesched.optimizer.frameworks.FRAMEWORK_SOFTWARE`: llm-foundry's loss and prefetch,
+    "composer"; NeMo AutoModel's bf16 model under FSDP and its gradient sync, "automodel"; a field the row states
+    wins). With ``kernels``
     given (the framework ignored, as for a layout given without one) the planner's defaults stay."""
     catalogue = active_catalogue()
-    stated: dict[str, str] = {
-        "fsdp_backward_prefetch": row.software.fsdp_backward_prefetch,
-        "fsdp_gradient_sync": row.software.fsdp_gradient_sync,
-    }
+    stated: dict[str, str] = dict(FRAMEWORK_SOFTWARE.get(row.software.framework, {}))
+    stated.update(
+        (name, getattr(row.software, name))
+        for name in ("fsdp_backward_prefetch", "fsdp_gradient_sync")
+        if name in row.software.model_fields_set or name not in stated
+    )
     if row.software.attention_kernel == "cudnn":
         stated["pytorch_sdpa_backend"] = "cudnn"
-    stated.update(FRAMEWORK_SOFTWARE.get(row.software.framework, {}))
     software = catalogue.software
     if kernels is not None or all(getattr(software, field) == value for field, value in stated.items()):
         yield

@@ -77,6 +77,7 @@ from pipesched.optimizer.cost.timing import (
     layer_gemm_times,
 )
 from pipesched.optimizer.field_errors import raise_field_errors
+from pipesched.optimizer.frameworks import FRAMEWORK_SOFTWARE
 from pipesched.optimizer.partition import LayerTie, PartitionError, layer_tie, partition_layers
 from pipesched.optimizer.problem import Costs, DataParallel, Memory, Pipeline
 from pipesched.optimizer.units import format_bytes
@@ -215,10 +216,11 @@ def _unknown_accelerator(cluster: ClusterConfig) -> None:
     )
 
 
-def resolve_hardware(cluster: ClusterConfig) -> Hardware:
+def resolve_hardware(cluster: ClusterConfig, framework: str | None = None) -> Hardware:
     """The accelerator's figures and profile: the catalogue entry and its calibrated profile (or
     ``cluster.profile``), overridden by explicit numbers (``cluster.efficiency`` overrides the profile's
-    bf16 matrix-multiply efficiency).
+    bf16 matrix-multiply efficiency); with a ``framework`` (``model.framework``) the software profile carries what
+    it runs (:data:`~pipesched.optimizer.frameworks.FRAMEWORK_SOFTWARE`).
 
     Raises:
         pydantic.ValidationError: ``cluster.accelerator`` or ``cluster.profile`` unknown (the message lists the
@@ -264,6 +266,8 @@ def resolve_hardware(cluster: ClusterConfig) -> Hardware:
     profile = named if named is not None else default_profile(accelerator)
     calibrated = named is not None or (accelerator is not None and active_catalogue().get(accelerator) is not None)
     software = active_catalogue().software if calibrated else _UNFITTED_SOFTWARE
+    if framework is not None:
+        software = software.model_copy(update=FRAMEWORK_SOFTWARE[framework])
     efficiency = cluster.efficiency if cluster.efficiency is not None else profile.gemm_efficiency
     if cluster.attention_efficiency is not None:
         profile = profile.model_copy(update={"attention_efficiency": cluster.attention_efficiency})
@@ -1130,7 +1134,7 @@ def derive_problem(
             exceeding a rank's memory (``cluster``), each with the numbers and the fix.
     """
 
-    hardware = resolve_hardware(cluster)
+    hardware = resolve_hardware(cluster, model.framework)
     num_stages, num_ranks = pipeline.num_stages, pipeline.num_ranks
     raise_field_errors(
         "Problem",

@@ -294,8 +294,8 @@ class Estimator:
 
     @cached_property
     def hardware(self) -> Hardware:
-        """The resolved accelerator."""
-        return resolve_hardware(self.cluster)
+        """The resolved accelerator, its software profile the model's framework's (``model.framework``)."""
+        return resolve_hardware(self.cluster, self.model.framework)
 
     @property
     def headroom_bytes(self) -> float:

@@ -31,6 +31,7 @@ from pipesched.optimizer.cost.profile import (
     unknown_kernels_class,
 )
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
+from pipesched.optimizer.frameworks import FRAMEWORKS, framework_kernels
 from pipesched.optimizer.planner.evaluate import (
     Evaluation,
     SimulationCache,
@@ -40,7 +41,7 @@ from pipesched.optimizer.planner.evaluate import (
     schedule_lower_bound,
 )
 from pipesched.optimizer.planner.prune import Estimate, Estimator
-from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected, Searched
+from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, PlanSearch, Rejected, Searched
 from pipesched.optimizer.planner.space import DIMENSIONS, Configuration, enumerate_space
 from pipesched.optimizer.progress import SearchContext
 from pipesched.optimizer.result import Schedule
@@ -81,7 +82,9 @@ MAX_EXPLAINED = 200
 #: Of the configurations estimated up to 10% over, 12–44% fitted when simulated (Llama 3.1 8B and Qwen3-30B-A3B on
 #: 8 H100s, Nemotron-4 340B on 128). The extra simulations take time from the rest of a time-bound search: 405B on
 #: 512 GPUs returned 225 tok/s/GPU (228 before, 225 in docs/PLANNER.md's bench), Nemotron-4 340B 272 at 10%, 274 at
-#: 5% (277 before): 5%, which still reaches the Qwen layout.
+#: 5% (277 before): 5%, which still reaches the Qwen layout. Those within the slack only are simulated after every
+#: configuration that fits by the estimate (:func:`prepare`): Nemotron-4 340B 273 → 280 in one session, the Qwen
+#: layout still reached, 405B 230, DeepSeek-V3 2,191 (bench/results/published_vs_free_memory_slack.md).
 MEMORY_ESTIMATE_SLACK = 0.05
 #: Problems larger than this (stages × microbatches) are not given to the auto search.
 AUTO_MAX_STAGE_MICROBATCHES = 2048
@@ -306,12 +309,21 @@ def estimator_for(request: PlanRequest) -> Estimator:
 
 
 def _execution(request: PlanRequest) -> ModelConfig:
-    """The model with the training's precision and kernels mode (``training.*`` over ``model.*``)."""
+    """The model with the training's precision, framework and kernels mode (``training.*`` over ``model.*``; a
+    framework's own kernels where none are said: :func:`~pipesched.optimizer.frameworks.framework_kernels`)."""
+    training = request.training
     update = {
         name: value
-        for name, value in (("precision", request.training.precision), ("kernels", request.training.kernels))
+        for name, value in (
+            ("precision", training.precision),
+            ("kernels", training.kernels),
+            ("framework", training.framework),
+        )
         if value is not None
     }
+    framework = training.framework or request.model.framework
+    if framework is not None:
+        update["kernels"] = framework_kernels(framework, update.get("kernels", request.model.kernels))
     return request.model.model_copy(update=update) if update else request.model
 
 
@@ -361,11 +373,30 @@ _FUSED_LAUNCH_NOTE = (
 )
 
 
+def _framework_note(estimator: Estimator) -> str:
+    """What the plans assumed of the framework named (``model.framework``): its kernels, the bytes per parameter it
+    keeps fully sharded, and the software-profile fields it runs."""
+    model = estimator.model
+    assert model.framework is not None
+    framework = FRAMEWORKS[model.framework]
+    state = estimator.full_state("full")
+    per_parameter = static_bytes_per_parameter_sharded(
+        model, "full", 1, gradient_bytes=estimator.gradient_bytes, full_state=state
+    )
+    own = " (its own)" if model.kernels == framework.kernels else ""
+    runs = ", ".join(f"{name} {value}" for name, value in framework.software.items())
+    schedules = f"; it runs the schedules {', '.join(framework.methods)}" if framework.methods is not None else ""
+    return (
+        f"training.framework {framework.name} ({framework.title}): {model.kernels} kernels{own}; fully sharded "
+        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}"
+    )
+
+
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
     calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
     profile = estimator.hardware.profile
-    notes = []
+    notes = [] if estimator.model.framework is None else [_framework_note(estimator)]
     if profile.fitted_rows == 0:
         notes.append(
             f"{estimator.hardware.name}: no profile fitted to its own rows ({profile.source}); the interval is wide"
@@ -444,7 +475,8 @@ def prepare(request: PlanRequest) -> Prepared:
     ]
     if not fitting:
         raise_field_errors("PlanRequest", [_no_fit_error(request, estimates, estimator)])
-    fitting.sort(key=lambda item: (item[1].estimate_ms, item[1].peak_memory_bytes))
+    # those that fit by the estimate first, then those only within the slack (each best estimate first)
+    fitting.sort(key=lambda item: (not item[1].fits, item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []
     if cut:
@@ -458,14 +490,25 @@ def prepare(request: PlanRequest) -> Prepared:
     return Prepared(request, estimator, fitting, rejected, searched, started, notes)
 
 
+def _plan_search(request: PlanRequest) -> PlanSearch:
+    """``request.search``, its ``method`` the schedules the framework runs where the request pins none
+    (:attr:`~pipesched.optimizer.frameworks.Framework.methods`: Megatron's 1F1B and interleaved 1F1B)."""
+    name = request.training.framework or request.model.framework
+    methods = FRAMEWORKS[name].methods if name is not None else None
+    if methods is None or request.search.method is not None:
+        return request.search
+    return request.search.model_copy(update={"method": list(methods)})
+
+
 def space_of(request: PlanRequest, estimator: Estimator) -> Iterator[Configuration]:
-    """Every configuration ``request`` allows (:func:`enumerate_space`), at the precision of ``estimator``'s model
-    (``training.precision``) where ``search.precision`` does not list several."""
+    """Every configuration ``request`` allows (:func:`enumerate_space`; the framework's schedules,
+    :func:`_plan_search`), at the precision of ``estimator``'s model (``training.precision``) where
+    ``search.precision`` does not list several."""
     return enumerate_space(
         estimator.model,
         request.cluster,
         request.training.global_batch_size,
-        request.search,
+        _plan_search(request),
         precision=estimator.model.precision,
     )
 
@@ -709,7 +752,8 @@ def _faster(step_ms: float, than_ms: float | None) -> bool:
 
 
 def _allows_auto(request: PlanRequest) -> bool:
-    return request.search.method is None or "auto" in request.search.method
+    method = _plan_search(request).method
+    return method is None or "auto" in method
 
 
 def search(

@@ -6,9 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, model_validator
 
-from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, FrameworkName, ModelConfig
 from pipesched.optimizer.families import registry
 from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
+from pipesched.optimizer.frameworks import FRAMEWORKS, framework_kernels
 from pipesched.optimizer.problem import DataParallel, Sharding
 
 __all__ = [
@@ -56,6 +57,17 @@ class PlanTraining(StrictModel):
         None,
         description='"eager" (torchtitan\'s default), "compiled" (torch.compile), "fused" (Megatron-LM / '
         'Transformer Engine kernels), "unknown" (framework not said); null: model.kernels ("unknown").',
+    )
+    framework: FrameworkName | None = Field(
+        None,
+        description=f"The training framework that will run the plan ({', '.join(FRAMEWORKS)}; aliases such as "
+        '"nemo", "megatron-bridge", "llm-foundry" accepted): its kernels where kernels is not said (torchtitan and '
+        "composer eager, compiled when said; megatron and automodel fused; any other kernels is refused), and what it "
+        "keeps and overlaps that no other field states: FSDP's sharded state per parameter (torchtitan and composer "
+        "16 B, Megatron-FSDP 18 B, NeMo AutoModel's bf16 model 8 B), backward prefetch, gradient sync, the loss; "
+        "for megatron its schedules (1f1b, interleaved-1f1b) where search.method pins none; pipesched launch's default "
+        "target where it has one. null: model.framework (not said: the software "
+        'profile\'s defaults, and kernels "unknown" the expected time over the frameworks that publish the layout).',
     )
     global_batch_tokens: int | None = Field(
         None,
@@ -174,6 +186,35 @@ class PlanRequest(StrictModel):
     @model_validator(mode="after")
     def _context_and_expert_degrees_suit_the_model(self) -> PlanRequest:
         raise_field_errors("PlanRequest", _degree_errors(self.model, self.search))
+        return self
+
+    @model_validator(mode="after")
+    def _framework_runs_the_kernels(self) -> PlanRequest:
+        """The framework (``training.framework``, else ``model.framework``) against the kernels said
+        (``training.kernels``, else a ``model.kernels`` given) and a ``model.framework`` given: a contradiction is
+        refused naming both fields."""
+        framework = self.training.framework or self.model.framework
+        if framework is None:
+            return self
+        named = "training.framework" if self.training.framework is not None else "model.framework"
+        errors: list[FieldError] = []
+        if self.model.framework not in (None, framework):
+            errors.append(
+                (
+                    ("model", "framework"),
+                    f"model.framework {self.model.framework!r} contradicts training.framework {framework!r}: give one",
+                    self.model.framework,
+                )
+            )
+        said = self.training.kernels
+        loc = ("training", "kernels")
+        if said is None and "kernels" in self.model.model_fields_set:
+            said, loc = self.model.kernels, ("model", "kernels")
+        try:
+            framework_kernels(framework, said, (".".join(loc), named))
+        except ValueError as error:
+            errors.append((loc, str(error), said))
+        raise_field_errors("PlanRequest", errors)
         return self
 
 

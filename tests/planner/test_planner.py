@@ -6,7 +6,6 @@ import json
 import math
 import time
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from pipesched.api.app import create_app
 from pipesched.api.cli import app as cli_app
-from pipesched.api.settings import Settings
 from pipesched.optimizer.planner.evaluate import build_problem, evaluate
 from pipesched.optimizer.planner.rank import PlanProgress, plan, prepare
 from pipesched.optimizer.planner.request import PlanRequest
@@ -321,14 +318,6 @@ def test_cli_plan_writes_ranked_plans(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli_app, ["plan", str(bad)])
     assert result.exit_code == 2
     assert "training.global_batch_size" in result.output
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    path = tmp_path_factory.mktemp("plans") / "pipesched.sqlite3"
-    settings = Settings(database_url=f"sqlite:///{path}", solver_workers=1, max_time_limit_s=20)
-    with TestClient(create_app(settings)) as test_client:
-        yield test_client
 
 
 def test_http_plan_job_with_progress_and_stored_schedules(client: TestClient) -> None:
