@@ -10,11 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipesched.api.settings import Settings
+from tests.api.test_api_served import ServedApi
 from tests.conftest import REPO, data_parallel_problem
 
 PROBLEM = {
@@ -37,6 +39,15 @@ def pipesched(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subpr
         timeout=300,
         env={"PATH": "/usr/bin:/bin", "COLUMNS": "120", "HOME": str(cwd), **(env or {})},
     )
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
+    """A real `pipesched serve` on a loopback port, as the README's client reaches it."""
+    directory = tmp_path_factory.mktemp("newcomer-served")
+    server = ServedApi(f"sqlite:///{directory / 'served.sqlite3'}", directory / "server.log")
+    yield server
+    server.stop()
 
 
 @pytest.fixture()
@@ -385,3 +396,37 @@ def test_calibrate_given_a_problem_says_which_file_it_takes(problem_file: Path) 
     assert result.returncode == 2
     assert f"{problem_file} is a problem, not a measurement file" in result.stderr, result.stderr
     assert "optimizer/cost/calibration/README.md" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_microbatch_pin_the_batch_contradicts_is_named_with_fixes_that_work(
+    tmp_path: Path, served: ServedApi
+) -> None:
+    """32 sequences on 8 GPUs with search.num_microbatches [7]: was only 'global batch 32 is not divisible by … (those
+    products: 1, 2, 4, 8, 16, 32, …): use e.g. 32, 64, 128': the pin unnamed, the batch offered back as its own fix."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "num_microbatches": [7]},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    result = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "search.num_microbatches: search.num_microbatches = [7] admits no configuration with global batch 32 " in (
+        result.stderr
+    )
+    assert "use values among [1, 2, 4, 8, 16, 32], or drop it" in result.stderr, result.stderr
+    assert "(those products: 7, 14, 28, 56, " in result.stderr and "use e.g. 28, 35, 42, 56" in result.stderr
+    assert "Traceback" not in result.stderr
+    answer = served.client.post("/v1/plans", json=request)
+    assert answer.status_code == 422, answer.text
+    errors = {tuple(error["loc"]): error["msg"] for error in answer.json()["detail"]}
+    assert set(errors) == {("body", "training", "global_batch_size"), ("body", "search", "num_microbatches")}
+    assert "use e.g. 28, 35, 42, 56" in errors[("body", "training", "global_batch_size")]
+    # two pins: only the one whose removal lets the batch through is named (data-parallel 8 cannot split 36)
+    request["search"] = {"time_limit_s": 3, "micro_batch_size": [4], "data_parallel_size": [8]}
+    request["training"] = {"global_batch_size": 36}
+    answer = served.client.post("/v1/plans", json=request)
+    assert answer.status_code == 422, answer.text
+    named = [tuple(error["loc"]) for error in answer.json()["detail"]]
+    assert named == [("body", "training", "global_batch_size"), ("body", "search", "data_parallel_size")]
