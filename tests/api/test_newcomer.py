@@ -430,3 +430,57 @@ def test_a_microbatch_pin_the_batch_contradicts_is_named_with_fixes_that_work(
     assert answer.status_code == 422, answer.text
     named = [tuple(error["loc"]) for error in answer.json()["detail"]]
     assert named == [("body", "training", "global_batch_size"), ("body", "search", "data_parallel_size")]
+
+
+def test_launching_a_model_of_your_own_for_torchtitan_says_how_on_either_surface(
+    tmp_path: Path, served: ServedApi
+) -> None:
+    """Was "model preset None has no torchtitan 0.3 config function: name one with --torchtitan-module … (e.g.
+    --torchtitan-module llama3 --torchtitan-config llama3_debugmodel)": a job that trains torchtitan's debug model,
+    and flags the HTTP launch had no parameters for."""
+    own = {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048, "vocab_size": 32000}
+    request = {
+        "model": own,
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "pipeline_parallel": [2]},
+    }
+    posted = served.client.post("/v1/plans", json=request)
+    assert posted.status_code == 202, posted.text
+    deadline = time.monotonic() + 120
+    while (answer := served.client.get(f"/v1/plans/{posted.json()['id']}").json())["status"] not in ("done", "failed"):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.2)
+    assert answer["status"] == "done", answer
+    launch = f"/v1/plans/{answer['id']}/launch"
+    refused = served.client.get(launch, params={"target": "torchtitan"})
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"]
+    assert error["loc"] == ["query", "torchtitan_module"]
+    said = error["msg"]
+    assert said.startswith("model of your own (8 layers, hidden 1024, 16 heads, vocabulary 32000) has no config ")
+    assert "torchtitan_module and torchtitan_config" in said and "debugmodel" not in said and "None" not in said
+    own_config = {"target": "torchtitan", "torchtitan_module": "mymodels", "torchtitan_config": "my_1b"}
+    files = served.client.get(launch, params=own_config)
+    assert files.status_code == 200, files.text
+    assert files.json()["files"]["torchtitan.args"].startswith("--module\nmymodels\n--config\nmy_1b\n")
+    half = served.client.get(launch, params={"torchtitan_module": "mymodels"})
+    assert half.status_code == 422 and half.json()["detail"][0]["loc"] == ["query", "torchtitan_module"]
+    # the command line, on the same answer saved as GET /v1/plans/{id} gave it
+    (tmp_path / "plans.json").write_text(json.dumps(answer))
+    result = pipesched("launch", "plans.json", "-o", "job", cwd=tmp_path)
+    assert result.returncode == 2 and "model of your own (8 layers" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    result = pipesched(
+        "launch",
+        "plans.json",
+        "-o",
+        "job",
+        "--torchtitan-module",
+        "mymodels",
+        "--torchtitan-config",
+        "my_1b",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "job" / "torchtitan.args").read_text().startswith("--module\nmymodels\n--config\nmy_1b\n")
