@@ -484,3 +484,22 @@ def test_launching_a_model_of_your_own_for_torchtitan_says_how_on_either_surface
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "job" / "torchtitan.args").read_text().startswith("--module\nmymodels\n--config\nmy_1b\n")
+
+
+def test_plan_prints_what_search_explain_found_did_not_fit(tmp_path: Path) -> None:
+    """search.explain: true had printed nothing on the terminal; the reasons were only in the -o file's JSON."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "A100-40GB", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "explain": True, "pipeline_parallel": [1, 2]},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    result = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path, env={"COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    listed = json.loads((tmp_path / "plans.json").read_text())["explain"]
+    assert f"did not fit (search.explain: {len(listed)} configurations listed in the answer's explain" in result.stdout
+    first = listed[0]
+    assert f"{first['configuration']['method']}: {first['reason']}" in result.stdout, result.stdout
+    shown = [line for line in result.stdout.splitlines() if line.startswith("  pp ")]
+    assert 1 < len(shown) <= 12 and len(set(line.split(",")[0] for line in shown)) == len(shown)
