@@ -361,7 +361,8 @@ def test_run_says_whose_predictions_it_prints() -> None:
     from pipesched.optimizer.derive import load_problem
 
     given = prediction_note(load_problem(PROBLEM), "gpt-tiny")
-    assert "the problem's costs and memory as given" in given and "ran --model gpt-tiny" in given
+    assert "the problem's costs and memory as written (measured on no model pipesched knows" in given
+    assert "ran --model gpt-tiny" in given
     assert "--model problem" not in given  # a problem without a model cannot be run as its own model
     derived = load_problem(
         {
@@ -503,3 +504,31 @@ def test_plan_prints_what_search_explain_found_did_not_fit(tmp_path: Path) -> No
     assert f"{first['configuration']['method']}: {first['reason']}" in result.stdout, result.stdout
     shown = [line for line in result.stdout.splitlines() if line.startswith("  pp ")]
     assert 1 < len(shown) <= 12 and len(set(line.split(",")[0] for line in shown)) == len(shown)
+
+
+def test_a_run_of_a_profiled_problem_says_whose_passes_it_predicts(
+    profiled_from_the_current_directory: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """profile --model M → solve → run: the run's note had said the predictions were 'the problem's costs and memory
+    as given' and compared 'only for a problem profiled from gpt-tiny' (the problem was profiled, from M), and the
+    run without --model ran gpt-tiny, not M. The profile now records M (costs.profiled_model) and a run defaults
+    to it."""
+    profiled, folder = profiled_from_the_current_directory
+    assert profiled.returncode == 0, profiled.stderr
+    written = json.loads((folder / "p.json").read_text())
+    assert written["costs"]["profiled_model"] == "mystages:tiny_stages"
+    solved = pipesched("solve", "p.json", "--method", "1f1b", "-o", "s.json", cwd=folder)
+    assert solved.returncode == 0, solved.stderr
+    ran = pipesched("run", "s.json", cwd=folder)
+    assert ran.returncode == 0, ran.stderr
+    said = " ".join(ran.stdout.split())
+    assert (
+        "predicted times and memory are mystages:tiny_stages's, as pipesched profile --model mystages:tiny_stages "
+        "measured them (costs.profiled_model); the ranks ran mystages:tiny_stages, so they compare." in said
+    ), said
+    assert "as given" not in said and "as written" not in said
+    other = pipesched("run", "s.json", "--model", "gpt-tiny", cwd=folder)
+    assert other.returncode == 0, other.stderr
+    assert "the ranks ran --model gpt-tiny, so they do not compare: run --model mystages:tiny_stages" in " ".join(
+        other.stdout.split()
+    )
