@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.cli.common import stop_on_interrupt
-from pipesched.api.loading import format_validation_error
+from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
@@ -79,6 +79,9 @@ def register_profile_file(path: Path) -> None:
     except json.JSONDecodeError as error:
         raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}") from None
     except ValidationError as error:
+        kind = wrong_kind(path, json.loads(path.read_text()), "profile")
+        if kind:  # another of pipesched's files: which, and what to do, not one line per field it lacks
+            raise _fail(kind.rstrip("\n")) from None
         raise _fail(
             f"{path} is not a profile (pipesched calibrate writes one):\n{format_validation_error(error, '  ')}"
         ) from None

@@ -532,3 +532,24 @@ def test_a_run_of_a_profiled_problem_says_whose_passes_it_predicts(
     assert "the ranks ran --model gpt-tiny, so they do not compare: run --model mystages:tiny_stages" in " ".join(
         other.stdout.split()
     )
+
+
+def test_plan_given_runs_as_its_profile_says_to_calibrate_them_first(tmp_path: Path) -> None:
+    """plan --profile runs.json (calibrate's input, not its output) had answered 'is not a profile' and one line per
+    field a profile has; a plan answer given as the profile, a line per top-level field of the answer."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "profile": "mine"},
+        "training": {"global_batch_size": 32},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    (tmp_path / "runs.json").write_text(json.dumps({"rows": [{"id": "mine", "accelerator": "H100-SXM"}]}))
+    result = pipesched("plan", "plan.json", "--profile", "runs.json", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: runs.json is a measurement file, not a profile: make a profile of its runs with `pipesched calibrate "
+        "runs.json -o profile.json`, then give that"
+    )
+    result = pipesched("plan", "plan.json", "--profile", "plan.json", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert result.returncode == 2 and "plan.json is a plan request, not a profile" in result.stderr, result.stderr
+    assert "Extra inputs" not in result.stderr
