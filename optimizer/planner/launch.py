@@ -339,8 +339,8 @@ def _megatron_pipeline_args(spec: LaunchSpec) -> list[str]:
     if spec.layout.placement != "loop":
         raise LaunchError(
             f"Megatron-LM places virtual stages in a loop; this plan's placement is {spec.layout.placement!r}: "
-            "choose a "
-            "plan with placement loop (--plan N) or --target torchtitan"
+            "choose a plan with placement loop (--plan N; the plans' chunks say loop or v), plan again with "
+            'search.placement ["loop"] (Megatron\'s layouts only), or --target torchtitan'
         )
     layers = spec.layers_per_stage
     even = layers is None or len(set(layers)) == 1

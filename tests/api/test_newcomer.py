@@ -553,3 +553,28 @@ def test_plan_given_runs_as_its_profile_says_to_calibrate_them_first(tmp_path: P
     result = pipesched("plan", "plan.json", "--profile", "plan.json", cwd=tmp_path, env={"COLUMNS": "300"})
     assert result.returncode == 2 and "plan.json is a plan request, not a profile" in result.stderr, result.stderr
     assert "Extra inputs" not in result.stderr
+
+
+def test_a_v_shaped_plan_for_megatron_says_how_to_get_a_loop_one(tmp_path: Path) -> None:
+    """Mixtral at 32K tokens on 32 H100s: every top plan V-shaped, and Megatron's refusal said only 'choose a plan
+    with placement loop (--plan N)', which none was."""
+    request = {
+        "model": {
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "seq_length": 2048,
+            "vocab_size": 32000,
+        },
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "pipeline_parallel": [2], "placement": ["v"], "top": 2},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    planned = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    result = pipesched("launch", "plans.json", "--target", "megatron", "-o", "job", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "this plan's placement is 'v'" in said and 'plan again with search.placement ["loop"]' in said, said
+    assert "Traceback" not in result.stderr
