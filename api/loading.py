@@ -37,8 +37,8 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
 
 
 def document_kind(data: Any) -> str | None:
-    """Which of the contract's documents ``data`` looks like: ``problem``, ``schedule``, ``plan request`` or
-    ``plan answer`` (by its top-level fields), else None."""
+    """Which of the contract's documents ``data`` looks like: ``problem``, ``schedule``, ``plan request``, ``plan
+    answer`` or ``measurement file`` (`pipesched calibrate`'s input) (by its top-level fields), else None."""
     if not isinstance(data, dict):
         return None
     if "ranks" in data and "status" in data:
@@ -49,6 +49,8 @@ def document_kind(data: Any) -> str | None:
         return "problem"
     if "training" in data and "model" in data and "cluster" in data:
         return "plan request"
+    if "rows" in data:
+        return "measurement file"
     return None
 
 
@@ -67,7 +69,12 @@ def wrong_kind(path: Path, data: Any, wanted: str) -> str:
             "with its measured tokens/s per GPU: optimizer/cost/calibration/README.md)"
             for kind in ("problem", "schedule", "plan request", "plan answer")
         },
-    }.get((kind, wanted), f"give the {wanted} file")
+        ("measurement file", "profile"): f"make a profile of its runs with `pipesched calibrate {path} -o "
+        "profile.json`, then give that",
+    }.get(
+        (kind, wanted),
+        "a profile is what `pipesched calibrate` writes" if wanted == "profile" else f"give the {wanted} file",
+    )
     return f"{path} is a {kind}, not a {wanted}: {command}\n"
 
 

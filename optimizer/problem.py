@@ -265,6 +265,15 @@ class Costs(_Strict):
             "unshard_wait (not in the contract), ms."
         ),
     )
+    profiled_model: str | None = Field(
+        None,
+        max_length=300,
+        description=(
+            "The model these costs were measured on (not in the contract): `pipesched profile --model` writes its "
+            "--model (gpt-tiny, …, module:function); `pipesched run` says whether its ranks ran it. null: costs as "
+            "written, measured on no model pipesched knows."
+        ),
+    )
     overlap_slowdown: float = Field(
         0.0,
         ge=0,

@@ -53,7 +53,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -729,7 +729,7 @@ def measure_model(
             replicas=options.data_parallel,
         )
     assert returned is not None
-    return _assemble(
+    profile = _assemble(
         skeleton,
         returned[0],
         options,
@@ -741,6 +741,8 @@ def measure_model(
         replica_wait,
         communication_slowdown,
     )
+    # whose passes these are, for a run of another model to say so (costs.profiled_model)
+    return replace(profile, problem=profile.problem.with_changes(**{"costs.profiled_model": model}))
 
 
 def _skeleton(

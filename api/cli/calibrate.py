@@ -66,7 +66,11 @@ def _table(rows: list[Measurement], before: list[float], after: list[float]) -> 
 
 def calibrate_command(
     measurements: Annotated[
-        Path, typer.Argument(metavar="MEASUREMENTS.json", help="Runs of one accelerator (calibration data format).")
+        Path,
+        typer.Argument(
+            metavar="MEASUREMENTS.json",
+            help="Runs of one accelerator: {'rows': [...]}, each row as optimizer/cost/calibration/README.md says.",
+        ),
     ],
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the profile (JSON) here.")] = None,
     name: Annotated[str | None, typer.Option("--name", help="The profile's name (cluster.profile).")] = None,

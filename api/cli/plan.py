@@ -20,12 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.cli.common import stop_on_interrupt
-from pipesched.api.loading import format_validation_error
+from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.frameworks import FRAMEWORKS
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
-from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
+from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest, Rejected
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["plan_command", "print_plans", "register_profile_file"]
@@ -86,6 +86,9 @@ def register_profile_file(path: Path) -> None:
     except json.JSONDecodeError as error:
         raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}") from None
     except ValidationError as error:
+        kind = wrong_kind(path, json.loads(path.read_text()), "profile")
+        if kind:  # another of pipesched's files: which, and what to do, not one line per field it lacks
+            raise _fail(kind.rstrip("\n")) from None
         raise _fail(
             f"{path} is not a profile (pipesched calibrate writes one):\n{format_validation_error(error, '  ')}"
         ) from None
@@ -151,6 +154,8 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f", {answer.active_parameters / 1e9:.1f}B active" if answer.active_parameters < answer.parameters else ""
         )
         out.print(f"model: {answer.parameters / 1e9:.1f}B parameters{active}", highlight=False)
+    if answer.explain:
+        print_explained(answer.explain, out)
     searched = answer.searched
     out.print(
         f"searched: {searched.enumerated} enumerated, {searched.pruned_memory} pruned by memory, "
@@ -159,6 +164,46 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         f"done in {answer.elapsed_s:.1f} s",
         highlight=False,
     )
+
+
+#: The most refused layouts (one line each) the command line prints of ``search.explain``.
+EXPLAINED_LINES = 12
+
+
+def print_explained(explained: list[Rejected], out: Console) -> None:
+    """``search.explain`` on the terminal: the first refusal of each parallel layout (pipeline × tensor × context ×
+    expert × data parallel and sharding), at most :data:`EXPLAINED_LINES`; the answer's JSON holds them all."""
+    first: dict[tuple[object, ...], Rejected] = {}
+    for rejected in explained:
+        shape = rejected.configuration
+        key = tuple(shape.get(name) for name in _LAYOUT_FIELDS)
+        first.setdefault(key, rejected)
+    out.print(
+        f"did not fit (search.explain: {len(explained)} configurations listed in the answer's explain, the first of "
+        f"each layout here):",
+        highlight=False,
+    )
+    for rejected in list(first.values())[:EXPLAINED_LINES]:
+        shape = rejected.configuration
+        layout = " × ".join(f"{short} {shape.get(name, 1)}" for short, name in _LAYOUT_SHORT)
+        out.print(
+            f"  {layout} {shape.get('sharding', 'none')}, micro-batch {shape.get('micro_batch_size')}, "
+            f"recomputation {shape.get('activation_recomputation')}, {shape.get('method')}: {rejected.reason}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if len(first) > EXPLAINED_LINES:
+        out.print(f"  … {len(first) - EXPLAINED_LINES} more layouts in the answer's explain", highlight=False)
+
+
+_LAYOUT_SHORT = (
+    ("pp", "pipeline_parallel"),
+    ("tp", "tensor_parallel"),
+    ("cp", "context_parallel"),
+    ("ep", "expert_parallel"),
+    ("dp", "data_parallel_size"),
+)
+_LAYOUT_FIELDS = (*(name for _, name in _LAYOUT_SHORT), "sharding")
 
 
 def run_with_progress(request: PlanRequest) -> PlanOutcome:

@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 ScheduleArgument = Annotated[Path, typer.Argument(metavar="SCHEDULE.json", help="Schedule from pipesched solve.")]
 NprocOption = Annotated[int | None, typer.Option("--nproc-per-node", help="Ranks on this node.")]
 BackendOption = Annotated[str, typer.Option("--backend", help="gloo (CPU) or nccl (GPU).")]
-ModelOption = Annotated[str, typer.Option("--model", help="gpt-tiny, gpt-small, …, problem, module:function.")]
+ModelOption = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="gpt-tiny, gpt-small, …, problem, module:function (default: the model the problem was profiled on, "
+        "costs.profiled_model, else gpt-tiny).",
+    ),
+]
 ReportOption = Annotated[Path | None, typer.Option("-o", "--output", help="Write the run report here.")]
 EngineOption = Annotated[
     str,
@@ -93,13 +100,26 @@ InjectNanOption = Annotated[str | None, typer.Option("--inject-nan", hidden=True
 
 
 def prediction_note(problem: Problem, model: str) -> str:
-    """Where the run summary's predictions come from when the ranks ran another model than the problem's."""
+    """Where the run summary's predictions come from when the ranks ran another model than the problem's: the
+    problem's model, the model `pipesched profile` measured its costs on (``costs.profiled_model``), or costs as
+    written."""
     spec = problem.model
+    profiled = problem.costs.profiled_model if problem.costs is not None else None
+    if spec is None and profiled is not None:
+        measured = (
+            f"note: predicted times and memory are {profiled}'s, as pipesched profile --model {profiled} measured"
+        )
+        if profiled == model:
+            return f"{measured} them (costs.profiled_model); the ranks ran {model}, so they compare."
+        return (
+            f"{measured} them (costs.profiled_model); the ranks ran --model {model}, so they do not compare: run "
+            f"--model {profiled}, or profile {model} (pipesched profile --model {model})."
+        )
     source = (
         f"the problem's model ({spec.preset or f'{spec.num_layers} layers, hidden {spec.hidden_size}'}, "
         f"sequence {spec.seq_length}, micro-batch {spec.micro_batch_size})"
         if spec is not None
-        else "the problem's costs and memory as given"
+        else "the problem's costs and memory as written (measured on no model pipesched knows: no costs.profiled_model)"
     )
     alternative = " or with --model problem" if spec is not None else ""
     return (
@@ -112,7 +132,7 @@ def run(
     schedule_path: ScheduleArgument,
     nproc_per_node: NprocOption = None,
     backend: BackendOption = "gloo",
-    model: ModelOption = "gpt-tiny",
+    model: ModelOption = None,
     output: ReportOption = None,
     engine: EngineOption = "auto",
     seed: SeedOption = 0,
@@ -148,6 +168,9 @@ def run(
         schedule = load_schedule_file(schedule_path)
     except InputError as error:
         raise fail(str(error)) from None
+    if model is None:  # the model the profile measured, so that the predictions compare
+        costs = schedule.problem.costs
+        model = (costs.profiled_model if costs is not None else None) or "gpt-tiny"
     given = {
         "data_parallel": data_parallel,
         "sharding": sharding,

@@ -77,7 +77,10 @@ class LaunchOptions:
                 "letter, at most 40 characters"
             )
         if (self.torchtitan_module is None) != (self.torchtitan_config is None):
-            raise LaunchError("give both --torchtitan-module and --torchtitan-config, or neither")
+            raise LaunchError(
+                "torchtitan module and config: give both (--torchtitan-module and --torchtitan-config; over HTTP "
+                "torchtitan_module and torchtitan_config), or neither"
+            )
 
 
 @dataclass

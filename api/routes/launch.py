@@ -15,6 +15,9 @@ from pipesched.api.schemas import HTTPError, error_responses
 from pipesched.optimizer.planner.launch import LaunchError
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
+#: A dotted Python name (a module, or a function in one), as torchtitan's --module and --config take.
+_PYTHON_NAME = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
 router = APIRouter(prefix="/v1/plans", tags=["plans"], dependencies=[Depends(require_token)])
 
 
@@ -29,7 +32,13 @@ class LaunchFiles(BaseModel):
 
 def _option_error(error: LaunchError) -> Exception:
     text = str(error)
-    for prefix, name in (("scheduler", "scheduler"), ("target", "target"), ("name", "name"), ("model", "target")):
+    for prefix, name in (
+        ("scheduler", "scheduler"),
+        ("target", "target"),
+        ("name", "name"),
+        ("model", "torchtitan_module"),
+        ("torchtitan", "torchtitan_module"),
+    ):
         if text.startswith(prefix):
             return field_error(("query", name), text)
     return field_error(("query", "plan"), text)
@@ -58,6 +67,18 @@ def get_plan_launch(
     name: str | None = Query(None, description="Job name (default pipesched-plan-N)."),
     image: str = Query(LaunchOptions.image, max_length=300, description="Container image (Kubernetes)."),
     format: Literal["json", "zip"] = "json",
+    torchtitan_module: str | None = Query(
+        None,
+        max_length=200,
+        pattern=_PYTHON_NAME,
+        description="torchtitan --module of your own (with torchtitan_config).",
+    ),
+    torchtitan_config: str | None = Query(
+        None,
+        max_length=200,
+        pattern=_PYTHON_NAME,
+        description="torchtitan --config of your own (with torchtitan_module).",
+    ),
     svc: Services = Depends(services),
 ) -> Response | LaunchFiles:
     """The files ``pipesched launch`` writes for plan ``plan`` of a finished search: ``schedule.csv`` (the
@@ -72,7 +93,7 @@ def get_plan_launch(
         )
     answer = PlanAnswer.model_validate_json(row.answer_json)
     request = PlanRequest.model_validate_json(row.request_json)
-    options = LaunchOptions(scheduler=scheduler, target=target, name=name, image=image)
+    options = LaunchOptions(scheduler, target, name, image, torchtitan_module, torchtitan_config)
     try:
         chosen = pick_plan(answer, plan)
         schedule = svc.store.schedule(chosen.schedule_id) if chosen.schedule_id else None

@@ -172,10 +172,18 @@ def _torchtitan_config(spec: LaunchSpec, module: str | None, config: str | None)
     preset = spec.model.preset
     known = TORCHTITAN_CONFIGS.get(preset or "")
     if known is None:
+        model = spec.model
+        whose = (
+            f"model preset {preset!r}"
+            if preset is not None
+            else f"model of your own ({model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{model.num_attention_heads} heads, vocabulary {model.vocab_size})"
+        )
         raise LaunchError(
-            f"model preset {preset!r} has no torchtitan 0.3 config function: name one with --torchtitan-module "
-            f"and --torchtitan-config (e.g. --torchtitan-module llama3 --torchtitan-config llama3_debugmodel), "
-            f"or use a preset torchtitan ships ({', '.join(TORCHTITAN_CONFIGS)})"
+            f"{whose} has no config function in torchtitan 0.3: write one that builds this model and name it "
+            f"(pipesched launch --torchtitan-module M --torchtitan-config F; over HTTP the launch's "
+            f"torchtitan_module and torchtitan_config), or plan a preset torchtitan ships "
+            f"({', '.join(TORCHTITAN_CONFIGS)}); a config torchtitan ships for another model would train that model"
         )
     return known
 
@@ -331,8 +339,8 @@ def _megatron_pipeline_args(spec: LaunchSpec) -> list[str]:
     if spec.layout.placement != "loop":
         raise LaunchError(
             f"Megatron-LM places virtual stages in a loop; this plan's placement is {spec.layout.placement!r}: "
-            "choose a "
-            "plan with placement loop (--plan N) or --target torchtitan"
+            "choose a plan with placement loop (--plan N; the plans' chunks say loop or v), plan again with "
+            'search.placement ["loop"] (Megatron\'s layouts only), or --target torchtitan'
         )
     layers = spec.layers_per_stage
     even = layers is None or len(set(layers)) == 1

@@ -134,10 +134,13 @@ def _exists(request: PlanRequest, search_changes: dict[str, None], ignore_batch:
 def _empty_space_errors(request: PlanRequest) -> list[FieldError]:
     """Why no configuration exists: the batch, or the pins that contradict each other."""
     batch = request.training.global_batch_size
+    pinned = [name for name in DIMENSIONS if getattr(request.search, name) is not None]
     if _exists(request, {}, ignore_batch=True):
+        # the pins agree with each other, not with the batch: name the batch and each pin whose removal lets it through
+        per_sequence = request.search.num_microbatches is not None  # then the pinned count multiplies the product
         sizes = sorted(
             {
-                config.data_parallel_size * config.micro_batch_size
+                config.data_parallel_size * config.micro_batch_size * (config.num_microbatches if per_sequence else 1)
                 for config in itertools.islice(
                     enumerate_space(request.model, request.cluster, batch, request.search, ignore_batch=True),
                     MAX_CONFIGURATIONS,
@@ -148,16 +151,23 @@ def _empty_space_errors(request: PlanRequest) -> list[FieldError]:
             {math.ceil(batch / size) * size for size in sizes} | {max(size, batch // size * size) for size in sizes}
         )
         nearby = sorted(nearby, key=lambda value: abs(value - batch))[:4]
-        return [
+        product = "data-parallel size × micro-batch size" + (
+            f" × microbatches (search.num_microbatches = {request.search.num_microbatches})" if per_sequence else ""
+        )
+        errors: list[FieldError] = [
             (
                 ("training", "global_batch_size"),
-                f"global batch {batch} is not divisible by data-parallel size × micro-batch size of any "
-                f"configuration on {request.cluster.num_gpus} GPUs (those products: "
-                f"{', '.join(map(str, sizes[:12]))}): use e.g. {', '.join(map(str, sorted(nearby)))}",
+                f"global batch {batch} is not divisible by {product} of any configuration on "
+                f"{request.cluster.num_gpus} GPUs (those products: {', '.join(map(str, sizes[:12]))}): use e.g. "
+                f"{', '.join(map(str, sorted(nearby)))}",
                 batch,
             )
         ]
-    pinned = [name for name in DIMENSIONS if getattr(request.search, name) is not None]
+        return errors + [
+            _pin_error(request, name, f" with global batch {batch}", "", " (or change the batch)", ignore_batch=False)
+            for name in pinned
+            if _exists(request, {name: None}, ignore_batch=False)
+        ]
     culprits = [name for name in pinned if _exists(request, {name: None}, ignore_batch=True)]
     if not pinned:
         return [
@@ -180,23 +190,29 @@ def _empty_space_errors(request: PlanRequest) -> list[FieldError]:
             )
             for name in pinned
         ]
-    return [
-        (
-            ("search", name),
-            f"search.{name} = {getattr(request.search, name)} admits no configuration{others} on "
-            f"{request.cluster.num_gpus} GPUs ({_degree_reason(request, name)}): use values among "
-            f"{_admitted_values(request, name)}, or drop it",
-            getattr(request.search, name),
-        )
-        for name in culprits
-    ]
+    return [_pin_error(request, name, others, f" ({_degree_reason(request, name)})") for name in culprits]
 
 
-def _admitted_values(request: PlanRequest, name: str) -> list[Any]:
-    """The values of search dimension ``name`` some configuration takes when it is not pinned (the others are)."""
+def _pin_error(
+    request: PlanRequest, name: str, context: str, reason: str, tail: str = "", ignore_batch: bool = True
+) -> FieldError:
+    """Pinned search dimension ``name`` admits no configuration (``context``: beside what; ``reason``: why): the
+    values it could take instead."""
+    value = getattr(request.search, name)
+    return (
+        ("search", name),
+        f"search.{name} = {value} admits no configuration{context} on {request.cluster.num_gpus} GPUs{reason}: use "
+        f"values among {_admitted_values(request, name, ignore_batch=ignore_batch)}, or drop it{tail}",
+        value,
+    )
+
+
+def _admitted_values(request: PlanRequest, name: str, ignore_batch: bool = True) -> list[Any]:
+    """The values of search dimension ``name`` some configuration takes when it is not pinned (the others are;
+    the global batch too unless ``ignore_batch``)."""
     search = request.search.model_copy(update={name: None})
     space = enumerate_space(
-        request.model, request.cluster, request.training.global_batch_size, search, ignore_batch=True
+        request.model, request.cluster, request.training.global_batch_size, search, ignore_batch=ignore_batch
     )
     return sorted({getattr(config, name) for config in itertools.islice(space, MAX_CONFIGURATIONS)})
 

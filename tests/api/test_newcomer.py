@@ -10,11 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipesched.api.settings import Settings
+from tests.api.test_api_served import ServedApi
 from tests.conftest import REPO, data_parallel_problem
 
 PROBLEM = {
@@ -37,6 +39,15 @@ def pipesched(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subpr
         timeout=300,
         env={"PATH": "/usr/bin:/bin", "COLUMNS": "120", "HOME": str(cwd), **(env or {})},
     )
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedApi]:
+    """A real `pipesched serve` on a loopback port, as the README's client reaches it."""
+    directory = tmp_path_factory.mktemp("newcomer-served")
+    server = ServedApi(f"sqlite:///{directory / 'served.sqlite3'}", directory / "server.log")
+    yield server
+    server.stop()
 
 
 @pytest.fixture()
@@ -357,7 +368,8 @@ def test_run_says_whose_predictions_it_prints() -> None:
     from pipesched.optimizer.derive import load_problem
 
     given = prediction_note(load_problem(PROBLEM), "gpt-tiny")
-    assert "the problem's costs and memory as given" in given and "ran --model gpt-tiny" in given
+    assert "the problem's costs and memory as written (measured on no model pipesched knows" in given
+    assert "ran --model gpt-tiny" in given
     assert "--model problem" not in given  # a problem without a model cannot be run as its own model
     derived = load_problem(
         {
@@ -392,3 +404,184 @@ def test_calibrate_given_a_problem_says_which_file_it_takes(problem_file: Path) 
     assert result.returncode == 2
     assert f"{problem_file} is a problem, not a measurement file" in result.stderr, result.stderr
     assert "optimizer/cost/calibration/README.md" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_microbatch_pin_the_batch_contradicts_is_named_with_fixes_that_work(
+    tmp_path: Path, served: ServedApi
+) -> None:
+    """32 sequences on 8 GPUs with search.num_microbatches [7]: was only 'global batch 32 is not divisible by … (those
+    products: 1, 2, 4, 8, 16, 32, …): use e.g. 32, 64, 128': the pin unnamed, the batch offered back as its own fix."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "num_microbatches": [7]},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    result = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "search.num_microbatches: search.num_microbatches = [7] admits no configuration with global batch 32 " in (
+        result.stderr
+    )
+    assert "use values among [1, 2, 4, 8, 16, 32], or drop it" in result.stderr, result.stderr
+    assert "(those products: 7, 14, 28, 56, " in result.stderr and "use e.g. 28, 35, 42, 56" in result.stderr
+    assert "Traceback" not in result.stderr
+    answer = served.client.post("/v1/plans", json=request)
+    assert answer.status_code == 422, answer.text
+    errors = {tuple(error["loc"]): error["msg"] for error in answer.json()["detail"]}
+    assert set(errors) == {("body", "training", "global_batch_size"), ("body", "search", "num_microbatches")}
+    assert "use e.g. 28, 35, 42, 56" in errors[("body", "training", "global_batch_size")]
+    # two pins: only the one whose removal lets the batch through is named (data-parallel 8 cannot split 36)
+    request["search"] = {"time_limit_s": 3, "micro_batch_size": [4], "data_parallel_size": [8]}
+    request["training"] = {"global_batch_size": 36}
+    answer = served.client.post("/v1/plans", json=request)
+    assert answer.status_code == 422, answer.text
+    named = [tuple(error["loc"]) for error in answer.json()["detail"]]
+    assert named == [("body", "training", "global_batch_size"), ("body", "search", "data_parallel_size")]
+
+
+def test_launching_a_model_of_your_own_for_torchtitan_says_how_on_either_surface(
+    tmp_path: Path, served: ServedApi
+) -> None:
+    """Was "model preset None has no torchtitan 0.3 config function: name one with --torchtitan-module … (e.g.
+    --torchtitan-module llama3 --torchtitan-config llama3_debugmodel)": a job that trains torchtitan's debug model,
+    and flags the HTTP launch had no parameters for."""
+    own = {"num_layers": 8, "hidden_size": 1024, "num_attention_heads": 16, "seq_length": 2048, "vocab_size": 32000}
+    request = {
+        "model": own,
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "pipeline_parallel": [2]},
+    }
+    posted = served.client.post("/v1/plans", json=request)
+    assert posted.status_code == 202, posted.text
+    deadline = time.monotonic() + 120
+    while (answer := served.client.get(f"/v1/plans/{posted.json()['id']}").json())["status"] not in ("done", "failed"):
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.2)
+    assert answer["status"] == "done", answer
+    launch = f"/v1/plans/{answer['id']}/launch"
+    refused = served.client.get(launch, params={"target": "torchtitan"})
+    assert refused.status_code == 422, refused.text
+    (error,) = refused.json()["detail"]
+    assert error["loc"] == ["query", "torchtitan_module"]
+    said = error["msg"]
+    assert said.startswith("model of your own (8 layers, hidden 1024, 16 heads, vocabulary 32000) has no config ")
+    assert "torchtitan_module and torchtitan_config" in said and "debugmodel" not in said and "None" not in said
+    own_config = {"target": "torchtitan", "torchtitan_module": "mymodels", "torchtitan_config": "my_1b"}
+    files = served.client.get(launch, params=own_config)
+    assert files.status_code == 200, files.text
+    assert files.json()["files"]["torchtitan.args"].startswith("--module\nmymodels\n--config\nmy_1b\n")
+    half = served.client.get(launch, params={"torchtitan_module": "mymodels"})
+    assert half.status_code == 422 and half.json()["detail"][0]["loc"] == ["query", "torchtitan_module"]
+    # the command line, on the same answer saved as GET /v1/plans/{id} gave it
+    (tmp_path / "plans.json").write_text(json.dumps(answer))
+    result = pipesched("launch", "plans.json", "-o", "job", cwd=tmp_path)
+    assert result.returncode == 2 and "model of your own (8 layers" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    result = pipesched(
+        "launch",
+        "plans.json",
+        "-o",
+        "job",
+        "--torchtitan-module",
+        "mymodels",
+        "--torchtitan-config",
+        "my_1b",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "job" / "torchtitan.args").read_text().startswith("--module\nmymodels\n--config\nmy_1b\n")
+
+
+def test_plan_prints_what_search_explain_found_did_not_fit(tmp_path: Path) -> None:
+    """search.explain: true had printed nothing on the terminal; the reasons were only in the -o file's JSON."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "A100-40GB", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "explain": True, "pipeline_parallel": [1, 2]},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    result = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path, env={"COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    listed = json.loads((tmp_path / "plans.json").read_text())["explain"]
+    assert f"did not fit (search.explain: {len(listed)} configurations listed in the answer's explain" in result.stdout
+    first = listed[0]
+    assert f"{first['configuration']['method']}: {first['reason']}" in result.stdout, result.stdout
+    shown = [line for line in result.stdout.splitlines() if line.startswith("  pp ")]
+    assert 1 < len(shown) <= 12 and len(set(line.split(",")[0] for line in shown)) == len(shown)
+
+
+def test_a_run_of_a_profiled_problem_says_whose_passes_it_predicts(
+    profiled_from_the_current_directory: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """profile --model M → solve → run: the run's note had said the predictions were 'the problem's costs and memory
+    as given' and compared 'only for a problem profiled from gpt-tiny' (the problem was profiled, from M), and the
+    run without --model ran gpt-tiny, not M. The profile now records M (costs.profiled_model) and a run defaults
+    to it."""
+    profiled, folder = profiled_from_the_current_directory
+    assert profiled.returncode == 0, profiled.stderr
+    written = json.loads((folder / "p.json").read_text())
+    assert written["costs"]["profiled_model"] == "mystages:tiny_stages"
+    solved = pipesched("solve", "p.json", "--method", "1f1b", "-o", "s.json", cwd=folder)
+    assert solved.returncode == 0, solved.stderr
+    ran = pipesched("run", "s.json", cwd=folder)
+    assert ran.returncode == 0, ran.stderr
+    said = " ".join(ran.stdout.split())
+    assert (
+        "predicted times and memory are mystages:tiny_stages's, as pipesched profile --model mystages:tiny_stages "
+        "measured them (costs.profiled_model); the ranks ran mystages:tiny_stages, so they compare." in said
+    ), said
+    assert "as given" not in said and "as written" not in said
+    other = pipesched("run", "s.json", "--model", "gpt-tiny", cwd=folder)
+    assert other.returncode == 0, other.stderr
+    assert "the ranks ran --model gpt-tiny, so they do not compare: run --model mystages:tiny_stages" in " ".join(
+        other.stdout.split()
+    )
+
+
+def test_plan_given_runs_as_its_profile_says_to_calibrate_them_first(tmp_path: Path) -> None:
+    """plan --profile runs.json (calibrate's input, not its output) had answered 'is not a profile' and one line per
+    field a profile has; a plan answer given as the profile, a line per top-level field of the answer."""
+    request = {
+        "model": {"preset": "llama3.1-8b"},
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "profile": "mine"},
+        "training": {"global_batch_size": 32},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    (tmp_path / "runs.json").write_text(json.dumps({"rows": [{"id": "mine", "accelerator": "H100-SXM"}]}))
+    result = pipesched("plan", "plan.json", "--profile", "runs.json", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "error: runs.json is a measurement file, not a profile: make a profile of its runs with `pipesched calibrate "
+        "runs.json -o profile.json`, then give that"
+    )
+    result = pipesched("plan", "plan.json", "--profile", "plan.json", cwd=tmp_path, env={"COLUMNS": "300"})
+    assert result.returncode == 2 and "plan.json is a plan request, not a profile" in result.stderr, result.stderr
+    assert "Extra inputs" not in result.stderr
+
+
+def test_a_v_shaped_plan_for_megatron_says_how_to_get_a_loop_one(tmp_path: Path) -> None:
+    """Mixtral at 32K tokens on 32 H100s: every top plan V-shaped, and Megatron's refusal said only 'choose a plan
+    with placement loop (--plan N)', which none was."""
+    request = {
+        "model": {
+            "num_layers": 8,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "seq_length": 2048,
+            "vocab_size": 32000,
+        },
+        "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+        "training": {"global_batch_size": 32},
+        "search": {"time_limit_s": 3, "pipeline_parallel": [2], "placement": ["v"], "top": 2},
+    }
+    (tmp_path / "plan.json").write_text(json.dumps(request))
+    planned = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    result = pipesched("launch", "plans.json", "--target", "megatron", "-o", "job", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    said = " ".join(result.stderr.split())
+    assert "this plan's placement is 'v'" in said and 'plan again with search.placement ["loop"]' in said, said
+    assert "Traceback" not in result.stderr
