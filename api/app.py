@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Admission, Lane
+from pipesched.api.loading import wrong_kind
 from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.plans import refresh_stored_profiles
 from pipesched.api.queue import make_runner
@@ -211,6 +212,11 @@ _BODIES = {
 }
 
 
+#: The routes whose body is one of pipesched's documents that another is easily mistaken for (by
+#: :func:`~pipesched.api.loading.document_kind`): a measurement file sent as the profile gets how to make one.
+_DOCUMENTS = {"/v1/profiles": "profile"}
+
+
 def _body_of(request: Request) -> str:
     """What ``request``'s route takes as its body, in words."""
     return _BODIES.get(request.url.path.rstrip("/"), "the problem")
@@ -220,6 +226,11 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
     """422 with ``{"detail": [{"loc", "msg", "type"}]}``; 400 when the body is not JSON at all."""
     assert isinstance(error, RequestValidationError)
     body = _body_of(request)
+    wanted = _DOCUMENTS.get(request.url.path.rstrip("/"))
+    other = wrong_kind("RUNS.json", error.body, wanted, subject="the body") if wanted else ""
+    if other:  # another of pipesched's documents: which, and what to do, not one line per field it lacks
+        detail = {"loc": ["body"], "msg": other.rstrip("\n"), "type": "wrong_document"}
+        return JSONResponse({"detail": [detail]}, status_code=422)
     details: list[dict[str, Any]] = []
     status = 422
     for item in error.errors():

@@ -54,8 +54,10 @@ def document_kind(data: Any) -> str | None:
     return None
 
 
-def wrong_kind(path: Path, data: Any, wanted: str) -> str:
-    """A line for a file of another kind than ``wanted``, with the command that takes or makes it; "" else."""
+def wrong_kind(path: Path | str, data: Any, wanted: str, subject: str | None = None) -> str:
+    """A line for a file of another kind than ``wanted``, with the command that takes or makes it; "" else.
+    ``subject``: what the line calls the document (default ``path``; over HTTP "the body", with ``path`` the file
+    name its commands take)."""
     kind = document_kind(data)
     if kind is None or kind == wanted:
         return ""
@@ -75,7 +77,7 @@ def wrong_kind(path: Path, data: Any, wanted: str) -> str:
         (kind, wanted),
         "a profile is what `pipesched calibrate` writes" if wanted == "profile" else f"give the {wanted} file",
     )
-    return f"{path} is a {kind}, not a {wanted}: {command}\n"
+    return f"{subject or path} is a {kind}, not a {wanted}: {command}\n"
 
 
 def _read_json(path: Path) -> Any:

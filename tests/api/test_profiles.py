@@ -143,3 +143,24 @@ def test_another_replica_on_the_same_database_uses_a_profile_at_once(tmp_path: P
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_measurement_file_posted_as_a_profile_says_to_calibrate_it_first(client: TestClient) -> None:
+    """POST /v1/profiles with calibrate's input (its rows) instead of its output had answered one 422 line per field
+    a profile has; now one line that names the document and the command that makes a profile of it. A body that
+    is a profile with a wrong field still gets the field's own line."""
+    runs = {"rows": [{"id": "mine", "accelerator": "H100-SXM"}]}
+    answer = client.post("/v1/profiles", json=runs)
+    assert answer.status_code == 422
+    assert answer.json()["detail"] == [
+        {
+            "loc": ["body"],
+            "msg": "the body is a measurement file, not a profile: make a profile of its runs with `pipesched "
+            "calibrate RUNS.json -o profile.json`, then give that",
+            "type": "wrong_document",
+        }
+    ]
+    mine = builtin_catalogue().profiles["H100-SXM"].model_dump(mode="json")
+    mine.update(name="mine-wrong", max_measured_mfu="high")
+    detail = client.post("/v1/profiles", json=mine).json()["detail"]
+    assert [item["loc"] for item in detail] == [["body", "max_measured_mfu"]], detail
