@@ -42,7 +42,7 @@ def test_each_unseen_figure_is_its_published_throughput_or_step_time_per_gpu() -
 
 def test_the_bench_gives_each_row_its_error_and_the_interval_it_is_judged_by() -> None:
     row = next(r for r in load_rows() if r["id"] == "dgxc2504-llama31-8b-8-cp2-bf16")
-    result = record(row, 5.0)
+    result = record(row, 10.0)  # the bench's own limit
     low, high = result["interval"]
     predicted, published = result["predicted_tokens_per_s_per_gpu"], result["published_tokens_per_s_per_gpu"]
     assert low < predicted < high and result["error"] == pytest.approx(predicted / published - 1, abs=1e-4)
