@@ -96,37 +96,37 @@ BORROWED: dict[str, tuple[str, float, str]] = {
         "not fitted: 0.7 × the H100-SXM's efficiencies (hipBLASLt reaches about 70% of cuBLAS's fraction of peak in "
         "public GEMM sweeps), an estimate checked since by the one tuned MI300X run with a layout found (Primus, "
         "Llama 3.1 8B FP8 on 8 GPUs: predicted +2.2%; bench/data/calibration_amd.json, bench/amd_bench.py); the "
-        "MI325X's fitted 0.7982 (same CDNA3 die at 1,000 W against 750 W) would predict it +13.0%; an untuned ROCm "
+        "MI325X's fitted 0.8051 (same CDNA3 die at 1,000 W against 750 W) would predict it +13.0%; an untuned ROCm "
         "Megatron-LM build (no hipBLASLt tuning, no flash-attn package) runs 30% below the estimate",
     ),
     "MI325X": (
         "H100-SXM",
-        0.7982,
-        "one scale fitted, not the efficiencies: 0.7982 × the H100-SXM's efficiencies over the MI325X's peaks and "
+        0.8051,
+        "one scale fitted, not the efficiencies: 0.8051 × the H100-SXM's efficiencies over the MI325X's peaks and "
         "bandwidth, the scale fitted to 6 published FP8 runs in 3 sources (Primus and ROCm Megatron-LM v25.9 logs, "
         "AMD's performance-results table as its Primus blog quotes it; 8-64 GPUs; bench/data/calibration_amd.json), "
-        "each source held out: median 4.5%, largest 9.4% (bench/amd_bench.py); BF16 is the H100's BF16 efficiency "
+        "each source held out: median 4.4%, largest 9.3% (bench/amd_bench.py); BF16 is the H100's BF16 efficiency "
         "times this FP8-fitted scale: AMD's two published BF16 runs (Llama 3.1 70B FSDP, one source, never fitted) "
-        "are predicted 8.8% and 11.8% slow with that source held out; how the efficiencies vary with shape is the "
+        "are predicted 8.1% and 11.0% slow with that source held out; how the efficiencies vary with shape is the "
         "H100's",
     ),
     "MI355X": (
         "H100-SXM",
-        0.9387,
-        "one scale fitted, not the efficiencies: 0.9387 × the H100-SXM's efficiencies over the MI355X's own peaks "
+        0.9469,
+        "one scale fitted, not the efficiencies: 0.9469 × the H100-SXM's efficiencies over the MI355X's own peaks "
         "(CDNA 4: BF16 2,516.6 / FP8 5,033.2 TFLOPS dense) and bandwidth, the scale fitted to 4 MLPerf Training v5.1 "
         "submissions (AMD, Dell, GigaComputing, Supermicro: AMD's one recipe, Llama 3.1 8B FP8, DP 8 on one node; "
         "bench/data/calibration_amd.json), each held out: median 2.2%, largest 4.2%, against 8.7-13.4% slow at the "
-        "MI325X's 0.7982 (bench/amd_bench.py); one workload and one software stack, so how the efficiencies vary "
+        "MI325X's 0.8051 (bench/amd_bench.py); one workload and one software stack, so how the efficiencies vary "
         "with shape, layout and precision (BF16 included) is the H100's",
     ),
     "MI350X": (
         "H100-SXM",
-        0.777,
-        "one scale fitted, not the efficiencies: 0.777 × the H100-SXM's efficiencies over the MI350X's own peaks "
+        0.7834,
+        "one scale fitted, not the efficiencies: 0.7834 × the H100-SXM's efficiencies over the MI350X's own peaks "
         "(the MI355X's CDNA 4 die at 2.2 GHz and 1,000 W: BF16 2,306.9 / FP8 4,613.7 TFLOPS dense), the scale fitted "
         "to 2 MLPerf Training v5.1 submissions (AMD, Cisco: AMD's Llama 3.1 8B FP8 recipe, DP 8 on one node; "
-        "bench/data/calibration_amd.json), each held out: -3.2%, +3.4%; the MI355X's 0.9387 would predict them "
+        "bench/data/calibration_amd.json), each held out: -3.2%, +3.4%; the MI355X's 0.9469 would predict them "
         "12-16% fast (its 1,400 W sustains more of its peak; bench/amd_bench.py); one workload, so how the "
         "efficiencies vary with shape, layout and precision is the H100's",
     ),

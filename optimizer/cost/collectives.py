@@ -392,7 +392,15 @@ def tensor_parallel_layer_ms(
     redistributing it to replicated (the forward's gathers), and casts the gradient to FP8 e5m2 before the
     rowwise output's backward gathers it (``NoopFwToFloat8BwDynamic`` applied after the redistribute); the
     partial outputs and the input gradients are reduce-scattered in bf16. Its per-cast amax all-reduces over the
-    tensor-parallel group (one scalar each, about eight a layer) are latency only and not counted."""
+    tensor-parallel group (one scalar each, about eight a layer) are latency only and not counted. Transformer
+    Engine (Megatron-Core's and NeMo's FP8 layers) does the same: its LayerNorm writes the column-parallel input
+    in FP8 before the sequence-parallel all-gather (``ln_out_dtype = torch.uint8`` when FP8, then
+    ``gather_along_first_dim(ln_out, ...)``, or into the FP8 userbuffer under the all-gather overlap,
+    ``transformer_engine/pytorch/module/layernorm_linear.py`` v1.7 to v1.13; from v2.0 ``with_quantized_all_gather
+    = fp8`` and "AG overlap with FP8 GEMM inputs requires FP8 buffer"), and the row-parallel layers' backward
+    casts the output gradient to FP8 before gathering it ("FP8 case with gather: unfused bgrad, cast, transpose
+    for efficient gather", ``grad_output_preprocess`` in ``module/base.py``, v1.7 to v1.13); the reduce-scatters
+    stay in the activations' dtype (NVIDIA/TransformerEngine, tags v1.7, v1.13, v2.1)."""
     activation_bytes = model.seq_length * model.micro_batch_size * model.hidden_size * model.dtype_bytes
     if not float8_gathers:
         return 2 * all_reduce_ms(activation_bytes, tensor_parallel, bandwidth_bytes_per_s, latency_ms)

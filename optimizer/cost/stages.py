@@ -309,8 +309,9 @@ def _tensor_parallel_ms(
 
     Over the intra-node link at the profile's achieved fraction; with ``async_communication`` the software's
     ``async_tensor_parallel_hidden`` share of it (net of what it costs the multiplies it overlaps) runs beside
-    the matrix multiplies, the rest stays exposed. FP8 layers of PyTorch (kernels ``eager`` or ``compiled``:
-    torchao's Float8) with sequence parallelism gather in FP8
+    the matrix multiplies, the rest stays exposed. FP8 layers with sequence parallelism gather in FP8, whichever
+    stack runs them: PyTorch's (kernels ``eager`` or ``compiled``: torchao's Float8) and Transformer Engine's
+    (``fused``: Megatron-Core, NeMo)
     (:func:`~pipesched.optimizer.cost.collectives.tensor_parallel_layer_ms`).
     """
     t, sequence_parallel = _tp(tensor_parallel)
@@ -319,7 +320,7 @@ def _tensor_parallel_ms(
     bandwidth = cluster.intra_node_bandwidth_bytes_per_s if cluster is not None else 450e9
     latency = cluster.collective_latency_ms if cluster is not None else 0.0
     achieved = bandwidth * hardware.profile.collective_efficiency_intra
-    float8 = sequence_parallel and model.precision == "fp8" and model.kernels in ("eager", "compiled")
+    float8 = sequence_parallel and model.precision == "fp8"
     total = tensor_parallel_layer_ms(model, t, achieved, latency, float8_gathers=float8)
     if tensor_parallel is not None and tensor_parallel.async_communication:
         hidden = hardware.software.async_tensor_parallel_hidden

@@ -1,0 +1,53 @@
+"""The unseen held-out rows (``bench/data/calibration_holdout_unseen.json``) and their bench
+(``bench/unseen_rows_bench.py``): published runs no earlier round looked at, kept out of every fit and check."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.unseen_rows_bench import errors, group, load_rows, record
+from pipesched.optimizer.cost.calibration.measurements import builtin_measurements, parse_measurements
+
+DATA = Path(__file__).resolve().parents[2] / "bench" / "data"
+UNSEEN = DATA / "calibration_holdout_unseen.json"
+
+
+def test_the_unseen_rows_parse_with_their_sources_and_share_no_source_with_any_other_data() -> None:
+    entries = json.loads(UNSEEN.read_text())["files"]
+    rows = [row for entry in entries for row in parse_measurements(entry)]
+    assert len(rows) >= 10 and len({row.key for row in rows}) == len(rows)
+    assert all(entry["source"]["commit"] and entry["source"]["url"].startswith("https://") for entry in entries)
+    others = {row.source for row in builtin_measurements()}
+    for name in ("calibration_holdout.json", "calibration_holdout_external.json", "calibration_amd.json"):
+        others |= {entry["source"]["id"] for entry in json.loads((DATA / name).read_text())["files"]}
+    assert not {row.source for row in rows} & others  # never fitted, never in another check
+    # every row is context- or expert-parallel: the issue-28 bar
+    assert {group(row) for row in load_rows()} == {"context-parallel", "expert-parallel"}
+
+
+def test_each_unseen_figure_is_its_published_throughput_or_step_time_per_gpu() -> None:
+    for row in load_rows():
+        gpus = row["cluster"]["num_nodes"] * row["cluster"]["gpus_per_node"]
+        published, value = row["published"], row["measured"]["tokens_per_s_per_gpu"]
+        if "throughput_tokens_per_s" in published:
+            assert value == pytest.approx(published["throughput_tokens_per_s"] / gpus, abs=0.06), row["id"]
+        tokens = row["training"]["global_batch_size"] * row["model"]["seq_length"]
+        if "step_time_s" in published:  # sequence × GBS / step time, per GPU (within the table's rounding)
+            assert value == pytest.approx(tokens / published["step_time_s"] / gpus, rel=2e-3), row["id"]
+
+
+def test_the_bench_gives_each_row_its_error_and_the_interval_it_is_judged_by() -> None:
+    row = next(r for r in load_rows() if r["id"] == "dgxc2504-llama31-8b-8-cp2-bf16")
+    result = record(row, 10.0)  # the bench's own limit
+    low, high = result["interval"]
+    predicted, published = result["predicted_tokens_per_s_per_gpu"], result["published_tokens_per_s_per_gpu"]
+    assert low < predicted < high and result["error"] == pytest.approx(predicted / published - 1, abs=1e-4)
+    assert result["in_interval"] == (low <= published <= high)
+    stats = errors([result, {**result, "error": -0.3, "in_interval": False}])
+    assert stats["rows"] == 2 and stats["beyond_25"] == 1 + (abs(result["error"]) > 0.25)
+    assert stats["median_abs_error"] == pytest.approx((abs(result["error"]) + 0.3) / 2, abs=1e-3)
+    assert math.isclose(stats["in_interval"], result["in_interval"] / 2, abs_tol=1e-3)
