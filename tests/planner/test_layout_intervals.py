@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from bench.calibration_bench import parallel_check
 from bench.cpep_bench import request_for
 from bench.unseen_rows_bench import load_rows
 from pipesched.api.cli import app as cli_app
@@ -126,3 +127,15 @@ def test_the_shipped_class_intervals_are_the_benchs_from_the_check_rows_alone() 
     shipped = builtin_catalogue().software.parallel_log_error
     assert {name: tuple(value) for name, value in recomputed.items()} == shipped
     assert set(shipped) == {"context-parallel", "expert-parallel"}
+
+
+def test_the_calibration_bench_derives_the_shipped_class_intervals_from_todays_predictions() -> None:
+    # the check rows planned again under the shipped catalogue (the bench's --parallel-only): the model has not
+    # moved since profiles.json's parallel_log_error was written, or this says to write it again
+    report = parallel_check(builtin_catalogue())
+    assert report["catalogue"].software.parallel_log_error == builtin_catalogue().software.parallel_log_error
+    summary = report["summary"]
+    assert summary["all"]["rows"] == len(report["rows"]) >= 50
+    for name in ("context-parallel", "expert-parallel"):
+        # the union holds every row the accelerator's interval held, and more
+        assert summary[name]["in_class_interval"] > summary[name]["in_accelerator_interval"]
