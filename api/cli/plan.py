@@ -96,6 +96,13 @@ def register_profile_file(path: Path) -> None:
         register_profile(item)
 
 
+def _data_parallel_cell(size: int, sharding: str, context_parallel: int) -> str:
+    """The table's dp cell: d and the sharding, and with context parallelism the d·c GPUs the sharding spans (the
+    weights are copied over the c ranks too, so at d 1 the shardings still differ: ``docs/PLANNER.md``)."""
+    spans = f" over d·c {size * context_parallel}" if context_parallel > 1 and sharding != "none" else ""
+    return f"{size} {sharding}{spans}"
+
+
 def print_plans(answer: PlanAnswer, out: Console) -> None:
     """The ranked plans as a table, then the search counts."""
     table = Table(title="plans, best first", title_justify="left")
@@ -127,7 +134,7 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             str(plan.tensor_parallel),
             str(plan.context_parallel),
             str(plan.expert_parallel),
-            f"{plan.data_parallel.size} {plan.data_parallel.sharding}",
+            _data_parallel_cell(plan.data_parallel.size, plan.data_parallel.sharding, plan.context_parallel),
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",
             plan.activation_recomputation,
