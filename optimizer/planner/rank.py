@@ -391,7 +391,8 @@ _FUSED_LAUNCH_NOTE = (
 
 def _framework_note(estimator: Estimator) -> str:
     """What the plans assumed of the framework named (``model.framework``): its kernels, the bytes per parameter it
-    keeps fully sharded, and the software-profile fields it runs."""
+    keeps fully sharded, the software-profile fields it runs and the gradient reduction's dtype (said, or its
+    default: :attr:`~pipesched.optimizer.frameworks.Framework.gradient_reduce_dtype`)."""
     model = estimator.model
     assert model.framework is not None
     framework = FRAMEWORKS[model.framework]
@@ -402,9 +403,12 @@ def _framework_note(estimator: Estimator) -> str:
     own = " (its own)" if model.kernels == framework.kernels else ""
     runs = ", ".join(f"{name} {value}" for name, value in framework.software.items())
     schedules = f"; it runs the schedules {', '.join(framework.methods)}" if framework.methods is not None else ""
+    reduce = f"; gradients reduced in {estimator.reduce_dtype}"
+    if estimator.reduce_dtype == framework.gradient_reduce_dtype:
+        reduce += f" (its default{': ' + framework.reduce_hint if framework.reduce_hint else ''})"
     return (
         f"training.framework {framework.name} ({framework.title}): {model.kernels} kernels{own}; fully sharded "
-        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}"
+        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}{reduce}"
     )
 
 

@@ -191,9 +191,20 @@ def test_the_gradients_nemo_automodel_accumulates_are_charged_whole_in_the_reduc
 
 
 def test_the_notes_say_whose_state_and_kernels_the_plans_assumed() -> None:
+    """The framework note says the kernels, the sharded state and the gradient reduction's dtype assumed (it had said
+    nothing of the dtype: a Megatron user planning a performance recipe's bf16 reduction had no word of it)."""
     notes = plan(request(framework="automodel")).answer.notes
     assert notes[0].startswith("training.framework automodel (NeMo AutoModel): fused kernels (its own)")
     assert "8 B per parameter" in notes[0] and "fsdp_gradient_sync last_microbatch" in notes[0]
+    assert notes[0].endswith("; gradients reduced in fp32 (its default)")
+    notes = plan(request(framework="megatron")).answer.notes
+    assert (
+        "gradients reduced in fp32 (its default: Megatron Bridge's and NeMo's performance recipes reduce in bf16"
+        in (notes[0])
+        and notes[0].endswith("say training.gradient_reduce_dtype bf16 to plan one)")
+    )
+    notes = plan(request(framework="megatron", gradient_reduce_dtype="bf16")).answer.notes
+    assert notes[0].endswith("; gradients reduced in bf16")
     notes = plan(request(framework="torchtitan", kernels="compiled")).answer.notes
     assert "compiled kernels;" in notes[0] and "16 B per parameter" in notes[0]
     assert not any("training.kernels not said" in note for note in notes)
