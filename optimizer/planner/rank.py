@@ -499,6 +499,14 @@ def prepare(request: PlanRequest) -> Prepared:
     fitting.sort(key=lambda item: (not item[1].fits, item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []
+    if len(estimates) < len(configurations):  # the estimates' share of the time ran out
+        order = "a seeded random sample" if len(configurations) > SHUFFLE_ABOVE else "in the order enumerated"
+        notes.append(
+            f"the estimates stopped at {ESTIMATE_SHARE:.0%} of search.time_limit_s after {len(estimates):,} of "
+            f"{len(configurations):,} configurations ({order}): {len(configurations) - len(estimates):,} were never "
+            "estimated or simulated; raise search.time_limit_s or pin dimensions in search (tensor_parallel, "
+            "pipeline_parallel, micro_batch_size, method)"
+        )
     if cut:
         largest = max(config.tensor_parallel for config in configurations)
         notes.append(
