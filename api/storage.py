@@ -624,10 +624,14 @@ class Store:
 
     # --- profiles --------------------------------------------------------------------------------
 
-    def put_profile(self, name: str, profile_json: str) -> None:
-        """Store a registered profile under ``name`` (case-insensitive), replacing one of the same name."""
+    def put_profile(self, name: str, profile_json: str) -> str | None:
+        """Store a registered profile under ``name`` (case-insensitive), replacing one of the same name; the
+        replaced one's JSON, or None."""
         with self.transaction() as session:
+            previous = session.get(ProfileRow, name.lower())
+            replaced = previous.profile_json if previous is not None else None
             session.merge(ProfileRow(name=name.lower(), profile_json=profile_json, created_at=time.time()))
+        return replaced
 
     def profiles_stamp(self) -> tuple[int, float]:
         """(how many profiles are stored, when the newest was stored): changes whenever any replica registers or

@@ -160,3 +160,21 @@ def test_a_request_file_with_a_callback_url_runs_on_the_command_line_with_a_note
     assert planned.returncode == 0, planned.stderr
     assert CALLBACK_NOTE in " ".join(planned.stderr.split())
     assert json.loads((tmp_path / "plans.json").read_text())["plans"]
+
+
+def test_registering_a_profile_under_a_name_taken_says_whose_it_replaced(served: ServedApi) -> None:
+    """``pipesched calibrate`` names every H100 profile "H100-SXM-calibrated" unless told otherwise; a second team
+    posting theirs replaced the first team's with the same 201 and nothing said, and the first team's next plans took
+    the second's efficiencies. The answer now says whose profile it replaced (null for a new name)."""
+    from pipesched.optimizer.cost.profile import builtin_catalogue
+
+    h100 = builtin_catalogue().get("H100-SXM")
+    assert h100 is not None
+    ours = h100.model_copy(update={"name": "H100-SXM-calibrated", "source": "calibrated on team A's runs"})
+    theirs = ours.model_copy(update={"source": "calibrated on team B's runs", "gemm_efficiency": 0.5})
+    first = served.client.post("/v1/profiles", json=ours.model_dump(mode="json"))
+    assert first.status_code == 201 and first.json()["replaced"] is None, first.text
+    second = served.client.post("/v1/profiles", json=theirs.model_dump(mode="json"))
+    assert second.status_code == 201 and second.json()["replaced"] == "calibrated on team A's runs", second.text
+    listed = [p for p in served.client.get("/v1/profiles").json()["profiles"] if p["name"] == "H100-SXM-calibrated"]
+    assert [p["source"] for p in listed] == ["calibrated on team B's runs"]
