@@ -178,3 +178,37 @@ def test_registering_a_profile_under_a_name_taken_says_whose_it_replaced(served:
     assert second.status_code == 201 and second.json()["replaced"] == "calibrated on team A's runs", second.text
     listed = [p for p in served.client.get("/v1/profiles").json()["profiles"] if p["name"] == "H100-SXM-calibrated"]
     assert [p["source"] for p in listed] == ["calibrated on team B's runs"]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "said"),
+    [
+        ("/v1/jobs", "plan request", "the body is a plan request, not a problem: POST it to /v1/plans"),
+        ("/v1/schedules", "plan request", "the body is a plan request, not a problem: POST it to /v1/plans"),
+        ("/v1/plans", "problem", "the body is a problem, not a plan request: POST it to /v1/jobs"),
+        ("/v1/plans", "measurement file", "the body is a measurement file, not a plan request: make a profile of its"),
+    ],
+)
+def test_a_document_posted_to_the_route_of_another_names_the_route_that_takes_it(
+    served: ServedApi, route: str, body: str, said: str
+) -> None:
+    """A plan request posted to /v1/jobs had answered "pipeline: Field required"; a problem posted to /v1/plans six
+    lines (model, cluster, training required; pipeline, costs, memory not permitted). Now one 422 line says what the
+    body is and where it goes, as POST /v1/profiles already did for a measurement file; a body of the route's own kind
+    with a wrong field keeps the field's own line."""
+    bodies = {
+        "plan request": {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+            "training": {"global_batch_size": 16},
+        },
+        "problem": PROBLEM,
+        "measurement file": {"rows": [{"id": "mine", "accelerator": "H100-SXM"}]},
+    }
+    response = served.client.post(route, json=bodies[body])
+    assert response.status_code == 422
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body"] and detail["type"] == "wrong_document" and detail["msg"].startswith(said), detail
+    wrong_field = {**PROBLEM, "pipeline": {"num_ranks": 0, "num_microbatches": 2}}
+    detail = served.client.post("/v1/jobs", json=wrong_field).json()["detail"]
+    assert [item["loc"] for item in detail] == [["body", "pipeline", "num_ranks"]]
