@@ -49,8 +49,8 @@ DEMO_DATA_PARALLEL = 2
 #: prediction, the best of all steps after the first −8 % (−15 … +29 %) (issue 25; bench/results/demo_loop.md).
 DEMO_STEPS = 16
 #: Steps of each run of the profile's calibration order just before and just after the demo's run, in its launch
-#: (:func:`_run_beside_calibration`): 14 steps after the first in all, beside the run's 15, for the profile's
-#: per-pass overhead fitted on the machine the run sees (issue 25).
+#: (:func:`_run_beside_calibration`): 14 steps after the first in all, beside the run's 15, whose best step scales
+#: the profile's times to the machine the run sees (:func:`_rescaled_beside`; issue 25, bench/results/issue25_bars.md).
 BRACKET_STEPS = 8
 #: torch.optim.SGD: its update is exact enough to compare every parameter at 1e-5 after 16 steps (AdamW divides
 #: by the root of tiny second moments, which turns the last bits of a zero gradient into ±lr).
