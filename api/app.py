@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipesched.api.callbacks import CallbackSender
 from pipesched.api.jobs import JobOutcome
 from pipesched.api.lanes import Admission, Lane
-from pipesched.api.loading import wrong_kind
+from pipesched.api.loading import document_kind, wrong_kind
 from pipesched.api.metrics import Metrics, method_label, status_label
 from pipesched.api.plans import refresh_stored_profiles
 from pipesched.api.queue import make_runner
@@ -213,8 +213,28 @@ _BODIES = {
 
 
 #: The routes whose body is one of pipesched's documents that another is easily mistaken for (by
-#: :func:`~pipesched.api.loading.document_kind`): a measurement file sent as the profile gets how to make one.
-_DOCUMENTS = {"/v1/profiles": "profile"}
+#: :func:`~pipesched.api.loading.document_kind`): a measurement file sent as the profile gets how to make one, a
+#: plan request sent as a job's problem (or a problem as a plan request) the route that takes it.
+_DOCUMENTS = {"/v1/profiles": "profile", "/v1/plans": "plan request", "/v1/jobs": "problem", "/v1/schedules": "problem"}
+
+#: Where each of those documents is posted.
+_ROUTE_OF = {"plan request": "POST it to /v1/plans", "problem": "POST it to /v1/jobs (or /v1/schedules to wait)"}
+
+
+def _other_document(body: Any, wanted: str) -> str:
+    """A line for a body that is another of pipesched's documents than the route's ``wanted``, naming the route that
+    takes it (or, for one no route takes, what to do); "" else."""
+    kind = document_kind(body)
+    if kind is None or kind == wanted:
+        return ""
+    if kind in _ROUTE_OF:
+        return f"the body is a {kind}, not a {wanted}: {_ROUTE_OF[kind]}"
+    if kind == "measurement file" and wanted != "profile":  # a profile of its runs is what plans may name
+        return (
+            f"the body is a measurement file, not a {wanted}: make a profile of its runs with `pipesched calibrate "
+            f"RUNS.json -o profile.json`, POST that to /v1/profiles, and name it in a plan request's cluster.profile"
+        )
+    return wrong_kind("RUNS.json", body, wanted, subject="the body")
 
 
 def _body_of(request: Request) -> str:
@@ -227,7 +247,7 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
     body = _body_of(request)
     wanted = _DOCUMENTS.get(request.url.path.rstrip("/"))
-    other = wrong_kind("RUNS.json", error.body, wanted, subject="the body") if wanted else ""
+    other = _other_document(error.body, wanted) if wanted else ""
     if other:  # another of pipesched's documents: which, and what to do, not one line per field it lacks
         detail = {"loc": ["body"], "msg": other.rstrip("\n"), "type": "wrong_document"}
         return JSONResponse({"detail": [detail]}, status_code=422)

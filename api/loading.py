@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "format_validation_error",
     "load_problem_file",
     "load_schedule_file",
+    "without_service_fields",
     "wrong_kind",
 ]
 
@@ -93,6 +95,19 @@ def _read_json(path: Path) -> Any:
         ) from None
 
 
+def without_service_fields(path: Path, data: Any) -> Any:
+    """``data`` without the service's own ``callback_url`` (a job or plan request may carry it over HTTP), with a
+    note on stderr: the same file serves ``POST /v1/jobs`` and ``pipesched solve``, ``POST /v1/plans`` and
+    ``pipesched plan``, where it had been refused as an extra input."""
+    if not isinstance(data, dict) or "callback_url" not in data:
+        return data
+    sys.stderr.write(
+        f"note: {path}'s callback_url is the service's (POST /v1/jobs or /v1/plans POSTs the finished answer there, "
+        "signed); the command line answers here and leaves it out\n"
+    )
+    return {key: value for key, value in data.items() if key != "callback_url"}
+
+
 def load_problem_file(path: Path, **overrides: Any) -> Problem:
     """Read and validate a problem file; ``overrides`` set dotted fields (``"solver.method"``).
 
@@ -101,7 +116,7 @@ def load_problem_file(path: Path, **overrides: Any) -> Problem:
     Raises:
         InputError: unreadable file, bad JSON, or a validation error (each field path listed).
     """
-    data = _read_json(path)
+    data = without_service_fields(path, _read_json(path))
     if isinstance(data, dict) and "ranks" in data and "problem" in data:
         data = data["problem"]
     if not isinstance(data, dict):

@@ -69,8 +69,27 @@ def run_plan(database_url: str, plan_id: str) -> str | None:
             answer_json=partial.model_dump_json(),
         )
 
-    outcome = search(prepare(request), progress=progress)
-    stored = store.finish_plan(plan_id, outcome.answer, outcome.schedules)
+    if row.status != "queued":  # cancelled before it started (DELETE /v1/plans/{id})
+        return row.status
+    last_look = [time.monotonic()]
+
+    def cancelled() -> bool:
+        """Whether ``DELETE /v1/plans/{id}`` cancelled the search: the row, read at most every poll interval."""
+        now = time.monotonic()
+        if now - last_look[0] < POLL_INTERVAL_S:
+            return False
+        last_look[0] = now
+        current = store.plan(plan_id)
+        return current is None or current.status == "cancelled"
+
+    outcome = search(prepare(request), progress=progress, should_stop=cancelled)
+    answer = outcome.answer
+    current = store.plan(plan_id)
+    if current is not None and current.status == "cancelled":
+        elapsed = time.monotonic() - started
+        note = f"cancelled (DELETE /v1/plans/{plan_id}) after {elapsed:.1f} s: these are the plans found until then"
+        answer = answer.model_copy(update={"notes": [note, *answer.notes]})
+    stored = store.finish_plan(plan_id, answer, outcome.schedules)
     return stored.status
 
 

@@ -559,14 +559,29 @@ class Store:
                 update(PlanRow).where(PlanRow.id == plan_id, PlanRow.status.in_(ACTIVE_JOB_STATUSES)).values(**values)
             )
 
+    def cancel_plan(self, plan_id: str) -> PlanRow | None:
+        """Mark an active plan search ``cancelled`` (a finished one stays as it is): a queued one never starts, a
+        running one stops at its next look (:func:`pipesched.api.plans.run_plan`) and stores the plans it found.
+        The plan, or None if unknown."""
+        with self.transaction() as session:
+            session.execute(
+                update(PlanRow)
+                .where(PlanRow.id == plan_id, PlanRow.status.in_(ACTIVE_JOB_STATUSES))
+                .values(status="cancelled", updated_at=time.time())
+            )
+        return self.plan(plan_id)
+
     def finish_plan(self, plan_id: str, answer: PlanAnswer, schedules: list[Schedule | None]) -> PlanAnswer:
         """Store the plans' schedules and the answer (their ``schedule_id`` filled in) in one transaction.
 
         ``schedules[i]`` belongs to ``answer.plans[i]``; a schedule whose problem is stored already keeps the
-        stored one's id. Returns the answer as stored.
+        stored one's id. A search cancelled meanwhile (:meth:`cancel_plan`) stays ``cancelled``, with the plans
+        it found. Returns the answer as stored.
         """
         plans = []
         with self.transaction() as session:
+            current = session.scalar(select(PlanRow.status).where(PlanRow.id == plan_id))
+            status = "cancelled" if current == "cancelled" else "done"
             for plan, schedule in zip(answer.plans, schedules, strict=True):
                 if schedule is None:
                     plans.append(plan)
@@ -576,11 +591,11 @@ class Store:
                 if schedule_id is None:
                     schedule_id = self._insert_schedule(session, key, schedule).id
                 plans.append(plan.model_copy(update={"schedule_id": schedule_id}))
-            stored = answer.model_copy(update={"id": plan_id, "status": "done", "plans": plans})
+            stored = answer.model_copy(update={"id": plan_id, "status": status, "plans": plans})
             session.execute(
                 update(PlanRow)
                 .where(PlanRow.id == plan_id)
-                .values(status="done", phase="done", answer_json=stored.model_dump_json(), updated_at=time.time())
+                .values(status=status, phase="done", answer_json=stored.model_dump_json(), updated_at=time.time())
             )
         return stored
 
@@ -609,10 +624,14 @@ class Store:
 
     # --- profiles --------------------------------------------------------------------------------
 
-    def put_profile(self, name: str, profile_json: str) -> None:
-        """Store a registered profile under ``name`` (case-insensitive), replacing one of the same name."""
+    def put_profile(self, name: str, profile_json: str) -> str | None:
+        """Store a registered profile under ``name`` (case-insensitive), replacing one of the same name; the
+        replaced one's JSON, or None."""
         with self.transaction() as session:
+            previous = session.get(ProfileRow, name.lower())
+            replaced = previous.profile_json if previous is not None else None
             session.merge(ProfileRow(name=name.lower(), profile_json=profile_json, created_at=time.time()))
+        return replaced
 
     def profiles_stamp(self) -> tuple[int, float]:
         """(how many profiles are stored, when the newest was stored): changes whenever any replica registers or

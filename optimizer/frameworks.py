@@ -26,6 +26,19 @@ framework with them (:func:`pipesched.optimizer.cost.stages.resolve_hardware`).
   microbatch (its ``no_sync`` is DDP's only), flash-attn's fused cross-entropy (llm-foundry's default
   ``loss_fn: fused_crossentropy``, ``llmfoundry/models/mpt/modeling_mpt.py``).
 
+Each reduces its data-parallel gradients in fp32 unless told otherwise (:attr:`Framework.gradient_reduce_dtype`, the
+request's ``training.gradient_reduce_dtype`` default, which a plan naming the framework states in its note):
+torchtitan's ``mixed_precision_reduce`` ("float32" by default; early releases take no other value); Megatron-LM's
+``--bf16``, which turns on ``accumulate_allreduce_grads_in_fp32`` unless ``--grad-reduce-in-bf16`` is said
+(``megatron/training/arguments.py``), and Megatron Bridge's and NeMo's
+``bf16_mixed`` precision (``grad_reduce_in_fp32=True``), though their published performance recipes set
+``grad_reduce_in_fp32 = False`` (the calibration rows of those recipes say ``software.gradient_reduce_dtype`` "bf16");
+NeMo AutoModel's ``FSDP2Config.mp_policy`` (``reduce_dtype=torch.float32``,
+``nemo_automodel/components/distributed/config.py``); Composer's FSDP ``mixed_precision`` default ``DEFAULT``
+(``reduce_dtype`` fp32 in ``get_mixed_precision`` of its current releases, though early ones, whose
+``dist_strategy.py`` built it inline, reduced ``DEFAULT`` in the autocast precision; its ``PURE`` reduces in bf16, as
+llm-foundry's rows that ran it say).
+
 The rows of ``software.framework`` "meta" (the Llama 3 report) and "deepseek" (the DeepSeek-V3 report) ran in-house
 stacks nobody else can run: no entry.
 """
@@ -58,6 +71,8 @@ class Framework:
         aliases: other names accepted for it.
         methods: the pipeline schedules it runs (``search.method`` where the request pins none); None: any, from
             the schedule's CSV (torchtitan's ``pipeline_parallel_schedule_csv``).
+        gradient_reduce_dtype: the dtype it reduces gradients in unless told otherwise (module docstring).
+        reduce_hint: what a plan's note adds beside that default, where its published runs often differ.
     """
 
     name: str
@@ -68,6 +83,8 @@ class Framework:
     launch_target: str | None = None
     aliases: tuple[str, ...] = ()
     methods: tuple[str, ...] | None = None
+    gradient_reduce_dtype: str = "fp32"
+    reduce_hint: str | None = None
 
     @property
     def runs_kernels(self) -> tuple[str, ...]:
@@ -99,6 +116,8 @@ FRAMEWORKS: dict[str, Framework] = {
             launch_target="megatron",
             aliases=("megatron-lm", "megatron-core", "megatron-bridge", "nemo"),
             methods=("1f1b", "interleaved-1f1b"),
+            reduce_hint="Megatron Bridge's and NeMo's performance recipes reduce in bf16 (grad_reduce_in_fp32 False): "
+            "say training.gradient_reduce_dtype bf16 to plan one",
         ),
         Framework(
             "automodel",

@@ -275,6 +275,10 @@ class Client(_Requests):
                 return status
             time.sleep(self.poll_s)
 
+    def cancel_plan(self, plan_id: str) -> PlanStatus:
+        """Cancel a plan search (``DELETE /v1/plans/{id}``): it stops and keeps the plans found until then."""
+        return self._get(PlanStatus, "DELETE", f"/v1/plans/{plan_id}")
+
     def launch(
         self, plan_id: str, plan: int = 1, scheduler: str = "torchrun", target: str = "torchtitan", **more: str | None
     ) -> LaunchFiles:
@@ -343,6 +347,9 @@ class AsyncClient(_Requests):
             if self.finished(status):
                 return status
             await asyncio.sleep(self.poll_s)
+
+    async def cancel_plan(self, plan_id: str) -> PlanStatus:
+        return await self._get(PlanStatus, "DELETE", f"/v1/plans/{plan_id}")
 
     async def check(self, problem: BaseModel | Mapping[str, Any], orders: list[list[str]] | str) -> CheckAnswer:
         body = self.check_body(problem, orders)

@@ -2,8 +2,9 @@
 
 The measurement file is the calibration data's format (``optimizer/cost/calibration/README.md``): runs of one
 accelerator, each a layout with its measured tokens/s per GPU. Prints every row measured beside predicted before
-and after, and writes the profile; ``pipesched plan --profile PROFILE.json`` (or ``POST /v1/profiles``) then lets
-``cluster.profile`` name it. Bad input exits 2 naming the field.
+and after (and its peak memory beside the prediction, where the row gives one), and writes the profile;
+``pipesched plan --profile PROFILE.json`` (or ``POST /v1/profiles``) then lets ``cluster.profile`` name it. Bad
+input exits 2 naming the field.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from rich.table import Table
 
 from pipesched.api.loading import format_validation_error, wrong_kind
 from pipesched.optimizer.calibration.calibrate import calibrate
-from pipesched.optimizer.calibration.fit import predict_rows
+from pipesched.optimizer.calibration.fit import predict_each
+from pipesched.optimizer.calibration.predict import Prediction
 from pipesched.optimizer.cost.calibration.measurements import Measurement, load_measurements
 from pipesched.optimizer.cost.profile import ProfileCatalogue, active_catalogue
+from pipesched.optimizer.units import format_bytes
 
 __all__ = ["calibrate_command"]
 
@@ -47,20 +50,34 @@ def _load(path: Path) -> list[Measurement]:
         raise _fail(f"{kind}{path}:\n{format_validation_error(error, '  ')}") from None
 
 
-def _table(rows: list[Measurement], before: list[float], after: list[float]) -> Table:
-    table = Table(title="measured beside predicted, tokens/s per GPU", title_justify="left")
-    for column in ("row", "measured", "built-in profile", "error", "calibrated", "error"):
+def _table(rows: list[Measurement], before: list[Prediction], after: list[Prediction]) -> Table:
+    """Tokens/s per GPU measured beside predicted (built-in profile, calibrated); where a row's file gives its
+    ``measured.peak_memory_bytes``, the peak measured beside both predictions too (the calibration refits the
+    activation memory factor to such rows: ``pipesched.optimizer.calibration.calibrate``)."""
+    peaks = any(row.measured.peak_memory_bytes is not None for row in rows)
+    title = "measured beside predicted, tokens/s per GPU" + (" and peak memory" if peaks else "")
+    table = Table(title=title, title_justify="left")
+    columns = ("row", "measured", "built-in profile", "error", "calibrated", "error")
+    peak_columns = ("peak measured", "built-in profile", "error", "calibrated", "error")
+    for column in columns + (peak_columns if peaks else ()):
         table.add_column(column, justify="left" if column == "row" else "right")
     for row, old, new in zip(rows, before, after, strict=True):
         measured = row.measured.tokens_per_s_per_gpu
-        table.add_row(
+        old_speed, new_speed = old.tokens_per_s_per_gpu or 0.0, new.tokens_per_s_per_gpu or 0.0
+        cells = [
             row.key,
             f"{measured:,.0f}",
-            f"{old:,.0f}",
-            f"{old / measured - 1:+.1%}",
-            f"{new:,.0f}",
-            f"{new / measured - 1:+.1%}",
-        )
+            f"{old_speed:,.0f}",
+            f"{old_speed / measured - 1:+.1%}",
+            f"{new_speed:,.0f}",
+            f"{new_speed / measured - 1:+.1%}",
+        ]
+        peak = row.measured.peak_memory_bytes
+        if peaks:
+            cells.append(format_bytes(peak) if peak else "")
+            for predicted in (old.peak_memory_bytes, new.peak_memory_bytes):
+                cells += [format_bytes(predicted), f"{predicted / peak - 1:+.1%}"] if peak and predicted else ["", ""]
+        table.add_row(*cells)
     return table
 
 
@@ -79,9 +96,9 @@ def calibrate_command(
     rows = _load(measurements)
     try:
         profile = calibrate(rows, name=name, source=measurements.name)
-        before = predict_rows(rows, active_catalogue())
+        before = predict_each(rows, active_catalogue())
         catalogue = active_catalogue()
-        after = predict_rows(
+        after = predict_each(
             rows,
             ProfileCatalogue(
                 software=catalogue.software, profiles={**catalogue.profiles, profile.accelerator or "": profile}

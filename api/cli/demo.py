@@ -48,6 +48,10 @@ DEMO_DATA_PARALLEL = 2
 #: settled: over 11 loops on this 2-core machine the best of steps 2–3 stood +22 % (median; −8 … +76 %) above the
 #: prediction, the best of all steps after the first −8 % (−15 … +29 %) (issue 25; bench/results/demo_loop.md).
 DEMO_STEPS = 16
+#: Steps of each run of the profile's calibration order just before and just after the demo's run, in its launch
+#: (:func:`_run_beside_calibration`): 14 steps after the first in all, beside the run's 15, whose best step scales
+#: the profile's times to the machine the run sees (:func:`_rescaled_beside`; issue 25, bench/results/issue25_bars.md).
+BRACKET_STEPS = 8
 #: torch.optim.SGD: its update is exact enough to compare every parameter at 1e-5 after 16 steps (AdamW divides
 #: by the root of tiny second moments, which turns the last bits of a zero gradient into ±lr).
 DEMO_OPTIMIZER = "sgd"
@@ -375,7 +379,7 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
         RuntimeError: the run did not verify.
     """
     from pipesched.optimizer.export import run_report_to_chrome_trace
-    from pipesched.runtime.launch import print_run_summary, run_schedule
+    from pipesched.runtime.launch import print_run_summary
     from pipesched.runtime.training import print_training_summary, training_options
 
     processes = DEMO_PIPELINE * DEMO_DATA_PARALLEL
@@ -386,11 +390,13 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
     options = training_options(schedule.problem, steps=DEMO_STEPS, optimizer=DEMO_OPTIMIZER, lr=DEMO_LR)
     here = _this_machine(schedule, options, folder, console)
     with console.status(
-        f"{processes} processes on a (pp {DEMO_PIPELINE}, dp {DEMO_DATA_PARALLEL}) device mesh, then the "
-        "single-process reference over the whole global batch …"
+        f"{processes} processes on a (pp {DEMO_PIPELINE}, dp {DEMO_DATA_PARALLEL}) device mesh, the calibration "
+        "order's steps before and after the run's, then the single-process reference over the whole global batch …"
     ):
-        report = run_schedule(here, backend="gloo", model="problem", output=folder / "report.json", training=options)
-    assert report is not None  # one node: node 0 reports
+        report, bracket = _run_beside_calibration(here, options)
+    (folder / "report.json").write_text(report.model_dump_json(indent=1))
+    beside = _rescaled_beside(schedule, here, bracket)
+    (folder / "schedule-this-machine-beside.json").write_text(beside.model_dump_json(indent=1))
     print_run_summary(report)
     console.rule("[bold]4/4 predicted against measured")
     print_training_summary(report, console)
@@ -404,7 +410,7 @@ def _train_and_verify(schedule: Schedule, folder: Path, console: Console, summar
         f"(relative); loss {report.loss:.6g} against {report.reference_loss:.6g}.",
         highlight=False,
     )
-    _predicted_against_measured(schedule, here, report, folder, console, summary)
+    _predicted_against_measured(schedule, here, beside, bracket, report, folder, console, summary)
 
 
 def _this_machine(schedule: Schedule, options: Any, folder: Path, console: Console) -> Schedule:
@@ -439,27 +445,110 @@ def _this_machine(schedule: Schedule, options: Any, folder: Path, console: Conso
     return here
 
 
+def _run_beside_calibration(here: Schedule, options: Any) -> tuple[Any, list[float]]:
+    """The run, in one launch between two runs of the profile's calibration order (:data:`BRACKET_STEPS` steps
+    each, the same processes and engine): the run's report and the calibration order's steps after the first of
+    each (ms, each step timed on its slowest process, as the profile's calibration run is read).
+
+    The profile's calibration run is a minute older than the run, and on this shared 2-core machine the same passes
+    take up to 45 % longer from one minute to the next (docs/RUNTIME.md, "where a step's time moves"): run beside
+    the run, the calibration order sees the machine the run sees."""
+    from dataclasses import replace
+
+    from pipesched.optimizer.result import build_schedule
+    from pipesched.runtime.calibration import calibration_orders
+    from pipesched.runtime.launch import run_schedules
+
+    calibration = build_schedule(
+        here.problem, calibration_orders(here.problem), method="calibration", backend="profile", check_memory=False
+    )
+    short = replace(options, steps=BRACKET_STEPS)
+    reports = run_schedules(
+        [calibration, here, calibration], backend="gloo", model="problem", training=[short, options, short]
+    )
+    before, report, after = reports
+    assert before is not None and report is not None and after is not None  # one node: node 0 reports
+    return report, before.measured_step_times_ms[1:] + after.measured_step_times_ms[1:]
+
+
+#: The problem's fields in ms (every time the simulator adds up), each scaled by the machine's speed factor.
+_TIMED_COSTS = (
+    "forward",
+    "backward_input",
+    "backward_weight",
+    "p2p",
+    "unshard",
+    "reduce_grad",
+    "optimizer_step",
+    "unshard_wait",
+    "reduce_grad_wait",
+)
+
+
+def _rescaled_beside(schedule: Schedule, here: Schedule, bracket: list[float]) -> Schedule:
+    """The run's order re-timed from the profile with every time scaled by one factor, the calibration order's best
+    step run beside the run (:func:`_run_beside_calibration`) over the simulator's step of the same order on the
+    profile: how much faster or slower this machine runs now than in the profile's calibration run, a minute
+    earlier. A uniform factor, since what moves between those minutes (the host's shared cache and memory, other
+    processes) slows passes and collectives alike, and it scales the simulator's step exactly; the profile's fitted
+    per-pass overhead could not carry it (fitted again on the bracket, it met its floor, minus half the smallest
+    forward, in the first run tried: the demo's step is mostly its UNSHARDs). A held-out prediction still: the
+    calibration order is not the run's."""
+    from pipesched.optimizer.instance import compile_for_orders
+    from pipesched.optimizer.result import build_schedule
+    from pipesched.optimizer.simulate import simulate
+    from pipesched.runtime.calibration import calibration_orders
+
+    problem = here.problem
+    assert problem.costs is not None
+    orders = calibration_orders(problem)
+    factor = min(bracket) / simulate(compile_for_orders(problem, orders), orders, check_memory=False).step_time
+    changes = {}
+    for name in _TIMED_COSTS:
+        value = getattr(problem.costs, name)
+        if value is not None:
+            changes[f"costs.{name}"] = [v * factor for v in value] if isinstance(value, list) else value * factor
+    scaled = problem.with_changes(**changes)
+    return build_schedule(scaled, schedule.orders(), method=schedule.method, backend="profile", check_memory=False)
+
+
 def _predicted_against_measured(
-    schedule: Schedule, here: Schedule, report: Any, folder: Path, console: Console, summary: dict[str, Any]
+    schedule: Schedule,
+    here: Schedule,
+    beside: Schedule,
+    bracket: list[float],
+    report: Any,
+    folder: Path,
+    console: Console,
+    summary: dict[str, Any],
 ) -> None:
-    """The end of screen 4: this machine's predicted step and static memory per pipeline rank beside the run's,
-    with the errors, written to ``this-machine.json``."""
+    """The end of screen 4: this machine's predicted step (from its profile, scaled to the calibration order run
+    beside the run: ``beside``; from the profile alone: ``here``) and static memory per pipeline rank
+    beside the run's, with the errors, written to ``this-machine.json``."""
     steps = report.measured_step_times_ms
     measured = min(steps[1:]) if len(steps) > 1 else steps[0]
-    error = measured / here.step_time - 1
+    error = measured / beside.step_time - 1
     static = _static_here(report)
     summary["this_machine"] = {
         "plan_step_ms": schedule.step_time,
-        "predicted_step_ms": here.step_time,
+        "predicted_step_ms": beside.step_time,
         "measured_step_ms": measured,
         "error": error,
+        "calibration_beside_best_ms": min(bracket),
+        "calibration_beside_steps_ms": bracket,
+        "speed_factor": beside.step_time / here.step_time,
+        "predicted_step_ms_profile_alone": here.step_time,
+        "error_profile_alone": measured / here.step_time - 1,
         "static_bytes": static,
     }
     (folder / "this-machine.json").write_text(json.dumps(summary["this_machine"], indent=1))
     console.print(
-        f"Step on this machine: predicted {here.step_time:.1f} ms from its profile, measured {measured:.1f} ms "
-        f"(the best of its {len(steps) - 1} steps after the first, as the profile's calibration run is read): "
-        f"{100 * error:+.0f}%. Static memory (weights, gradients, optimizer state) per pipeline rank, predicted "
+        f"Step on this machine: predicted {beside.step_time:.1f} ms from its profile (its times scaled by the "
+        f"calibration order's best step run just before and after this run, {min(bracket):.1f} ms), "
+        f"measured {measured:.1f} ms (the best of its {len(steps) - 1} steps after the first, as the calibration "
+        f"is read): {100 * error:+.0f}% (from the profile's own calibration run, a minute earlier: "
+        f"{here.step_time:.1f} ms, {100 * (measured / here.step_time - 1):+.0f}%). Static memory (weights, "
+        "gradients, optimizer state) per pipeline rank, predicted "
         "against measured: "
         + ", ".join(
             f"pp {pp} {row['predicted']:,.0f} B / {row['measured']:,.0f} B ({100 * row['error']:+.0f}%)"

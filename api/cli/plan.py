@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.cli.common import stop_on_interrupt
-from pipesched.api.loading import format_validation_error, wrong_kind
+from pipesched.api.loading import format_validation_error, without_service_fields, wrong_kind
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.frameworks import FRAMEWORKS
@@ -58,6 +58,7 @@ def load_plan_request(
         raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
     if not isinstance(data, dict):
         raise _fail(f"{path}: a plan request is a JSON object with model, cluster, training (see the contract)")
+    data = without_service_fields(path, data)
     search = dict(data.get("search") or {})
     if top is not None:
         search["top"] = top
@@ -96,6 +97,13 @@ def register_profile_file(path: Path) -> None:
         register_profile(item)
 
 
+def _data_parallel_cell(size: int, sharding: str, context_parallel: int) -> str:
+    """The table's dp cell: d and the sharding, and with context parallelism the d·c GPUs the sharding spans (the
+    weights are copied over the c ranks too, so at d 1 the shardings still differ: ``docs/PLANNER.md``)."""
+    spans = f" over d·c {size * context_parallel}" if context_parallel > 1 and sharding != "none" else ""
+    return f"{size} {sharding}{spans}"
+
+
 def print_plans(answer: PlanAnswer, out: Console) -> None:
     """The ranked plans as a table, then the search counts."""
     table = Table(title="plans, best first", title_justify="left")
@@ -127,7 +135,7 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             str(plan.tensor_parallel),
             str(plan.context_parallel),
             str(plan.expert_parallel),
-            f"{plan.data_parallel.size} {plan.data_parallel.sharding}",
+            _data_parallel_cell(plan.data_parallel.size, plan.data_parallel.sharding, plan.context_parallel),
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",
             plan.activation_recomputation,

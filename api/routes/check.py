@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from pipesched.api.checks import ScheduleInputError, run_check
 from pipesched.api.lanes import LaneClosed, LaneFull, WorkerDied
@@ -62,6 +62,29 @@ class CheckRequest(StrictModel):
         "CSV text (one row per rank; SEND_*/RECV_* skipped with a note; UNSHARD/RESHARD/REDUCE_GRAD/OPTIMIZER_STEP "
         "read as optimizer/check.py says)."
     )
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _one_list_per_rank_or_csv(cls, value: Any) -> Any:
+        """Another shape gets one sentence on ``schedule`` (it had one line per member of the union, at
+        ``schedule.list[list[str]].0``, ``schedule.str``)."""
+        if isinstance(value, str) or (
+            isinstance(value, list)
+            and all(isinstance(rank, list) and all(isinstance(a, str) for a in rank) for rank in value)
+        ):
+            return value
+        if isinstance(value, dict):
+            got = "an object: list the ranks in order, rank 0's actions first, not keyed by rank"
+        elif isinstance(value, list) and all(isinstance(item, str) for item in value):
+            got = "one flat list of strings: put each rank's actions in a list of its own"
+        elif isinstance(value, list):
+            got = "a list whose items are not each a list of strings"
+        else:
+            got = "null" if value is None else "a boolean" if isinstance(value, bool) else "a number"
+        raise ValueError(
+            'give one list of action strings per rank ([["0F0", "0I0", "0W0"], ["1F0", …]]) or PyTorch\'s CSV text, '
+            f"not {got}"
+        )
 
 
 class CheckViolation(BaseModel):

@@ -87,10 +87,28 @@ def create_plan(
 def get_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
     """Status, progress, and the ranked plans (the best so far while running); each plan's schedule is at
     ``/v1/schedules/{schedule_id}`` once done."""
-    row = svc.store.plan(plan_id)
+    return plan_status(svc, _found(svc.store.plan(plan_id), plan_id))
+
+
+@router.delete(
+    "/{plan_id}",
+    operation_id="cancel_plan",
+    summary="Cancel a queued or running plan search",
+    response_model=PlanStatus,
+    responses=error_responses(401, 404),
+)
+def cancel_plan(plan_id: str, svc: Services = Depends(services)) -> PlanStatus:
+    """Cancel the search: a queued one never starts; a running one stops within a poll interval and its answer
+    keeps the plans found until then (a note says so), as Ctrl-C does to ``pipesched plan``. A search that already
+    ended is answered as it is."""
+    return plan_status(svc, _found(svc.store.cancel_plan(plan_id), plan_id))
+
+
+def _found(row: PlanRow | None, plan_id: str) -> PlanRow:
+    """``row``, or a 404 that says where plan ids come from."""
     if row is None:
         raise HTTPException(status_code=404, detail=f"no plan with id {plan_id!r}: POST /v1/plans first")
-    return plan_status(svc, row)
+    return row
 
 
 def plan_status(svc: Services, row: PlanRow) -> PlanStatus:

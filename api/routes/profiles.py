@@ -32,6 +32,16 @@ class ProfileInfo(BaseModel):
     built_in: bool
 
 
+class RegisteredProfile(ProfileInfo):
+    """A profile just registered, and the one of the same name it replaced, if any."""
+
+    replaced: str | None = Field(
+        None,
+        description="The source of the profile of the same name this one replaced (plans that name it take this one "
+        "from now on); null when the name was new.",
+    )
+
+
 class Profiles(BaseModel):
     """Every profile ``cluster.profile`` may name."""
 
@@ -71,11 +81,13 @@ def list_profiles() -> Profiles:
     operation_id="register_profile",
     summary="Register a calibrated profile",
     status_code=201,
-    response_model=ProfileInfo,
+    response_model=RegisteredProfile,
     responses=error_responses(401, 422),
 )
-def post_profile(profile: AcceleratorProfile, svc: Services = Depends(services)) -> ProfileInfo:
-    """Register a profile from ``pipesched calibrate``; ``cluster.profile`` may then name it.
+def post_profile(profile: AcceleratorProfile, svc: Services = Depends(services)) -> RegisteredProfile:
+    """Register a profile from ``pipesched calibrate``; ``cluster.profile`` may then name it. One of the same name
+    is replaced (a recalibration), and the answer's ``replaced`` says whose it was: ``pipesched calibrate`` names
+    every profile of an accelerator alike unless ``--name`` says otherwise.
 
     Raises:
         422: an accelerator not in the catalogue, or the name of a built-in profile.
@@ -108,6 +120,12 @@ def post_profile(profile: AcceleratorProfile, svc: Services = Depends(services))
         from fastapi.exceptions import RequestValidationError
 
         raise RequestValidationError(error.errors()) from None
-    svc.store.put_profile(profile.name, profile.model_dump_json())
+    previous = svc.store.put_profile(profile.name, profile.model_dump_json())
     register_profile(profile)
-    return _info(profile, False)
+    replaced = None
+    if previous is not None:
+        try:
+            replaced = AcceleratorProfile.model_validate_json(previous).source or "a profile stating no source"
+        except ValidationError:
+            replaced = "a profile stored by an earlier release"
+    return RegisteredProfile(**_info(profile, False).model_dump(), replaced=replaced)

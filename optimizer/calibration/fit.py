@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pipesched.optimizer.accelerators import get_accelerator
-from pipesched.optimizer.calibration.predict import kernels_mode, predict
+from pipesched.optimizer.calibration.predict import Prediction, kernels_mode, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, use_catalogue
 
@@ -49,6 +49,7 @@ __all__ = [
     "apply_parameters",
     "fit",
     "group_of",
+    "predict_each",
     "predict_rows",
     "quantile",
     "weighted_quantile",
@@ -226,13 +227,24 @@ def predict_rows(rows: Sequence[Measurement], catalogue: ProfileCatalogue, kerne
     Raises:
         ValueError: a row the planner cannot evaluate (its reason).
     """
+    return [result.tokens_per_s_per_gpu or 0.0 for result in predict_each(rows, catalogue, kernels)]
+
+
+def predict_each(
+    rows: Sequence[Measurement], catalogue: ProfileCatalogue, kernels: str | None = None
+) -> list[Prediction]:
+    """:func:`predict_rows`' whole predictions (tokens/s per GPU, peak memory, step), each row's predicted.
+
+    Raises:
+        ValueError: a row the planner cannot evaluate (its reason).
+    """
     predicted = []
     with use_catalogue(catalogue):
         for row in rows:
             result = predict(row, kernels=kernels)
             if result.tokens_per_s_per_gpu is None:
                 raise ValueError(f"row {row.key} cannot be predicted: {result.reason}")
-            predicted.append(result.tokens_per_s_per_gpu)
+            predicted.append(result)
     return predicted
 
 

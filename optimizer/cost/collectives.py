@@ -46,8 +46,8 @@ to every transformer block, to the token embedding, and to the final norm with t
 FSDP2, ``torch.distributed.fsdp.fully_shard``; torchtitan ``parallelize`` ``apply_fsdp``). Each such unit's
 gradients are produced unsharded by its backward, reduce-scattered as one bucket right after it, and freed
 but for the rank's fp32 shard. So a stage holds the unsharded gradients of one unit at a time, the largest
-of its units counted: ``memory.gradients`` is 4 B × the parameters of the stage's largest unit, ``static``
-holds the sharded state plus (d−1)/d of that buffer, and REDUCE_GRAD frees that (d−1)/d. Likewise the
+of its units counted: ``memory.gradients`` is the reduction's bytes × the parameters of the stage's largest
+unit, ``static`` holds the sharded state plus (d−1)/d of that buffer, and REDUCE_GRAD frees that (d−1)/d. Likewise the
 gathered weights: without ``reshard_after_forward`` every unit of the stage stays gathered from its forward
 to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 frees each unit after its
 forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
@@ -55,14 +55,26 @@ units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole
 (static). Under pipelining the unit-by-unit reduction waits: a ``torch.distributed.pipelining`` stage runs
 every backward but its last with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
 torch 2.5–2.13), so FSDP accumulates the stage's unsharded gradients over the microbatches and reduces them
-once: a pipelined stage holds its whole fp32 gradient until REDUCE_GRAD (``memory.gradients`` = 4 B × the
-stage's parameters). Each unit is its own collective (FSDP2's ``fully_shard`` per block, FSDP1's auto-wrap
-per block: one all-gather and one reduce-scatter call per unit; Zhao et al. 2023, §3), so each pays the
-ring's (d−1) steps of latency: a stage's UNSHARD and REDUCE_GRAD carry n·(d−1)·α for its n units (n = the
-stage's parameters over its largest unit's, the count of equal units), which matters at hundreds of ranks.
+once: a pipelined stage holds its whole unsharded gradient until REDUCE_GRAD (``memory.gradients`` = the
+reduction's bytes × the stage's parameters; below). Each unit is its own collective (FSDP2's ``fully_shard``
+per block, FSDP1's auto-wrap per block: one all-gather and one reduce-scatter call per unit; Zhao et al. 2023,
+§3), so each pays the ring's (d−1) steps of latency: a stage's UNSHARD and REDUCE_GRAD carry n·(d−1)·α for its n
+units (n = the stage's parameters over its largest unit's, the count of equal units), which matters at hundreds
+of ranks.
 Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
 buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
 compute: an upper bound by one unit.
+
+Accumulated gradients, in the reduction's dtype: between reductions FSDP2 keeps a unit's unsharded gradient
+as ``FSDPParam.unsharded_accumulated_grad``, cast to the ``MixedPrecisionPolicy``'s ``reduce_dtype`` right after
+each backward (``to_accumulated_grad_if_needed`` and ``accumulate_unsharded_grad_if_needed`` in torch's
+``distributed/fsdp/_fully_shard/_fsdp_param.py``, called from ``FSDPParamGroup.post_backward`` when
+``reduce_grads`` is off, torch 2.13); FSDP2 drops a ``reduce_dtype`` equal to ``param_dtype``, and the gradient
+then accumulates in the parameter's ``.grad``, in ``param_dtype``. So with bf16 compute a reduction in fp32 (PyTorch's
+and torchtitan's policy, NeMo AutoModel's ``FSDP2Config.mp_policy``) holds 4 B a parameter, one in bf16 2 B: the
+gradient buffer counts ``reduce_bytes`` a parameter. Measured on a 2-rank gloo mesh over 2 microbatches with
+``set_requires_gradient_sync(False)``: fp32 (4 B) with ``reduce_dtype`` fp32 over a bf16 or an fp32 model, bf16
+``.grad`` with ``reduce_dtype`` bf16 (``tests/runtime/test_fsdp_static_bytes.py``).
 
 Tensor parallelism (Shoeybi et al. 2019, Megatron-LM, §3; Korthikanti et al. 2022, §4.2.2): each layer's
 forward all-reduces its s·b·h activation twice (after attention and after the MLP), and its input-gradient
@@ -177,8 +189,9 @@ class DataParallelCosts:
         optimizer_step_ms: per rank, the Adam step over the rank's (shard of the) parameters.
         weights_bytes: per model stage, the gathered weights in the model dtype (the whole stage, or with
             ``reshard_after_forward`` two of its largest FSDP units; module docstring).
-        gradients_bytes: per model stage, the unsharded fp32 gradient buffer it holds before REDUCE_GRAD (with
-            ``gradients``/``full``: its largest FSDP unit's; otherwise the whole stage's).
+        gradients_bytes: per model stage, the unsharded gradient buffer it holds before REDUCE_GRAD, in the
+            reduction's dtype (``reduce_bytes`` a parameter; module docstring: Accumulated gradients), with
+            ``gradients``/``full`` its largest FSDP unit's; otherwise the whole stage's.
         static_bytes: per rank, the sharded weights, gradients and optimizer state plus (d−1)/d of each of its
             stages' ``gradients_bytes`` with ``gradients``/``full`` (REDUCE_GRAD frees them).
         link: where the group lies (:func:`group_link`).
@@ -277,7 +290,7 @@ def data_parallel_costs(
         gathered = min(params, 2 * unit) if reshard_after_forward else params
         weights.append(gathered * weight_bytes)
         one_unit = per_block and num_ranks == 1 and reduce_every_microbatch
-        gradients.append((unit if one_unit else params) * GRADIENT_REDUCE_BYTES)
+        gradients.append((unit if one_unit else params) * reduce_bytes)  # in the reduction's dtype: module docstring
         # one collective per FSDP unit, each paying its ring's steps (module docstring: Granularity)
         unit_latency = latency * max(1.0, params / unit) if per_block and unit > 0 else latency
         unshard.append(all_gather_ms(params * weight_bytes, d, bandwidth, unit_latency) if sharding == "full" else 0.0)

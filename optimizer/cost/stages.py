@@ -924,12 +924,13 @@ def _transient_bytes(
     model: ModelConfig, data_parallel: DataParallel | None, parameters: float, largest_unit: float
 ) -> float:
     """Bytes a sharded stage holds beyond its static state while it computes: the gathered weights (whole
-    stage, or two units with ``reshard_after_forward``) and one unit's unsharded fp32 gradients, each (d−1)/d
+    stage, or two units with ``reshard_after_forward``) and one unit's unsharded gradients in the reduction's dtype
+    (:mod:`pipesched.optimizer.cost.collectives`: Accumulated gradients), each (d−1)/d
     (the step model's ``memory.weights``/``memory.gradients``, :mod:`pipesched.optimizer.cost.collectives`)."""
     if data_parallel is None or data_parallel.size <= 1 or data_parallel.sharding not in ("gradients", "full"):
         return 0.0
     d = data_parallel.size
-    held = largest_unit * 4.0
+    held = largest_unit * _gradient_bytes(data_parallel)
     if data_parallel.sharding == "full":
         gathered = min(parameters, 2 * largest_unit) if data_parallel.reshard_after_forward else parameters
         held += gathered * model.dtype_bytes

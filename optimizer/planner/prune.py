@@ -12,10 +12,11 @@ Pure functions of the model, the cluster and one :class:`~pipesched.optimizer.pl
   sharded state as the stack keeps it: :func:`pipesched.optimizer.cost.stages.full_sharding_state`):
   with ``full`` sharding and a pipeline the gathered 16-bit weights stay for the whole step (torchtitan sets
   ``reshard_after_forward=False`` under pipeline parallelism); without a pipeline two layers are gathered at a
-  time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded fp32 gradients,
-  (d−1)/d of them: a pipelined stage's whole, accumulated over the microbatches until the last one's reduction,
-  without a pipeline one layer's (FSDP reduces unit by unit: a mixture-of-experts layer without expert
-  parallelism is a unit of billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
+  time (the one computing and the prefetched next); with ``gradients``/``full`` unsharded gradients in the
+  reduction's dtype, (d−1)/d of them: a pipelined stage's whole, accumulated over the microbatches until the last
+  one's reduction, as without a pipeline under FSDP's once-a-step sync (``fsdp_gradient_sync`` "last_microbatch"),
+  else one layer's (FSDP reduces unit by unit: a mixture-of-experts layer without expert parallelism is a unit of
+  billions of parameters). The step model (:mod:`pipesched.optimizer.cost.collectives`)
   counts the same gathered weights in ``memory.weights`` and the same gradients, so this estimate stays near
   the simulated peak.
 - **Activations in flight** on the first and the last rank at their peak, as each family declares them
@@ -77,7 +78,6 @@ from typing import Literal
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import (
-    GRADIENT_REDUCE_BYTES,
     achieved_links,
     all_gather_ms,
     all_reduce_ms,
@@ -545,6 +545,9 @@ class Estimator:
         static = 0.0
         pipelined = config.pipeline_parallel > 1
         per_unit = config.sharding in ("gradients", "full")
+        # the unsharded gradients accumulate over the microbatches in a pipelined stage and under FSDP's
+        # once-a-step sync, in the reduction's dtype (pipesched.optimizer.cost.collectives: Accumulated gradients)
+        accumulates = pipelined or self.hardware.software.fsdp_gradient_sync == "last_microbatch"
         state = self.full_state(self.sharding_of(config))
         for count, group in groups:
             static += count * static_bytes_per_parameter_sharded(
@@ -552,12 +555,12 @@ class Estimator:
             )
             if config.sharding == "full" and group > 1 and pipelined:
                 static += count * self.model.dtype_bytes  # gathered for the whole step
-            if per_unit and group > 1 and pipelined:  # a pipelined stage accumulates its unsharded fp32
-                static += count * GRADIENT_REDUCE_BYTES * (group - 1) / group  # gradients over the microbatches
+            if per_unit and group > 1 and accumulates:
+                static += count * self.gradient_bytes * (group - 1) / group
         if config.sharding == "full" and copies > 1 and not pipelined:
             static += 2 * layer_parameters * self.model.dtype_bytes
-        if per_unit and copies > 1 and not pipelined:  # one FSDP unit's unsharded fp32 gradients
-            static += GRADIENT_REDUCE_BYTES * layer_parameters * (copies - 1) / copies
+        if per_unit and copies > 1 and not accumulates:  # one FSDP unit's unsharded gradients
+            static += self.gradient_bytes * layer_parameters * (copies - 1) / copies
         return static
 
     def data_parallel_bandwidth(self, config: Configuration) -> float:

@@ -392,7 +392,8 @@ _FUSED_LAUNCH_NOTE = (
 
 def _framework_note(estimator: Estimator) -> str:
     """What the plans assumed of the framework named (``model.framework``): its kernels, the bytes per parameter it
-    keeps fully sharded, and the software-profile fields it runs."""
+    keeps fully sharded, the software-profile fields it runs and the gradient reduction's dtype (said, or its
+    default: :attr:`~pipesched.optimizer.frameworks.Framework.gradient_reduce_dtype`)."""
     model = estimator.model
     assert model.framework is not None
     framework = FRAMEWORKS[model.framework]
@@ -403,9 +404,12 @@ def _framework_note(estimator: Estimator) -> str:
     own = " (its own)" if model.kernels == framework.kernels else ""
     runs = ", ".join(f"{name} {value}" for name, value in framework.software.items())
     schedules = f"; it runs the schedules {', '.join(framework.methods)}" if framework.methods is not None else ""
+    reduce = f"; gradients reduced in {estimator.reduce_dtype}"
+    if estimator.reduce_dtype == framework.gradient_reduce_dtype:
+        reduce += f" (its default{': ' + framework.reduce_hint if framework.reduce_hint else ''})"
     return (
         f"training.framework {framework.name} ({framework.title}): {model.kernels} kernels{own}; fully sharded "
-        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}"
+        f"state {per_parameter:g} B per parameter over the data-parallel group ({state}); {runs}{schedules}{reduce}"
     )
 
 
@@ -506,6 +510,14 @@ def prepare(request: PlanRequest) -> Prepared:
     fitting.sort(key=lambda item: (not item[1].fits, item[1].estimate_ms, item[1].peak_memory_bytes))
     searched = Searched(enumerated=enumerated, pruned_memory=len(over), unexplored=enumerated - len(estimates))
     notes = []
+    if len(estimates) < len(configurations):  # the estimates' share of the time ran out
+        order = "a seeded random sample" if len(configurations) > SHUFFLE_ABOVE else "in the order enumerated"
+        notes.append(
+            f"the estimates stopped at {ESTIMATE_SHARE:.0%} of search.time_limit_s after {len(estimates):,} of "
+            f"{len(configurations):,} configurations ({order}): {len(configurations) - len(estimates):,} were never "
+            "estimated or simulated; raise search.time_limit_s or pin dimensions in search (tensor_parallel, "
+            "pipeline_parallel, micro_batch_size, method)"
+        )
     if cut:
         largest = max(config.tensor_parallel for config in configurations)
         notes.append(

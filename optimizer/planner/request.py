@@ -78,7 +78,9 @@ class PlanTraining(StrictModel):
         "fp32",
         description="The data-parallel gradient reduction's dtype: \"fp32\" (torchtitan's FSDP policy, Megatron's "
         '--accumulate-allreduce-grads-in-fp32) or "bf16" (Megatron Bridge\'s performance recipes, '
-        "grad_reduce_in_fp32 = False): half the bytes on the wire.",
+        "grad_reduce_in_fp32 = False): half the bytes on the wire and in the gradient buffer. fp32 is every "
+        "framework's own default (training.framework: torchtitan, Megatron-LM and Megatron Bridge's bf16_mixed, NeMo "
+        "AutoModel, Composer's DEFAULT), so one named does not change it; a plan's note says the dtype it assumed.",
     )
 
 

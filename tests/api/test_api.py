@@ -474,6 +474,7 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
         "cancel_job",
         "create_plan",
         "get_plan",
+        "cancel_plan",
         "get_plan_launch",
         "list_profiles",
         "register_profile",

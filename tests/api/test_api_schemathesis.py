@@ -45,7 +45,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 def test_no_server_error_and_no_schema_violation(served_schema: schemathesis.BaseSchema) -> None:
     operations = [result.ok() for result in served_schema.get_all_operations()]
-    assert len(operations) == 15
+    assert len(operations) == 16
     for operation in operations:
 
         @given(case=operation.as_strategy())

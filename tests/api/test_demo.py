@@ -37,7 +37,7 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     kinds = {a["kind"] for rank in schedule["ranks"] for a in rank["actions"]}
     assert {"UNSHARD", "REDUCE_GRAD", "OPTIMIZER_STEP"} <= kinds
     problem = Problem.model_validate(schedule["problem"])
-    from pipesched.optimizer.instance import compile_problem
+    from pipesched.optimizer.instance import compile_for_orders, compile_problem
     from pipesched.optimizer.result import Schedule
 
     timed = simulate(compile_problem(problem), Schedule.model_validate(schedule).orders())
@@ -46,7 +46,7 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
     assert (folder / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # 3. a real run: 4 processes (pp 2 × dp 2, FSDP), 16 steps, verified against the single-process reference;
     # as many steps as the profile's calibration run, whose best step after the first the prediction is fitted to
-    from pipesched.api.cli.demo import DEMO_STEPS
+    from pipesched.api.cli.demo import BRACKET_STEPS, DEMO_STEPS
     from pipesched.runtime.profile import CALIBRATION_STEPS
 
     report = json.loads((folder / "report.json").read_text())
@@ -75,7 +75,25 @@ def test_demo_plans_schedules_trains_and_verifies(tmp_path: Path) -> None:
         report["ranks"]
     )
     this_machine = json.loads((folder / "this-machine.json").read_text())
-    assert this_machine["predicted_step_ms"] == pytest.approx(here.step_time)
+    # the figure printed: the same order re-timed from the profile with every time scaled by one factor, the
+    # calibration order's best step run in the run's launch (7 steps before it, 7 after) over its simulated step
+    from pipesched.runtime.calibration import calibration_orders
+
+    beside = Schedule.model_validate_json((folder / "schedule-this-machine-beside.json").read_text())
+    assert beside.orders() == here.orders()
+    assert len(this_machine["calibration_beside_steps_ms"]) == 2 * (BRACKET_STEPS - 1)
+    assert this_machine["calibration_beside_best_ms"] == min(this_machine["calibration_beside_steps_ms"])
+    orders = calibration_orders(beside.problem)
+    timed = simulate(compile_for_orders(beside.problem, orders), orders, check_memory=False).step_time
+    assert timed == pytest.approx(this_machine["calibration_beside_best_ms"], rel=1e-6)
+    factor = (
+        this_machine["calibration_beside_best_ms"]
+        / simulate(compile_for_orders(here.problem, orders), orders, check_memory=False).step_time
+    )
+    assert beside.step_time == pytest.approx(factor * here.step_time, rel=1e-6)
+    assert this_machine["predicted_step_ms"] == pytest.approx(beside.step_time)
+    assert this_machine["error"] == pytest.approx(this_machine["measured_step_ms"] / beside.step_time - 1)
+    assert this_machine["predicted_step_ms_profile_alone"] == pytest.approx(here.step_time)
     assert this_machine["plan_step_ms"] == pytest.approx(schedule["step_time"])
     assert this_machine["measured_step_ms"] == min(report["measured_step_times_ms"][1:])
     assert set(this_machine["static_bytes"]) == {"0", "1"}

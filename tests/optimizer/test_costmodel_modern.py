@@ -41,6 +41,32 @@ def test_llama_8b_exact_count() -> None:
     assert model_parameters(ModelConfig(preset="llama3.1-8b")) == 8_030_261_248
 
 
+@pytest.mark.parametrize(
+    ("preset", "released"),
+    [
+        ("llama3.1-70b", 70_553_706_496),
+        ("llama3.1-405b", 405_853_388_800),
+        ("llama2-7b", 6_738_415_616),
+        # 32·(2·4096² + 2·4096·1024 + 8·3·4096·14336 + 8·4096 + 2·4096) + 2·32000·4096 + 4096
+        ("mixtral-8x7b", 46_702_792_704),
+        # Qwen3's per-head query and key RMSNorms (2 · 128 a layer) are not modelled: 48 · 256 short
+        ("qwen3-30b-a3b", 30_532_122_624 - 48 * 256),
+        # GPT-OSS's router biases (E a layer) and attention sinks (64 a layer) are not modelled
+        ("gpt-oss-120b", 116_829_156_672 - 36 * (128 + 64)),
+        ("gpt-oss-20b", 20_914_757_184 - 24 * (32 + 64)),
+    ],
+)
+def test_rope_rmsnorm_presets_count_the_released_checkpoints_biases_and_no_others(preset: str, released: int) -> None:
+    """Parameter for parameter the released checkpoints' totals (their safetensors on Hugging Face): the Llama,
+    Mixtral and Qwen3 presets (RoPE, RMSNorm) carry no biases, as the models do not (``model.bias`` false: with it
+    Llama 3.1 70B would count 80 · (8192 + 2·1024 + 8192 + 2·28672 + 8192) more); GPT-OSS carries its attention and
+    expert biases (``bias`` true in its config.json's ``attention_bias`` and its experts' ``*_bias`` tensors)."""
+    model = ModelConfig(preset=preset)
+    assert model_parameters(model) == released
+    assert model.bias == preset.startswith("gpt-oss")
+    assert model_parameters(model.model_copy(update={"bias": not model.bias})) != released
+
+
 def test_preset_overrides_and_unknown_preset_lists_the_known_ones() -> None:
     model = ModelConfig(preset="llama3.1-70b", seq_length=4096, micro_batch_size=2)
     assert (model.num_layers, model.hidden_size, model.seq_length, model.micro_batch_size) == (80, 8192, 4096, 2)

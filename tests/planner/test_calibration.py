@@ -32,6 +32,7 @@ from pipesched.optimizer.planner.evaluate import build_problem
 from pipesched.optimizer.planner.prune import Estimate
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
+from pipesched.optimizer.units import format_bytes
 
 GIB = 1024**3
 HOLDOUT = Path(__file__).resolve().parents[2] / "bench" / "data" / "calibration_holdout.json"
@@ -178,6 +179,28 @@ def test_calibrate_refits_a_published_row_to_within_5_percent(tmp_path: Path, sl
     register_profile(profile)
     refit = predict(parse_measurements([row])[0], profile=f"mine-{slower}").tokens_per_s_per_gpu
     assert refit is not None and abs(refit / row["measured"]["tokens_per_s_per_gpu"] - 1) <= 0.05
+
+
+def test_calibrate_prints_the_measured_peak_memory_beside_the_predicted(tmp_path: Path) -> None:
+    """A measurement file whose row gives ``measured.peak_memory_bytes`` (torchtitan's Llama 3.1 8B on 8 H100s,
+    one of mine without it): the table had shown tokens/s only; it now shows the peak measured, the built-in
+    profile's prediction and the error, with the calibrated profile's beside it as for tokens/s (the calibration
+    refits the activation memory factor to the rows with a peak), and leaves the cells of a row without one empty."""
+    with_peak = TORCHTITAN_8B.model_dump(mode="json", exclude={"source"})
+    without = {**with_peak, "id": "mine-no-peak", "measured": {"tokens_per_s_per_gpu": 5500.0}}
+    measurements = tmp_path / "runs.json"
+    measurements.write_text(json.dumps({"rows": [with_peak, without]}))
+    result = CliRunner().invoke(cli_app, ["calibrate", str(measurements), "-o", str(tmp_path / "profile.json")])
+    assert result.exit_code == 0, result.output
+    predicted = predict(TORCHTITAN_8B).peak_memory_bytes
+    peak = TORCHTITAN_8B.measured.peak_memory_bytes
+    assert peak is not None and predicted is not None
+    text = " ".join(result.output.split())
+    assert "tokens/s per GPU and peak memory" in text and "peak measured" in text
+    line = next(line for line in result.output.splitlines() if TORCHTITAN_8B.id in line)
+    assert format_bytes(peak) in line and format_bytes(predicted) in line and f"{predicted / peak - 1:+.1%}" in line
+    line = next(line for line in result.output.splitlines() if "mine-no-peak" in line)
+    assert line.count("GiB") == 0
 
 
 def test_calibrate_refuses_rows_of_two_accelerators(tmp_path: Path) -> None:

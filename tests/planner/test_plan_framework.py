@@ -170,10 +170,41 @@ def test_each_framework_is_charged_the_sharded_state_it_keeps() -> None:
     assert static["torchtitan"][1] > static["composer"][1]  # fp32 log-softmax of the logits against flash-attn's
 
 
+def test_the_gradients_nemo_automodel_accumulates_are_charged_whole_in_the_reductions_dtype() -> None:
+    """Without a pipeline NeMo AutoModel defers FSDP2's reduction to the last microbatch: each rank holds every
+    parameter's unsharded gradient, in the reduction's dtype (FSDP2's ``to_accumulated_grad_if_needed``: fp32 under
+    AutoModel's ``reduce_dtype`` fp32, bf16 when the reduction is bf16; ``tests/runtime/test_fsdp_static_bytes.py``).
+    The step model's ``memory.gradients`` halves with a bf16 reduction, and the search's cheap estimate of a rank's
+    static memory counts the same buffer (it counted one layer's: 9.0 GiB against the step model's 35.6)."""
+    config = _pinned_configuration(num_microbatches=2, micro_batch_size=1)
+    held: dict[str, float] = {}
+    for reduce_dtype in ("fp32", "bf16"):
+        estimator = estimator_for(request(framework="automodel", gradient_reduce_dtype=reduce_dtype))
+        problem = build_problem(estimator, config)
+        assert problem.memory is not None and problem.memory.gradients is not None
+        held[reduce_dtype] = problem.memory.gradients[0]
+        estimate = estimator.estimate(config)
+        assert estimate.static_bytes >= held[reduce_dtype] * 7 / 8  # the (d − 1)/d REDUCE_GRAD frees
+        # the problem's static also counts its passes' largest transient (the loss's logits): about 1 GiB here
+        assert 0 < problem.memory.static[0] - estimate.static_bytes < 0.1 * problem.memory.static[0]
+    assert held["bf16"] == pytest.approx(held["fp32"] / 2)
+
+
 def test_the_notes_say_whose_state_and_kernels_the_plans_assumed() -> None:
+    """The framework note says the kernels, the sharded state and the gradient reduction's dtype assumed (it had said
+    nothing of the dtype: a Megatron user planning a performance recipe's bf16 reduction had no word of it)."""
     notes = plan(request(framework="automodel")).answer.notes
     assert notes[0].startswith("training.framework automodel (NeMo AutoModel): fused kernels (its own)")
     assert "8 B per parameter" in notes[0] and "fsdp_gradient_sync last_microbatch" in notes[0]
+    assert notes[0].endswith("; gradients reduced in fp32 (its default)")
+    notes = plan(request(framework="megatron")).answer.notes
+    assert (
+        "gradients reduced in fp32 (its default: Megatron Bridge's and NeMo's performance recipes reduce in bf16"
+        in (notes[0])
+        and notes[0].endswith("say training.gradient_reduce_dtype bf16 to plan one)")
+    )
+    notes = plan(request(framework="megatron", gradient_reduce_dtype="bf16")).answer.notes
+    assert notes[0].endswith("; gradients reduced in bf16")
     notes = plan(request(framework="torchtitan", kernels="compiled")).answer.notes
     assert "compiled kernels;" in notes[0] and "16 B per parameter" in notes[0]
     assert not any("training.kernels not said" in note for note in notes)

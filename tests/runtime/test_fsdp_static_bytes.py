@@ -6,6 +6,11 @@ forward, backward and ``torch.optim.Adam`` step; each rank's sharded parameters,
 
 A model built in fp32 keeps fp32 shards (4 + 4 + 8 = 16 B a parameter over d) whatever the reduction's dtype, not
 ZeRO-3's 2 + 4 + 12 = 18; one built in bf16 (AutoModel's mixture-of-experts models) keeps 2 + 2 + 4 = 8.
+
+Between reductions (``set_requires_gradient_sync(False)`` over 2 microbatches: NeMo AutoModel's trainer, a
+pipelined stage) each rank holds every parameter's unsharded gradient in the reduction's dtype: fp32 (4 B) with
+``reduce_dtype`` fp32 over a bf16 or an fp32 model, bf16 (2 B) with ``reduce_dtype`` bf16, what the step model's
+``memory.gradients`` charges (``pipesched.optimizer.cost.collectives``: Accumulated gradients).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.configs import ClusterConfig, ModelConfig
+from pipesched.optimizer.cost.collectives import data_parallel_costs
 from pipesched.optimizer.cost.memory import static_bytes_per_parameter_sharded
 
 torch = pytest.importorskip("torch")
@@ -62,13 +68,27 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         moments = [value for state in optimizer.state.values() for key, value in state.items() if key != "step"]
         kept = _bytes(params) + _bytes([p.grad for p in params]) + _bytes(moments)
         measured[f"{model_dtype}/{reduce_dtype}"] = kept / parameters
+        model.zero_grad(set_to_none=True)
+        model.set_requires_gradient_sync(False)  # every microbatch but the last: the gradients accumulate unsharded
+        for _ in range(2):
+            model(torch.randn(8, 64)).float().pow(2).mean().backward()
+        held = [
+            fsdp_param.unsharded_accumulated_grad
+            if fsdp_param.unsharded_accumulated_grad is not None
+            else fsdp_param._unsharded_param.grad
+            for layer in model
+            for fsdp_param in layer._get_fsdp_state()._fsdp_param_group.fsdp_params  # FSDP2's own, torch 2.13
+        ]
+        dtypes = sorted({str(gradient.dtype) for gradient in held})
+        measured[f"{model_dtype}/{reduce_dtype}/accumulated"] = _bytes(held) / parameters
+        measured[f"{model_dtype}/{reduce_dtype}/accumulated_dtype"] = dtypes  # type: ignore[assignment]
     if rank == 0:
         Path(out).write_text(json.dumps(measured))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
+def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Bytes rank 0 keeps per parameter of the whole model, by case."""
     import torch.multiprocessing as mp
 
@@ -87,3 +107,28 @@ def test_fsdp2_keeps_what_the_memory_model_charges(measured, model_dtype: str, r
     assert measured[f"{model_dtype}/{reduce_dtype}"] == pytest.approx(charged)
     if state == "fp32_parameters":  # ZeRO-3's count would charge 2 + g + 12 over d
         assert charged < static_bytes_per_parameter_sharded(model, "full", WORLD, gradient_bytes=4.0)
+
+
+@pytest.mark.parametrize(("model_dtype", "reduce_dtype"), list(CASES))
+def test_fsdp2_accumulates_the_unsharded_gradient_in_the_reduction_dtype(
+    measured, model_dtype: str, reduce_dtype: str
+) -> None:
+    """FSDP2 casts the accumulated unsharded gradient to ``reduce_dtype`` (``to_accumulated_grad_if_needed``), or
+    keeps it in ``param_dtype`` where the two are equal; the step model charges the reduction's bytes a parameter for
+    the whole stage held until the last microbatch's reduction (every parameter gathered: d ranks hold it whole)."""
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=1, seq_length=8, vocab_size=8)
+    reduced = 4.0 if reduce_dtype == "float32" else 2.0
+    assert measured[f"{model_dtype}/{reduce_dtype}/accumulated_dtype"] == [f"torch.{reduce_dtype}"]
+    costs = data_parallel_costs(
+        model=model,
+        cluster=ClusterConfig(accelerator="H100-SXM"),
+        stage_parameters=[1000.0],
+        stage_holders=[[0]],
+        num_ranks=1,
+        data_parallel_size=WORLD,
+        sharding="full",
+        memory_bandwidth_bytes_per_s=3e12,
+        reduce_bytes=reduced,
+        reduce_every_microbatch=False,
+    )
+    assert measured[f"{model_dtype}/{reduce_dtype}/accumulated"] == pytest.approx(costs.gradients_bytes[0] / 1000.0)
