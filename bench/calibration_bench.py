@@ -21,7 +21,12 @@ published MFU against the fitted rows' highest.
 Run: ``python -m bench.calibration_bench [--write] [--iterations N]``; ``--write`` stores the catalogue the
 planner ships (``optimizer/cost/calibration/profiles.json``). Output: ``bench/results/calibration_bench.{md,json}``.
 ``--held-out-only`` predicts both held-out files with the shipped catalogue, no fit (seconds):
-``bench/results/calibration_held_out.{md,json}``. ``--unknown-only`` refits nothing and recounts kernels
+``bench/results/calibration_held_out.{md,json}``. ``--parallel-only`` refits nothing: the context/expert-parallel
+check rows (``bench/cpep_bench.py``) planned with the shipped catalogue, each class's interval
+(:func:`~pipesched.optimizer.calibration.catalogue.parallel_log_errors`) and how many rows lie inside their plan's
+interval before and after it, in-sample and with the row's source left out
+(``bench/results/calibration_parallel_intervals.{md,json}``; with ``--write``, only ``parallel_log_error`` stored;
+the full ``--write`` stores it too). ``--unknown-only`` refits nothing and recounts kernels
 "unknown" over the shipped fit (``bench/results/calibration_unknown_kernels.json``).
 """
 
@@ -37,18 +42,20 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from bench import cpep_bench
 from pipesched.optimizer.calibration.catalogue import (
     build_catalogue,
     fit_memory_factor,
     fit_unknown_kernels,
     measured_mfu,
+    parallel_log_errors,
     row_kernels_class,
 )
 from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
 from pipesched.optimizer.calibration.peaks import leave_one_out, peak_lines
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import fitting_measurements, parse_measurements
-from pipesched.optimizer.cost.profile import ProfileCatalogue, builtin_catalogue, use_catalogue
+from pipesched.optimizer.cost.profile import ProfileCatalogue, builtin_catalogue, parallel_class, use_catalogue
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: Published runs kept out of the fit: the check of layouts the fit was not given.
@@ -155,6 +162,8 @@ def run(iterations: int) -> dict[str, Any]:
     fitted = f"bench/calibration_bench.py, {len(rows)} rows, {time.strftime('%Y-%m-%d')}"
     catalogue = build_catalogue(rows, result, factor, fitted=fitted)
     catalogue, unknown_errors = fit_unknown_kernels(rows, catalogue)
+    parallel = parallel_check(catalogue)
+    catalogue = parallel["catalogue"]
     predicted = predict_rows(rows, catalogue)
     records = []
     with use_catalogue(catalogue):
@@ -205,6 +214,8 @@ def run(iterations: int) -> dict[str, Any]:
         "in_interval": round(sum(r["in_interval"] for r in records) / len(records), 4),
         "holdout": holdout(catalogue),
         "external": holdout(catalogue, EXTERNAL),
+        "parallel_log_error": catalogue.software.parallel_log_error,
+        "parallel_check": parallel["summary"],
         "fit_s": round(fit_s, 1),
         "iterations": result.iterations,
         "catalogue": catalogue.model_dump(mode="json"),
@@ -296,6 +307,98 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _parallel_inside(log_error: float, interval: tuple[float, float]) -> bool:
+    return interval[0] <= log_error <= interval[1]
+
+
+def parallel_check(catalogue: ProfileCatalogue, time_limit_s: float = 10.0) -> dict[str, Any]:
+    """The context/expert-parallel check rows (:func:`bench.cpep_bench.load_rows`, never fitted) planned on their
+    published layouts with their own kernels under ``catalogue`` (:func:`bench.cpep_bench.predict`), each class's
+    interval from their log(published / predicted)
+    (:func:`~pipesched.optimizer.calibration.catalogue.parallel_log_errors`), and, by class, the share inside the
+    plan's interval: the accelerator's alone (before), its union with the class's (in-sample: the class's interval
+    is these rows'), and that union with the class's interval counted without the row's source (held out). Returns
+    the ``catalogue`` with ``parallel_log_error`` set, every row and the summary."""
+    rows = cpep_bench.load_rows()
+    records = []
+    with use_catalogue(catalogue):
+        for row in rows:
+            prediction = cpep_bench.predict(row, time_limit_s)
+            published = prediction["published_tokens_per_s_per_gpu"]
+            layout = row["layout"]
+            records.append(
+                {
+                    "id": row["id"],
+                    "source": row["source"],
+                    "accelerator": row["accelerator"],
+                    "degrees": (layout.get("context_parallel", 1), layout.get("expert_parallel", 1)),
+                    "class": parallel_class(layout.get("context_parallel", 1), layout.get("expert_parallel", 1)),
+                    "log_error": round(math.log(published / prediction["predicted_tokens_per_s_per_gpu"]), 4),
+                }
+            )
+    classes = [r["class"] for r in records]
+    groups = [(r["source"], r["accelerator"]) for r in records]
+    errors = [r["log_error"] for r in records]
+    intervals = parallel_log_errors(classes, groups, errors)
+    software = catalogue.software.model_copy(update={"parallel_log_error": intervals})
+    result = catalogue.model_copy(update={"software": software})
+    for r in records:
+        accelerator = catalogue.profiles[r["accelerator"]].held_out_log_error
+        others = [i for i, other in enumerate(records) if other["source"] != r["source"]]
+        without = parallel_log_errors(
+            [classes[i] for i in others], [groups[i] for i in others], [errors[i] for i in others]
+        )
+        held = software.model_copy(update={"parallel_log_error": without})
+        cp, ep = r["degrees"]
+        r["in_accelerator_interval"] = _parallel_inside(r["log_error"], accelerator)
+        r["in_class_interval"] = _parallel_inside(r["log_error"], software.layout_log_error(accelerator, cp, ep))
+        r["in_class_interval_source_out"] = _parallel_inside(r["log_error"], held.layout_log_error(accelerator, cp, ep))
+    summary_: dict[str, Any] = {"parallel_log_error": intervals}
+    for name in ("all", "context-parallel", "expert-parallel", None):
+        chosen = [r for r in records if name == "all" or r["class"] == name]
+        summary_[name or "dense"] = {
+            "rows": len(chosen),
+            **{
+                key: round(sum(r[key] for r in chosen) / len(chosen), 3)
+                for key in ("in_accelerator_interval", "in_class_interval", "in_class_interval_source_out")
+            },
+        }
+    return {"catalogue": result, "rows": records, "summary": summary_}
+
+
+def parallel_only(write: bool, output: Path) -> None:
+    """``--parallel-only``: :func:`parallel_check` under the shipped catalogue, no refit (with ``write``, only
+    ``software.parallel_log_error`` stored in ``profiles.json``)."""
+    report = parallel_check(builtin_catalogue())
+    kept = {"rows": report["rows"], "summary": report["summary"]}
+    lines = [
+        f"Shipped profiles ({builtin_catalogue().fitted}), no refit; context/expert-parallel check rows "
+        "(bench/cpep_bench.py), own kernels.",
+        "",
+        f"parallel_log_error: {json.dumps(report['summary']['parallel_log_error'])}",
+        "",
+        "| rows | n | inside the accelerator's interval | inside the union with the class's (in-sample) "
+        "| the same, the row's source left out |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, s in report["summary"].items():
+        if name != "parallel_log_error":
+            lines.append(
+                f"| {name} | {s['rows']} | {s['in_accelerator_interval']:.0%} | {s['in_class_interval']:.0%} | "
+                f"{s['in_class_interval_source_out']:.0%} |"
+            )
+    text = "\n".join(lines)
+    output.write_text(text + "\n")
+    output.with_suffix(".json").write_text(json.dumps(kept, indent=1) + "\n")
+    print(text)
+    if write:
+        target = Path(str(resources.files("pipesched.optimizer.cost.calibration") / "profiles.json"))
+        document = json.loads(target.read_text())
+        document["software"]["parallel_log_error"] = report["summary"]["parallel_log_error"]
+        target.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {target}")
+
+
 def held_out_only(output: Path) -> None:
     """Both held-out checks under the shipped catalogue (``profiles.json``), without a refit: seconds, no lock."""
     catalogue = builtin_catalogue()
@@ -349,7 +452,16 @@ def main() -> None:
         help="no refit: the shipped catalogue's kernels-'unknown' shares and intervals recounted, and the held-out "
         "rows predicted (with --write, only those fields stored)",
     )
+    parser.add_argument(
+        "--parallel-only",
+        action="store_true",
+        help="no refit: the context/expert-parallel check rows' class intervals and coverage "
+        "(bench/results/calibration_parallel_intervals.{md,json}; with --write, only parallel_log_error stored)",
+    )
     args = parser.parse_args()
+    if args.parallel_only:
+        parallel_only(args.write, RESULTS / "calibration_parallel_intervals.md")
+        return
     if args.held_out_only:
         held_out_only(RESULTS / "calibration_held_out.md")
         return

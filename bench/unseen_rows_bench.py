@@ -5,8 +5,9 @@ assumes; never fitted). Each row's published layout is planned with every dimens
 ``bench/cpep_bench.py`` plans its context/expert-parallel rows (:func:`bench.cpep_bench.predict`: the run's
 dispatcher, kernels and gradient reduction as stated; a layout the memory model refuses is timed with memory not
 enforced, the refusal kept). Beside the published tokens/s per GPU it prints the prediction, the error
-predicted / published − 1, the plan's 80% interval (the accelerator profile's ``held_out_log_error`` around the
-prediction: the plan's own interval, or the same band around the unenforced time) and whether the published figure
+predicted / published − 1, the plan's 80% interval (the accelerator profile's ``held_out_log_error``, united with its
+context/expert-parallel class's, around the prediction: the plan's own interval, or the same band around the
+unenforced time) and whether the published figure
 lies inside it; then the median error, the rows beyond 20% and 25% and the share inside the interval, over every row
 and by group (context- or expert-parallel), source and precision.
 
@@ -46,12 +47,18 @@ def group(row: dict[str, Any]) -> str:
 
 def interval(row: dict[str, Any], prediction: dict[str, Any]) -> tuple[float, float]:
     """The 80% interval of the prediction: the plan's, or (memory not enforced, no plan) the accelerator profile's
-    ``held_out_log_error`` around the unenforced time, as a plan of the row's own kernels would carry it
-    (``pipesched.optimizer.planner.evaluate``)."""
+    ``held_out_log_error`` united with the layout class's (``SoftwareProfile.layout_log_error``) around the
+    unenforced time, as a plan of the row's own kernels would carry it (``pipesched.optimizer.planner.evaluate``)."""
     if prediction["interval"]:
         low, high = prediction["interval"]
         return float(low), float(high)
-    log_low, log_high = active_catalogue().profiles[row["accelerator"]].held_out_log_error
+    catalogue = active_catalogue()
+    layout = row["layout"]
+    log_low, log_high = catalogue.software.layout_log_error(
+        catalogue.profiles[row["accelerator"]].held_out_log_error,
+        layout.get("context_parallel", 1),
+        layout.get("expert_parallel", 1),
+    )
     value = prediction["predicted_tokens_per_s_per_gpu"]
     return value * math.exp(log_low), value * math.exp(log_high)
 

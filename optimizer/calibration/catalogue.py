@@ -29,6 +29,14 @@
   PyTorch was in no mode's mix) and a fused Megatron/NeMo run 15% too slow. Each class's interval: the 10th and
   90th percentile of its rows' log(published / predicted) as ``unknown``, every source, accelerator and mode
   group weighing the same (:func:`class_weights`; no parameter is fitted, so these are held-out errors).
+- **Context/expert-parallel layouts** (issues 24, 28): the interval above is the dense rows' (every fitted row is
+  dense), so a plan with context or expert parallelism would claim the dense fit's certainty. Each class of
+  :data:`~pipesched.optimizer.cost.profile.PARALLEL_CLASSES` takes the weighted 10th and 90th percentile of
+  log(published / predicted) over the context/expert-parallel check rows of that class (``bench/cpep_bench.py``'s
+  rows, each planned on its published layout with its own kernels; never fitted, so held-out errors), every
+  source-and-accelerator group weighing the same (:func:`parallel_log_errors`); a plan of that class carries the
+  union of it and its accelerator's (:meth:`~pipesched.optimizer.cost.profile.SoftwareProfile.layout_log_error`).
+  Written by ``python -m bench.calibration_bench --write`` (or ``--parallel-only --write``).
 - **MFU ceiling**: the highest MFU (the planner's definition, 6·N + 12·l·h·s per token over the bf16 peak) a row
   of the accelerator reached, by precision.
 """
@@ -45,6 +53,7 @@ from pipesched.optimizer.calibration.peaks import fit_memory_factor
 from pipesched.optimizer.calibration.predict import estimator, kernels_mode
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import (
+    PARALLEL_CLASSES,
     RUN_KERNELS,
     SHARDING_CLASSES,
     UNKNOWN_KERNELS_CLASSES,
@@ -68,6 +77,7 @@ __all__ = [
     "fit_memory_factor",
     "fit_unknown_kernels",
     "measured_mfu",
+    "parallel_log_errors",
     "row_kernels_class",
     "unknown_kernels_shares",
     "with_borrowed",
@@ -198,6 +208,31 @@ def _interval(errors: list[float], weights: list[float], members: list[int]) -> 
         round(weighted_quantile(chosen, chosen_weights, 0.1), 4),
         round(weighted_quantile(chosen, chosen_weights, 0.9), 4),
     )
+
+
+def parallel_log_errors(
+    classes: Sequence[str | None], groups: Sequence[tuple[str, str]], log_errors: Sequence[float]
+) -> dict[str, tuple[float, float]]:
+    """By class of :data:`~pipesched.optimizer.cost.profile.PARALLEL_CLASSES`, the weighted 10th and 90th
+    percentile of ``log_errors`` (log(published / predicted)) over the rows of that class (``classes``: each row's
+    :func:`~pipesched.optimizer.cost.profile.parallel_class`; ``None``, a dense row, counts in none), each
+    source-and-accelerator group (``groups``) of the class weighing the same (module docstring). A class without
+    rows is left out (its plans keep their accelerator's interval)."""
+    if not len(classes) == len(groups) == len(log_errors):
+        raise ValueError("classes, groups and log_errors must have one entry a row")
+    intervals: dict[str, tuple[float, float]] = {}
+    for name in PARALLEL_CLASSES:
+        members = [i for i, kind in enumerate(classes) if kind == name]
+        if not members:
+            continue
+        count = Counter(groups[i] for i in members)
+        errors = [log_errors[i] for i in members]
+        weights = [1.0 / count[groups[i]] for i in members]
+        intervals[name] = (
+            round(weighted_quantile(errors, weights, 0.1), 4),
+            round(weighted_quantile(errors, weights, 0.9), 4),
+        )
+    return intervals
 
 
 def fit_unknown_kernels(

@@ -30,7 +30,8 @@ Software (the same on every accelerator, :class:`SoftwareProfile`): the elementw
 ``torch.compile`` and hand-fused kernels relative to Megatron's fused kernels, kernels per layer pass and the
 CPU time of each (eager dispatch), and the bytes an FP8 cast moves per element; for kernels not said
 ("unknown"), the share of each mode among the published runs of a layout's class (its data-parallel sharding,
-and whether it has model parallelism) and that class's interval.
+and whether it has model parallelism) and that class's interval; and the interval of a plan with context or expert
+parallelism (``parallel_log_error``, by :data:`PARALLEL_CLASSES`).
 
 ``held_out_log_error`` (the 10th and 90th percentile of log(published / predicted) over the leave-one-out
 fits) gives every plan its 80% interval; ``max_measured_mfu`` the highest MFU in the calibration data.
@@ -55,6 +56,7 @@ __all__ = [
     "ANY_KERNELS_CLASS",
     "KERNELS",
     "MODEL_PARALLEL",
+    "PARALLEL_CLASSES",
     "RUN_KERNELS",
     "SHARDING_CLASSES",
     "UNKNOWN_KERNELS_CLASSES",
@@ -66,6 +68,7 @@ __all__ = [
     "default_profile",
     "layout_sharding",
     "load_catalogue",
+    "parallel_class",
     "sharding_class",
     "unknown_kernels_class",
     "use_catalogue",
@@ -96,6 +99,19 @@ MODEL_PARALLEL = "model-parallel"
 #: layouts with model parallelism, which fewer frameworks run (Composer has no pipeline or context parallelism;
 #: torchtitan's DDP refused a second mesh dimension).
 UNKNOWN_KERNELS_CLASSES = (*SHARDING_CLASSES, *(f"{name}+{MODEL_PARALLEL}" for name in SHARDING_CLASSES))
+
+
+#: Classes of a layout for its interval (:func:`parallel_class`): expert parallelism (EP > 1, with or without
+#: context parallelism), context parallelism (CP > 1, EP 1); any other layout is dense and takes its accelerator's.
+PARALLEL_CLASSES = ("expert-parallel", "context-parallel")
+
+
+def parallel_class(context_parallel: int, expert_parallel: int) -> str | None:
+    """The class of a layout for its interval (:data:`PARALLEL_CLASSES`): "expert-parallel" where
+    ``expert_parallel`` > 1, "context-parallel" where ``context_parallel`` > 1, ``None`` (dense) otherwise."""
+    if expert_parallel > 1:
+        return "expert-parallel"
+    return "context-parallel" if context_parallel > 1 else None
 
 
 #: Kernels "unknown" over a search whose layouts span both classes: every published run (each class one vote).
@@ -300,6 +316,16 @@ class SoftwareProfile(StrictModel):
         "weighing the same: a plan of unknown kernels gets at least this interval.",
     )
 
+    parallel_log_error: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="By layout class (PARALLEL_CLASSES: 'expert-parallel', 'context-parallel'), the weighted 10th "
+        "and 90th percentile of log(published / predicted) over the context/expert-parallel check rows of that "
+        "class (never fitted; every source-and-accelerator group weighing the same: "
+        "pipesched.optimizer.calibration.catalogue.parallel_log_errors): a plan of that class gets at least this "
+        "interval, its union with the accelerator's. A class missing here (a catalogue written before) adds "
+        "nothing.",
+    )
+
     @field_validator("unknown_kernels_log_error", mode="before")
     @classmethod
     def _one_interval_for_every_class(cls, value: object) -> object:
@@ -345,6 +371,18 @@ class SoftwareProfile(StrictModel):
         classes gives their sharding class's."""
         errors = self.unknown_kernels_log_error
         return errors.get(name) or errors[sharding_class(name)]
+
+    def layout_log_error(
+        self, interval: tuple[float, float], context_parallel: int, expert_parallel: int
+    ) -> tuple[float, float]:
+        """``interval`` (log(published / predicted), 10th and 90th percentile) united with the
+        :attr:`parallel_log_error` of the layout's class (:func:`parallel_class`); a dense layout, or a class the
+        catalogue has no interval for, keeps ``interval``."""
+        name = parallel_class(context_parallel, expert_parallel)
+        if name is None or name not in self.parallel_log_error:
+            return interval
+        low, high = self.parallel_log_error[name]
+        return min(interval[0], low), max(interval[1], high)
 
     def attention_speed(self, kernel: str, accelerator: str) -> float:
         """:attr:`attention_kernel_speed` of ``kernel`` on ``accelerator`` (its own entry, else the kernel's)."""

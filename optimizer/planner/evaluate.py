@@ -195,6 +195,10 @@ def _plan(
         )
         low, high = min(low, unknown_low), max(high, unknown_high)
         low -= estimator.framework_log_spread(config)  # a ring on PyTorch's FlashAttention-2
+    # a context- or expert-parallel layout: at least its class's held-out spread (the check rows, never fitted)
+    low, high = estimator.hardware.software.layout_log_error(
+        (low, high), config.context_parallel, config.expert_parallel
+    )
     return Plan(
         pipeline_parallel=config.pipeline_parallel,
         tensor_parallel=config.tensor_parallel,

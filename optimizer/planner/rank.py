@@ -27,6 +27,7 @@ from pipesched.optimizer.cost.profile import (
     ANY_KERNELS_CLASS,
     MODEL_PARALLEL,
     layout_sharding,
+    parallel_class,
     sharding_class,
     unknown_kernels_class,
 )
@@ -414,7 +415,8 @@ def _framework_note(estimator: Estimator) -> str:
 
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
-    calibration data measured on this accelerator in its precision, and an uncalibrated accelerator."""
+    calibration data measured on this accelerator in its precision, an uncalibrated accelerator, and the interval
+    of a context- or expert-parallel best plan (its class's)."""
     profile = estimator.hardware.profile
     notes = [] if estimator.model.framework is None else [_framework_note(estimator)]
     if profile.fitted_rows == 0:
@@ -442,6 +444,15 @@ def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
             notes.append(_FUSED_LAUNCH_NOTE)
     if answer_plans:
         best = answer_plans[0]
+        layout_class = parallel_class(best.context_parallel, best.expert_parallel)
+        errors = estimator.hardware.software.parallel_log_error
+        if layout_class in errors:
+            low, high = errors[layout_class]
+            notes.append(
+                f"the best plan is {layout_class}: its 80% interval (tokens_per_s_per_gpu_interval) is at least "
+                f"that of the published {layout_class} check runs, log(published / predicted) {low:+.2f} to "
+                f"{high:+.2f} (never fitted), united with {estimator.hardware.name}'s held-out interval of dense runs"
+            )
         measured = profile.max_measured_mfu.get(best.precision)
         if measured is not None and best.mfu > measured:
             notes.append(
