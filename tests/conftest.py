@@ -18,6 +18,23 @@ REPO = Path(__file__).resolve().parent.parent
 PAPER_SETTINGS_PATH = REPO / "bench" / "data" / "zb_paper_settings.json"
 
 
+#: Test folders whose files start real processes (torch ranks, the command line, a service) and take the longest:
+#: collected first, so that pytest-xdist's ``--dist loadfile`` (pyproject.toml) starts the long files while the short
+#: ones fill the gaps after them, instead of leaving one worker alone with a long file at the end of the run.
+LONG_FIRST = ("runtime", "api")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the tests of :data:`LONG_FIRST`'s folders first, in its order, keeping every file's order (a stable
+    sort)."""
+
+    def later(item: pytest.Item) -> int:
+        parts = item.path.relative_to(REPO / "tests").parts
+        return LONG_FIRST.index(parts[0]) if parts and parts[0] in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=later)
+
+
 def stop_on_reaching(target: float) -> tuple[Callable[[Progress], None], Callable[[], bool]]:
     """A search's ``progress`` and ``should_stop`` that end it once its best objective is at most ``target``: a test
     of what a time-limited search reaches gives it a generous limit and stops it there, so its outcome does not
