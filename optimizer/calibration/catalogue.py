@@ -220,18 +220,14 @@ def parallel_log_errors(
     rows is left out (its plans keep their accelerator's interval)."""
     if not len(classes) == len(groups) == len(log_errors):
         raise ValueError("classes, groups and log_errors must have one entry a row")
+    keys = list(zip(classes, groups, strict=True))
+    count = Counter(keys)
+    weights = [1.0 / count[key] for key in keys]
     intervals: dict[str, tuple[float, float]] = {}
     for name in PARALLEL_CLASSES:
         members = [i for i, kind in enumerate(classes) if kind == name]
-        if not members:
-            continue
-        count = Counter(groups[i] for i in members)
-        errors = [log_errors[i] for i in members]
-        weights = [1.0 / count[groups[i]] for i in members]
-        intervals[name] = (
-            round(weighted_quantile(errors, weights, 0.1), 4),
-            round(weighted_quantile(errors, weights, 0.9), 4),
-        )
+        if members:
+            intervals[name] = _interval(list(log_errors), weights, members)
     return intervals
 
 
