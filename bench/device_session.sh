@@ -8,11 +8,14 @@
 #     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 -d .whl \
 #     pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection ortools \
 #     immutabledict protobuf PuLP highspy fastapi starlette uvicorn SQLAlchemy tomli_w opentelemetry-api
-#   (the versions of this checkout's venv: `pip list`; about 56 MB, under the 64 MiB a call carries)
+#   (the versions of this checkout's venv: `pip list`; about 56 MB; with the checkout that is over the 64 MiB a call
+#   carries, so repack PuLP's wheel with its linux/i64 CBC alone (its RECORD rewritten): 43 MB)
 # then run it from the repository's root there, carrying .whl:  bash bench/device_session.sh
-# Parts (skip one with SKIP_STEPS=1, SKIP_MOE=1, SKIP_AB=1): the Llama-shaped FSDP2 steps (device_step_bench), one
+# Parts (skip one with SKIP_STEPS=1, SKIP_MOE=1, SKIP_AB=1, SKIP_LOOP=1, SKIP_BARS=1): the Llama-shaped FSDP2 steps (device_step_bench), one
 # EP rank's MoE layer (moe_layer_device), the launcher's start methods on the machine's CPU cores (runtime_bench),
-# the closed loop on NCCL with one rank (profile -> solve -> run). Results in $OUT (8 files at most).
+# the closed loop on NCCL with one rank (profile -> solve -> run), issue 25's bars on gloo as a checker reads them
+# (bench/issue25_bars.py, one launch after another until BARS_UNTIL s) on the machine's quiet cores: beside the same
+# bars on the project's shared 2-core VM, what the machine's contention makes of them. Results in $OUT.
 # Lessons of the first H200 session: run Python from outside the checkout (its pipesched/ folder shadows the
 # installed package), install the package itself with --upgrade (its console script), and check every import first.
 export PYTHONUNBUFFERED=1
@@ -43,12 +46,24 @@ ab() {
 }
 [ -n "$SKIP_AB" ] || ab 1
 # 4. the closed loop on NCCL, one rank
+if [ -z "$SKIP_LOOP" ]; then
 mkdir -p /tmp/loop && (
   timeout ${PROFILE_S:-150} pipesched profile --device cuda --num-ranks 1 --num-microbatches 8 --model ${LOOP_MODEL:-gpt-350m} -o /tmp/loop/problem.json &&
   pipesched solve /tmp/loop/problem.json --method 1f1b -o /tmp/loop/schedule.json &&
   timeout ${RUN_S:-150} pipesched run /tmp/loop/schedule.json --backend nccl --model ${LOOP_MODEL:-gpt-350m} --steps 4 -o /tmp/loop/report.json ) > "$OUT"/loop.log 2>&1
 el "loop rc=$?"; grep -v "^[EWI]1127" "$OUT"/loop.log | tail -8
 tar czf "$OUT"/loop.tar.gz -C /tmp loop 2>/dev/null
+fi
+# 4b. issue 25's bars on gloo, the GPU hidden, one launch after another while time is left
+if [ -z "$SKIP_BARS" ]; then
+  for i in 1 2 3 4 5 6; do
+    [ $(( $(date +%s) - T0 )) -gt ${BARS_UNTIL:-330} ] && break
+    CUDA_VISIBLE_DEVICES= timeout ${BAR_S:-200} python3 -W ignore::RuntimeWarning "$REPO"/bench/issue25_bars.py --launches 1 \
+      --bars ${BARS:-1,2,3} --tag "quiet_cores_$i" --output "$OUT"/bars.jsonl > "$OUT"/bars_$i.log 2>&1
+    el "bars launch $i rc=$?"
+  done
+  python3 "$REPO"/bench/issue25_bars.py --summary "$OUT"/bars.jsonl
+fi
 # 5. more A/B pairs while time is left
 for i in 2 3 4; do [ $(( $(date +%s) - T0 )) -gt ${AB_UNTIL:-250} ] && break; [ -n "$SKIP_AB" ] || ab $i; done
 cat "$OUT"/ab.txt
