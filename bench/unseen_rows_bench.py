@@ -93,8 +93,12 @@ def errors(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """:func:`errors` over every row, then by group, source and precision."""
+    """:func:`errors` over every row, the context- and expert-parallel rows together (issue 28's bar), then by
+    group, source and precision."""
     result = {"all": errors(records)}
+    parallel = [r for r in records if r["group"] != "dense"]
+    if parallel and len(parallel) < len(records):
+        result["context- or expert-parallel"] = errors(parallel)
     for key in ("group", "source", "precision"):
         for value in sorted({r[key] for r in records}):
             result[f"{key} {value}"] = errors([r for r in records if r[key] == value])
