@@ -145,7 +145,9 @@ def main() -> None:
             records.append(record(row, args.time_limit))
             print(json.dumps(records[-1]), flush=True)
     stats = summary(records)
-    header = f"Shipped profiles ({active_catalogue().fitted}), no refit; {args.data.name}, layouts pinned as cpep_bench."
+    header = (
+        f"Shipped profiles ({active_catalogue().fitted}), no refit; {args.data.name}, layouts pinned as cpep_bench."
+    )
     text = header + "\n\n" + table(records, stats)
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps({"rows": records, "summary": stats}, indent=1) + "\n")
