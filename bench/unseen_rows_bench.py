@@ -11,8 +11,9 @@ unenforced time) and whether the published figure
 lies inside it; then the median error, the rows beyond 20% and 25% and the share inside the interval, over every row
 and by group (context- or expert-parallel), source and precision.
 
-Run: ``python -m bench.unseen_rows_bench [--time-limit S] [--only SUBSTRING] [--output FILE]``
-(``bench/results/unseen_rows.{md,json}``).
+Run: ``python -m bench.unseen_rows_bench [--data FILE] [--time-limit S] [--only SUBSTRING] [--output FILE]``
+(``bench/results/unseen_rows.{md,json}``). ``--data`` names another file of the same format: round 19's set is
+``bench/data/calibration_holdout_unseen_r19.json`` (``bench/results/unseen_rows_r19.md``).
 """
 
 from __future__ import annotations
@@ -92,8 +93,12 @@ def errors(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """:func:`errors` over every row, then by group, source and precision."""
+    """:func:`errors` over every row, the context- and expert-parallel rows together (issue 28's bar), then by
+    group, source and precision."""
     result = {"all": errors(records)}
+    parallel = [r for r in records if r["group"] != "dense"]
+    if parallel and len(parallel) < len(records):
+        result["context- or expert-parallel"] = errors(parallel)
     for key in ("group", "source", "precision"):
         for value in sorted({r[key] for r in records}):
             result[f"{key} {value}"] = errors([r for r in records if r[key] == value])
@@ -129,17 +134,20 @@ def table(records: list[dict[str, Any]], stats: dict[str, dict[str, Any]]) -> st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DATA, help="the held-out file (default: round 18's)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="search.time_limit_s of each pinned row")
     parser.add_argument("--only", default="", help="rows whose id contains this")
     parser.add_argument("--output", type=Path, default=RESULTS / "unseen_rows.md")
     args = parser.parse_args()
     records = []
-    for row in load_rows():
+    for row in load_rows(args.data):
         if args.only in row["id"]:
             records.append(record(row, args.time_limit))
             print(json.dumps(records[-1]), flush=True)
     stats = summary(records)
-    header = f"Shipped profiles ({active_catalogue().fitted}), no refit; {DATA.name}, layouts pinned as cpep_bench."
+    header = (
+        f"Shipped profiles ({active_catalogue().fitted}), no refit; {args.data.name}, layouts pinned as cpep_bench."
+    )
     text = header + "\n\n" + table(records, stats)
     args.output.write_text(text + "\n")
     args.output.with_suffix(".json").write_text(json.dumps({"rows": records, "summary": stats}, indent=1) + "\n")

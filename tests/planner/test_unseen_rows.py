@@ -1,5 +1,6 @@
-"""The unseen held-out rows (``bench/data/calibration_holdout_unseen.json``) and their bench
-(``bench/unseen_rows_bench.py``): published runs no earlier round looked at, kept out of every fit and check."""
+"""The unseen held-out rows (``bench/data/calibration_holdout_unseen.json``, round 18, and
+``calibration_holdout_unseen_r19.json``, round 19) and their bench (``bench/unseen_rows_bench.py``): published runs
+no earlier round looked at, kept out of every fit and check."""
 
 from __future__ import annotations
 
@@ -14,23 +15,37 @@ from pipesched.optimizer.cost.calibration.measurements import builtin_measuremen
 
 DATA = Path(__file__).resolve().parents[2] / "bench" / "data"
 UNSEEN = DATA / "calibration_holdout_unseen.json"
+UNSEEN_R19 = DATA / "calibration_holdout_unseen_r19.json"
+OTHER_DATA = ("calibration_holdout.json", "calibration_holdout_external.json", "calibration_amd.json")
 
 
-def test_the_unseen_rows_parse_with_their_sources_and_share_no_source_with_any_other_data() -> None:
-    entries = json.loads(UNSEEN.read_text())["files"]
+@pytest.mark.parametrize(
+    ("path", "other", "least", "groups"),
+    [
+        # round 18: every row context- or expert-parallel, the issue-28 bar
+        (UNSEEN, UNSEEN_R19, 10, {"context-parallel", "expert-parallel"}),
+        # round 19: dense rows for issue 24's bar beside context- and expert-parallel ones for issue 28's
+        (UNSEEN_R19, UNSEEN, 15, {"dense", "context-parallel", "expert-parallel"}),
+    ],
+    ids=["round18", "round19"],
+)
+def test_the_unseen_rows_parse_with_their_sources_and_share_no_source_with_any_other_data(
+    path: Path, other: Path, least: int, groups: set[str]
+) -> None:
+    entries = json.loads(path.read_text())["files"]
     rows = [row for entry in entries for row in parse_measurements(entry)]
-    assert len(rows) >= 10 and len({row.key for row in rows}) == len(rows)
+    assert len(rows) >= least and len({row.key for row in rows}) == len(rows)
     assert all(entry["source"]["commit"] and entry["source"]["url"].startswith("https://") for entry in entries)
     others = {row.source for row in builtin_measurements()}
-    for name in ("calibration_holdout.json", "calibration_holdout_external.json", "calibration_amd.json"):
+    for name in (*OTHER_DATA, other.name):
         others |= {entry["source"]["id"] for entry in json.loads((DATA / name).read_text())["files"]}
     assert not {row.source for row in rows} & others  # never fitted, never in another check
-    # every row is context- or expert-parallel: the issue-28 bar
-    assert {group(row) for row in load_rows()} == {"context-parallel", "expert-parallel"}
+    assert {group(row) for row in load_rows(path)} == groups
 
 
-def test_each_unseen_figure_is_its_published_throughput_or_step_time_per_gpu() -> None:
-    for row in load_rows():
+@pytest.mark.parametrize("path", [UNSEEN, UNSEEN_R19], ids=["round18", "round19"])
+def test_each_unseen_figure_is_its_published_throughput_or_step_time_per_gpu(path: Path) -> None:
+    for row in load_rows(path):
         gpus = row["cluster"]["num_nodes"] * row["cluster"]["gpus_per_node"]
         published, value = row["published"], row["measured"]["tokens_per_s_per_gpu"]
         if "throughput_tokens_per_s" in published:
