@@ -13,7 +13,10 @@ predicted tokens/s per GPU). The parts, each a function of :mod:`pipesched.optim
   (:func:`~pipesched.optimizer.cost.stages._layer_gemm` at zero; the embedding and the head keep theirs);
 - ``attention``: the attention core (:func:`~pipesched.optimizer.cost.stages.attention_ms` at zero);
 - ``host floor``: the MoE layer's host time (``SoftwareProfile.moe_layer_host_ms`` at zero; a share of zero
-  says no MoE layer is host-bound in the model).
+  says no MoE layer is host-bound in the model);
+- ``network``, ``NVLink``: every collective's and transfer's time between nodes, inside a node (the profile's
+  ``collective_efficiency_inter`` / ``_intra`` a hundred times over: the links all but free), all-to-alls,
+  gradient reductions, FSDP's gathers, tensor- and pipeline-parallel transfers alike.
 
 With the row's published / predicted ratio r, the step is 1/r times the model's, and the part alone would have to
 take f = 1 + (1/r − 1) / s times what the model charges it to close the gap. A factor of several for a part the
@@ -62,6 +65,14 @@ def _without_host() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _links_free(field: str) -> Iterator[None]:
+    catalogue = active_catalogue()
+    profiles = {name: p.model_copy(update={field: 100 * getattr(p, field)}) for name, p in catalogue.profiles.items()}
+    with use_catalogue(catalogue.model_copy(update={"profiles": profiles})):
+        yield
+
+
 #: Part name → a context in which the model charges nothing for it.
 PARTS: dict[str, Callable[[], Any]] = {
     "all-to-all": lambda: mock.patch.object(stages, "expert_traffic", _no_traffic),
@@ -69,6 +80,8 @@ PARTS: dict[str, Callable[[], Any]] = {
     "layer GEMMs": lambda: mock.patch.object(stages, "_layer_gemm", _no_gemms),
     "attention": lambda: mock.patch.object(stages, "attention_ms", _zero),
     "host floor": _without_host,
+    "network": lambda: _links_free("collective_efficiency_inter"),
+    "NVLink": lambda: _links_free("collective_efficiency_intra"),
 }
 
 

@@ -24,6 +24,9 @@ def test_a_gpu_bound_rows_parts_each_take_a_share_and_the_factor_closes_its_gap(
     shares = [parts[name]["share"] for name in ("all-to-all", "memory-bound", "layer GEMMs", "attention")]
     assert all(0.0 < share < 1.0 for share in shares)
     assert sum(shares) < 1.0
+    # EP 8 inside a node: its all-to-alls ride NVLink; the network carries the gradients' reductions over 8 nodes
+    assert parts["NVLink"]["share"] == pytest.approx(parts["all-to-all"]["share"], abs=0.01)
+    assert parts["network"]["share"] > 0.1
     # a part s of the step, f times slower, makes the step 1 − s + s·f times the model's: the published step
     for name in ("all-to-all", "layer GEMMs"):
         share, needed = parts[name]["share"], parts[name]["needed_factor"]
@@ -43,4 +46,5 @@ def test_the_table_gives_each_part_its_share_and_factor() -> None:
     lines = table([result]).splitlines()
     assert len(lines) == 3
     assert lines[2].startswith(f"| {HOST_BOUND} | ")
-    assert lines[2].count("—") == 3  # no factor for a part with no share: all-to-all, layer GEMMs, attention
+    # no factor for a part with no share: all-to-all, layer GEMMs, attention, network, NVLink
+    assert lines[2].count("—") == 5
