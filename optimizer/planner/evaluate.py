@@ -271,6 +271,7 @@ def evaluate(
         config.precision,
         config.context_parallel,
         config.expert_parallel,
+        config.expert_tensor_parallel,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,
