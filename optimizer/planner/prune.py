@@ -409,7 +409,7 @@ class Estimator:
             return 0.0
         t, b, ep = config.tensor_parallel, config.micro_batch_size, config.expert_parallel
         sharding = self.sharding_of(config)
-        e_t = config.expert_tensor_parallel
+        e_t = config.expert_split
         recompute, precision = config.activation_recomputation, config.precision
         layer, _, _, _, model = self.blocks(t, b, recompute, precision, c, ep, sharding, e_t=e_t)
         planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
@@ -462,7 +462,7 @@ class Estimator:
             config.expert_parallel,
             self.sharding_of(config),
             self.expert_overlap(config),
-            config.expert_tensor_parallel,
+            config.expert_split,
         )
 
     def layout(self, config: Configuration) -> _Layout:
@@ -556,7 +556,7 @@ class Estimator:
         groups = [(parameters - expert_parameters, copies)]
         if expert_parameters:
             t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
-            experts = expert_groups(self.model, t, config.expert_parallel, config.expert_tensor_parallel)
+            experts = expert_groups(self.model, t, config.expert_parallel, config.expert_split)
             group = experts.data_parallel(t, c, d)
             groups.append((expert_parameters, group))
         static = 0.0
@@ -647,7 +647,7 @@ class Estimator:
             local = (local - experts) / config.weight_copies
             if experts:
                 t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
-                expert = expert_groups(self.model, t, config.expert_parallel, config.expert_tensor_parallel)
+                expert = expert_groups(self.model, t, config.expert_parallel, config.expert_split)
                 local += experts / expert.data_parallel(t, c, d)
         adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
         return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s

@@ -82,6 +82,13 @@ class Configuration:
         return self.pipeline_parallel * self.stages_per_rank
 
     @property
+    def expert_split(self) -> int | None:
+        """e_t where expert parallelism makes it a choice (ep > 1), else ``None``: the experts split as
+        :func:`~pipesched.optimizer.cost.experts.expert_groups` splits them by default (t with ep = 1), whatever a
+        plan stored before the field existed says."""
+        return self.expert_tensor_parallel if self.expert_parallel > 1 else None
+
+    @property
     def weight_copies(self) -> int:
         """GPUs holding the same weights of a pipeline rank: d·c (the problem's ``data_parallel.size``)."""
         return self.data_parallel_size * self.context_parallel
