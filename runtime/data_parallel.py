@@ -157,11 +157,11 @@ class DataParallelStages:
         elements = max(sum(p.numel() for p in module.parameters()) for module in self.modules.values())
         device = next(p.device for module in self.modules.values() for p in module.parameters())
         shard = torch.zeros(-(-elements // self.size), device=device)
-        gathered = torch.empty(shard.numel() * self.size, device=device)
+        gathered = [torch.empty_like(shard) for _ in range(self.size)]
         took = []
         for _ in range(rounds):
             started = time.perf_counter()
-            dist.all_gather_into_tensor(gathered, shard, group=self.group)
+            dist.all_gather(gathered, shard, group=self.group)
             took.append(round((time.perf_counter() - started) * 1e3, 3))
         return took
 
