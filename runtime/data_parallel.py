@@ -149,7 +149,7 @@ class DataParallelStages:
         grows with the traffic it sees, ``net.ipv4.tcp_moderate_rcvbuf``; gloo's pairs are TCP connections opened
         with the group): on the project's 2-core machine an 8 MiB all-gather between two gloo processes took
         15–24 ms for its first 6 rounds and 8 ms after; in a pp 2 × dp 2 FSDP run pipeline rank 0's UNSHARD of its
-        first stage took 59, 52, 39, 27, 22 ms over steps 1–5 (8–15 ms later), so the first steps' collectives, and
+        first stage took 59, 52, 39, 27, 22 ms over steps 1–5 (11–24 ms later), so the first steps' collectives, and
         the passes they overlap, were not yet the steady ones the profile's calibration run (its median of 15 steps)
         predicts (bench/results/issue25_bars.md, R22). The buffer is the size of the largest UNSHARD's output."""
         if self.size == 1:

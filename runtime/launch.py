@@ -137,9 +137,9 @@ def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
 #: the pages an earlier pass freed; ``glibc`` leaves glibc's defaults (a dynamic mmap threshold that starts at
 #: 128 KiB and follows the largest freed mmapped block, trimming above twice it). With the defaults a gpt-small
 #: stage's forward + backward (CPU, one thread) took 1,000–4,000 minor page faults (fresh pages zeroed by the kernel),
-#: a number that follows the process's allocation history, and the same passes drifted ±20 % between runs seconds
-#: apart in one launch; kept, 0 faults, and the passes of 12 interleaved runs (1F1B and PipeDream-2BW) stayed within
-#: ±3 % (bench/results/two_bw_passes.md).
+#: a number that follows the process's allocation history, and a rank 12,000–85,000 in a 4-step run; kept, 14–6,600
+#: after a launch's first run, and over 16 interleaved runs (1F1B and PipeDream-2BW) the passes' medians were 7–16 %
+#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md).
 MALLOC_SETTINGS = ("keep", "glibc")
 #: ``mallopt`` parameters (glibc's ``malloc.h``) and the values ``keep`` sets.
 _KEEP_FREED_MEMORY = {
@@ -155,12 +155,21 @@ def malloc_setting() -> str:
     Raises:
         ScheduleError: another value (the variable and its choices named).
     """
-    setting = os.environ.get("PIPESCHED_MALLOC", "keep").strip().lower() or "keep"
-    if setting not in MALLOC_SETTINGS:
+    return _environment_choice("PIPESCHED_MALLOC", MALLOC_SETTINGS)
+
+
+def _environment_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name``, lower-cased, one of ``choices`` (unset or blank: the first).
+
+    Raises:
+        ScheduleError: another value (the variable and its choices named).
+    """
+    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if value not in choices:
         raise ScheduleError(
-            "PIPESCHED_MALLOC", f"PIPESCHED_MALLOC={setting!r}: use one of {', '.join(MALLOC_SETTINGS)} (unset: keep)"
+            name, f"{name}={value!r}: use one of {', '.join(choices)} (or leave it unset: {choices[0]})"
         )
-    return setting
+    return value
 
 
 def keep_freed_memory() -> dict[str, bool]:
@@ -508,12 +517,7 @@ def start_method() -> str:
     Raises:
         ScheduleError: another value (the variable and its choices named).
     """
-    method = os.environ.get("PIPESCHED_START_METHOD", "forkserver").strip().lower() or "forkserver"
-    if method not in START_METHODS:
-        raise ScheduleError(
-            "PIPESCHED_START_METHOD",
-            f"PIPESCHED_START_METHOD={method!r}: use one of {', '.join(START_METHODS)} (or leave it unset: forkserver)",
-        )
+    method = _environment_choice("PIPESCHED_START_METHOD", START_METHODS)
     if method == "forkserver":
         import multiprocessing
 
