@@ -80,6 +80,8 @@ def pins(row: dict[str, Any]) -> dict[str, list[Any]]:
         "micro_batch_size": [run["micro_batch_size"]],
         "method": [schedule if layout.get("pipeline_parallel", 1) > 1 else "1f1b"],
     }
+    if layout.get("expert_tensor_parallel") is not None and layout.get("expert_parallel", 1) > 1:
+        pinned["expert_tensor_parallel"] = [layout["expert_tensor_parallel"]]
     if layout.get("data_parallel", 1) * layout.get("context_parallel", 1) > 1:
         pinned["sharding"] = [layout.get("sharding", "none")]
     assumed = " ".join(row.get("software", {}).get("assumed", []))
@@ -130,8 +132,13 @@ def describe(plan_: Plan) -> str:
         if plan_.pipeline_parallel > 1
         else ""
     )
+    etp = (
+        f" (ETP {plan_.expert_tensor_parallel})"
+        if plan_.expert_parallel > 1 and plan_.expert_tensor_parallel > 1
+        else ""
+    )
     return (
-        f"{pipeline}TP {plan_.tensor_parallel} × CP {plan_.context_parallel} × EP {plan_.expert_parallel} × "
+        f"{pipeline}TP {plan_.tensor_parallel} × CP {plan_.context_parallel} × EP {plan_.expert_parallel}{etp} × "
         f"DP {plan_.data_parallel.size} {plan_.data_parallel.sharding}, mb {plan_.micro_batch_size}×"
         f"{plan_.num_microbatches}, AC {plan_.activation_recomputation}"
     )

@@ -502,9 +502,11 @@ class ExpertParallel(NumbersModel):
     ``parallelism.expert_parallel_degree``).
 
     The group is carved out of the ranks that hold the same attention shard (Megatron's MoE parallel folding:
-    ``size`` divides tensor × context × data-parallel GPUs), experts run whole on each rank (expert tensor
-    parallelism 1) when ``size`` > 1, and each MoE layer sends its tokens to their experts and back with two
-    all-to-alls per pass. :mod:`pipesched.optimizer.cost.experts` has the formulas.
+    ``size`` × ``tensor_parallel`` divides tensor × context × data-parallel GPUs), each expert split over
+    ``tensor_parallel`` of them (expert tensor parallelism e_t; unset: 1 when ``size`` > 1, the published recipes'
+    choice), and each MoE layer sends its tokens to their experts and back with two all-to-alls per pass, with an
+    all-gather and a reduce-scatter of them over the e_t GPUs of one expert where e_t > 1.
+    :mod:`pipesched.optimizer.cost.experts` has the formulas.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -514,4 +516,12 @@ class ExpertParallel(NumbersModel):
         False,
         description="The all-to-alls run beside another microbatch's compute (DualPipe, DeepSeek-V3 §3.2.1; "
         "Megatron's --overlap-moe-expert-parallel-comm) instead of on the critical path.",
+    )
+    tensor_parallel: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Expert tensor parallelism e_t: GPUs splitting one routed expert (Megatron-LM "
+        "--expert-tensor-parallel-size, which defaults to the tensor-parallel size when not given). Unset: 1 when "
+        "size > 1, the tensor-parallel size otherwise.",
     )

@@ -398,8 +398,9 @@ def _expert_collectives(parts: _DerivationInput, derived: DerivedProblem, tensor
     """The routed experts' own reduction group for :func:`data_parallel_costs` (none for a dense model)."""
     if not parts.model.is_moe or parts.data_parallel is None:
         return {}
-    ep = parts.expert_parallel.size if parts.expert_parallel is not None else 1
-    groups = expert_groups(parts.model, tensor_parallel, ep)
+    expert = parts.expert_parallel
+    ep, e_t = (expert.size, expert.tensor_parallel) if expert is not None else (1, None)
+    groups = expert_groups(parts.model, tensor_parallel, ep, e_t)
     return {
         "stage_expert_parameters": [block.expert_parameters for block in derived.stages],
         "expert_data_parallel_size": groups.data_parallel(tensor_parallel, 1, parts.data_parallel.size),

@@ -19,6 +19,7 @@ schedule places it.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,7 +30,11 @@ from pipesched.optimizer.ir import Action, ActionKind
 from pipesched.runtime import torch_compat
 from pipesched.runtime.streams import CommunicationStream, PendingCommunication
 
-__all__ = ["DataParallelStages", "MirrorGradients", "local_tensor", "reduce_stage_gradients"]
+__all__ = ["WARM_ROUNDS", "DataParallelStages", "MirrorGradients", "local_tensor", "reduce_stage_gradients"]
+
+#: Untimed all-gathers over the dp group before a run's first step (:meth:`DataParallelStages.warm_transport`): the
+#: 8 MiB all-gather of two gloo processes settled after about 6.
+WARM_ROUNDS = 8
 
 
 def local_tensor(tensor: Any) -> Any:
@@ -135,6 +140,30 @@ class DataParallelStages:
         self.stream = stream
         self.reduced: set[int] = set()
         self._complete: dict[int, int] = {}
+
+    def warm_transport(self, rounds: int = WARM_ROUNDS) -> list[float]:
+        """All-gather a buffer of the largest stage's full weights ``rounds`` times over the dp group, untimed, before
+        the first step; each round's ms (nothing where D = 1).
+
+        A fresh connection carries its first few MB-sized messages slower than its later ones (TCP's receive buffer
+        grows with the traffic it sees, ``net.ipv4.tcp_moderate_rcvbuf``; gloo's pairs are TCP connections opened
+        with the group): on the project's 2-core machine an 8 MiB all-gather between two gloo processes took
+        15–24 ms for its first 6 rounds and 8 ms after; in a pp 2 × dp 2 FSDP run pipeline rank 0's UNSHARD of its
+        first stage took 59, 52, 39, 27, 22 ms over steps 1–5 (11–24 ms later), so the first steps' collectives, and
+        the passes they overlap, were not yet the steady ones the profile's calibration run (its median of 15 steps)
+        predicts (bench/results/issue25_bars.md, R22). The buffer is the size of the largest UNSHARD's output."""
+        if self.size == 1:
+            return []
+        elements = max(sum(p.numel() for p in module.parameters()) for module in self.modules.values())
+        device = next(p.device for module in self.modules.values() for p in module.parameters())
+        shard = torch.zeros(-(-elements // self.size), device=device)
+        gathered = [torch.empty_like(shard) for _ in range(self.size)]
+        took = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            dist.all_gather(gathered, shard, group=self.group)
+            took.append(round((time.perf_counter() - started) * 1e3, 3))
+        return took
 
     def start_step(self, *, deferred: bool) -> None:
         """Before a step. ``deferred`` (the own engine with FSDP2): accumulate unsharded gradients over the

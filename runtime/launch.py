@@ -42,7 +42,9 @@ __all__ = [
     "RunFailed",
     "ScheduleError",
     "check_run",
+    "keep_freed_memory",
     "launch_jobs",
+    "malloc_setting",
     "pinned_core",
     "plan_runs",
     "print_run_summary",
@@ -128,6 +130,61 @@ def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
     return local_rank % cores
 
 
+#: How the rank processes' C heap (glibc ``malloc``, which PyTorch's CPU tensors use) treats freed memory
+#: (``PIPESCHED_MALLOC``): ``keep`` (default) sets ``mallopt(3)``'s ``M_MMAP_THRESHOLD`` (1 GiB: tensors below it come
+#: from the heap, not from a fresh ``mmap`` each), ``M_TRIM_THRESHOLD`` (2 GiB: the heap's freed top is not handed back
+#: to the kernel) and ``M_TOP_PAD`` (64 MiB: the heap grows in large steps) at the process's start, so a pass reuses
+#: the pages an earlier pass freed; ``glibc`` leaves glibc's defaults (a dynamic mmap threshold that starts at
+#: 128 KiB and follows the largest freed mmapped block, trimming above twice it). With the defaults a gpt-small
+#: stage's forward + backward (CPU, one thread) took 1,000–4,000 minor page faults (fresh pages zeroed by the kernel),
+#: a number that follows the process's allocation history, and a rank 12,000–85,000 in a 4-step run; kept, 14–6,600
+#: after a launch's first run, and over 16 interleaved runs (1F1B and PipeDream-2BW) the passes' medians were 7–16 %
+#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md).
+MALLOC_SETTINGS = ("keep", "glibc")
+#: ``mallopt`` parameters (glibc's ``malloc.h``) and the values ``keep`` sets.
+_KEEP_FREED_MEMORY = {
+    "M_TRIM_THRESHOLD": (-1, 2**31 - 1),
+    "M_TOP_PAD": (-2, 64 << 20),
+    "M_MMAP_THRESHOLD": (-3, 1 << 30),
+}
+
+
+def malloc_setting() -> str:
+    """``PIPESCHED_MALLOC`` (:data:`MALLOC_SETTINGS`), default ``keep``.
+
+    Raises:
+        ScheduleError: another value (the variable and its choices named).
+    """
+    return _environment_choice("PIPESCHED_MALLOC", MALLOC_SETTINGS)
+
+
+def _environment_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable ``name``, lower-cased, one of ``choices`` (unset or blank: the first).
+
+    Raises:
+        ScheduleError: another value (the variable and its choices named).
+    """
+    value = os.environ.get(name, choices[0]).strip().lower() or choices[0]
+    if value not in choices:
+        raise ScheduleError(
+            name, f"{name}={value!r}: use one of {', '.join(choices)} (or leave it unset: {choices[0]})"
+        )
+    return value
+
+
+def keep_freed_memory() -> dict[str, bool]:
+    """Set this process's heap to keep what it frees (:data:`MALLOC_SETTINGS`' ``keep``): each ``mallopt``
+    parameter's name → whether glibc accepted it; empty where the C library has no ``mallopt`` (not glibc)."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return {}
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return {name: mallopt(param, value) == 1 for name, (param, value) in _KEEP_FREED_MEMORY.items()}
+
+
 def _pin_to_core(local_rank: int, nproc: int, replicas: int) -> None:
     """Pin this process to one core (:func:`pinned_core`), so that ranks do not trade cores mid-pass: a profile and
     a run then see the same placement (``os.sched_setaffinity``; no-op where absent)."""
@@ -145,11 +202,13 @@ def _worker(
     error_dir: str,
     pin: bool = True,
     replicas: int = 1,
+    malloc: str = "keep",
 ) -> list[list[Any]] | None:
     """One process (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*): every job
     in turn (``entry(job, global_rank, device, timeout_s)``: a run's :func:`~pipesched.runtime.training.train_rank`,
     a profile's rank); process 0 gathers every process's result of each job. One intra-op thread per process,
-    pinned to a core (``pin``; ``replicas``: the data-parallel size, :func:`pinned_core`)."""
+    pinned to a core (``pin``; ``replicas``: the data-parallel size, :func:`pinned_core`), its heap keeping what it
+    frees unless ``malloc`` (``PIPESCHED_MALLOC`` as the launcher read it) says ``glibc`` (:data:`MALLOC_SETTINGS`)."""
     import torch
     import torch.distributed as dist
 
@@ -157,6 +216,8 @@ def _worker(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         torch.set_num_threads(1)
+        if malloc == "keep":
+            keep_freed_memory()
         if pin and backend == "gloo":
             _pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), replicas)
         if backend == "nccl":
@@ -456,12 +517,7 @@ def start_method() -> str:
     Raises:
         ScheduleError: another value (the variable and its choices named).
     """
-    method = os.environ.get("PIPESCHED_START_METHOD", "forkserver").strip().lower() or "forkserver"
-    if method not in START_METHODS:
-        raise ScheduleError(
-            "PIPESCHED_START_METHOD",
-            f"PIPESCHED_START_METHOD={method!r}: use one of {', '.join(START_METHODS)} (or leave it unset: forkserver)",
-        )
+    method = _environment_choice("PIPESCHED_START_METHOD", START_METHODS)
     if method == "forkserver":
         import multiprocessing
 
@@ -485,10 +541,12 @@ def launch_jobs(
     """Start ``world`` processes with the elastic launcher and run ``entry(job, global_rank, device, timeout_s)`` (a
     module-level function) for every job (each with a ``workdir`` every process sees); node 0 gets, per job, every
     process's result. ``pin``: each process on one core (gloo; :func:`pinned_core`, ``replicas`` the data-parallel
-    size D of the processes numbered ``pp · D + dp``).
+    size D of the processes numbered ``pp · D + dp``). Each process's heap keeps what it frees
+    (``PIPESCHED_MALLOC``, :data:`MALLOC_SETTINGS`).
 
     Raises:
-        ScheduleError: the process count does not divide into the nodes.
+        ScheduleError: the process count does not divide into the nodes; ``PIPESCHED_MALLOC`` or
+            ``PIPESCHED_START_METHOD`` not one of its choices.
         RunFailed: a process failed or was stopped (its reason and rank named).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -505,6 +563,7 @@ def launch_jobs(
         )
     _check_gpus(backend, nproc)
     method = start_method()
+    malloc = malloc_setting()
     error_dir = Path(jobs[0].workdir, "errors")
     error_dir.mkdir()
     config = LaunchConfig(
@@ -523,7 +582,9 @@ def launch_jobs(
         start_method=method,
     )
     try:
-        returned = elastic_launch(config, _worker)(entry, jobs, backend, timeout_s, str(error_dir), pin, replicas)
+        returned = elastic_launch(config, _worker)(
+            entry, jobs, backend, timeout_s, str(error_dir), pin, replicas, malloc
+        )
     except SignalException as error:
         raise _interrupted(error.sigval) from None
     except KeyboardInterrupt:

@@ -458,9 +458,11 @@ class RankTrainer:
         )
 
     def run(self) -> RankResult:
-        """The warm-up step (one-step runs only, untimed), then the K steps; what this process measured."""
+        """The dp group's transport warmed (untimed), the warm-up step (one-step runs only, untimed), then the K steps;
+        what this process measured."""
         if self.versions is not None:
             return self._run_steady(self.versions)
+        self._warm_transport()
         steps = self.options.steps if self.options else 1
         if self.options is None:
             self.step(0, recorded=False)
@@ -472,6 +474,16 @@ class RankTrainer:
         self.result.executed = [a.action for a in self.result.last.actions]
         self._finish()
         return self.result
+
+    def _warm_transport(self) -> None:
+        """The dp group's connections carried a few full-size messages before the first step (untimed;
+        :meth:`~pipesched.runtime.data_parallel.DataParallelStages.warm_transport`), noted with their times."""
+        took = self.data_parallel.warm_transport()
+        if took:
+            self.result.notes.append(
+                f"data-parallel transport warmed before the first step (untimed): {len(took)} all-gathers of the "
+                f"largest stage's weights, {took[0]:.1f} ms first, {took[-1]:.1f} ms last"
+            )
 
     def _run_steady(self, versions: TwoBufferedWeights) -> RankResult:
         """The K steps of a no-flush pattern as one run, no barrier between steps (:mod:`pipesched.runtime.pipedream`);

@@ -97,6 +97,11 @@ def register_profile_file(path: Path) -> None:
         register_profile(item)
 
 
+def _expert_cell(size: int, tensor_parallel: int) -> str:
+    """The ep column: the degree, and the expert tensor degree where experts are split with ep > 1."""
+    return f"{size} etp {tensor_parallel}" if size > 1 and tensor_parallel > 1 else str(size)
+
+
 def _data_parallel_cell(size: int, sharding: str, context_parallel: int) -> str:
     """The table's dp cell: d and the sharding, and with context parallelism the d·c GPUs the sharding spans (the
     weights are copied over the c ranks too, so at d 1 the shardings still differ: ``docs/PLANNER.md``)."""
@@ -134,7 +139,7 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             str(plan.pipeline_parallel),
             str(plan.tensor_parallel),
             str(plan.context_parallel),
-            str(plan.expert_parallel),
+            _expert_cell(plan.expert_parallel, plan.expert_tensor_parallel),
             _data_parallel_cell(plan.data_parallel.size, plan.data_parallel.sharding, plan.context_parallel),
             f"{plan.stages_per_rank} {plan.placement}",
             f"{plan.micro_batch_size}×{plan.num_microbatches}",

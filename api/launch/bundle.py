@@ -171,6 +171,8 @@ def _summary(request: PlanRequest, plan: Plan, number: int) -> str:
     cluster = request.cluster
     model = request.model.preset or f"a {request.model.num_layers}-layer model"
     experts = f", experts over ep {plan.expert_parallel}" if plan.expert_parallel > 1 else ""
+    if plan.expert_parallel > 1 and plan.expert_tensor_parallel > 1:
+        experts += f", each split over etp {plan.expert_tensor_parallel}"
     return (
         f"plan {number} for {model} on {cluster.num_nodes} x {cluster.gpus_per_node} {cluster.accelerator or 'GPUs'}: "
         f"pp {plan.pipeline_parallel} x tp {plan.tensor_parallel} x cp {plan.context_parallel} x dp "

@@ -64,7 +64,20 @@ def configuration(row: Measurement) -> Configuration:
         precision=run.precision,
         context_parallel=layout.context_parallel,
         expert_parallel=layout.expert_parallel,
+        expert_tensor_parallel=_expert_tensor_degree(row),
     )
+
+
+def _expert_tensor_degree(row: Measurement) -> int:
+    """The row's expert tensor degree e_t as the planner's configuration carries it: as stated, else 1 with
+    expert parallelism, the tensor degree without it, 1 for a dense model
+    (:func:`pipesched.optimizer.planner.space.expert_tensor_degrees`)."""
+    layout = row.layout
+    if layout.expert_tensor_parallel is not None:
+        return layout.expert_tensor_parallel
+    if not _model(row).is_moe:
+        return 1
+    return 1 if layout.expert_parallel > 1 else layout.tensor_parallel
 
 
 def _model(row: Measurement, kernels: str | None = None) -> ModelConfig:

@@ -3,11 +3,14 @@
 **Groups** (Megatron-Core's MoE parallel folding, Liu et al. 2025, arXiv 2504.14960; Megatron-LM
 ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``): the t·c·d GPUs that hold the same
 pipeline stage are regrouped for the expert layers as expert-tensor e_t × expert-parallel ep × expert-data
-e_d. With ep > 1 the experts run whole on each GPU (e_t = 1, the choice of the published DeepSeek-V3, Qwen3
-and Mixtral recipes and Megatron's advice "prefer EP over TP for expert layers"); with ep = 1 they are split
-like a dense FFN (e_t = t). So ep must divide t·c·d / e_t, each GPU holds E/ep experts (of 1/e_t of their
-width), and their gradients are reduced over the e_d = t·c·d / (ep·e_t) GPUs holding the same experts,
-while the attention, norms, router and shared experts are reduced over the d·c GPUs of the dense layers.
+e_d. A layout may state e_t (``ExpertParallel.tensor_parallel``); unset, the experts run whole on each GPU when
+ep > 1 (e_t = 1, the choice of the published DeepSeek-V3, Qwen3 and Mixtral recipes and Megatron's advice "prefer
+EP over TP for expert layers") and are split like a dense FFN when ep = 1 (e_t = t). Megatron-Core itself takes
+e_t = t when ``expert_tensor_parallel_size`` is not given (``ModelParallelConfig.__post_init__`` and
+``initialize_model_parallel`` from core_v0.10.0 on), so a recipe that states no e_t ran e_t = t. ep·e_t must divide
+t·c·d, each GPU holds E/ep experts of 1/e_t of their width (weights, gradients and optimizer state), and their
+gradients are reduced over the e_d = t·c·d / (ep·e_t) GPUs holding the same expert shards, while the attention,
+norms, router and shared experts are reduced over the d·c GPUs of the dense layers.
 
 **Token traffic** (Lepikhin et al. 2020, GShard, §2.2; DeepSeek-V3 report §3.2.2): every pass of a MoE layer
 sends each token to its k experts and brings the results back: two all-to-alls in F (dispatch, combine) and
@@ -23,6 +26,18 @@ experts — and fans out to its experts there over NVLink; combine is the mirror
 Bridge's Qwen3-235B H100 and GPT-OSS recipes) sends every one of a token's k copies to its expert's GPU, so
 k·(N − 1)/N of them cross the network. Network and NVLink legs run at once, so an all-to-all takes the longer of
 the two, plus one latency per peer group.
+
+**Expert tensor parallelism on the token path** (Megatron-Core ``MoEAlltoAllTokenDispatcher``, core_v0.10.0
+``token_dispatcher.py``): with e_t > 1 each GPU still dispatches only its own s·b/(c·t) tokens over the ep group
+(the all-to-all's bytes above), then all-gathers what it received over the e_t GPUs of its expert shards
+(``gather_from_sequence_parallel_region`` on the expert-tensor group) so that each expert's 1/e_t slice sees all of
+its tokens, and after the experts reduce-scatters the partial outputs back (``reduce_scatter_to_sequence_parallel_
+region``) before the combine all-to-all. Each GPU receives R = s·b·k·h·dtype/(c·t) bytes in the dispatch, so the
+all-gather brings it (e_t − 1)·R and the reduce-scatter sends as much: (e_t − 1)·(α + R/β) each on the ring (the
+expert-tensor group is innermost, consecutive GPUs of one node while e_t ≤ GPUs per node). In I the two swap
+roles (an all-gather's gradient is a reduce-scatter), so F and I each carry one of both; W none. The experts'
+products then run on e_t·ep·k·s·b/(c·t·E) rows of each local expert, 1/e_t of its width
+(:func:`pipesched.optimizer.cost.timing.expert_gemms`).
 
 **Overlap** (DeepSeek-V3 §3.2.1, DualPipe; Megatron's ``--overlap-moe-expert-parallel-comm``): a schedule that
 runs one microbatch's forward beside another's backward can hide the all-to-alls of one behind the compute
@@ -45,7 +60,7 @@ class ExpertGroups:
 
     Attributes:
         expert_parallel: ep, GPUs sharing one layer's routed experts.
-        expert_tensor_parallel: e_t, GPUs splitting one expert (1 when ep > 1, t otherwise).
+        expert_tensor_parallel: e_t, GPUs splitting one expert (as stated; unset 1 when ep > 1, t otherwise).
         experts_per_rank: routed experts each GPU holds (E / ep).
     """
 
@@ -69,17 +84,23 @@ class ExpertGroups:
         return ranks // width
 
 
-def expert_groups(model: ModelConfig, tensor_parallel: int, expert_parallel: int) -> ExpertGroups:
-    """The expert groups for tensor degree t and expert degree ep (module docstring).
+def expert_groups(
+    model: ModelConfig, tensor_parallel: int, expert_parallel: int, expert_tensor_parallel: int | None = None
+) -> ExpertGroups:
+    """The expert groups for tensor degree t, expert degree ep and expert tensor degree e_t (module docstring;
+    ``None``: 1 when ep > 1, t otherwise).
 
     Raises:
-        ValueError: ep does not divide the experts.
+        ValueError: ep does not divide the experts, or e_t does not divide the experts' FFN width.
     """
     experts = model.num_experts or 1
     ep = expert_parallel
     if experts % ep:
         raise ValueError(f"expert_parallel {ep} does not divide the {experts} experts")
-    return ExpertGroups(ep, 1 if ep > 1 else tensor_parallel, experts // ep)
+    e_t = expert_tensor_parallel if expert_tensor_parallel is not None else (1 if ep > 1 else tensor_parallel)
+    if model.is_moe and model.expert_ffn_size % e_t:
+        raise ValueError(f"expert tensor_parallel {e_t} does not divide the experts' FFN width {model.expert_ffn_size}")
+    return ExpertGroups(ep, e_t, experts // ep)
 
 
 @dataclass(frozen=True)
@@ -89,8 +110,11 @@ class ExpertTraffic:
     Attributes:
         bytes_per_all_to_all: what the GPU sends in one all-to-all (its tokens × k × h × dtype × imbalance).
         all_to_all_ms: one all-to-all, ms.
-        forward_ms, backward_input_ms: the pass's all-to-alls (two each), ms.
+        forward_ms, backward_input_ms: the pass's all-to-alls (two each) and expert-tensor collectives, ms.
         link: ``"intra-node"``, ``"inter-node"`` or ``"none"`` (ep = 1).
+        expert_tensor_bytes: what the GPU receives in the expert-tensor all-gather (and sends in the
+            reduce-scatter): (e_t − 1) × its dispatched bytes; 0 when e_t = 1.
+        expert_tensor_ms: one of those two collectives, ms.
     """
 
     bytes_per_all_to_all: float
@@ -98,6 +122,8 @@ class ExpertTraffic:
     forward_ms: float
     backward_input_ms: float
     link: str
+    expert_tensor_bytes: float = 0.0
+    expert_tensor_ms: float = 0.0
 
 
 def expert_traffic(
@@ -140,4 +166,17 @@ def expert_traffic(
     peer_groups = 1 if in_node == ep else 2
     one = max(intra_ms, inter_ms) + peer_groups * cluster.collective_latency_ms
     link = "intra-node" if in_node == ep else "inter-node"
-    return ExpertTraffic(sent, one, 2 * one, 2 * one, link)
+    gathered, gather_ms = _expert_tensor_gather(cluster, groups.expert_tensor_parallel, sent, intra, inter)
+    return ExpertTraffic(sent, one, 2 * (one + gather_ms), 2 * (one + gather_ms), link, gathered, gather_ms)
+
+
+def _expert_tensor_gather(
+    cluster: ClusterConfig, expert_tensor_parallel: int, received: float, intra: float, inter: float
+) -> tuple[float, float]:
+    """(bytes, ms) of the all-gather over the e_t GPUs of one expert of the ``received`` dispatched bytes (and of
+    its mirror reduce-scatter): (e_t − 1)·(α + R/β) on a ring, over NVLink while e_t ≤ GPUs per node."""
+    e_t = expert_tensor_parallel
+    if e_t <= 1:
+        return 0.0, 0.0
+    bandwidth = intra if e_t <= cluster.gpus_per_node else inter
+    return (e_t - 1) * received, (e_t - 1) * (cluster.collective_latency_ms + 1e3 * received / bandwidth)

@@ -364,14 +364,20 @@ def _ep(expert_parallel: ExpertParallel | None) -> tuple[int, bool]:
     return expert_parallel.size, expert_parallel.overlap
 
 
-def _layer_parameters(model: ModelConfig, t: int, ep: int, moe: bool) -> tuple[float, float]:
+def _etp(expert_parallel: ExpertParallel | None) -> int | None:
+    """The stated expert tensor parallelism e_t (``None``: :func:`~pipesched.optimizer.cost.experts.expert_groups`'
+    default)."""
+    return expert_parallel.tensor_parallel if expert_parallel is not None else None
+
+
+def _layer_parameters(model: ModelConfig, t: int, ep: int, moe: bool, e_t: int | None = None) -> tuple[float, float]:
     """(parameters on one rank, routed-expert parameters among them) of one layer: the matrices split t ways
-    (norms and the router replicated), the routed experts E/ep per rank, whole when ep > 1
+    (norms and the router replicated), the routed experts E/ep per rank, 1/e_t of each
     (:mod:`pipesched.optimizer.cost.experts`)."""
     norms = 2 * norm_parameters(model)
     if not (moe and model.is_moe):
         return (layer_parameters(model) - norms) / t + norms, 0.0
-    groups = expert_groups(model, t, ep)
+    groups = expert_groups(model, t, ep, e_t)
     router = (model.num_experts or 0) * model.hidden_size
     routed = (model.num_experts or 0) * expert_parameters(model)
     split = layer_parameters(model, moe=True) - norms - router - routed
@@ -413,7 +419,7 @@ def _parallel_communication_ms(
         forward = ring.forward_exposed_ms + elementwise_ms(ring.forward_merge_bytes, hardware)
         backward = ring.backward_input_exposed_ms + elementwise_ms(ring.backward_input_merge_bytes, hardware)
     if ep > 1 and moe and model.is_moe:
-        groups = expert_groups(model, t, ep)
+        groups = expert_groups(model, t, ep, _etp(expert_parallel))
         dispatcher = hardware.software.moe_dispatcher
         dispatch_inter = hardware.software.moe_dispatch_efficiency_inter.get(
             dispatcher, profile.collective_efficiency_inter
@@ -487,11 +493,13 @@ def _recomputation_ms(
 
 
 def _layer_gemm(
-    model: ModelConfig, hardware: Hardware, t: int, c: int, ep: int, moe: bool
+    model: ModelConfig, hardware: Hardware, t: int, c: int, ep: int, moe: bool, e_t: int | None = None
 ) -> tuple[float, float, float]:
     """(forward matrix multiplies ms, their FP8 casts ms, multi-head latent attention's up-projections ms) of
     one layer (:func:`pipesched.optimizer.cost.timing.layer_gemms`)."""
-    gemm, cast_bytes = layer_gemm_times(model, hardware, t, moe=moe, context_parallel=c, expert_parallel=ep)
+    gemm, cast_bytes = layer_gemm_times(
+        model, hardware, t, moe=moe, context_parallel=c, expert_parallel=ep, expert_tensor_parallel=e_t
+    )
     up_projections = 0.0
     if model.is_mla:
         tokens = model.seq_length * model.micro_batch_size / c
@@ -589,7 +597,7 @@ def transformer_layer(
     memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c)
     software, mode = hardware.software, model.kernels
     traffic = software.elementwise_traffic[mode]
-    gemm = _layer_gemm(model, hardware, t, c, ep, moe)
+    gemm = _layer_gemm(model, hardware, t, c, ep, moe, _etp(expert_parallel))
     kernels = software.kernels_per_layer[mode]
     exposed, _ = _tensor_parallel_ms(model, hardware, tensor_parallel, cluster)
     exposed /= c
@@ -620,7 +628,7 @@ def transformer_layer(
     forward_ms = max(forward.total_ms(hardware, mode) + exposed + forward_extra, host)
     backward_input_ms = max(backward_input.total_ms(hardware, mode) + exposed + backward_extra, 1.5 * host)
     backward_input_ms += _recomputation_ms(model, hardware, flops, memory, forward_ms, exposed, gemm)
-    parameters, local_experts = _layer_parameters(model, t, ep, moe)
+    parameters, local_experts = _layer_parameters(model, t, ep, moe, _etp(expert_parallel))
     reserve = activation_reserve(model, hardware)
     return Block(
         forward_ms=forward_ms,
@@ -919,7 +927,7 @@ def _per_expert_parameter_bytes(
     if data_parallel is None or not model.is_moe:
         return _per_parameter_bytes(model, data_parallel, full_state)
     t, _ = _tp(tensor_parallel)
-    group = expert_groups(model, t, ep).data_parallel(t, 1, data_parallel.size)
+    group = expert_groups(model, t, ep, _etp(expert_parallel)).data_parallel(t, 1, data_parallel.size)
     return static_bytes_per_parameter_sharded(
         model, data_parallel.sharding, group, gradient_bytes=_gradient_bytes(data_parallel), full_state=full_state
     )
@@ -1094,7 +1102,7 @@ def _check_context_expert(
     try:
         if not model.is_moe:
             raise ValueError("a dense model has no experts to shard: drop expert_parallel or give num_experts")
-        expert_groups(model, t, ep).data_parallel(t, 1, d)
+        expert_groups(model, t, ep, _etp(expert_parallel)).data_parallel(t, 1, d)
     except ValueError as error:
         errors.append((("expert_parallel", "size"), str(error), ep))
     return errors

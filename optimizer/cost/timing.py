@@ -163,18 +163,20 @@ def _attention_gemms(model: ModelConfig, tokens: float, t: int) -> list[tuple[fl
 
 
 def expert_gemms(
-    model: ModelConfig, tokens: float, t: int, expert_parallel: int = 1
+    model: ModelConfig, tokens: float, t: int, expert_parallel: int = 1, expert_tensor_parallel: int | None = None
 ) -> list[tuple[float, float, float]]:
     """A mixture-of-experts layer's forward products on one rank over ``tokens`` (its s·b/c): the local routed
-    experts one by one, the shared experts and the router (module docstring)."""
+    experts one by one, the shared experts and the router (module docstring).
+
+    Each of the E/ep local experts sees e_t·ep·k·tokens/(t·E) rows (the s·b/(c·t) tokens each of the ep·e_t GPUs
+    dispatches, gathered over the e_t GPUs of its shards; :mod:`pipesched.optimizer.cost.experts`) and is 1/e_t of
+    its width; e_t unset is 1 when ep > 1, t otherwise (so ep = 1 gives k·tokens/E rows at width f/t)."""
     h, f = model.hidden_size, model.expert_ffn_size
     gates = 2 if model.ffn_type == "swiglu" else 1
     experts = model.num_experts or 1
     copies = tokens * (model.num_experts_per_token or 1) * model.moe_load_imbalance
-    if expert_parallel > 1:
-        rows, split, local = copies / t * expert_parallel / experts, 1, experts // expert_parallel
-    else:
-        rows, split, local = copies / experts, t, experts
+    split = expert_tensor_parallel if expert_tensor_parallel is not None else (1 if expert_parallel > 1 else t)
+    rows, local = copies / t * split * expert_parallel / experts, experts // expert_parallel
     shapes = [(rows, gates * f / split, h), (rows, h, f / split)] * local
     if model.num_shared_experts:
         shared = model.num_shared_experts * f
@@ -189,13 +191,15 @@ def layer_gemms(
     moe: bool = False,
     context_parallel: int = 1,
     expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> list[tuple[float, float, float]]:
-    """The forward's (M, N, K) matrix multiplies of one layer on one tensor-parallel rank (module docstring)."""
+    """The forward's (M, N, K) matrix multiplies of one layer on one tensor-parallel rank (module docstring;
+    ``expert_tensor_parallel``: :func:`expert_gemms`)."""
     tokens = float(model.seq_length * model.micro_batch_size) / context_parallel
     t = tensor_parallel
     shapes = _attention_gemms(model, tokens, t)
     if moe and model.is_moe:
-        return shapes + expert_gemms(model, tokens, t, expert_parallel)
+        return shapes + expert_gemms(model, tokens, t, expert_parallel, expert_tensor_parallel)
     h, f = model.hidden_size, model.ffn_size
     gates = 2 if model.ffn_type == "swiglu" else 1
     return [*shapes, (tokens, gates * f / t, h), (tokens, h, f / t)]
@@ -223,10 +227,16 @@ def layer_gemm_times(
     moe: bool = False,
     context_parallel: int = 1,
     expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> tuple[float, float]:
     """(ms of one layer's forward matrix multiplies, FP8 cast bytes per pass) at the model's precision
     (:func:`layer_gemms`, :func:`gemms_ms`)."""
     shapes = layer_gemms(
-        model, tensor_parallel, moe=moe, context_parallel=context_parallel, expert_parallel=expert_parallel
+        model,
+        tensor_parallel,
+        moe=moe,
+        context_parallel=context_parallel,
+        expert_parallel=expert_parallel,
+        expert_tensor_parallel=expert_tensor_parallel,
     )
     return gemms_ms(shapes, model, hardware)

@@ -141,7 +141,11 @@ def build_problem(
     if config.context_parallel > 1:
         document["context_parallel"] = {"size": config.context_parallel}
     if config.expert_parallel > 1:
-        document["expert_parallel"] = {"size": config.expert_parallel, "overlap": estimator.expert_overlap(config)}
+        document["expert_parallel"] = {
+            "size": config.expert_parallel,
+            "overlap": estimator.expert_overlap(config),
+            "tensor_parallel": config.expert_tensor_parallel,
+        }
     return load_problem(document)
 
 
@@ -213,6 +217,7 @@ def _plan(
         precision=config.precision,
         context_parallel=config.context_parallel,
         expert_parallel=config.expert_parallel,
+        expert_tensor_parallel=config.expert_tensor_parallel,
         step_time_ms=round(step_ms, 4),
         tokens_per_s_per_gpu=round(tokens_per_s_per_gpu, 2),
         tokens_per_s_per_gpu_interval=(
@@ -266,6 +271,7 @@ def evaluate(
         config.precision,
         config.context_parallel,
         config.expert_parallel,
+        config.expert_tensor_parallel,
         tuple(problem.model.layers_per_stage or ()),
         # where the simulator models the data-parallel collectives, sharding changes the schedule too
         config.sharding if _simulates_collectives(problem) else None,

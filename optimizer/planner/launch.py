@@ -126,6 +126,10 @@ class LaunchSpec:
         return int(getattr(self.layout, "expert_parallel", 1))
 
     @property
+    def expert_tensor_parallel(self) -> int:
+        return int(getattr(self.layout, "expert_tensor_parallel", 1))
+
+    @property
     def precision(self) -> str:
         return str(getattr(self.layout, "precision", "bf16"))
 
@@ -378,8 +382,9 @@ def megatron_args(spec: LaunchSpec) -> list[str]:
     args += ["--pipeline-model-parallel-size", str(spec.layout.pipeline_parallel), *_megatron_pipeline_args(spec)]
     if spec.context_parallel > 1:
         args += ["--context-parallel-size", str(spec.context_parallel)]
-    if spec.expert_parallel > 1:
+    if spec.expert_parallel > 1:  # stated: Megatron-LM's default expert tensor degree is the tensor degree
         args += ["--expert-model-parallel-size", str(spec.expert_parallel)]
+        args += ["--expert-tensor-parallel-size", str(spec.expert_tensor_parallel)]
     args += [
         "--micro-batch-size",
         str(spec.layout.micro_batch_size),

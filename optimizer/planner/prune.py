@@ -236,7 +236,7 @@ class _Drain:
 
 
 #: A block's degrees, as :meth:`Estimator.blocks` takes them: (t, b, recompute, precision, c, ep, sharding, overlap).
-_Degrees = tuple[int, int, str, str | None, int, int, str, bool]
+_Degrees = tuple[int, int, str, str | None, int, int, str, bool, int | None]
 
 #: A cached block's key: (t, b, recompute, precision, c, ep, kernels class, "overlap" or ""[, "dense"]).
 _Key = tuple[int | str, ...]
@@ -330,13 +330,23 @@ class Estimator:
         )
 
     def _key(
-        self, t: int, b: int, recompute: str, precision: str | None, c: int, ep: int, sharding: str, overlap: bool
+        self,
+        t: int,
+        b: int,
+        recompute: str,
+        precision: str | None,
+        c: int,
+        ep: int,
+        sharding: str,
+        overlap: bool,
+        e_t: int | None = None,
     ) -> _Key:
         """The cache key of a block: the precision resolved, the sharding as its class for kernels "unknown" (the
         only use a block has for it)."""
         unknown = self.model.kernels == "unknown"
         kernels_class = unknown_kernels_class(sharding, self.model.kernels_prior) if unknown else ""
-        return (t, b, recompute, precision or self.model.precision, c, ep, kernels_class, "overlap" if overlap else "")
+        resolved = precision or self.model.precision
+        return (t, b, recompute, resolved, c, ep, kernels_class, "overlap" if overlap else "", e_t or 0)
 
     def blocks(
         self,
@@ -348,21 +358,23 @@ class Estimator:
         ep: int = 1,
         sharding: str = "",
         overlap: bool = False,
+        e_t: int | None = None,
     ) -> tuple[Block, Block, Block, Block, ModelConfig]:
         """(layer, embedding, head, layer without recomputation, model) for tensor degree t, size b, context
         degree c, expert degree ep and the data-parallel ``sharding`` ("": no data parallelism; with kernels
         "unknown" it names who runs the layout: :func:`pipesched.optimizer.cost.stages.blended`); a
-        mixture-of-experts model's layer is its expert layer, its all-to-alls hidden where ``overlap``."""
-        key = self._key(t, b, recompute, precision, c, ep, sharding, overlap)
+        mixture-of-experts model's layer is its expert layer, its all-to-alls hidden where ``overlap``, its experts
+        split over e_t GPUs (None: :func:`~pipesched.optimizer.cost.experts.expert_groups`' default)."""
+        key = self._key(t, b, recompute, precision, c, ep, sharding, overlap, e_t)
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             tp = self.tensor_parallel(t)
             plain_model = model.model_copy(update={"activation_recomputation": "none"})
             self._blocks[key] = (
-                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
+                self._layer(model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap, e_t=e_t),
                 embedding_block(model, self.hardware, tp, self.cluster, context_parallel=c),
                 head_block(model, self.hardware, tp, context_parallel=c, sharding=sharding),
-                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap),
+                self._layer(plain_model, tp, c, ep, moe=model.is_moe, sharding=sharding, overlap=overlap, e_t=e_t),
                 model,
             )
         return self._blocks[key]
@@ -370,12 +382,12 @@ class Estimator:
     def dense_layer(self, degrees: _Degrees) -> Block:
         """The dense layer (a mixture-of-experts model's ``first_dense_layers``) for the degrees of
         :meth:`blocks`, in its order."""
-        t, b, recompute, precision, c, ep, sharding, overlap = degrees
-        key = (*self._key(t, b, recompute, precision, c, ep, sharding, overlap), "dense")
+        t, b, recompute, precision, c, ep, sharding, overlap, e_t = degrees
+        key = (*self._key(t, b, recompute, precision, c, ep, sharding, overlap, e_t), "dense")
         if key not in self._blocks:
             model = self.model_for(b, recompute, str(key[3]))
             layer = self._layer(model, self.tensor_parallel(t), c, ep, moe=False, sharding=sharding)
-            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding, overlap)[1:])
+            self._blocks[key] = (layer, *self.blocks(t, b, recompute, str(key[3]), c, ep, sharding, overlap, e_t)[1:])
         return self._blocks[key][0]
 
     @staticmethod
@@ -397,12 +409,14 @@ class Estimator:
             return 0.0
         t, b, ep = config.tensor_parallel, config.micro_batch_size, config.expert_parallel
         sharding = self.sharding_of(config)
-        layer, _, _, _, model = self.blocks(t, b, config.activation_recomputation, config.precision, c, ep, sharding)
+        e_t = config.expert_split
+        recompute, precision = config.activation_recomputation, config.precision
+        layer, _, _, _, model = self.blocks(t, b, recompute, precision, c, ep, sharding, e_t=e_t)
         planned = layer.forward_ms + layer.backward_input_ms + layer.backward_weight_ms
         slowest = planned
         for mode in self.hardware.software.kernels_shares("unknown", sharding, self.model.kernels_prior):
             said = model.model_copy(update={"kernels": mode})
-            own = self._layer(said, self.tensor_parallel(t), c, ep, moe=model.is_moe)
+            own = self._layer(said, self.tensor_parallel(t), c, ep, moe=model.is_moe, e_t=e_t)
             slowest = max(slowest, own.forward_ms + own.backward_input_ms + own.backward_weight_ms)
         return math.log(slowest / planned) if planned > 0 else 0.0
 
@@ -416,6 +430,7 @@ class Estimator:
         moe: bool,
         sharding: str | None = None,
         overlap: bool = False,
+        e_t: int | None = None,
     ) -> Block:
         return transformer_layer(
             model,
@@ -424,7 +439,7 @@ class Estimator:
             self.cluster,
             moe=moe,
             context_parallel=ContextParallel(size=c) if c > 1 else None,
-            expert_parallel=ExpertParallel(size=ep, overlap=overlap) if ep > 1 else None,
+            expert_parallel=ExpertParallel(size=ep, overlap=overlap, tensor_parallel=e_t) if ep > 1 else None,
             sharding=sharding,
         )
 
@@ -447,6 +462,7 @@ class Estimator:
             config.expert_parallel,
             self.sharding_of(config),
             self.expert_overlap(config),
+            config.expert_split,
         )
 
     def layout(self, config: Configuration) -> _Layout:
@@ -540,7 +556,8 @@ class Estimator:
         groups = [(parameters - expert_parameters, copies)]
         if expert_parameters:
             t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
-            group = expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
+            experts = expert_groups(self.model, t, config.expert_parallel, config.expert_split)
+            group = experts.data_parallel(t, c, d)
             groups.append((expert_parameters, group))
         static = 0.0
         pipelined = config.pipeline_parallel > 1
@@ -630,7 +647,8 @@ class Estimator:
             local = (local - experts) / config.weight_copies
             if experts:
                 t, c, d = config.tensor_parallel, config.context_parallel, config.data_parallel_size
-                local += experts / expert_groups(self.model, t, config.expert_parallel).data_parallel(t, c, d)
+                expert = expert_groups(self.model, t, config.expert_parallel, config.expert_split)
+                local += experts / expert.data_parallel(t, c, d)
         adam_bytes = ADAM_BYTES_PER_PARAMETER if self.model.dtype != "fp32" else 28.0
         return 1e3 * adam_bytes * local / self.hardware.memory_bandwidth_bytes_per_s
 

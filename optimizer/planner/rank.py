@@ -277,6 +277,8 @@ def _described(config: Configuration) -> str:
         for name, value in (("context", config.context_parallel), ("expert", config.expert_parallel))
         if value > 1
     ]
+    if config.expert_parallel > 1 and config.expert_tensor_parallel > 1:
+        degrees.append(f"expert tensor {config.expert_tensor_parallel}")
     return (
         f"{', '.join(degrees)}, data {config.data_parallel_size} {config.sharding}, micro-batch "
         f"{config.micro_batch_size} × {config.num_microbatches}, recomputation {config.activation_recomputation}"

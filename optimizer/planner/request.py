@@ -170,6 +170,13 @@ class PlanSearch(StrictModel):
         description="Allowed expert-parallel degrees (mixture-of-experts models: each divides model.num_experts; "
         "a dense model takes 1 only); null: divisors of the experts.",
     )
+    expert_tensor_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        description="Allowed expert tensor-parallel degrees e_t with expert_parallel > 1 (GPUs splitting one routed "
+        "expert; Megatron-LM --expert-tensor-parallel-size, whose default is the tensor-parallel size); null: 1. "
+        "With expert_parallel 1 the experts are split like the dense FFN (e_t = tensor_parallel). Not in the "
+        "contract yet.",
+    )
 
 
 class PlanRequest(StrictModel):
@@ -304,6 +311,11 @@ class Plan(StrictModel):
     precision: str = "bf16"
     context_parallel: int = Field(1, description="GPUs sharing one sequence (ring attention).")
     expert_parallel: int = Field(1, description="GPUs sharing one layer's routed experts.")
+    expert_tensor_parallel: int = Field(
+        1,
+        description="GPUs splitting one routed expert (e_t; tensor_parallel when expert_parallel is 1, 1 for a dense "
+        "model). Not in the contract yet.",
+    )
     step_time_ms: float = Field(
         description="Simulated pipeline makespan + exposed data-parallel time + optimizer step."
     )

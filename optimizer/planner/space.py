@@ -9,8 +9,10 @@ chunks in a loop (powers of two up to 8, and one layer per stage when ``lga`` is
 families the planner tries are those declaring a :class:`~pipesched.optimizer.families.PlannerEstimate` (those
 not ``by_default`` only when ``search.method`` names them). A family without a flush (PipeDream-2BW) all-reduces
 its gradients every step: it is tried with sharding ``none`` or ``optimizer`` only. A mixture-of-experts model
-also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a stage
-(:mod:`pipesched.optimizer.cost.experts`).
+also chooses its expert-parallel degree ep, carved out of the t·c·d GPUs of a stage, and with ep > 1 its expert
+tensor-parallel degree e_t (1 unless ``search.expert_tensor_parallel`` names others, such as t: Megatron-Core's
+default when a recipe states none), ep·e_t dividing t·c·d (:mod:`pipesched.optimizer.cost.experts`). With ep = 1
+the experts are split like the dense FFN, e_t = t; a dense model reports e_t = 1.
 
 Context-parallel degrees tried: powers of two whose 2c head-tail chunks divide the sequence and leave each
 rank at least ``MIN_CONTEXT_TOKENS`` tokens (Megatron's advice: context parallelism from 8K tokens); expert
@@ -37,6 +39,7 @@ __all__ = [
     "divisors",
     "enumerate_space",
     "expert_degrees",
+    "expert_tensor_degrees",
     "layouts",
     "methods_for",
     "tensor_degrees",
@@ -67,6 +70,7 @@ class Configuration:
     precision: str = "bf16"
     context_parallel: int = 1
     expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
 
     def as_dict(self) -> dict[str, int | str]:
         """The fields by name."""
@@ -76,6 +80,13 @@ class Configuration:
     def num_stages(self) -> int:
         """Model chunks: ``pipeline_parallel × stages_per_rank``."""
         return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def expert_split(self) -> int | None:
+        """e_t where expert parallelism makes it a choice (ep > 1), else ``None``: the experts split as
+        :func:`~pipesched.optimizer.cost.experts.expert_groups` splits them by default (t with ep = 1), whatever a
+        plan stored before the field existed says."""
+        return self.expert_tensor_parallel if self.expert_parallel > 1 else None
 
     @property
     def weight_copies(self) -> int:
@@ -121,6 +132,18 @@ def expert_degrees(model: ModelConfig, stage_gpus: int, search: PlanSearch) -> l
         for ep in divisors(experts)
         if stage_gpus % ep == 0 and ep <= MAX_EXPERT_PARALLEL and _allowed(search.expert_parallel, ep)
     ]
+
+
+def expert_tensor_degrees(model: ModelConfig, t: int, stage_gpus: int, ep: int, search: PlanSearch) -> list[int]:
+    """Expert tensor-parallel degrees e_t for ep of a stage's ``stage_gpus`` (t·c·d) GPUs (module docstring): the
+    named ones (default 1) with ep·e_t dividing t·c·d and e_t dividing the experts' FFN width, when ep > 1; t when
+    ep = 1; 1 for a dense model."""
+    if not model.is_moe:
+        return [1]
+    if ep == 1:
+        return [t]
+    named = search.expert_tensor_parallel or [1]
+    return [e for e in named if stage_gpus % (ep * e) == 0 and model.expert_ffn_size % e == 0]
 
 
 #: The most chunks per rank tried with the loop placement unless ``search.stages_per_rank`` names more (more chunks,
@@ -251,20 +274,22 @@ def enumerate_space(
                 if not ignore_batch and global_batch_size % d:
                     continue
                 for ep in expert_degrees(model, t * c * d, search):
-                    degrees = (t, c, p, d, ep)
-                    yield from _pipelines(model, global_batch_size, search, degrees, precisions, ignore_batch)
+                    for e_t in expert_tensor_degrees(model, t, t * c * d, ep, search):
+                        degrees = (t, c, p, d, ep, e_t)
+                        yield from _pipelines(model, global_batch_size, search, degrees, precisions, ignore_batch)
 
 
 def _pipelines(
     model: ModelConfig,
     global_batch_size: int,
     search: PlanSearch,
-    degrees: tuple[int, int, int, int, int],
+    degrees: tuple[int, int, int, int, int, int],
     precisions: tuple[str, ...],
     ignore_batch: bool,
 ) -> Iterator[Configuration]:
-    """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep split."""
-    t, c, p, d, ep = degrees
+    """The sharding, layout, microbatch, recomputation and schedule choices of one t × c × p × d × ep (× e_t)
+    split."""
+    t, c, p, d, ep, e_t = degrees
     local = global_batch_size // d if not ignore_batch else None
     methods_pinned = search.method
     lga = methods_pinned is not None and "lga" in methods_pinned
@@ -306,4 +331,5 @@ def _pipelines(
                                 precision=precision,
                                 context_parallel=c,
                                 expert_parallel=ep,
+                                expert_tensor_parallel=e_t,
                             )

@@ -64,6 +64,12 @@ class Layout(StrictModel):
     )
     context_parallel: int = Field(1, ge=1)
     expert_parallel: int = Field(1, ge=1)
+    expert_tensor_parallel: int | None = Field(
+        None,
+        ge=1,
+        description="GPUs splitting one routed expert (e_t, Megatron's --expert-tensor-parallel-size) as the run's "
+        "recipe and framework version ran it; null: 1 with expert_parallel > 1, tensor_parallel otherwise.",
+    )
     pipeline_split: Literal["balanced", "even", "embedding_and_loss"] | list[int] = Field(
         "balanced",
         description="How the run split its layers over the pipeline × virtual stages (model order): "
