@@ -264,6 +264,19 @@ class SoftwareProfile(StrictModel):
         "on its own). Not fitted: a published run states it (its recipe's moe_token_dispatcher_type); a plan "
         "assumes the hierarchical dispatch of the current recipes (pipesched.optimizer.cost.experts).",
     )
+    moe_dispatch_efficiency_inter: dict[str, float] = Field(
+        default_factory=dict,
+        description="Achieved per-GPU network bandwidth of a mixture-of-experts dispatcher's cross-node leg, as a "
+        "fraction of the cluster's nominal inter-node link, by moe_dispatcher ('hierarchical', 'all-to-all'); a "
+        "dispatcher not listed (the shipped default: none) runs at the accelerator profile's "
+        "collective_efficiency_inter, as every collective does. For a user's catalogue that measured its own "
+        "dispatchers. Published figures on one 400 Gb/s CX7 NIC per GPU (50 GB/s): DeepEP's normal kernels 0.87 "
+        "(deepseek-ai/DeepEP docs/legacy.md, H800, DeepSeek-V3 setting: 58/57 GB/s dispatch/combine at EP 32, 51/50 "
+        "at EP 64, counted once per node a token reaches, its own included, so (N - 1)/N of it crosses the wire), an "
+        "NCCL all-to-all 0.92 with large messages (46 GB/s alltoall_perf bus bandwidth on 2 DGX H100, deepseek-ai/"
+        "DeepEP issue 3) and 0.47 with 8 MiB per rank over 64 H800s (NVIDIA/nccl issue 1531). Tried on the check "
+        "rows, not shipped: bench/results/dispatcher_bandwidth.md.",
+    )
     moe_all_to_all_overlap: bool = Field(
         False,
         description="The framework runs one microbatch's MoE all-to-alls beside another microbatch's compute in "

@@ -397,7 +397,8 @@ def _parallel_communication_ms(
 ) -> tuple[float, float]:
     """Exposed context- and expert-parallel communication of one layer's F and I, ms
     (:mod:`pipesched.optimizer.cost.context`, :mod:`pipesched.optimizer.cost.experts`), on the links at the
-    profile's achieved fractions."""
+    profile's achieved fractions; a MoE dispatcher's cross-node leg at its own where the software profile lists it
+    (``moe_dispatch_efficiency_inter``)."""
     ep, overlap = _ep(expert_parallel)
     if cluster is None or (c <= 1 and (ep <= 1 or not moe)):
         return 0.0, 0.0
@@ -419,6 +420,10 @@ def _parallel_communication_ms(
         backward = ring.backward_input_exposed_ms + elementwise_ms(ring.backward_input_merge_bytes, hardware)
     if ep > 1 and moe and model.is_moe:
         groups = expert_groups(model, t, ep, _etp(expert_parallel))
+        dispatcher = hardware.software.moe_dispatcher
+        dispatch_inter = hardware.software.moe_dispatch_efficiency_inter.get(
+            dispatcher, profile.collective_efficiency_inter
+        )
         traffic = expert_traffic(
             model,
             cluster,
@@ -426,8 +431,8 @@ def _parallel_communication_ms(
             t,
             c,
             intra_bandwidth_bytes_per_s=intra,
-            inter_bandwidth_bytes_per_s=inter,
-            hierarchical=hardware.software.moe_dispatcher == "hierarchical",
+            inter_bandwidth_bytes_per_s=cluster.inter_node_bandwidth_bytes_per_s * dispatch_inter,
+            hierarchical=dispatcher == "hierarchical",
         )
         if overlap:  # the other microbatch's pass hides up to its own length
             forward += max(0.0, traffic.forward_ms - _ms(flops.forward, 0.0, hardware))

@@ -115,6 +115,44 @@ def test_a_flat_all_to_all_sends_every_copy_over_the_network() -> None:
     )
 
 
+def test_each_dispatcher_crosses_the_network_at_its_own_achieved_bandwidth() -> None:
+    model = ModelConfig(preset="deepseek-v3")
+    groups, layout = expert_groups(model, 1, 32), ExpertParallel(size=32)
+    catalogue = active_catalogue()
+    profile = resolve_hardware(H100).profile
+    intra = H100.intra_node_bandwidth_bytes_per_s * profile.collective_efficiency_intra
+
+    def layer_and_traffic(dispatcher: str, efficiencies: dict[str, float]) -> tuple[float, float]:
+        update = {"moe_dispatcher": dispatcher, "moe_dispatch_efficiency_inter": efficiencies}
+        with use_catalogue(catalogue.model_copy(update={"software": catalogue.software.model_copy(update=update)})):
+            hardware = resolve_hardware(H100)
+            forward = transformer_layer(model, hardware, cluster=H100, moe=True, expert_parallel=layout).forward_ms
+        achieved = H100.inter_node_bandwidth_bytes_per_s * efficiencies.get(
+            dispatcher, profile.collective_efficiency_inter
+        )
+        traffic = expert_traffic(
+            model,
+            H100,
+            groups,
+            1,
+            1,
+            intra_bandwidth_bytes_per_s=intra,
+            inter_bandwidth_bytes_per_s=achieved,
+            hierarchical=dispatcher == "hierarchical",
+        )
+        return forward, traffic.forward_ms
+
+    for dispatcher in ("hierarchical", "all-to-all"):
+        base, base_traffic = layer_and_traffic(dispatcher, {})
+        # the other dispatcher's figure leaves this one at the profile's collective efficiency
+        other = "all-to-all" if dispatcher == "hierarchical" else "hierarchical"
+        assert layer_and_traffic(dispatcher, {other: 0.2})[0] == pytest.approx(base)
+        # its own figure, half the profile's, doubles its network leg: the forward grows by what its all-to-alls grow
+        slow, slow_traffic = layer_and_traffic(dispatcher, {dispatcher: profile.collective_efficiency_inter / 2})
+        assert slow_traffic > 1.8 * base_traffic
+        assert slow - base == pytest.approx(slow_traffic - base_traffic, rel=1e-6)
+
+
 def test_a_framework_that_overlaps_its_all_to_alls_hides_them_in_any_schedule() -> None:
     request = PlanRequest.model_validate(
         {
