@@ -15,6 +15,7 @@ from typing import Any
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import Measurement
+from pipesched.optimizer.cost.experts import expert_tensor_degree
 from pipesched.optimizer.cost.profile import active_catalogue, use_catalogue
 from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.derive import tie_judging_untimed
@@ -73,11 +74,9 @@ def _expert_tensor_degree(row: Measurement) -> int:
     expert parallelism, the tensor degree without it, 1 for a dense model
     (:func:`pipesched.optimizer.planner.space.expert_tensor_degrees`)."""
     layout = row.layout
-    if layout.expert_tensor_parallel is not None:
-        return layout.expert_tensor_parallel
-    if not _model(row).is_moe:
+    if layout.expert_tensor_parallel is None and not _model(row).is_moe:
         return 1
-    return 1 if layout.expert_parallel > 1 else layout.tensor_parallel
+    return expert_tensor_degree(layout.tensor_parallel, layout.expert_parallel, layout.expert_tensor_parallel)
 
 
 def _model(row: Measurement, kernels: str | None = None) -> ModelConfig:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from pipesched.optimizer.configs import ClusterConfig, ModelConfig
 
-__all__ = ["ExpertGroups", "ExpertTraffic", "expert_groups", "expert_traffic"]
+__all__ = ["ExpertGroups", "ExpertTraffic", "expert_groups", "expert_tensor_degree", "expert_traffic"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,14 @@ class ExpertGroups:
         return ranks // width
 
 
+def expert_tensor_degree(tensor_parallel: int, expert_parallel: int, stated: int | None = None) -> int:
+    """e_t: ``stated`` where a layout states it, else 1 when ep > 1 (experts whole on each GPU) and the tensor degree
+    t when ep = 1 (experts split like a dense FFN) (module docstring)."""
+    if stated is not None:
+        return stated
+    return 1 if expert_parallel > 1 else tensor_parallel
+
+
 def expert_groups(
     model: ModelConfig, tensor_parallel: int, expert_parallel: int, expert_tensor_parallel: int | None = None
 ) -> ExpertGroups:
@@ -97,7 +105,7 @@ def expert_groups(
     ep = expert_parallel
     if experts % ep:
         raise ValueError(f"expert_parallel {ep} does not divide the {experts} experts")
-    e_t = expert_tensor_parallel if expert_tensor_parallel is not None else (1 if ep > 1 else tensor_parallel)
+    e_t = expert_tensor_degree(tensor_parallel, ep, expert_tensor_parallel)
     if model.is_moe and model.expert_ffn_size % e_t:
         raise ValueError(f"expert tensor_parallel {e_t} does not divide the experts' FFN width {model.expert_ffn_size}")
     return ExpertGroups(ep, e_t, experts // ep)

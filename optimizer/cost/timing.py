@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipesched.optimizer.configs import ModelConfig
+from pipesched.optimizer.cost.experts import expert_tensor_degree
 from pipesched.optimizer.cost.flops import attention_core_width
 from pipesched.optimizer.cost.profile import AcceleratorProfile, SoftwareProfile
 
@@ -175,7 +176,7 @@ def expert_gemms(
     gates = 2 if model.ffn_type == "swiglu" else 1
     experts = model.num_experts or 1
     copies = tokens * (model.num_experts_per_token or 1) * model.moe_load_imbalance
-    split = expert_tensor_parallel if expert_tensor_parallel is not None else (1 if expert_parallel > 1 else t)
+    split = expert_tensor_degree(t, expert_parallel, expert_tensor_parallel)
     rows, local = copies / t * split * expert_parallel / experts, experts // expert_parallel
     shapes = [(rows, gates * f / split, h), (rows, h, f / split)] * local
     if model.num_shared_experts:

@@ -19,24 +19,17 @@ from pipesched.optimizer.cost.timing import expert_gemms
 from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, plan_configuration
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import PlanRequest
+from pipesched.optimizer.presets import MODEL_PRESETS
 
 #: Grok-1 as the rows state it (xai-org/grok-1 model.py; its gated GELU timed as SwiGLU's three matrices).
 GROK: dict[str, Any] = {
-    "vocab_size": 128256,
-    "ffn_type": "swiglu",
-    "attention": "flash",
-    "position_embedding": "rope",
-    "norm": "rmsnorm",
-    "bias": False,
-    "tie_embeddings": False,
+    **MODEL_PRESETS["llama3.1-8b"],  # Llama 3's vocabulary, sequence, GQA, RoPE, RMSNorm, no biases
     "num_layers": 64,
     "hidden_size": 6144,
     "num_attention_heads": 48,
-    "num_key_value_heads": 8,
     "ffn_hidden_size": 32768,
     "num_experts": 8,
     "num_experts_per_token": 2,
-    "seq_length": 8192,
 }
 CLUSTER = ClusterConfig(accelerator="H100-SXM", num_nodes=64, gpus_per_node=8)
 
