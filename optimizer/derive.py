@@ -383,6 +383,7 @@ def _hide_behind_compute(
             slowdown=derived.hardware.profile.overlap_slowdown,
             prefetch_after_backward=derived.hardware.software.fsdp_backward_prefetch == "BACKWARD_POST",
             reduce_every_microbatch=derived.hardware.software.fsdp_gradient_sync == "every_microbatch",
+            reduce_after_backward=pipeline.num_stages > 1 and dp.sharding == "full",
         )
         new_unshard.append(round(exposure.unshard_ms, 6))
         new_reduce.append(round(exposure.reduce_grad_ms, 6))

@@ -53,14 +53,15 @@ to its backward (the whole stage's weights, ``memory.weights``); with it FSDP2 f
 forward and backward, so at most the running unit and the prefetched next one are gathered (two largest
 units, capped at the stage). ``none``/``optimizer`` (DDP, ZeRO-1) keep the whole fp32 gradient buffer
 (static). Under pipelining the unit-by-unit reduction waits: a ``torch.distributed.pipelining`` stage runs
-every backward but its last with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
-torch 2.5–2.13), so FSDP accumulates the stage's unsharded gradients over the microbatches and reduces them
-once: a pipelined stage holds its whole unsharded gradient until REDUCE_GRAD (``memory.gradients`` = the
-reduction's bytes × the stage's parameters; below). Each unit is its own collective (FSDP2's ``fully_shard``
-per block, FSDP1's auto-wrap per block: one all-gather and one reduce-scatter call per unit; Zhao et al. 2023,
-§3), so each pays the ring's (d−1) steps of latency: a stage's UNSHARD and REDUCE_GRAD carry n·(d−1)·α for its n
-units (n = the stage's parameters over its largest unit's, the count of equal units), which matters at hundreds
-of ranks.
+every backward, its last too, with ``set_requires_gradient_sync(False)`` (``backward_maybe_with_nosync``,
+torch 2.5–2.13) and calls FSDP's ``post_backward`` once the last has returned, so FSDP accumulates the stage's
+unsharded gradients over the microbatches and reduces them once, after its last backward
+(:mod:`pipesched.optimizer.cost.overlap`): a pipelined stage holds its whole unsharded gradient until
+REDUCE_GRAD (``memory.gradients`` = the reduction's bytes × the stage's parameters; below). Each unit is its
+own collective (FSDP2's ``fully_shard`` per block, FSDP1's auto-wrap per block: one all-gather and one
+reduce-scatter call per unit; Zhao et al. 2023, §3), so each pays the ring's (d−1) steps of latency: a
+stage's UNSHARD and REDUCE_GRAD carry n·(d−1)·α for its n units (n = the stage's parameters over its largest
+unit's, the count of equal units), which matters at hundreds of ranks.
 Approximation: the step model places one UNSHARD/REDUCE_GRAD per stage, so the one unit's
 buffers count from UNSHARD (or the step's start) to RESHARD (REDUCE_GRAD), not only during the unit's own
 compute: an upper bound by one unit.

@@ -11,6 +11,13 @@ the compute), a reduction of R ms beside a backward of B ms for u·R + (1 − u)
   model's UNSHARD takes the exposed part of the gather beside one microbatch's forward, REDUCE_GRAD the
   exposed part of the reduction beside one microbatch's backward; the simulator then hides what it can behind
   other stages' compute.
+- **Fully sharded pipelined stages** (FSDP under ``torch.distributed.pipelining``: torchtitan, NeMo AutoModel)
+  reduce nothing unit by unit: every backward of the stage runs with ``set_requires_gradient_sync(False)``, and
+  after the last one returns the stage calls every FSDP group's ``post_backward`` (``backward_maybe_with_nosync``
+  → ``run_post_backward`` in torch's ``distributed/pipelining/stage.py`` from late 2024; in later versions a
+  ``REDUCE_GRAD`` action after all of the stage's backwards, ``perform_reduce_grad``), so the whole reduction
+  starts after the stage's last backward:
+  REDUCE_GRAD is all of it, on the communication stream (it still overlaps the rank's other stages' compute).
 - **One stage per rank with ``reshard_after_forward``** (FSDP without pipelining, torchtitan's and PyTorch's
   default): every microbatch gathers the weights for its forward and again for its backward and reduces its
   gradients (sharded gradients cannot be accumulated unsharded). The step model keeps one UNSHARD (the first
@@ -57,6 +64,7 @@ def stage_overlap(
     slowdown: float,
     prefetch_after_backward: bool = False,
     reduce_every_microbatch: bool = True,
+    reduce_after_backward: bool = False,
 ) -> StageOverlap:
     """The module docstring's exposure of one stage.
 
@@ -73,12 +81,14 @@ def stage_overlap(
         reduce_every_microbatch: with ``per_microbatch``, every microbatch's backward reduces its gradients
             (PyTorch's default); False: only the last one's (the software profile's ``fsdp_gradient_sync``
             "last_microbatch"), the others' backward gathers only.
+        reduce_after_backward: without ``per_microbatch``, the reduction starts only after the stage's last
+            backward (fully sharded stages under PyTorch's pipelining): REDUCE_GRAD is the whole of it.
     """
     u = min(1.0, max(unit_fraction, 0.0))
     m = max(num_microbatches, 1)
     if not per_microbatch:
         unshard = u * gather_ms + (1 - u) * max(0.0, gather_ms - forward_ms)
-        reduce = u * reduce_ms + (1 - u) * max(0.0, reduce_ms - backward_ms)
+        reduce = reduce_ms if reduce_after_backward else u * reduce_ms + (1 - u) * max(0.0, reduce_ms - backward_ms)
         spread = slowdown * (gather_ms + reduce_ms) / m
         return StageOverlap(unshard, reduce, spread / 2, spread / 2)
     forward_stall = (1 - u) * max(0.0, gather_ms - forward_ms)

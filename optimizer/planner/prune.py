@@ -668,8 +668,9 @@ class Estimator:
         gather G, the reduction R: :func:`pipesched.optimizer.cost.collectives.data_parallel_costs`) and keeps as
         its UNSHARD/REDUCE_GRAD the part exposed beside one microbatch's compute
         (:func:`pipesched.optimizer.cost.overlap.stage_overlap`): u·X + (1 − u)·max(0, X − compute), or u·X alone
-        (one stage resharding after forward), u the stage's largest FSDP unit over its parameters (1 without
-        parameters). Either way at least u·X:
+        (one stage resharding after forward), or all of a fully sharded pipeline stage's reduction (it starts after
+        the stage's last backward), u the stage's largest FSDP unit over its parameters (1 without parameters).
+        Either way at least u·X:
 
         - ``gradients``/``full``: X pays its ring's (d−1) latency steps once per unit, n = parameters / unit of
           them, so u·X = (d−1)·α + (d−1)/d · unit bytes / β: the largest unit's collective alone, (d−1)·α for a

@@ -206,14 +206,16 @@ def test_the_collective_floors_lie_below_the_problems_collectives() -> None:
 def test_a_split_backward_charges_the_drain_to_stage_0s_weight_gradient() -> None:
     # ZB-H1 with 4 microbatches on PP 4 × DP 2 (FSDP): the last rank's forwards and input gradients, the last one's
     # input gradients back to stage 0 and its W there, then stage 0's reduction, exceed the rank's own passes; the
-    # bound was 0.80 of the step without that form and the collectives (2026-11-27), 0.85 with them
+    # bound was 0.80 of the step without that form and the collectives (2026-11-27), 0.85 with them; 0.831 since a
+    # fully sharded pipeline stage reduces all of its gradient after its last backward (the step's REDUCE_GRAD of
+    # stage 0 is its whole reduction, the bound keeps the least unit's: the embedding's)
     estimator = _pipeline_of_four()
     config = Configuration(4, 1, 2, "full", 1, "loop", 1, 4, "none", "zb-h1")
     estimate = estimator.estimate(config)
     evaluation = evaluate(estimator, config, estimate, enforce_memory=False)
     assert evaluation.plan is not None, evaluation.reason
     step = evaluation.plan.step_time_ms
-    assert 0.84 * step <= estimator.bound_ms(config) <= step
+    assert 0.82 * step <= estimator.bound_ms(config) <= step
 
 
 def test_without_a_pipeline_the_bound_charges_fsdps_gathers_per_microbatch() -> None:

@@ -17,6 +17,7 @@ from pipesched.optimizer.accelerators import CATALOGUE
 from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.catalogue import row_kernels_class, unknown_kernels_shares
 from pipesched.optimizer.calibration.predict import configuration, estimator, predict, run_software
+from pipesched.optimizer.configs import ModelConfig
 from pipesched.optimizer.cost.calibration.measurements import (
     CONTEXT_EXPERT_SOURCES,
     Measurement,
@@ -24,6 +25,7 @@ from pipesched.optimizer.cost.calibration.measurements import (
     fitting_measurements,
     parse_measurements,
 )
+from pipesched.optimizer.cost.flops import layer_parameters
 from pipesched.optimizer.cost.overlap import stage_overlap
 from pipesched.optimizer.cost.profile import RUN_KERNELS, SoftwareProfile, builtin_catalogue, load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
@@ -657,6 +659,39 @@ def test_reducing_once_a_step_takes_m_minus_one_reductions_out_of_the_backward()
     # a pipeline stage reduces once a step whatever the framework does between microbatches
     once = dict(fields, reduce_ms=reduce_ms, num_microbatches=m, per_microbatch=False)
     assert stage_overlap(**once) == stage_overlap(**once, reduce_every_microbatch=False)
+
+
+def test_a_fully_sharded_pipeline_stage_reduces_all_of_its_gradient_after_its_last_backward() -> None:
+    """PyTorch's pipelining runs every backward of an FSDP stage without gradient sync and calls FSDP's
+    post_backward once the last has returned: nothing of the reduction hides unit by unit behind that backward,
+    REDUCE_GRAD is all of it (the communication stream still overlaps the rank's other stages)."""
+    fields = dict(gather_ms=30.0, reduce_ms=400.0, forward_ms=100.0, backward_ms=300.0, unit_fraction=1 / 16)
+    once = dict(fields, num_microbatches=8, per_microbatch=False, slowdown=0.1)
+    unit_by_unit = stage_overlap(**once)
+    after = stage_overlap(**once, reduce_after_backward=True)
+    assert unit_by_unit.reduce_grad_ms == pytest.approx(400.0 / 16 + 15 / 16 * 100.0)
+    assert after.reduce_grad_ms == 400.0
+    assert (after.unshard_ms, after.forward_extra_ms) == (unit_by_unit.unshard_ms, unit_by_unit.forward_extra_ms)
+    # resharding after forward (FSDP without a pipeline) reduces unit by unit inside the backward: no change
+    every = dict(fields, num_microbatches=1, per_microbatch=True, slowdown=0.1)
+    assert stage_overlap(**every, reduce_after_backward=True) == stage_overlap(**every)
+
+    # torchtitan's 405B on PP 8 x TP 8 x FSDP 8: a middle stage's 16 layers reduce 16 x 3.19e9 / 8 parameters in
+    # fp32 over 8 nodes, at least 447 ms on a 50 GB/s NIC; unit by unit 1/16 of it had been left exposed
+    row = ROWS["torchtitan-405b-512-3d-1f1b"]
+    problem = build_problem(estimator(row), configuration(row), enforce_memory=False)
+    assert problem.model is not None and problem.model.layers_per_stage is not None
+    parameters = 16 * layer_parameters(ModelConfig.model_validate(row.model.model_dump(exclude_none=True))) / 8
+    least_ms = 1e3 * parameters * 4 * 7 / 8 / 50e9
+    assert least_ms > 440
+    middle = [i for i, count in enumerate(problem.model.layers_per_stage) if count == 16]
+    assert middle and all(problem.stage_values(problem.costs.reduce_grad)[i] >= least_ms for i in middle)
+    # the same pipeline over replicated weights (Megatron's distributed optimizer) still overlaps its buckets
+    layout = row.layout.model_copy(update={"sharding": "optimizer"})
+    replicated = build_problem(
+        estimator(row), configuration(row.model_copy(update={"layout": layout})), enforce_memory=False
+    )
+    assert all(problem.stage_values(replicated.costs.reduce_grad)[i] < least_ms / 4 for i in middle)
 
 
 def test_nemo_automodels_once_a_step_gradient_sync_speeds_its_run_and_holds_the_whole_gradient() -> None:
