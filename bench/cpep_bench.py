@@ -116,6 +116,7 @@ def request_for(
     search: dict[str, Any] = {"time_limit_s": time_limit_s, "top": 1}
     if pinned:
         search.update(pins(row))
+        search["sequence_parallel"] = row["layout"].get("sequence_parallel", True)
     training = {
         "global_batch_size": row["training"]["global_batch_size"],
         "precision": row["training"].get("precision", "bf16"),
@@ -123,6 +124,7 @@ def request_for(
     if not default_kernels:  # how the framework ran: its kernels and its gradient reduction's dtype
         training["kernels"] = kernels(row)
         training["gradient_reduce_dtype"] = row.get("software", {}).get("gradient_reduce_dtype", "fp32")
+        training["async_tensor_parallel"] = row.get("software", {}).get("async_tensor_parallel", False)
     model = dict(row["model"])
     split = Measurement.model_validate(row).layers_per_stage if pinned else None
     if split is not None:  # the published layout's own split of the layers (layout.pipeline_split)
@@ -287,7 +289,9 @@ def expert_tensor_memory(predictions: list[dict[str, Any]]) -> list[str]:
     lines = ["", "| row with e_t > 1 | e_t | predicted peak GiB | GPU GiB | peak / GPU |", "|---|---:|---:|---:|---:|"]
     for p in split:
         peak, gpu = p["predicted_peak_memory_bytes"], p["gpu_memory_bytes"]
-        shown = f"{peak / 2**30:,.1f} | {gpu / 2**30:,.1f} | {peak / gpu:.2f}" if peak else f"— | {gpu / 2**30:,.1f} | —"
+        shown = (
+            f"{peak / 2**30:,.1f} | {gpu / 2**30:,.1f} | {peak / gpu:.2f}" if peak else f"— | {gpu / 2**30:,.1f} | —"
+        )
         lines.append(f"| {p['id']} | {p['expert_tensor_parallel']} | {shown} |")
     return lines
 
