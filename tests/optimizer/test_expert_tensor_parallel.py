@@ -17,8 +17,9 @@ from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
 from pipesched.optimizer.cost.memory import layer_activation
 from pipesched.optimizer.cost.stages import activation_reserve, resolve_hardware, transformer_layer
 from pipesched.optimizer.cost.timing import expert_gemms
-from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, plan_configuration
-from pipesched.optimizer.planner.rank import plan
+from pipesched.optimizer.planner.evaluate import launch_spec
+from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, plan_configuration, torchtitan_launch
+from pipesched.optimizer.planner.rank import estimator_for, plan
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.presets import MODEL_PRESETS
 
@@ -189,3 +190,28 @@ def test_the_layer_counts_the_gathered_tokens_at_its_resolved_e_t() -> None:
     assert held(ExpertParallel(size=8)) == held(ExpertParallel(size=8, tensor_parallel=1))
     assert held(None) == pytest.approx(held(ExpertParallel(size=1, tensor_parallel=4)))
     assert held(None) - held(ExpertParallel(size=1, tensor_parallel=1)) == pytest.approx(reserve)
+
+
+def test_a_plan_that_assumes_the_tensor_parallel_overlap_launches_with_it() -> None:
+    """training.async_tensor_parallel reaches the launch: Megatron-LM gets ``--tp-comm-overlap`` beside
+    ``--sequence-parallel`` (Transformer Engine's userbuffers), torchtitan ``--parallelism.enable_async_tensor_
+    parallel`` with ``--compile.enable`` (its AsyncTP runs in compiled regions only); without the field neither."""
+
+    def request(overlap: bool) -> PlanRequest:
+        return PlanRequest.model_validate(
+            {
+                "model": {"preset": "llama3.1-8b"},
+                "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+                "training": {"global_batch_size": 32, "kernels": "compiled", "async_tensor_parallel": overlap},
+                "search": {"time_limit_s": 5, "top": 1, "tensor_parallel": [4], "pipeline_parallel": [1]},
+            }
+        )
+
+    for overlap in (True, False):
+        answer = plan(request(overlap)).answer
+        assert answer.plans, answer.error
+        spec = launch_spec(estimator_for(request(overlap)), plan_configuration(answer.plans[0]))
+        assert ("--tp-comm-overlap" in megatron_args(spec)) is overlap
+        titan = torchtitan_launch(spec).args
+        assert "--compile.enable" in titan
+        assert ("--parallelism.enable_async_tensor_parallel" in titan) is overlap
