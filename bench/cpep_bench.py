@@ -186,8 +186,9 @@ def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
 
 def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
     """The planner on the row's published layout, beside the published figure; where the planner's memory model
-    refuses the layout, its time with memory not enforced (:func:`unenforced`), the refusal kept in
-    ``over_memory``."""
+    refuses the layout, its time with memory not enforced (:func:`unenforced_prediction`), the refusal kept in
+    ``over_memory``; with the row's resolved expert tensor degree, the predicted peak memory (the plan's, or the
+    unenforced layout's) and its GPU's memory, bytes."""
     started = time.perf_counter()
     with use_catalogue(active_catalogue() if default_kernels else run_catalogue(row)):
         try:
