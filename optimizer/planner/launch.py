@@ -106,7 +106,9 @@ class LaunchSpec:
     ``layers_per_stage`` is the transformer-layer partition the plan's schedule was simulated with (stage 0
     also holds the embedding, the last stage the norm and output head); ``None`` leaves the split to the
     framework. Context and expert parallelism and the precision are read from the layout by their plan names
-    (1, 1 and bf16 where the planner does not search them).
+    (1, 1 and bf16 where the planner does not search them). ``async_tensor_parallel``: the request's
+    ``training.async_tensor_parallel``, which the launch switches on with tensor parallelism (torchtitan's AsyncTP
+    under ``--compile.enable``, where it runs; Megatron-LM's ``--tp-comm-overlap`` with sequence parallelism).
     """
 
     model: ModelConfig
@@ -116,6 +118,7 @@ class LaunchSpec:
     layout: Configuration
     sequence_parallel: bool = True
     layers_per_stage: tuple[int, ...] | None = field(default=None)
+    async_tensor_parallel: bool = False
 
     @property
     def context_parallel(self) -> int:
@@ -306,6 +309,8 @@ def torchtitan_launch(
         args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
     if torchtitan_compiles(spec):
         args.append("--compile.enable")
+        if spec.async_tensor_parallel and spec.layout.tensor_parallel > 1:  # AsyncTP runs in compiled regions only
+            args.append("--parallelism.enable_async_tensor_parallel")
     args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)
 
@@ -379,6 +384,8 @@ def megatron_args(spec: LaunchSpec) -> list[str]:
     args += ["--tensor-model-parallel-size", str(spec.layout.tensor_parallel)]
     if spec.layout.tensor_parallel > 1 and spec.sequence_parallel:
         args.append("--sequence-parallel")
+        if spec.async_tensor_parallel:  # Transformer Engine's userbuffers overlap (needs sequence parallelism)
+            args.append("--tp-comm-overlap")
     args += ["--pipeline-model-parallel-size", str(spec.layout.pipeline_parallel), *_megatron_pipeline_args(spec)]
     if spec.context_parallel > 1:
         args += ["--context-parallel-size", str(spec.context_parallel)]

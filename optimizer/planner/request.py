@@ -74,6 +74,14 @@ class PlanTraining(StrictModel):
         ge=1,
         description="Tokens per optimizer step, instead of global_batch_size: a multiple of model.seq_length.",
     )
+    async_tensor_parallel: bool = Field(
+        False,
+        description="Tensor-parallel collectives overlapped with the matrix multiplies they feed (PyTorch's AsyncTP, "
+        "torchtitan --parallelism.enable_async_tensor_parallel; Transformer Engine's userbuffers, Megatron-LM "
+        "--tp-comm-overlap, on in NeMo's and Megatron Bridge's performance recipes at TP ≥ 4): the software profile's "
+        "async_tensor_parallel_hidden share of them hidden. false: every tensor-parallel byte exposed. Not in the "
+        "contract yet.",
+    )
     gradient_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="The data-parallel gradient reduction's dtype: \"fp32\" (torchtitan's FSDP policy, Megatron's "
