@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.cli.common import stop_on_interrupt
-from pipesched.api.loading import format_validation_error, without_service_fields, wrong_kind
+from pipesched.api.loading import format_validation_error, not_json, without_service_fields, wrong_kind
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.frameworks import FRAMEWORKS
@@ -55,7 +55,7 @@ def load_plan_request(
     except OSError as error:
         raise _fail(f"cannot read {path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+        raise _fail(not_json(path, error, "a plan request: a JSON object with model, cluster, training")) from None
     if not isinstance(data, dict):
         raise _fail(f"{path}: a plan request is a JSON object with model, cluster, training (see the contract)")
     data = without_service_fields(path, data)

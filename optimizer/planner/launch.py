@@ -65,19 +65,22 @@ class LaunchError(ValueError):
 @dataclass(frozen=True)
 class TorchtitanConfig:
     """A torchtitan 0.3 config function: ``--module``, ``--config``, the model flavor its ``model_registry``
-    takes, and the precision the function sets (``llama3_405b`` converts its linear layers to Float8)."""
+    takes, the precision the function sets (``llama3_405b`` converts its linear layers to Float8) and whether it
+    compiles the model (``llama3_405b``: ``CompileConfig(enable=True, enable_async_tensor_parallel=True)``, which
+    the launch turns off for a plan predicted eager)."""
 
     module: str
     config: str
     flavor: str | None = None
     precision: str = "bf16"
+    compiles: bool = False
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B"),
     "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B"),
-    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8"),
+    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8", compiles=True),
     "deepseek-v3": TorchtitanConfig("deepseek_v3", "deepseek_v3_671b"),
     "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b"),
 }
@@ -302,10 +305,14 @@ def torchtitan_launch(
         "--training.seq_len",
         str(spec.model.seq_length),
     ]
-    if spec.layout.pipeline_parallel > 1:
-        args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
+    if spec.layout.pipeline_parallel > 1 or spec.expert_parallel > 1:
+        # torchtitan 0.3 refuses CUDA graphs under PP, and under EP with its default all-to-all token dispatcher
+        # (a host sync: trainer.py, Config._validate_cuda_graphs)
+        args.append("--training.disable_cuda_graphs")
     if torchtitan_compiles(spec):
         args.append("--compile.enable")
+    elif known.compiles:  # the config function compiles (and its async TP needs the compiled model): run eager
+        args += ["--compile.no_enable", "--compile.no_enable_async_tensor_parallel"]
     args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)
 
