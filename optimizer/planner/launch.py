@@ -341,7 +341,51 @@ def _megatron_model_args(model: ModelConfig) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not model.bias:
         args.append("--disable-bias-linear")
-    return args
+    return args + _megatron_attention_args(model) + _megatron_expert_args(model)
+
+
+def _megatron_attention_args(model: ModelConfig) -> list[str]:
+    """Per-head sizes Megatron-LM would otherwise take as h / a: multi-head latent attention's ranks and head
+    sizes (``--multi-latent-attention``), or ``--kv-channels`` where ``head_dim`` is not h / a (Qwen3: 128)."""
+    if model.is_mla:
+        args = ["--multi-latent-attention"]
+        if model.q_lora_rank is not None:
+            args += ["--q-lora-rank", str(model.q_lora_rank)]
+        args += ["--kv-lora-rank", str(model.kv_lora_rank)]
+        for option, value in (
+            ("--qk-head-dim", model.qk_nope_head_dim),
+            ("--qk-pos-emb-head-dim", model.qk_rope_head_dim),
+            ("--v-head-dim", model.v_head_dim),
+        ):
+            if value is not None:
+                args += [option, str(value)]
+        return args
+    if model.head_size != model.hidden_size // model.num_attention_heads:
+        return ["--kv-channels", str(model.head_size)]
+    return []
+
+
+def _megatron_expert_args(model: ModelConfig) -> list[str]:
+    """A mixture-of-experts model's routed experts (``--num-experts``, ``--moe-router-topk``,
+    ``--moe-ffn-hidden-size``), shared experts (``--moe-shared-expert-intermediate-size``: their summed width), dense
+    first layers (``--moe-layer-freq``) and the all-to-all token dispatcher the plan was timed with (Megatron-LM's
+    default is ``allgather``); nothing for a dense model."""
+    if not model.is_moe:
+        return []
+    args = [
+        "--num-experts",
+        str(model.num_experts),
+        "--moe-router-topk",
+        str(model.num_experts_per_token),
+        "--moe-ffn-hidden-size",
+        str(model.expert_ffn_size),
+    ]
+    if model.num_shared_experts:
+        args += ["--moe-shared-expert-intermediate-size", str(model.num_shared_experts * model.expert_ffn_size)]
+    if model.first_dense_layers:
+        dense, sparse = model.first_dense_layers, model.num_layers - model.first_dense_layers
+        args += ["--moe-layer-freq", f"([0]*{dense}+[1]*{sparse})"]
+    return [*args, "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _megatron_pipeline_args(spec: LaunchSpec) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pipesched.optimizer.planner.launch import LaunchSpec, torchtitan_launch
+from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, torchtitan_launch
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.planner.space import Configuration
 from tests.api.test_api_served import ServedApi
@@ -159,6 +159,22 @@ def test_torchtitan_takes_an_expert_parallel_plan_without_a_pipeline() -> None:
     spec = launch_spec("qwen3-30b-a3b", 1, 64, layout(expert_parallel=8, num_microbatches=1))
     config = parse_with_torchtitan(torchtitan_launch(spec).args)
     assert config.parallelism.expert_parallel_degree == 8 and config.training.disable_cuda_graphs
+
+
+def test_megatron_args_of_a_mixture_of_experts_plan_build_its_experts() -> None:
+    """Megatron's args had carried --expert-model-parallel-size but no --num-experts: Megatron-LM would have built a
+    dense model (Qwen3-30B-A3B with a 6,144-wide FFN in every layer, DeepSeek-V3 with multi-head attention)."""
+    qwen = megatron_args(launch_spec("qwen3-30b-a3b", 1, 64, layout(expert_parallel=8, num_microbatches=1)))
+    pairs = dict(zip(qwen, [*qwen[1:], ""], strict=True))
+    assert (pairs["--num-experts"], pairs["--moe-router-topk"], pairs["--moe-ffn-hidden-size"]) == ("128", "8", "768")
+    assert pairs["--kv-channels"] == "128" and pairs["--moe-token-dispatcher-type"] == "alltoall"
+    assert "--moe-layer-freq" not in pairs and "--moe-shared-expert-intermediate-size" not in pairs
+    deepseek = megatron_args(launch_spec("deepseek-v3", 16, 512, layout(expert_parallel=8, data_parallel_size=64)))
+    pairs = dict(zip(deepseek, [*deepseek[1:], ""], strict=True))
+    assert "--multi-latent-attention" in pairs and (pairs["--q-lora-rank"], pairs["--kv-lora-rank"]) == ("1536", "512")
+    assert (pairs["--qk-head-dim"], pairs["--qk-pos-emb-head-dim"], pairs["--v-head-dim"]) == ("128", "64", "128")
+    assert pairs["--moe-layer-freq"] == "([0]*3+[1]*58)" and pairs["--moe-shared-expert-intermediate-size"] == "2048"
+    assert "--num-experts" not in megatron_args(launch_spec("llama3.1-8b", 1, 16, layout()))
 
 
 @pytest.fixture(scope="module")
