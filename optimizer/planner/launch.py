@@ -238,6 +238,7 @@ def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
     if layout.tensor_parallel > 1 and not spec.sequence_parallel:
         args.append("--parallelism.no_enable_sequence_parallel")
     args += ["--parallelism.context_parallel_degree", str(spec.context_parallel)]
+    _torchtitan_expert_mesh(spec, shard)
     args += ["--parallelism.expert_parallel_degree", str(spec.expert_parallel)]
     args += ["--parallelism.pipeline_parallel_degree", str(layout.pipeline_parallel)]
     if layout.pipeline_parallel == 1:
@@ -261,6 +262,23 @@ def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
         args.append("--parallelism.module_fqns_per_model_part")
         args += [",".join(names) for names in module_fqns_per_stage(spec.layers_per_stage)]
     return args
+
+
+def _torchtitan_expert_mesh(spec: LaunchSpec, shard: int) -> None:
+    """torchtitan 0.3 takes the expert-parallel ranks from its FSDP × CP × TP ranks (``ParallelDims.build_mesh``:
+    ``efsdp = dp_shard · cp · tp / ep``), never from DDP replicas, so ep must divide ``shard · cp · tp``.
+
+    Raises:
+        LaunchError: it does not (a plan with replicated weights, ``sharding`` none, and ep above cp · tp).
+    """
+    ranks = shard * spec.context_parallel * spec.layout.tensor_parallel
+    if ranks % spec.expert_parallel:
+        raise LaunchError(
+            f"expert_parallel {spec.expert_parallel} does not divide torchtitan's FSDP × context × tensor-parallel "
+            f"ranks ({ranks} here: sharding {spec.layout.sharding!r} shards over {shard}), which its expert "
+            "parallelism spreads over, never over DDP replicas: choose a plan with sharding optimizer, gradients or "
+            "full (--plan N), plan again without sharding none in search.sharding, or --target megatron"
+        )
 
 
 def torchtitan_compiles(spec: LaunchSpec) -> bool:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, torchtitan_launch
+from pipesched.optimizer.planner.launch import LaunchError, LaunchSpec, megatron_args, torchtitan_launch
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.planner.space import Configuration
 from tests.api.test_api_served import ServedApi
@@ -175,6 +175,15 @@ def test_megatron_args_of_a_mixture_of_experts_plan_build_its_experts() -> None:
     assert (pairs["--qk-head-dim"], pairs["--qk-pos-emb-head-dim"], pairs["--v-head-dim"]) == ("128", "64", "128")
     assert pairs["--moe-layer-freq"] == "([0]*3+[1]*58)" and pairs["--moe-shared-expert-intermediate-size"] == "2048"
     assert "--num-experts" not in megatron_args(launch_spec("llama3.1-8b", 1, 16, layout()))
+
+
+def test_a_torchtitan_launch_refuses_experts_spread_over_ddp_replicas() -> None:
+    """Qwen3-30B-A3B, EP 8 over 8 DDP replicas (sharding none, TP 1): torchtitan's expert mesh is
+    dp_shard · cp · tp / ep = 1/8 GPU; the launch had written the args (the job would fail building its mesh)."""
+    spec = launch_spec("qwen3-30b-a3b", 1, 64, layout(expert_parallel=8, tensor_parallel=1, sharding="none"))
+    with pytest.raises(LaunchError, match="does not divide torchtitan's FSDP"):
+        torchtitan_launch(spec)
+    assert "--expert-model-parallel-size" in megatron_args(spec)  # Megatron's EP spans the data-parallel ranks
 
 
 @pytest.fixture(scope="module")
