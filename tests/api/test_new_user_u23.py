@@ -72,6 +72,19 @@ def test_a_search_list_of_zero_is_a_422_naming_its_item_not_a_500(served: Served
     assert served.client.get("/healthz").status_code == 200
 
 
+def test_the_best_plans_step_and_mfu_print_with_their_interval(tmp_path: Path) -> None:
+    """tok/s/GPU printed with its 80% interval, the step time and MFU beside it without one."""
+    (tmp_path / "plan.json").write_text(json.dumps(with_search(top=1, time_limit_s=2)))
+    result = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    best = json.loads((tmp_path / "plans.json").read_text())["plans"][0]
+    rate, (low, high) = best["tokens_per_s_per_gpu"], best["tokens_per_s_per_gpu_interval"]
+    step = best["step_time_ms"]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("plan 1, 80% interval"))
+    assert f"step {step:.1f} ms ({step * rate / high:.1f}–{step * rate / low:.1f})" in line
+    assert f"MFU {best['mfu']:.1%} ({best['mfu'] * low / rate:.1%}–{best['mfu'] * high / rate:.1%})" in line
+
+
 def test_a_zero_pipeline_degree_on_the_command_line_exits_2_naming_it(tmp_path: Path) -> None:
     (tmp_path / "plan.json").write_text(json.dumps(with_search(pipeline_parallel=[0])))
     result = pipesched("plan", "plan.json", cwd=tmp_path)
