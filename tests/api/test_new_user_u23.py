@@ -199,6 +199,27 @@ def test_a_torchtitan_launch_refuses_experts_spread_over_ddp_replicas() -> None:
     assert "--expert-model-parallel-size" in megatron_args(spec)  # Megatron's EP spans the data-parallel ranks
 
 
+def test_a_torchtitan_launch_of_split_experts_says_torchtitan_runs_them_whole(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B on 64 H100s pinned to EP 8 × e_t 2: torchtitan 0.3 has no expert tensor parallelism, and the
+    launch had written its args without a word that the job runs e_t 1."""
+    body = with_search(
+        {"preset": "qwen3-30b-a3b"},
+        nodes=8,
+        top=1,
+        expert_parallel=[8],
+        expert_tensor_parallel=[2],
+        pipeline_parallel=[1],
+    )
+    (tmp_path / "plan.json").write_text(json.dumps({**body, "training": {"global_batch_size": 64}}))
+    planned = pipesched("plan", "plan.json", "-o", "plans.json", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads((tmp_path / "plans.json").read_text())["plans"][0]["expert_tensor_parallel"] == 2
+    launched = pipesched("launch", "plans.json", "-o", "job", cwd=tmp_path)
+    assert launched.returncode == 0, launched.stderr
+    said = " ".join((launched.stdout + launched.stderr).split())
+    assert "splits each routed expert over 2 GPUs" in said and "(e_t 1)" in said
+
+
 @pytest.fixture(scope="module")
 def llama_405b_eager(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """A bf16 Llama 3.1 405B plan said to run eager (PP 16 × TP 8 × CP 2, FSDP 4 on 1,024 GPUs) launched for
