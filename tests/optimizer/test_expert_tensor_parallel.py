@@ -214,4 +214,6 @@ def test_a_plan_that_assumes_the_tensor_parallel_overlap_launches_with_it() -> N
         assert ("--tp-comm-overlap" in megatron_args(spec)) is overlap
         titan = torchtitan_launch(spec).args
         assert "--compile.enable" in titan
-        assert ("--parallelism.enable_async_tensor_parallel" in titan) is overlap
+        assert ("--compile.enable_async_tensor_parallel" in titan) is overlap
+        manager = pytest.importorskip("torchtitan.config.manager")  # torchtitan 0.3.0 takes the flag where it is
+        assert manager.ConfigManager().parse_args(titan).compile.enable_async_tensor_parallel is overlap
