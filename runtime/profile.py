@@ -665,9 +665,10 @@ def measure_model(
     transfers and the calibration. ``overlap_slowdown``: write the slowdown of compute beside a collective that
     the calibration run measured (D > 1) as ``costs.overlap_slowdown`` (default; ``False`` leaves it 0); measured
     and reported in ``calibration.overlap`` either way. Without it the simulator times a pass beside a collective
-    at its alone speed: on this project's 2-core machine pipeline rank 1's ``1I0`` beside ``3REDUCE_GRAD`` ran
-    41–68 ms against 23–33 for the same pass alone, so ``0W0`` waited 25–90 ms for its gradient where the
-    simulator had 14, and the prediction hid part of ``2REDUCE_GRAD`` that the run exposed (docs/RUNTIME.md).
+    at its alone speed: on this project's 2-core machine (breadth-first pp 2 × dp 2) pipeline rank 1's ``1I0``
+    beside ``3REDUCE_GRAD`` took 48–57 ms (medians) against 24–30 for ``1I1``–``1I7``, so ``0W0`` waited 31–43 ms
+    for its gradient where the simulator had 12–16, and the prediction hid part of ``2REDUCE_GRAD`` that the run
+    exposed (docs/RUNTIME.md).
     ``communication_slowdown``: also write the slowdown of a collective beside the passes that the calibration run
     measured (D > 1) as ``costs.communication_slowdown``, the collectives' costs then their time alone; measured and
     reported in ``calibration.communication`` either way.
