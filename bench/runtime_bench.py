@@ -31,7 +31,7 @@ differences of medians: the statistic the bar is read on — paired within a rou
 run's median leaves out a step's burst, the median over rounds a round's), against the predicted gain (1F1B's
 ``step_time`` minus 2BW's ``step_period``). A profile that measured a slowdown of compute beside its collectives (data
 parallelism; ``pipesched profile`` writes it as
-``costs.overlap_slowdown`` unless told ``--no-overlap-slowdown``) also prints the same run against the prediction with
+``costs.overlap_slowdown`` only with ``--overlap-slowdown``) also prints the same run against the prediction with
 the other choice (the measured slowdown, or 0, and the per-pass overhead fitted again on the same calibration
 step): step and hidden / exposed; likewise with the other choice of the collectives' wait for their last replica
 (``costs.unshard_wait`` / ``costs.reduce_grad_wait``: the calibration run's, written only with ``pipesched profile

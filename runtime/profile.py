@@ -37,10 +37,8 @@ and each process measures its own stages, all at once, as the run will run them:
 * **compute beside communication** (D > 1): on the calibration run, every pass that overlapped one of its process's
   collectives against the same passes (stage and kind) with none beside them, per overlapped ms
   (:func:`pipesched.runtime.calibration.fit_overlap_slowdown`): reported, and written as
-  ``costs.overlap_slowdown`` (the per-pass overhead then fitted with it) unless asked not to
-  (``overlap_slowdown=False``, ``pipesched profile --no-overlap-slowdown``): a pass beside a collective of its core
-  runs at about half speed here, and what overlaps what downstream follows from it (docs/RUNTIME.md, "Compute
-  beside communication, written"). One replica (no collectives): none.
+  ``costs.overlap_slowdown`` (the per-pass overhead then fitted with it) when asked (``overlap_slowdown=True``,
+  ``pipesched profile --overlap-slowdown``). One replica (no collectives): none.
 * **communication beside compute** (D > 1): on the calibration run, every collective that overlapped its process's
   passes against the same collective alone (its time timed alone above, scaled by what the collectives with no pass
   beside them took in the calibration run over theirs), per overlapped ms
@@ -644,7 +642,7 @@ def measure_model(
     like: Problem | None = None,
     engine: str = "pipesched",
     calibrate: bool = True,
-    overlap_slowdown: bool = True,
+    overlap_slowdown: bool = False,
     replica_wait: bool = False,
     calibration_steps: int = CALIBRATION_STEPS,
     collective_statistic: str = DEFAULT_COLLECTIVE_STATISTIC,
@@ -662,13 +660,10 @@ def measure_model(
     ``engine`` (the engine the runs will use) and add its per-pass overhead to the problem's passes. ``device``:
     ``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per process). Returns a :class:`Profile`: its ``problem``
     (``split_backward`` true, ``memory.limit`` = ``memory_limit_bytes``), every pass's samples, the fitted
-    transfers and the calibration. ``overlap_slowdown``: write the slowdown of compute beside a collective that
-    the calibration run measured (D > 1) as ``costs.overlap_slowdown`` (default; ``False`` leaves it 0); measured
-    and reported in ``calibration.overlap`` either way. Without it the simulator times a pass beside a collective
-    at its alone speed: on this project's 2-core machine (breadth-first pp 2 × dp 2) pipeline rank 1's ``1I0``
-    beside ``3REDUCE_GRAD`` took 48–57 ms (medians) against 24–30 for ``1I1``–``1I7``, so ``0W0`` waited 31–43 ms
-    for its gradient where the simulator had 12–16, and the prediction hid part of ``2REDUCE_GRAD`` that the run
-    exposed (docs/RUNTIME.md).
+    transfers and the calibration. ``overlap_slowdown``: also write the slowdown of compute beside a collective
+    that the calibration run measured (D > 1) as ``costs.overlap_slowdown``; measured and reported in
+    ``calibration.overlap`` either way. Off by default: on this project's 2-core machine it moved the prediction of
+    each collective's hidden time toward the run's but missed the per-rank totals more often (docs/RUNTIME.md).
     ``communication_slowdown``: also write the slowdown of a collective beside the passes that the calibration run
     measured (D > 1) as ``costs.communication_slowdown``, the collectives' costs then their time alone; measured and
     reported in ``calibration.communication`` either way.

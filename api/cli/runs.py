@@ -277,7 +277,7 @@ _WriteOverlapSlowdown = Annotated[
     typer.Option(
         "--overlap-slowdown/--no-overlap-slowdown",
         help="Write the measured slowdown of compute beside a collective (data parallelism) as "
-        "costs.overlap_slowdown (the default); measured and printed either way.",
+        "costs.overlap_slowdown; measured and printed either way.",
     ),
 ]
 _WriteCommunicationSlowdown = Annotated[
@@ -320,7 +320,7 @@ def profile(
     ] = False,
     memory_limit: Annotated[float | None, typer.Option("--memory-limit", help="Per-rank limit, bytes.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    overlap_slowdown: _WriteOverlapSlowdown = True,
+    overlap_slowdown: _WriteOverlapSlowdown = False,
     communication_slowdown: _WriteCommunicationSlowdown = False,
     replica_wait: _WriteReplicaWait = False,
     output: Annotated[Path, typer.Option("-o", "--output", help="Write PROBLEM.json here.")] = Path("problem.json"),

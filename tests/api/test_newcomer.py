@@ -314,7 +314,7 @@ def test_profile_reports_the_spread_of_every_pass(
 def test_a_data_parallel_profile_says_how_much_compute_slowed_beside_its_collectives(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     shape = ["--num-ranks", "2", "--stages-per-rank", "2", "--data-parallel", "2", "--repeats", "2"]
-    asked = ["--communication-slowdown"]  # the overlap slowdown is written by default
+    asked = ["--overlap-slowdown", "--communication-slowdown"]
     result = pipesched("profile", *shape, *asked, "-o", "p.json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     costs = json.loads((tmp_path / "p.json").read_text())["costs"]
