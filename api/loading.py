@@ -19,6 +19,7 @@ __all__ = [
     "format_validation_error",
     "load_problem_file",
     "load_schedule_file",
+    "not_json",
     "without_service_fields",
     "wrong_kind",
 ]
@@ -82,6 +83,14 @@ def wrong_kind(path: Path | str, data: Any, wanted: str, subject: str | None = N
     return f"{subject or path} is a {kind}, not a {wanted}: {command}\n"
 
 
+def not_json(path: Path, error: json.JSONDecodeError, wanted: str) -> str:
+    """Why ``path`` did not parse as JSON, and what it should hold: an empty file (``error.doc`` blank) is said to
+    be empty, with the ``wanted`` document named (e.g. "a plan request: a JSON object with model, cluster")."""
+    if not error.doc.strip():
+        return f"{path} is empty: give {wanted}"
+    return f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+
+
 def _read_json(path: Path) -> Any:
     try:
         text = path.read_text()
@@ -91,7 +100,9 @@ def _read_json(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise InputError(
-            f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+            not_json(
+                path, error, "a problem: a JSON object with pipeline and costs, or model and cluster (docs/CONTRACT.md)"
+            )
         ) from None
 
 

@@ -30,11 +30,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pipesched.optimizer.calibration.predict import FRAMEWORK_SOFTWARE, power_limited
+from pipesched.optimizer.calibration.predict import FRAMEWORK_SOFTWARE, Prediction, configuration, power_limited
 from pipesched.optimizer.calibration.predict import predict as calibration_predict
 from pipesched.optimizer.configs import ClusterConfig
 from pipesched.optimizer.cost.calibration.measurements import CONTEXT_EXPERT_SOURCES, Measurement
 from pipesched.optimizer.cost.profile import ProfileCatalogue, active_catalogue, use_catalogue
+from pipesched.optimizer.cost.stages import resolve_hardware
 from pipesched.optimizer.planner.rank import plan
 from pipesched.optimizer.planner.request import Plan, PlanRequest
 
@@ -102,15 +103,20 @@ def request_for(
     row: dict[str, Any], time_limit_s: float, *, pinned: bool = True, default_kernels: bool = False
 ) -> PlanRequest:
     """The plan request of a row: its model, cluster and batch, its layout pinned (with the run's split of the
-    layers where the source states it: ``layout.pipeline_split``) or free, its gradient reduction in the dtype the
-    run states (``software.gradient_reduce_dtype``); ``default_kernels`` leaves ``training.kernels`` and the
-    reduction's dtype to their defaults ("unknown", fp32), as a user who does not say how the framework runs would."""
+    layers where the source states it: ``layout.pipeline_split``, and its ``layout.sequence_parallel``) or free, its
+    gradient reduction in the dtype the run states (``software.gradient_reduce_dtype``) and its tensor-parallel
+    overlap (``software.async_tensor_parallel``: ``training.async_tensor_parallel``); ``default_kernels`` leaves
+    ``training.kernels``, the reduction's dtype and the overlap to their defaults ("unknown", fp32, none), as a user
+    who does not say how the framework runs would. These are the fields
+    :func:`pipesched.optimizer.calibration.predict.estimator` and ``configuration`` read from a row; the rest of
+    what a row's software states goes in through the catalogue (:func:`run_catalogue`)."""
     fields = ClusterConfig.model_validate({"accelerator": row["accelerator"], **row.get("cluster", {})})
     # GPUs run under a power limit (torchtitan's 500 W H100s) at the sustained peak the calibration fitted
     cluster = power_limited(fields, row.get("power_limit_w")).model_dump(exclude_unset=True)
     search: dict[str, Any] = {"time_limit_s": time_limit_s, "top": 1}
     if pinned:
         search.update(pins(row))
+        search["sequence_parallel"] = row["layout"].get("sequence_parallel", True)
     training = {
         "global_batch_size": row["training"]["global_batch_size"],
         "precision": row["training"].get("precision", "bf16"),
@@ -118,6 +124,7 @@ def request_for(
     if not default_kernels:  # how the framework ran: its kernels and its gradient reduction's dtype
         training["kernels"] = kernels(row)
         training["gradient_reduce_dtype"] = row.get("software", {}).get("gradient_reduce_dtype", "fp32")
+        training["async_tensor_parallel"] = row.get("software", {}).get("async_tensor_parallel", False)
     model = dict(row["model"])
     split = Measurement.model_validate(row).layers_per_stage if pinned else None
     if split is not None:  # the published layout's own split of the layers (layout.pipeline_split)
@@ -145,7 +152,12 @@ def describe(plan_: Plan) -> str:
 
 
 def unenforced(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> float | None:
-    """The row's layout timed with memory not enforced (:func:`pipesched.optimizer.calibration.predict.predict`:
+    """The row's layout timed with memory not enforced (:func:`unenforced_prediction`), tokens/s per GPU."""
+    return unenforced_prediction(row, time_limit_s, default_kernels).tokens_per_s_per_gpu
+
+
+def unenforced_prediction(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> Prediction:
+    """The row's layout evaluated with memory not enforced (:func:`pipesched.optimizer.calibration.predict.predict`:
     a published run ran), at its stated recomputation or, where the source does not state it, ``full``; with
     ``default_kernels`` as kernels "unknown" (as :func:`request_for`)."""
     measurement = Measurement.model_validate(row)
@@ -153,7 +165,7 @@ def unenforced(row: dict[str, Any], time_limit_s: float, default_kernels: bool =
         training = measurement.training.model_copy(update={"activation_recomputation": "full"})
         measurement = measurement.model_copy(update={"training": training})
     kernels_ = "unknown" if default_kernels else None
-    return calibration_predict(measurement, time_limit_s=time_limit_s, kernels=kernels_).tokens_per_s_per_gpu
+    return calibration_predict(measurement, time_limit_s=time_limit_s, kernels=kernels_)
 
 
 def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
@@ -174,8 +186,9 @@ def run_catalogue(row: dict[str, Any]) -> ProfileCatalogue:
 
 def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = False) -> dict[str, Any]:
     """The planner on the row's published layout, beside the published figure; where the planner's memory model
-    refuses the layout, its time with memory not enforced (:func:`unenforced`), the refusal kept in
-    ``over_memory``."""
+    refuses the layout, its time with memory not enforced (:func:`unenforced_prediction`), the refusal kept in
+    ``over_memory``; with the row's resolved expert tensor degree, the predicted peak memory (the plan's, or the
+    unenforced layout's) and its GPU's memory, bytes."""
     started = time.perf_counter()
     with use_catalogue(active_catalogue() if default_kernels else run_catalogue(row)):
         try:
@@ -183,7 +196,11 @@ def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = Fa
             best, error = (answer.plans[0] if answer.plans else None), answer.error
         except ValidationError as exc:  # the layout does not fit the model of memory
             best, error = None, "; ".join(str(item["msg"]) for item in exc.errors())[:300]
-        predicted = best.tokens_per_s_per_gpu if best else unenforced(row, time_limit_s, default_kernels)
+        if best is not None:
+            predicted, peak = best.tokens_per_s_per_gpu, best.peak_memory_bytes
+        else:
+            timed = unenforced_prediction(row, time_limit_s, default_kernels)
+            predicted, peak = timed.tokens_per_s_per_gpu, timed.peak_memory_bytes
     published = row["measured"]["tokens_per_s_per_gpu"]
     return {
         "id": row["id"],
@@ -199,8 +216,18 @@ def predict(row: dict[str, Any], time_limit_s: float, default_kernels: bool = Fa
         "layout": describe(best) if best else "the published layout, memory not enforced",
         "over_memory": None if best else error,
         "interval": getattr(best, "tokens_per_s_per_gpu_interval", None) if best else None,
+        "expert_tensor_parallel": configuration(Measurement.model_validate(row)).expert_tensor_parallel,
+        "predicted_peak_memory_bytes": peak,
+        "gpu_memory_bytes": gpu_memory_bytes(row),
         "search_s": round(time.perf_counter() - started, 2),
     }
+
+
+def gpu_memory_bytes(row: dict[str, Any]) -> float:
+    """The memory of one of the row's GPUs, bytes (its cluster's ``memory_bytes`` where stated, else the
+    accelerator catalogue's)."""
+    fields = ClusterConfig.model_validate({"accelerator": row["accelerator"], **row.get("cluster", {})})
+    return float(resolve_hardware(fields).memory_bytes)
 
 
 def free(row: dict[str, Any], time_limit_s: float) -> dict[str, Any]:
@@ -254,6 +281,22 @@ def summary(predictions: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def expert_tensor_memory(predictions: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: each row whose experts are split over e_t > 1 GPUs (its mixture-of-experts layers hold the
+    e_t-gathered dispatched tokens), its predicted peak memory beside its GPU's (a run that ran must fit it)."""
+    split = [p for p in predictions if (p.get("expert_tensor_parallel") or 1) > 1]
+    if not split:
+        return []
+    lines = ["", "| row with e_t > 1 | e_t | predicted peak GiB | GPU GiB | peak / GPU |", "|---|---:|---:|---:|---:|"]
+    for p in split:
+        peak, gpu = p["predicted_peak_memory_bytes"], p["gpu_memory_bytes"]
+        shown = (
+            f"{peak / 2**30:,.1f} | {gpu / 2**30:,.1f} | {peak / gpu:.2f}" if peak else f"— | {gpu / 2**30:,.1f} | —"
+        )
+        lines.append(f"| {p['id']} | {p['expert_tensor_parallel']} | {shown} |")
+    return lines
+
+
 def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) -> str:
     """The markdown tables: every row, then the free searches."""
     lines = [
@@ -271,6 +314,7 @@ def table(predictions: list[dict[str, Any]], free_rows: list[dict[str, Any]]) ->
             f"| {p['id']} ({p['source']}) | {p['model']}, {p['seq_length']} | {p['gpus']} {p['accelerator']} | "
             f"{p['precision']} | {p['published_tokens_per_s_per_gpu']:,.0f} | {predicted} | {ratio} | {error} |"
         )
+    lines += expert_tensor_memory(predictions)
     lines += [
         "",
         "| case | planner's best layout | its tok/s/GPU | interval | search s (limit) |",

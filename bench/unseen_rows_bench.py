@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.cpep_bench import predict
+from bench.cpep_bench import expert_tensor_memory, predict
 from pipesched.optimizer.cost.profile import active_catalogue
 
 DATA = Path(__file__).resolve().parent / "data" / "calibration_holdout_unseen.json"
@@ -129,7 +129,7 @@ def table(records: list[dict[str, Any]], stats: dict[str, dict[str, Any]]) -> st
             f"{r['published_tokens_per_s_per_gpu']:,.1f} | {r['predicted_tokens_per_s_per_gpu']:,.1f}{memory} | "
             f"{r['error']:+.1%} | {low:,.0f}–{high:,.0f} | {'yes' if r['in_interval'] else 'no'} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + expert_tensor_memory(records))
 
 
 def main() -> None:

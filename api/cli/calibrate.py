@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from pipesched.api.loading import format_validation_error, wrong_kind
+from pipesched.api.loading import format_validation_error, not_json, wrong_kind
 from pipesched.optimizer.calibration.calibrate import calibrate
 from pipesched.optimizer.calibration.fit import predict_each
 from pipesched.optimizer.calibration.predict import Prediction
@@ -33,6 +33,13 @@ console = Console(width=None if sys.stdout.isatty() else 150)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
+#: What a measurement file holds, for a file that is empty.
+MEASUREMENTS_WANTED = (
+    'the runs you measured as a JSON object {"rows": [...]}, one row per run (its model, accelerator, layout, '
+    "training and measured tokens/s per GPU: optimizer/cost/calibration/README.md)"
+)
+
+
 def _fail(message: str) -> typer.Exit:
     err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
@@ -44,7 +51,7 @@ def _load(path: Path) -> list[Measurement]:
     except OSError as error:
         raise _fail(f"cannot read {path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+        raise _fail(not_json(path, error, MEASUREMENTS_WANTED)) from None
     except ValidationError as error:
         kind = wrong_kind(path, json.loads(path.read_text()), "measurement file")
         raise _fail(f"{kind}{path}:\n{format_validation_error(error, '  ')}") from None

@@ -20,12 +20,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipesched.api.cli.common import stop_on_interrupt
-from pipesched.api.loading import format_validation_error, without_service_fields, wrong_kind
+from pipesched.api.loading import format_validation_error, not_json, without_service_fields, wrong_kind
 from pipesched.optimizer.cost.profile import load_catalogue
 from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.frameworks import FRAMEWORKS
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
-from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest, Rejected
+from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected
 from pipesched.optimizer.units import format_bytes
 
 __all__ = ["plan_command", "print_plans", "register_profile_file"]
@@ -55,7 +55,7 @@ def load_plan_request(
     except OSError as error:
         raise _fail(f"cannot read {path}: {error.strerror or error}") from None
     except json.JSONDecodeError as error:
-        raise _fail(f"{path} is not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}") from None
+        raise _fail(not_json(path, error, "a plan request: a JSON object with model, cluster, training")) from None
     if not isinstance(data, dict):
         raise _fail(f"{path}: a plan request is a JSON object with model, cluster, training (see the contract)")
     data = without_service_fields(path, data)
@@ -154,6 +154,8 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f"{plan.lower_bound_ms:.1f}",
         )
     out.print(table)
+    if answer.plans:
+        out.print(_best_intervals(answer.plans[0]), highlight=False)
     if answer.memory_headroom_bytes is not None:
         out.print(
             f"kept free on every GPU: {format_bytes(answer.memory_headroom_bytes)} (cluster.memory_headroom_bytes); "
@@ -176,6 +178,18 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         f"first plan after {answer.first_answer_s if answer.first_answer_s is not None else '—'} s, "
         f"done in {answer.elapsed_s:.1f} s",
         highlight=False,
+    )
+
+
+def _best_intervals(plan: Plan) -> str:
+    """The best plan's step time and MFU with the 80% interval of its tokens/s per GPU carried over (the step is
+    the step's tokens over that rate, the MFU proportional to it), so that no printed figure of it stands alone."""
+    rate = plan.tokens_per_s_per_gpu
+    low, high = plan.tokens_per_s_per_gpu_interval
+    step = plan.step_time_ms
+    return (
+        f"plan 1, 80% interval carried from tok/s/GPU: step {step:.1f} ms ({step * rate / high:.1f}–"
+        f"{step * rate / low:.1f}), MFU {plan.mfu:.1%} ({plan.mfu * low / rate:.1%}–{plan.mfu * high / rate:.1%})"
     )
 
 

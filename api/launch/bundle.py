@@ -228,7 +228,15 @@ def _target_files(spec: LaunchSpec, options: LaunchOptions) -> tuple[dict[str, s
     files = {"torchtitan.args": "\n".join(launch.args) + "\n"}
     if launch.config_source is not None:
         files[f"{CONFIG_MODULE_NAME}.py"] = launch.config_source
-    return files, launch.args, ["-m", "torchtitan.train"], []
+    notes = []
+    if spec.expert_parallel > 1 and spec.expert_tensor_parallel > 1:
+        notes.append(
+            f"the plan splits each routed expert over {spec.expert_tensor_parallel} GPUs (expert_tensor_parallel), "
+            "which torchtitan 0.3 has no option for: it runs the experts whole on each expert-parallel rank "
+            "(e_t 1), so its step and memory are not this plan's; plan with search.expert_tensor_parallel [1] for "
+            "torchtitan, or --target megatron (--expert-tensor-parallel-size)"
+        )
+    return files, launch.args, ["-m", "torchtitan.train"], notes
 
 
 def build_bundle(

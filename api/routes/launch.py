@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from pipesched.api.launch.bundle import LaunchOptions, build_bundle, pick_plan
 from pipesched.api.routes._common import Services, field_error, require_token, services
 from pipesched.api.schemas import HTTPError, error_responses
+from pipesched.api.storage import PlanRow
 from pipesched.optimizer.planner.launch import LaunchError
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
 
@@ -44,6 +45,35 @@ def _option_error(error: LaunchError) -> Exception:
     return field_error(("query", "plan"), text)
 
 
+def _launchable(row: PlanRow, plan_id: str) -> PlanAnswer:
+    """The stored answer whose plans a launch may take: a finished search's, or a cancelled one's once its worker
+    stored the plans found until then (as ``pipesched launch`` takes the plans a Ctrl-C kept).
+
+    Raises:
+        HTTPException: 409 saying whether to wait (still searching, or stopping) or to ask again (ended without
+            a plan).
+    """
+    answer = PlanAnswer.model_validate_json(row.answer_json) if row.answer_json else None
+    if row.status == "done" and answer is not None:
+        return answer
+    if row.status in ("queued", "running"):
+        detail = f"the plan search is {row.status}: poll GET /v1/plans/{plan_id} until its status is done"
+    elif row.status == "cancelled" and answer is not None and answer.status in ("queued", "running"):
+        detail = (
+            f"the plan search was cancelled and is still storing the plans it found: poll GET /v1/plans/{plan_id} "
+            "until its plans carry a schedule_id, then ask again"
+        )
+    elif row.status == "cancelled" and answer is not None and answer.plans:
+        return answer
+    else:
+        why = f" ({row.error})" if row.error else ""
+        detail = (
+            f"the plan search ended {row.status}{why} with no plan stored to launch: POST the request to /v1/plans "
+            "again (a cancelled search keeps only the plans found before DELETE)"
+        )
+    raise HTTPException(status_code=409, detail=detail)
+
+
 @router.get(
     "/{plan_id}/launch",
     operation_id="get_plan_launch",
@@ -51,7 +81,10 @@ def _option_error(error: LaunchError) -> Exception:
     response_model=LaunchFiles,
     responses={
         **error_responses(401, 404, 422),
-        409: {"description": "The plan search has not finished: poll GET /v1/plans/{id}.", "model": HTTPError},
+        409: {
+            "description": "The plan search has not finished (poll GET /v1/plans/{id}), or ended without a plan.",
+            "model": HTTPError,
+        },
         200: {"content": {"application/zip": {}}, "description": "The files, as JSON or a zip."},
     },
 )
@@ -86,12 +119,7 @@ def get_plan_launch(
     row = svc.store.plan(plan_id)
     if row is None:
         raise HTTPException(status_code=404, detail=f"no plan with id {plan_id!r}: POST /v1/plans first")
-    if row.status != "done" or not row.answer_json:
-        raise HTTPException(
-            status_code=409,
-            detail=f"the plan search is {row.status}: poll GET /v1/plans/{plan_id} until its status is done",
-        )
-    answer = PlanAnswer.model_validate_json(row.answer_json)
+    answer = _launchable(row, plan_id)
     request = PlanRequest.model_validate_json(row.request_json)
     options = LaunchOptions(scheduler, target, name, image, torchtitan_module, torchtitan_config)
     try:

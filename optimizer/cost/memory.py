@@ -24,6 +24,22 @@ f·(1 or 2)) bytes, split by t like the rest. On a mixture-of-experts model ``se
 fine-grained recipe (norms, activation functions and MLA's up-projections recomputed:
 :func:`megatron_selective_bytes`), the one its MoE configurations run.
 
+**Expert tensor parallelism** (e_t GPUs splitting each routed expert, Megatron-Core's
+``--expert-tensor-parallel-size``; ``megatron/core/transformer/moe/token_dispatcher.py`` at core_v0.10.0,
+7ee599a, and at d98e8a6, 2026-08-22): a GPU's own s·b/(c·t) tokens times k·imbalance copies are R dispatched rows,
+and every dispatcher gives its experts e_t·R rows of full width h. ``alltoall`` (``MoEAlltoAllTokenDispatcher``)
+receives R rows over the expert-parallel group, then ``gather_from_sequence_parallel_region`` over the e_t GPUs of
+its expert shards; ``allgather`` (``MoEAllGatherTokenDispatcher``) gathers all e_t·ep GPUs' tokens over the
+tensor-and-expert group into the global memory buffer (reused layer after layer: a transient, not held) and
+permutes out the e_t·R rows of its local experts; ``flex`` (DeepEP, ``MoEFlexTokenDispatcher``) routes each token to
+e_t·k expert shards over the same group (``router_topk = tp_size · moe_router_topk``). The first expert matrix
+saves that input for its backward, so the permuted input held per routed copy is 2h·e_t bytes per token (split by
+t like the rest) where e_t = 1 holds 2h; the expert matrices' outputs are e_t times the rows at 1/e_t of the width,
+as many bytes as with e_t = 1. W needs that input too. Full recomputation keeps the layer's input only, so the
+gathered tokens live in its I only; Megatron's selective recipe recomputes norms and activation functions, not
+this input, so they stay held. With ep = 1 the experts are split like a dense FFN (e_t = t) and the same holds
+(each GPU computes every routed row of the t GPUs' tokens at 1/t of the width).
+
 Bytes still needed by the weight gradient W after I (Zero Bubble paper, Table 1, M_W = 32·sbh at f = 4h):
 the linear layers' inputs and output gradients, 2 bytes each: 12h + 4k + 4f (GeLU) or 12h + 4k + 6f (SwiGLU).
 
@@ -158,16 +174,17 @@ def _attention_widths(model: ModelConfig) -> tuple[float, float, float]:
     return stored, retained, query_key + 2 * k + h
 
 
-def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
+def _mlp_widths(model: ModelConfig, moe: bool, expert_tensor_parallel: int = 1) -> tuple[float, float, float]:
     """Per token, in 16-bit bytes: (FFN activations split by t, those W still needs, the matrix-multiply
     outputs the selective policy keeps). Dense GeLU 4f (W: 4h + 4f), SwiGLU 8f (W: 4h + 6f). A
     mixture-of-experts layer stores what Megatron-Core's grouped MLP keeps (the router's probabilities folded
     into the activation function, so unpermuting the outputs keeps nothing; SwiGLU fused, its gate and up
     outputs kept and SiLU rerun in the backward): for each of its k·imbalance routed copies the permuted input
-    2h, the first matrix's output (SwiGLU 4f, GeLU 2f) and the activation's output 2f; for each shared expert
-    the inner ones; the router's fp32 logits and probabilities (8·E bytes). W needs each expert matrix's input
-    and output gradient (2h + 2f per copy). Selective recomputation on a mixture-of-experts model is
-    Megatron's recipe (:func:`megatron_selective_bytes`)."""
+    2h·e_t (the e_t-gathered dispatched tokens: module docstring, "Expert tensor parallelism"), the first
+    matrix's output (SwiGLU 4f, GeLU 2f) and the activation's output 2f; for each shared expert the inner ones;
+    the router's fp32 logits and probabilities (8·E bytes). W needs each expert matrix's input and output
+    gradient (2h·e_t + 2f per copy). Selective recomputation on a mixture-of-experts model is Megatron's recipe
+    (:func:`megatron_selective_bytes`)."""
     h, gelu = model.hidden_size, model.ffn_type == "gelu"
     if not (moe and model.is_moe):
         f = model.ffn_size
@@ -177,8 +194,9 @@ def _mlp_widths(model: ModelConfig, moe: bool) -> tuple[float, float, float]:
     shared = model.num_shared_experts
     inner = 4 * f if gelu else 6 * f
     router = 8 * (model.num_experts or 0)
-    stored = routed * (2 * h + inner) + shared * inner + router
-    retained = routed * (2 * h + 2 * f) + shared * (2 * h + 2 * f) + router
+    gathered = 2 * h * expert_tensor_parallel  # the experts' input: e_t GPUs' dispatched tokens, whole width
+    stored = routed * (gathered + inner) + shared * inner + router
+    retained = routed * (gathered + 2 * f) + shared * (2 * h + 2 * f) + router
     return stored, retained, stored
 
 
@@ -248,18 +266,21 @@ def layer_activation(
     *,
     moe: bool = False,
     context_parallel: int = 1,
+    expert_tensor_parallel: int = 1,
 ) -> LayerActivation:
     """The module docstring's per-layer activation bytes for ``model`` (its recomputation and attention) on one
     of ``tensor_parallel`` × ``context_parallel`` ranks (context parallelism shards the sequence, so every term
     divides by it; Korthikanti et al.'s terms stay per tensor-parallel rank); ``moe``: a mixture-of-experts
-    layer (:func:`_mlp_widths`)."""
+    layer (:func:`_mlp_widths`) whose experts are split over ``expert_tensor_parallel`` GPUs (e_t, the resolved
+    degree: :func:`pipesched.optimizer.cost.experts.expert_tensor_degree`), which hold the e_t-gathered
+    dispatched tokens (module docstring, "Expert tensor parallelism")."""
     s, b, h, a = model.seq_length, model.micro_batch_size, model.hidden_size, model.num_attention_heads
     t = tensor_parallel
     c = context_parallel
     scale = model.dtype_bytes / 2
     tokens = s * b / c
     attention_stored, attention_retained, attention_kept = _attention_widths(model)
-    mlp_stored, mlp_retained, mlp_kept = _mlp_widths(model, moe)
+    mlp_stored, mlp_retained, mlp_kept = _mlp_widths(model, moe, expert_tensor_parallel)
     split = (attention_stored + mlp_stored) * tokens  # Q, K, V, projection input, FFN inner activations
     whole = 10 * h * tokens  # norm inputs 4h, attention/MLP inputs 4h, dropout masks 2h
     if model.attention == "eager":

@@ -44,7 +44,7 @@ from pipesched.optimizer.accelerators import accelerator_names, get_accelerator
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.collectives import all_reduce_ms, tensor_parallel_layer_ms
 from pipesched.optimizer.cost.context import pytorch_attention_speed, ring_attention
-from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
+from pipesched.optimizer.cost.experts import expert_groups, expert_tensor_degree, expert_traffic
 from pipesched.optimizer.cost.flops import (
     PassFlops,
     embedding_parameters,
@@ -594,7 +594,8 @@ def transformer_layer(
     c = _cp(context_parallel)
     ep, _ = _ep(expert_parallel)
     flops = layer_flops(model, t, moe=moe, context_parallel=c)
-    memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c)
+    e_t = expert_tensor_degree(t, ep, _etp(expert_parallel)) if moe and model.is_moe else 1
+    memory = layer_activation(model, t, sequence_parallel, moe=moe, context_parallel=c, expert_tensor_parallel=e_t)
     software, mode = hardware.software, model.kernels
     traffic = software.elementwise_traffic[mode]
     gemm = _layer_gemm(model, hardware, t, c, ep, moe, _etp(expert_parallel))

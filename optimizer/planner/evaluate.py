@@ -157,6 +157,7 @@ def launch_spec(estimator: Estimator, config: Configuration, layers_per_stage: l
         gpus_per_node=estimator.cluster.gpus_per_node,
         global_batch_size=estimator.global_batch_size,
         sequence_parallel=estimator.sequence_parallel,
+        async_tensor_parallel=estimator.async_tensor_parallel,
         layout=config,
         layers_per_stage=tuple(layers_per_stage) if layers_per_stage else None,
     )

@@ -65,19 +65,22 @@ class LaunchError(ValueError):
 @dataclass(frozen=True)
 class TorchtitanConfig:
     """A torchtitan 0.3 config function: ``--module``, ``--config``, the model flavor its ``model_registry``
-    takes, and the precision the function sets (``llama3_405b`` converts its linear layers to Float8)."""
+    takes, the precision the function sets (``llama3_405b`` converts its linear layers to Float8) and whether it
+    compiles the model (``llama3_405b``: ``CompileConfig(enable=True, enable_async_tensor_parallel=True)``, which
+    the launch turns off for a plan predicted eager)."""
 
     module: str
     config: str
     flavor: str | None = None
     precision: str = "bf16"
+    compiles: bool = False
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B"),
     "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B"),
-    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8"),
+    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8", compiles=True),
     "deepseek-v3": TorchtitanConfig("deepseek_v3", "deepseek_v3_671b"),
     "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b"),
 }
@@ -106,7 +109,9 @@ class LaunchSpec:
     ``layers_per_stage`` is the transformer-layer partition the plan's schedule was simulated with (stage 0
     also holds the embedding, the last stage the norm and output head); ``None`` leaves the split to the
     framework. Context and expert parallelism and the precision are read from the layout by their plan names
-    (1, 1 and bf16 where the planner does not search them).
+    (1, 1 and bf16 where the planner does not search them). ``async_tensor_parallel``: the request's
+    ``training.async_tensor_parallel``, which the launch switches on with tensor parallelism (torchtitan's AsyncTP
+    under ``--compile.enable``, where it runs; Megatron-LM's ``--tp-comm-overlap`` with sequence parallelism).
     """
 
     model: ModelConfig
@@ -116,6 +121,7 @@ class LaunchSpec:
     layout: Configuration
     sequence_parallel: bool = True
     layers_per_stage: tuple[int, ...] | None = field(default=None)
+    async_tensor_parallel: bool = False
 
     @property
     def context_parallel(self) -> int:
@@ -235,6 +241,7 @@ def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
     if layout.tensor_parallel > 1 and not spec.sequence_parallel:
         args.append("--parallelism.no_enable_sequence_parallel")
     args += ["--parallelism.context_parallel_degree", str(spec.context_parallel)]
+    _torchtitan_expert_mesh(spec, shard)
     args += ["--parallelism.expert_parallel_degree", str(spec.expert_parallel)]
     args += ["--parallelism.pipeline_parallel_degree", str(layout.pipeline_parallel)]
     if layout.pipeline_parallel == 1:
@@ -258,6 +265,23 @@ def _parallelism_args(spec: LaunchSpec, csv_path: str) -> list[str]:
         args.append("--parallelism.module_fqns_per_model_part")
         args += [",".join(names) for names in module_fqns_per_stage(spec.layers_per_stage)]
     return args
+
+
+def _torchtitan_expert_mesh(spec: LaunchSpec, shard: int) -> None:
+    """torchtitan 0.3 takes the expert-parallel ranks from its FSDP × CP × TP ranks (``ParallelDims.build_mesh``:
+    ``efsdp = dp_shard · cp · tp / ep``), never from DDP replicas, so ep must divide ``shard · cp · tp``.
+
+    Raises:
+        LaunchError: it does not (a plan with replicated weights, ``sharding`` none, and ep above cp · tp).
+    """
+    ranks = shard * spec.context_parallel * spec.layout.tensor_parallel
+    if ranks % spec.expert_parallel:
+        raise LaunchError(
+            f"expert_parallel {spec.expert_parallel} does not divide torchtitan's FSDP × context × tensor-parallel "
+            f"ranks ({ranks} here: sharding {spec.layout.sharding!r} shards over {shard}), which its expert "
+            "parallelism spreads over, never over DDP replicas: choose a plan with sharding optimizer, gradients or "
+            "full (--plan N), plan again without sharding none in search.sharding, or --target megatron"
+        )
 
 
 def torchtitan_compiles(spec: LaunchSpec) -> bool:
@@ -302,10 +326,16 @@ def torchtitan_launch(
         "--training.seq_len",
         str(spec.model.seq_length),
     ]
-    if spec.layout.pipeline_parallel > 1:
-        args.append("--training.disable_cuda_graphs")  # torchtitan 0.3 refuses CUDA graphs under PP
+    if spec.layout.pipeline_parallel > 1 or spec.expert_parallel > 1:
+        # torchtitan 0.3 refuses CUDA graphs under PP, and under EP with its default all-to-all token dispatcher
+        # (a host sync: trainer.py, Config._validate_cuda_graphs)
+        args.append("--training.disable_cuda_graphs")
     if torchtitan_compiles(spec):
         args.append("--compile.enable")
+        if spec.async_tensor_parallel and spec.layout.tensor_parallel > 1:  # AsyncTP runs in compiled regions only
+            args.append("--compile.enable_async_tensor_parallel")
+    elif known.compiles:  # the config function compiles (and its async TP needs the compiled model): run eager
+        args += ["--compile.no_enable", "--compile.no_enable_async_tensor_parallel"]
     args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")
     return TorchtitanLaunch(args=args, config_source=source)
 
@@ -334,7 +364,51 @@ def _megatron_model_args(model: ModelConfig) -> list[str]:
         args.append("--untie-embeddings-and-output-weights")
     if not model.bias:
         args.append("--disable-bias-linear")
-    return args
+    return args + _megatron_attention_args(model) + _megatron_expert_args(model)
+
+
+def _megatron_attention_args(model: ModelConfig) -> list[str]:
+    """Per-head sizes Megatron-LM would otherwise take as h / a: multi-head latent attention's ranks and head
+    sizes (``--multi-latent-attention``), or ``--kv-channels`` where ``head_dim`` is not h / a (Qwen3: 128)."""
+    if model.is_mla:
+        args = ["--multi-latent-attention"]
+        if model.q_lora_rank is not None:
+            args += ["--q-lora-rank", str(model.q_lora_rank)]
+        args += ["--kv-lora-rank", str(model.kv_lora_rank)]
+        for option, value in (
+            ("--qk-head-dim", model.qk_nope_head_dim),
+            ("--qk-pos-emb-head-dim", model.qk_rope_head_dim),
+            ("--v-head-dim", model.v_head_dim),
+        ):
+            if value is not None:
+                args += [option, str(value)]
+        return args
+    if model.head_size != model.hidden_size // model.num_attention_heads:
+        return ["--kv-channels", str(model.head_size)]
+    return []
+
+
+def _megatron_expert_args(model: ModelConfig) -> list[str]:
+    """A mixture-of-experts model's routed experts (``--num-experts``, ``--moe-router-topk``,
+    ``--moe-ffn-hidden-size``), shared experts (``--moe-shared-expert-intermediate-size``: their summed width), dense
+    first layers (``--moe-layer-freq``) and the all-to-all token dispatcher the plan was timed with (Megatron-LM's
+    default is ``allgather``); nothing for a dense model."""
+    if not model.is_moe:
+        return []
+    args = [
+        "--num-experts",
+        str(model.num_experts),
+        "--moe-router-topk",
+        str(model.num_experts_per_token),
+        "--moe-ffn-hidden-size",
+        str(model.expert_ffn_size),
+    ]
+    if model.num_shared_experts:
+        args += ["--moe-shared-expert-intermediate-size", str(model.num_shared_experts * model.expert_ffn_size)]
+    if model.first_dense_layers:
+        dense, sparse = model.first_dense_layers, model.num_layers - model.first_dense_layers
+        args += ["--moe-layer-freq", f"([0]*{dense}+[1]*{sparse})"]
+    return [*args, "--moe-token-dispatcher-type", "alltoall"]
 
 
 def _megatron_pipeline_args(spec: LaunchSpec) -> list[str]:
@@ -379,6 +453,8 @@ def megatron_args(spec: LaunchSpec) -> list[str]:
     args += ["--tensor-model-parallel-size", str(spec.layout.tensor_parallel)]
     if spec.layout.tensor_parallel > 1 and spec.sequence_parallel:
         args.append("--sequence-parallel")
+        if spec.async_tensor_parallel:  # Transformer Engine's userbuffers overlap (needs sequence parallelism)
+            args.append("--tp-comm-overlap")
     args += ["--pipeline-model-parallel-size", str(spec.layout.pipeline_parallel), *_megatron_pipeline_args(spec)]
     if spec.context_parallel > 1:
         args += ["--context-parallel-size", str(spec.context_parallel)]

@@ -316,13 +316,15 @@ def _no_room_error(request: PlanRequest, memory_bytes: float, headroom: float) -
 
 
 def estimator_for(request: PlanRequest) -> Estimator:
-    """The estimator of ``request``: its model, cluster and global batch (what ``prepare`` and a plan's launch
-    files rebuild the plan's problem with)."""
+    """The estimator of ``request``: its model, cluster and global batch, sequence parallelism, tensor-parallel
+    overlap and gradient reduction's dtype (what ``prepare`` and a plan's launch files rebuild the plan's problem
+    with)."""
     return Estimator(
         _execution(request),
         request.cluster,
         request.training.global_batch_size,
         sequence_parallel=request.search.sequence_parallel,
+        async_tensor_parallel=request.training.async_tensor_parallel,
         reduce_dtype=request.training.gradient_reduce_dtype,
     )
 

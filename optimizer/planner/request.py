@@ -36,6 +36,9 @@ def _plan_method(value: str) -> str:
     return value
 
 
+#: A count a search list may name (a parallel degree, sequences, microbatches, chunks): a whole number ≥ 1.
+Degree = Annotated[int, Field(ge=1)]
+
 PlanMethod = Annotated[
     str, AfterValidator(_plan_method), WithJsonSchema({"type": "string", "enum": list(PLAN_METHODS)})
 ]
@@ -73,6 +76,14 @@ class PlanTraining(StrictModel):
         None,
         ge=1,
         description="Tokens per optimizer step, instead of global_batch_size: a multiple of model.seq_length.",
+    )
+    async_tensor_parallel: bool = Field(
+        False,
+        description="Tensor-parallel collectives overlapped with the matrix multiplies they feed (PyTorch's AsyncTP, "
+        "torchtitan --compile.enable_async_tensor_parallel; Transformer Engine's userbuffers, Megatron-LM "
+        "--tp-comm-overlap, on in NeMo's and Megatron Bridge's performance recipes at TP ≥ 4): the software profile's "
+        "async_tensor_parallel_hidden share of them hidden. false: every tensor-parallel byte exposed. Not in the "
+        "contract yet.",
     )
     gradient_reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -143,14 +154,14 @@ class PlanSearch(StrictModel):
     top: int = Field(5, ge=1, le=100, description="Plans to return, best first.")
     explain: bool = Field(False, description="List the configurations that did not fit, with the reason.")
     sequence_parallel: bool = Field(True, description="Tensor parallelism with sequence parallelism.")
-    pipeline_parallel: list[int] | None = Field(None, description="Allowed pipeline degrees.")
-    tensor_parallel: list[int] | None = Field(None, description="Allowed tensor degrees (within a node).")
-    data_parallel_size: list[int] | None = Field(None, description="Allowed data-parallel sizes.")
+    pipeline_parallel: list[Degree] | None = Field(None, description="Allowed pipeline degrees.")
+    tensor_parallel: list[Degree] | None = Field(None, description="Allowed tensor degrees (within a node).")
+    data_parallel_size: list[Degree] | None = Field(None, description="Allowed data-parallel sizes.")
     sharding: list[Sharding] | None = Field(None, description="Allowed data-parallel sharding levels.")
-    stages_per_rank: list[int] | None = Field(None, description="Allowed model chunks per pipeline rank.")
+    stages_per_rank: list[Degree] | None = Field(None, description="Allowed model chunks per pipeline rank.")
     placement: list[Literal["loop", "v", "bidirectional"]] | None = Field(None, description="Allowed placements.")
-    micro_batch_size: list[int] | None = Field(None, description="Allowed sequences per microbatch.")
-    num_microbatches: list[int] | None = Field(None, description="Allowed microbatches per step and pipeline.")
+    micro_batch_size: list[Degree] | None = Field(None, description="Allowed sequences per microbatch.")
+    num_microbatches: list[Degree] | None = Field(None, description="Allowed microbatches per step and pipeline.")
     activation_recomputation: list[Literal["none", "selective", "full"]] | None = Field(
         None, description="Allowed recomputation modes."
     )
@@ -160,17 +171,17 @@ class PlanSearch(StrictModel):
     precision: list[Literal["bf16", "fp8"]] | None = Field(
         None, description="Allowed matrix-multiply precisions; null: training.precision only."
     )
-    context_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+    context_parallel: list[Degree] | None = Field(
         None,
         description="Allowed context-parallel degrees (GPUs sharing one sequence; each > 1 splits model.seq_length "
         "into 2·c equal head-tail chunks); null: powers of two.",
     )
-    expert_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+    expert_parallel: list[Degree] | None = Field(
         None,
         description="Allowed expert-parallel degrees (mixture-of-experts models: each divides model.num_experts; "
         "a dense model takes 1 only); null: divisors of the experts.",
     )
-    expert_tensor_parallel: list[Annotated[int, Field(ge=1)]] | None = Field(
+    expert_tensor_parallel: list[Degree] | None = Field(
         None,
         description="Allowed expert tensor-parallel degrees e_t with expert_parallel > 1 (GPUs splitting one routed "
         "expert; Megatron-LM --expert-tensor-parallel-size, whose default is the tensor-parallel size); null: 1. "
@@ -274,7 +285,41 @@ def _degree_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
                 search.expert_parallel,
             )
         )
-    return errors
+    return errors + _expert_tensor_errors(model, search)
+
+
+def _expert_tensor_errors(model: ModelConfig, search: PlanSearch) -> list[FieldError]:
+    """A pinned expert tensor degree e_t the search would set aside without a word: e_t splits routed experts with
+    expert_parallel > 1 only (a dense model has none; with expert_parallel 1 the experts split like the dense FFN,
+    over tensor_parallel), and divides the experts' FFN width (``optimizer/cost/experts.py``)."""
+    pinned = search.expert_tensor_parallel or ()
+    loc = ("search", "expert_tensor_parallel")
+    if not model.is_moe and any(e_t != 1 for e_t in pinned):
+        message = (
+            "the model is dense (no model.num_experts): there are no routed experts to split, expert tensor "
+            "parallelism takes 1 only; drop the pin (search.tensor_parallel splits the FFN) or name a "
+            "mixture-of-experts model"
+        )
+        return [(loc, message, search.expert_tensor_parallel)]
+    if not model.is_moe or not pinned:
+        return []
+    if search.expert_parallel is not None and all(ep == 1 for ep in search.expert_parallel):
+        message = (
+            "expert tensor parallelism splits experts only with expert_parallel > 1, and search.expert_parallel "
+            "pins 1 (with expert_parallel 1 the experts split like the dense FFN, over tensor_parallel): allow "
+            "search.expert_parallel > 1, or drop search.expert_tensor_parallel and pin search.tensor_parallel"
+        )
+        return [(loc, message, search.expert_tensor_parallel)]
+    width = model.expert_ffn_size
+    wrong = [e_t for e_t in pinned if width % e_t]
+    if len(wrong) == len(pinned):
+        fits = [e_t for e_t in (1, 2, 4, 8, 16, 32, 64) if width % e_t == 0]
+        message = (
+            f"expert tensor degree {wrong[0]} does not divide the experts' FFN width {width:,} (each GPU holds an "
+            f"equal slice of every expert): use one of {fits}"
+        )
+        return [(loc, message, search.expert_tensor_parallel)]
+    return []
 
 
 class Launch(StrictModel):

@@ -14,10 +14,12 @@ import pytest
 
 from pipesched.optimizer.configs import ClusterConfig, ContextParallel, ExpertParallel, ModelConfig, TensorParallel
 from pipesched.optimizer.cost.experts import expert_groups, expert_traffic
-from pipesched.optimizer.cost.stages import resolve_hardware, transformer_layer
+from pipesched.optimizer.cost.memory import layer_activation
+from pipesched.optimizer.cost.stages import activation_reserve, resolve_hardware, transformer_layer
 from pipesched.optimizer.cost.timing import expert_gemms
-from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, plan_configuration
-from pipesched.optimizer.planner.rank import plan
+from pipesched.optimizer.planner.evaluate import launch_spec
+from pipesched.optimizer.planner.launch import LaunchSpec, megatron_args, plan_configuration, torchtitan_launch
+from pipesched.optimizer.planner.rank import estimator_for, plan
 from pipesched.optimizer.planner.request import PlanRequest
 from pipesched.optimizer.presets import MODEL_PRESETS
 
@@ -145,3 +147,73 @@ def test_a_plan_request_searches_e_t_and_the_megatron_launch_states_it() -> None
     at = args.index("--expert-tensor-parallel-size")
     assert args[at + 1] == "4"
     assert args[args.index("--expert-model-parallel-size") + 1] == "8"
+
+
+@pytest.mark.parametrize(
+    ("recomputation", "held", "live_in_i"),
+    [("none", 75_497_472.0, 75_497_472.0), ("selective", 75_497_472.0, 75_497_472.0), ("full", 0.0, 75_497_472.0)],
+)
+def test_a_moe_layer_holds_its_e_t_gathered_tokens(recomputation: str, held: float, live_in_i: float) -> None:
+    """The experts' input is the e_t-gathered dispatched tokens (Megatron-Core ``token_dispatcher.py``, core_v0.10.0:
+    the alltoall dispatcher all-gathers what it received over the expert-tensor group; the allgather and flex
+    dispatchers give each GPU the same e_t·R rows), saved by the first expert matrix for its backward and W. By hand,
+    bf16, per CP rank 8,192/2 = 4,096 tokens, each GPU's own 4,096/t = 1,024, k = 2 copies: R = 2,048 rows of
+    2h = 12,288 B = 25,165,824 B; e_t = 4 holds 4·R, (4 − 1)·25,165,824 = 75,497,472 B more than e_t = 1, kept for
+    W as well. Megatron's selective recipe recomputes norms and activation functions, not this input; full
+    recomputation keeps the layer input only, so the gathered tokens live in I alone (``full``). The expert
+    matrices' outputs are e_t times the rows at 1/e_t of the width: no other byte moves."""
+    model = ModelConfig.model_validate({**GROK, "activation_recomputation": recomputation})
+    whole, split = (
+        layer_activation(model, 4, moe=True, context_parallel=2, expert_tensor_parallel=e_t) for e_t in (1, 4)
+    )
+    assert split.activation - whole.activation == held
+    assert split.full - whole.full == live_in_i
+    assert split.retained - whole.retained == held
+    dense = layer_activation(model, 4, moe=False, context_parallel=2, expert_tensor_parallel=4)
+    assert dense == layer_activation(model, 4, moe=False, context_parallel=2)
+
+
+def test_the_layer_counts_the_gathered_tokens_at_its_resolved_e_t() -> None:
+    """transformer_layer passes the layout's e_t to the activation model: stated 4 with EP 8 holds 75,497,472 B
+    (previous test) more than stated or unset 1, times the allocator reserve; with EP 1 the experts are split like
+    a dense FFN over t = 4 GPUs, so each holds all four GPUs' routed rows too."""
+    model = ModelConfig.model_validate({**GROK, "kernels": "fused"})
+    hardware = resolve_hardware(CLUSTER)
+    tp, cp = TensorParallel(size=4), ContextParallel(size=2)
+
+    def held(expert: ExpertParallel | None) -> float:
+        block = transformer_layer(model, hardware, tp, CLUSTER, moe=True, context_parallel=cp, expert_parallel=expert)
+        return block.activation_bytes
+
+    reserve = held(ExpertParallel(size=8, tensor_parallel=4)) - held(ExpertParallel(size=8, tensor_parallel=1))
+    assert reserve == pytest.approx(75_497_472.0 * activation_reserve(model, hardware))
+    assert held(ExpertParallel(size=8)) == held(ExpertParallel(size=8, tensor_parallel=1))
+    assert held(None) == pytest.approx(held(ExpertParallel(size=1, tensor_parallel=4)))
+    assert held(None) - held(ExpertParallel(size=1, tensor_parallel=1)) == pytest.approx(reserve)
+
+
+def test_a_plan_that_assumes_the_tensor_parallel_overlap_launches_with_it() -> None:
+    """training.async_tensor_parallel reaches the launch: Megatron-LM gets ``--tp-comm-overlap`` beside
+    ``--sequence-parallel`` (Transformer Engine's userbuffers), torchtitan ``--parallelism.enable_async_tensor_
+    parallel`` with ``--compile.enable`` (its AsyncTP runs in compiled regions only); without the field neither."""
+
+    def request(overlap: bool) -> PlanRequest:
+        return PlanRequest.model_validate(
+            {
+                "model": {"preset": "llama3.1-8b"},
+                "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+                "training": {"global_batch_size": 32, "kernels": "compiled", "async_tensor_parallel": overlap},
+                "search": {"time_limit_s": 5, "top": 1, "tensor_parallel": [4], "pipeline_parallel": [1]},
+            }
+        )
+
+    for overlap in (True, False):
+        answer = plan(request(overlap)).answer
+        assert answer.plans, answer.error
+        spec = launch_spec(estimator_for(request(overlap)), plan_configuration(answer.plans[0]))
+        assert ("--tp-comm-overlap" in megatron_args(spec)) is overlap
+        titan = torchtitan_launch(spec).args
+        assert "--compile.enable" in titan
+        assert ("--compile.enable_async_tensor_parallel" in titan) is overlap
+        manager = pytest.importorskip("torchtitan.config.manager")  # torchtitan 0.3.0 takes the flag where it is
+        assert manager.ConfigManager().parse_args(titan).compile.enable_async_tensor_parallel is overlap
