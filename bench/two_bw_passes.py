@@ -59,18 +59,89 @@ def _schedules(problem: Any, two_version_step: Any) -> dict[str, Any]:
     }
 
 
-def _train_counting_faults(job: Any, global_rank: int, device: Any, timeout_s: float) -> tuple[Any, int]:
-    """A rank's run (:func:`~pipesched.runtime.training.train_rank`) and the minor page faults it took."""
+def _train_counting_faults(job: Any, global_rank: int, device: Any, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """A rank's run (:func:`~pipesched.runtime.training.train_rank`) and what else its job took: minor page faults,
+    the process's CPU time (all its threads, gloo's included) beside the wall time, the steal ticks of its pinned
+    core (``/proc/stat``), and Python's garbage collections (ms in total, the longest, full collections)."""
+    import gc
     import resource
 
     from pipesched.runtime.training import train_rank
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    result = train_rank(job, global_rank, device, timeout_s)
-    return result, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    pauses: list[tuple[int, float]] = []
+    started = [0.0]
+    where: list[dict[str, Any]] = []
+
+    def clock(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        ms = (time.perf_counter() - started[0]) * 1e3
+        pauses.append((info["generation"], ms))
+        if info["generation"] == 2:
+            # which of the run's functions was allocating when the full collection came (innermost first)
+            frames, frame = [], sys._getframe(1)
+            while frame is not None and len(frames) < 40:
+                frames.append(frame.f_code.co_name)
+                frame = frame.f_back
+            names = [n for n in frames if n in _WHERE]
+            where.append({"ms": round(ms, 3), "in": names[:3], "top": frames[:4]})
+
+    core = min(os.sched_getaffinity(0))
+    before = (resource.getrusage(resource.RUSAGE_SELF), _steal_ms(core), time.perf_counter())
+    gc.callbacks.append(clock)
+    try:
+        result = train_rank(job, global_rank, device, timeout_s)
+    finally:
+        gc.callbacks.remove(clock)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    counters = {
+        "faults": after.ru_minflt - before[0].ru_minflt,
+        "wall_ms": round((time.perf_counter() - before[2]) * 1e3, 1),
+        "cpu_ms": round((after.ru_utime + after.ru_stime - before[0].ru_utime - before[0].ru_stime) * 1e3, 1),
+        "steal_ms": round(_steal_ms(core) - before[1], 1),
+        "core": core,
+        "gc_ms": round(sum(ms for _, ms in pauses), 3),
+        "gc_max_ms": round(max((ms for _, ms in pauses), default=0.0), 3),
+        "gc_full": sum(1 for generation, _ in pauses if generation == 2),
+        "gc_full_where": where,
+    }
+    return result, counters
 
 
-def _launch(cases: list[tuple[str, Any]], steps: int) -> list[list[tuple[Any, int]]]:
+#: Functions of the run that tell where a full collection came: setup, a step, a pass or the update.
+_WHERE = {
+    "train_rank",
+    "run_step",
+    "run_steady",
+    "_run_action",
+    "_compute",
+    "forward",
+    "backward",
+    "step",
+    "build_stage",
+    "load_model",
+    "__init__",
+    "compile",
+    "run",
+    "_run_steady",
+    "_forward",
+    "_backward_input",
+    "_backward_weight",
+    "_communicate",
+    "drain",
+}
+
+
+def _steal_ms(core: int) -> float:
+    """Steal time of ``core`` since boot, ms (``/proc/stat``'s eighth column, USER_HZ ticks)."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{core} "):
+            return int(line.split()[8]) * 1e3 / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+def _launch(cases: list[tuple[str, Any]], steps: int) -> list[list[tuple[Any, dict[str, Any]]]]:
     """Every case one job of one launch; each job's raw per-rank results and page faults."""
     from pipesched.runtime.launch import launch_jobs, plan_runs
     from pipesched.runtime.options import TrainingOptions
@@ -136,7 +207,8 @@ def measure(args: argparse.Namespace) -> None:
                 "job": index,
                 "case": name,
                 "malloc": os.environ.get("PIPESCHED_MALLOC", "keep"),
-                "minor_faults": [faults for _, faults in counted],
+                "minor_faults": [counters["faults"] for _, counters in counted],
+                "counters": [counters for _, counters in counted],
                 "predicted_ms": schedules[name].step_period if name == "2bw" else schedules[name].step_time,
                 "step_ms": [max(r.steps[k].time_ms for r in results) for k in range(args.steps)],
                 "passes": _passes(results, m, name == "2bw"),

@@ -149,6 +149,24 @@ _KEEP_FREED_MEMORY = {
 }
 
 
+#: What the rank processes' Python garbage collector does between jobs (``PIPESCHED_GC``): ``freeze`` (default)
+#: collects once and moves every object alive before each job (torch's, the launcher's: some 10⁵–10⁶ objects) to
+#: the permanent generation (``gc.freeze``), so that a full collection inside the job walks only the job's own
+#: objects; ``python`` leaves CPython's collector as it is. Under ``python`` a full collection took 110 ms in a
+#: gpt-small rank and fell, by allocation counts, inside a pass at the same place of the same job of every launch
+#: (1F1B's rank-1 step-2 I pass at 158–197 ms against 30 ms; bench/results/pass_drift.md).
+GC_SETTINGS = ("freeze", "python")
+
+
+def gc_setting() -> str:
+    """``PIPESCHED_GC`` (:data:`GC_SETTINGS`), default ``freeze``.
+
+    Raises:
+        ScheduleError: another value (the variable and its choices named).
+    """
+    return _environment_choice("PIPESCHED_GC", GC_SETTINGS)
+
+
 def malloc_setting() -> str:
     """``PIPESCHED_MALLOC`` (:data:`MALLOC_SETTINGS`), default ``keep``.
 
@@ -203,12 +221,16 @@ def _worker(
     pin: bool = True,
     replicas: int = 1,
     malloc: str = "keep",
+    collector: str = "freeze",
 ) -> list[list[Any]] | None:
     """One process (started by the elastic agent, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*): every job
     in turn (``entry(job, global_rank, device, timeout_s)``: a run's :func:`~pipesched.runtime.training.train_rank`,
     a profile's rank); process 0 gathers every process's result of each job. One intra-op thread per process,
     pinned to a core (``pin``; ``replicas``: the data-parallel size, :func:`pinned_core`), its heap keeping what it
-    frees unless ``malloc`` (``PIPESCHED_MALLOC`` as the launcher read it) says ``glibc`` (:data:`MALLOC_SETTINGS`)."""
+    frees unless ``malloc`` (``PIPESCHED_MALLOC`` as the launcher read it) says ``glibc`` (:data:`MALLOC_SETTINGS`),
+    its collector's objects frozen before each job unless ``collector`` says ``python`` (:data:`GC_SETTINGS`)."""
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -231,6 +253,9 @@ def _worker(
         )
         results = []
         for job in jobs:
+            if collector == "freeze":
+                gc.collect()
+                gc.freeze()
             result = entry(job, rank, device, timeout_s)
             gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
             dist.gather_object(result, gathered, dst=0)
@@ -542,11 +567,12 @@ def launch_jobs(
     module-level function) for every job (each with a ``workdir`` every process sees); node 0 gets, per job, every
     process's result. ``pin``: each process on one core (gloo; :func:`pinned_core`, ``replicas`` the data-parallel
     size D of the processes numbered ``pp · D + dp``). Each process's heap keeps what it frees
-    (``PIPESCHED_MALLOC``, :data:`MALLOC_SETTINGS`).
+    (``PIPESCHED_MALLOC``, :data:`MALLOC_SETTINGS`); its Python objects are frozen before each job
+    (``PIPESCHED_GC``, :data:`GC_SETTINGS`).
 
     Raises:
-        ScheduleError: the process count does not divide into the nodes; ``PIPESCHED_MALLOC`` or
-            ``PIPESCHED_START_METHOD`` not one of its choices.
+        ScheduleError: the process count does not divide into the nodes; ``PIPESCHED_MALLOC``,
+            ``PIPESCHED_START_METHOD`` or ``PIPESCHED_GC`` not one of its choices.
         RunFailed: a process failed or was stopped (its reason and rank named).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -564,6 +590,7 @@ def launch_jobs(
     _check_gpus(backend, nproc)
     method = start_method()
     malloc = malloc_setting()
+    collector = gc_setting()
     error_dir = Path(jobs[0].workdir, "errors")
     error_dir.mkdir()
     config = LaunchConfig(
@@ -583,7 +610,7 @@ def launch_jobs(
     )
     try:
         returned = elastic_launch(config, _worker)(
-            entry, jobs, backend, timeout_s, str(error_dir), pin, replicas, malloc
+            entry, jobs, backend, timeout_s, str(error_dir), pin, replicas, malloc, collector
         )
     except SignalException as error:
         raise _interrupted(error.sigval) from None
