@@ -334,6 +334,8 @@ def torchtitan_launch(
         args.append("--compile.enable")
         if spec.async_tensor_parallel and spec.layout.tensor_parallel > 1:  # AsyncTP runs in compiled regions only
             args.append("--compile.enable_async_tensor_parallel")
+        elif known.compiles:  # the config function turns AsyncTP on; the plan was timed without it
+            args.append("--compile.no_enable_async_tensor_parallel")
     elif known.compiles:  # the config function compiles (and its async TP needs the compiled model): run eager
         args += ["--compile.no_enable", "--compile.no_enable_async_tensor_parallel"]
     args.append(f"{ACTIVATION_CHECKPOINT_PREFIX}{spec.layout.activation_recomputation}")

@@ -5,6 +5,7 @@ with SQLite), and a cancelled search's plans. Each test failed before its fix (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -256,6 +257,29 @@ def test_a_405b_plan_predicted_eager_runs_eager(llama_405b_eager: tuple[Path, li
     folder, args = llama_405b_eager
     config = parse_with_torchtitan(args, folder)
     assert not config.compile.enable and not config.compile.enable_async_tensor_parallel
+
+
+def test_a_compiled_405b_plan_runs_async_tp_only_when_its_prediction_did(tmp_path: Path) -> None:
+    """llama3_405b turns AsyncTP on with compilation; a compiled plan timed without the overlap launches without
+    it, one timed with it (training.async_tensor_parallel) keeps it."""
+    config = layout(
+        pipeline_parallel=16,
+        tensor_parallel=8,
+        context_parallel=2,
+        sharding="full",
+        micro_batch_size=1,
+        num_microbatches=32,
+        activation_recomputation="none",
+    )
+    compiled = launch_spec("llama3.1-405b", 128, 128, config, kernels="compiled")
+    for overlap in (False, True):
+        launched = torchtitan_launch(dataclasses.replace(compiled, async_tensor_parallel=overlap))
+        folder = tmp_path / str(overlap)
+        folder.mkdir()
+        if launched.config_source is not None:
+            (folder / "pipesched_torchtitan.py").write_text(launched.config_source)
+        parsed = parse_with_torchtitan(launched.args, folder)
+        assert parsed.compile.enable and parsed.compile.enable_async_tensor_parallel is overlap
 
 
 def test_an_empty_calibration_file_says_it_is_empty_and_what_it_holds(tmp_path: Path) -> None:
