@@ -236,6 +236,13 @@ def _target_files(spec: LaunchSpec, options: LaunchOptions) -> tuple[dict[str, s
             "(e_t 1), so its step and memory are not this plan's; plan with search.expert_tensor_parallel [1] for "
             "torchtitan, or --target megatron (--expert-tensor-parallel-size)"
         )
+    if spec.async_tensor_parallel and spec.layout.tensor_parallel > 1 and "--compile.enable" not in launch.args:
+        notes.append(
+            "the plan assumes the tensor-parallel overlap (training.async_tensor_parallel), which torchtitan 0.3 runs "
+            "only under --compile.enable; this plan runs eager, so its tensor-parallel collectives are exposed and "
+            "its step is slower than predicted: plan with training.kernels compiled for torchtitan, or "
+            "--target megatron (--tp-comm-overlap)"
+        )
     return files, launch.args, ["-m", "torchtitan.train"], notes
 
 

@@ -217,3 +217,23 @@ def test_a_plan_that_assumes_the_tensor_parallel_overlap_launches_with_it() -> N
         assert ("--compile.enable_async_tensor_parallel" in titan) is overlap
         manager = pytest.importorskip("torchtitan.config.manager")  # torchtitan 0.3.0 takes the flag where it is
         assert manager.ConfigManager().parse_args(titan).compile.enable_async_tensor_parallel is overlap
+
+
+def test_an_eager_torchtitan_launch_of_an_overlapped_plan_says_it_runs_without_the_overlap() -> None:
+    """torchtitan runs AsyncTP only compiled: an eager plan that assumed the overlap launches without it, and the
+    bundle's notes say its step is slower than predicted; a compiled one launches with it and says nothing."""
+    from pipesched.api.launch.bundle import LaunchOptions, build_bundle
+
+    for kernels, warned in (("eager", True), ("compiled", False)):
+        body = {
+            "model": {"preset": "llama3.1-8b"},
+            "cluster": {"accelerator": "H100-SXM", "num_nodes": 1, "gpus_per_node": 8},
+            "training": {"global_batch_size": 32, "kernels": kernels, "async_tensor_parallel": True},
+            "search": {"time_limit_s": 5, "top": 1, "tensor_parallel": [4], "pipeline_parallel": [1]},
+        }
+        answer = plan(PlanRequest.model_validate(body)).answer
+        assert answer.plans and answer.request is not None, answer.error
+        bundle = build_bundle(answer.request, answer.plans[0], 1, None, LaunchOptions(scheduler="torchrun"))
+        args = bundle.files["torchtitan.args"]
+        assert ("--compile.enable_async_tensor_parallel" in args) is not warned
+        assert any("runs only under --compile.enable" in note for note in bundle.notes) is warned
