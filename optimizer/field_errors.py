@@ -88,6 +88,8 @@ def _shown(value: Any) -> str:
     """A bound or an input as a user reads it: 100,000, 1e+30, inf."""
     if not isinstance(value, int | float):
         return str(value)
+    if isinstance(value, int) and abs(value) >= 10**15:  # too large a whole number for a float, possibly
+        return f"{'-' if value < 0 else ''}{str(abs(value))[0]}e+{len(str(abs(value))) - 1}"
     if math.isfinite(value) and float(value).is_integer() and abs(value) < 1e15:
         return f"{int(value):,}"
     return f"{value:g}"

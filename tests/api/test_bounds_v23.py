@@ -35,6 +35,7 @@ ABSURD: list[tuple[tuple[str | int, ...], Any, str]] = [
     (("model", "num_layers"), 1e30, "greater than or equal to 1 and at most 100,000"),
     (("model", "hidden_size"), 1e300, "at most 1,048,576"),
     (("model", "seq_length"), math.inf, "at most 16,777,216"),
+    (("model", "vocab_size"), 10**400, "at most 16,777,216"),  # too large for a float: shown as 1e+400
     (("model", "num_key_value_heads"), 10**40, "at most 65,536"),
     (("model", "moe_load_imbalance"), math.nan, "greater than or equal to 1 and at most 64"),
     (("cluster", "num_nodes"), 1e30, "at most 100,000"),
