@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
@@ -32,6 +32,11 @@ FrameworkName = Annotated[
     str, AfterValidator(framework_name), WithJsonSchema({"type": "string", "enum": framework_names()})
 ]
 
+#: A per-head size of multi-head latent attention, as ``head_dim``: 1 to 2¹⁶.
+HeadSize = Annotated[int, Field(ge=1, le=65_536)]
+#: A compression rank of multi-head latent attention, below ``hidden_size``'s bound: 1 to 2²⁰.
+LoraRank = Annotated[int, Field(ge=1, le=1_048_576)]
+
 
 class ModelConfig(NumbersModel):
     """A decoder-only transformer (Zero Bubble paper, Table 1 notation: h, a, s, b, L, V).
@@ -49,6 +54,29 @@ class ModelConfig(NumbersModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    BOUND_REASONS: ClassVar[dict[str, str]] = {
+        "num_layers": "100,000 layers, 794 times Llama 3.1 405B's 126",
+        "hidden_size": "2²⁰, 64 times Llama 3.1 405B's 16,384",
+        "num_attention_heads": "2¹⁶, 512 times Llama 3.1 405B's 128",
+        "num_key_value_heads": "as num_attention_heads, which they divide",
+        "seq_length": "2²⁴ tokens, 128 times Llama 3.1's 131,072-token context",
+        "vocab_size": "2²⁴, 131 times Llama 3's 128,256",
+        "micro_batch_size": "2²⁰ sequences a microbatch, past any GPU's memory at any length",
+        "ffn_hidden_size": "2²⁴, 315 times Llama 3.1 405B's 53,248",
+        "moe_ffn_hidden_size": "as ffn_hidden_size",
+        "head_dim": "2¹⁶, 256 times the largest in use (256)",
+        "num_experts": "2¹⁶, 256 times DeepSeek-V3's 256",
+        "num_experts_per_token": "1,024, 128 times DeepSeek-V3's top-8",
+        "num_shared_experts": "1,024 shared experts (DeepSeek-V3 has 1)",
+        "first_dense_layers": "as num_layers, which bounds it",
+        "q_lora_rank": "as hidden_size, which a compression rank stays below",
+        "kv_lora_rank": "as hidden_size, which a compression rank stays below",
+        "qk_nope_head_dim": "as head_dim",
+        "qk_rope_head_dim": "as head_dim",
+        "v_head_dim": "as head_dim",
+        "moe_load_imbalance": "1 is balanced; 64 sends the busiest rank 64 times its share, past any learned router",
+    }
+
     preset: str | None = Field(
         None, description='Catalogue name filling the other fields, e.g. "llama3.1-8b"; fields beside it override.'
     )
@@ -63,7 +91,7 @@ class ModelConfig(NumbersModel):
         None, ge=1, le=16_777_216, description="FFN inner size (the MLP's hidden width); null for 4h."
     )
     num_key_value_heads: int | None = Field(
-        None, ge=1, description="Key/value heads (grouped-query attention); null for num_attention_heads."
+        None, ge=1, le=65_536, description="Key/value heads (grouped-query attention); null for num_attention_heads."
     )
     ffn_type: Literal["gelu", "swiglu"] = Field(
         "gelu", description='"gelu": two FFN matrices h×f; "swiglu": three (gate, up, down).'
@@ -87,7 +115,10 @@ class ModelConfig(NumbersModel):
         0, ge=0, le=1024, description="Experts every token passes through besides its routed ones (DeepSeek)."
     )
     first_dense_layers: int = Field(
-        0, ge=0, description="Leading layers with a dense FFN of ffn_hidden_size instead of experts (DeepSeek-V3: 3)."
+        0,
+        ge=0,
+        le=100_000,
+        description="Leading layers with a dense FFN of ffn_hidden_size instead of experts (DeepSeek-V3: 3).",
     )
     moe_load_imbalance: float = Field(
         1.0,
@@ -96,22 +127,21 @@ class ModelConfig(NumbersModel):
         description="Tokens the busiest expert-parallel rank receives over the mean (1: balanced, as the "
         "force-balanced NeMo and Megatron benchmarks; learned routers run about 1.1-1.3).",
     )
-    q_lora_rank: int | None = Field(
-        None, ge=1, description="Multi-head latent attention: rank of the query compression; null for none."
+    q_lora_rank: LoraRank | None = Field(
+        None, description="Multi-head latent attention: rank of the query compression; null for none."
     )
-    kv_lora_rank: int | None = Field(
+    kv_lora_rank: LoraRank | None = Field(
         None,
-        ge=1,
         description="Multi-head latent attention (DeepSeek-V2/V3): rank of the joint key/value compression; null "
         "for standard (grouped-query) attention.",
     )
-    qk_nope_head_dim: int | None = Field(
-        None, ge=1, description="Multi-head latent attention: per-head query/key size without rotary embedding."
+    qk_nope_head_dim: HeadSize | None = Field(
+        None, description="Multi-head latent attention: per-head query/key size without rotary embedding."
     )
-    qk_rope_head_dim: int | None = Field(
-        None, ge=1, description="Multi-head latent attention: per-head query/key size carrying rotary embedding."
+    qk_rope_head_dim: HeadSize | None = Field(
+        None, description="Multi-head latent attention: per-head query/key size carrying rotary embedding."
     )
-    v_head_dim: int | None = Field(None, ge=1, description="Multi-head latent attention: per-head value size.")
+    v_head_dim: HeadSize | None = Field(None, description="Multi-head latent attention: per-head value size.")
     attention: Literal["flash", "eager"] = Field(
         "eager",
         description='"eager" stores the a·s² softmax scores and dropout mask; "flash" (FlashAttention) stores '
@@ -347,6 +377,9 @@ MIN_FLOPS_PER_S = 1e9
 MIN_EFFICIENCY = 1e-3
 #: The largest memory, peak and bandwidth a cluster may name (1e30): beyond, sums overflow to inf.
 MAX_HARDWARE_VALUE = 1e30
+#: The largest link latency a cluster may name, ms (1 s per message; NVLink and InfiniBand take 0.001-0.01 ms):
+#: unbounded, inf made every step infinite.
+MAX_LATENCY_MS = 1000.0
 
 
 class ClusterConfig(NumbersModel):
@@ -357,6 +390,21 @@ class ClusterConfig(NumbersModel):
     """
 
     model_config = ConfigDict(extra="forbid")
+
+    BOUND_REASONS: ClassVar[dict[str, str]] = {
+        "memory_bytes": "bytes; an H100 has 8.6e10, and beyond 1e30 the sums overflow",
+        "memory_headroom_bytes": "bytes kept free; beyond 1e30 the sums overflow",
+        "memory_bandwidth_bytes_per_s": "B/s; an H100 has 3.35e12, below 1 MB/s a step's time overflows",
+        "p2p_bandwidth_bytes_per_s": "B/s; below 1 MB/s a transfer's time overflows the estimates",
+        "intra_node_bandwidth_bytes_per_s": "B/s; NVLink is 4.5e11, below 1 MB/s a collective's time overflows",
+        "inter_node_bandwidth_bytes_per_s": "B/s; a 400 Gb/s NIC is 5e10, below 1 MB/s a collective's time overflows",
+        "p2p_latency_ms": "ms; links take 0.001-0.01 ms, 1 s a message is no link",
+        "collective_latency_ms": "ms; links take 0.001-0.01 ms, 1 s a ring step is no link",
+        "num_nodes": "100,000 hosts, 48 times Llama 3.1 405B's 2,048 (16,384 GPUs)",
+        "gpus_per_node": "1,024 accelerators a host (a GB200 NVL72 NVLink domain has 72)",
+        "efficiency": "a fraction of the peak",
+        "attention_efficiency": "a fraction of the peak",
+    }
 
     @model_validator(mode="before")
     @classmethod
@@ -408,10 +456,11 @@ class ClusterConfig(NumbersModel):
     p2p_bandwidth_bytes_per_s: float = Field(
         50e9, ge=MIN_LINK_BYTES_PER_S, le=MAX_HARDWARE_VALUE, description="Link bandwidth between ranks, B/s."
     )
-    p2p_latency_ms: float = Field(0.01, ge=0, description="Link latency per transfer, ms.")
+    p2p_latency_ms: float = Field(0.01, ge=0, le=MAX_LATENCY_MS, description="Link latency per transfer, ms.")
     memory_headroom_bytes: float | None = Field(
         None,
         ge=0,
+        le=MAX_HARDWARE_VALUE,
         description="Bytes kept free per GPU (CUDA context, NCCL buffers, allocator fragmentation); null: the "
         "profile's default (5% of the memory + 1 GiB for calibrated accelerators, 2 GiB otherwise).",
     )
@@ -431,7 +480,9 @@ class ClusterConfig(NumbersModel):
         le=MAX_HARDWARE_VALUE,
         description="Per-GPU bandwidth between hosts (a 400 Gb/s NIC per GPU: 50e9), B/s.",
     )
-    collective_latency_ms: float = Field(0.01, ge=0, description="Latency of one ring step of a collective, ms.")
+    collective_latency_ms: float = Field(
+        0.01, ge=0, le=MAX_LATENCY_MS, description="Latency of one ring step of a collective, ms."
+    )
 
     @field_validator("flops_per_s")
     @classmethod

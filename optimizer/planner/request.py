@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, model_validator
 
@@ -36,8 +36,14 @@ def _plan_method(value: str) -> str:
     return value
 
 
+#: The most sequences a global batch may hold, and so the largest count a search list may name: no parallel degree
+#: or count of a plan exceeds the global batch (a data-parallel replica takes a sequence at least, a pipeline
+#: stage a layer, ≤ 100,000).
+MAX_GLOBAL_BATCH = 10_000_000
 #: A count a search list may name (a parallel degree, sequences, microbatches, chunks): a whole number ≥ 1.
-Degree = Annotated[int, Field(ge=1)]
+Degree = Annotated[int, Field(ge=1, le=MAX_GLOBAL_BATCH)]
+#: Why a search list's items end at :data:`MAX_GLOBAL_BATCH`, said when one is beyond it.
+_COUNT_REASON = "no degree or count of a plan exceeds the global batch's 10⁷ sequences"
 
 PlanMethod = Annotated[
     str, AfterValidator(_plan_method), WithJsonSchema({"type": "string", "enum": list(PLAN_METHODS)})
@@ -48,8 +54,13 @@ class PlanTraining(StrictModel):
     """What the job fixes: the global batch (in sequences or in tokens), the precision of the matrix multiplies,
     how kernels run."""
 
+    BOUND_REASONS: ClassVar[dict[str, str]] = {
+        "global_batch_size": "10⁷ sequences, about 5,000 times Llama 3.1 405B's 2,048 (16M tokens of 8,192)",
+        "global_batch_tokens": "10⁷ sequences of model.seq_length's largest, 2²⁴ tokens",
+    }
+
     global_batch_size: int = Field(
-        ge=1, le=10_000_000, description="Sequences of model.seq_length tokens per optimizer step."
+        ge=1, le=MAX_GLOBAL_BATCH, description="Sequences of model.seq_length tokens per optimizer step."
     )
     precision: Literal["bf16", "fp8"] | None = Field(
         None,
@@ -75,6 +86,7 @@ class PlanTraining(StrictModel):
     global_batch_tokens: int | None = Field(
         None,
         ge=1,
+        le=MAX_GLOBAL_BATCH * 2**24,
         description="Tokens per optimizer step, instead of global_batch_size: a multiple of model.seq_length.",
     )
     async_tensor_parallel: bool = Field(
@@ -149,6 +161,25 @@ class PlanSearch(StrictModel):
 
     Each list restricts the plan field of the same name; one value pins it.
     """
+
+    BOUND_REASONS: ClassVar[dict[str, str]] = {
+        "time_limit_s": "an hour; a search's answer comes within seconds to a minute",
+        "top": "100 plans",
+        **dict.fromkeys(
+            (
+                "pipeline_parallel",
+                "tensor_parallel",
+                "data_parallel_size",
+                "stages_per_rank",
+                "micro_batch_size",
+                "num_microbatches",
+                "context_parallel",
+                "expert_parallel",
+                "expert_tensor_parallel",
+            ),
+            _COUNT_REASON,
+        ),
+    }
 
     time_limit_s: float = Field(60.0, gt=0, le=3600, description="Wall-clock bound on the whole search, s.")
     top: int = Field(5, ge=1, le=100, description="Plans to return, best first.")

@@ -60,7 +60,7 @@ CASES = [
     (
         json.dumps(MODEL_BODY).replace('"hidden_size": 1024', '"hidden_size": 1' + "0" * 400),
         ("model", "hidden_size"),
-        "1048576",
+        "at most 1,048,576",  # the range is named (V23), with thousands separators
     ),
     (json.dumps(_with(MODEL_BODY, **{"cluster.flops_per_s": 1e-300})), ("cluster", "flops_per_s"), "FLOP/s"),
     (json.dumps(_with(MODEL_BODY, **{"cluster.flops_per_s": 1.0})), ("cluster", "flops_per_s"), "FLOP/s"),
