@@ -221,12 +221,9 @@ def test_a_torchtitan_launch_of_split_experts_says_torchtitan_runs_them_whole(tm
     assert "splits each routed expert over 2 GPUs" in said and "(e_t 1)" in said
 
 
-@pytest.fixture(scope="module")
-def llama_405b_eager(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """A bf16 Llama 3.1 405B plan said to run eager (PP 16 × TP 8 × CP 2, FSDP 4 on 1,024 GPUs) launched for
-    torchtitan: its argv and the folder holding the config module written beside it."""
-    folder = tmp_path_factory.mktemp("u23-405b")
-    config = layout(
+def layout_405b() -> Configuration:
+    """Llama 3.1 405B on 1,024 GPUs: PP 16 × TP 8 × CP 2, FSDP 4, no recomputation."""
+    return layout(
         pipeline_parallel=16,
         tensor_parallel=8,
         context_parallel=2,
@@ -235,6 +232,14 @@ def llama_405b_eager(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, li
         num_microbatches=32,
         activation_recomputation="none",
     )
+
+
+@pytest.fixture(scope="module")
+def llama_405b_eager(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A bf16 Llama 3.1 405B plan said to run eager (PP 16 × TP 8 × CP 2, FSDP 4 on 1,024 GPUs) launched for
+    torchtitan: its argv and the folder holding the config module written beside it."""
+    folder = tmp_path_factory.mktemp("u23-405b")
+    config = layout_405b()
     launched = torchtitan_launch(launch_spec("llama3.1-405b", 128, 128, config, kernels="eager"))
     assert launched.config_source is not None  # torchtitan's llama3_405b trains in Float8: a bf16 wrapper
     (folder / "pipesched_torchtitan.py").write_text(launched.config_source)
@@ -262,15 +267,7 @@ def test_a_405b_plan_predicted_eager_runs_eager(llama_405b_eager: tuple[Path, li
 def test_a_compiled_405b_plan_runs_async_tp_only_when_its_prediction_did(tmp_path: Path) -> None:
     """llama3_405b turns AsyncTP on with compilation; a compiled plan timed without the overlap launches without
     it, one timed with it (training.async_tensor_parallel) keeps it."""
-    config = layout(
-        pipeline_parallel=16,
-        tensor_parallel=8,
-        context_parallel=2,
-        sharding="full",
-        micro_batch_size=1,
-        num_microbatches=32,
-        activation_recomputation="none",
-    )
+    config = layout_405b()
     compiled = launch_spec("llama3.1-405b", 128, 128, config, kernels="compiled")
     for overlap in (False, True):
         launched = torchtitan_launch(dataclasses.replace(compiled, async_tensor_parallel=overlap))
