@@ -15,8 +15,10 @@ Sources of the names:
   ``_PipelineScheduleRuntime`` loading the CSV, the stage → rank placement follows
   ``pipeline_parallel_schedule`` (V for ``ZBVZeroBubble``, loop otherwise), and
   ``module_fqns_per_model_part`` fixes the stages' layers. FP8 is a model converter (``Float8LinearConverter``)
-  set in a config function: where the preset's function has another precision than the plan, a config module
-  is written beside the args (:attr:`TorchtitanLaunch.config_source`).
+  set in a config function: where the preset's function has another precision than the plan (and the module
+  ships no Float8 function, as ``deepseek_v3_671b_float8``), or where torchtitan registers the preset's flavor
+  without a function that builds it (Qwen3 ``235B-A22B``), a config module is written beside the args
+  (:attr:`TorchtitanLaunch.config_source`).
 * Megatron-LM (``megatron/training/arguments.py`` and the dataclasses it builds arguments from,
   ``megatron/core/model_parallel_config.py``, ``megatron/core/transformer/transformer_config.py``).
 """
@@ -261,7 +263,7 @@ def _written_module(known: TorchtitanConfig, precision: str) -> tuple[str, str]:
         if precision == "fp8"
         else "None"
     )
-    assets = f"    config.hf_assets_path = {known.assets!r}\n" if known.assets else ""
+    assets = f'    config.hf_assets_path = "{known.assets}"\n' if known.assets else ""
     source = string.Template(resources.files(__package__).joinpath(CONFIG_TEMPLATE).read_text()).substitute(
         summary=summary,
         config=called,
