@@ -78,7 +78,9 @@ class TorchtitanConfig:
     flavor but no function builds it (Qwen3's ``235B-A22B``): the function of the same model family whose recipe
     (loss, data, optimizer, schedule) a written config module starts from, building ``flavor`` instead, as
     torchtitan's own variants do (``deepseek_v3_16b_hybridep``); ``config`` then names the written function and
-    ``assets`` the ``hf_assets_path`` it sets (the flavor's tokenizer and checkpoint)."""
+    ``assets`` the ``hf_assets_path`` it sets (the flavor's tokenizer and checkpoint). ``attention``: the
+    ``attn_backend`` the function's model attends with (``flex``, torchtitan's default; ``varlen`` for GPT-OSS,
+    whose context parallelism torchtitan 0.3 does not run)."""
 
     module: str
     config: str
@@ -89,6 +91,7 @@ class TorchtitanConfig:
     float8: str | None = None
     base: str | None = None
     assets: str | None = None
+    attention: str = "flex"
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
@@ -105,8 +108,8 @@ TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     "qwen3-235b-a22b": TorchtitanConfig(
         "qwen3", "qwen3_235b_a22b", "235B-A22B", base="qwen3_30b_a3b", assets="./assets/hf/Qwen3-235B-A22B"
     ),
-    "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b"),
-    "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b"),
+    "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b", attention="varlen"),
+    "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b", attention="varlen"),
 }
 
 #: torchtitan's ``pipeline_parallel_schedule`` decides the stage → rank placement of a CSV schedule
@@ -362,10 +365,18 @@ def torchtitan_launch(
     reads options after it as the subcommand's, so overrides of your own go before it.
 
     Raises:
-        LaunchError: no config function for the model, a placement torchtitan cannot run, or a precision
-            pipesched cannot write a config function for.
+        LaunchError: no config function for the model, a placement torchtitan cannot run, context parallelism
+            over the function's varlen attention, or a precision pipesched cannot write a config function for.
     """
     known = _torchtitan_config(spec, module, config)
+    if spec.context_parallel > 1 and known.attention == "varlen":
+        raise LaunchError(
+            f"torchtitan's {known.config} attends with varlen attention, whose context parallelism torchtitan 0.3 "
+            f"does not run (apply_cp_to_forward: 'Variable-length attention CP is not yet supported'); this plan has "
+            f"context_parallel {spec.context_parallel}: choose a plan with context_parallel 1 (--plan N), plan again "
+            f"with search.context_parallel [1], or name a config function of your own whose model attends with "
+            f"attn_backend 'flex' (--torchtitan-config)"
+        )
     module_name, config_name, source = _config_function(known, spec.precision)
     args = ["--module", module_name, "--config", config_name, *_parallelism_args(spec, csv_path)]
     args += [

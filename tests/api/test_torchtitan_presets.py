@@ -104,6 +104,24 @@ def test_torchtitan_builds_the_presets_model_with_the_plans_degrees(preset: str,
     assert active == pytest.approx(active_parameters(model), rel=TOLERANCE)
 
 
+@pytest.mark.parametrize("preset", sorted(TORCHTITAN_CONFIGS))
+def test_the_mapped_attention_backend_is_the_one_torchtitans_function_builds(preset: str, tmp_path: Path) -> None:
+    attention = pytest.importorskip("torchtitan.models.common.attention")
+    config, _, _ = launched(preset, tmp_path)
+    varlen = any(config.model_spec.model.traverse(attention.VarlenAttention.Config))
+    flex = any(config.model_spec.model.traverse(attention.FlexAttention.Config))
+    assert (varlen, flex) == ((True, False) if TORCHTITAN_CONFIGS[preset].attention == "varlen" else (False, True))
+
+
+def test_a_gpt_oss_plan_with_context_parallelism_is_refused_naming_the_fix() -> None:
+    """torchtitan's GPT-OSS functions attend with varlen attention, and torchtitan 0.3 raises NotImplementedError
+    wrapping it for context parallelism when the job starts: the args had been written as for any other plan."""
+    nodes, changes = LAYOUTS["gpt-oss-20b"]
+    spec = launch_spec("gpt-oss-20b", nodes, 64, layout(**{**changes, "context_parallel": 2, "expert_parallel": 2}))
+    with pytest.raises(LaunchError, match=r"varlen attention.*search.context_parallel \[1\]"):
+        torchtitan_launch(spec)
+
+
 def test_qwen3_235b_takes_the_30b_recipe_with_its_own_flavor_vocabulary_and_assets(tmp_path: Path) -> None:
     """torchtitan 0.3 registers Qwen3's 235B-A22B flavor but no function builds it: the written module starts from
     qwen3_30b_a3b (its loss sized for the same 151,936-token vocabulary) and names the 235B's assets."""
