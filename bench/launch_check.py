@@ -1,12 +1,14 @@
-"""The launch check: `pipesched launch` of the top plans of 22 plan answers, each torchtitan.args read by torchtitan.
+"""The launch check: `pipesched launch` of the top plans of 22 plan requests' answers, each torchtitan.args read by torchtitan.
 
 A new user's plan requests (every preset family on 8 to 16,384 GPUs, and six that search context parallelism,
 expert tensor parallelism and FP8), planned with ``pipesched plan --top 3``; then for each of the top plans
 ``pipesched launch --target torchtitan|megatron --scheduler slurm``. Each written ``torchtitan.args`` is parsed by
 torchtitan 0.3.0's own ``ConfigManager`` (the written config module on ``sys.path``), its degrees compared with the
 plan's and with ``ParallelDims`` (world size = the plan's GPUs; the expert mesh ``dp_shard·cp·tp/ep`` a whole number
-≥ 1), and the model its ``model_spec`` builds is built on the meta device (no memory): its parameters against the
-answer's ``parameters`` (within 3%). Each ``megatron.args`` is read for its MoE arguments.
+≥ 1), the model config takes the run's options as torchtitan's trainer gives them (``update_from_config``: tensor
+parallelism dividing the heads, ``seq_len`` within the RoPE's), and the model its ``model_spec`` builds is built on
+the meta device (no memory): its parameters against the answer's ``parameters`` (within 3%). Each
+``megatron.args`` is read for its MoE arguments.
 
 Run (under the team's heavy lock; planning takes ~10 s a request)::
 
@@ -157,6 +159,7 @@ def read_torchtitan(folder: Path, plan: dict[str, Any], gpus: int, parameters: f
     try:
         with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
             config = ConfigManager().parse_args(argv)
+            config.model_spec.model.update_from_config(config=config)  # the trainer's checks (heads, RoPE length)
             built = meta_parameters(config)
         par = config.parallelism
         dims = ParallelDims.from_config(par, gpus)

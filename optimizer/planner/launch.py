@@ -80,7 +80,8 @@ class TorchtitanConfig:
     torchtitan's own variants do (``deepseek_v3_16b_hybridep``); ``config`` then names the written function and
     ``assets`` the ``hf_assets_path`` it sets (the flavor's tokenizer and checkpoint). ``attention``: the
     ``attn_backend`` the function's model attends with (``flex``, torchtitan's default; ``varlen`` for GPT-OSS,
-    whose context parallelism torchtitan 0.3 does not run)."""
+    whose context parallelism torchtitan 0.3 does not run). ``max_seq_len``: the longest ``training.seq_len``
+    torchtitan trains the function's model at (its RoPE's ``max_seq_len``; the trainer refuses a longer one)."""
 
     module: str
     config: str
@@ -92,24 +93,37 @@ class TorchtitanConfig:
     base: str | None = None
     assets: str | None = None
     attention: str = "flex"
+    max_seq_len: int | None = None
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
 #: Mixtral has no torchtitan model; torchtitan's other functions build models no preset names (Qwen3 0.6B-32B
 #: dense, the 16B DeepSeek MoE ``deepseek_v3_16b``, Kimi, Qwen3.5, Flux).
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
-    "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B"),
-    "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B"),
-    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8", compiles=True),
+    "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B", max_seq_len=131072),
+    "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B", max_seq_len=131072),
+    "llama3.1-405b": TorchtitanConfig(
+        "llama3", "llama3_405b", "405B", precision="fp8", compiles=True, max_seq_len=131072
+    ),
     "deepseek-v3": TorchtitanConfig(
-        "deepseek_v3", "deepseek_v3_671b", "671B", compile_components=("loss",), float8="deepseek_v3_671b_float8"
+        "deepseek_v3",
+        "deepseek_v3_671b",
+        "671B",
+        compile_components=("loss",),
+        float8="deepseek_v3_671b_float8",
+        max_seq_len=16384,
     ),
-    "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b", "30B-A3B"),
+    "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b", "30B-A3B", max_seq_len=40960),
     "qwen3-235b-a22b": TorchtitanConfig(
-        "qwen3", "qwen3_235b_a22b", "235B-A22B", base="qwen3_30b_a3b", assets="./assets/hf/Qwen3-235B-A22B"
+        "qwen3",
+        "qwen3_235b_a22b",
+        "235B-A22B",
+        base="qwen3_30b_a3b",
+        assets="./assets/hf/Qwen3-235B-A22B",
+        max_seq_len=40960,
     ),
-    "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b", attention="varlen"),
-    "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b", attention="varlen"),
+    "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b", attention="varlen", max_seq_len=131072),
+    "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b", attention="varlen", max_seq_len=131072),
 }
 
 #: torchtitan's ``pipeline_parallel_schedule`` decides the stage → rank placement of a CSV schedule
@@ -369,6 +383,13 @@ def torchtitan_launch(
             over the function's varlen attention, or a precision pipesched cannot write a config function for.
     """
     known = _torchtitan_config(spec, module, config)
+    if known.max_seq_len is not None and spec.model.seq_length > known.max_seq_len:
+        raise LaunchError(
+            f"the plan trains at {spec.model.seq_length} tokens a sequence, but torchtitan builds {known.config}'s "
+            f"RoPE for at most {known.max_seq_len} and its trainer refuses a longer training.seq_len: plan again "
+            f"with model.seq_length at most {known.max_seq_len}, or name a config function of your own whose model "
+            f"is built for the length (--torchtitan-config)"
+        )
     if spec.context_parallel > 1 and known.attention == "varlen":
         raise LaunchError(
             f"torchtitan's {known.config} attends with varlen attention, whose context parallelism torchtitan 0.3 "

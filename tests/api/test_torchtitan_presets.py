@@ -10,6 +10,7 @@ and ``active_parameters`` a plan answer states for the preset (``optimizer/plann
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,8 @@ def test_torchtitan_builds_the_presets_model_with_the_plans_degrees(preset: str,
     expert_mesh = dims.dp_shard * dims.cp * dims.tp / dims.ep
     assert expert_mesh == int(expert_mesh) >= 1
     config._validate_cuda_graphs()  # torchtitan's trainer refuses CUDA graphs under PP and EP's host-syncing dispatch
+    assert config.model_spec.model.max_seq_len == TORCHTITAN_CONFIGS[preset].max_seq_len  # its RoPE's, as built
+    config.model_spec.model.update_from_config(config=config)  # the trainer's: TP divides the heads, seq_len ≤ RoPE's
     assert config.model_spec.flavor == TORCHTITAN_CONFIGS[preset].flavor
     model = ModelConfig.model_validate({"preset": preset})
     total, active = torchtitan_counts(config)
@@ -120,6 +123,19 @@ def test_a_gpt_oss_plan_with_context_parallelism_is_refused_naming_the_fix() -> 
     spec = launch_spec("gpt-oss-20b", nodes, 64, layout(**{**changes, "context_parallel": 2, "expert_parallel": 2}))
     with pytest.raises(LaunchError, match=r"varlen attention.*search.context_parallel \[1\]"):
         torchtitan_launch(spec)
+
+
+def test_a_plan_longer_than_torchtitans_rope_is_refused_naming_the_longest() -> None:
+    """deepseek_v3_671b builds its RoPE for 16,384 tokens and torchtitan's trainer refuses a longer seq_len (a
+    ValueError when the job starts); Llama 3.1's functions take 131,072."""
+    nodes, changes = LAYOUTS["deepseek-v3"]
+    spec = launch_spec("deepseek-v3", nodes, 4096, layout(**changes))
+    longer = dataclasses.replace(spec, model=spec.model.model_copy(update={"seq_length": 32_768}))
+    with pytest.raises(LaunchError, match="at most 16384 and its trainer refuses"):
+        torchtitan_launch(longer)
+    nodes, changes = LAYOUTS["llama3.1-8b"]
+    spec = launch_spec("llama3.1-8b", nodes, 64, layout(**changes))
+    torchtitan_launch(dataclasses.replace(spec, model=spec.model.model_copy(update={"seq_length": 131_072})))
 
 
 def test_qwen3_235b_takes_the_30b_recipe_with_its_own_flavor_vocabulary_and_assets(tmp_path: Path) -> None:
