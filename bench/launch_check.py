@@ -1,4 +1,4 @@
-"""The launch check: `pipesched launch` of the top plans of 22 plan requests' answers, each torchtitan.args read by torchtitan.
+"""The launch check: `pipesched launch` of the top plans of 22 requests' answers, torchtitan.args read by torchtitan.
 
 A new user's plan requests (every preset family on 8 to 16,384 GPUs, and six that search context parallelism,
 expert tensor parallelism and FP8), planned with ``pipesched plan --top 3``; then for each of the top plans
