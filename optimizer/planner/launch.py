@@ -15,8 +15,10 @@ Sources of the names:
   ``_PipelineScheduleRuntime`` loading the CSV, the stage → rank placement follows
   ``pipeline_parallel_schedule`` (V for ``ZBVZeroBubble``, loop otherwise), and
   ``module_fqns_per_model_part`` fixes the stages' layers. FP8 is a model converter (``Float8LinearConverter``)
-  set in a config function: where the preset's function has another precision than the plan, a config module
-  is written beside the args (:attr:`TorchtitanLaunch.config_source`).
+  set in a config function: where the preset's function has another precision than the plan (and the module
+  ships no Float8 function, as ``deepseek_v3_671b_float8``), or where torchtitan registers the preset's flavor
+  without a function that builds it (Qwen3 ``235B-A22B``), a config module is written beside the args
+  (:attr:`TorchtitanLaunch.config_source`).
 * Megatron-LM (``megatron/training/arguments.py`` and the dataclasses it builds arguments from,
   ``megatron/core/model_parallel_config.py``, ``megatron/core/transformer/transformer_config.py``).
 """
@@ -67,22 +69,61 @@ class TorchtitanConfig:
     """A torchtitan 0.3 config function: ``--module``, ``--config``, the model flavor its ``model_registry``
     takes, the precision the function sets (``llama3_405b`` converts its linear layers to Float8) and whether it
     compiles the model (``llama3_405b``: ``CompileConfig(enable=True, enable_async_tensor_parallel=True)``, which
-    the launch turns off for a plan predicted eager)."""
+    the launch turns off for a plan predicted eager).
+
+    ``compile_components``: what the function compiles once compilation is on (torchtitan's default model and loss;
+    ``deepseek_v3_671b``: the loss only, so a plan predicted compiled also names the model). ``float8``: the
+    module's function that trains the same model with Float8 linear layers and grouped experts
+    (``deepseek_v3_671b_float8``), taken for an FP8 plan. ``base``: set where torchtitan's ``model_registry`` has the
+    flavor but no function builds it (Qwen3's ``235B-A22B``): the function of the same model family whose recipe
+    (loss, data, optimizer, schedule) a written config module starts from, building ``flavor`` instead, as
+    torchtitan's own variants do (``deepseek_v3_16b_hybridep``); ``config`` then names the written function and
+    ``assets`` the ``hf_assets_path`` it sets (the flavor's tokenizer and checkpoint). ``attention``: the
+    ``attn_backend`` the function's model attends with (``flex``, torchtitan's default; ``varlen`` for GPT-OSS,
+    whose context parallelism torchtitan 0.3 does not run). ``max_seq_len``: the longest ``training.seq_len``
+    torchtitan trains the function's model at (its RoPE's ``max_seq_len``; the trainer refuses a longer one)."""
 
     module: str
     config: str
     flavor: str | None = None
     precision: str = "bf16"
     compiles: bool = False
+    compile_components: tuple[str, ...] = ("model", "loss")
+    float8: str | None = None
+    base: str | None = None
+    assets: str | None = None
+    attention: str = "flex"
+    max_seq_len: int | None = None
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
+#: Mixtral has no torchtitan model; torchtitan's other functions build models no preset names (Qwen3 0.6B-32B
+#: dense, the 16B DeepSeek MoE ``deepseek_v3_16b``, Kimi, Qwen3.5, Flux).
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
-    "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B"),
-    "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B"),
-    "llama3.1-405b": TorchtitanConfig("llama3", "llama3_405b", "405B", precision="fp8", compiles=True),
-    "deepseek-v3": TorchtitanConfig("deepseek_v3", "deepseek_v3_671b"),
-    "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b"),
+    "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B", max_seq_len=131072),
+    "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B", max_seq_len=131072),
+    "llama3.1-405b": TorchtitanConfig(
+        "llama3", "llama3_405b", "405B", precision="fp8", compiles=True, max_seq_len=131072
+    ),
+    "deepseek-v3": TorchtitanConfig(
+        "deepseek_v3",
+        "deepseek_v3_671b",
+        "671B",
+        compile_components=("loss",),
+        float8="deepseek_v3_671b_float8",
+        max_seq_len=16384,
+    ),
+    "qwen3-30b-a3b": TorchtitanConfig("qwen3", "qwen3_30b_a3b", "30B-A3B", max_seq_len=40960),
+    "qwen3-235b-a22b": TorchtitanConfig(
+        "qwen3",
+        "qwen3_235b_a22b",
+        "235B-A22B",
+        base="qwen3_30b_a3b",
+        assets="./assets/hf/Qwen3-235B-A22B",
+        max_seq_len=40960,
+    ),
+    "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b", attention="varlen", max_seq_len=131072),
+    "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b", attention="varlen", max_seq_len=131072),
 }
 
 #: torchtitan's ``pipeline_parallel_schedule`` decides the stage → rank placement of a CSV schedule
@@ -198,28 +239,57 @@ def _torchtitan_config(spec: LaunchSpec, module: str | None, config: str | None)
     return known
 
 
-def _precision_module(known: TorchtitanConfig, precision: str) -> tuple[str, str]:
-    """A config module wrapping ``known`` with the plan's precision; (function name, source)."""
-    if known.module != "llama3" or known.flavor is None:
+def _config_function(known: TorchtitanConfig, precision: str) -> tuple[str, str, str | None]:
+    """The ``--module``, ``--config`` and written module source (``None``: torchtitan's own function) that train
+    ``known``'s model in ``precision``.
+
+    Raises:
+        LaunchError: an FP8 plan of a model whose torchtitan module has no Float8 function, other than Llama 3's.
+    """
+    if precision == known.precision and known.base is None:
+        return known.module, known.config, None
+    if precision == "fp8" and known.float8 is not None:
+        return known.module, known.float8, None
+    if precision == "fp8" and known.module != "llama3":
         raise LaunchError(
-            f"the plan's precision is {precision} but torchtitan's {known.config} trains in {known.precision}, "
-            f"and pipesched writes precision wrappers for llama3 configs only: pin search.precision to "
-            f"[{known.precision!r}] or name a config function of your own with --torchtitan-config"
+            f"the plan's precision is fp8, but torchtitan 0.3 has no Float8 config function for its {known.module} "
+            f"{known.flavor} (which trains in {known.precision}), and pipesched writes FP8 wrappers for llama3 "
+            f"configs only (Float8 linear layers; deepseek_v3 ships its own, deepseek_v3_671b_float8): pin "
+            f"search.precision to [{known.precision!r}] or name a config function of your own with --torchtitan-config"
         )
-    name = f"{known.config}_{'float8' if precision == 'fp8' else 'bf16'}"
+    name, source = _written_module(known, precision)
+    return CONFIG_MODULE_NAME, name, source
+
+
+def _written_module(known: TorchtitanConfig, precision: str) -> tuple[str, str]:
+    """A config module building ``known``'s flavor from its function (or ``base``) with the plan's precision;
+    (function name, source)."""
+    called = known.base or known.config
+    name = known.config if known.base else f"{known.config}_{'float8' if precision == 'fp8' else 'bf16'}"
+    if known.base:
+        summary = (
+            f"torchtitan's {known.module} flavor {known.flavor}, which torchtitan 0.3 builds in no config function, "
+            f"with {known.base}'s recipe, trained in {precision}."
+        )
+    else:
+        summary = f"{known.config} trained in {precision}."
+    if precision == "fp8":
+        summary += "\nFP8 is torchtitan's Float8 rowwise linear layers (needs torchao and an SM89+ GPU)."
     converters = (
         "[Float8LinearConverter.Config(filter_fqns=['lm_head'], model_compile_enabled=compiled)]"
         if precision == "fp8"
         else "None"
     )
+    assets = f'    config.hf_assets_path = "{known.assets}"\n' if known.assets else ""
     source = string.Template(resources.files(__package__).joinpath(CONFIG_TEMPLATE).read_text()).substitute(
-        config=known.config,
-        precision=precision,
+        summary=summary,
+        config=called,
         config_module=CONFIG_MODULE_NAME,
         name=name,
         module=known.module,
         flavor=known.flavor,
         converters=converters,
+        assets=assets,
     )
     return name, source
 
@@ -309,14 +379,26 @@ def torchtitan_launch(
     reads options after it as the subcommand's, so overrides of your own go before it.
 
     Raises:
-        LaunchError: no config function for the model, a placement torchtitan cannot run, or a precision
-            pipesched cannot write a config function for.
+        LaunchError: no config function for the model, a placement torchtitan cannot run, context parallelism
+            over the function's varlen attention, or a precision pipesched cannot write a config function for.
     """
     known = _torchtitan_config(spec, module, config)
-    module_name, config_name, source = known.module, known.config, None
-    if spec.precision != known.precision:
-        config_name, source = _precision_module(known, spec.precision)
-        module_name = CONFIG_MODULE_NAME
+    if known.max_seq_len is not None and spec.model.seq_length > known.max_seq_len:
+        raise LaunchError(
+            f"the plan trains at {spec.model.seq_length} tokens a sequence, but torchtitan builds {known.config}'s "
+            f"RoPE for at most {known.max_seq_len} and its trainer refuses a longer training.seq_len: plan again "
+            f"with model.seq_length at most {known.max_seq_len}, or name a config function of your own whose model "
+            f"is built for the length (--torchtitan-config)"
+        )
+    if spec.context_parallel > 1 and known.attention == "varlen":
+        raise LaunchError(
+            f"torchtitan's {known.config} attends with varlen attention, whose context parallelism torchtitan 0.3 "
+            f"does not run (apply_cp_to_forward: 'Variable-length attention CP is not yet supported'); this plan has "
+            f"context_parallel {spec.context_parallel}: choose a plan with context_parallel 1 (--plan N), plan again "
+            f"with search.context_parallel [1], or name a config function of your own whose model attends with "
+            f"attn_backend 'flex' (--torchtitan-config)"
+        )
+    module_name, config_name, source = _config_function(known, spec.precision)
     args = ["--module", module_name, "--config", config_name, *_parallelism_args(spec, csv_path)]
     args += [
         "--training.local_batch_size",
@@ -332,6 +414,8 @@ def torchtitan_launch(
         args.append("--training.disable_cuda_graphs")
     if torchtitan_compiles(spec):
         args.append("--compile.enable")
+        if "model" not in known.compile_components:  # the function compiles its loss only: the plan's model too
+            args += ["--compile.components", ",".join(("model", *known.compile_components))]  # tyro: A,B,C
         if spec.async_tensor_parallel and spec.layout.tensor_parallel > 1:  # AsyncTP runs in compiled regions only
             args.append("--compile.enable_async_tensor_parallel")
         elif known.compiles:  # the config function turns AsyncTP on; the plan was timed without it
