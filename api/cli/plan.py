@@ -158,15 +158,8 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f"{plan.lower_bound_ms:.1f}",
         )
     out.print(table)
-    if answer.plans:
-        out.print(_best_intervals(answer.plans[0]), highlight=False)
-        if answer.peak_memory_interval_source:
-            out.print(f"peak (80% interval): {answer.peak_memory_interval_source}", highlight=False)
-        out.print(
-            "bound ms: the model's own bound on the step, the least any schedule of the configuration takes in the "
-            "same cost model and profile; not a measured figure",
-            highlight=False,
-        )
+    for line in _sources(answer):
+        out.print(line, highlight=False)
     if answer.memory_headroom_bytes is not None:
         out.print(
             f"kept free on every GPU: {format_bytes(answer.memory_headroom_bytes)} (cluster.memory_headroom_bytes); "
@@ -190,6 +183,21 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         f"done in {answer.elapsed_s:.1f} s",
         highlight=False,
     )
+
+
+def _sources(answer: PlanAnswer) -> list[str]:
+    """The lines under the table that say where its figures come from: the best plan's intervals, the peak
+    interval's source, what the bound bounds."""
+    if not answer.plans:
+        return []
+    lines = [_best_intervals(answer.plans[0])]
+    if answer.peak_memory_interval_source:
+        lines.append(f"peak (80% interval): {answer.peak_memory_interval_source}")
+    lines.append(
+        "bound ms: the model's own bound on the step, the least any schedule of the configuration takes in the same "
+        "cost model and profile; not a measured figure"
+    )
+    return lines
 
 
 def _peak_cell(plan: Plan, size: int) -> str:
