@@ -21,7 +21,9 @@ from typer.testing import CliRunner
 from pipesched.api.app import create_app
 from pipesched.api.cli import app as cli_app
 from pipesched.api.settings import Settings
+from pipesched.optimizer.calibration.calibrate import FEW_ROWS, calibrate
 from pipesched.optimizer.calibration.peaks import held_out_interval, nested_coverage
+from pipesched.optimizer.cost.calibration.measurements import fitting_measurements
 from pipesched.optimizer.cost.profile import builtin_catalogue
 from pipesched.optimizer.planner.rank import estimator_for, out_of_memory_chance, plan
 from pipesched.optimizer.planner.request import PlanAnswer, PlanRequest
@@ -71,6 +73,21 @@ def test_the_shipped_interval_is_the_benchs_leave_one_out_percentiles() -> None:
         assert f"leave one out over {len(held_out)} published peaks" in profile.peak_memory_source, name
     # every published peak above its prediction: the interval lies above the point estimate
     assert 0 < expected[0] < expected[1] < 0.5
+
+
+def test_calibrate_takes_the_peak_interval_from_its_own_peaks_or_keeps_the_built_in() -> None:
+    """``pipesched calibrate`` refits the memory factor to a user's peaks; with FEW_ROWS peaks the interval becomes
+    theirs (before: the built-in one stayed whatever the rows said), with fewer the built-in one stays."""
+    rows = [row for row in fitting_measurements() if row.measured.peak_memory_bytes][:FEW_ROWS]
+    built_in = builtin_catalogue().profiles["H100-SXM"]
+    mine = calibrate(rows)
+    assert mine.peak_memory_source == f"leave one out over {FEW_ROWS} measured peaks (pipesched calibrate)"
+    assert mine.peak_memory_log_error is not None and mine.peak_memory_log_error != built_in.peak_memory_log_error
+    low, high = mine.peak_memory_log_error
+    assert low <= high
+    few = calibrate(rows[:1])
+    assert few.peak_memory_log_error == built_in.peak_memory_log_error
+    assert few.peak_memory_source == built_in.peak_memory_source
 
 
 def test_how_likely_a_plan_runs_out_by_its_interval() -> None:
