@@ -26,8 +26,12 @@ check rows (``bench/cpep_bench.py``) planned with the shipped catalogue, each cl
 (:func:`~pipesched.optimizer.calibration.catalogue.parallel_log_errors`) and how many rows lie inside their plan's
 interval before and after it, in-sample and with the row's source left out
 (``bench/results/calibration_parallel_intervals.{md,json}``; with ``--write``, only ``parallel_log_error`` stored;
-the full ``--write`` stores it too). ``--unknown-only`` refits nothing and recounts kernels
-"unknown" over the shipped fit (``bench/results/calibration_unknown_kernels.json``).
+the full ``--write`` stores it too). ``--memory-only`` refits no efficiency: the published peaks' leave-one-out
+interval (``peak_memory_log_error``, a plan's 80% interval on its peak) and its coverage, each row also left out of
+the interval and on the never-fitted rows with a published peak
+(``bench/results/calibration_peak_interval.{md,json}``; with ``--write``, only that interval and its source stored;
+the full ``--write`` stores them too). ``--unknown-only`` refits nothing and recounts kernels "unknown" over the
+shipped fit (``bench/results/calibration_unknown_kernels.json``).
 """
 
 from __future__ import annotations
@@ -52,9 +56,21 @@ from pipesched.optimizer.calibration.catalogue import (
     row_kernels_class,
 )
 from pipesched.optimizer.calibration.fit import PARAMETERS, fit, predict_rows, quantile
-from pipesched.optimizer.calibration.peaks import leave_one_out, peak_lines
+from pipesched.optimizer.calibration.peaks import (
+    held_out_interval,
+    interval_source,
+    leave_one_out,
+    nested_coverage,
+    peak_lines,
+)
 from pipesched.optimizer.calibration.predict import estimator, predict
-from pipesched.optimizer.cost.calibration.measurements import fitting_measurements, parse_measurements
+from pipesched.optimizer.cost.calibration.measurements import (
+    CONTEXT_EXPERT_SOURCES,
+    Measurement,
+    builtin_measurements,
+    fitting_measurements,
+    parse_measurements,
+)
 from pipesched.optimizer.cost.profile import ProfileCatalogue, builtin_catalogue, parallel_class, use_catalogue
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -160,7 +176,8 @@ def run(iterations: int) -> dict[str, Any]:
     factor, memory_errors = fit_memory_factor(rows, result.catalogue, lines)
     memory_loo = leave_one_out(lines)
     fitted = f"bench/calibration_bench.py, {len(rows)} rows, {time.strftime('%Y-%m-%d')}"
-    catalogue = build_catalogue(rows, result, factor, fitted=fitted)
+    peak_memory = (held_out_interval(memory_loo), interval_source(len(memory_loo)))
+    catalogue = build_catalogue(rows, result, factor, fitted=fitted, peak_memory=peak_memory)
     catalogue, unknown_errors = fit_unknown_kernels(rows, catalogue)
     parallel = parallel_check(catalogue)
     catalogue = parallel["catalogue"]
@@ -205,6 +222,8 @@ def run(iterations: int) -> dict[str, Any]:
         "memory_log_errors": [round(e, 4) for e in memory_errors],
         "memory_loo_log_errors": [round(e, 4) for e in memory_loo],
         "memory_ceiling": round(min(line.ceiling() for line in lines if line.ceiling() >= 1.0), 4),
+        "memory_interval": peak_memory[0],
+        "memory_nested_coverage": round(sum(nested_coverage(memory_loo)) / len(memory_loo), 4),
         "fit": summary(final_errors),
         "leave_one_out": summary(result.loo_log_error),
         "leave_one_group_out": summary(result.group_log_error),
@@ -276,7 +295,9 @@ def table(report: dict[str, Any]) -> str:
         f"Activation memory factor {report['activation_memory_factor']:.2f} (every fitted run fits its GPU up to "
         f"{report['memory_ceiling']:.2f}); published peaks, |log(published / predicted)| median / largest: fit "
         f"{_abs_median(report['memory_log_errors']):.3f} / {_abs_max(report['memory_log_errors']):.3f}, leave one "
-        f"out {_abs_median(report['memory_loo_log_errors']):.3f} / {_abs_max(report['memory_loo_log_errors']):.3f}. "
+        f"out {_abs_median(report['memory_loo_log_errors']):.3f} / {_abs_max(report['memory_loo_log_errors']):.3f}; "
+        f"a plan's 80% peak interval: log {report['memory_interval'][0]:+.3f} to {report['memory_interval'][1]:+.3f}, "
+        f"each published peak inside the interval of the others' in {report['memory_nested_coverage']:.0%}. "
         f"Kernels 'unknown' (every row predicted "
         f"with its framework ignored): kernels shares by layout class {report['unknown_kernels_shares']}, published "
         f"figure inside that mode's 80% interval in {report['unknown_kernels_in_interval']:.0%} of rows.",
@@ -399,6 +420,111 @@ def parallel_only(write: bool, output: Path) -> None:
         print(f"wrote {target}")
 
 
+def _unseen_peaks(catalogue: ProfileCatalogue, interval: tuple[float, float]) -> list[dict[str, Any]]:
+    """Every never-fitted row with a published peak (the context/expert-parallel sources', both held-out files'),
+    predicted on its published layout under ``catalogue``: log(published / predicted) peak, inside ``interval``."""
+    files = (HOLDOUT, EXTERNAL)
+    rows: list[Measurement] = [row for row in builtin_measurements() if row.source in CONTEXT_EXPERT_SOURCES]
+    rows += [
+        row for path in files for entry in json.loads(path.read_text())["files"] for row in parse_measurements(entry)
+    ]
+    records = []
+    with use_catalogue(catalogue):
+        for row in rows:
+            published = row.measured.peak_memory_bytes
+            predicted = predict(row).peak_memory_bytes if published else None
+            if published and predicted:
+                error = math.log(published / predicted)
+                records.append(
+                    {
+                        "row": row.key,
+                        "published_gib": round(published / GIB, 1),
+                        "predicted_gib": round(predicted / GIB, 1),
+                        "log_error": round(error, 4),
+                        "inside": interval[0] <= error <= interval[1],
+                    }
+                )
+    return records
+
+
+def memory_only(write: bool, output: Path) -> None:
+    """``--memory-only``: no refit of the efficiencies; the shipped fit's published peaks, the memory factor
+    refitted (as the full run does), their leave-one-out errors and the interval a plan's peak carries
+    (:func:`~pipesched.optimizer.calibration.peaks.held_out_interval`), its coverage with each row also out of the
+    interval (:func:`~pipesched.optimizer.calibration.peaks.nested_coverage`) and on the never-fitted rows with a
+    published peak (:func:`_unseen_peaks`). With ``write``, only each profile's ``peak_memory_log_error`` and
+    ``peak_memory_source`` stored in ``profiles.json``."""
+    shipped = builtin_catalogue()
+    rows = fitting_measurements()
+    lines = peak_lines(rows, shipped)
+    factor, errors = fit_memory_factor(rows, shipped, lines)
+    loo = leave_one_out(lines)
+    interval, source = held_out_interval(loo), interval_source(len(loo))
+    nested = nested_coverage(loo)
+    unseen = _unseen_peaks(shipped, interval)
+    published = [line for line in lines if line.published]
+    report = {
+        "activation_memory_factor": {
+            "refitted": factor,
+            "shipped": shipped.profiles["H100-SXM"].activation_memory_factor,
+        },
+        "peak_memory_log_error": interval,
+        "peak_memory_source": source,
+        "fitted_rows": [
+            {"row": line.key, "fit_log_error": round(fit, 4), "loo_log_error": round(out, 4), "inside_others": inside}
+            for line, fit, out, inside in zip(published, errors, loo, nested, strict=True)
+        ],
+        "nested_coverage": round(sum(nested) / len(nested), 4),
+        "unseen_rows": unseen,
+        "unseen_coverage": round(sum(r["inside"] for r in unseen) / len(unseen), 4) if unseen else None,
+    }
+    text = _memory_table(report)
+    output.write_text(text + "\n")
+    output.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    print(text)
+    if write:
+        target = Path(str(resources.files("pipesched.optimizer.cost.calibration") / "profiles.json"))
+        document = json.loads(target.read_text())
+        for profile in document["profiles"].values():
+            profile["peak_memory_log_error"] = list(interval)
+            profile["peak_memory_source"] = source
+        target.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {target}")
+
+
+def _memory_table(report: dict[str, Any]) -> str:
+    """Markdown of :func:`memory_only`'s report."""
+    low, high = report["peak_memory_log_error"]
+    factor = report["activation_memory_factor"]
+    lines = [
+        f"Shipped profiles, no refit of the efficiencies; activation memory factor refitted {factor['refitted']} "
+        f"(shipped {factor['shipped']}). A plan's 80% peak interval: log(published / predicted) {low:+.4f} to "
+        f"{high:+.4f} (× {math.exp(low):.3f} to × {math.exp(high):.3f} the predicted peak), "
+        f"{report['peak_memory_source']}.",
+        "",
+        f"Coverage: each fitted published peak inside the interval of the other rows' held-out errors (the row in "
+        f"neither the factor nor the interval): {report['nested_coverage']:.0%} of {len(report['fitted_rows'])}; "
+        f"never-fitted rows with a published peak inside the interval: "
+        + (f"{report['unseen_coverage']:.0%} of {len(report['unseen_rows'])}." if report["unseen_rows"] else "none."),
+        "",
+        "| fitted row | log(published / predicted), fit | left out | inside the others' interval |",
+        "|---|---:|---:|---|",
+    ]
+    for r in report["fitted_rows"]:
+        lines.append(
+            f"| {r['row']} | {r['fit_log_error']:+.4f} | {r['loo_log_error']:+.4f} "
+            f"| {'yes' if r['inside_others'] else 'no'} |"
+        )
+    lines += ["", "| never-fitted row | published GiB | predicted GiB | log(published / predicted) | inside |"]
+    lines.append("|---|---:|---:|---:|---|")
+    for r in report["unseen_rows"]:
+        lines.append(
+            f"| {r['row']} | {r['published_gib']} | {r['predicted_gib']} | {r['log_error']:+.4f} "
+            f"| {'yes' if r['inside'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def held_out_only(output: Path) -> None:
     """Both held-out checks under the shipped catalogue (``profiles.json``), without a refit: seconds, no lock."""
     catalogue = builtin_catalogue()
@@ -458,7 +584,16 @@ def main() -> None:
         help="no refit: the context/expert-parallel check rows' class intervals and coverage "
         "(bench/results/calibration_parallel_intervals.{md,json}; with --write, only parallel_log_error stored)",
     )
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="no refit of the efficiencies: the published peaks' held-out interval and its coverage "
+        "(bench/results/calibration_peak_interval.{md,json}; with --write, only peak_memory_log_error stored)",
+    )
     args = parser.parse_args()
+    if args.memory_only:
+        memory_only(args.write, RESULTS / "calibration_peak_interval.md")
+        return
     if args.parallel_only:
         parallel_only(args.write, RESULTS / "calibration_parallel_intervals.md")
         return

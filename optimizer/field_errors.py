@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 import annotated_types
@@ -23,7 +24,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, InitErrorDetails, PydanticCustomError
 
-__all__ = ["FieldError", "NumbersModel", "StrictModel", "raise_field_errors"]
+__all__ = ["FieldError", "NumbersModel", "StrictModel", "raise_field_errors", "without_errors"]
 
 #: ``(field path, message, offending input)``.
 FieldError = tuple[tuple[str | int, ...], str, Any]
@@ -196,3 +197,13 @@ def raise_field_errors(title: str, errors: list[FieldError]) -> None:
         for loc, message, value in errors
     ]
     raise ValidationError.from_exception_data(title, details)
+
+
+def without_errors(error: ValidationError, drop: Callable[[ErrorDetails], bool]) -> ValidationError | None:
+    """``error`` less the entries ``drop`` picks, each kept one with its path, type, message and input; None when
+    ``drop`` picks none (raise ``error`` itself then)."""
+    items = error.errors()
+    kept = [item for item in items if not drop(item)]
+    if len(kept) == len(items):
+        return None
+    return ValidationError.from_exception_data(error.title, [_detail(item, item["msg"]) for item in kept])

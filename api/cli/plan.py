@@ -26,7 +26,7 @@ from pipesched.optimizer.cost.stages import register_profile
 from pipesched.optimizer.frameworks import FRAMEWORKS
 from pipesched.optimizer.planner.rank import PlanOutcome, PlanProgress, prepare, search
 from pipesched.optimizer.planner.request import Plan, PlanAnswer, PlanRequest, Rejected
-from pipesched.optimizer.units import format_bytes
+from pipesched.optimizer.units import common_unit, format_bytes
 
 __all__ = ["plan_command", "print_plans", "register_profile_file"]
 
@@ -133,7 +133,9 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         table.add_column(
             column, justify="left" if column in ("dp", "chunks", "recompute", "prec", "method") else "right"
         )
-    table.add_column("peak", justify="right")
+    unit, size = common_unit([plan.peak_memory_bytes for plan in answer.plans])
+    with_interval = any(plan.peak_memory_bytes_interval for plan in answer.plans)
+    table.add_column(f"peak {unit} (80%)" if with_interval else "peak", justify="right")
     table.add_column("bound ms", justify="right")
     for rank, plan in enumerate(answer.plans, 1):
         table.add_row(
@@ -152,12 +154,12 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
             f"{plan.tokens_per_s_per_gpu:.0f}",
             f"{plan.tokens_per_s_per_gpu_interval[0]:.0f}–{plan.tokens_per_s_per_gpu_interval[1]:.0f}",
             f"{plan.mfu:.1%}",
-            format_bytes(plan.peak_memory_bytes),
+            _peak_cell(plan, size) if with_interval else format_bytes(plan.peak_memory_bytes),
             f"{plan.lower_bound_ms:.1f}",
         )
     out.print(table)
-    if answer.plans:
-        out.print(_best_intervals(answer.plans[0]), highlight=False)
+    for line in _sources(answer):
+        out.print(line, highlight=False)
     if answer.memory_headroom_bytes is not None:
         out.print(
             f"kept free on every GPU: {format_bytes(answer.memory_headroom_bytes)} (cluster.memory_headroom_bytes); "
@@ -181,6 +183,29 @@ def print_plans(answer: PlanAnswer, out: Console) -> None:
         f"done in {answer.elapsed_s:.1f} s",
         highlight=False,
     )
+
+
+def _sources(answer: PlanAnswer) -> list[str]:
+    """The lines under the table that say where its figures come from: the best plan's intervals, the peak
+    interval's source, what the bound bounds."""
+    if not answer.plans:
+        return []
+    lines = [_best_intervals(answer.plans[0])]
+    if answer.peak_memory_interval_source:
+        lines.append(f"peak (80% interval): {answer.peak_memory_interval_source}")
+    lines.append(
+        "bound ms: the model's own bound on the step, the least any schedule of the configuration takes in the same "
+        "cost model and profile; not a measured figure"
+    )
+    return lines
+
+
+def _peak_cell(plan: Plan, size: int) -> str:
+    """The peak column: the predicted peak and its 80% interval in the column's unit (``size`` bytes)."""
+    if plan.peak_memory_bytes_interval is None:
+        return f"{plan.peak_memory_bytes / size:.1f}"
+    low, high = plan.peak_memory_bytes_interval
+    return f"{plan.peak_memory_bytes / size:.1f} ({low / size:.1f}–{high / size:.1f})"
 
 
 def _best_intervals(plan: Plan) -> str:

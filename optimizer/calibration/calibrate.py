@@ -9,7 +9,8 @@ is the starting point and the prior (:mod:`.fit`):
   attention efficiencies (a few runs cannot tell them apart), under a weak prior (the measurement decides);
 - with more, the bf16 and fp8 matrix-multiply and the attention efficiencies separately (those the rows
   exercise), each pulled toward the built-in value;
-- rows with a peak memory refit ``activation_memory_factor``;
+- rows with a peak memory refit ``activation_memory_factor``; with :data:`FEW_ROWS` peaks or more the peak's
+  interval (``peak_memory_log_error``) becomes their held-out error, else the built-in one stays;
 - with :data:`FEW_ROWS` rows or more the interval becomes their held-out error, else the built-in one stays.
 
 The profile keeps the built-in one's other figures and names its source; ``cluster.profile`` selects it once it
@@ -19,9 +20,11 @@ is registered (``--profile FILE`` on the command line, ``POST /v1/profiles`` on 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pipesched.optimizer.calibration.catalogue import fit_memory_factor, measured_mfu
 from pipesched.optimizer.calibration.fit import Parameter, fit, quantile
+from pipesched.optimizer.calibration.peaks import held_out_interval, leave_one_out, peak_lines
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import AcceleratorProfile, ProfileCatalogue, active_catalogue, default_profile
 from pipesched.optimizer.field_errors import FieldError, raise_field_errors
@@ -89,7 +92,6 @@ def calibrate(rows: Sequence[Measurement], *, name: str | None = None, source: s
         base = base.model_copy(update={"profiles": {**base.profiles, accelerator: start}})
     result = fit(rows, base, _parameters(rows, accelerator, start), iterations=8, robust=False)
     fitted = result.catalogue.get(accelerator) or start
-    factor, _ = fit_memory_factor(rows, ProfileCatalogue(software=base.software, profiles={accelerator: fitted}))
     interval = start.held_out_log_error
     if len(rows) >= FEW_ROWS:
         interval = (round(quantile(result.loo_log_error, 0.1), 4), round(quantile(result.loo_log_error, 0.9), 4))
@@ -97,7 +99,7 @@ def calibrate(rows: Sequence[Measurement], *, name: str | None = None, source: s
     for row in rows:
         precision = row.training.precision
         ceiling[precision] = max(ceiling.get(precision, 0.0), round(measured_mfu(row), 4))
-    memory = {"activation_memory_factor": factor} if any(row.measured.peak_memory_bytes for row in rows) else {}
+    memory = _memory(rows, ProfileCatalogue(software=base.software, profiles={accelerator: fitted}))
     return fitted.model_copy(
         update={
             "name": name or f"{accelerator}-calibrated",
@@ -110,3 +112,19 @@ def calibrate(rows: Sequence[Measurement], *, name: str | None = None, source: s
             **memory,
         }
     )
+
+
+def _memory(rows: Sequence[Measurement], catalogue: ProfileCatalogue) -> dict[str, Any]:
+    """The profile's memory fields from the rows with a measured peak (none: nothing changes): the refitted
+    ``activation_memory_factor`` and, with :data:`FEW_ROWS` peaks or more, the peak's interval from their
+    leave-one-out errors (:mod:`.peaks`)."""
+    if not any(row.measured.peak_memory_bytes for row in rows):
+        return {}
+    lines = peak_lines(rows, catalogue)
+    factor, _ = fit_memory_factor(rows, catalogue, lines)
+    update: dict[str, Any] = {"activation_memory_factor": factor}
+    held_out = leave_one_out(lines)
+    if len(held_out) >= FEW_ROWS:
+        update["peak_memory_log_error"] = held_out_interval(held_out)
+        update["peak_memory_source"] = f"leave one out over {len(held_out)} measured peaks (pipesched calibrate)"
+    return update

@@ -13,7 +13,8 @@
   predicted), pooled over all rows when it has fewer than :data:`MIN_ROWS_FOR_OWN_INTERVAL`.
 - **Memory**: ``activation_memory_factor`` fitted (one number for all: it is PyTorch's caching allocator and
   the framework, not the chip) to the published peaks, minimising Σ log(published / predicted)² with every row
-  fitting its GPU (:mod:`.peaks`).
+  fitting its GPU (:mod:`.peaks`); ``peak_memory_log_error``, the 80% interval of a plan's peak, the 10th and 90th
+  percentile of the published peaks' leave-one-out log(published / predicted), one for all as the factor is.
 - **Unknown kernels**: a layout given without its framework (kernels ``unknown``, the default) takes the
   expected time over the frameworks that publish runs of its kind
   (:func:`pipesched.optimizer.cost.stages.blended`). Its kind is its data-parallel sharding
@@ -265,9 +266,17 @@ def _ridge(accelerator: str, scale: float) -> float:
 
 
 def build_catalogue(
-    rows: Sequence[Measurement], result: FitResult, memory_factor: float, *, fitted: str
+    rows: Sequence[Measurement],
+    result: FitResult,
+    memory_factor: float,
+    *,
+    fitted: str,
+    peak_memory: tuple[tuple[float, float], str] | None = None,
 ) -> ProfileCatalogue:
-    """The shipped catalogue (module docstring) from the fit of ``rows``."""
+    """The shipped catalogue (module docstring) from the fit of ``rows``; ``peak_memory``: the held-out interval
+    of log(published / predicted) peaks and its source (:func:`~pipesched.optimizer.calibration.peaks.
+    held_out_interval`), one for every profile as the memory factor is."""
+    memory_interval, memory_source = peak_memory if peak_memory is not None else (None, "")
     pooled = (quantile(result.group_log_error, 0.1), quantile(result.group_log_error, 0.9))
     profiles: dict[str, AcceleratorProfile] = {}
     for name, profile in result.catalogue.profiles.items():
@@ -281,6 +290,8 @@ def build_catalogue(
         profiles[name] = profile.model_copy(
             update={
                 "activation_memory_factor": memory_factor,
+                "peak_memory_log_error": memory_interval,
+                "peak_memory_source": memory_source,
                 "held_out_log_error": (round(interval[0], 4), round(interval[1], 4)),
                 "max_measured_mfu": ceiling,
                 "fitted_rows": len(own),

@@ -14,7 +14,10 @@ f = 1 and f = 2, give both (:func:`peak_lines`); the fit is then closed-form ove
   factor stays at or below min over rows of (memory − fixed) / scaled. A row that does not fit even at the
   grid's lowest factor does not bound it (its excess is not the reserve's to fix; it is reported by the test
   that every run fits, ``tests/optimizer/test_memory_fits.py``).
-- **Held out**: :func:`leave_one_out` refits without each published row and predicts it.
+- **Held out**: :func:`leave_one_out` refits without each published row and predicts it; the 10th and 90th
+  percentile of those errors (:func:`held_out_interval`) is every plan's 80% interval on its peak
+  (``AcceleratorProfile.peak_memory_log_error``). :func:`nested_coverage` checks it honestly: each row's error
+  against the interval of the other rows' errors alone.
 """
 
 from __future__ import annotations
@@ -23,11 +26,22 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipesched.optimizer.calibration.fit import quantile
 from pipesched.optimizer.calibration.predict import estimator, predict
 from pipesched.optimizer.cost.calibration.measurements import Measurement
 from pipesched.optimizer.cost.profile import ProfileCatalogue, use_catalogue
 
-__all__ = ["FACTOR_GRID", "PeakLine", "fit_memory_factor", "leave_one_out", "peak_lines", "with_factor"]
+__all__ = [
+    "FACTOR_GRID",
+    "PeakLine",
+    "fit_memory_factor",
+    "held_out_interval",
+    "interval_source",
+    "leave_one_out",
+    "nested_coverage",
+    "peak_lines",
+    "with_factor",
+]
 
 #: The factors tried: 1.00 to 3.00 by 0.01.
 FACTOR_GRID = tuple(round(1.0 + 0.01 * step, 2) for step in range(201))
@@ -114,3 +128,27 @@ def leave_one_out(lines: Sequence[PeakLine], ceiling: float = math.inf) -> list[
             factor = _fit([other for j, other in enumerate(lines) if j != i], ceiling)
             errors.append(math.log(line.published / line.peak(factor)))
     return errors
+
+
+def held_out_interval(errors: Sequence[float]) -> tuple[float, float]:
+    """The 10th and 90th percentile of held-out log(published / predicted) peaks (:func:`leave_one_out`), to
+    4 decimals: the 80% interval a plan's peak carries."""
+    return round(quantile(errors, 0.1), 4), round(quantile(errors, 0.9), 4)
+
+
+def interval_source(count: int) -> str:
+    """Where a :func:`held_out_interval` of ``count`` published peaks comes from, as a plan's answer says it."""
+    return (
+        f"leave one out over {count} published peaks (torchtitan's reserved bytes), the activation memory factor "
+        "refitted without each: bench/calibration_bench.py"
+    )
+
+
+def nested_coverage(errors: Sequence[float]) -> list[bool]:
+    """For each held-out error, whether it lies inside the :func:`held_out_interval` of the others alone (the row
+    counted in neither the factor nor the interval that judges it)."""
+    inside = []
+    for i, error in enumerate(errors):
+        low, high = held_out_interval([other for j, other in enumerate(errors) if j != i])
+        inside.append(low <= error <= high)
+    return inside

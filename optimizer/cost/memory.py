@@ -30,9 +30,13 @@ fine-grained recipe (norms, activation functions and MLA's up-projections recomp
 and every dispatcher gives its experts e_t·R rows of full width h. ``alltoall`` (``MoEAlltoAllTokenDispatcher``)
 receives R rows over the expert-parallel group, then ``gather_from_sequence_parallel_region`` over the e_t GPUs of
 its expert shards; ``allgather`` (``MoEAllGatherTokenDispatcher``) gathers all e_t·ep GPUs' tokens over the
-tensor-and-expert group into the global memory buffer (reused layer after layer: a transient, not held) and
-permutes out the e_t·R rows of its local experts; ``flex`` (DeepEP, ``MoEFlexTokenDispatcher``) routes each token to
-e_t·k expert shards over the same group (``router_topk = tp_size · moe_router_topk``). The first expert matrix
+tensor-and-expert group into the global memory buffer and permutes out the e_t·R rows of its local experts (that
+buffer, ``GlobalMemoryBuffer`` "mpu" in ``megatron/core/utils.py`` at d98e8a6, is kept for the whole run at the
+largest size asked, s·b/(c·t)·e_t·ep rows of 2h bytes, so it is live at every peak; not counted here: no plan runs
+this dispatcher, ``software.moe_dispatcher`` times the ``alltoall`` and ``flex`` ones and Megatron launches write
+``alltoall``; ``bench/results/memory_interval.md`` gives its size on the check rows' layouts); ``flex`` (DeepEP,
+``MoEFlexTokenDispatcher``) routes each token to e_t·k expert shards over the same group (``router_topk = tp_size ·
+moe_router_topk``). The first expert matrix
 saves that input for its backward, so the permuted input held per routed copy is 2h·e_t bytes per token (split by
 t like the rest) where e_t = 1 holds 2h; the expert matrices' outputs are e_t times the rows at 1/e_t of the width,
 as many bytes as with e_t = 1. W needs that input too. Full recomputation keeps the layer's input only, so the

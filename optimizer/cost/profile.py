@@ -34,7 +34,9 @@ and whether it has model parallelism) and that class's interval; and the interva
 parallelism (``parallel_log_error``, by :data:`PARALLEL_CLASSES`).
 
 ``held_out_log_error`` (the 10th and 90th percentile of log(published / predicted) over the leave-one-out
-fits) gives every plan its 80% interval; ``max_measured_mfu`` the highest MFU in the calibration data.
+fits) gives every plan its 80% interval; ``peak_memory_log_error`` (the same percentiles of log(published /
+predicted) peak memory, each published peak predicted with ``activation_memory_factor`` refitted without it) the
+80% interval of every plan's peak; ``max_measured_mfu`` the highest MFU in the calibration data.
 """
 
 from __future__ import annotations
@@ -428,6 +430,13 @@ class AcceleratorProfile(StrictModel):
     held_out_log_error: tuple[float, float] = Field(
         (-0.2, 0.2), description="10th and 90th percentile of log(published / predicted), held out."
     )
+    peak_memory_log_error: tuple[float, float] | None = Field(
+        None,
+        description="10th and 90th percentile of log(published / predicted) peak memory, each published peak "
+        "predicted with activation_memory_factor refitted without it (leave one out); null: none known (no interval "
+        "on a plan's peak).",
+    )
+    peak_memory_source: str = Field("", description="Where peak_memory_log_error comes from: rows, bench.")
     max_measured_mfu: dict[str, float] = Field(
         default_factory=dict, description="Highest MFU in the calibration data, by precision."
     )

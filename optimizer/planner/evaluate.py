@@ -47,6 +47,7 @@ __all__ = [
     "launch_for",
     "launch_spec",
     "model_flops_per_token",
+    "peak_memory_interval",
     "schedule_for",
     "schedule_lower_bound",
 ]
@@ -177,6 +178,15 @@ def launch_for(estimator: Estimator, config: Configuration, layers_per_stage: li
     return Launch(torchtitan=toml_from_args(args), torchtitan_args="\n".join(args), torchrun=torchrun)
 
 
+def peak_memory_interval(estimator: Estimator, peak_memory_bytes: float) -> tuple[float, float] | None:
+    """The 80% interval of a plan's peak, bytes: ``peak_memory_bytes`` times exp of the profile's held-out
+    ``peak_memory_log_error`` (:mod:`pipesched.optimizer.calibration.peaks`); None where the profile has none."""
+    errors = estimator.hardware.profile.peak_memory_log_error
+    if errors is None:
+        return None
+    return float(round(peak_memory_bytes * math.exp(errors[0]))), float(round(peak_memory_bytes * math.exp(errors[1])))
+
+
 def _plan(
     estimator: Estimator,
     config: Configuration,
@@ -227,6 +237,7 @@ def _plan(
         ),
         mfu=round(mfu, 4),
         peak_memory_bytes=float(round(peak_memory_bytes)),
+        peak_memory_bytes_interval=peak_memory_interval(estimator, peak_memory_bytes),
         lower_bound_ms=round(bound_ms, 4),
         schedule_id=schedule_id,
         launch=launch_for(estimator, config, layers_per_stage),

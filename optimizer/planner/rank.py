@@ -53,9 +53,11 @@ __all__ = [
     "PlanProgress",
     "Prepared",
     "estimator_for",
+    "out_of_memory_chance",
     "plan",
     "plan_notes",
     "prepare",
+    "reserved_limit_bytes",
     "search",
     "space_of",
 ]
@@ -417,12 +419,69 @@ def _framework_note(estimator: Estimator) -> str:
     )
 
 
+def out_of_memory_chance(peak_bytes: float, limit_bytes: float, log_error: tuple[float, float]) -> float:
+    """How likely a plan's real peak passes ``limit_bytes``, by its 80% interval alone: the share of
+    log(real / predicted) above log(limit / peak), linear between the interval's 10th and 90th percentiles
+    (``log_error``), 0.9 below it and 0.1 above (a plan's note says which side; no distribution is assumed beyond
+    the two percentiles)."""
+    low, high = log_error
+    margin = math.log(limit_bytes / peak_bytes)
+    if margin <= low:
+        return 0.9
+    if margin >= high:
+        return 0.1
+    return 0.9 - 0.8 * (margin - low) / (high - low)
+
+
+def reserved_limit_bytes(estimator: Estimator) -> float:
+    """The memory a run's *reserved* peak may reach (bytes): the GPU's less the CUDA context and communication
+    buffers the caching allocator does not see (the profile's ``context_bytes``, or a smaller stated
+    ``cluster.memory_headroom_bytes``). The peak interval is of the reserved peak (torchtitan's
+    ``reserved_bytes.all.peak``, which holds the allocator's cached and fragmented blocks), so it is read against
+    this limit, not against memory less the whole headroom, whose fraction is kept for that same fragmentation."""
+    return estimator.hardware.memory_bytes - min(estimator.headroom_bytes, estimator.hardware.profile.context_bytes)
+
+
+def _memory_risk_note(answer_plans: list[Plan], estimator: Estimator) -> str | None:
+    """The plans whose reserved-peak interval's high end passes :func:`reserved_limit_bytes`, each with how likely
+    by the interval (:func:`out_of_memory_chance`); None when none does. They stay ranked: the point estimate fits
+    the memory less the headroom."""
+    log_error = estimator.hardware.profile.peak_memory_log_error
+    limit = reserved_limit_bytes(estimator)
+    risky = [
+        (rank, plan)
+        for rank, plan in enumerate(answer_plans, 1)
+        if log_error is not None and plan.peak_memory_bytes_interval and plan.peak_memory_bytes_interval[1] > limit
+    ]
+    if not risky or log_error is None:
+        return None
+    parts = []
+    for rank, plan in risky:
+        _, high = plan.peak_memory_bytes_interval or (0.0, 0.0)
+        chance = out_of_memory_chance(plan.peak_memory_bytes, limit, log_error)
+        said = "over 90%" if chance >= 0.9 else f"about {chance:.0%}"
+        parts.append(f"{rank} ({format_bytes(plan.peak_memory_bytes)}, reserved up to {format_bytes(high)}: {said})")
+    return (
+        f"peak memory: the 80% interval of the reserved peak (allocated memory plus the allocator's cache) passes "
+        f"the {format_bytes(limit)} the allocator can have ({format_bytes(estimator.hardware.memory_bytes)} less "
+        f"the CUDA context) for plan{'s' if len(parts) > 1 else ''} {', '.join(parts)}; the percentages say how "
+        "likely each reaches it by the interval (linear between its 10th and 90th percentiles), where PyTorch's "
+        "allocator frees its cache and retries (slower steps) or runs out of memory. The predicted peak fits the "
+        "memory less the headroom, so each stays ranked; raise cluster.memory_headroom_bytes to rank only plans "
+        "whose interval fits"
+    )
+
+
 def plan_notes(answer_plans: list[Plan], estimator: Estimator) -> list[str]:
     """What to know before acting on ``answer_plans``: the best plan's predicted MFU above the highest MFU the
-    calibration data measured on this accelerator in its precision, an uncalibrated accelerator, and the interval
-    of a context- or expert-parallel best plan (its class's)."""
+    calibration data measured on this accelerator in its precision, an uncalibrated accelerator, the interval
+    of a context- or expert-parallel best plan (its class's), and the plans whose peak interval passes the GPU's
+    memory less the headroom (:func:`_memory_risk_note`)."""
     profile = estimator.hardware.profile
     notes = [] if estimator.model.framework is None else [_framework_note(estimator)]
+    memory_risk = _memory_risk_note(answer_plans, estimator)
+    if memory_risk is not None:
+        notes.append(memory_risk)
     if profile.fitted_rows == 0:
         notes.append(
             f"{estimator.hardware.name}: no profile fitted to its own rows ({profile.source}); the interval is wide"
@@ -777,12 +836,25 @@ class _PlanSearch(SearchContext[Evaluation]):
             request=self.prepared.request,
             memory_headroom_bytes=float(round(estimator.headroom_bytes)),
             profile=f"{estimator.hardware.profile.name} ({estimator.hardware.profile.source or 'unfitted'})",
+            peak_memory_interval_source=_peak_interval_source(estimator),
             notes=[*self.prepared.notes, *plan_notes(plans, estimator)],
             parameters=float(model_parameters(self.prepared.request.model)),
             active_parameters=float(active_parameters(self.prepared.request.model)),
         )
         self.report_plans("done", self.total)
         return PlanOutcome(answer, schedules)
+
+
+def _peak_interval_source(estimator: Estimator) -> str | None:
+    """The answer's ``peak_memory_interval_source``: the profile's held-out peak errors and where they come from."""
+    profile = estimator.hardware.profile
+    if profile.peak_memory_log_error is None:
+        return None
+    low, high = profile.peak_memory_log_error
+    return (
+        f"{profile.name}'s peak_memory_log_error: log(published / predicted) peak {low:+.3f} (10th percentile) to "
+        f"{high:+.3f} (90th), {profile.peak_memory_source or 'its catalogue'}"
+    )
 
 
 #: An ``auto`` plan is listed beside its layout's family plans only when faster than each by more than this

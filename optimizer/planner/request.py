@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, ValidationError, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
 
 from pipesched.optimizer.configs import ClusterConfig, FrameworkName, ModelConfig
 from pipesched.optimizer.families import registry
-from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors
+from pipesched.optimizer.field_errors import FieldError, StrictModel, raise_field_errors, without_errors
 from pipesched.optimizer.frameworks import FRAMEWORKS, framework_kernels
 from pipesched.optimizer.problem import DataParallel, Sharding
 
@@ -156,6 +165,15 @@ def _batch_from_tokens(data: Any) -> Any:
     return {**data, "training": {**training, "global_batch_size": sequences}}
 
 
+def _size_missing_beside_tokens(errors: list[ErrorDetails]) -> Callable[[ErrorDetails], bool]:
+    """Picks ``training.global_batch_size``'s "missing" where ``errors`` refuse ``training.global_batch_tokens``."""
+    tokens = ("training", "global_batch_tokens")
+    refused = any(tuple(item["loc"][:2]) == tokens for item in errors)
+    return lambda item: (
+        refused and item["type"] == "missing" and tuple(item["loc"]) == ("training", "global_batch_size")
+    )
+
+
 class PlanSearch(StrictModel):
     """How to search, and which values each dimension may take (null: every value that makes sense).
 
@@ -233,6 +251,17 @@ class PlanRequest(StrictModel):
     @classmethod
     def _tokens_to_sequences(cls, data: Any) -> Any:
         return _batch_from_tokens(data)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_batch_error(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """A ``training.global_batch_tokens`` refused (1e30, a fraction, a string) is the one error of the batch:
+        no sequences were derived from it, so ``training.global_batch_size`` missing beside it is no second
+        error."""
+        try:
+            return handler(data)
+        except ValidationError as error:
+            raise without_errors(error, _size_missing_beside_tokens(error.errors())) or error from None
 
     @model_validator(mode="after")
     def _context_and_expert_degrees_suit_the_model(self) -> PlanRequest:
@@ -403,7 +432,17 @@ class Plan(StrictModel):
         description="Model FLOPs (6·N_active + 12·l·h·s per token, PaLM App. B) over the accelerators' dense bf16 peak."
     )
     peak_memory_bytes: float = Field(description="Highest rank's static + activation peak, bytes.")
-    lower_bound_ms: float = Field(description="A bound no schedule of this configuration beats, ms.")
+    peak_memory_bytes_interval: tuple[float, float] | None = Field(
+        None,
+        description="80% prediction interval of the peak, bytes: the calibration's held-out (leave-one-out) 10th and "
+        "90th percentile log(published / predicted) peak errors applied (the accelerator profile's "
+        "peak_memory_log_error; the answer's peak_memory_interval_source says from what). null: the profile has none. "
+        "Not in the contract yet.",
+    )
+    lower_bound_ms: float = Field(
+        description="The model's own bound on step_time_ms: no schedule of this configuration takes less in the same "
+        "cost model and profile, ms. A bound on the prediction, not a measured figure."
+    )
     schedule_id: str | None = None
     launch: Launch
     pipeline_makespan_ms: float = Field(description="The simulator's makespan of the pipeline schedule, ms.")
@@ -443,6 +482,11 @@ class PlanAnswer(StrictModel):
         None, description="Bytes kept free on every GPU (cluster.memory_headroom_bytes or the profile's default)."
     )
     profile: str | None = Field(None, description="The accelerator profile the predictions used, and its source.")
+    peak_memory_interval_source: str | None = Field(
+        None,
+        description="Where each plan's peak_memory_bytes_interval comes from: the profile's held-out peak errors, "
+        "their percentiles and rows. Not in the contract yet.",
+    )
     notes: list[str] = Field(
         default_factory=list,
         description="What to know before acting on the plans, e.g. a predicted MFU above any measured.",
