@@ -139,13 +139,20 @@ def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
 #: stage's forward + backward (CPU, one thread) took 1,000–4,000 minor page faults (fresh pages zeroed by the kernel),
 #: a number that follows the process's allocation history, and a rank 12,000–85,000 in a 4-step run; kept, 14–6,600
 #: after a launch's first run, and over 16 interleaved runs (1F1B and PipeDream-2BW) the passes' medians were 7–16 %
-#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md).
+#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md). ``keep`` also
+#: sets ``M_ARENA_MAX`` to 1: every thread allocates from the main heap, which the settings above keep. Otherwise
+#: glibc gives each further thread an arena of 64 MiB heaps and unmaps a heap once its last block is freed, whatever
+#: ``M_TRIM_THRESHOLD`` says; the communication stream's thread allocates a stage's reduce-scatter input there (10.5
+#: MB for gpt-small's last stage), and in a breadth-first pp 2 × dp 2 run it faulted on all 2,570 pages of it in 2 or
+#: 3 of a run's first 4 steps and seldom after, which made the REDUCE_GRAD 10–30 ms longer beside the passes than in
+#: the calibration run's later steps (bench/results/issue25_bars.md, R24).
 MALLOC_SETTINGS = ("keep", "glibc")
 #: ``mallopt`` parameters (glibc's ``malloc.h``) and the values ``keep`` sets.
 _KEEP_FREED_MEMORY = {
     "M_TRIM_THRESHOLD": (-1, 2**31 - 1),
     "M_TOP_PAD": (-2, 64 << 20),
     "M_MMAP_THRESHOLD": (-3, 1 << 30),
+    "M_ARENA_MAX": (-8, 1),
 }
 
 
