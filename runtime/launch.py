@@ -143,9 +143,10 @@ def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
 #: sets ``M_ARENA_MAX`` to 1: every thread allocates from the main heap, which the settings above keep. Otherwise
 #: glibc gives each further thread an arena of 64 MiB heaps and unmaps a heap once its last block is freed, whatever
 #: ``M_TRIM_THRESHOLD`` says; the communication stream's thread allocates a stage's reduce-scatter input there (10.5
-#: MB for gpt-small's last stage), and in a breadth-first pp 2 × dp 2 run it faulted on all 2,570 pages of it in 2 or
-#: 3 of a run's first 4 steps and seldom after, which made the REDUCE_GRAD 10–30 ms longer beside the passes than in
-#: the calibration run's later steps (bench/results/issue25_bars.md, R24).
+#: MB for gpt-small's last stage), and in a breadth-first pp 2 × dp 2 run it faulted on all 2,570 pages of it in 2–4
+#: of the 6 replica-steps of steps 2–4 and seldom later (2–3 of 24), each such REDUCE_GRAD 10–30 ms longer beside
+#: the passes: the run's first steps, which issue 25's bar reads, above the profile's median of 15 (R24,
+#: bench/results/issue25_bars.md); with one arena none faulted.
 MALLOC_SETTINGS = ("keep", "glibc")
 #: ``mallopt`` parameters (glibc's ``malloc.h``) and the values ``keep`` sets.
 _KEEP_FREED_MEMORY = {
