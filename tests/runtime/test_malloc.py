@@ -37,12 +37,15 @@ def _faults_per_allocation(job: _Job, global_rank: int, device: Any, timeout_s: 
     return faults
 
 
-def _kept_and_defaults(job: Any, tmp_path: Any, monkeypatch: Any) -> tuple[list[list[Any]], list[list[Any]]]:
-    """``job`` in two launches of 2 processes: kept (``PIPESCHED_MALLOC=keep``, the default), then glibc's defaults."""
+def _kept_and_defaults(
+    job: Any, tmp_path: Any, monkeypatch: Any, settings: tuple[str, str] = ("keep", "glibc")
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """``job`` in two launches of 2 processes, one per ``PIPESCHED_MALLOC`` setting (default: kept, the default,
+    then glibc's defaults)."""
     from pipesched.runtime.launch import launch_jobs
 
     found = []
-    for setting in ("keep", "glibc"):
+    for setting in settings:
         (tmp_path / setting).mkdir()
         monkeypatch.setenv("PIPESCHED_MALLOC", setting)
         found.append(launch_jobs(job, [_Job(str(tmp_path / setting))], world=2, timeout_s=120))
@@ -65,15 +68,17 @@ def test_the_launchers_processes_reuse_freed_tensor_memory_and_glibc_defaults_fa
         assert min(defaults[0][rank][1:]) > PAGES // 2, defaults
 
 
-def test_pipesched_malloc_takes_keep_or_glibc_and_names_its_choices_otherwise(monkeypatch):
+def test_pipesched_malloc_takes_keep_glibc_or_one_arena_and_names_its_choices_otherwise(monkeypatch):
     from pipesched.runtime.launch import ScheduleError, malloc_setting
 
     monkeypatch.delenv("PIPESCHED_MALLOC", raising=False)
     assert malloc_setting() == "keep"
     monkeypatch.setenv("PIPESCHED_MALLOC", " GLIBC ")
     assert malloc_setting() == "glibc"
+    monkeypatch.setenv("PIPESCHED_MALLOC", "one-arena")
+    assert malloc_setting() == "one-arena"
     monkeypatch.setenv("PIPESCHED_MALLOC", "jemalloc")
-    with pytest.raises(ScheduleError, match="PIPESCHED_MALLOC='jemalloc': use one of keep, glibc"):
+    with pytest.raises(ScheduleError, match="PIPESCHED_MALLOC='jemalloc': use one of keep, glibc, one-arena"):
         malloc_setting()
 
 
@@ -99,16 +104,17 @@ def _arenas_after_a_thread_allocates(job: _Job, global_rank: int, device: Any, t
 
 
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's arenas")
-def test_every_thread_of_a_kept_process_allocates_from_the_one_kept_heap(tmp_path, monkeypatch):
-    """``keep`` sets ``M_ARENA_MAX`` 1: a second thread (the communication stream's) allocates from the main heap,
-    whose freed memory the other settings keep, not from an arena of its own, whose 64 MiB heaps glibc unmaps when
-    emptied whatever ``M_TRIM_THRESHOLD`` says (a breadth-first pp 2 × dp 2 run's REDUCE_GRAD faulted on all 2,570
-    pages of its reduce-scatter input in the run's first steps; bench/results/issue25_bars.md, R24)."""
+def test_one_arena_puts_every_thread_of_a_kept_process_on_the_one_kept_heap(tmp_path, monkeypatch):
+    """``one-arena`` sets ``M_ARENA_MAX`` 1: a second thread (the communication stream's) allocates from the main
+    heap, whose freed memory ``keep``'s settings keep, not from an arena of its own, whose 64 MiB heaps glibc unmaps
+    when emptied whatever ``M_TRIM_THRESHOLD`` says (under ``keep`` a breadth-first pp 2 × dp 2 run's REDUCE_GRAD
+    faulted on all 2,570 pages of its reduce-scatter input in the run's first steps; bench/results/issue25_bars.md,
+    R24)."""
     pytest.importorskip("torch")
     import ctypes
 
     if not hasattr(ctypes.CDLL(None), "malloc_info"):
         pytest.skip("no malloc_info: not glibc")
-    kept, defaults = _kept_and_defaults(_arenas_after_a_thread_allocates, tmp_path, monkeypatch)
-    assert kept == [[1, 1]]
-    assert min(defaults[0]) >= 2, defaults
+    one, kept = _kept_and_defaults(_arenas_after_a_thread_allocates, tmp_path, monkeypatch, ("one-arena", "keep"))
+    assert one == [[1, 1]]
+    assert min(kept[0]) >= 2, kept
