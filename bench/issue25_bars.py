@@ -11,12 +11,18 @@ bar misses, by what, on which rank and statistic, is read from many launches rat
 * ``2``: on the same profile PipeDream-2BW (no flush, two weight versions, its steady steps) against 1F1B: the
   measured gain (1F1B's step − 2BW's) at least half the predicted gain (1F1B's ``step_time`` − 2BW's ``step_period``);
   read on the best step (bar 1's statistic) and on the report's ``measured_step_time_ms`` (its median) — both kept;
+* ``2p`` (with ``--bar2-pairs N``): bar 2 read from paired runs — on the same profile, 1F1B and 2BW as ``2N`` jobs
+  of ONE launch (the same rank processes, the same pinned cores), the order turned every pair (ABBA: 1F1B 2BW,
+  2BW 1F1B, …; ``pipesched.runtime.launch.run_schedules``), each job a 4-step run with its own report; per pair the
+  gain (1F1B's best step − 2BW's, and the same on the reports' medians), met when the median pair's gain is at
+  least half the predicted gain. Two separate launches (bar 2) drift 4–27 % apart in rank 1's passes
+  (``bench/results/pass_drift.md``); adjacent jobs of one launch share that drift;
 * ``3``: ``profile`` breadth-first (looped-bfs, two stages per rank) × dp 2 FSDP → solve → run 4 steps: every rank's
   ``communication_hidden_ms`` > 0 and hidden and exposed within 30 % of predicted (medians over the steps after the
   first, against the report's ``predicted_communication_*``);
 * ``demo``: ``pipesched demo --quick`` (README's first command, its quick form): ``this-machine.json``'s error.
 
-Run (heavy: hold the team lock; ~3–4 min a launch with every bar):
+Run (heavy: hold the team lock; ~3–4 min a launch with every bar, about 20 s more per pair):
 ``python bench/issue25_bars.py --launches 1 --bars 1,2,3,demo --output bench/results/issue25_bars/FILE.jsonl``.
 Run it as a script with the venv whose ``pipesched`` is to be measured (it imports nothing from ``bench``).
 ``python bench/issue25_bars.py --summary FILE.jsonl …`` prints the counts.
@@ -108,8 +114,10 @@ def _step_record(schedule: Any, report: Any, pattern: bool) -> dict[str, Any]:
     }
 
 
-def bars_1_2(model: str, repeats: int, with_2bw: bool) -> list[dict[str, Any]]:
-    """One profile of the one-stage-per-rank shape; 1F1B, ZB-H1 (and 2BW) solved on it, each run once."""
+def bars_1_2(model: str, repeats: int, with_2bw: bool, pairs: int = 0) -> list[dict[str, Any]]:
+    """One profile of the one-stage-per-rank shape; 1F1B, ZB-H1 (and 2BW) solved on it, each run once; then, with
+    ``pairs``, bar 2 again from that many paired 1F1B/2BW jobs of one launch on the same profile
+    (:func:`paired_bar_2`)."""
     from pipesched.optimizer.solve import solve_family
 
     record: dict[str, Any] = {"bar": "1", "load_before": _load()}
@@ -126,10 +134,7 @@ def bars_1_2(model: str, repeats: int, with_2bw: bool) -> list[dict[str, Any]]:
     record["load_after"] = _load()
     out = [record]
     if with_2bw:
-        changes: dict[str, Any] = {"training": {"flush": False, "weight_versions": 2}, "objective": "step_period"}
-        if profile.two_version_optimizer_step is not None:
-            changes["costs.optimizer_step"] = profile.two_version_optimizer_step
-        schedule = solve_family(problem.with_changes(**changes), "pipedream-2bw")
+        schedule = _two_bw(problem, profile.two_version_optimizer_step)
         two_bw = _step_record(schedule, _run(schedule, model, weight_update="2bw"), True)
         one = cases["1f1b"]
         predicted_gain = one["predicted_ms"] - two_bw["predicted_ms"]
@@ -145,7 +150,79 @@ def bars_1_2(model: str, repeats: int, with_2bw: bool) -> list[dict[str, Any]]:
                 "load_after": _load(),
             }
         )
+    if pairs:
+        out.append(paired_bar_2(model, repeats, pairs, profile))
     return out
+
+
+def _two_bw(problem: Any, two_version_step: Any) -> Any:
+    """PipeDream-2BW on ``problem`` (no flush, two weight versions, its optimizer step with the second version's
+    copy when the profile timed it), solved for its steady period."""
+    from pipesched.optimizer.solve import solve_family
+
+    changes: dict[str, Any] = {"training": {"flush": False, "weight_versions": 2}, "objective": "step_period"}
+    if two_version_step is not None:
+        changes["costs.optimizer_step"] = two_version_step
+    return solve_family(problem.with_changes(**changes), "pipedream-2bw")
+
+
+#: A pair is read as quiet when no rank of either job waited more than this for its core in a step (``run_delay_ms``):
+#: section 1 of bench/results/issue25_bars.md found every case of bar 1 within its bar where no rank waited more than
+#: 20 ms a step, and the processes outside the team lock the cause where they did.
+QUIET_DELAY_MS = 20.0
+
+
+def _most_delay(job: dict[str, Any]) -> float:
+    """The most any rank of a job waited for its core in one step (ms; 0 where not reported)."""
+    return max((max(delays or [0.0]) for delays in job["run_delay_ms"]), default=0.0)
+
+
+def paired_bar_2(model: str, repeats: int, pairs: int, profile: Any = None) -> dict[str, Any]:
+    """Bar 2 from ``pairs`` adjacent 1F1B/2BW pairs of one launch (ABBA), on ``profile`` (a fresh one if ``None``)."""
+    from pipesched.optimizer.solve import solve_family
+    from pipesched.runtime.launch import run_schedules
+    from pipesched.runtime.options import TrainingOptions
+
+    record: dict[str, Any] = {"bar": "2p", "load_before": _load(), "pairs": pairs}
+    if profile is None:
+        profile = _profiled(record, 1, 1, repeats, model)
+    cases = {
+        "1f1b": solve_family(profile.problem, "1f1b"),
+        "2bw": _two_bw(profile.problem, profile.two_version_optimizer_step),
+    }
+    order = [name for k in range(pairs) for name in (("1f1b", "2bw") if k % 2 == 0 else ("2bw", "1f1b"))]
+    updates = {"1f1b": "sync", "2bw": "2bw"}
+    options = [TrainingOptions(steps=STEPS, lr=0.01, weight_update=updates[name]) for name in order]
+    reports = run_schedules(
+        [cases[name] for name in order], model=model, engine="pipesched", training=options, timeout_s=900
+    )
+    jobs = []
+    for name, report in zip(order, reports, strict=True):
+        assert report is not None
+        jobs.append({"case": name} | _step_record(cases[name], report, name == "2bw"))
+    gains: dict[str, list[float]] = {"best": [], "median": []}
+    quiet = []
+    for k in range(pairs):
+        one, two = sorted(jobs[2 * k : 2 * k + 2], key=lambda job: job["case"])  # "1f1b" < "2bw"
+        gains["best"].append(one["best_ms"] - two["best_ms"])
+        gains["median"].append(one["median_ms"] - two["median_ms"])
+        if max(_most_delay(one), _most_delay(two)) <= QUIET_DELAY_MS:
+            quiet.append(k)
+    predicted_gain = one["predicted_ms"] - two["predicted_ms"]
+    medians = {k: statistics.median(v) for k, v in gains.items()}
+    if quiet:
+        medians["best, quiet pairs"] = statistics.median(gains["best"][k] for k in quiet)
+    record |= {
+        "order": order,
+        "jobs": jobs,
+        "predicted_gain_ms": predicted_gain,
+        "gain_ms": gains,
+        "quiet_pairs": quiet,
+        "median_gain_ms": medians,
+        "met": {k: v >= GAIN_SHARE * predicted_gain for k, v in medians.items()},
+        "load_after": _load(),
+    }
+    return record
 
 
 def bar_3(model: str, repeats: int, steps: int = STEPS) -> dict[str, Any]:
@@ -214,7 +291,7 @@ def _summary(paths: list[Path]) -> None:
     for tag in tags:
         mine = [r for r in records if r.get("tag", "") == tag]
         print(f"== {tag}")
-        for bar in ("1", "2", "3", "demo"):
+        for bar in ("1", "2", "2p", "3", "demo"):
             rows = [r for r in mine if r["bar"] == bar]
             if not rows:
                 continue
@@ -251,6 +328,20 @@ def _summary(paths: list[Path]) -> None:
                         f"{f} {100 * c['best_error']:+.0f}% (pred {c['predicted_ms']:.0f}, best {c['best_ms']:.0f})"
                         for f, c in r["cases"].items()
                     )
+                elif bar == "2p":
+                    detail = (
+                        f"predicted gain {r['predicted_gain_ms']:.0f}, per pair best "
+                        + " ".join(f"{g:+.0f}" for g in r["gain_ms"]["best"])
+                        + f" (median {r['median_gain_ms']['best']:+.0f}), median "
+                        + " ".join(f"{g:+.0f}" for g in r["gain_ms"]["median"])
+                        + f" (median {r['median_gain_ms']['median']:+.0f})"
+                        + (
+                            f"; quiet pairs {r['quiet_pairs']}: best median "
+                            f"{r['median_gain_ms']['best, quiet pairs']:+.0f}"
+                            if r.get("quiet_pairs")
+                            else "; no quiet pair"
+                        )
+                    )
                 elif bar == "2":
                     detail = (
                         f"predicted gain {r['predicted_gain_ms']:.0f}, best {r['gain_ms']['best']:+.0f}, "
@@ -278,6 +369,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bar3-steps", type=int, default=STEPS, help="bar 3's run (the issue names none; bar 1's 4 by default)"
     )
+    parser.add_argument(
+        "--bar2-pairs",
+        type=int,
+        default=0,
+        help="also read bar 2 from this many adjacent 1F1B/2BW pairs of one launch (ABBA), on bar 1's profile",
+    )
     parser.add_argument("--tag", default="")
     parser.add_argument("--output", type=Path, help="JSON lines, appended")
     parser.add_argument("--summary", type=Path, nargs="*", help="print the counts of these files and exit")
@@ -293,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     for launch in range(args.launches):
         records: list[dict[str, Any]] = []
         if bars & {"1", "2"}:
-            records += bars_1_2(args.model, args.repeats, "2" in bars)
+            records += bars_1_2(args.model, args.repeats, "2" in bars, args.bar2_pairs)
         if "3" in bars:
             records.append(bar_3(args.model, args.repeats, args.bar3_steps))
         if "demo" in bars:

@@ -139,14 +139,23 @@ def pinned_core(local_rank: int, nproc: int, replicas: int, cores: int) -> int:
 #: stage's forward + backward (CPU, one thread) took 1,000–4,000 minor page faults (fresh pages zeroed by the kernel),
 #: a number that follows the process's allocation history, and a rank 12,000–85,000 in a 4-step run; kept, 14–6,600
 #: after a launch's first run, and over 16 interleaved runs (1F1B and PipeDream-2BW) the passes' medians were 7–16 %
-#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md).
-MALLOC_SETTINGS = ("keep", "glibc")
+#: faster and their spread between runs narrower in 3 of 4 launches (bench/results/two_bw_passes.md). ``one-arena``
+#: is ``keep`` with ``M_ARENA_MAX`` 1: every thread allocates from the main heap, which the settings above keep.
+#: Under ``keep`` glibc gives each further thread an arena of 64 MiB heaps and unmaps a heap once its last block is
+#: freed, whatever ``M_TRIM_THRESHOLD`` says; the communication stream's thread allocates a stage's reduce-scatter
+#: input there (10.5 MB for gpt-small's last stage), and in a breadth-first pp 2 × dp 2 run it faulted on all 2,570
+#: pages of it in 2–4 of the 6 replica-steps of steps 2–4 and seldom later (2–3 of 24), each such REDUCE_GRAD 10–30
+#: ms longer beside the passes; with one arena none of 88 faulted. Not the default: issue 25's bar 3, 7 launches
+#: each way alternating, met 0 of 7 with it and 3 of 7 without (R24, bench/results/issue25_bars.md, section 8).
+MALLOC_SETTINGS = ("keep", "glibc", "one-arena")
 #: ``mallopt`` parameters (glibc's ``malloc.h``) and the values ``keep`` sets.
 _KEEP_FREED_MEMORY = {
     "M_TRIM_THRESHOLD": (-1, 2**31 - 1),
     "M_TOP_PAD": (-2, 64 << 20),
     "M_MMAP_THRESHOLD": (-3, 1 << 30),
 }
+#: The ``mallopt`` parameter ``one-arena`` adds to ``keep``'s (one malloc arena for every thread).
+_ONE_ARENA = {"M_ARENA_MAX": (-8, 1)}
 
 
 #: What the rank processes' Python garbage collector does between jobs (``PIPESCHED_GC``): ``freeze`` (default)
@@ -190,9 +199,10 @@ def _environment_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def keep_freed_memory() -> dict[str, bool]:
-    """Set this process's heap to keep what it frees (:data:`MALLOC_SETTINGS`' ``keep``): each ``mallopt``
-    parameter's name → whether glibc accepted it; empty where the C library has no ``mallopt`` (not glibc)."""
+def keep_freed_memory(one_arena: bool = False) -> dict[str, bool]:
+    """Set this process's heap to keep what it frees (:data:`MALLOC_SETTINGS`' ``keep``; ``one_arena``: and one
+    arena for every thread, ``one-arena``): each ``mallopt`` parameter's name → whether glibc accepted it; empty
+    where the C library has no ``mallopt`` (not glibc)."""
     import ctypes
 
     try:
@@ -200,7 +210,8 @@ def keep_freed_memory() -> dict[str, bool]:
     except (AttributeError, OSError):
         return {}
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return {name: mallopt(param, value) == 1 for name, (param, value) in _KEEP_FREED_MEMORY.items()}
+    settings = _KEEP_FREED_MEMORY | (_ONE_ARENA if one_arena else {})
+    return {name: mallopt(param, value) == 1 for name, (param, value) in settings.items()}
 
 
 def _pin_to_core(local_rank: int, nproc: int, replicas: int) -> None:
@@ -227,7 +238,8 @@ def _worker(
     in turn (``entry(job, global_rank, device, timeout_s)``: a run's :func:`~pipesched.runtime.training.train_rank`,
     a profile's rank); process 0 gathers every process's result of each job. One intra-op thread per process,
     pinned to a core (``pin``; ``replicas``: the data-parallel size, :func:`pinned_core`), its heap keeping what it
-    frees unless ``malloc`` (``PIPESCHED_MALLOC`` as the launcher read it) says ``glibc`` (:data:`MALLOC_SETTINGS`),
+    frees unless ``malloc`` (``PIPESCHED_MALLOC`` as the launcher read it) says ``glibc``, with one arena for every
+    thread where it says ``one-arena`` (:data:`MALLOC_SETTINGS`),
     its collector's objects frozen before each job unless ``collector`` says ``python`` (:data:`GC_SETTINGS`)."""
     import gc
 
@@ -238,8 +250,8 @@ def _worker(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         torch.set_num_threads(1)
-        if malloc == "keep":
-            keep_freed_memory()
+        if malloc in ("keep", "one-arena"):
+            keep_freed_memory(one_arena=malloc == "one-arena")
         if pin and backend == "gloo":
             _pin_to_core(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), replicas)
         if backend == "nccl":

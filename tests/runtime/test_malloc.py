@@ -37,22 +37,30 @@ def _faults_per_allocation(job: _Job, global_rank: int, device: Any, timeout_s: 
     return faults
 
 
+def _kept_and_defaults(
+    job: Any, tmp_path: Any, monkeypatch: Any, settings: tuple[str, str] = ("keep", "glibc")
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """``job`` in two launches of 2 processes, one per ``PIPESCHED_MALLOC`` setting (default: kept, the default,
+    then glibc's defaults)."""
+    from pipesched.runtime.launch import launch_jobs
+
+    found = []
+    for setting in settings:
+        (tmp_path / setting).mkdir()
+        monkeypatch.setenv("PIPESCHED_MALLOC", setting)
+        found.append(launch_jobs(job, [_Job(str(tmp_path / setting))], world=2, timeout_s=120))
+    assert found[0] is not None and found[1] is not None
+    return found[0], found[1]
+
+
 @pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's mallopt; page-fault counts as Linux keeps them")
 def test_the_launchers_processes_reuse_freed_tensor_memory_and_glibc_defaults_fault_every_page(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     import ctypes
 
-    from pipesched.runtime.launch import launch_jobs
-
     if not hasattr(ctypes.CDLL(None), "mallopt"):
         pytest.skip("no mallopt: not glibc")
-    (tmp_path / "keep").mkdir()
-    (tmp_path / "glibc").mkdir()
-    monkeypatch.delenv("PIPESCHED_MALLOC", raising=False)
-    kept = launch_jobs(_faults_per_allocation, [_Job(str(tmp_path / "keep"))], world=2, timeout_s=120)
-    monkeypatch.setenv("PIPESCHED_MALLOC", "glibc")
-    defaults = launch_jobs(_faults_per_allocation, [_Job(str(tmp_path / "glibc"))], world=2, timeout_s=120)
-    assert kept is not None and defaults is not None
+    kept, defaults = _kept_and_defaults(_faults_per_allocation, tmp_path, monkeypatch)
     for rank in range(2):
         # kept: the first allocations grow the heap (their pages fault once; here 7 of them), the last ones reuse it
         assert max(kept[0][rank][-4:]) < PAGES // 20, kept
@@ -60,13 +68,53 @@ def test_the_launchers_processes_reuse_freed_tensor_memory_and_glibc_defaults_fa
         assert min(defaults[0][rank][1:]) > PAGES // 2, defaults
 
 
-def test_pipesched_malloc_takes_keep_or_glibc_and_names_its_choices_otherwise(monkeypatch):
+def test_pipesched_malloc_takes_keep_glibc_or_one_arena_and_names_its_choices_otherwise(monkeypatch):
     from pipesched.runtime.launch import ScheduleError, malloc_setting
 
     monkeypatch.delenv("PIPESCHED_MALLOC", raising=False)
     assert malloc_setting() == "keep"
     monkeypatch.setenv("PIPESCHED_MALLOC", " GLIBC ")
     assert malloc_setting() == "glibc"
+    monkeypatch.setenv("PIPESCHED_MALLOC", "one-arena")
+    assert malloc_setting() == "one-arena"
     monkeypatch.setenv("PIPESCHED_MALLOC", "jemalloc")
-    with pytest.raises(ScheduleError, match="PIPESCHED_MALLOC='jemalloc': use one of keep, glibc"):
+    with pytest.raises(ScheduleError, match="PIPESCHED_MALLOC='jemalloc': use one of keep, glibc, one-arena"):
         malloc_setting()
+
+
+def _arenas_after_a_thread_allocates(job: _Job, global_rank: int, device: Any, timeout_s: float) -> int:
+    """The process's malloc arenas (``malloc_info``'s ``<heap nr=…>`` entries) after a second thread, as the
+    communication stream is, allocated and freed a tensor."""
+    import ctypes
+    import threading
+
+    import torch
+
+    thread = threading.Thread(target=lambda: torch.ones(2**20).sum())
+    thread.start()
+    thread.join()
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    path = os.path.join(job.workdir, f"malloc-{global_rank}.xml")
+    stream = ctypes.c_void_p(libc.fopen(path.encode(), b"w"))
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    with open(path) as found:
+        return found.read().count("<heap nr=")
+
+
+@pytest.mark.skipif(os.uname().sysname != "Linux", reason="glibc's arenas")
+def test_one_arena_puts_every_thread_of_a_kept_process_on_the_one_kept_heap(tmp_path, monkeypatch):
+    """``one-arena`` sets ``M_ARENA_MAX`` 1: a second thread (the communication stream's) allocates from the main
+    heap, whose freed memory ``keep``'s settings keep, not from an arena of its own, whose 64 MiB heaps glibc unmaps
+    when emptied whatever ``M_TRIM_THRESHOLD`` says (under ``keep`` a breadth-first pp 2 × dp 2 run's REDUCE_GRAD
+    faulted on all 2,570 pages of its reduce-scatter input in the run's first steps; bench/results/issue25_bars.md,
+    R24)."""
+    pytest.importorskip("torch")
+    import ctypes
+
+    if not hasattr(ctypes.CDLL(None), "malloc_info"):
+        pytest.skip("no malloc_info: not glibc")
+    one, kept = _kept_and_defaults(_arenas_after_a_thread_allocates, tmp_path, monkeypatch, ("one-arena", "keep"))
+    assert one == [[1, 1]]
+    assert min(kept[0]) >= 2, kept
