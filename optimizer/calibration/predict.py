@@ -144,13 +144,14 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     """The active catalogue with what the row's framework did that no request states: FSDP's backward prefetch
     (``software.fsdp_backward_prefetch``, e.g. MosaicML Composer's BACKWARD_POST), when FSDP reduces the gradients
     (``software.fsdp_gradient_sync``, e.g. NeMo AutoModel's once a step) and the attention kernel PyTorch
-    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``), over what its
+    ran (``software.attention_kernel`` "cudnn": the software profile's ``pytorch_sdpa_backend``), whether a compiled
+    run compiled its loss (``software.compiled_loss``: ``pytorch_compiled_loss``), over what its
     framework runs (:data:`~pipesched.optimizer.frameworks.FRAMEWORK_SOFTWARE`: llm-foundry's loss and prefetch,
     "composer"; NeMo AutoModel's bf16 model under FSDP and its gradient sync, "automodel"; a field the row states
     wins). With ``kernels``
     given (the framework ignored, as for a layout given without one) the planner's defaults stay."""
     catalogue = active_catalogue()
-    stated: dict[str, str] = dict(FRAMEWORK_SOFTWARE.get(row.software.framework, {}))
+    stated: dict[str, str | bool] = dict(FRAMEWORK_SOFTWARE.get(row.software.framework, {}))
     stated.update(
         (name, getattr(row.software, name))
         for name in ("fsdp_backward_prefetch", "fsdp_gradient_sync")
@@ -158,6 +159,8 @@ def run_software(row: Measurement, kernels: str | None = None) -> Iterator[None]
     )
     if row.software.attention_kernel == "cudnn":
         stated["pytorch_sdpa_backend"] = "cudnn"
+    if row.software.compiled_loss is not None:
+        stated["pytorch_compiled_loss"] = row.software.compiled_loss
     software = catalogue.software
     if kernels is not None or all(getattr(software, field) == value for field, value in stated.items()):
         yield

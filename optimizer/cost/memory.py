@@ -93,6 +93,14 @@ per-layer count does not hold), by how the framework computes the cross-entropy:
 - ``fused`` (flash-attn's ``CrossEntropyLoss``, llm-foundry's default ``loss_fn: fused_crossentropy``,
   ``llmfoundry/models/mpt/modeling_mpt.py``): the bf16 logits saved (2), fp32 only per row; its backward
   allocates their bf16 gradient (2): transient 2.
+- ``compiled`` (torchtitan's same ``cross_entropy_loss`` under ``torch.compile``, as a compiled torchtitan run
+  compiles it: ``build_cross_entropy_loss`` with ``--training.compile`` from April 2025, PR #1033, commit bbb1b61,
+  through v0.1.0; ``--compile.components`` ``["model", "loss"]`` by default from v0.2.0): Inductor's partitioner
+  saves the bf16 logits and two fp32 numbers a row (the maximum and the sum of exponentials) and recomputes the
+  fp32 log-softmax inside the backward's one kernel, which writes the logits' bf16 gradient: 2 held, transient 2
+  (``tests/runtime/test_compiled_loss_bytes.py`` counts the saved bytes on torch's own ``torch.compile``).
+  torchtitan 9dec370 (Dec 2024) left the loss eager (``train.py``: "compiling loss function causes CUDA errors,
+  turning off for now", commit e8977b0), so its compiled runs are ``fp32``.
 """
 
 from __future__ import annotations
@@ -120,6 +128,7 @@ CROSS_ENTROPY_BYTES: dict[str, tuple[float, float]] = {
     "fp32": (4.0, 8.0),
     "vocab_parallel": (4.0, 2.0),
     "fused": (2.0, 2.0),
+    "compiled": (2.0, 2.0),
 }
 
 

@@ -197,6 +197,15 @@ class SoftwareProfile(StrictModel):
         "CrossEntropyLoss, llm-foundry's default loss_fn: 2 and 2); a calibration row of software.framework "
         "'composer' states 'fused'. Megatron's fused plans run its vocab-parallel cross-entropy.",
     )
+    pytorch_compiled_loss: bool = Field(
+        True,
+        description="Whether a compiled plan's loss is compiled too, where the loss is 'fp32' and not split over "
+        "tensor-parallel ranks (pipesched.optimizer.cost.memory, CROSS_ENTROPY_BYTES 'compiled': 2 bytes per logit "
+        "held, 2 more in its backward): torchtitan compiles it with the model (torchtitan/components/loss.py, "
+        "--training.compile from April 2025 and v0.1.0, --compile.components ['model', 'loss'] by default from "
+        "v0.2.0); a calibration row of torchtitan 9dec370 (Dec 2024), whose train.py left the loss eager, says "
+        "software.compiled_loss false.",
+    )
     fused_fsdp_state: Literal["zero3", "bf16_parameters"] = Field(
         "zero3",
         description="What a fully sharded (sharding 'full') run with hand-fused kernels keeps per parameter "

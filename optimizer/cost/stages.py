@@ -748,7 +748,7 @@ def head_block(
     traffic = hardware.software.elementwise_traffic[model.kernels]
     norm = norm_parameters(model)
     reserve = activation_reserve(model, hardware)
-    held, transient = cross_entropy_bytes(cross_entropy_of(model, hardware))
+    held, transient = cross_entropy_bytes(cross_entropy_of(model, hardware, t))
     return Block(
         forward_ms=gemm + elementwise_ms(traffic * (2 * d + 4) * logits, hardware),
         backward_input_ms=gemm + elementwise_ms(traffic * (4 + d) * logits, hardware),
@@ -760,13 +760,18 @@ def head_block(
     )
 
 
-def cross_entropy_of(model: ModelConfig, hardware: Hardware) -> str:
+def cross_entropy_of(model: ModelConfig, hardware: Hardware, tensor_parallel: int = 1) -> str:
     """How the loss is computed (:data:`~pipesched.optimizer.cost.memory.CROSS_ENTROPY_BYTES`): Megatron-Core's
     ``vocab_parallel`` with hand-fused kernels, else the software profile's ``pytorch_cross_entropy`` (torchtitan's
-    ``fp32`` for a plan; a calibration row of llm-foundry states flash-attn's ``fused``)."""
+    ``fp32`` for a plan; a calibration row of llm-foundry states flash-attn's ``fused``), which a compiled plan
+    compiles with its layers (``compiled``: the profile's ``pytorch_compiled_loss``, torchtitan's practice from
+    April 2025). Over ``tensor_parallel`` > 1 ranks torchtitan's loss-parallel cross-entropy saves its fp32
+    log-probabilities explicitly, so it stays ``fp32``."""
     if model.kernels == "fused":
         return "vocab_parallel"
-    return hardware.software.pytorch_cross_entropy
+    implementation = hardware.software.pytorch_cross_entropy
+    compiled = model.kernels == "compiled" and hardware.software.pytorch_compiled_loss and tensor_parallel == 1
+    return "compiled" if compiled and implementation == "fp32" else implementation
 
 
 @dataclass

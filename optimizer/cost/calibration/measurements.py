@@ -103,6 +103,7 @@ class Software(StrictModel):
     fsdp_gradient_sync: Literal["every_microbatch", "last_microbatch"] = "every_microbatch"
     moe_all_to_all_overlap: bool = False
     mixed_precision: str | None = None
+    compiled_loss: bool | None = None
     assumed: list[str] = Field(default_factory=list)
     notes: str | None = None
 
