@@ -138,12 +138,14 @@ def _with_full_allow(scope: Scope, message: Message, routes: RouteMethods) -> Me
 
 
 def _http_error_response(request: Request, error: Exception) -> JSONResponse:
-    """HTTP errors as ``{"detail": …}``; a 400 (a body that could not be read) in the shape of a 422,
-    ``[{"loc", "msg", "type"}]``, with the reason."""
+    """HTTP errors as ``{"detail": …}``; a body that could not be read (Starlette's 400) is a 422, the
+    contract's answer to bad input, ``[{"loc": ["body"], "msg", "type"}]`` with the reason."""
     assert isinstance(error, StarletteHTTPException)
     headers = getattr(error, "headers", None)
     detail: Any = error.detail
-    if error.status_code == 400 and not isinstance(detail, list):
+    status = error.status_code
+    if status == 400 and not isinstance(detail, list):
+        status = 422
         cause = error.__cause__ or error.__context__
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(detail)
         detail = [
@@ -154,7 +156,7 @@ def _http_error_response(request: Request, error: Exception) -> JSONResponse:
                 "type": "body_unreadable",
             }
         ]
-    return JSONResponse({"detail": detail}, status_code=error.status_code, headers=headers)
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
 def _unreachable_response(request: Request, error: Exception) -> JSONResponse:
@@ -243,7 +245,8 @@ def _body_of(request: Request) -> str:
 
 
 def _validation_response(request: Request, error: Exception) -> JSONResponse:
-    """422 with ``{"detail": [{"loc", "msg", "type"}]}``; 400 when the body is not JSON at all."""
+    """422 with ``{"detail": [{"loc", "msg", "type"}]}``, also when the body is not JSON at all (``loc``
+    ``["body"]``): the contract's one status for bad input."""
     assert isinstance(error, RequestValidationError)
     body = _body_of(request)
     wanted = _DOCUMENTS.get(request.url.path.rstrip("/"))
@@ -252,13 +255,11 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
         detail = {"loc": ["body"], "msg": other.rstrip("\n"), "type": "wrong_document"}
         return JSONResponse({"detail": [detail]}, status_code=422)
     details: list[dict[str, Any]] = []
-    status = 422
     for item in error.errors():
         loc = list(item.get("loc", ()))
         msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
         kind = str(item.get("type", "value_error"))
         if kind == "json_invalid":
-            status = 400
             reason = (item.get("ctx") or {}).get("error", "")
             where = f" at character {loc[1]}" if len(loc) > 1 else ""
             msg = f"the request body is not valid JSON{where}: {reason or msg}; send {body} as a JSON object"
@@ -273,7 +274,7 @@ def _validation_response(request: Request, error: Exception) -> JSONResponse:
             )
             kind = "content_type"
         details.append({"loc": loc, "msg": msg, "type": kind})
-    return JSONResponse({"detail": details}, status_code=status)
+    return JSONResponse({"detail": details}, status_code=422)
 
 
 def _finished_body(svc: Services, kind: str, target_id: str) -> tuple[str, bytes] | None:

@@ -111,7 +111,7 @@ class ErrorDetail(BaseModel):
 
 
 class ValidationErrors(BaseModel):
-    """422 (or 400 for a body that is not JSON): every offending field with a sentence to act on."""
+    """422: every offending field with a sentence to act on (``loc`` ``["body"]`` for a body that is not JSON)."""
 
     detail: list[ErrorDetail]
 
@@ -125,12 +125,14 @@ class HTTPError(BaseModel):
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses=`` for the given error codes."""
     described = {
-        400: ("The body cannot be read as JSON: the reason, in the shape of a 422.", ValidationErrors),
         401: ("Missing or wrong `Authorization: Bearer <token>` (when the service has a token).", HTTPError),
         404: ("No such id.", HTTPError),
         409: ("The schedule is infeasible: it has no actions to render in this format.", HTTPError),
         413: ("The body, or the schedule to draw, is larger than the service accepts.", HTTPError),
-        422: ("A field is invalid: its path and what to change.", ValidationErrors),
+        422: (
+            'A field is invalid, or the body is not JSON: its path (`["body"]` for the body) and what to change.',
+            ValidationErrors,
+        ),
         429: ("The queue for this kind of work is full: retry after `Retry-After` seconds.", HTTPError),
         503: ("The database cannot be reached, or a worker process died.", HTTPError),
         504: ("No answer within the time limit (plus a grace period).", HTTPError),

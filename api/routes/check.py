@@ -118,7 +118,7 @@ class CheckAnswer(BaseModel):
     dependencies=[Depends(stored_profiles)],
     summary="Time and check a schedule written elsewhere (action lists or PyTorch CSV)",
     response_model=CheckAnswer,
-    responses=error_responses(400, 401, 413, 422, 429, 503, 504),
+    responses=error_responses(401, 413, 422, 429, 503, 504),
 )
 def check(request: CheckRequest, svc: Services = Depends(services)) -> CheckAnswer:
     """200 with ``valid: true`` and the objective, or ``valid: false`` and the first violation; 422 for a schedule

@@ -59,7 +59,7 @@ def job_status(svc: Services, row: JobRow) -> JobStatus:
     dependencies=[Depends(stored_profiles)],
     summary="Queue a solve; poll GET /v1/jobs/{id}",
     response_model=JobCreated,
-    responses=error_responses(400, 401, 413, 422, 429, 503),
+    responses=error_responses(401, 413, 422, 429, 503),
 )
 def create_job(
     problem: JobDocument,

@@ -44,7 +44,7 @@ class PlanStatus(PlanAnswer):
     dependencies=[Depends(stored_profiles)],
     summary="Queue a plan search; poll GET /v1/plans/{id}",
     response_model=JobCreated,
-    responses=error_responses(400, 401, 413, 422, 429),
+    responses=error_responses(401, 413, 422, 429),
 )
 def create_plan(
     request: PlanDocument,

@@ -89,7 +89,7 @@ def with_cache_field(schedule_json: str, hit: bool) -> str:
     dependencies=[Depends(stored_profiles)],
     summary="Solve a problem within its time limit and answer the schedule",
     response_model=ScheduleAnswer,
-    responses=error_responses(400, 401, 413, 422, 429, 503, 504),
+    responses=error_responses(401, 413, 422, 429, 503, 504),
 )
 def solve_schedule(problem: ProblemDocument, response: Response, svc: Services = Depends(services)) -> Response:
     """Solve ``problem`` (clamped to the service's time limit) and answer the schedule with its ``id``.

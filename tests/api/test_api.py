@@ -251,7 +251,7 @@ def test_bad_input_names_the_field(client: TestClient) -> None:
 
 def test_malformed_json_and_empty_body(client: TestClient) -> None:
     response = client.post("/v1/schedules", content=b'{"pipeline": ', headers={"content-type": "application/json"})
-    assert response.status_code == 400
+    assert response.status_code == 422
     assert "not valid JSON" in response.json()["detail"][0]["msg"]
     empty = client.post("/v1/jobs")
     assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body"]
@@ -482,7 +482,8 @@ def test_the_openapi_schema_documents_errors_with_stable_operation_ids(client: T
         "health",
         "metrics",
     }
-    assert {"400", "413", "422"} <= set(operations["solve_schedule"]["responses"])
+    assert {"413", "422"} <= set(operations["solve_schedule"]["responses"])
+    assert "400" not in operations["solve_schedule"]["responses"]  # bad input is a 422 (contract)
     assert "404" in operations["get_job"]["responses"]
 
 

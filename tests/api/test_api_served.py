@@ -146,7 +146,7 @@ def test_serve_solves_stores_and_exports(served: ServedApi) -> None:
     csv = served.client.get(f"/v1/schedules/{first.json()['id']}", params={"format": "csv"})
     assert csv.status_code == 200 and csv.text.startswith("0F0")
     bad = served.client.post("/v1/schedules", content=b"[1, 2", headers={"content-type": "application/json"})
-    assert bad.status_code == 400
+    assert bad.status_code == 422
     metrics = served.client.get("/metrics").text
     assert 'pipesched_cache_lookups_total{result="hit"}' in metrics
 

@@ -1,6 +1,7 @@
 """The service's limits: bounded queues (429 with Retry-After), a dead worker fails only its task,
-drawings in a capped render process, bounded metric labels, one 400 shape, the full Allow of a 405,
-the API token on every /v1 route, and `pipesched serve` refusing a public interface without a token.
+drawings in a capped render process, bounded metric labels, one shape for a body that is not JSON (a 422),
+the full Allow of a 405, the API token on every /v1 route, and `pipesched serve` refusing a public interface
+without a token.
 
 Real worker processes (killed with SIGKILL), real SQLite, the app's real lifespan.
 """
@@ -236,10 +237,10 @@ def test_metric_labels_stay_bounded_under_random_methods(client: TestClient) -> 
     assert metric_value(text, "pipesched_http_requests_total", method="GET", route="unmatched", status="404") == 40
 
 
-def test_every_400_is_a_list_of_errors_with_the_reason(client: TestClient) -> None:
+def test_a_body_that_is_not_json_is_a_422_list_of_errors_with_the_reason(client: TestClient) -> None:
     for body in (b"\xff\xfe{", b'{"pipeline": '):
         response = client.post("/v1/schedules", content=body, headers={"content-type": "application/json"})
-        assert response.status_code == 400, response.text
+        assert response.status_code == 422, response.text
         (detail,) = response.json()["detail"]
         assert detail["loc"] == ["body"] and detail["msg"] and detail["type"]
     unreadable = client.post("/v1/jobs", content=b"\xff\xfe{", headers={"content-type": "application/json"})
@@ -256,13 +257,13 @@ def test_the_405_on_a_job_allows_get_and_delete(client: TestClient) -> None:
     assert client.options("/v1/schedules/abc").headers["allow"] == "GET"
 
 
-def test_the_check_route_documents_its_400_and_429(client: TestClient) -> None:
+def test_the_check_route_documents_its_422_and_429(client: TestClient) -> None:
     responses = client.get("/openapi.json").json()["paths"]["/v1/schedules/check"]["post"]["responses"]
-    assert {"400", "422", "429", "503", "504"} <= set(responses)
+    assert {"422", "429", "503", "504"} <= set(responses)
     unreadable = client.post(
         "/v1/schedules/check", content=b'{"problem": ', headers={"content-type": "application/json"}
     )
-    assert unreadable.status_code == 400 and unreadable.json()["detail"][0]["loc"] == ["body"]
+    assert unreadable.status_code == 422 and unreadable.json()["detail"][0]["loc"] == ["body"]
 
 
 def test_a_body_that_is_not_sent_as_json_is_told_so(client: TestClient) -> None:
@@ -294,7 +295,7 @@ def test_a_body_not_sent_as_json_is_told_what_the_route_takes(client: TestClient
         )
         for content, content_type in cases:  # sent as a form, no body, not JSON
             answer = client.post(route, content=content, headers={"content-type": content_type})
-            assert answer.status_code in (400, 422), answer.text
+            assert answer.status_code == 422, answer.text
             (detail,) = answer.json()["detail"]
             assert f"send {what}" in detail["msg"] and "as a JSON object" in detail["msg"], (route, content, detail)
     check = client.post("/v1/schedules/check", content=b"", headers={"content-type": "application/json"})
