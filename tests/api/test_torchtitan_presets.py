@@ -47,15 +47,26 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
         {"pipeline_parallel": 4, "tensor_parallel": 1, "expert_parallel": 16, "data_parallel_size": 16},
     ),
     "gpt-oss-20b": (1, {"pipeline_parallel": 2, "tensor_parallel": 1, "expert_parallel": 4}),
-    "mixtral-8x7b": (8, {"expert_parallel": 8, "data_parallel_size": 32, "sharding": "full"}),
+    "mixtral-8x7b": (
+        8,
+        {
+            "pipeline_parallel": 4,
+            "tensor_parallel": 1,
+            "expert_parallel": 8,
+            "data_parallel_size": 16,
+            "sharding": "optimizer",
+            "stages_per_rank": 2,
+            "placement": "v",
+        },
+    ),
     "mixtral-8x22b": (
         128,
         {
-            "pipeline_parallel": 8,
+            "pipeline_parallel": 4,
             "tensor_parallel": 2,
             "expert_parallel": 8,
-            "data_parallel_size": 64,
-            "sharding": "full",
+            "data_parallel_size": 128,
+            "stages_per_rank": 8,
         },
     ),
 }
