@@ -17,8 +17,9 @@ Sources of the names:
   ``module_fqns_per_model_part`` fixes the stages' layers. FP8 is a model converter (``Float8LinearConverter``)
   set in a config function: where the preset's function has another precision than the plan (and the module
   ships no Float8 function, as ``deepseek_v3_671b_float8``), or where torchtitan registers the preset's flavor
-  without a function that builds it (Qwen3 ``235B-A22B``), a config module is written beside the args
-  (:attr:`TorchtitanLaunch.config_source`).
+  without a function that builds it (Qwen3 ``235B-A22B``), or where torchtitan ships no model of the preset
+  (Mixtral: built from its common attention and MoE blocks, ``models/common/config_utils.py``), a config module
+  is written beside the args (:attr:`TorchtitanLaunch.config_source`).
 * Megatron-LM (``megatron/training/arguments.py`` and the dataclasses it builds arguments from,
   ``megatron/core/model_parallel_config.py``, ``megatron/core/transformer/transformer_config.py``).
 """
@@ -58,6 +59,8 @@ __all__ = [
 CONFIG_MODULE_NAME = "pipesched_torchtitan"
 #: The config module written beside a plan whose precision is not the one of torchtitan's config (``$`` placeholders).
 CONFIG_TEMPLATE = "templates/torchtitan_config.py.tmpl"
+#: The config module written for a Mixtral plan: the model from torchtitan's common blocks, ``base``'s recipe.
+MIXTRAL_TEMPLATE = "templates/torchtitan_mixtral.py.tmpl"
 
 
 class LaunchError(ValueError):
@@ -81,7 +84,10 @@ class TorchtitanConfig:
     ``assets`` the ``hf_assets_path`` it sets (the flavor's tokenizer and checkpoint). ``attention``: the
     ``attn_backend`` the function's model attends with (``flex``, torchtitan's default; ``varlen`` for GPT-OSS,
     whose context parallelism torchtitan 0.3 does not run). ``max_seq_len``: the longest ``training.seq_len``
-    torchtitan trains the function's model at (its RoPE's ``max_seq_len``; the trainer refuses a longer one)."""
+    torchtitan trains the function's model at (its RoPE's ``max_seq_len``; the trainer refuses a longer one).
+    ``mixtral``: torchtitan ships no model of the preset; the written module builds Mixtral of the plan's shape from
+    torchtitan's common blocks (Qwen3's MoE decoder without QK norm; :data:`MIXTRAL_TEMPLATE`) with ``base``'s
+    recipe, ``flavor`` naming it."""
 
     module: str
     config: str
@@ -94,11 +100,13 @@ class TorchtitanConfig:
     assets: str | None = None
     attention: str = "flex"
     max_seq_len: int | None = None
+    mixtral: bool = False
 
 
 #: Model presets → torchtitan 0.3.0's config functions (``torchtitan/models/<module>/config_registry.py``).
-#: Mixtral has no torchtitan model; torchtitan's other functions build models no preset names (Qwen3 0.6B-32B
-#: dense, the 16B DeepSeek MoE ``deepseek_v3_16b``, Kimi, Qwen3.5, Flux).
+#: Mixtral has no torchtitan model: a written module builds it (Mistral AI's ``config.json``: RoPE theta 1e6 and
+#: ``max_position_embeddings`` 32,768 / 65,536). torchtitan's other functions build models no preset names (Qwen3
+#: 0.6B-32B dense, the 16B DeepSeek MoE ``deepseek_v3_16b``, Kimi, Qwen3.5, Flux).
 TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
     "llama3.1-8b": TorchtitanConfig("llama3", "llama3_8b", "8B", max_seq_len=131072),
     "llama3.1-70b": TorchtitanConfig("llama3", "llama3_70b", "70B", max_seq_len=131072),
@@ -121,6 +129,24 @@ TORCHTITAN_CONFIGS: dict[str, TorchtitanConfig] = {
         base="qwen3_30b_a3b",
         assets="./assets/hf/Qwen3-235B-A22B",
         max_seq_len=40960,
+    ),
+    "mixtral-8x7b": TorchtitanConfig(
+        "qwen3",
+        "mixtral_8x7b",
+        "8x7B",
+        base="qwen3_30b_a3b",
+        assets="./assets/hf/Mixtral-8x7B-v0.1",
+        max_seq_len=32768,
+        mixtral=True,
+    ),
+    "mixtral-8x22b": TorchtitanConfig(
+        "qwen3",
+        "mixtral_8x22b",
+        "8x22B",
+        base="qwen3_30b_a3b",
+        assets="./assets/hf/Mixtral-8x22B-v0.1",
+        max_seq_len=65536,
+        mixtral=True,
     ),
     "gpt-oss-20b": TorchtitanConfig("gpt_oss", "gpt_oss_20b", "20b", attention="varlen", max_seq_len=131072),
     "gpt-oss-120b": TorchtitanConfig("gpt_oss", "gpt_oss_120b", "120b", attention="varlen", max_seq_len=131072),
@@ -239,9 +265,9 @@ def _torchtitan_config(spec: LaunchSpec, module: str | None, config: str | None)
     return known
 
 
-def _config_function(known: TorchtitanConfig, precision: str) -> tuple[str, str, str | None]:
+def _config_function(known: TorchtitanConfig, precision: str, model: ModelConfig) -> tuple[str, str, str | None]:
     """The ``--module``, ``--config`` and written module source (``None``: torchtitan's own function) that train
-    ``known``'s model in ``precision``.
+    ``known``'s model (``model``'s shape where the module builds Mixtral) in ``precision``.
 
     Raises:
         LaunchError: an FP8 plan of a model whose torchtitan module has no Float8 function, other than Llama 3's.
@@ -251,14 +277,46 @@ def _config_function(known: TorchtitanConfig, precision: str) -> tuple[str, str,
     if precision == "fp8" and known.float8 is not None:
         return known.module, known.float8, None
     if precision == "fp8" and known.module != "llama3":
+        which = f"Mixtral {known.flavor} of its qwen3 blocks" if known.mixtral else f"{known.module} {known.flavor}"
         raise LaunchError(
-            f"the plan's precision is fp8, but torchtitan 0.3 has no Float8 config function for its {known.module} "
-            f"{known.flavor} (which trains in {known.precision}), and pipesched writes FP8 wrappers for llama3 "
-            f"configs only (Float8 linear layers; deepseek_v3 ships its own, deepseek_v3_671b_float8): pin "
+            f"the plan's precision is fp8, but torchtitan 0.3 has no Float8 config function for its {which} "
+            f"(which trains in {known.precision}), and pipesched writes FP8 wrappers for llama3 configs only (Float8 "
+            f"linear layers; deepseek_v3 ships its own, deepseek_v3_671b_float8): pin "
             f"search.precision to [{known.precision!r}] or name a config function of your own with --torchtitan-config"
         )
+    if known.mixtral:
+        return CONFIG_MODULE_NAME, known.config, _mixtral_module(known, model)
     name, source = _written_module(known, precision)
     return CONFIG_MODULE_NAME, name, source
+
+
+def _mixtral_module(known: TorchtitanConfig, model: ModelConfig) -> str:
+    """The config module building Mixtral of ``model``'s shape (layers, hidden size, heads, key/value heads, experts,
+    top-k, expert FFN width, vocabulary) from torchtitan 0.3's common blocks, with ``known.base``'s recipe."""
+    assert known.base is not None and known.assets is not None and known.max_seq_len is not None
+    summary = (
+        f"Mixtral {known.flavor}, which torchtitan 0.3 ships no model of, with {known.module} {known.base}'s recipe, "
+        f"trained in {known.precision}."
+    )
+    return string.Template(resources.files(__package__).joinpath(MIXTRAL_TEMPLATE).read_text()).substitute(
+        summary=summary,
+        config_module=CONFIG_MODULE_NAME,
+        name=known.config,
+        base=known.base,
+        flavor=known.flavor,
+        attention=known.attention,
+        assets=known.assets,
+        dim=model.hidden_size,
+        layers=model.num_layers,
+        heads=model.num_attention_heads,
+        kv_heads=model.key_value_heads,
+        head_dim=model.head_size,
+        experts=model.num_experts,
+        top_k=model.num_experts_per_token,
+        expert_ffn=model.expert_ffn_size,
+        vocab=model.vocab_size,
+        max_seq_len=known.max_seq_len,
+    )
 
 
 def _written_module(known: TorchtitanConfig, precision: str) -> tuple[str, str]:
@@ -398,7 +456,7 @@ def torchtitan_launch(
             f"with search.context_parallel [1], or name a config function of your own whose model attends with "
             f"attn_backend 'flex' (--torchtitan-config)"
         )
-    module_name, config_name, source = _config_function(known, spec.precision)
+    module_name, config_name, source = _config_function(known, spec.precision, spec.model)
     args = ["--module", module_name, "--config", config_name, *_parallelism_args(spec, csv_path)]
     args += [
         "--training.local_batch_size",

@@ -47,6 +47,28 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
         {"pipeline_parallel": 4, "tensor_parallel": 1, "expert_parallel": 16, "data_parallel_size": 16},
     ),
     "gpt-oss-20b": (1, {"pipeline_parallel": 2, "tensor_parallel": 1, "expert_parallel": 4}),
+    "mixtral-8x7b": (
+        8,
+        {
+            "pipeline_parallel": 4,
+            "tensor_parallel": 1,
+            "expert_parallel": 8,
+            "data_parallel_size": 16,
+            "sharding": "optimizer",
+            "stages_per_rank": 2,
+            "placement": "v",
+        },
+    ),
+    "mixtral-8x22b": (
+        128,
+        {
+            "pipeline_parallel": 4,
+            "tensor_parallel": 2,
+            "expert_parallel": 8,
+            "data_parallel_size": 128,
+            "stages_per_rank": 8,
+        },
+    ),
 }
 
 
@@ -87,8 +109,8 @@ def test_every_mapped_preset_has_a_layout_here() -> None:
 
 @pytest.mark.parametrize("preset", sorted(TORCHTITAN_CONFIGS))
 def test_torchtitan_builds_the_presets_model_with_the_plans_degrees(preset: str, tmp_path: Path) -> None:
-    """GPT-OSS 20B / 120B and Qwen3-235B-A22B were refused ("no config function in torchtitan 0.3"); the others
-    had been checked only for parsing: a function of another flavor would have passed."""
+    """GPT-OSS 20B / 120B, Qwen3-235B-A22B and Mixtral 8x7B / 8x22B were refused ("no config function in torchtitan
+    0.3"); the others had been checked only for parsing: a function of another flavor would have passed."""
     parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
     config, gpus, plan = launched(preset, tmp_path)
     parallelism = config.parallelism
@@ -181,7 +203,7 @@ def test_fp8_plans_build_float8_models_of_the_presets_size(
     assert active == pytest.approx(active_parameters(model), rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("preset", ["qwen3-235b-a22b", "gpt-oss-20b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("preset", ["qwen3-235b-a22b", "gpt-oss-20b", "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_an_fp8_plan_of_a_model_without_a_float8_function_names_the_fix(preset: str) -> None:
     nodes, changes = LAYOUTS[preset]
     spec = launch_spec(preset, nodes, 64, layout(precision="fp8", **changes))
@@ -202,7 +224,68 @@ def test_a_compiled_deepseek_plan_compiles_the_model_not_only_the_loss(tmp_path:
         assert "loss" in config.compile.components
 
 
-def test_mixtral_stays_refused_naming_the_presets_torchtitan_builds() -> None:
+def test_a_model_of_ones_own_is_refused_naming_the_presets_torchtitan_builds() -> None:
     spec = launch_spec("mixtral-8x7b", 8, 256, layout(expert_parallel=8, data_parallel_size=32))
-    with pytest.raises(LaunchError, match=r"has no config function in torchtitan 0\.3.*gpt-oss-120b"):
-        torchtitan_launch(spec)
+    own = dataclasses.replace(spec, model=spec.model.model_copy(update={"preset": None}))
+    with pytest.raises(
+        LaunchError, match=r"model of your own .*has no config function in torchtitan 0\.3.*mixtral-8x22b"
+    ):
+        torchtitan_launch(own)
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "mixtral-8x22b"])
+def test_the_written_mixtral_is_mixtrals_architecture(preset: str, tmp_path: Path) -> None:
+    """Mixtral (Mistral AI's config.json): no QK norm, no shared expert, RMSNorm eps 1e-5, RoPE theta 1e6 up to
+    max_position_embeddings, output head untied, loss over its own vocabulary, 8 experts top-2 softmax-routed with
+    the two weights renormalised. qwen3_30b_a3b's recipe is taken, not its Qwen3 model (QK norm, eps 1e-6, 151,936
+    tokens)."""
+    config, _, _ = launched(preset, tmp_path)
+    mixtral = config.model_spec.model
+    model = ModelConfig.model_validate({"preset": preset})
+    assert config.model_spec.name == "mixtral" and config.model_spec.state_dict_adapter is None
+    assert config.loss.loss_fn.global_vocab_size == mixtral.vocab_size == model.vocab_size
+    assert not mixtral.enable_weight_tying and mixtral.norm.eps == 1e-5
+    assert config.hf_assets_path == TORCHTITAN_CONFIGS[preset].assets
+    assert len(mixtral.layers) == model.num_layers
+    for block in mixtral.layers:
+        attention, moe = block.attention, block.moe
+        assert attention.qk_norm is None and attention.rope.theta == 1e6 and attention.rope.scaling == "none"
+        assert (attention.n_heads, attention.n_kv_heads) == (model.num_attention_heads, model.key_value_heads)
+        assert block.attention_norm.eps == block.ffn_norm.eps == 1e-5 and block.feed_forward is None
+        assert moe.shared_experts is None and moe.routed_experts.inner_experts.hidden_dim == model.expert_ffn_size
+        assert (moe.router.num_experts, moe.router.top_k, moe.router.score_func) == (8, 2, "softmax")
+        assert moe.router.route_norm and moe.router.route_scale == 1.0 and moe.router.num_expert_groups is None
+
+
+def test_the_written_mixtral_layer_routes_as_mixtral(tmp_path: Path) -> None:
+    """A two-layer Mixtral of the written module, built on the CPU: its MoE layer's output is Mixtral's
+    (Jiang et al. 2024, eq. 2: the top-2 of the router's logits, softmax over those two, the weighted sum of the two
+    SwiGLU experts) to bf16 rounding (torchtitan's experts multiply in bf16). Softmax over all 8 experts without the
+    renormalisation would scale the output by the two weights' sum, well beyond that."""
+    import torch
+    import torch.nn.functional as F
+
+    spec = launch_spec("mixtral-8x7b", 1, 16, layout(expert_parallel=8))
+    tiny = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    model = spec.model.model_copy(update={**tiny, "ffn_hidden_size": 96, "vocab_size": 128})
+    launch = torchtitan_launch(dataclasses.replace(spec, model=model))
+    assert launch.config_source is not None
+    (tmp_path / "pipesched_torchtitan.py").write_text(launch.config_source)
+    moe = parse_with_torchtitan(launch.args, tmp_path).model_spec.model.build().layers["0"].moe
+    torch.manual_seed(0)
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.1)
+    tokens = torch.randn(2, 5, 64)
+    experts = moe.routed_experts.inner_experts
+    with torch.no_grad():
+        out = moe(tokens)
+        logits, chosen = torch.topk(moe.router.gate(tokens), 2, dim=-1)
+        weights = F.softmax(logits, dim=-1)
+        expected = torch.zeros_like(tokens)
+        for rank, expert in ((rank, expert) for rank in range(2) for expert in range(8)):
+            mask = chosen[..., rank] == expert
+            x = tokens[mask]
+            swiglu = (F.silu(x @ experts.w1_EFD[expert].T) * (x @ experts.w3_EFD[expert].T)) @ experts.w2_EDF[expert].T
+            expected[mask] += weights[..., rank][mask, None] * swiglu
+    assert (out - expected).norm() / expected.norm() < 0.01
+    assert weights.sum(-1).allclose(torch.ones(2, 5))
