@@ -480,11 +480,35 @@ class Problem(_Strict):
                     "problem with it instead of Problem.model_validate"
                 )
             raise_field_errors("Problem", [((missing[0],), f"missing {' and '.join(missing)}: {hint}", None)])
+        self._check_model_parallel_sections()
         self._check_lengths()
         self._check_training()
         self._check_magnitudes()
         self._check_size_for_time()
         return self
+
+    def _check_model_parallel_sections(self) -> None:
+        """``tensor_parallel``, ``context_parallel`` and ``expert_parallel`` shape the costs and memory derived
+        from ``model`` and ``cluster`` (:func:`pipesched.optimizer.derive.load_problem`); beside costs given
+        without them they would change nothing, so a degree above 1 there is refused rather than ignored.
+
+        Raises:
+            pydantic.ValidationError: naming the section and the two ways to fix it.
+        """
+        if self.model is not None and self.cluster is not None:
+            return
+        errors: list[tuple[tuple[str | int, ...], str, Any]] = [
+            (
+                (name, "size"),
+                f"{name}.size {section.size} shapes only costs derived from model and cluster, and this problem "
+                "gives its costs without them, so it would be ignored: put the parallelism's effect in costs and "
+                f"memory and drop {name}, or give model and cluster instead of costs",
+                section.size,
+            )
+            for name in ("tensor_parallel", "context_parallel", "expert_parallel")
+            if (section := getattr(self, name)) is not None and section.size > 1
+        ]
+        raise_field_errors("Problem", errors)
 
     def _check_training(self) -> None:
         """Flush, weight versions and objective agree (contract, Problem: training).

@@ -101,3 +101,28 @@ def test_makespan_leaves_out_the_optimizer_step_as_the_readme_says(tmp_path: Pat
     assert schedule["makespan"] == pytest.approx(every_action - 2.0)
     assert schedule["step_time"] == pytest.approx(every_action)
     assert "leave out the `OPTIMIZER_STEP`" in not_built_section()
+
+
+@pytest.mark.parametrize("section", ["tensor_parallel", "context_parallel", "expert_parallel"])
+def test_a_parallel_section_beside_given_costs_is_refused_not_ignored(
+    served: ServedApi, tmp_path: Path, section: str
+) -> None:
+    """Contract, Bad input: "a clear error that names the field and the fix". A ``tensor_parallel`` (context,
+    expert) section shapes only costs derived from ``model``/``cluster``; beside explicit costs it had been
+    solved as if absent (A24's audit, "Left"). Now 422 over HTTP and exit 2 on the CLI, naming the section."""
+    problem = problem_body()
+    problem[section] = {"size": 2}
+    response = served.client.post("/v1/schedules", json=problem)
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert (
+        detail["loc"][-2:] == [section, "size"] and "ignored" in detail["msg"] and "model and cluster" in detail["msg"]
+    )
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(problem))
+    command = [str(Path(sys.executable).parent / "pipesched"), "solve", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{section}.size" in result.stderr + result.stdout
+    problem[section] = {"size": 1}  # a degree of 1 changes nothing and stays accepted
+    assert served.client.post("/v1/schedules", json=problem).status_code in (200, 201, 202)
