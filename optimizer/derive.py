@@ -29,7 +29,14 @@ from pipesched.optimizer.progress import Deadline, SearchStopped, active_deadlin
 from pipesched.optimizer.solve import family_peaks
 from pipesched.optimizer.solvers.base import backend_names
 
-__all__ = ["TIE_JUDGE_MAX_S", "TIE_JUDGE_SHARE", "ProblemDocument", "load_problem", "tie_judging_untimed"]
+__all__ = [
+    "TIE_JUDGE_MAX_S",
+    "TIE_JUDGE_SHARE",
+    "UNENFORCED_MEMORY_BYTES",
+    "ProblemDocument",
+    "load_problem",
+    "tie_judging_untimed",
+]
 
 #: Share of ``solver.time_limit_s`` that judging a partition's time-tied splits may take (:func:`_settle_tie`),
 #: at most :data:`TIE_JUDGE_MAX_S`: the solve that follows starts its own ``time_limit_s`` after it, so the
@@ -38,6 +45,11 @@ __all__ = ["TIE_JUDGE_MAX_S", "TIE_JUDGE_SHARE", "ProblemDocument", "load_proble
 TIE_JUDGE_SHARE = 0.1
 #: The most seconds judging a tie may take, whatever the time limit (see :data:`TIE_JUDGE_SHARE`).
 TIE_JUDGE_MAX_S = 1.0
+#: A GPU memory this large states that memory is not enforced (a published run to time, which ran:
+#: ``planner.evaluate.build_problem(enforce_memory=False)``). A tie then goes to the lowest peak over ranks, the
+#: model's best guess at the split that fit the run's GPU; under a real limit, to the fastest split that fits
+#: (:func:`_settle_tie`, :meth:`~pipesched.optimizer.partition.TieVerdict.better_than`).
+UNENFORCED_MEMORY_BYTES = 1e18
 
 _UNTIMED: ContextVar[bool] = ContextVar("tie_judging_untimed", default=False)
 
@@ -176,7 +188,9 @@ def _derive_and_validate(document: dict[str, Any]) -> Problem:
 
 def _settle_tie(given: dict[str, Any], parts: _DerivationInput, derived: DerivedProblem, problem: Problem) -> Problem:
     """``problem``, or where its partition chose among time-tied splits (``derived.tie``) for a named family, the
-    problem of the split whose simulated schedule peaks lowest over the ranks
+    problem of the split whose simulated schedule is the shortest among those that fit the ranks' memory limits
+    (where none fits, or memory is not enforced: :data:`UNENFORCED_MEMORY_BYTES`, the one that peaks lowest over
+    the ranks)
     (:func:`~pipesched.optimizer.partition.break_tie`; each split judged by deriving its problem from ``given``
     with the split pinned and simulating the family's schedule on it, :func:`~pipesched.optimizer.solve.
     family_peaks`). The stage times cannot tell the tied splits apart; the peak depends on which rank's stages
@@ -217,7 +231,12 @@ def _settle_tie(given: dict[str, Any], parts: _DerivationInput, derived: Derived
         return TieVerdict(peaks, step_ms)
 
     split = break_tie(
-        derived.tie, judge, stage_ranks=parts.pipeline.stage_holders(), fits=derived.fits, should_stop=should_stop
+        derived.tie,
+        judge,
+        stage_ranks=parts.pipeline.stage_holders(),
+        fits=derived.fits,
+        should_stop=should_stop,
+        limit=None if max(problem.memory_limits) >= UNENFORCED_MEMORY_BYTES / 2 else problem.memory_limits,
     )
     return problems[tuple(split)]
 

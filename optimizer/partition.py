@@ -128,7 +128,8 @@ def partition_layers(
     costs nothing in the objective (the slowest stage is as fast up to the tolerance); the schedule's
     makespan can still move with where a rank's extra work sits in its order. This rule is the default only: where
     a family's schedule is known, :func:`layer_tie` names the tie and :func:`break_tie` lets the simulated
-    schedule choose among the tied splits by the peak over ranks (``load_problem`` does, for a named family).
+    schedule choose among the tied splits (``load_problem`` does, for a named family): the fastest that fits the
+    ranks' memory, or the lowest peak over ranks where none fits or memory is not enforced.
 
     Cost: O((L + S) log S) calls and heap steps for S stages (a time's tie key: a search among the distinct
     times seen), each memory check O(ranks holding the stage) (every rank's held bytes are kept up to date,
@@ -256,8 +257,18 @@ class TieVerdict:
         peak = max(self.peak_bytes, default=0.0)
         return peak, sum(1 for value in self.peak_bytes if value >= peak * (1 - TIE_TOLERANCE)), self.step_ms
 
-    def better_than(self, other: TieVerdict) -> bool:
-        """Lower by :meth:`key`; peaks and steps within :data:`TIE_TOLERANCE` (relative) are equal."""
+    def better_than(self, other: TieVerdict, limit: Sequence[float] | None = None) -> bool:
+        """Lower by :meth:`key`; peaks and steps within :data:`TIE_TOLERANCE` (relative) are equal.
+
+        With ``limit`` (each rank's memory limit, bytes) the plan's own objective comes first: a split whose every
+        rank fits its limit beats one that does not, and between two that fit the shorter step wins (then
+        :meth:`key`); only where neither fits is the peak first. Without it, :meth:`key` alone."""
+        if limit is not None:
+            fits, other_fits = self.fits(limit), other.fits(limit)
+            if fits != other_fits:
+                return fits
+            if fits and abs(self.step_ms - other.step_ms) > TIE_TOLERANCE * max(self.step_ms, other.step_ms):
+                return self.step_ms < other.step_ms
         peak, at_peak, step = self.key()
         other_peak, other_at_peak, other_step = other.key()
         if abs(peak - other_peak) > TIE_TOLERANCE * max(peak, other_peak):
@@ -265,6 +276,10 @@ class TieVerdict:
         if at_peak != other_at_peak:
             return at_peak < other_at_peak
         return step < other_step * (1 - TIE_TOLERANCE)
+
+    def fits(self, limit: Sequence[float]) -> bool:
+        """Every rank's peak within its ``limit`` (bytes)."""
+        return all(peak <= bound for peak, bound in zip(self.peak_bytes, limit, strict=False))
 
 
 def break_tie(
@@ -274,8 +289,10 @@ def break_tie(
     stage_ranks: Sequence[Sequence[int]],
     fits: Callable[[list[int]], bool] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    limit: Sequence[float] | None = None,
 ) -> list[int]:
-    """Among ``tie``'s splits (one slowest-stage time), the one whose schedule peaks lowest over the ranks.
+    """Among ``tie``'s splits (one slowest-stage time), the one whose schedule runs fastest within ``limit``, or,
+    without a limit or where none fits it, peaks lowest over the ranks.
 
     ``judge`` simulates the schedule of a split and gives each rank's peak and the step; it is the one judge: the
     split returned is the best judged by :meth:`TieVerdict.key` (the peak over ranks, then how many ranks sit at
@@ -294,6 +311,9 @@ def break_tie(
     better, or after ``len(tie.stages)`` kept moves; a step judges at most (ranks at the peak) × (other ranks)
     splits, none twice. ``fits`` (the partition's memory bound) leaves a split out unjudged; ``should_stop``
     is polled before each judgement (a time limit), and ``None`` from the judge (it cannot judge) ends it too.
+    ``limit`` (each rank's memory limit, bytes): among splits that fit it the shorter step wins, the peak only
+    settling equal steps (:meth:`TieVerdict.better_than`); the peak comes first only where a split does not fit.
+    Without it the peak comes first everywhere.
 
     Returns:
         The best judged split; the partition's own when nothing judged beats it or it could not be judged.
@@ -317,7 +337,7 @@ def break_tie(
             verdict = None if should_stop is not None and should_stop() else judge(split)
             if verdict is None:
                 return best_split
-            if verdict.better_than(best):
+            if verdict.better_than(best, limit):
                 taken, best, best_split = candidate, verdict, split
                 break
         else:

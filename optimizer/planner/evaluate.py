@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from pipesched.optimizer.bounds import lower_bound
 from pipesched.optimizer.cost.flops import model_flops_per_token as flops_per_token
-from pipesched.optimizer.derive import load_problem
+from pipesched.optimizer.derive import UNENFORCED_MEMORY_BYTES, load_problem
 from pipesched.optimizer.families import FamilyDomainError, get_family
 from pipesched.optimizer.instance import compile_problem
 from pipesched.optimizer.ir import parse_action
@@ -115,7 +115,7 @@ def build_problem(
         model = model.model_copy(update={"layers_per_stage": stated})  # the request's own split, where it applies
     update: dict[str, Any] = {"p2p_bandwidth_bytes_per_s": estimator.pipeline_bandwidth(config)}
     if not enforce_memory:
-        update.update(memory_bytes=1e18, memory_headroom_bytes=0.0)
+        update.update(memory_bytes=UNENFORCED_MEMORY_BYTES, memory_headroom_bytes=0.0)
     cluster = estimator.cluster.model_copy(update=update)
     document: dict[str, Any] = {
         "pipeline": {

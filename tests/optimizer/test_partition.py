@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -249,41 +250,56 @@ SMALL_MODEL = {
 
 
 def chunked_problem(
-    layers_per_stage: list[int] | None = None, method: str = "interleaved-1f1b", time_limit_s: float = 5.0
+    layers_per_stage: list[int] | None = None,
+    method: str = "interleaved-1f1b",
+    time_limit_s: float = 5.0,
+    limit_gib: float | None = None,
 ) -> Problem:
-    return load_problem(
-        {
-            "pipeline": {"num_ranks": 4, "num_microbatches": 8, "stages_per_rank": 2},
-            "model": {**SMALL_MODEL, "num_layers": 11, "layers_per_stage": layers_per_stage},
-            "cluster": {"accelerator": "H100-SXM"},
-            "solver": {"method": method, "time_limit_s": time_limit_s},
-        }
-    )
+    document: dict[str, Any] = {
+        "pipeline": {"num_ranks": 4, "num_microbatches": 8, "stages_per_rank": 2},
+        "model": {**SMALL_MODEL, "num_layers": 11, "layers_per_stage": layers_per_stage},
+        "cluster": {"accelerator": "H100-SXM"},
+        "solver": {"method": method, "time_limit_s": time_limit_s},
+    }
+    if limit_gib is not None:
+        document["memory"] = {"limit": limit_gib * 2**30}
+    return load_problem(document)
 
 
-def test_a_time_tie_goes_to_the_split_whose_schedule_peaks_lowest_not_to_the_latest_stage() -> None:
-    # 11 layers over 4 ranks × 2 chunks (loop: stage s on rank s % 4): stages 1–6 tie, three take a second layer.
-    # The model-order rule gives them to stages 4, 5, 6: ranks 0–2's second chunks, beside their first chunks at
-    # the warm-up's end, where interleaved 1F1B holds the most microbatches on a rank; the judged split differs
+def test_a_time_tie_goes_to_the_fastest_split_that_fits_and_the_peak_decides_only_under_a_binding_limit() -> None:
+    # 11 layers over 4 ranks × 2 chunks (loop: stage s on rank s % 4): stages 1–6 tie, three take a second layer;
+    # the 20 tied splits' schedules run 33.5–39.8 ms and peak 3.56–4.85 GiB. With the H100's memory nothing binds:
+    # the shortest step wins (the model-order split, 33.5 ms at 4.55 GiB; the lowest peak's split takes 37.8 ms,
+    # 13% longer, which a plan ranked by its step must not pay for memory it does not need). Under a limit the
+    # tied splits' schedules do not all fit, the fastest that fits wins; the peak decides only where none fits.
     tied = [[1, *middle, 1] for middle in itertools.product((1, 2), repeat=6) if sum(middle) == 9]
     problems = {tuple(split): chunked_problem(split) for split in tied}
     slowest = [max(compute_ms(problem)) for problem in problems.values()]
     assert len(tied) == 20 and max(slowest) <= min(slowest) * (1 + TIE_TOLERANCE)  # one slowest stage: all tied
-    peaks = {split: max(solve(problem).peak_memory) for split, problem in problems.items()}
+    schedules = {split: solve(problem) for split, problem in problems.items()}
+    steps = {split: schedule.makespan for split, schedule in schedules.items()}
+    peaks = {split: max(schedule.peak_memory) for split, schedule in schedules.items()}
     latest = (1, 1, 1, 1, 2, 2, 2, 1)
     chosen = chunked_problem()
     assert chosen.model is not None and chosen.model.layers_per_stage is not None
-    split = tuple(chosen.model.layers_per_stage)
-    assert peaks[split] == min(peaks.values()) < 0.8 * peaks[latest]  # 4.55 → 3.56 GiB
-    assert solve(chosen).peak_memory == solve(problems[split]).peak_memory  # the problem of the split it names
+    assert tuple(chosen.model.layers_per_stage) == latest and steps[latest] == min(steps.values())
+    assert min(peaks.values()) < 0.8 * peaks[latest]  # a lower peak was there to take: not taken, nothing binds
+    for limit_gib in (4.0, 3.8):
+        bound = chunked_problem(limit_gib=limit_gib)
+        assert bound.model is not None and bound.model.layers_per_stage is not None
+        split = tuple(bound.model.layers_per_stage)
+        fitting = [other for other in tied if peaks[tuple(other)] <= limit_gib * 2**30]
+        assert peaks[split] <= limit_gib * 2**30 < peaks[latest]
+        assert steps[split] == min(steps[tuple(other)] for other in fitting)
+        assert solve(bound).peak_memory == solve(problems[split]).peak_memory  # the problem of the split it names
     # a split the request gives is kept; auto has no order to judge before its search: the model-order rule
-    assert chunked_problem(list(latest)).model.layers_per_stage == list(latest)
+    assert chunked_problem(list(latest), limit_gib=3.8).model.layers_per_stage == list(latest)
     assert chunked_problem(method="auto").model.layers_per_stage == list(latest)
     # judging keeps within its share of the time limit (0.1 ms here): what it cannot judge, it leaves
-    assert chunked_problem(time_limit_s=1e-3).model.layers_per_stage == list(latest)
+    assert chunked_problem(time_limit_s=1e-3, limit_gib=3.8).model.layers_per_stage == list(latest)
     # untimed (a calibration row's prediction): the same split whatever the clock, so whatever the machine's load
     with tie_judging_untimed():
-        assert tuple(chunked_problem(time_limit_s=1e-3).model.layers_per_stage) == split
+        assert tuple(chunked_problem(time_limit_s=1e-3, limit_gib=3.8).model.layers_per_stage) == split
 
 
 def test_memory_moves_layers_off_a_full_rank() -> None:
